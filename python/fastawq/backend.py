@@ -1,0 +1,116 @@
+"""Which backend serves an op: compiled CUDA > Triton (GPU) > CPU kernels > torch reference.
+
+This module is the only place that chooses. The user overrides it with ``backend=`` on an op or
+the ``FASTAWQ_BACKEND`` environment variable; a forced backend that cannot serve the call is an
+error that says why, never a silent fallback.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import torch
+
+from fastawq import _ext
+
+BACKENDS = ("cuda", "triton", "cpu", "torch")
+
+# Ops each backend implements, by module: the module must define a function of the op's name.
+_TRITON_MODULE = "fastawq.triton_kernels"
+_CPU_MODULE = "fastawq.cpu"
+
+
+class BackendUnavailableError(RuntimeError):
+    pass
+
+
+@functools.lru_cache(maxsize=None)
+def _module(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return _module(_TRITON_MODULE) is not None
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _why_not(backend: str, op: str, device: torch.device, shapes_ok) -> str | None:
+    """None if `backend` can run `op` on `device`; otherwise the reason, in words."""
+    if backend == "torch":
+        return None
+    if backend == "cuda":
+        if device.type != "cuda":
+            return f"tensors are on {device}, the compiled kernels run on CUDA devices"
+        if not _ext.is_loaded():
+            return _ext.status()["reason"]
+        if not _ext.has_op(op):
+            return f"the compiled extension has no op {op!r}"
+        if not _ext.supports_device(device):
+            cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
+            return f"the compiled kernels were built for {_ext.built_archs()}, this GPU is sm {cap}"
+        return shapes_ok("cuda")
+    if backend == "triton":
+        if not triton_available():
+            return "triton is not installed"
+        if device.type != "cuda" and not triton_interpreting():
+            return f"tensors are on {device}; Triton runs on GPUs (or on CPU with TRITON_INTERPRET=1)"
+        if not hasattr(_module(_TRITON_MODULE), op):
+            return f"no Triton kernel for {op!r}"
+        return shapes_ok("triton")
+    if backend == "cpu":
+        if device.type != "cpu":
+            return f"tensors are on {device}, the CPU kernels run on the CPU"
+        mod = _module(_CPU_MODULE)
+        if mod is None or not hasattr(mod, op):
+            return f"no CPU kernel for {op!r}"
+        return shapes_ok("cpu")
+    return f"unknown backend {backend!r}; choose one of {BACKENDS}"
+
+
+def _always(_backend: str) -> None:
+    return None
+
+
+def select_backend(op: str, device: torch.device, *, backend: str | None = None, shapes_ok=_always) -> str:
+    """Pick the backend for one call of `op` on `device`.
+
+    `shapes_ok(backend)` returns None when that backend's kernels take the call's shapes and
+    dtypes, else the reason; it lets a backend decline without knowing about the others.
+    """
+    forced = backend or os.environ.get("FASTAWQ_BACKEND") or None
+    if forced:
+        reason = _why_not(forced, op, device, shapes_ok)
+        if reason is not None:
+            raise BackendUnavailableError(f"backend {forced!r} cannot run {op}: {reason}")
+        return forced
+    if device.type == "cuda":
+        candidates = ("cuda", "triton", "torch")
+    else:
+        # The Triton interpreter is a test vehicle, never an automatic choice on CPU.
+        candidates = ("cpu", "torch")
+    for name in candidates:
+        if _why_not(name, op, device, shapes_ok) is None:
+            return name
+    return "torch"
+
+
+def report(device: torch.device, ops: tuple[str, ...]) -> dict[str, str]:
+    """For `fastawq env`: the backend each op would use on `device`, or why none can."""
+    out = {}
+    for op in ops:
+        try:
+            out[op] = select_backend(op, device)
+        except BackendUnavailableError as e:
+            out[op] = f"error: {e}"
+    return out

@@ -1,0 +1,145 @@
+"""Public W4A16 ops: validation, backend dispatch, and fake impls for torch.compile.
+
+Every op takes the AWQ "GEMM" layout (see reference.py) and accepts ``backend=`` to force one of
+``cuda | triton | cpu | torch``; otherwise backend.select_backend decides.
+"""
+from __future__ import annotations
+
+import torch
+
+from fastawq import _ext, reference
+from fastawq.backend import _module, select_backend
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _triton():
+    return _module("fastawq.triton_kernels")
+
+
+def _cpu():
+    return _module("fastawq.cpu")
+
+
+def _check_same_device(**tensors: torch.Tensor | None) -> torch.device:
+    present = {k: t for k, t in tensors.items() if t is not None}
+    devices = {t.device for t in present.values()}
+    if len(devices) > 1:
+        where = ", ".join(f"{k} on {t.device}" for k, t in present.items())
+        raise ValueError(f"all tensors must be on one device, got {where}")
+    return next(iter(devices))
+
+
+def _module_fits(mod, fn: str, *args) -> str | None:
+    """A backend module may define `<op>_fits(...)` returning why it declines a call."""
+    check = getattr(mod, fn, None)
+    return check(*args) if check is not None else None
+
+
+# x [M, K] · qweight [K, N // 8] int32 · scales [K // G, N] · qzeros [K // G, N // 8]
+def _gemm_fits(backend: str, x2: torch.Tensor, qweight: torch.Tensor, n: int, k: int, g: int) -> str | None:
+    if backend in ("cuda", "triton") and x2.dtype not in _HALF:
+        return f"x is {x2.dtype}; the {backend} kernels take fp16 or bf16 activations"
+    if backend == "cuda":
+        return _cuda_gemm_fits(x2, n, k, g)
+    if backend == "triton":
+        return _module_fits(_triton(), "awq_gemm_fits", x2, qweight, g)
+    if backend == "cpu":
+        return _module_fits(_cpu(), "awq_gemm_fits", x2, qweight, g)
+    return None
+
+
+def _cuda_gemm_fits(x2: torch.Tensor, n: int, k: int, g: int) -> str | None:
+    # The compiled kernels load 8 output columns per int32 and whole groups per K step.
+    if g % 32 != 0:
+        return f"group_size={g} is not a multiple of 32 (K={k}, N={n})"
+    if n % 64 != 0:
+        return f"N={n} is not a multiple of 64"
+    return None
+
+
+# x [..., K] fp16/bf16 · qweight [K, N // 8] int32 · scales [K // G, N] · qzeros [K // G, N // 8] int32 · bias [N]  ->  [..., N]
+def awq_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    qzeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """y = x @ dequantize(qweight, scales, qzeros) + bias, accumulated in fp32, in x's dtype."""
+    k, n, g = reference.check_awq_shapes(qweight, scales, qzeros, group_size)
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(f"x {tuple(x.shape)} must end in K={k} to match qweight {tuple(qweight.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be floating point, got {x.dtype}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias {tuple(bias.shape)} must have shape ({n},) to match qweight {tuple(qweight.shape)}")
+    device = _check_same_device(x=x, qweight=qweight, scales=scales, qzeros=qzeros, bias=bias)
+    x2 = x.reshape(-1, k)
+    be = select_backend(
+        "awq_gemm", device, backend=backend, shapes_ok=lambda b: _gemm_fits(b, x2, qweight, n, k, g)
+    )
+    if be == "torch":
+        out = reference.awq_gemm(x2, qweight, scales, qzeros, g, bias)
+    else:
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        if be == "cuda":
+            if scales.dtype != x.dtype:
+                scales = scales.to(x.dtype)
+            out = torch.ops.fastawq.awq_gemm(x2.contiguous(), qweight, scales, qzeros, g, bias)
+        elif be == "triton":
+            out = _triton().awq_gemm(x2, qweight, scales, qzeros, g, bias)
+        else:
+            out = _cpu().awq_gemm(x2, qweight, scales, qzeros, g, bias)
+    return out.reshape(*x.shape[:-1], n)
+
+
+# qweight [K, N // 8] int32 · scales [K // G, N] · qzeros [K // G, N // 8] int32  ->  w [K, N] (scales' dtype)
+def awq_dequantize(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    qzeros: torch.Tensor,
+    group_size: int,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    k, n, g = reference.check_awq_shapes(qweight, scales, qzeros, group_size)
+    device = _check_same_device(qweight=qweight, scales=scales, qzeros=qzeros)
+
+    def fits(b: str) -> str | None:
+        if b in ("cuda", "triton") and scales.dtype not in _HALF:
+            return f"scales are {scales.dtype}; the {b} kernels produce fp16 or bf16"
+        if b == "cuda" and n % 8 != 0:
+            return f"N={n} is not a multiple of 8"
+        return None
+
+    be = select_backend("awq_dequantize", device, backend=backend, shapes_ok=fits)
+    if be == "cuda":
+        return torch.ops.fastawq.awq_dequantize(qweight, scales, qzeros, g)
+    if be == "triton":
+        return _triton().awq_dequantize(qweight, scales, qzeros, g)
+    if be == "cpu":
+        return _cpu().awq_dequantize(qweight, scales, qzeros, g)
+    return reference.dequantize(qweight, scales, qzeros, g)
+
+
+def _register_fakes() -> None:
+    """Shapes of the compiled ops' outputs, so they trace under torch.compile."""
+    if _ext.has_op("awq_gemm"):
+
+        @torch.library.register_fake("fastawq::awq_gemm")
+        def _(x, qweight, scales, qzeros, group_size, bias):
+            return x.new_empty((x.shape[0], qweight.shape[1] * 8))
+
+    if _ext.has_op("awq_dequantize"):
+
+        @torch.library.register_fake("fastawq::awq_dequantize")
+        def _(qweight, scales, qzeros, group_size):
+            return scales.new_empty((qweight.shape[0], qweight.shape[1] * 8))
+
+
+_register_fakes()

@@ -1,0 +1,1 @@
+"""Triton W4A16 kernels (installed as fastawq.triton_kernels)."""
