@@ -1,0 +1,207 @@
+"""CPU backend for W4A16: torch's packed int4 CPU kernel behind a cached load-time repack.
+
+torch's ``_weight_int4pack_mm_for_cpu`` reads weights as ``w = (q - 8) * s + z`` with ``q`` the
+unsigned nibble and ``(s, z)`` float pairs per (group, column). AWQ's ``w = (q - z) * s`` is the
+same line with ``z_float = (8 - z) * s``, so the repack keeps every nibble and only rewrites the
+scales and zeros. The repack runs once per weight and is cached by the qweight tensor object.
+
+Precision. On x86 only the bf16 instantiation of torch's kernel is vectorised (AVX2 / AVX-512);
+its fp32 and fp16 instantiations are scalar loops, slower than a dense fp32 matmul. So every call
+computes in bf16: activations and the (s, z) pairs are rounded to bf16, products accumulate in
+fp32 and the output is rounded to bf16 before it is cast back to x's dtype. For bf16 activations
+this is the precision of a bf16 linear; for fp32 and fp16 activations it is bf16-grade, not fp32
+(IPEX's weight-only int4 makes the same trade by default). ``FASTAWQ_CPU_FP32=exact`` makes
+``awq_gemm_fits`` decline fp32 activations, so dispatch runs them on the exact torch path.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from fastawq import reference
+
+log = logging.getLogger(__name__)
+
+_ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The kernel's K loop finds group starts with a bit mask, so its group size must be a power of
+# two; larger AWQ groups (and group_size=-1) are served by repeating (s, z) over sub-groups.
+_KERNEL_GROUPS = (128, 64, 32)
+# torch packs 64 (AVX-512) or 32 (AVX2) output columns per block, with 16-column tails.
+_N_ALIGN = 16
+
+_cache: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def kernel_available() -> str | None:
+    """None if this torch has the packed int4 CPU kernel, else why not."""
+    aten = torch.ops.aten
+    if not (hasattr(aten, "_weight_int4pack_mm_for_cpu") and hasattr(aten, "_convert_weight_to_int4pack_for_cpu")):
+        return f"torch {torch.__version__} has no _weight_int4pack_mm_for_cpu (needs a torch >= 2.5 CPU build)"
+    return None
+
+
+_KERNEL_MISSING = kernel_available()
+
+
+def _fp32_exact() -> bool:
+    return os.environ.get("FASTAWQ_CPU_FP32", "").lower() == "exact"
+
+
+def kernel_group_size(group_size: int) -> int | None:
+    """Largest group size the kernel takes that divides the AWQ group size (None if none does)."""
+    for kg in _KERNEL_GROUPS:
+        if group_size % kg == 0:
+            return kg
+    return None
+
+
+# x [M, K] · qweight [K, N // 8] int32  ->  None if the CPU kernel takes the call, else the reason
+def awq_gemm_fits(x2d: torch.Tensor, qweight: torch.Tensor, group_size: int) -> str | None:
+    if _KERNEL_MISSING is not None:
+        return _KERNEL_MISSING
+    if x2d.device.type != "cpu" or qweight.device.type != "cpu":
+        return f"tensors are on {x2d.device} / {qweight.device}; the CPU kernel runs on the CPU"
+    if x2d.dtype not in _ACT_DTYPES:
+        return f"x is {x2d.dtype}; the CPU kernel takes fp32, bf16 or fp16 activations"
+    if x2d.dtype == torch.float32 and _fp32_exact():
+        return "FASTAWQ_CPU_FP32=exact and the packed int4 CPU kernel computes in bf16"
+    k, n = qweight.shape[0], qweight.shape[1] * reference.PACK
+    g = reference.resolve_group_size(group_size, k)
+    if kernel_group_size(g) is None:
+        return f"group_size={g} is not a multiple of 32 (K={k}, N={n}); the CPU kernel needs 32, 64 or 128"
+    if n % _N_ALIGN != 0:
+        return f"N={n} is not a multiple of {_N_ALIGN} (qweight {tuple(qweight.shape)})"
+    return None
+
+
+@dataclass(frozen=True)
+class PackedInt4:
+    """One AWQ weight in torch's CPU int4 layout.
+
+    weight [N, K // 2] uint8 (torch's blocked nibble order) · scale_zeros [K // kg, N, 2] bf16
+    """
+
+    weight: torch.Tensor
+    scale_zeros: torch.Tensor
+    kernel_group: int
+    k: int
+    n: int
+    signature: tuple
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors keep no version counter
+        return -1
+
+
+def _signature(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, g: int) -> tuple:
+    return (
+        g,
+        scales.dtype,
+        _version(qweight), _version(scales), _version(qzeros),
+        qweight.data_ptr(), scales.data_ptr(), qzeros.data_ptr(),
+    )
+
+
+def _unpack_cols(packed: torch.Tensor) -> torch.Tensor:
+    """[R, C // 8] int32 AWQ words -> [R, C] int32 nibbles in column order."""
+    rows, words = packed.shape
+    # Column c of each group of 8 sits in nibble AWQ_REVERSE_ORDER[c].
+    shifts = torch.tensor([4 * i for i in reference.AWQ_REVERSE_ORDER], dtype=torch.int32, device=packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(rows, words * reference.PACK)
+
+
+# qweight [K, N // 8] int32 · scales [K // G, N] · qzeros [K // G, N // 8] int32  ->  PackedInt4
+def _repack(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, g: int) -> PackedInt4:
+    k, n, g = reference.check_awq_shapes(qweight, scales, qzeros, g)
+    kg = kernel_group_size(g)
+    if kg is None or n % _N_ALIGN != 0:
+        raise ValueError(f"the CPU int4 kernel cannot take K={k}, N={n}, group_size={g}")
+    with torch.no_grad():
+        q = _unpack_cols(qweight).t().contiguous()  # [N, K] in [0, 15]
+        weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        rep = g // kg
+        s = scales.to(torch.float32)
+        z = _unpack_cols(qzeros).to(torch.float32)
+        s_b = s.to(torch.bfloat16)
+        # (q - z) * s == (q - 8) * s + (8 - z) * s; z_float is formed from the bf16 scale the
+        # kernel will use, so only its own bf16 rounding is added to that of s.
+        z_b = ((8.0 - z) * s_b.to(torch.float32)).to(torch.bfloat16)
+        sz = torch.stack([s_b, z_b], dim=-1)
+        if rep > 1:
+            sz = sz.repeat_interleave(rep, dim=0)
+        sz = sz.contiguous()
+    return PackedInt4(weight, sz, kg, k, n, _signature(qweight, scales, qzeros, g))
+
+
+def prepare(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, group_size: int) -> PackedInt4:
+    """The repacked weight for these tensors: built once, then served from the cache until any of
+    qweight, scales or qzeros changes (in-place writes bump their version)."""
+    if _KERNEL_MISSING is not None:
+        raise RuntimeError(_KERNEL_MISSING)
+    g = reference.resolve_group_size(group_size, qweight.shape[0])
+    sig = _signature(qweight, scales, qzeros, g)
+    entry = _cache.get(qweight)
+    if entry is not None and entry.signature == sig:
+        return entry
+    if entry is not None:
+        log.debug("CPU int4 repack invalidated for qweight %s", tuple(qweight.shape))
+    entry = _repack(qweight, scales, qzeros, g)
+    _cache[qweight] = entry
+    return entry
+
+
+def clear_cache() -> None:
+    """Drop every cached repack (they are also dropped when their qweight is freed)."""
+    _cache.clear()
+
+
+def cache_size() -> int:
+    return len(_cache)
+
+
+# x [M, K] · qweight [K, N // 8] int32 · scales [K // G, N] · qzeros [K // G, N // 8] int32 · bias [N]  ->  [M, N] (x's dtype)
+def awq_gemm(
+    x2d: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    qzeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = x @ dequantize(qweight, scales, qzeros) + bias, computed in bf16 (see the module doc)."""
+    if x2d.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, K], got {tuple(x2d.shape)}")
+    why = awq_gemm_fits(x2d, qweight, group_size)
+    if why is not None:
+        raise ValueError(f"CPU int4 kernel cannot run x {tuple(x2d.shape)} {x2d.dtype}: {why}")
+    p = prepare(qweight, scales, qzeros, group_size)
+    if x2d.shape[1] != p.k:
+        raise ValueError(f"x {tuple(x2d.shape)} has K={x2d.shape[1]} but qweight {tuple(qweight.shape)} has K={p.k}")
+    if bias is not None and tuple(bias.shape) != (p.n,):
+        raise ValueError(f"bias {tuple(bias.shape)} must have shape ({p.n},) to match qweight {tuple(qweight.shape)}")
+    xb = x2d.to(torch.bfloat16).contiguous()
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p.weight, p.kernel_group, p.scale_zeros)
+    if bias is None:
+        return out if x2d.dtype == torch.bfloat16 else out.to(x2d.dtype)
+    # Bias is added in fp32 so its only rounding is the final cast, as in the reference.
+    return out.to(torch.float32).add_(bias.to(torch.float32)).to(x2d.dtype)
+
+
+# qweight [K, N // 8] int32 · scales [K // G, N] · qzeros [K // G, N // 8] int32  ->  w [K, N] (scales' dtype)
+def awq_dequantize(
+    qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """Vectorised dequantisation, bit-identical to reference.dequantize (fp32 math, one cast)."""
+    k, n, g = reference.check_awq_shapes(qweight, scales, qzeros, group_size)
+    q = _unpack_cols(qweight).view(k // g, g, n)
+    z = _unpack_cols(qzeros).unsqueeze(1)  # [K // G, 1, N]
+    s = scales.to(torch.float32).unsqueeze(1)
+    w = (q - z).to(torch.float32).mul_(s)
+    return w.view(k, n).to(scales.dtype)
