@@ -207,6 +207,7 @@ def decode_attention(
     scale: float | None = None,
     *,
     num_splits: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over the first lens[b] cached keys of row b."""
     if q.dim() != 3 or k_cache.dim() != 4:
@@ -226,7 +227,10 @@ def decode_attention(
     splits = num_splits or _num_splits(q.device, b * hkv, s_max, block_n)
     acc = torch.empty(b, hq, splits, d, device=q.device, dtype=torch.float32)
     ml = torch.empty(b, hq, splits, 2, device=q.device, dtype=torch.float32)
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must match q {tuple(q.shape)} {q.dtype}")
     block_d = _pow2(d, 16)
     _decode_attn_split_kernel[(b * hkv, splits)](
         q, k_cache, v_cache, lens, acc, ml,

@@ -1,0 +1,377 @@
+"""Fused decoder layers for Llama-like W4 models: one QKV GEMM, rope + KV-cache write in one
+kernel, split-K decode attention, gate/up in one GEMM with act*mul fused, add + RMSNorm fused.
+
+`fuse_model` swaps a transformers causal LM's decoder layers in place; `FusedRuntime` (attached to
+the model as `model.fastawq_runtime`) runs prefill and decode steps, the latter as CUDA-graph
+replays on GPU. Sequences of one batch share their length (no padding inside the cache).
+"""
+from __future__ import annotations
+
+import logging
+import types
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fastawq.modules import fused_ops
+from fastawq.modules.qlinear import WQLinear
+
+log = logging.getLogger(__name__)
+
+# model_type -> (norm weight offset, activation attribute of the config)
+SUPPORTED = {
+    "llama": (0.0, "hidden_act"),
+    "mistral": (0.0, "hidden_act"),
+    "qwen2": (0.0, "hidden_act"),
+    "qwen3": (0.0, "hidden_act"),
+    "gemma": (1.0, "hidden_activation"),
+}
+
+
+class CacheOverflowError(ValueError):
+    """A request does not fit the preallocated KV cache (max_seq_len or batch_size)."""
+
+
+@dataclass(frozen=True)
+class FusedConfig:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    norm_offset: float
+    act: str
+    scale: float
+    qk_norm: bool
+    max_seq_len: int
+    batch_size: int
+
+
+def concat_wqlinear(layers: list[WQLinear]) -> WQLinear:
+    """One WQLinear computing the given layers side by side (their outputs concatenated along N).
+
+    The packed columns concatenate exactly: qweight/qzeros pack 8 output columns per int32 and every
+    N here is a multiple of 8; scales are per column."""
+    first = layers[0]
+    for lin in layers:
+        if not isinstance(lin, WQLinear):
+            raise TypeError(f"fusing needs WQLinear layers, got {type(lin).__name__}")
+        if lin.in_features != first.in_features or lin.group_size != first.group_size:
+            raise ValueError(
+                f"cannot concatenate WQLinear(K={lin.in_features}, G={lin.group_size}) with "
+                f"WQLinear(K={first.in_features}, G={first.group_size})"
+            )
+    has_bias = any(lin.bias is not None for lin in layers)
+    n = sum(lin.out_features for lin in layers)
+    dev = first.qweight.device
+    out = WQLinear(first.in_features, n, first.group_size, has_bias, device="meta", dtype=first.scales.dtype)
+    out.qweight = torch.cat([lin.qweight for lin in layers], dim=1)
+    out.qzeros = torch.cat([lin.qzeros for lin in layers], dim=1)
+    out.scales = torch.cat([lin.scales for lin in layers], dim=1)
+    if has_bias:
+        out.bias = torch.cat([
+            lin.bias if lin.bias is not None else torch.zeros(lin.out_features, dtype=first.scales.dtype, device=dev)
+            for lin in layers
+        ])
+    out.backend = first.backend
+    return out
+
+
+class FusedAttention(nn.Module):
+    def __init__(self, attn: nn.Module, cfg: FusedConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.cfg = cfg
+        self.qkv_proj = concat_wqlinear([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o_proj = attn.o_proj
+        if cfg.qk_norm:
+            self.q_norm_weight = attn.q_norm.weight
+            self.k_norm_weight = attn.k_norm.weight
+        else:
+            self.q_norm_weight = self.k_norm_weight = None
+        # Zero-filled: the torch fallback masks (rather than skips) positions past the length.
+        shape = (cfg.batch_size, cfg.max_seq_len, cfg.num_kv_heads, cfg.head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    # x [B, L, H] · positions [B, L] int32 · lens [B] int32 (decode) -> [B, L, H]
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, start: int, lens: torch.Tensor | None,
+        max_len: int, kernels: str | None,
+    ) -> torch.Tensor:
+        c = self.cfg
+        b, seq, _ = x.shape
+        qkv = self.qkv_proj(x)
+        q = fused_ops.rope_kv_cache(
+            qkv, positions, self.rope_cos, self.rope_sin, self.k_cache, self.v_cache,
+            c.num_heads, c.num_kv_heads, c.head_dim, self.q_norm_weight, self.k_norm_weight, c.eps,
+            kernels=kernels,
+        )
+        if lens is not None:
+            o = fused_ops.decode_attention(
+                q.reshape(b, c.num_heads, c.head_dim), self.k_cache, self.v_cache, lens, c.scale,
+                max_len=max_len, kernels=kernels,
+            )
+        else:
+            o = fused_ops.prefill_attention(q, self.k_cache, self.v_cache, start, c.scale)
+        return self.o_proj(o.reshape(b, seq, c.num_heads * c.head_dim))
+
+
+class FusedMLP(nn.Module):
+    def __init__(self, mlp: nn.Module, act: str):
+        super().__init__()
+        self.gate_up_proj = concat_wqlinear([mlp.gate_proj, mlp.up_proj])
+        self.down_proj = mlp.down_proj
+        self.act = act
+
+    def forward(self, x: torch.Tensor, kernels: str | None) -> torch.Tensor:
+        return self.down_proj(fused_ops.act_mul(self.gate_up_proj(x), self.act, kernels=kernels))
+
+
+class FusedDecoderLayer(nn.Module):
+    def __init__(self, layer: nn.Module, cfg: FusedConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.cfg = cfg
+        self.self_attn = FusedAttention(layer.self_attn, cfg, dtype, device)
+        self.mlp = FusedMLP(layer.mlp, cfg.act)
+        self.input_layernorm = layer.input_layernorm
+        self.post_attention_layernorm = layer.post_attention_layernorm
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, start: int,
+        lens: torch.Tensor | None, max_len: int, kernels: str | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x is the previous block's output (or the embeddings when residual is None)."""
+        c = self.cfg
+        h, residual = fused_ops.add_rms_norm(
+            x, residual, self.input_layernorm.weight, c.eps, c.norm_offset, kernels=kernels
+        )
+        a = self.self_attn(h, positions, start, lens, max_len, kernels)
+        h, residual = fused_ops.add_rms_norm(
+            a, residual, self.post_attention_layernorm.weight, c.eps, c.norm_offset, kernels=kernels
+        )
+        return self.mlp(h, kernels), residual
+
+
+class _DecodeGraph:
+    """Static buffers and one captured decode step for one batch size."""
+
+    def __init__(self, runtime: "FusedRuntime", batch: int, device: torch.device):
+        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, 1, dtype=torch.int32, device=device)
+        self.lens = torch.ones(batch, dtype=torch.int32, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        self.runtime = runtime
+
+    def _step(self) -> torch.Tensor:
+        r = self.runtime
+        return r._forward(self.ids, self.positions, 0, self.lens, r.cfg.max_seq_len)
+
+    def capture(self) -> None:
+        # Warm-up runs compile and autotune every kernel outside the capture; their cache writes
+        # land on the position the first replay writes again.
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                self._step()
+        torch.cuda.current_stream().wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._step()
+
+
+class FusedRuntime:
+    """Runs a fused model: prefill (eager, SDPA) and decode (CUDA-graph replay on GPU)."""
+
+    def __init__(self, model: nn.Module, cfg: FusedConfig, use_cuda_graphs: bool = True, kernels: str | None = None):
+        self.model = model
+        self.cfg = cfg
+        self.use_cuda_graphs = use_cuda_graphs
+        self.kernels = kernels
+        self.length = 0  # tokens in the cache (all rows share it)
+        self.batch = 0
+        self._graphs: dict[int, _DecodeGraph] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.model.embed_tokens.weight.device
+
+    def check_fits(self, batch: int, total_len: int) -> None:
+        c = self.cfg
+        if batch > c.batch_size:
+            raise CacheOverflowError(f"batch {batch} exceeds the fused cache's batch_size={c.batch_size}")
+        if total_len > c.max_seq_len:
+            raise CacheOverflowError(
+                f"{total_len} tokens (prompt + generation) exceed the fused cache's max_seq_len={c.max_seq_len}"
+            )
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def _forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, start: int, lens: torch.Tensor | None,
+        max_len: int, last_only: bool = True,
+    ) -> torch.Tensor:
+        m = self.model.model
+        x = m.embed_tokens(ids)
+        residual = None
+        for layer in m.layers:
+            x, residual = layer(x, residual, positions, start, lens, max_len, self.kernels)
+        c = self.cfg
+        if last_only:
+            x, residual = x[:, -1:], residual[:, -1:]
+        h, _ = fused_ops.add_rms_norm(x, residual, m.norm.weight, c.eps, c.norm_offset, kernels=self.kernels)
+        return self.model.lm_head(h)
+
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor, start: int = 0, last_only: bool = True) -> torch.Tensor:
+        """Logits [B, L or 1, V] for ids [B, L] placed at positions start..start+L-1."""
+        if ids.dim() != 2:
+            raise ValueError(f"input_ids {tuple(ids.shape)} must be [batch, length]")
+        b, seq = ids.shape
+        if start != 0 and b != self.batch:
+            raise CacheOverflowError(f"continuing a batch of {self.batch} with {b} rows")
+        self.check_fits(b, start + seq)
+        if start > self.length:
+            raise ValueError(f"start={start} is past the {self.length} cached tokens")
+        ids = ids.to(self.device)
+        positions = torch.arange(start, start + seq, dtype=torch.int32, device=ids.device).expand(b, seq)
+        logits = self._forward(ids, positions.contiguous(), start, None, start + seq, last_only)
+        self.batch, self.length = b, start + seq
+        return logits
+
+    @torch.inference_mode()
+    def decode(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] of one new token per row (ids [B] or [B, 1]) after the cached ones."""
+        ids = ids.reshape(-1, 1)
+        b = ids.shape[0]
+        if b != self.batch or self.length == 0:
+            raise ValueError(f"decode of {b} rows needs a prefill of the same batch first (have {self.batch})")
+        self.check_fits(b, self.length + 1)
+        pos = self.length
+        if self.use_cuda_graphs and self.device.type == "cuda":
+            g = self._graphs.get(b)
+            if g is None or g.ids.device != self.device:
+                g = self._graphs[b] = _DecodeGraph(self, b, self.device)
+            g.ids.copy_(ids)
+            g.positions.fill_(pos)
+            g.lens.fill_(pos + 1)
+            if g.graph is None:
+                g.capture()
+            g.graph.replay()
+            logits = g.logits
+        else:
+            positions = torch.full((b, 1), pos, dtype=torch.int32, device=self.device)
+            lens = torch.full((b,), pos + 1, dtype=torch.int32, device=self.device)
+            logits = self._forward(ids.to(self.device), positions, pos, lens, pos + 1)
+        self.length = pos + 1
+        return logits[:, -1]
+
+
+def _fused_config(model: nn.Module, max_seq_len: int, batch_size: int) -> FusedConfig:
+    cfg = model.config
+    mt = getattr(cfg, "model_type", None)
+    if mt not in SUPPORTED:
+        raise NotImplementedError(
+            f"fuse_layers is not implemented for model_type={mt!r}; supported: {sorted(SUPPORTED)} "
+            "(load with fuse_layers=False)"
+        )
+    if max_seq_len < 1 or batch_size < 1:
+        raise ValueError(f"max_seq_len={max_seq_len} and batch_size={batch_size} must be positive")
+    window = getattr(cfg, "sliding_window", None)
+    if window is not None and max_seq_len > window:
+        raise NotImplementedError(
+            f"{mt} uses sliding-window attention of {window} tokens; fused layers support "
+            f"max_seq_len <= {window}, got {max_seq_len}"
+        )
+    offset, act_attr = SUPPORTED[mt]
+    act = getattr(cfg, act_attr, None) or getattr(cfg, "hidden_act", "silu")
+    if act not in fused_ops.ACTIVATIONS:
+        raise NotImplementedError(f"{mt}: activation {act!r} is not fused; supported {fused_ops.ACTIVATIONS}")
+    layer0 = model.model.layers[0]
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return FusedConfig(
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        head_dim=head_dim,
+        eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
+        norm_offset=offset,
+        act=act,
+        scale=float(getattr(layer0.self_attn, "scaling", head_dim ** -0.5)),
+        qk_norm=hasattr(layer0.self_attn, "q_norm"),
+        max_seq_len=max_seq_len,
+        batch_size=batch_size,
+    )
+
+
+def _rope_tables(model: nn.Module, max_seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [max_seq_len, head_dim] fp32 from the model's own rotary module (any rope scaling)."""
+    rot = model.model.rotary_emb
+    pos = torch.arange(max_seq_len, device=device)[None]
+    dummy = torch.zeros(1, dtype=torch.float32, device=device)
+    cos, sin = rot(dummy, pos)
+    return cos[0].float().contiguous(), sin[0].float().contiguous()
+
+
+def fuse_model(
+    model: nn.Module,
+    max_seq_len: int,
+    batch_size: int,
+    *,
+    use_cuda_graphs: bool = True,
+    kernels: str | None = None,
+) -> nn.Module:
+    """Swap each decoder layer of a W4 (WQLinear) Llama-like causal LM for fused modules, in place.
+
+    Preallocates the KV cache [batch_size, max_seq_len, kv_heads, head_dim] per layer. Afterwards
+    `model(input_ids)` runs a fresh prefill, `model.generate(...)` runs fastawq.generate, and
+    `model.fastawq_runtime` exposes prefill/decode steps."""
+    cfg = _fused_config(model, max_seq_len, batch_size)
+    emb = model.model.embed_tokens.weight
+    dtype = emb.dtype if emb.dtype in (torch.float16, torch.bfloat16) else torch.float16
+    device = emb.device
+    for i, layer in enumerate(model.model.layers):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            if not isinstance(getattr(layer.self_attn, name), WQLinear):
+                raise TypeError(f"layer {i} self_attn.{name} is not a WQLinear: quantize the model before fusing")
+    cos, sin = _rope_tables(model, max_seq_len, device)
+    fused = []
+    for i in range(len(model.model.layers)):
+        f = FusedDecoderLayer(model.model.layers[i], cfg, dtype, device)
+        # One table shared by all layers (plain attributes, not buffers: the fused model's device
+        # is fixed at fuse time, like its cache).
+        f.self_attn.rope_cos, f.self_attn.rope_sin = cos, sin
+        fused.append(f)
+        model.model.layers[i] = f  # drop the unfused q/k/v and gate/up as we go
+    model.model.layers = nn.ModuleList(fused)
+    runtime = FusedRuntime(model, cfg, use_cuda_graphs=use_cuda_graphs, kernels=kernels)
+    object.__setattr__(model, "fastawq_runtime", runtime)
+    model.forward = types.MethodType(_fused_forward, model)
+    model.generate = types.MethodType(_fused_generate, model)
+    log.info(
+        "fused %d layers of %s: KV cache %d x %d x %d x %d %s (%.1f MiB)", len(fused), model.config.model_type,
+        batch_size, max_seq_len, cfg.num_kv_heads, cfg.head_dim, dtype,
+        2 * len(fused) * batch_size * max_seq_len * cfg.num_kv_heads * cfg.head_dim * emb.element_size() / 2**20,
+    )
+    return model
+
+
+def _fused_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   start_pos: int = 0, **_: object):
+    """HF-shaped forward: a prefill at start_pos (0 = a fresh sequence) returning every position's logits."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise NotImplementedError("fused layers take unpadded batches (attention_mask must be all ones)")
+    logits = self.fastawq_runtime.prefill(input_ids, start=start_pos, last_only=False)
+    return CausalLMOutputWithPast(logits=logits)
+
+
+def _fused_generate(self, input_ids: torch.Tensor | None = None, **kwargs):
+    """transformers-style generate() for fused models, served by fastawq.generate."""
+    from fastawq.generate import generate_hf_style
+
+    return generate_hf_style(self, input_ids, **kwargs)
