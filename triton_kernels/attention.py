@@ -5,6 +5,8 @@ graph captured for a decode step replays correctly at every position.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -188,11 +190,13 @@ def _decode_attn_reduce_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def _num_splits(device: torch.device, programs: int, max_len: int, block_n: int) -> int:
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        sms = 4
+    sms = _sm_count(device)
     want = max(1, (2 * sms) // max(1, programs))
     cap = max(1, triton.cdiv(max_len, block_n))
     return min(_pow2(want), _pow2(cap), 64)
