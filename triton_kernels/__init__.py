@@ -1,1 +1,7 @@
-"""Triton W4A16 kernels (installed as fastawq.triton_kernels)."""
+"""Triton W4A16 kernels, installed as ``fastawq.triton_kernels``.
+
+(A top-level ``triton_kernels`` package already exists in the Triton ecosystem, hence the nesting.)
+"""
+from .launch import awq_dequantize, awq_gemm, awq_gemm_fits
+
+__all__ = ["awq_dequantize", "awq_gemm", "awq_gemm_fits"]

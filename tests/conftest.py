@@ -1,0 +1,65 @@
+"""Shared fixtures. Without a GPU, Triton kernels run under the interpreter on CPU tensors."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must be set before triton is imported anywhere.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("FASTAWQ_TRITON_TUNE", "0")
+
+import pytest  # noqa: E402
+
+from fastawq import reference  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+# The four layer shapes (K, N) of Llama-3-8B.
+LLAMA3_8B_SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
+
+
+def random_awq(k: int, n: int, group_size: int, device="cpu", dtype=torch.float16, seed: int = 0):
+    """Fresh random packed weights: every nibble and zero point uniform in [0, 15]."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    g = reference.resolve_group_size(group_size, k)
+    q = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)
+    z = torch.randint(0, 16, (k // g, n), generator=gen, dtype=torch.int32)
+    s = (torch.rand(k // g, n, generator=gen) * 0.02 + 0.002).to(dtype)
+    return (
+        reference.pack_int4(q).to(device),
+        s.to(device),
+        reference.pack_int4(z).to(device),
+    )
+
+
+def random_input(shape, device="cpu", dtype=torch.float16, seed: int = 1):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+
+def same_dtype_error(x, qweight, scales, qzeros, g, bias=None) -> float:
+    """Max abs error of plain torch in x's dtype (dequantize, then matmul) against the fp32 oracle:
+    the yardstick for what a kernel of that precision can do."""
+    ref = reference.awq_gemm(x.float(), qweight, scales.float(), qzeros, g, None if bias is None else bias.float())
+    w = reference.dequantize(qweight, scales, qzeros, g).to(x.dtype)
+    if x.device.type == "cpu" and x.dtype == torch.float16:
+        # CPU fp16 matmul accumulates in fp32 anyway; model the output rounding instead.
+        y = (x.float() @ w.float()).to(x.dtype)
+    else:
+        y = x @ w
+    if bias is not None:
+        y = y + bias
+    return (y.float() - ref).abs().max().item()
+
+
+def assert_close_to_reference(out, x, qweight, scales, qzeros, g, bias=None, factor: float = 4.0):
+    assert not torch.isnan(out).any() and not torch.isinf(out).any(), "output has NaN/inf (unwritten?)"
+    ref = reference.awq_gemm(x.float(), qweight, scales.float(), qzeros, g, None if bias is None else bias.float())
+    err = (out.float() - ref).abs().max().item()
+    budget = factor * same_dtype_error(x, qweight, scales, qzeros, g, bias) + 1e-2 * ref.abs().max().item() * (
+        2**-8 if x.dtype == torch.float16 else 2**-5
+    )
+    assert err <= budget, f"max error {err:.4g} > budget {budget:.4g} (ref max {ref.abs().max().item():.4g})"

@@ -1,0 +1,94 @@
+"""Public ops: validation, backend dispatch and overrides, and the quantized linear module."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastawq import backend, ops, reference
+from fastawq.modules import WQLinear
+
+from conftest import assert_close_to_reference, random_awq, random_input
+
+
+def test_torch_backend_matches_reference():
+    qweight, scales, qzeros = random_awq(256, 64, 64)
+    x = random_input((2, 5, 256))
+    out = ops.awq_gemm(x, qweight, scales, qzeros, 64, backend="torch")
+    assert out.shape == (2, 5, 64)
+    assert torch.equal(out, reference.awq_gemm(x, qweight, scales, qzeros, 64))
+
+
+def test_auto_backend_on_cpu_is_never_the_interpreter():
+    chosen = backend.select_backend("awq_gemm", torch.device("cpu"))
+    assert chosen in ("cpu", "torch")
+
+
+def test_forced_unavailable_backend_is_an_error():
+    qweight, scales, qzeros = random_awq(256, 64, 64)
+    x = random_input((1, 256))
+    with pytest.raises(backend.BackendUnavailableError, match="cuda.*CUDA devices"):
+        ops.awq_gemm(x, qweight, scales, qzeros, 64, backend="cuda")
+    with pytest.raises(backend.BackendUnavailableError, match="unknown backend"):
+        ops.awq_gemm(x, qweight, scales, qzeros, 64, backend="tpu")
+
+
+def test_env_override(monkeypatch):
+    monkeypatch.setenv("FASTAWQ_BACKEND", "torch")
+    assert backend.select_backend("awq_gemm", torch.device("cpu")) == "torch"
+    monkeypatch.setenv("FASTAWQ_BACKEND", "cuda")
+    with pytest.raises(backend.BackendUnavailableError):
+        backend.select_backend("awq_gemm", torch.device("cpu"))
+
+
+def test_triton_declines_fp32_activations_with_reason():
+    qweight, scales, qzeros = random_awq(256, 64, 64, dtype=torch.float32)
+    x = random_input((1, 256), dtype=torch.float32)
+    with pytest.raises(backend.BackendUnavailableError, match="fp16 or bf16"):
+        ops.awq_gemm(x, qweight, scales, qzeros, 64, backend="triton")
+
+
+@pytest.mark.parametrize(
+    "x_shape, bias_shape, match",
+    [((3, 128), None, r"x \(3, 128\) must end in K=256"), ((3, 256), (32,), r"bias \(32,\) must have shape \(64,\)")],
+)
+def test_bad_shapes_are_named(x_shape, bias_shape, match):
+    qweight, scales, qzeros = random_awq(256, 64, 64)
+    x = random_input(x_shape)
+    bias = None if bias_shape is None else torch.zeros(bias_shape, dtype=torch.float16)
+    with pytest.raises(ValueError, match=match):
+        ops.awq_gemm(x, qweight, scales, qzeros, 64, bias)
+
+
+def test_mixed_devices_are_named():
+    qweight, scales, qzeros = random_awq(256, 64, 64)
+    x = random_input((1, 256)).to("meta")
+    with pytest.raises(ValueError, match="x on meta"):
+        ops.awq_gemm(x, qweight, scales, qzeros, 64)
+
+
+def test_env_report_lists_every_op():
+    report = backend.report(torch.device("cpu"), ("awq_gemm", "awq_dequantize"))
+    assert set(report) == {"awq_gemm", "awq_dequantize"}
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("bias", [True, False])
+def test_wqlinear_from_linear_is_rtn(group_size, bias):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 96, bias=bias)
+    layer = WQLinear.from_linear(linear, group_size)
+    layer.backend = "torch"  # the module's semantics; each backend has its own kernel tests
+    assert layer.qweight.shape == (256, 12) and layer.scales.shape == (256 // group_size, 96)
+    x = random_input((4, 256), dtype=torch.float16)
+    out = layer(x)
+    w_hat = reference.pseudo_quantize(linear.weight.data, group_size)
+    expect = x.float() @ w_hat.t().float() + (linear.bias.float() if bias else 0)
+    assert_close_to_reference(out, x, layer.qweight, layer.scales, layer.qzeros, group_size, layer.bias)
+    assert (out.float() - expect).abs().max() < 2e-2
+
+
+def test_wqlinear_rejects_indivisible_shapes():
+    with pytest.raises(ValueError, match="in_features=100 is not divisible by group_size=64"):
+        WQLinear(100, 64, 64, bias=False)
+    with pytest.raises(ValueError, match="out_features=60"):
+        WQLinear(128, 60, 64, bias=False)

@@ -1,0 +1,216 @@
+"""Launchers for the Triton AWQ kernels: configuration choice, tuning cache, split-K workspace."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from .awq import awq_dequantize_kernel, awq_gemm_kernel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8
+
+    def label(self) -> str:
+        return f"m{self.block_m}n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}p{self.num_stages}"
+
+
+DEQUANT_MATMUL = "dequant+matmul"  # a "config" too: dequantize once, then cuBLAS
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _m_bucket(m: int) -> int:
+    return 1 << max(0, (m - 1).bit_length())
+
+
+def _block_ks(g: int, k: int) -> list[int]:
+    return [bk for bk in (128, 64, 32) if g % bk == 0 and k % bk == 0]
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _split_for(tiles: int, k_tiles: int, target: int) -> int:
+    split = 1
+    while tiles * split * 2 <= target and split * 2 <= k_tiles and split < 16:
+        split *= 2
+    return split
+
+
+def heuristic_config(m: int, n: int, k: int, g: int, sms: int) -> GemmConfig:
+    """A reasonable config without measuring (interpreter, CUDA-graph capture, tuning off)."""
+    bk = _block_ks(g, k)[0]
+    if m <= 16:
+        bm, bn, warps, stages = 16, 128, 4, 4
+    elif m <= 64:
+        bm, bn, warps, stages = 32 if m <= 32 else 64, 128, 4, 4
+    else:
+        bm, bn, bk, warps, stages = 128, 128, min(bk, 64), 8, 3
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    split = _split_for(tiles, k // bk, 2 * sms) if m <= 128 else 1
+    return GemmConfig(bm, bn, bk, split, warps, stages)
+
+
+def candidate_configs(m: int, n: int, k: int, g: int, sms: int) -> list:
+    bks = _block_ks(g, k)
+    out: list = []
+    if m <= 64:
+        bms = [16] if m <= 16 else [32, 64] if m <= 32 else [64]
+        for bm in bms:
+            for bn in (64, 128, 256):
+                for bk in bks[:2]:
+                    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+                    base = _split_for(tiles, k // bk, 2 * sms)
+                    for split in {max(1, base // 2), base, min(16, base * 2)}:
+                        if split <= k // bk:
+                            out.append(GemmConfig(bm, bn, bk, split, 4, 4))
+    else:
+        bk = min(bks[0], 64)
+        for bm, bn, warps in ((64, 128, 4), (128, 128, 8), (128, 256, 8), (64, 256, 8)):
+            for stages in (3, 4):
+                out.append(GemmConfig(bm, bn, bk, 1, warps, stages))
+        if m <= 256:
+            out.append(GemmConfig(64, 128, bk, 2, 4, 4))
+        out.append(DEQUANT_MATMUL)
+    return out
+
+
+class _Workspace:
+    """Per-device fp32 partials and per-tile arrival counters for split-K (counters re-arm
+    themselves in the kernel, so they are zeroed only when allocated)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, device: torch.device, numel: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ws, locks = self.buffers.get(device, (None, None))
+        if ws is None or ws.numel() < numel:
+            ws = torch.empty(max(numel, 1 << 20), dtype=torch.float32, device=device)
+        if locks is None or locks.numel() < tiles:
+            locks = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        self.buffers[device] = (ws, locks)
+        return ws, locks
+
+
+_WORKSPACE = _Workspace()
+_TUNED: dict[tuple, object] = {}
+
+
+def launch_gemm(x, qweight, scales, qzeros, g, bias, out, cfg: GemmConfig) -> torch.Tensor:
+    m, k = x.shape
+    n = out.shape[1]
+    grid_mn = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    if cfg.split_k > 1:
+        ws, locks = _WORKSPACE.get(x.device, cfg.split_k * m * n, grid_mn)
+    else:
+        ws, locks = out, out  # unused
+    awq_gemm_kernel[(grid_mn, cfg.split_k)](
+        x, qweight, scales, qzeros, bias if bias is not None else out, out, ws, locks,
+        m, n, k, g,
+        x.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None,
+        SPLIT_K=cfg.split_k,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        DOT_FP32=_interpreting() and x.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def _run(cfg, x, qweight, scales, qzeros, g, bias, out):
+    if cfg == DEQUANT_MATMUL:
+        w = awq_dequantize(qweight, scales, qzeros, g, dtype=x.dtype)
+        if bias is None:
+            return torch.matmul(x, w, out=out)
+        return torch.addmm(bias, x, w, out=out)
+    return launch_gemm(x, qweight, scales, qzeros, g, bias, out, cfg)
+
+
+def _tune(key, x, qweight, scales, qzeros, g, bias, out, candidates):
+    best, best_ms = None, float("inf")
+    for cfg in candidates:
+        try:
+            ms = triton.testing.do_bench(
+                lambda: _run(cfg, x, qweight, scales, qzeros, g, bias, out), warmup=5, rep=25,
+                return_mode="median",
+            )
+        except Exception as e:  # a config the compiler rejects on this GPU (e.g. shared memory)
+            logger.debug("config %s failed: %s", cfg, e)
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    logger.info("awq_gemm %s -> %s (%.1f us)", key, getattr(best, "label", lambda: best)(), best_ms * 1e3)
+    return best
+
+
+def choose_config(x, qweight, scales, qzeros, g, bias, out):
+    m, k = x.shape
+    n = out.shape[1]
+    if _interpreting() or x.device.type != "cuda":
+        return heuristic_config(m, n, k, g, sms=4)
+    sms = _sm_count(x.device)
+    key = (x.device, _m_bucket(m), n, k, g, x.dtype, bias is not None)
+    cfg = _TUNED.get(key)
+    if cfg is not None:
+        return cfg
+    if os.environ.get("FASTAWQ_TRITON_TUNE", "1") == "0" or torch.cuda.is_current_stream_capturing():
+        return heuristic_config(m, n, k, g, sms)
+    cfg = _tune(key, x, qweight, scales, qzeros, g, bias, out, candidate_configs(m, n, k, g, sms))
+    _TUNED[key] = cfg or heuristic_config(m, n, k, g, sms)
+    return _TUNED[key]
+
+
+# x [M, K] fp16/bf16 · qweight [K, N // 8] int32 · scales [K // G, N] · qzeros [K // G, N // 8] · bias [N]  ->  [M, N]
+def awq_gemm(x, qweight, scales, qzeros, group_size: int, bias=None, *, config=None) -> torch.Tensor:
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = qweight.shape[1] * 8
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    cfg = config or choose_config(x, qweight, scales, qzeros, group_size, bias, out)
+    return _run(cfg, x, qweight, scales, qzeros, group_size, bias, out)
+
+
+def awq_gemm_fits(x, qweight, group_size: int) -> str | None:
+    k = x.shape[1]
+    if not _block_ks(group_size, k):
+        return f"group_size={group_size} and K={k} must be multiples of 32 for the Triton GEMM"
+    if not (qweight.is_contiguous()):
+        return f"qweight {tuple(qweight.shape)} must be contiguous"
+    return None
+
+
+# qweight [K, N // 8] int32 · scales [K // G, N] · qzeros [K // G, N // 8]  ->  [K, N] (dtype, default scales')
+def awq_dequantize(qweight, scales, qzeros, group_size: int, *, dtype=None) -> torch.Tensor:
+    k, n8 = qweight.shape
+    n = n8 * 8
+    out = torch.empty((k, n), dtype=dtype or scales.dtype, device=qweight.device)
+    block_k, block_n = (32, 128) if _interpreting() else (16, 256)
+    grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
+    awq_dequantize_kernel[grid](
+        qweight, scales, qzeros, out, k, n, group_size,
+        BLOCK_K=block_k, BLOCK_N=block_n, num_warps=4,
+    )
+    return out
