@@ -1,0 +1,5 @@
+import sys
+
+from fastawq.cli import main
+
+sys.exit(main())

@@ -1,0 +1,55 @@
+"""`fastawq env`: versions, the compiled extension's state, and the backend each op would use."""
+from __future__ import annotations
+
+import platform
+
+import torch
+
+import fastawq
+from fastawq import _ext, backend
+
+OPS = ("awq_gemm", "awq_dequantize")
+
+
+def collect() -> list[tuple[str, str]]:
+    rows = [
+        ("fastawq", fastawq.__version__),
+        ("python", platform.python_version()),
+        ("torch", torch.__version__),
+        ("torch CUDA", str(torch.version.cuda)),
+    ]
+    try:
+        import triton
+
+        rows.append(("triton", triton.__version__ + (" (interpreter)" if backend.triton_interpreting() else "")))
+    except ImportError:
+        rows.append(("triton", "not installed"))
+    st = _ext.status()
+    rows.append(("compiled kernels (_C)", "loaded" if st["loaded"] else f"not loaded: {st['reason']}"))
+    rows.append(("compiled archs", ", ".join(st["archs"]) or "-"))
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            dev = torch.device("cuda", i)
+            cap = ".".join(map(str, torch.cuda.get_device_capability(dev)))
+            rows.append((f"{dev}", f"{torch.cuda.get_device_name(dev)} (sm {cap})"))
+            devices.append(dev)
+    else:
+        rows.append(("GPU", "none visible"))
+    for dev in devices:
+        for op, be in backend.report(dev, OPS).items():
+            rows.append((f"{op} on {dev.type}", be))
+    return rows
+
+
+def run(args) -> int:
+    rows = collect()
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("env", help="versions, compiled kernels, and the backend each op would use here")
+    p.set_defaults(func=run)
