@@ -8,7 +8,9 @@ import torch
 if not torch.cuda.is_available():
     # Must be set before triton is imported anywhere.
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    os.environ.setdefault("FASTAWQ_TRITON_TUNE", "0")
+# Tests check correctness with the heuristic configs (test_triton checks every tuning candidate);
+# tuning every shape would only cost time.
+os.environ.setdefault("FASTAWQ_TRITON_TUNE", "0")
 
 import pytest  # noqa: E402
 
