@@ -1,0 +1,397 @@
+"""The AWQ search, layer by layer.
+
+Each decoder layer runs once over the calibration tokens. Forward hooks reduce the input of every
+scale group to two statistics: the mean |x| per channel and the Gram matrix S = X^T X / n. The
+loss AWQ minimises, the mean squared error of a group's linear outputs against full precision,
+is then exact without touching the tokens again:
+
+    || X (W_q - W)^T ||^2 / n  =  trace(D S D^T),   D = W_q - W
+
+so each of the 20 grid points (and each clipping step) costs one [N, K] x [K, K] product instead
+of a pass over 65k tokens, and all candidates of a grid are evaluated as one batch. The
+quantization math itself is reference.pseudo_quantize / quantize_groupwise.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from fastawq import reference
+from fastawq.models import ScaleGroup, architecture_of
+from fastawq.models.base import get_submodule
+from fastawq.quantize.config import QuantConfig
+from fastawq.quantize.pack import finalize_layer
+from fastawq.quantize.scale import apply_scale
+
+log = logging.getLogger(__name__)
+
+# Clipping is skipped for the linears whose outputs enter softmax(QK^T): their error there is
+# not what an output-MSE measures (AutoAWQ's rule).
+_NO_CLIP = ("q_", "k_", "query", "key", "Wqkv")
+
+
+@dataclass
+class InputStats:
+    """Mean |x| per input channel and the Gram matrix of one group's input, both fp32."""
+
+    abs_sum: torch.Tensor  # [K]
+    gram: torch.Tensor  # [K, K]
+    count: int = 0
+
+    @property
+    def x_mean(self) -> torch.Tensor:
+        return self.abs_sum / max(self.count, 1)
+
+    @property
+    def sigma(self) -> torch.Tensor:
+        return self.gram / max(self.count, 1)
+
+    def rescale(self, s: torch.Tensor) -> None:
+        """The group's input became x / s."""
+        self.abs_sum /= s
+        self.gram /= s[:, None] * s[None, :]
+
+
+class _StopForward(Exception):
+    pass
+
+
+class _Catcher(nn.Module):
+    """Stands in for decoder layer 0: records its input and keyword arguments, then stops."""
+
+    def __init__(self, layer: nn.Module, store: dict):
+        super().__init__()
+        self.__dict__["_inner"] = layer  # not a submodule: it must not follow .to(device)
+        self.store = store
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_inner"], name)
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
+        self.store["x"] = hidden_states
+        self.store["kwargs"] = kwargs
+        raise _StopForward
+
+
+class AwqQuantizer:
+    """Activation-aware weight quantization of one transformers model, in place.
+
+    Subclass and override `compute_scales`, `search_best_scale` or `search_best_clip` to change
+    how scales are initialised or weights clipped.
+    """
+
+    n_grid: int = 20
+    max_shrink: float = 0.5
+    # Elements of one [candidates, N, K] batch: bounds the search's working memory.
+    cpu_batch_elems: int = 1 << 23
+    gpu_batch_elems: int = 1 << 28
+
+    def __init__(
+        self,
+        model: nn.Module,
+        quant_config: QuantConfig,
+        samples: torch.Tensor,
+        *,
+        duo_scaling: bool = True,
+        apply_clip: bool = True,
+        export_compatible: bool = False,
+        n_parallel_calib_samples: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.model = model
+        self.config = QuantConfig.from_dict(quant_config)
+        self.arch = architecture_of(model)
+        if samples.dim() != 2 or samples.numel() == 0:
+            raise ValueError(f"calibration samples must be a non-empty [n, seq_len] id tensor, got {tuple(samples.shape)}")
+        self.samples = samples
+        self.duo_scaling = duo_scaling
+        self.apply_clip = apply_clip
+        self.export_compatible = export_compatible
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.chunk = n_parallel_calib_samples or (16 if self.device.type == "cpu" else 32)
+        # With an explicit chunk size on an accelerator, activations wait on the CPU between uses.
+        self.offload = n_parallel_calib_samples is not None and self.device.type != "cpu"
+        self.layers_prefix = self.arch.layers_path
+        self.timings: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ driver
+    @torch.no_grad()
+    def quantize(self) -> nn.Module:
+        layers = get_submodule(self.model, self.arch.layers_path)
+        t0 = time.perf_counter()
+        inps, kwargs = self._capture_inputs(layers)
+        self._tick("capture", t0)
+        for i in tqdm(range(len(layers)), desc="AWQ", unit="layer"):
+            name = f"{self.layers_prefix}.{i}"
+            layer = layers[i]
+            orig_device = next(layer.parameters()).device
+            orig_dtype = next(layer.parameters()).dtype
+            compute_dtype = torch.float32 if self.device.type == "cpu" else orig_dtype
+            layer.to(self.device, compute_dtype)
+            groups = self._resolve_groups(layer, name)
+            t = time.perf_counter()
+            stats, inps = self._run_layer(layer, name, groups, inps, kwargs)
+            self._tick("forward", t)
+            t = time.perf_counter()
+            for g in groups:
+                consumers = [n for n in g.linears if not self.config.skips(f"{name}.{n}")]
+                if g.kind == "none" or not consumers:
+                    continue
+                s = self.search_best_scale(layer, name, g, consumers, stats[g.linears[0]])
+                apply_scale(layer, g, s)
+                stats[g.linears[0]].rescale(s)
+            self._tick("scale", t)
+            t = time.perf_counter()
+            if self.apply_clip:
+                for g in groups:
+                    for lin_name in g.linears:
+                        full = f"{name}.{lin_name}"
+                        if self.config.skips(full) or any(p in lin_name for p in _NO_CLIP):
+                            continue
+                        lin = layer.get_submodule(lin_name)
+                        max_val = self.search_best_clip(lin, full, stats[g.linears[0]])
+                        w = lin.weight.data.float()
+                        n, k = w.shape
+                        g_sz = k // max_val.shape[1]
+                        w = w.view(n, -1, g_sz).clamp(-max_val.unsqueeze(-1), max_val.unsqueeze(-1)).view(n, k)
+                        lin.weight.data = w.to(lin.weight.dtype)
+            self._tick("clip", t)
+            t = time.perf_counter()
+            layer.to(dtype=orig_dtype)
+            if not self.export_compatible:
+                finalize_layer(layer, name, self.config)
+            layer.to(orig_device)
+            self._tick("pack", t)
+            del stats
+        log.info("AWQ done in %.1fs (%s)", sum(self.timings.values()),
+                 ", ".join(f"{k} {v:.1f}s" for k, v in self.timings.items()))
+        self.model.fastawq_quant_config = self.config
+        self.model.fastawq_packed = not self.export_compatible and self.config.packable
+        return self.model
+
+    def _tick(self, what: str, t0: float) -> None:
+        self.timings[what] = self.timings.get(what, 0.0) + time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ capture
+    def _capture_inputs(self, layers: nn.ModuleList) -> tuple[list[torch.Tensor], dict]:
+        """Run the model up to layer 0 on every chunk of samples: layer 0's inputs and the
+        keyword arguments (masks, rotary embeddings) every layer receives."""
+        parent_path, _, attr = self.arch.layers_path.rpartition(".")
+        parent = self.model.get_submodule(parent_path)
+        real = getattr(parent, attr)
+        store: dict = {}
+        setattr(parent, attr, nn.ModuleList([_Catcher(real[0], store)]))
+        # Everything but the decoder layers visits the accelerator for the capture.
+        devices = {n: t.device for n, t in _tensors(self.model)}
+        base = self.model.base_model
+        base.to(self.device)
+        inps: list[torch.Tensor] = []
+        kwargs: dict = {}
+        try:
+            for start in range(0, self.samples.shape[0], self.chunk):
+                ids = self.samples[start : start + self.chunk].to(self.device)
+                try:
+                    base(input_ids=ids, use_cache=False)
+                except _StopForward:
+                    pass
+                x = store["x"]
+                inps.append(x.to("cpu") if self.offload else x)
+                if not kwargs:
+                    kwargs = store["kwargs"]
+        finally:
+            setattr(parent, attr, real)
+            for n, t in _tensors(self.model):
+                if n in devices and t.device != devices[n]:
+                    t.data = t.data.to(devices[n])
+        compute_dtype = torch.float32 if self.device.type == "cpu" else inps[0].dtype
+        inps = [x.to(compute_dtype) for x in inps]
+        for key in ("past_key_values", "past_key_value", "cache", "layer_past"):
+            if key in kwargs:
+                kwargs[key] = None
+        if "use_cache" in kwargs:
+            kwargs["use_cache"] = False
+        kwargs = {k: _to(v, self.device, compute_dtype) for k, v in kwargs.items()}
+        return inps, kwargs
+
+    # ------------------------------------------------------------------ one layer
+    def _resolve_groups(self, layer: nn.Module, name: str) -> list[ScaleGroup]:
+        groups = list(self.arch.groups(layer, self.model.config))
+        covered = {n for g in groups for n in g.linears}
+        for lin_name, mod in layer.named_modules():
+            if isinstance(mod, nn.Linear) and lin_name not in covered:
+                groups.append(ScaleGroup([lin_name]))
+        for g in groups:
+            for lin_name in g.linears:
+                mod = layer.get_submodule(lin_name)
+                if not isinstance(mod, nn.Linear):
+                    raise TypeError(f"{name}.{lin_name} is {type(mod).__name__}, expected nn.Linear")
+        return groups
+
+    def _run_layer(self, layer, name, groups, inps, kwargs):
+        """One pass of the layer over all chunks: the output (next layer's input) and, through
+        hooks, each group's input statistics."""
+        stats: dict[str, InputStats] = {}
+        handles = []
+
+        def make_hook(lin_name: str):
+            def hook(_mod, args, _out):
+                x = args[0]
+                k = x.shape[-1]
+                if not torch.isfinite(x).all():
+                    raise FloatingPointError(
+                        f"non-finite activations (NaN/inf) entering {name}.{lin_name}; the model or its "
+                        f"dtype overflows on the calibration data (try float32 or bfloat16)"
+                    )
+                x2 = x.reshape(-1, k).float()
+                st = stats.get(lin_name)
+                if st is None:
+                    st = stats[lin_name] = InputStats(
+                        torch.zeros(k, device=x.device), torch.zeros(k, k, device=x.device)
+                    )
+                st.abs_sum += x2.abs().sum(0)
+                st.gram.addmm_(x2.t(), x2)
+                st.count += x2.shape[0]
+
+            return hook
+
+        for g in groups:
+            handles.append(layer.get_submodule(g.linears[0]).register_forward_hook(make_hook(g.linears[0])))
+        outs = []
+        try:
+            for x in inps:
+                xd = x.to(self.device, non_blocking=True)
+                y = layer(xd, **kwargs)
+                y = y[0] if isinstance(y, (tuple, list)) else y
+                if not torch.isfinite(y).all():
+                    raise FloatingPointError(f"non-finite activations (NaN/inf) leaving {name}")
+                outs.append(y.to("cpu") if self.offload else y)
+        finally:
+            for h in handles:
+                h.remove()
+        return stats, outs
+
+    # ------------------------------------------------------------------ scale search
+    def _group_size(self, full_name: str, k: int) -> int:
+        return self.config.group_size_for(full_name, k)
+
+    def _batch(self, per_candidate: int) -> int:
+        budget = self.cpu_batch_elems if self.device.type == "cpu" else self.gpu_batch_elems
+        return max(1, budget // max(per_candidate, 1))
+
+    def compute_scales(self, x_mean: torch.Tensor, w_mean: torch.Tensor | None, ratios: torch.Tensor) -> torch.Tensor:
+        """Candidate scales [len(ratios), K]: x^r / w^(1-r) (duo) or x^r, normalised so that
+        max * min = 1."""
+        r = ratios[:, None]
+        if w_mean is not None:
+            s = x_mean[None].pow(r) / (w_mean[None].pow(1 - r) + 1e-4)
+        else:
+            s = x_mean[None].pow(r)
+        s = s.clamp(min=1e-4)
+        return s / (s.amax(dim=1, keepdim=True) * s.amin(dim=1, keepdim=True)).sqrt()
+
+    def _loss(self, weights: list[tuple[torch.Tensor, int]], sigma: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """trace((Q(W s)/s - W) S (Q(W s)/s - W)^T) summed over the group's linears, per candidate."""
+        c = s.shape[0]
+        loss = torch.zeros(c, device=s.device)
+        bits, zp = self.config.w_bit, self.config.zero_point
+        for w, g in weights:
+            n, k = w.shape
+            step = self._batch(n * k)
+            for i in range(0, c, step):
+                sc = s[i : i + step]
+                m = sc.shape[0]
+                ws = (w[None] * sc[:, None, :]).reshape(m * n, k)
+                d = reference.pseudo_quantize(ws, g, bits, zp).view(m, n, k) / sc[:, None, :]
+                d -= w[None]
+                loss[i : i + m] += ((d.view(m * n, k) @ sigma).view(m, n, k) * d).sum(dim=(1, 2))
+        return loss
+
+    def search_best_scale(
+        self, layer: nn.Module, name: str, group: ScaleGroup, consumers: list[str], st: InputStats
+    ) -> torch.Tensor:
+        """The scale [K] (fp32) of one group, chosen on the grid by the group's output MSE."""
+        weights = []
+        for lin_name in consumers:
+            w = layer.get_submodule(lin_name).weight.detach().float()
+            weights.append((w, self._group_size(f"{name}.{lin_name}", w.shape[1])))
+        x_mean = st.x_mean
+        w_mean = None
+        if self.duo_scaling:
+            acc = torch.zeros_like(x_mean)
+            rows = 0
+            for w, g in weights:
+                n, k = w.shape
+                wa = w.abs().view(n, k // g, g)
+                acc += (wa / wa.amax(dim=-1, keepdim=True).clamp(min=1e-8)).view(n, k).sum(0)
+                rows += n
+            w_mean = acc / rows
+        ratios = torch.arange(self.n_grid, device=x_mean.device, dtype=torch.float32) / self.n_grid
+        cand = self.compute_scales(x_mean, w_mean, ratios)
+        # Unscaled round-to-nearest competes too, so the search never makes a group worse.
+        cand = torch.cat([cand, torch.ones_like(cand[:1])])
+        loss = self._loss(weights, st.sigma, cand)
+        if not torch.isfinite(loss).any():
+            raise FloatingPointError(f"AWQ scale search for {name}.{group.linears} produced no finite loss")
+        best = int(torch.nan_to_num(loss, nan=float("inf")).argmin())
+        log.debug("%s %s: best ratio %s, loss %.4g (unscaled %.4g)", name, group.linears,
+                  "none" if best == self.n_grid else f"{best / self.n_grid:.2f}", loss[best], loss[-1])
+        return cand[best].detach()
+
+    # ------------------------------------------------------------------ clipping
+    def search_best_clip(self, linear: nn.Linear, name: str, st: InputStats) -> torch.Tensor:
+        """Per-group max |w| [N, K // G] minimising each group's share of the output MSE."""
+        w = linear.weight.detach().float()
+        n, k = w.shape
+        g = self._group_size(name, k)
+        ng = k // g
+        sigma = st.sigma
+        # Diagonal [G, G] blocks of S: a group's error couples only with its own inputs here.
+        blocks = sigma.view(ng, g, ng, g).diagonal(dim1=0, dim2=2).permute(2, 0, 1).contiguous()
+        wg = w.view(n, ng, g)
+        org_max = wg.abs().amax(dim=-1)  # [N, ng]
+        steps = int(self.max_shrink * self.n_grid)
+        shrink = 1.0 - torch.arange(steps, device=w.device, dtype=torch.float32) / self.n_grid
+        best_err = torch.full((n, ng), float("inf"), device=w.device)
+        best_max = org_max.clone()
+        step = self._batch(n * k)
+        for i in range(0, steps, step):
+            sh = shrink[i : i + step]
+            m = sh.shape[0]
+            mx = (org_max[None] * sh[:, None, None]).unsqueeze(-1)  # [m, N, ng, 1]
+            cw = torch.maximum(torch.minimum(wg[None], mx), -mx)
+            q = reference.pseudo_quantize(cw.reshape(m * n, k), g, self.config.w_bit, self.config.zero_point)
+            d = (q.view(m, n, ng, g) - wg[None]).permute(2, 0, 1, 3).reshape(ng, m * n, g)
+            err = (torch.bmm(d, blocks) * d).sum(-1).view(ng, m, n).permute(1, 2, 0)  # [m, N, ng]
+            for j in range(m):
+                better = err[j] < best_err
+                best_err = torch.where(better, err[j], best_err)
+                best_max = torch.where(better, mx[j, :, :, 0], best_max)
+        return best_max
+
+
+def _tensors(model: nn.Module):
+    yield from model.named_parameters()
+    yield from model.named_buffers()
+
+
+def _to(v: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device)
+    if isinstance(v, tuple):
+        return tuple(_to(x, device, dtype) for x in v)
+    if isinstance(v, list):
+        return [_to(x, device, dtype) for x in v]
+    return v

@@ -1,0 +1,108 @@
+"""The quantization config: a validated dataclass that reads and writes AutoAWQ's and HF's keys."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+# AutoAWQ's quant_config keys -> ours (HF's quantization_config uses bits / group_size).
+_ALIASES = {"w_bit": "w_bit", "bits": "w_bit", "q_group_size": "q_group_size", "group_size": "q_group_size"}
+
+
+@dataclass
+class QuantConfig:
+    """What to quantize and how.
+
+    w_bit: 4 packs into the AWQ "GEMM" layout; 2, 3 and 8 are accepted for pseudo-quantized
+        evaluation only (the weights stay floating point).
+    q_group_size: input channels sharing one scale and zero; -1 = one group per output row.
+    fallback_group_size: used for a layer whose in_features the group size does not divide
+        (e.g. hidden 576 with g128); None makes that an error naming the layer.
+    modules_to_not_convert: substrings of linear names kept in full precision.
+    """
+
+    w_bit: int = 4
+    q_group_size: int = 128
+    zero_point: bool = True
+    version: str = "gemm"
+    modules_to_not_convert: list[str] | None = None
+    fallback_group_size: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.w_bit, int) or self.w_bit not in (2, 3, 4, 8):
+            raise ValueError(f"w_bit must be one of 2, 3, 4, 8, got {self.w_bit!r}")
+        if not isinstance(self.q_group_size, int) or (self.q_group_size <= 0 and self.q_group_size != -1):
+            raise ValueError(f"q_group_size must be a positive int or -1, got {self.q_group_size!r}")
+        if self.fallback_group_size is not None and (
+            not isinstance(self.fallback_group_size, int) or self.fallback_group_size <= 0
+        ):
+            raise ValueError(f"fallback_group_size must be a positive int or None, got {self.fallback_group_size!r}")
+        if str(self.version).lower() != "gemm":
+            raise ValueError(f"only version='gemm' is supported, got {self.version!r}")
+        self.version = "gemm"
+        self.zero_point = bool(self.zero_point)
+        if self.modules_to_not_convert is not None:
+            self.modules_to_not_convert = [str(m) for m in self.modules_to_not_convert]
+
+    @property
+    def packable(self) -> bool:
+        return self.w_bit == 4
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | "QuantConfig" | None) -> "QuantConfig":
+        """Accepts AutoAWQ's quant_config dict, HF's quantization_config dict, or a QuantConfig."""
+        if d is None:
+            return cls()
+        if isinstance(d, QuantConfig):
+            return d
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        kwargs: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        for k, v in d.items():
+            name = _ALIASES.get(k, k)
+            if name in known:
+                kwargs[name] = v
+            elif k not in ("quant_method",):
+                extra[k] = v
+        if d.get("quant_method", "awq") != "awq":
+            raise ValueError(f"not an AWQ config: quant_method={d.get('quant_method')!r}")
+        return cls(**kwargs, extra=extra)
+
+    def group_size_for(self, name: str, in_features: int) -> int:
+        """The group size of one layer, or an error naming it when none fits."""
+        g = in_features if self.q_group_size == -1 else self.q_group_size
+        if in_features % g == 0:
+            return g
+        fb = self.fallback_group_size
+        if fb is not None and in_features % fb == 0:
+            return fb
+        hint = (
+            f"the fallback group size {fb} does not divide it either"
+            if fb is not None
+            else "pass fallback_group_size (e.g. 32 or 64) to quantize such layers with a smaller group"
+        )
+        raise ValueError(f"layer {name!r}: in_features={in_features} is not divisible by group_size={g}; {hint}")
+
+    def skips(self, name: str) -> bool:
+        return any(m in name for m in (self.modules_to_not_convert or []))
+
+    def to_hf(self) -> dict[str, Any]:
+        """The `quantization_config` entry of config.json (transformers / vLLM / AutoAWQ)."""
+        return {
+            "quant_method": "awq",
+            "bits": self.w_bit,
+            "group_size": self.q_group_size,
+            "zero_point": self.zero_point,
+            "version": self.version,
+            "modules_to_not_convert": self.modules_to_not_convert,
+        }
+
+    def to_autoawq(self) -> dict[str, Any]:
+        return {
+            "w_bit": self.w_bit,
+            "q_group_size": self.q_group_size,
+            "zero_point": self.zero_point,
+            "version": self.version,
+            "modules_to_not_convert": self.modules_to_not_convert,
+        }
