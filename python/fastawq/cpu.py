@@ -104,6 +104,8 @@ def _signature(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor
     return (
         g,
         scales.dtype,
+        tuple(qweight.shape), tuple(scales.shape), tuple(qzeros.shape),
+        qweight.stride(), scales.stride(), qzeros.stride(),
         _version(qweight), _version(scales), _version(qzeros),
         qweight.data_ptr(), scales.data_ptr(), qzeros.data_ptr(),
     )

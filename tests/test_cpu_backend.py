@@ -1,0 +1,237 @@
+"""The CPU backend (fastawq.cpu) against reference.py.
+
+The packed int4 CPU kernel computes in bf16 whatever the activation dtype (see fastawq/cpu.py), so
+the yardstick is plain torch in bf16 against the fp32 oracle; the repack itself is checked for
+exactness separately, on inputs where every product and sum is exact in bf16.
+"""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from fastawq import backend, ops, reference
+from fastawq import cpu as cpu_backend
+from conftest import random_awq, random_input, same_dtype_error
+
+pytestmark = pytest.mark.skipif(
+    cpu_backend.kernel_available() is not None, reason=f"{cpu_backend.kernel_available()}"
+)
+
+# (K, N): N straddles torch's 64-column (AVX-512) / 32-column (AVX2) blocks and their 16-column
+# tails; K is a multiple of 128 so every group size applies.
+SHAPES = [(128, 16), (384, 176), (640, 80)]
+MS = [1, 7, 16, 33, 128]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _poison_allocator(m: int, n: int) -> None:
+    """Leave NaN in freed memory the output may be carved from, so an unwritten element shows."""
+    junk = torch.full((m, n), float("nan"), dtype=torch.float32)
+    del junk
+
+
+def _check(out, x, qweight, scales, qzeros, g, bias=None, factor: float = 4.0) -> None:
+    assert out.dtype == x.dtype and out.shape == (x.shape[0], qweight.shape[1] * 8)
+    assert torch.isfinite(out).all(), "output has NaN/inf (unwritten?)"
+    ref = reference.awq_gemm(x.float(), qweight, scales, qzeros, g, None if bias is None else bias.float())
+    err = (out.float() - ref).abs().max().item()
+    yard = same_dtype_error(x.to(torch.bfloat16), qweight, scales, qzeros, g, None if bias is None else bias.to(torch.bfloat16))
+    budget = factor * yard + 2**-8 * ref.abs().max().item() * 1e-2
+    assert err <= budget, f"max error {err:.4g} > budget {budget:.4g} (bf16 torch {yard:.4g}, ref max {ref.abs().max().item():.4g})"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"K{s[0]}N{s[1]}")
+@pytest.mark.parametrize("group_size", [32, 64, 128, -1])
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_gemm_matches_reference(shape, group_size, m, dtype, with_bias):
+    k, n = shape
+    g = reference.resolve_group_size(group_size, k)
+    qweight, scales, qzeros = random_awq(k, n, group_size, seed=k + n + g)
+    x = random_input((m, k), dtype=dtype, seed=m)
+    bias = random_input((n,), dtype=dtype, seed=7) if with_bias else None
+    assert cpu_backend.awq_gemm_fits(x, qweight, g) is None
+    _poison_allocator(m, n)
+    out = cpu_backend.awq_gemm(x, qweight, scales, qzeros, g, bias)
+    _check(out, x, qweight, scales, qzeros, g, bias)
+
+
+@pytest.mark.parametrize("k,group_size", [(96, -1), (576, -1), (576, 64), (192, 96), (256, 256)])
+def test_groups_wider_than_the_kernel_are_split(k, group_size):
+    # K=576 (SmolLM2's hidden size) and groups 96 / 256 / -1 run as repeated 32/64/128 groups.
+    qweight, scales, qzeros = random_awq(k, 48, group_size, seed=3)
+    g = reference.resolve_group_size(group_size, k)
+    x = random_input((5, k), dtype=torch.bfloat16)
+    out = cpu_backend.awq_gemm(x, qweight, scales, qzeros, g)
+    _check(out, x, qweight, scales, qzeros, g)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128, -1])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_repack_is_exact(group_size, scale_dtype, x_dtype):
+    # Scales in {1/4, 1/8} and 8 nonzeros of x in {-1, 1} per row keep every output a multiple of
+    # 1/8 below 32: exact in bf16, so any difference is a repack error (nibble order, zeros).
+    k, n = 256, 80
+    gen = torch.Generator().manual_seed(11)
+    g = reference.resolve_group_size(group_size, k)
+    q = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)
+    z = torch.randint(0, 16, (k // g, n), generator=gen, dtype=torch.int32)
+    s = (2.0 ** -torch.randint(2, 4, (k // g, n), generator=gen)).to(scale_dtype)
+    qweight, qzeros = reference.pack_int4(q), reference.pack_int4(z)
+    x = torch.zeros(6, k)
+    for row in range(6):
+        cols = torch.randperm(k, generator=gen)[:8]
+        x[row, cols] = torch.randint(0, 2, (8,), generator=gen).float() * 2 - 1
+    x = x.to(x_dtype)
+    out = cpu_backend.awq_gemm(x, qweight, s, qzeros, g)
+    ref = reference.awq_gemm(x, qweight, s, qzeros, g)
+    assert torch.equal(out, ref), f"max diff {(out.float() - ref.float()).abs().max().item()}"
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128, -1])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_dequantize_is_bit_identical(group_size, scale_dtype):
+    qweight, scales, qzeros = random_awq(384, 176, group_size, dtype=scale_dtype, seed=5)
+    g = reference.resolve_group_size(group_size, 384)
+    out = cpu_backend.awq_dequantize(qweight, scales, qzeros, g)
+    assert out.dtype == scale_dtype
+    assert torch.equal(out, reference.dequantize(qweight, scales, qzeros, g))
+
+
+def test_fp16_activations_run_through_bf16():
+    qweight, scales, qzeros = random_awq(384, 176, 128)
+    x = random_input((3, 384), dtype=torch.float16)
+    out = cpu_backend.awq_gemm(x, qweight, scales, qzeros, 128)
+    _check(out, x, qweight, scales, qzeros, 128)
+
+
+def test_dispatch_picks_cpu_for_cpu_tensors(monkeypatch):
+    calls = []
+    real = cpu_backend.awq_gemm
+    monkeypatch.setattr(cpu_backend, "awq_gemm", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.delenv("FASTAWQ_BACKEND", raising=False)
+    qweight, scales, qzeros = random_awq(256, 64, 64)
+    x = random_input((2, 3, 256), dtype=torch.float32)
+    out = ops.awq_gemm(x, qweight, scales, qzeros, 64)
+    assert calls == [1] and out.shape == (2, 3, 64)
+    _check(out.reshape(6, 64), x.reshape(6, 256), qweight, scales, qzeros, 64)
+    w = ops.awq_dequantize(qweight, scales, qzeros, 64)
+    assert torch.equal(w, reference.dequantize(qweight, scales, qzeros, 64))
+
+
+def test_strided_input():
+    qweight, scales, qzeros = random_awq(256, 64, 64)
+    x = random_input((256, 10), dtype=torch.bfloat16).t()  # [10, 256], not contiguous
+    out = ops.awq_gemm(x, qweight, scales, qzeros, 64, backend="cpu")
+    _check(out, x, qweight, scales, qzeros, 64)
+
+
+@pytest.mark.parametrize(
+    "k,n,group_size,dtype,why",
+    [
+        (64, 64, 16, torch.float32, "not a multiple of 32"),
+        (240, 64, -1, torch.float32, "not a multiple of 32"),
+        (64, 24, 32, torch.float32, "N=24 is not a multiple of 16"),
+        (64, 64, 32, torch.float64, "takes fp32, bf16 or fp16"),
+    ],
+)
+def test_unfit_calls_are_declined_and_fall_back(k, n, group_size, dtype, why):
+    qweight, scales, qzeros = random_awq(k, n, group_size)
+    g = reference.resolve_group_size(group_size, k)
+    x = random_input((3, k), dtype=dtype)
+    assert why in cpu_backend.awq_gemm_fits(x, qweight, g)
+    with pytest.raises(ValueError, match="CPU int4 kernel cannot run"):
+        cpu_backend.awq_gemm(x, qweight, scales, qzeros, g)
+    with pytest.raises(backend.BackendUnavailableError, match=why):
+        ops.awq_gemm(x, qweight, scales, qzeros, g, backend="cpu")
+    out = ops.awq_gemm(x, qweight, scales, qzeros, g)  # dispatch falls back to the torch path
+    assert torch.equal(out, reference.awq_gemm(x, qweight, scales, qzeros, g))
+
+
+def test_exact_fp32_env_declines_fp32(monkeypatch):
+    monkeypatch.setenv("FASTAWQ_CPU_FP32", "exact")
+    qweight, scales, qzeros = random_awq(128, 64, 64)
+    x = random_input((2, 128), dtype=torch.float32)
+    assert "FASTAWQ_CPU_FP32=exact" in cpu_backend.awq_gemm_fits(x, qweight, 64)
+    assert cpu_backend.awq_gemm_fits(x.bfloat16(), qweight, 64) is None
+    assert torch.equal(ops.awq_gemm(x, qweight, scales, qzeros, 64), reference.awq_gemm(x, qweight, scales, qzeros, 64))
+
+
+def test_torch_without_the_kernel_declines(monkeypatch):
+    monkeypatch.setattr(cpu_backend, "_KERNEL_MISSING", "torch 2.3 has no _weight_int4pack_mm_for_cpu")
+    qweight, scales, qzeros = random_awq(128, 64, 64)
+    x = random_input((2, 128), dtype=torch.bfloat16)
+    assert "no _weight_int4pack_mm_for_cpu" in cpu_backend.awq_gemm_fits(x, qweight, 64)
+    out = ops.awq_gemm(x, qweight, scales, qzeros, 64)
+    assert torch.equal(out, reference.awq_gemm(x, qweight, scales, qzeros, 64))
+
+
+def test_bad_inputs_name_the_shapes():
+    qweight, scales, qzeros = random_awq(128, 64, 64)
+    with pytest.raises(ValueError, match=r"x \(3, 64\) has K=64 but qweight \(128, 8\)"):
+        cpu_backend.awq_gemm(random_input((3, 64)).float(), qweight, scales, qzeros, 64)
+    with pytest.raises(ValueError, match=r"bias \(32,\) must have shape \(64,\)"):
+        cpu_backend.awq_gemm(random_input((3, 128)).float(), qweight, scales, qzeros, 64, torch.zeros(32))
+    with pytest.raises(ValueError, match="must be 2-D"):
+        cpu_backend.awq_gemm(random_input((128,)).float(), qweight, scales, qzeros, 64)
+    with pytest.raises(ValueError, match="inconsistent AWQ shapes"):
+        cpu_backend.prepare(qweight, scales[:1], qzeros, 64)
+
+
+def test_repack_is_cached_and_invalidated_by_writes():
+    cpu_backend.clear_cache()
+    qweight, scales, qzeros = random_awq(256, 64, 64, seed=1)
+    x = random_input((4, 256), dtype=torch.bfloat16)
+    first = cpu_backend.prepare(qweight, scales, qzeros, 64)
+    assert cpu_backend.prepare(qweight, scales, qzeros, 64) is first
+    out1 = cpu_backend.awq_gemm(x, qweight, scales, qzeros, 64)
+    assert cpu_backend.cache_size() == 1
+    # In-place writes (load_state_dict copies into the buffers) must reach the kernel.
+    new_q, new_s, new_z = random_awq(256, 64, 64, seed=2)
+    qweight.copy_(new_q)
+    out2 = cpu_backend.awq_gemm(x, qweight, scales, qzeros, 64)
+    _check(out2, x, qweight, scales, qzeros, 64)
+    assert not torch.equal(out1, out2)
+    scales.copy_(new_s)
+    _check(cpu_backend.awq_gemm(x, qweight, scales, qzeros, 64), x, qweight, scales, qzeros, 64)
+    qzeros.copy_(new_z)
+    _check(cpu_backend.awq_gemm(x, qweight, scales, qzeros, 64), x, qweight, scales, qzeros, 64)
+    assert cpu_backend.cache_size() == 1
+    del qweight
+    gc.collect()
+    assert cpu_backend.cache_size() == 0
+
+
+def test_tiny_llama_wqlinear_matches_torch_backend():
+    transformers = pytest.importorskip("transformers")
+    from fastawq.modules.qlinear import WQLinear
+
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(parent, name, WQLinear.from_linear(child, 32))
+    qlayers = [mod for mod in model.modules() if isinstance(mod, WQLinear)]
+    assert len(qlayers) == 14
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(3))
+    cpu_backend.clear_cache()
+    with torch.no_grad():
+        fast = model(ids).logits
+        assert cpu_backend.cache_size() == 14  # every layer went through the CPU kernel
+        for mod in qlayers:
+            mod.backend = "torch"
+        slow = model(ids).logits
+    assert torch.isfinite(fast).all()
+    rel = (fast - slow).abs().max() / slow.abs().max()
+    assert rel < 3e-2, f"relative logit difference {rel:.3g}"
+    assert (fast.argmax(-1) == slow.argmax(-1)).float().mean() > 0.9
