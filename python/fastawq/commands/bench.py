@@ -1,0 +1,211 @@
+"""`fastawq bench`: prefill and decode speed and peak memory, the table AutoAWQ users know.
+
+For each length L (32, 64, ... up to --max-len) it prefills L tokens and then decodes L more
+(greedy), in one of four modes: fp16 (transformers), w4 (unfused W4, transformers' cache),
+fused (fused W4 layers, eager) and fused-graphs (fused W4, CUDA-graph decode).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MODES = ("fp16", "w4", "fused", "fused-graphs")
+
+
+@dataclass
+class Row:
+    mode: str
+    batch: int
+    prefill_len: int
+    decode_len: int
+    prefill_tps: float | None = None
+    decode_tps: float | None = None
+    memory_gib: float | None = None
+    note: str = ""
+
+
+def lengths_for(max_len: int, rounds: int | None) -> list[int]:
+    out, n = [], 32
+    while n <= max_len and (rounds is None or len(out) < rounds):
+        out.append(n)
+        n *= 2
+    return out
+
+
+def build_model(mode: str, model: str | None, shape: str | None, device: str, max_seq_len: int,
+                batch_size: int, gemm_backend: str | None = None) -> torch.nn.Module:
+    """The model for one mode, from a named random shape or a checkpoint directory."""
+    from fastawq.modules.fused import fuse_model
+    from fastawq.modules.qlinear import WQLinear
+
+    if shape is not None:
+        from fastawq.shapes import build_random_model
+
+        m = build_random_model(shape, quantized=mode != "fp16", device=device)
+    elif mode == "fp16":
+        from transformers import AutoModelForCausalLM
+
+        m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float16).to(device).eval()
+    else:
+        try:
+            from fastawq import AutoAWQForCausalLM
+        except ImportError as e:
+            raise SystemExit(f"loading a quantized checkpoint needs fastawq.AutoAWQForCausalLM: {e}")
+        m = AutoAWQForCausalLM.from_quantized(model, fuse_layers=False, device_map=device)
+        m = getattr(m, "model", m)
+    if gemm_backend:
+        for mod in m.modules():
+            if isinstance(mod, WQLinear):
+                mod.backend = gemm_backend
+    if mode.startswith("fused"):
+        fuse_model(m, max_seq_len, batch_size, use_cuda_graphs=mode == "fused-graphs")
+    return m
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def run_round(model: torch.nn.Module, mode: str, batch: int, prefill_len: int, decode_len: int,
+              vocab: int, warmup: bool = True) -> Row:
+    """Prefill prefill_len tokens, then greedy-decode decode_len; time each phase separately."""
+    from fastawq.generate import stepper_for
+
+    step = stepper_for(model)
+    device = step.device
+    row = Row(mode, batch, prefill_len, decode_len)
+    gen = torch.Generator(device="cpu").manual_seed(prefill_len)
+    ids = torch.randint(0, vocab, (batch, prefill_len), generator=gen).to(device)
+    try:
+        step.check(batch, prefill_len + decode_len)
+        if warmup:
+            # Compile/autotune the kernels for this M and capture the decode graph, untimed.
+            logits = step.prefill(ids)
+            step.decode(logits.argmax(-1))
+            step.decode(logits.argmax(-1))
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        logits = step.prefill(ids)
+        _sync(device)
+        t1 = time.perf_counter()
+        tok = logits.argmax(-1)
+        for _ in range(decode_len):
+            tok = step.decode(tok).argmax(-1)
+        _sync(device)
+        t2 = time.perf_counter()
+        row.prefill_tps = batch * prefill_len / (t1 - t0)
+        row.decode_tps = batch * decode_len / (t2 - t1)
+        if device.type == "cuda":
+            row.memory_gib = torch.cuda.max_memory_allocated(device) / 2**30
+    except Exception as e:  # an OOM (or a too-long round) is a row, and the run goes on
+        if _is_oom(e):
+            row.note = "OOM"
+        elif type(e).__name__ == "CacheOverflowError":
+            row.note = "exceeds cache"
+        else:
+            raise
+        if hasattr(step, "cache"):
+            step.cache = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+def format_table(rows: list[Row]) -> str:
+    head = ["Mode", "Batch Size", "Prefill Length", "Decode Length", "Prefill tokens/s",
+            "Decode tokens/s", "Memory (VRAM)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if r.note:
+            cells = [r.note, r.note, r.note]
+        else:
+            cells = [f"{r.prefill_tps:,.1f}", f"{r.decode_tps:,.1f}",
+                     f"{r.memory_gib:.2f} GiB" if r.memory_gib is not None else "n/a (CPU)"]
+        lines.append("| " + " | ".join([r.mode, str(r.batch), str(r.prefill_len), str(r.decode_len), *cells]) + " |")
+    return "\n".join(lines)
+
+
+def bench(model: str | None, shape: str | None, modes: list[str], lengths: list[int], batch: int,
+          device: str, max_seq_len: int | None = None, max_decode: int | None = None,
+          gemm_backend: str | None = None) -> list[Row]:
+    """Run every mode over every length; each mode's model is freed before the next is built."""
+    rows: list[Row] = []
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
+        if mode == "fused-graphs" and not device.startswith("cuda"):
+            log.warning("CUDA graphs need a GPU: fused-graphs runs eagerly on %s", device)
+        msl = max_seq_len or 2 * max(lengths)
+        try:
+            m = build_model(mode, model, shape, device, msl, batch, gemm_backend)
+        except Exception as e:
+            if not _is_oom(e):
+                raise
+            rows += [Row(mode, batch, n, n, note="OOM") for n in lengths]
+            continue
+        vocab = m.config.vocab_size
+        for n in lengths:
+            d = min(n, max_decode) if max_decode else n
+            row = run_round(m, mode, batch, n, d, vocab)
+            log.info("%s", row)
+            rows.append(row)
+        del m
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main(args: argparse.Namespace) -> int:
+    if (args.model is None) == (args.shape is None):
+        raise SystemExit("give either MODEL (a checkpoint directory) or --shape NAME")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else lengths_for(args.max_len, args.rounds)
+    modes = [m.strip() for m in args.mode.split(",")]
+    rows = bench(args.model, args.shape, modes, lengths, args.batch_size, device, args.max_seq_len,
+                 args.max_decode, args.gemm_backend)
+    name = args.shape or args.model
+    dev = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU"
+    print(f"\n{name} on {dev}, batch {args.batch_size}\n")
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": name, "device": dev, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from fastawq.shapes import SHAPES
+
+    p = subparsers.add_parser("bench", help="prefill/decode tokens per second and memory",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", help="quantized checkpoint directory (or fp16 model for --mode fp16)")
+    p.add_argument("--shape", choices=sorted(SHAPES), help="random-weight model of a named shape instead of MODEL")
+    p.add_argument("--mode", default="fused-graphs", help=f"comma list of {', '.join(MODES)}")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--max-len", type=int, default=4096, help="longest prefill (= decode) length")
+    p.add_argument("--rounds", type=int, default=None, help="number of lengths 32, 64, ... to run")
+    p.add_argument("--lengths", help="explicit comma list of lengths (overrides --max-len/--rounds)")
+    p.add_argument("--max-decode", type=int, default=None, help="cap the decode length of each round")
+    p.add_argument("--max-seq-len", type=int, default=None, help="fused cache length (default 2 x longest)")
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if present)")
+    p.add_argument("--gemm-backend", default=None, help="force the W4 GEMM backend (cuda|triton|cpu|torch)")
+    p.add_argument("--json", help="also write the rows as JSON here")
+    p.set_defaults(func=main)
+    return p

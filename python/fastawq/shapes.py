@@ -1,0 +1,133 @@
+"""Named model shapes with random weights, built straight in packed W4 form (or fp16), so speed and
+memory are measurable without a checkpoint. No full-precision model is ever built for W4: the
+decoder linears are created as WQLinear with random qweight/qzeros and small random scales."""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from fastawq.modules.qlinear import WQLinear
+
+log = logging.getLogger(__name__)
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+# name -> (config class name, config kwargs, W4 group size)
+SHAPES: dict[str, tuple[str, dict, int]] = {
+    "llama-3-8b": ("LlamaConfig", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+        rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ), 128),
+    "llama-2-7b": ("LlamaConfig", dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ), 128),
+    "qwen2.5-7b": ("Qwen2Config", dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ), 128),
+    # Hidden 576 is not a multiple of 128: this shape is quantized with groups of 64.
+    "smollm2-135m": ("LlamaConfig", dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+        rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    ), 64),
+    # For tests and CPU smoke runs.
+    "tiny": ("LlamaConfig", dict(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ), 64),
+}
+
+
+def shape_config(name: str):
+    """The transformers config of a named shape."""
+    import transformers
+
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; known: {sorted(SHAPES)}")
+    cls_name, kwargs, _ = SHAPES[name]
+    cfg = getattr(transformers, cls_name)(**kwargs)
+    if hasattr(cfg, "use_sliding_window"):
+        cfg.use_sliding_window = False
+        cfg.sliding_window = None
+    return cfg
+
+
+def _is_decoder_linear(name: str, mod: nn.Module) -> bool:
+    return isinstance(mod, nn.Linear) and ".layers." in f".{name}"
+
+
+def _fill_random_w4(layer: WQLinear, gen: torch.Generator) -> None:
+    dev = layer.qweight.device
+    k = layer.in_features
+    # Every nibble uniform in 0..15 (full int32 range); scales such that (q - z) * s keeps
+    # activations O(1): |q - z| ~ 6 on average, summed over K inputs.
+    layer.qweight.copy_(torch.randint(-2**31, 2**31 - 1, layer.qweight.shape, dtype=torch.int32, device=dev, generator=gen))
+    layer.qzeros.copy_(torch.randint(-2**31, 2**31 - 1, layer.qzeros.shape, dtype=torch.int32, device=dev, generator=gen))
+    s = torch.rand(layer.scales.shape, device=dev, generator=gen, dtype=torch.float32)
+    layer.scales.copy_(((0.5 + s) / (6.0 * k ** 0.5)).to(layer.scales.dtype))
+    if layer.bias is not None:
+        layer.bias.copy_((torch.randn(layer.bias.shape, device=dev, generator=gen) * 0.02).to(layer.bias.dtype))
+
+
+def _fresh_rotary(model: nn.Module, device: torch.device) -> None:
+    # Built under the meta device, the rotary module's inverse frequencies are garbage: rebuild it.
+    rot = model.model.rotary_emb
+    model.model.rotary_emb = type(rot)(config=model.config).to(device)
+
+
+def build_random_model(
+    name: str,
+    *,
+    quantized: bool = True,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float16,
+    group_size: int | None = None,
+    seed: int = 0,
+) -> nn.Module:
+    """A transformers causal LM of the named shape with random weights on `device`.
+
+    quantized=True: decoder linears are WQLinear (W4, group size of the shape unless given),
+    generated directly in packed form; embeddings, norms and lm_head stay in `dtype`.
+    quantized=False: the plain fp16 model (the baseline)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = shape_config(name)
+    g = group_size or SHAPES[name][2]
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    if quantized:
+        for mname, mod in list(model.named_modules()):
+            if _is_decoder_linear(mname, mod):
+                parent_name, _, child = mname.rpartition(".")
+                parent = model.get_submodule(parent_name)
+                setattr(parent, child, WQLinear(mod.in_features, mod.out_features, g, mod.bias is not None,
+                                                device="meta", dtype=dtype))
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for mname, mod in model.named_modules():
+            if isinstance(mod, WQLinear):
+                _fill_random_w4(mod, gen)
+            elif isinstance(mod, (nn.Linear, nn.Embedding)):
+                std = 0.02 if isinstance(mod, nn.Embedding) or ".layers." not in f".{mname}" else mod.in_features ** -0.5
+                mod.weight.normal_(0.0, std, generator=gen)
+                if getattr(mod, "bias", None) is not None:
+                    mod.bias.normal_(0.0, 0.02, generator=gen)
+            elif mname.endswith("norm") and hasattr(mod, "weight"):
+                mod.weight.fill_(1.0)
+        if cfg.tie_word_embeddings:
+            model.tie_weights()
+    _fresh_rotary(model, device)
+    model.eval()
+    log.info("built random %s model %r on %s", "W4" if quantized else str(dtype), name, device)
+    return model
