@@ -182,6 +182,19 @@ class _DecodeGraph:
             self.logits = self._step()
 
 
+def _external_workspaces() -> tuple:
+    """Addresses of the Triton GEMM's split-K scratch buffers (reused across calls, regrown on
+    demand): a graph captured over one of them must not outlive it."""
+    import sys
+
+    launch = sys.modules.get("fastawq.triton_kernels.launch")
+    ws = getattr(launch, "_WORKSPACE", None)
+    bufs = getattr(ws, "buffers", None)
+    if not isinstance(bufs, dict):
+        return ()
+    return tuple((str(d), tuple(t.data_ptr() for t in v if t is not None)) for d, v in bufs.items())
+
+
 class FusedRuntime:
     """Runs a fused model: prefill (eager, SDPA) and decode (CUDA-graph replay on GPU)."""
 
@@ -193,6 +206,7 @@ class FusedRuntime:
         self.length = 0  # tokens in the cache (all rows share it)
         self.batch = 0
         self._graphs: dict[int, _DecodeGraph] = {}
+        self._workspaces: tuple = ()
 
     @property
     def device(self) -> torch.device:
@@ -240,6 +254,9 @@ class FusedRuntime:
         positions = torch.arange(start, start + seq, dtype=torch.int32, device=ids.device).expand(b, seq)
         logits = self._forward(ids, positions.contiguous(), start, None, start + seq, last_only)
         self.batch, self.length = b, start + seq
+        if self._graphs and _external_workspaces() != self._workspaces:
+            # A GEMM backend regrew a scratch buffer that a captured graph points into: recapture.
+            self._graphs.clear()
         return logits
 
     @torch.inference_mode()
@@ -260,6 +277,7 @@ class FusedRuntime:
             g.lens.fill_(pos + 1)
             if g.graph is None:
                 g.capture()
+                self._workspaces = _external_workspaces()
             g.graph.replay()
             logits = g.logits
         else:

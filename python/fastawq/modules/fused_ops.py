@@ -233,13 +233,17 @@ def prefill_attention(
     k = k_cache[:b, :end].transpose(1, 2)
     v = v_cache[:b, :end].transpose(1, 2)
     qt = q.transpose(1, 2)
-    gqa = hq != k.shape[1]
+    if hq != k.shape[1]:
+        # Expanded K/V (a few MB) rather than enable_gqa, which some SDPA backends do not take:
+        # the math fallback would materialise L x L scores per head.
+        k = k.repeat_interleave(hq // k.shape[1], dim=1)
+        v = v.repeat_interleave(hq // v.shape[1], dim=1)
     if start == 0:
-        out = F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=scale)
     else:
         qpos = torch.arange(start, end, device=q.device)[:, None]
         mask = torch.arange(end, device=q.device)[None, :] <= qpos
-        out = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale)
     return out.transpose(1, 2)
 
 
