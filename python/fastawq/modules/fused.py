@@ -279,7 +279,7 @@ class FusedRuntime:
                 g.capture()
                 self._workspaces = _external_workspaces()
             g.graph.replay()
-            logits = g.logits
+            logits = g.logits.clone()  # the static output is overwritten by the next replay
         else:
             positions = torch.full((b, 1), pos, dtype=torch.int32, device=self.device)
             lens = torch.full((b,), pos + 1, dtype=torch.int32, device=self.device)
