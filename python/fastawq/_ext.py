@@ -2,6 +2,8 @@
 
 The compiled kernels are preferred, never required: any reason not to use them (not built,
 built against another torch, failed to load) becomes one warning and a fallback to Triton/torch.
+The check happens before the shared library is opened, so a torch mismatch never surfaces as an
+"undefined symbol" crash.
 """
 from __future__ import annotations
 
@@ -14,29 +16,61 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+REBUILD_HINT = (
+    "rebuild with `FASTAWQ_BUILD_KERNELS=on pip install --no-build-isolation --no-deps "
+    "--force-reinstall .` in the fastawq source tree (`-e .` for an editable install)"
+)
+
+
+def _build_info():
+    try:
+        return importlib.import_module("fastawq._build_info")
+    except ImportError:
+        return None
+
 
 @functools.lru_cache(maxsize=None)
 def _load() -> tuple[bool, str | None]:
-    try:
-        info = importlib.import_module("fastawq._build_info")
-    except ImportError:
+    info = _build_info()
+    if info is None:
         return False, "fastawq was installed without compiled kernels"
     built = getattr(info, "TORCH_VERSION", None)
     if built is not None and built != torch.__version__:
         msg = (
             f"fastawq's compiled kernels were built against torch {built}, but torch "
-            f"{torch.__version__} is installed; using the Triton/torch kernels instead. Rebuild with "
-            f"`pip install --no-build-isolation --force-reinstall --no-deps fastawq` to use them."
+            f"{torch.__version__} is installed; using the Triton/torch kernels instead. To use them, "
+            f"{REBUILD_HINT}."
         )
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
         return False, msg
     try:
         importlib.import_module("fastawq._C")
     except (ImportError, OSError) as e:
-        msg = f"fastawq._C failed to load ({e}); using the Triton/torch kernels instead"
+        msg = (
+            f"fastawq._C (built for torch {built}, running torch {torch.__version__}) failed to load: "
+            f"{e}; using the Triton/torch kernels instead. To use them, {REBUILD_HINT}."
+        )
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
         return False, msg
+    _register_test_fakes()
+    logger.debug("fastawq._C loaded (archs %s)", built_archs())
     return True, None
+
+
+_FAKES_REGISTERED = False
+
+
+def _register_test_fakes() -> None:
+    """awq_gemm_config (awq_gemm with its path forced, for benchmarks and tests) has no Python
+    wrapper in ops.py; its output shape is registered here so it traces and passes opcheck."""
+    global _FAKES_REGISTERED
+    if _FAKES_REGISTERED or not hasattr(torch.ops.fastawq, "awq_gemm_config"):
+        return
+    _FAKES_REGISTERED = True
+
+    @torch.library.register_fake("fastawq::awq_gemm_config")
+    def _(x, qweight, scales, qzeros, group_size, bias, path, split_k):
+        return x.new_empty((x.shape[0], qweight.shape[1] * 8))
 
 
 def is_loaded() -> bool:
@@ -48,11 +82,20 @@ def has_op(name: str) -> bool:
 
 
 def built_archs() -> list[str]:
-    try:
-        info = importlib.import_module("fastawq._build_info")
-    except ImportError:
-        return []
-    return list(getattr(info, "CUDA_ARCHS", []))
+    info = _build_info()
+    return [a for a in getattr(info, "CUDA_ARCHS", []) if a] if info is not None else []
+
+
+def _arch_runs_on(arch: str, major: int, minor: int) -> bool:
+    """Machine code for sm_XY runs on the same major with minor >= Y; 'a'/'f' variants only on XY."""
+    specific = arch.endswith(("a", "f"))
+    digits = arch.rstrip("af").split(".")
+    if len(digits) != 2 or not all(d.isdigit() for d in digits):
+        return False
+    a_major, a_minor = int(digits[0]), int(digits[1])
+    if specific:
+        return (a_major, a_minor) == (major, minor)
+    return a_major == major and a_minor <= minor
 
 
 def supports_device(device: torch.device) -> bool:
@@ -60,13 +103,15 @@ def supports_device(device: torch.device) -> bool:
     if device.type != "cuda" or not is_loaded():
         return False
     major, minor = torch.cuda.get_device_capability(device)
-    for arch in built_archs():
-        digits = arch.rstrip("af").replace(".", "")
-        if len(digits) >= 2 and int(digits[:-1]) == major and int(digits[-1]) <= minor:
-            return True
-    return False
+    return any(_arch_runs_on(a, major, minor) for a in built_archs())
 
 
 def status() -> dict:
     loaded, reason = _load()
-    return {"loaded": loaded, "reason": reason, "archs": built_archs()}
+    info = _build_info()
+    return {
+        "loaded": loaded,
+        "reason": reason,
+        "archs": built_archs(),
+        "built_torch": getattr(info, "TORCH_VERSION", None) if info is not None else None,
+    }

@@ -1,0 +1,34 @@
+// fp16 / bf16 helpers shared by the kernels, and the static dtype switch.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace fastawq {
+
+template <typename T>
+struct HalfTraits;
+
+template <>
+struct HalfTraits<__half> {
+  using T2 = __half2;
+  // 0x6400 is 1024.0 in fp16: OR-ing a nibble into its mantissa gives 1024 + q exactly.
+  static constexpr uint32_t kMagic2 = 0x64006400u;
+  static constexpr float kMagic = 1024.0f;
+  __device__ static __half from_float(float v) { return __float2half_rn(v); }
+  __device__ static float to_float(__half v) { return __half2float(v); }
+};
+
+template <>
+struct HalfTraits<__nv_bfloat16> {
+  using T2 = __nv_bfloat162;
+  // 0x4300 is 128.0 in bf16 (8 significant bits): 128 + q is exact for q < 16.
+  static constexpr uint32_t kMagic2 = 0x43004300u;
+  static constexpr float kMagic = 128.0f;
+  __device__ static __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+  __device__ static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+};
+
+}  // namespace fastawq

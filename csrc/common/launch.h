@@ -1,0 +1,40 @@
+// Launchers the .cu files export to the host .cpp files. Plain pointers and a stream only, so the
+// CUDA sources include no torch headers (they would dominate nvcc's compile time).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace fastawq {
+
+enum class HalfType : int { kHalf = 0, kBFloat16 = 1 };
+
+// w [K, N] = (q - z) * s from qweight [K, N/8], scales [K/G, N], qzeros [K/G, N/8].
+void launch_awq_dequantize(HalfType dtype, const uint32_t* qweight, const void* scales, const uint32_t* qzeros,
+                           void* out, int k, int n8, int group_size, int max_blocks, cudaStream_t stream);
+
+// Tile of the tensor-core kernel: 128 output columns (16 packed words) x 32 rows of K per stage.
+constexpr int kMmaBlockN = 128;
+constexpr int kMmaBlockK = 32;
+
+// Rows of M per block for a given M (the kernel instance the launcher will pick).
+inline int mma_block_m(int m) { return m <= 16 ? 16 : (m <= 32 ? 32 : 64); }
+
+struct MmaArgs {
+  HalfType dtype;
+  const void* x;            // [M, K]
+  const uint32_t* qweight;  // [K, N/8]
+  const void* scales;       // [K/G, N]
+  const uint32_t* qzeros;   // [K/G, N/8]
+  const void* bias;         // [N] or nullptr
+  void* out;                // [M, N]
+  float* workspace;         // [splits, M, N] fp32 when splits > 1
+  int* counters;            // zeroed, one per (M block, N block) tile, when splits > 1
+  int m, n, k, group_size;
+  int splits, tiles_per_split;
+};
+
+void launch_awq_gemm_mma(const MmaArgs& args, cudaStream_t stream);
+
+}  // namespace fastawq

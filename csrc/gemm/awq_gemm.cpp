@@ -1,0 +1,141 @@
+// Host entry of fastawq::awq_gemm: validation, then the path by M (crossovers in
+// benchmarks/CUDA_NOTES.md): the tensor-core kernel while weight bytes dominate, dequantize +
+// cuBLAS once the product is compute-bound.
+#include <algorithm>
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "common/checks.h"
+#include "common/launch.h"
+#include "ops.h"
+
+namespace fastawq {
+namespace {
+
+// Largest M served by the tensor-core kernel; above it dequantize + cuBLAS wins on the H200.
+constexpr int64_t kMmaMaxM = 256;
+
+bool mma_fits(int64_t k, int64_t n, int64_t g) {
+#ifdef FASTAWQ_NO_AWQ_GEMM_MMA_SM80
+  return false;
+#else
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  return props->major >= 8 && n % 32 == 0 && k % kMmaBlockK == 0 && g % kMmaBlockK == 0;
+#endif
+}
+
+// One zeroed counter buffer per device, grown on demand; the kernel leaves it zeroed again.
+// Concurrent split-K launches on different streams of one device must not share it: see notes.
+int* tile_counters(const at::Device& device, int64_t needed) {
+  static at::Tensor buffers[64];
+  at::Tensor& buf = buffers[device.index()];
+  if (!buf.defined() || buf.numel() < needed) {
+    buf = at::zeros({std::max<int64_t>(needed, 4096)}, at::TensorOptions().dtype(at::kInt).device(device));
+  }
+  return buf.data_ptr<int>();
+}
+
+void run_mma(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& qzeros,
+             int64_t g, const at::Tensor* bias, at::Tensor& out, int64_t split_k) {
+  const int m = static_cast<int>(x.size(0)), k = static_cast<int>(x.size(1)), n = static_cast<int>(out.size(1));
+  const int kt_total = k / kMmaBlockK;
+  const int col_blocks = (n + kMmaBlockN - 1) / kMmaBlockN;
+  const int bm = mma_block_m(m);
+  const int m_blocks = (m + bm - 1) / bm;
+  int splits = static_cast<int>(split_k);
+  if (splits <= 0) {
+    // Aim at ~4 blocks per SM so small M still streams from every SM, keeping >= 4 K tiles each.
+    const int target = at::cuda::getCurrentDeviceProperties()->multiProcessorCount * 4;
+    splits = std::min((target + col_blocks * m_blocks - 1) / (col_blocks * m_blocks), kt_total / 4);
+  }
+  splits = std::max(1, std::min(splits, kt_total));
+  const int tiles_per_split = (kt_total + splits - 1) / splits;
+  splits = (kt_total + tiles_per_split - 1) / tiles_per_split;  // no empty split
+
+  MmaArgs a{};
+  at::Tensor ws;
+  if (splits > 1) {
+    ws = at::empty({splits, m, n}, x.options().dtype(at::kFloat));
+    a.workspace = ws.data_ptr<float>();
+    a.counters = tile_counters(x.device(), int64_t(col_blocks) * m_blocks);
+  }
+  a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
+  a.x = x.data_ptr();
+  a.qweight = reinterpret_cast<const uint32_t*>(qweight.data_ptr<int>());
+  a.scales = scales.data_ptr();
+  a.qzeros = reinterpret_cast<const uint32_t*>(qzeros.data_ptr<int>());
+  a.bias = bias != nullptr ? bias->data_ptr() : nullptr;
+  a.out = out.data_ptr();
+  a.m = m, a.n = n, a.k = k, a.group_size = static_cast<int>(g);
+  a.splits = splits, a.tiles_per_split = tiles_per_split;
+  launch_awq_gemm_mma(a, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                     const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias,
+                     int64_t path, int64_t split_k) {
+  int64_t k, n, g;
+  check_awq_weight("awq_gemm", qweight, scales, qzeros, group_size, k, n, g);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "awq_gemm: x must be [M, K=", k, "] to match qweight ",
+              shape_str(qweight), ", got x ", shape_str(x));
+  const int64_t m = x.size(0);
+  TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
+              "awq_gemm: x must be fp16 or bf16, got ", x.scalar_type(), " (x ", shape_str(x), ")");
+  TORCH_CHECK(scales.scalar_type() == x.scalar_type(), "awq_gemm: scales must have x's dtype ", x.scalar_type(),
+              ", got ", scales.scalar_type(), " (problem m=", m, ", n=", n, ", k=", k, ")");
+  TORCH_CHECK(x.device() == qweight.device(), "awq_gemm: x is on ", x.device(), " but qweight is on ",
+              qweight.device());
+  TORCH_CHECK(x.is_contiguous(), "awq_gemm: x ", shape_str(x), " must be contiguous");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(qweight.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(scales.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(qzeros.data_ptr()) % 16 == 0,
+              "awq_gemm: x, qweight, scales and qzeros must be 16-byte aligned (problem m=", m, ", n=", n, ", k=", k,
+              ")");
+  const at::Tensor* b = nullptr;
+  if (bias.has_value()) {
+    b = &bias.value();
+    TORCH_CHECK(b->dim() == 1 && b->size(0) == n && b->scalar_type() == x.scalar_type() &&
+                    b->device() == x.device() && b->is_contiguous(),
+                "awq_gemm: bias must be a contiguous [N=", n, "] ", x.scalar_type(), " tensor on ", x.device(),
+                ", got ", shape_str(*b), " ", b->scalar_type(), " on ", b->device());
+  }
+  TORCH_CHECK(path >= 0 && path <= 2, "awq_gemm_config: path must be 0 (auto), 1 (mma) or 2 (dequant+cuBLAS)");
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return out;
+  if (k == 0) return b != nullptr ? out.copy_(b->expand({m, n})) : out.zero_();
+
+  const bool fits = mma_fits(k, n, g);
+  if (path == 0) path = (fits && m <= kMmaMaxM) ? 1 : 2;
+  TORCH_CHECK(path != 1 || fits, "awq_gemm: the tensor-core kernel needs sm_80+ and N % 32, K % 32, group_size % 32 "
+              "== 0 (problem m=", m, ", n=", n, ", k=", k, ", group_size=", g, ")");
+  if (path == 1) {
+    run_mma(x, qweight, scales, qzeros, g, b, out, split_k);
+    return out;
+  }
+  at::Tensor w = at::empty({k, n}, x.options());
+  awq_dequantize_into(qweight, scales, qzeros, g, w);
+  if (b != nullptr) return at::addmm_out(out, *b, x, w);
+  return at::mm_out(out, x, w);
+}
+
+}  // namespace
+
+// x [M, K] · qweight [K, N/8] int32 · scales [K/G, N] · qzeros [K/G, N/8] int32 · bias [N] -> [M, N]
+at::Tensor awq_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                    const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias) {
+  return gemm_impl(x, qweight, scales, qzeros, group_size, bias, 0, 0);
+}
+
+at::Tensor awq_gemm_config(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                           const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias,
+                           int64_t path, int64_t split_k) {
+  return gemm_impl(x, qweight, scales, qzeros, group_size, bias, path, split_k);
+}
+
+}  // namespace fastawq

@@ -1,0 +1,258 @@
+// W4A16 GEMM on the tensor cores (mma.sync m16n8k16), reading the AWQ "GEMM" layout directly.
+//
+// y[M, N] = x[M, K] @ ((q - z) * s) with fp32 accumulation. No repack: the mma's internal k and n
+// orders are free labels, so they are chosen to match the packed words.
+//   n: mma column c of an 8-column tile is nibble c of a packed word (real column AWQ_ORDER[c]),
+//      so every lane extracts one fixed nibble position from every word it reads;
+//   k: mma k index {2t, 2t+1, 2t+8, 2t+9} of lane (g, t) is physical row 4t..4t+3, so a lane's A
+//      fragment is one 8-byte load and its B fragment comes from 4 consecutive rows.
+// One 16-byte shared load gives a lane the words of 4 neighbouring 8-column tiles for one row.
+// The result of lane (g, t) lands in real columns AWQ_ORDER[2t], AWQ_ORDER[2t+1]: the epilogue
+// scatters accordingly.
+#include "common/dtype.cuh"
+#include "common/launch.h"
+#include "common/ptx.cuh"
+
+namespace fastawq {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kWords = kMmaBlockN / 8;  // packed words per row of a tile
+
+// Real column (0..7) held by nibble c.
+__device__ __forceinline__ int awq_order(int c) { return (c & 3) * 2 + (c >> 2); }
+
+template <int MT>
+struct Smem {
+  static constexpr int kBM = 16 * MT;
+  uint32_t w[kMmaBlockK * kWords];            // 32 rows x 64 B; 16-byte chunk j of row r at j ^ ((r >> 2) & 3)
+  uint32_t z[kWords];                         // the tile's zero words (one group per stage)
+  uint16_t s[kMmaBlockN];                     // the tile's scales
+  uint16_t x[kBM * kMmaBlockK];               // BM rows x 64 B; 32-byte half h of row r at h ^ ((r >> 1) & 1)
+};
+
+template <typename T, int MT, int STAGES>
+__global__ void __launch_bounds__(kThreads) awq_gemm_mma_kernel(
+    const T* __restrict__ x, const uint32_t* __restrict__ qweight, const T* __restrict__ scales,
+    const uint32_t* __restrict__ qzeros, const T* __restrict__ bias, T* __restrict__ out, float* __restrict__ ws,
+    int* __restrict__ counters, int m, int n, int k, int group_size, int tiles_per_split) {
+  using Tr = HalfTraits<T>;
+  using T2 = typename Tr::T2;
+  constexpr int kBM = 16 * MT;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto* smem = reinterpret_cast<Smem<MT>*>(smem_raw);
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int n8 = n >> 3;
+  const int word0 = blockIdx.x * kWords;  // first packed word column of this block
+  const int m0 = blockIdx.z * kBM;
+  const int splits = gridDim.y;
+  const int kt_total = k / kMmaBlockK;
+  const int kt_begin = blockIdx.y * tiles_per_split;
+  const int kt_end = min(kt_begin + tiles_per_split, kt_total);
+  const int ntiles = max(kt_end - kt_begin, 0);
+  const uint64_t policy = evict_first_policy();
+
+  auto load_stage = [&](int slot, int kt) {
+    Smem<MT>& st = smem[slot];
+    const int k0 = kt * kMmaBlockK;
+    const int grp = k0 / group_size;
+    {  // weights: 32 rows x 4 chunks of 16 B, one chunk per thread
+      const int row = tid >> 2, chunk = tid & 3;
+      const int word = word0 + chunk * 4;
+      const bool ok = word < n8;
+      const uint32_t* src = qweight + static_cast<int64_t>(k0 + row) * n8 + (ok ? word : 0);
+      cp_async16_stream(&st.w[row * kWords + ((chunk ^ ((row >> 2) & 3)) * 4)], src, ok, policy);
+    }
+    if (tid < 4) {
+      const int word = word0 + tid * 4;
+      const bool ok = word < n8;
+      cp_async16(&st.z[tid * 4], qzeros + static_cast<int64_t>(grp) * n8 + (ok ? word : 0), ok);
+    } else if (tid < 4 + kMmaBlockN / 8) {
+      const int c = tid - 4;
+      const int col = word0 * 8 + c * 8;
+      const bool ok = col < n;
+      cp_async16(&st.s[c * 8], scales + static_cast<int64_t>(grp) * n + (ok ? col : 0), ok);
+    }
+#pragma unroll
+    for (int i = tid; i < kBM * 4; i += kThreads) {  // activations: BM rows x 4 chunks of 16 B
+      const int row = i >> 2, chunk = i & 3;
+      const bool ok = m0 + row < m;
+      const T* src = x + static_cast<int64_t>(ok ? m0 + row : 0) * k + k0 + chunk * 8;
+      const int half = (chunk >> 1) ^ ((row >> 1) & 1);
+      cp_async16(&st.x[row * kMmaBlockK + half * 16 + (chunk & 1) * 8], src, ok);
+    }
+  };
+
+  float acc[MT][4][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
+
+  // Lane g reads nibble g of every word: byte g/2 of two words side by side, then a 0/4-bit shift.
+  const uint32_t sel = static_cast<uint32_t>((g >> 1) | ((4 + (g >> 1)) << 8));
+  const int nib_shift = (g & 1) * 4;
+  const uint32_t magic16 = Tr::kMagic2 & 0xFFFFu;
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < ntiles) load_stage(s, kt_begin + s);
+    cp_async_commit();
+  }
+
+  for (int it = 0; it < ntiles; ++it) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    {
+      const int nxt = it + STAGES - 1;
+      if (nxt < ntiles) load_stage(nxt % STAGES, kt_begin + nxt);
+      cp_async_commit();
+    }
+    const Smem<MT>& st = smem[it % STAGES];
+
+    // Per-stage zero point and scale of this lane's column in each of the warp's 4 tiles.
+    uint32_t zz[4], ss[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int wcol = warp * 4 + j;
+      const uint32_t zq = magic16 | ((st.z[wcol] >> (4 * g)) & 0xFu);
+      zz[j] = zq | (zq << 16);
+      const uint32_t sv = st.s[wcol * 8 + awq_order(g)];
+      ss[j] = sv | (sv << 16);
+    }
+
+#pragma unroll
+    for (int ks = 0; ks < kMmaBlockK / 16; ++ks) {
+      uint4 q[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = ks * 16 + 4 * t + i;
+        q[i] = *reinterpret_cast<const uint4*>(&st.w[row * kWords + ((warp ^ t) * 4)]);
+      }
+      uint32_t b[4][2];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t w0 = reinterpret_cast<const uint32_t*>(&q[0])[j];
+        const uint32_t w1 = reinterpret_cast<const uint32_t*>(&q[1])[j];
+        const uint32_t w2 = reinterpret_cast<const uint32_t*>(&q[2])[j];
+        const uint32_t w3 = reinterpret_cast<const uint32_t*>(&q[3])[j];
+        uint32_t lo = ((__byte_perm(w0, w1, sel) >> nib_shift) & 0x000F000Fu) | Tr::kMagic2;
+        uint32_t hi = ((__byte_perm(w2, w3, sel) >> nib_shift) & 0x000F000Fu) | Tr::kMagic2;
+        // (magic + q) - (magic + z) is exact; one rounding in the multiply by s, as in the reference.
+        T2 vlo = __hmul2(__hsub2(*reinterpret_cast<T2*>(&lo), *reinterpret_cast<T2*>(&zz[j])),
+                         *reinterpret_cast<T2*>(&ss[j]));
+        T2 vhi = __hmul2(__hsub2(*reinterpret_cast<T2*>(&hi), *reinterpret_cast<T2*>(&zz[j])),
+                         *reinterpret_cast<T2*>(&ss[j]));
+        b[j][0] = *reinterpret_cast<uint32_t*>(&vlo);
+        b[j][1] = *reinterpret_cast<uint32_t*>(&vhi);
+      }
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi) {
+        const int r0 = mi * 16 + g;
+        const int off = (ks * 16 + 4 * t) ^ (((r0 >> 1) & 1) << 4);  // in halfs; row r0+8 has the same swizzle
+        const uint2 lo_row = *reinterpret_cast<const uint2*>(&st.x[r0 * kMmaBlockK + off]);
+        const uint2 hi_row = *reinterpret_cast<const uint2*>(&st.x[(r0 + 8) * kMmaBlockK + off]);
+        const uint32_t a[4] = {lo_row.x, hi_row.x, lo_row.y, hi_row.y};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) Mma<T>::run(acc[mi][j], a, b[j][0], b[j][1]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // Epilogue. Lane (g, t) holds rows g, g+8 and mma columns 2t, 2t+1 = real columns below.
+  const int c_lo = awq_order(2 * t), c_hi = awq_order(2 * t + 1);
+  if (splits == 1) {
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int row = m0 + mi * 16 + g + (r >> 1) * 8;
+          const int col = (word0 + warp * 4 + j) * 8 + ((r & 1) ? c_hi : c_lo);
+          if (row < m && col < n) {
+            float v = acc[mi][j][r];
+            if (bias != nullptr) v += Tr::to_float(bias[col]);
+            out[static_cast<int64_t>(row) * n + col] = Tr::from_float(v);
+          }
+        }
+    return;
+  }
+
+  // Split-K: each split writes fp32 partials; the last block of a tile to finish sums them.
+  float* part = ws + static_cast<int64_t>(blockIdx.y) * m * n;
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int row = m0 + mi * 16 + g + (r >> 1) * 8;
+        const int col = (word0 + warp * 4 + j) * 8 + ((r & 1) ? c_hi : c_lo);
+        if (row < m && col < n) __stcg(part + static_cast<int64_t>(row) * n + col, acc[mi][j][r]);
+      }
+  __threadfence();
+  __syncthreads();
+  __shared__ int is_last;
+  int* counter = counters + blockIdx.z * gridDim.x + blockIdx.x;
+  if (tid == 0) {
+    const int prev = atomicAdd(counter, 1);
+    is_last = prev == splits - 1;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  const int rows = min(kBM, m - m0);
+  const int col0 = word0 * 8;
+  for (int i = tid; i < rows * kMmaBlockN; i += kThreads) {
+    const int row = m0 + i / kMmaBlockN, col = col0 + i % kMmaBlockN;
+    if (col >= n) continue;
+    const int64_t idx = static_cast<int64_t>(row) * n + col;
+    float v = bias != nullptr ? Tr::to_float(bias[col]) : 0.f;
+    for (int sp = 0; sp < splits; ++sp) v += __ldcg(ws + static_cast<int64_t>(sp) * m * n + idx);
+    out[idx] = Tr::from_float(v);
+  }
+  if (tid == 0) *counter = 0;  // ready for the next launch (and for CUDA-graph replays)
+}
+
+template <typename T, int MT, int STAGES>
+void launch(const MmaArgs& a, cudaStream_t stream) {
+  const size_t smem = sizeof(Smem<MT>) * STAGES;
+  auto kernel = awq_gemm_mma_kernel<T, MT, STAGES>;
+  if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  const dim3 grid((a.n + kMmaBlockN - 1) / kMmaBlockN, a.splits, (a.m + 16 * MT - 1) / (16 * MT));
+  kernel<<<grid, kThreads, smem, stream>>>(
+      static_cast<const T*>(a.x), a.qweight, static_cast<const T*>(a.scales), a.qzeros,
+      static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.m, a.n, a.k, a.group_size,
+      a.tiles_per_split);
+}
+
+template <typename T>
+void launch_for_m(const MmaArgs& a, cudaStream_t stream) {
+  // Instances must match mma_block_m() in launch.h.
+  if (a.m <= 16) {
+    launch<T, 1, 6>(a, stream);
+  } else if (a.m <= 32) {
+    launch<T, 2, 5>(a, stream);
+  } else {
+    launch<T, 4, 4>(a, stream);
+  }
+}
+
+}  // namespace
+
+void launch_awq_gemm_mma(const MmaArgs& args, cudaStream_t stream) {
+  if (args.dtype == HalfType::kHalf) {
+    launch_for_m<__half>(args, stream);
+  } else {
+    launch_for_m<__nv_bfloat16>(args, stream);
+  }
+}
+
+}  // namespace fastawq

@@ -1,0 +1,29 @@
+// Every host entry point of fastawq._C, declared once. Schemas live in registration.cpp.
+#pragma once
+
+#include <optional>
+
+#include <ATen/core/Tensor.h>
+
+namespace fastawq {
+
+// qweight [K, N/8] int32 · scales [K/G, N] fp16|bf16 · qzeros [K/G, N/8] int32 -> w [K, N] (scales' dtype)
+at::Tensor awq_dequantize(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& qzeros,
+                          int64_t group_size);
+
+// x [M, K] fp16|bf16 · qweight [K, N/8] · scales [K/G, N] (x's dtype) · qzeros [K/G, N/8] · bias [N] -> [M, N]
+// Picks the tensor-core kernel or dequantize + cuBLAS by M (see benchmarks/CUDA_NOTES.md).
+at::Tensor awq_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                    const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias);
+
+// Same as awq_gemm with the path forced, for benchmarks and tests:
+// path 0 = auto, 1 = tensor-core kernel, 2 = dequantize + cuBLAS; split_k 0 = auto.
+at::Tensor awq_gemm_config(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                           const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias,
+                           int64_t path, int64_t split_k);
+
+// Internal: dequantize into a preallocated out [K, N] (used by the large-M path of awq_gemm).
+void awq_dequantize_into(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& qzeros,
+                         int64_t group_size, at::Tensor& out);
+
+}  // namespace fastawq

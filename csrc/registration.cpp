@@ -1,0 +1,23 @@
+// The one place fastawq's ops are registered: each schema is written once, here.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(fastawq, m) {
+  m.def("awq_dequantize(Tensor qweight, Tensor scales, Tensor qzeros, int group_size) -> Tensor");
+  m.def("awq_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias) -> Tensor");
+  m.def("awq_gemm_config(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
+        "int path, int split_k) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fastawq, CUDA, m) {
+  m.impl("awq_dequantize", &fastawq::awq_dequantize);
+  m.impl("awq_gemm", &fastawq::awq_gemm);
+  m.impl("awq_gemm_config", &fastawq::awq_gemm_config);
+}
+
+// `import fastawq._C` only has to run the static registrations above: an empty module.
+static PyModuleDef fastawq_c_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, 0, nullptr};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&fastawq_c_module); }

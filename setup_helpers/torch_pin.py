@@ -1,0 +1,24 @@
+"""scikit-build-core dynamic-metadata provider: a wheel holding fastawq._C requires exactly the
+torch it was compiled against (a C++ extension links torch's unstable ABI).
+
+Reads the same decision as CMakeLists.txt (build_env.probe), so the pin is there exactly when
+_C is. Without kernels the wheel adds nothing and keeps the static `torch>=...` requirement.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import build_env  # noqa: E402
+
+
+def dynamic_metadata(field: str, settings: dict[str, Any] | None = None) -> list[str]:
+    if field != "dependencies":
+        raise RuntimeError(f"torch_pin only provides 'dependencies', not {field!r}")
+    info = build_env.probe()
+    if not info["build"]:
+        return []
+    return [f"torch=={info['torch_version']}"]
