@@ -41,8 +41,9 @@ def test_env_override(monkeypatch):
 
 
 def test_triton_declines_fp32_activations_with_reason():
-    qweight, scales, qzeros = random_awq(256, 64, 64, dtype=torch.float32)
-    x = random_input((1, 256), dtype=torch.float32)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    qweight, scales, qzeros = random_awq(256, 64, 64, device, dtype=torch.float32)
+    x = random_input((1, 256), device, dtype=torch.float32)
     with pytest.raises(backend.BackendUnavailableError, match="fp16 or bf16"):
         ops.awq_gemm(x, qweight, scales, qzeros, 64, backend="triton")
 

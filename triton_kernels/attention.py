@@ -196,10 +196,11 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _num_splits(device: torch.device, programs: int, max_len: int, block_n: int) -> int:
-    sms = _sm_count(device)
-    want = max(1, (2 * sms) // max(1, programs))
+    # One wave of programs: more splits only add partials for the reduce kernel to read (64
+    # splits made the reduce cost as much as the attention itself on an H200, 2026-11-30).
+    want = max(1, _sm_count(device) // max(1, programs))
     cap = max(1, triton.cdiv(max_len, block_n))
-    return min(_pow2(want), _pow2(cap), 64)
+    return min(1 << (min(want, cap).bit_length() - 1), 32)
 
 
 # q [B, HQ, D] · k_cache, v_cache [B', S, HKV, D] (B' >= B) · lens [B] int32  ->  out [B, HQ, D]

@@ -36,7 +36,7 @@ def awq_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    DOT_FP32: tl.constexpr = False,
+    INTERPRET: tl.constexpr = False,
 ):
     # x [M, K] · qweight [K, N // 8] · scales [K // G, N] · qzeros [K // G, N // 8] -> out [M, N]
     pid = tl.program_id(0)
@@ -71,30 +71,47 @@ def awq_gemm_kernel(
         s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0)
         q = _unpack_cols(words, BLOCK_N)
         z = tl.reshape(_unpack_cols(zw[None, :], BLOCK_N), (BLOCK_N,))
-        # One rounding of the exact (q - z) * s to the activations' dtype, as in a dequantized
-        # weight matrix. (Multiplying in fp32 also sidesteps the interpreter's broken bf16 math.)
-        b = ((q - z[None, :]).to(tl.float32) * s[None, :].to(tl.float32)).to(a.dtype)
-        if DOT_FP32:
-            # Only under TRITON_INTERPRET with bf16: the interpreter's bf16 tl.dot is wrong.
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        if INTERPRET:
+            # The interpreter's bf16 conversions and bf16 tl.dot are wrong: stay in fp32 there.
+            b = (q - z[None, :]).to(tl.float32) * s[None, :].to(tl.float32)
+            acc = tl.dot(a.to(tl.float32), b, acc)
         else:
+            # int4 -> half through the exponent field: (MAGIC | q) is OFFSET + q exactly, and
+            # OFFSET + z likewise, so their difference is the exact small integer q - z; one
+            # rounding in the multiply by s, as in a dequantized weight matrix of x's dtype.
+            if a.dtype == tl.float16:
+                qh = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+                zh = (z | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+            else:
+                qh = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                zh = (z | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            b = (qh - zh[None, :]) * s[None, :].to(a.dtype)
             acc = tl.dot(a, b, acc)
 
+    tile = pid_m * num_pid_n + pid_n
+    _store_split_k(acc, offs_m, offs_n, M, N, pid_k, tile, bias_ptr, out_ptr, ws_ptr, lock_ptr, stride_om,
+                   HAS_BIAS, SPLIT_K)
+
+
+@triton.jit
+def _store_split_k(acc, offs_m, offs_n, M, N, pid_k, tile, bias_ptr, out_ptr, ws_ptr, lock_ptr, stride_om,
+                   HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Write a [BM, BN] fp32 tile; with split-K, through the workspace and the last arrival."""
+    mask_n = offs_n < N
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    out_mask = mask_m[:, None] & mask_n[None, :]
+    out_mask = (offs_m < M)[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         # Workspace [SPLIT_K, M, N] fp32: each split writes its partial, the last to arrive sums.
-        tile = pid_m * num_pid_n + pid_n
         ws_tile = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
         tl.store(ws_tile + pid_k * M * N, acc, mask=out_mask)
         # acq_rel: the partial above is published before the count; the last arrival sees all.
         arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            total = tl.zeros(acc.shape, dtype=tl.float32)
             for i in range(SPLIT_K):
                 total += tl.load(ws_tile + i * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
@@ -102,6 +119,49 @@ def awq_gemm_kernel(
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
             # Re-arm the counter for the next launch (no memset kernel needed).
             tl.atomic_xchg(lock_ptr + tile, 0)
+
+
+@triton.jit
+def awq_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, qz_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr,
+    N, K, G,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # x [1, K] · qweight [K, N // 8] -> out [1, N]. No tensor cores: one row, memory-bound.
+    # Works on nibbles where they lie: tile [BLOCK_K, BLOCK_W words, 8 nibbles]; nibble i of word w
+    # is column 8w + (0, 2, 4, 6, 1, 3, 5, 7)[i], so scales, zeros and outputs are addressed through
+    # that permutation instead of un-interleaving the weights.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n8 = N // 8
+    offs_w = pid_n * BLOCK_W + tl.arange(0, BLOCK_W)
+    nib = tl.arange(0, 8)
+    col = offs_w[:, None] * 8 + ((nib % 4) * 2 + nib // 4)[None, :]  # [BW, 8] output columns
+    shifts = (nib * 4)[None, None, :]
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_w = offs_w < n8
+    acc = tl.zeros((BLOCK_W, 8), dtype=tl.float32)
+    # BLOCK_K divides G: the group's scale and zero apply to the whole tile, after the K sum:
+    # sum_k (q - z) s x_k = s (sum_k q x_k - z sum_k x_k).
+    for t in range(pid_k, K // BLOCK_K, SPLIT_K):
+        k0 = t * BLOCK_K
+        xk = tl.load(x_ptr + k0 + offs_k).to(tl.float32)
+        words = tl.load(qw_ptr + (k0 + offs_k)[:, None] * n8 + offs_w[None, :], mask=mask_w[None, :], other=0)
+        nibbles = (words[:, :, None] >> shifts) & 0xF
+        # int -> fp32 through the exponent field (2^23 + q, exact), cheaper than a conversion.
+        qf = (nibbles | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        part = tl.sum(qf * xk[:, None, None], axis=0)
+        g = k0 // G
+        zw = tl.load(qz_ptr + g * n8 + offs_w, mask=mask_w, other=0)
+        z = ((zw[:, None] >> (nib * 4)[None, :]) & 0xF).to(tl.float32)
+        s = tl.load(s_ptr + g * N + col, mask=mask_w[:, None], other=0.0).to(tl.float32)
+        acc += s * (part - z * tl.sum(xk, axis=0))
+    offs_m = tl.arange(0, 1)
+    _store_split_k(tl.reshape(acc, (1, BLOCK_W * 8)), offs_m, tl.reshape(col, (BLOCK_W * 8,)), 1, N, pid_k,
+                   pid_n, bias_ptr, out_ptr, ws_ptr, lock_ptr, N, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .awq import awq_dequantize_kernel, awq_gemm_kernel
+from .awq import awq_dequantize_kernel, awq_gemm_kernel, awq_gemv_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -22,9 +22,11 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 8
+    gemv: bool = False  # the tensor-core-free kernel for M = 1 (block_m unused)
 
     def label(self) -> str:
-        return f"m{self.block_m}n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}p{self.num_stages}"
+        kind = "gemv" if self.gemv else f"m{self.block_m}"
+        return f"{kind}n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}p{self.num_stages}"
 
 
 DEQUANT_MATMUL = "dequant+matmul"  # a "config" too: dequantize once, then cuBLAS
@@ -56,6 +58,10 @@ def _split_for(tiles: int, k_tiles: int, target: int) -> int:
 def heuristic_config(m: int, n: int, k: int, g: int, sms: int) -> GemmConfig:
     """A reasonable config without measuring (interpreter, CUDA-graph capture, tuning off)."""
     bk = _block_ks(g, k)[0]
+    if m == 1:
+        bk = min(bk, 64)
+        tiles = triton.cdiv(n, 256)
+        return GemmConfig(1, 256, bk, _split_for(tiles, k // bk, 2 * sms), 8, 3, gemv=True)
     if m <= 16:
         bm, bn, warps, stages = 16, 128, 4, 4
     elif m <= 64:
@@ -70,6 +76,17 @@ def heuristic_config(m: int, n: int, k: int, g: int, sms: int) -> GemmConfig:
 def candidate_configs(m: int, n: int, k: int, g: int, sms: int) -> list:
     bks = _block_ks(g, k)
     out: list = []
+    if m == 1:
+        # (words per program, K rows per tile, warps): at most 64 nibbles per thread in flight.
+        for bw, bk, warps in ((16, 64, 4), (32, 64, 8), (32, 32, 4), (64, 32, 8), (16, 128, 8)):
+            if g % bk or k % bk:
+                continue
+            tiles = triton.cdiv(n, bw * 8)
+            base = _split_for(tiles, k // bk, 2 * sms)
+            for split in {max(1, base // 2), base, min(16, base * 2)}:
+                if split <= k // bk:
+                    for stages in (2, 4):
+                        out.append(GemmConfig(1, bw * 8, bk, split, warps, stages, gemv=True))
     if m <= 64:
         bms = [16] if m <= 16 else [32, 64] if m <= 32 else [64]
         for bm in bms:
@@ -115,11 +132,24 @@ _TUNED: dict[tuple, object] = {}
 def launch_gemm(x, qweight, scales, qzeros, g, bias, out, cfg: GemmConfig) -> torch.Tensor:
     m, k = x.shape
     n = out.shape[1]
-    grid_mn = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    grid_mn = triton.cdiv(n, cfg.block_n) * (1 if cfg.gemv else triton.cdiv(m, cfg.block_m))
     if cfg.split_k > 1:
         ws, locks = _WORKSPACE.get(x.device, cfg.split_k * m * n, grid_mn)
     else:
         ws, locks = out, out  # unused
+    if cfg.gemv:
+        assert m == 1, "the GEMV kernel takes one row"
+        awq_gemv_kernel[(grid_mn, cfg.split_k)](
+            x, qweight, scales, qzeros, bias if bias is not None else out, out, ws, locks,
+            n, k, g,
+            HAS_BIAS=bias is not None,
+            SPLIT_K=cfg.split_k,
+            BLOCK_W=cfg.block_n // 8,
+            BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        return out
     awq_gemm_kernel[(grid_mn, cfg.split_k)](
         x, qweight, scales, qzeros, bias if bias is not None else out, out, ws, locks,
         m, n, k, g,
@@ -130,7 +160,7 @@ def launch_gemm(x, qweight, scales, qzeros, g, bias, out, cfg: GemmConfig) -> to
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
-        DOT_FP32=_interpreting() and x.dtype == torch.bfloat16,
+        INTERPRET=_interpreting(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
