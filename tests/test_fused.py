@@ -245,3 +245,34 @@ def test_act_mul_kernel_matches_torch(act):
     torch.testing.assert_close(
         fused_ops.act_mul(gu, act, kernels="triton"), fused_ops.act_mul(gu, act, kernels="torch"), rtol=2e-3, atol=2e-3
     )
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7])
+def test_chunked_prefill_matches_one_pass(chunk):
+    ref = tiny_w4_model("llama", seed=2)
+    one = fuse_model(copy.deepcopy(ref), max_seq_len=40, batch_size=2, kernels="torch", prefill_chunk=None)
+    chunked = fuse_model(ref, max_seq_len=40, batch_size=2, kernels="torch", prefill_chunk=chunk)
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 13))
+    a, b = one.fastawq_runtime, chunked.fastawq_runtime
+    assert _rel(b.prefill(ids, last_only=False), a.prefill(ids, last_only=False)) < TOL
+    assert _rel(b.prefill(ids)[:, -1], a.prefill(ids)[:, -1]) < TOL
+    assert b.length == 13
+    tok = ids[:, -1]
+    assert _rel(b.decode(tok), a.decode(tok)) < TOL
+
+
+def test_fp32_activations_on_cpu():
+    # from_quantized on CPU keeps packed layers as saved and casts everything else to fp32.
+    ref = tiny_w4_model("qwen3", seed=5)
+    packed = {id(t) for m in ref.modules() if isinstance(m, WQLinear) for t in m.buffers()}
+    for p in ref.parameters():
+        if id(p) not in packed:
+            p.data = p.data.float()
+    fused = fuse_model(copy.deepcopy(ref), max_seq_len=24, batch_size=1, kernels="torch")
+    assert fused.model.layers[0].self_attn.k_cache.dtype == torch.float32
+    ids = torch.randint(0, COMMON["vocab_size"], (1, 9))
+    hf = HFStepper(ref)
+    rt = fused.fastawq_runtime
+    assert _rel(rt.prefill(ids)[:, -1], hf.prefill(ids)) < TOL
+    tok = ids[:, -1]
+    assert _rel(rt.decode(tok), hf.decode(tok)) < TOL

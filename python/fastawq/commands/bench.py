@@ -41,7 +41,7 @@ def lengths_for(max_len: int, rounds: int | None) -> list[int]:
 
 
 def build_model(mode: str, model: str | None, shape: str | None, device: str, max_seq_len: int,
-                batch_size: int, gemm_backend: str | None = None) -> torch.nn.Module:
+                batch_size: int, gemm_backend: str | None = None, prefill_chunk: int | None = 1024) -> torch.nn.Module:
     """The model for one mode, from a named random shape or a checkpoint directory."""
     from fastawq.modules.fused import fuse_model
     from fastawq.modules.qlinear import WQLinear
@@ -66,7 +66,7 @@ def build_model(mode: str, model: str | None, shape: str | None, device: str, ma
             if isinstance(mod, WQLinear):
                 mod.backend = gemm_backend
     if mode.startswith("fused"):
-        fuse_model(m, max_seq_len, batch_size, use_cuda_graphs=mode == "fused-graphs")
+        fuse_model(m, max_seq_len, batch_size, use_cuda_graphs=mode == "fused-graphs", prefill_chunk=prefill_chunk)
     return m
 
 
@@ -143,7 +143,7 @@ def format_table(rows: list[Row]) -> str:
 
 def bench(model: str | None, shape: str | None, modes: list[str], lengths: list[int], batch: int,
           device: str, max_seq_len: int | None = None, max_decode: int | None = None,
-          gemm_backend: str | None = None) -> list[Row]:
+          gemm_backend: str | None = None, prefill_chunk: int | None = 1024) -> list[Row]:
     """Run every mode over every length; each mode's model is freed before the next is built."""
     rows: list[Row] = []
     for mode in modes:
@@ -153,7 +153,7 @@ def bench(model: str | None, shape: str | None, modes: list[str], lengths: list[
             log.warning("CUDA graphs need a GPU: fused-graphs runs eagerly on %s", device)
         msl = max_seq_len or 2 * max(lengths)
         try:
-            m = build_model(mode, model, shape, device, msl, batch, gemm_backend)
+            m = build_model(mode, model, shape, device, msl, batch, gemm_backend, prefill_chunk)
         except Exception as e:
             if not _is_oom(e):
                 raise
@@ -179,7 +179,7 @@ def main(args: argparse.Namespace) -> int:
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else lengths_for(args.max_len, args.rounds)
     modes = [m.strip() for m in args.mode.split(",")]
     rows = bench(args.model, args.shape, modes, lengths, args.batch_size, device, args.max_seq_len,
-                 args.max_decode, args.gemm_backend)
+                 args.max_decode, args.gemm_backend, args.prefill_chunk or None)
     name = args.shape or args.model
     dev = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU"
     print(f"\n{name} on {dev}, batch {args.batch_size}\n")
@@ -206,6 +206,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--max-seq-len", type=int, default=None, help="fused cache length (default 2 x longest)")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if present)")
     p.add_argument("--gemm-backend", default=None, help="force the W4 GEMM backend (cuda|triton|cpu|torch)")
+    p.add_argument("--prefill-chunk", type=int, default=1024, help="fused prefill chunk (0: one pass)")
     p.add_argument("--json", help="also write the rows as JSON here")
     p.set_defaults(func=main)
     return p

@@ -198,8 +198,10 @@ def _external_workspaces() -> tuple:
 class FusedRuntime:
     """Runs a fused model: prefill (eager, SDPA) and decode (CUDA-graph replay on GPU)."""
 
-    def __init__(self, model: nn.Module, cfg: FusedConfig, use_cuda_graphs: bool = True, kernels: str | None = None):
+    def __init__(self, model: nn.Module, cfg: FusedConfig, use_cuda_graphs: bool = True, kernels: str | None = None,
+                 prefill_chunk: int | None = None):
         self.model = model
+        self.prefill_chunk = prefill_chunk
         self.cfg = cfg
         self.use_cuda_graphs = use_cuda_graphs
         self.kernels = kernels
@@ -226,14 +228,16 @@ class FusedRuntime:
 
     def _forward(
         self, ids: torch.Tensor, positions: torch.Tensor, start: int, lens: torch.Tensor | None,
-        max_len: int, last_only: bool = True,
-    ) -> torch.Tensor:
+        max_len: int, last_only: bool = True, logits: bool = True,
+    ) -> torch.Tensor | None:
         m = self.model.model
         x = m.embed_tokens(ids)
         residual = None
         for layer in m.layers:
             x, residual = layer(x, residual, positions, start, lens, max_len, self.kernels)
         c = self.cfg
+        if not logits:
+            return None
         if last_only:
             x, residual = x[:, -1:], residual[:, -1:]
         h, _ = fused_ops.add_rms_norm(x, residual, m.norm.weight, c.eps, c.norm_offset, kernels=self.kernels)
@@ -251,9 +255,20 @@ class FusedRuntime:
         if start > self.length:
             raise ValueError(f"start={start} is past the {self.length} cached tokens")
         ids = ids.to(self.device)
-        positions = torch.arange(start, start + seq, dtype=torch.int32, device=ids.device).expand(b, seq)
-        logits = self._forward(ids, positions.contiguous(), start, None, start + seq, last_only)
-        self.batch, self.length = b, start + seq
+        # Chunks bound the activations (the gate/up output alone is L x 2I) so long prompts fit
+        # the same memory as short ones; each chunk attends to the cache written before it.
+        chunk = self.prefill_chunk or seq
+        parts = []
+        for c0 in range(0, seq, chunk):
+            c1 = min(seq, c0 + chunk)
+            pos = torch.arange(start + c0, start + c1, dtype=torch.int32, device=ids.device)
+            skip = last_only and c1 < seq  # only the final chunk's last logits are wanted
+            out = self._forward(ids[:, c0:c1], pos.expand(b, c1 - c0).contiguous(), start + c0, None,
+                                start + c1, last_only, logits=not skip)
+            self.batch, self.length = b, start + c1
+            if not skip:
+                parts.append(out)
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         if self._graphs and _external_workspaces() != self._workspaces:
             # A GEMM backend regrew a scratch buffer that a captured graph points into: recapture.
             self._graphs.clear()
@@ -341,15 +356,17 @@ def fuse_model(
     *,
     use_cuda_graphs: bool = True,
     kernels: str | None = None,
+    prefill_chunk: int | None = 1024,
 ) -> nn.Module:
     """Swap each decoder layer of a W4 (WQLinear) Llama-like causal LM for fused modules, in place.
 
-    Preallocates the KV cache [batch_size, max_seq_len, kv_heads, head_dim] per layer. Afterwards
+    Preallocates the KV cache [batch_size, max_seq_len, kv_heads, head_dim] per layer; prompts
+    longer than prefill_chunk tokens are prefilled in chunks (None: in one pass). Afterwards
     `model(input_ids)` runs a fresh prefill, `model.generate(...)` runs fastawq.generate, and
     `model.fastawq_runtime` exposes prefill/decode steps."""
     cfg = _fused_config(model, max_seq_len, batch_size)
     emb = model.model.embed_tokens.weight
-    dtype = emb.dtype if emb.dtype in (torch.float16, torch.bfloat16) else torch.float16
+    dtype = emb.dtype  # activations (and so the cache) run in the embeddings' dtype
     device = emb.device
     for i, layer in enumerate(model.model.layers):
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -365,7 +382,9 @@ def fuse_model(
         fused.append(f)
         model.model.layers[i] = f  # drop the unfused q/k/v and gate/up as we go
     model.model.layers = nn.ModuleList(fused)
-    runtime = FusedRuntime(model, cfg, use_cuda_graphs=use_cuda_graphs, kernels=kernels)
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk={prefill_chunk} must be positive or None")
+    runtime = FusedRuntime(model, cfg, use_cuda_graphs=use_cuda_graphs, kernels=kernels, prefill_chunk=prefill_chunk)
     object.__setattr__(model, "fastawq_runtime", runtime)
     model.forward = types.MethodType(_fused_forward, model)
     model.generate = types.MethodType(_fused_generate, model)
