@@ -14,7 +14,7 @@ import statistics
 
 import torch
 
-from fastawq import reference
+from fastawq import _ext, reference
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
 COPY_BW = 4268e9  # measured device-to-device copy bandwidth on the H200, bytes/s
@@ -100,6 +100,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
+    if not _ext.is_loaded():
+        raise SystemExit(f"fastawq._C is not loaded: {_ext.status()}")
     torch.manual_seed(0)
     rows = []
     for k, n in SHAPES:
