@@ -1,0 +1,71 @@
+"""`fastawq quantize MODEL OUT`: AWQ-quantize a Hugging Face model folder into an AWQ checkpoint."""
+from __future__ import annotations
+
+import time
+
+
+def run(args) -> int:
+    import torch
+
+    from fastawq.auto import AutoAWQForCausalLM
+    from fastawq.eval import format_table
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoAWQForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    qc = {"w_bit": args.w_bit, "q_group_size": args.group_size, "zero_point": args.zero_point,
+          "fallback_group_size": args.fallback_group_size}
+    if args.modules_to_not_convert:
+        qc["modules_to_not_convert"] = args.modules_to_not_convert
+    t = time.perf_counter()
+    model.quantize(model.tokenizer, quant_config=qc, calib_data=args.calib, max_calib_samples=args.max_calib_samples,
+                   max_calib_seq_len=args.max_calib_seq_len, apply_clip=not args.no_clip, device=device,
+                   text_column=args.text_column)
+    dt = time.perf_counter() - t
+    model.save_quantized(args.out, shard_size=args.shard_size, overwrite=args.overwrite)
+    print(format_table(["model", "bits", "group", "calib", "device", "time (s)", "saved to"], [[
+        args.model, args.w_bit, args.group_size, f"{args.max_calib_samples}x{args.max_calib_seq_len}",
+        device, round(dt, 1), args.out]]))
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("quantize", help="AWQ-quantize a Hugging Face model folder to a 4-bit checkpoint")
+    p.add_argument("model", help="Hugging Face model folder (safetensors)")
+    p.add_argument("out", help="output folder (must be empty unless --overwrite)")
+    p.add_argument("--w-bit", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--fallback-group-size", type=int, default=None,
+                   help="group size for layers whose in_features --group-size does not divide")
+    p.add_argument("--zero-point", action=_BoolAction, default=True)
+    p.add_argument("--calib", default=None, help="a .txt / .jsonl file (default: fastawq's offline text)")
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--max-calib-samples", type=int, default=128)
+    p.add_argument("--max-calib-seq-len", type=int, default=512)
+    p.add_argument("--no-clip", action="store_true", help="skip the clipping search")
+    p.add_argument("--modules-to-not-convert", nargs="*", default=None)
+    p.add_argument("--device", default=None, help="where layers are searched (default: cuda if present)")
+    p.add_argument("--shard-size", default="5GB")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.set_defaults(func=run)
+
+
+import argparse  # noqa: E402
+
+
+class _BoolAction(argparse.Action):
+    """--zero-point / --zero-point false / --no-zero-point."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        kwargs["nargs"] = "?"
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values is None:
+            setattr(namespace, self.dest, True)
+        elif values.lower() in ("1", "true", "yes", "on"):
+            setattr(namespace, self.dest, True)
+        elif values.lower() in ("0", "false", "no", "off"):
+            setattr(namespace, self.dest, False)
+        else:
+            raise argparse.ArgumentError(self, f"expected true/false, got {values!r}")

@@ -1,0 +1,173 @@
+"""Tiny randomly initialised transformers models, one per supported architecture (CPU, float32)."""
+from __future__ import annotations
+
+import torch
+import transformers
+
+VOCAB = 128
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, max_position_embeddings=256)
+
+CONFIGS = {
+    "llama": ("LlamaConfig", dict(_COMMON, num_key_value_heads=2, tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", dict(_COMMON, num_key_value_heads=4, sliding_window=16)),
+    "qwen2": ("Qwen2Config", dict(_COMMON, num_key_value_heads=2)),
+    "qwen3": ("Qwen3Config", dict(_COMMON, num_key_value_heads=2, head_dim=16)),
+    "gemma": ("GemmaConfig", dict(_COMMON, num_key_value_heads=4, head_dim=16)),
+    "gemma2": ("Gemma2Config", dict(_COMMON, num_key_value_heads=2, head_dim=16, sliding_window=16)),
+    "gemma3": ("Gemma3TextConfig", dict(_COMMON, num_key_value_heads=2, head_dim=16, sliding_window=16)),
+    "phi3": ("Phi3Config", dict(_COMMON, num_key_value_heads=4, pad_token_id=0)),
+    "opt": ("OPTConfig", dict(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                              num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=64)),
+    "gpt_neox": ("GPTNeoXConfig", dict(_COMMON, rotary_pct=0.5)),
+}
+
+
+def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
+    cls_name, kwargs = CONFIGS[arch]
+    config = getattr(transformers, cls_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    # Random init leaves norms at 1 and biases at 0; perturb them so folding a scale is tested.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def calib_ids(n: int = 4, seq_len: int = 32, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------------------- tests
+import copy  # noqa: E402
+
+import pytest  # noqa: E402
+
+from fastawq.auto import AutoAWQForCausalLM, AWQModel  # noqa: E402
+from fastawq.models import SUPPORTED_MODEL_TYPES, UnsupportedModelError, architecture_of, get_architecture  # noqa: E402
+from fastawq.modules import WQLinear  # noqa: E402
+from fastawq.quantize import QuantConfig, pack_model, pseudo_quantize_model, quantize  # noqa: E402
+from fastawq.quantize.scale import apply_scale  # noqa: E402
+
+ARCHS = list(CONFIGS)
+
+
+def test_every_listed_family_is_registered():
+    for t in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "opt", "gpt_neox"):
+        assert get_architecture(t).model_types
+
+
+def test_unknown_model_type_lists_supported():
+    with pytest.raises(UnsupportedModelError) as e:
+        get_architecture("bloom")
+    assert "bloom" in str(e.value) and all(t in str(e.value) for t in SUPPORTED_MODEL_TYPES)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_scale_folding_is_exact(arch):
+    """Folding any positive scale into every group leaves the float model's function unchanged."""
+    model = tiny_model(arch)
+    ids = calib_ids(2, 16)
+    with torch.no_grad():
+        ref = model(ids).logits
+        spec = architecture_of(model)
+        gen = torch.Generator().manual_seed(3)
+        for layer in model.get_submodule(spec.layers_path):
+            for g in spec.groups(layer, model.config):
+                k = layer.get_submodule(g.linears[0]).in_features
+                apply_scale(layer, g, torch.rand(k, generator=gen) * 1.5 + 0.25)
+        out = model(ids).logits
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_quantize_save_load_generate(arch, tmp_path):
+    """quantize -> save -> load -> generate; the loaded packed model computes what the
+    pseudo-quantized float model computes."""
+    model = tiny_model(arch)
+    ids = calib_ids(2, 16, seed=7)
+    with torch.no_grad():
+        fp = model(ids).logits
+    qc = QuantConfig(w_bit=4, q_group_size=32)
+    quantize(model, None, qc, calib=calib_ids(4, 32), max_calib_samples=4, max_calib_seq_len=32,
+             export_compatible=True)
+    pseudo = pseudo_quantize_model(copy.deepcopy(model), qc)
+    pack_model(model, qc)
+    AWQModel(model, qc).save_quantized(tmp_path / "q")
+    loaded = AutoAWQForCausalLM.from_quantized(tmp_path / "q", device_map="cpu")
+    assert any(isinstance(m, WQLinear) for m in loaded.modules())
+    with torch.no_grad():
+        ref = pseudo(ids).logits
+        out = loaded(ids).logits
+    assert torch.isfinite(out).all()
+    quant_err = (ref - fp).abs().max().item()
+    err = (out - ref).abs().max().item()
+    # Packed scales are fp16: the loaded model may differ from the fp32 pseudo-quantized one by
+    # that rounding only, far less than quantization itself moved the logits.
+    assert err <= 0.2 * quant_err + 1e-4, (err, quant_err)
+    gen = loaded.generate(ids[:1, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert gen.shape == (1, 12)
+
+
+def test_awq_beats_round_to_nearest_on_outlier_channels():
+    """A few input channels 20x larger than the rest (what AWQ is for): the searched model is
+    closer to full precision than plain round-to-nearest."""
+    model = tiny_model("llama", seed=5)
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        emb[:, :4] *= 20.0
+    ids = calib_ids(4, 32, seed=9)
+    with torch.no_grad():
+        fp = model(ids).logits
+    qc = QuantConfig(q_group_size=32)
+    rtn = pseudo_quantize_model(copy.deepcopy(model), qc)
+    quantize(model, None, qc, calib=calib_ids(8, 32, seed=2), max_calib_samples=8, max_calib_seq_len=32)
+    with torch.no_grad():
+        e_rtn = (rtn(ids).logits - fp).pow(2).mean()
+        e_awq = (model(ids).logits - fp).pow(2).mean()
+    assert e_awq < e_rtn
+
+
+def test_pseudo_quantized_bits_keep_float_layers():
+    model = tiny_model("qwen2")
+    quantize(model, None, {"w_bit": 3, "q_group_size": 32}, calib=calib_ids(), max_calib_samples=4,
+             max_calib_seq_len=32)
+    assert not any(isinstance(m, WQLinear) for m in model.modules())
+    w = model.model.layers[0].mlp.up_proj.weight
+    for row in w.view(-1, 32)[:8]:
+        assert row.unique().numel() <= 8  # 3 bits: at most 8 levels per group
+
+
+def test_modules_to_not_convert_stay_float():
+    model = tiny_model("llama")
+    quantize(model, None, {"q_group_size": 32, "modules_to_not_convert": ["down_proj"]}, calib=calib_ids(),
+             max_calib_samples=4, max_calib_seq_len=32)
+    layer = model.model.layers[0]
+    assert isinstance(layer.mlp.down_proj, torch.nn.Linear) and isinstance(layer.mlp.up_proj, WQLinear)
+
+
+def test_nan_activations_name_the_layer():
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[1].post_attention_layernorm.weight[3] = float("inf")
+    with pytest.raises(FloatingPointError, match=r"model\.layers\.1\."):
+        quantize(model, None, {"q_group_size": 32}, calib=calib_ids(), max_calib_samples=4, max_calib_seq_len=32)
+
+
+def test_quantizer_subclass_is_used():
+    from fastawq.quantize import AwqQuantizer
+
+    calls = []
+
+    class NoClip(AwqQuantizer):
+        def search_best_clip(self, linear, name, st):
+            calls.append(name)
+            return super().search_best_clip(linear, name, st)
+
+    model = tiny_model("llama")
+    quantize(model, None, {"q_group_size": 32}, calib=calib_ids(), max_calib_samples=4, max_calib_seq_len=32,
+             quantizer_cls=NoClip)
+    assert calls and not any("q_proj" in c or "k_proj" in c for c in calls)
