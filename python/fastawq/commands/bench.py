@@ -56,7 +56,7 @@ def build_model(mode: str, model: str | None, shape: str | None, device: str, ma
         m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float16).to(device).eval()
     else:
         try:
-            from fastawq import AutoAWQForCausalLM
+            from fastawq.auto import AutoAWQForCausalLM
         except ImportError as e:
             raise SystemExit(f"loading a quantized checkpoint needs fastawq.AutoAWQForCausalLM: {e}")
         m = AutoAWQForCausalLM.from_quantized(model, fuse_layers=False, device_map=device)

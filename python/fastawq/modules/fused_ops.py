@@ -213,14 +213,17 @@ def decode_attention(
         return _tk()[3].decode_attention(q, k_cache, v_cache, lens, scale)
     b, hq, d = q.shape
     n = max_len if max_len is not None else int(lens.max())
-    k = k_cache[:b, :n].transpose(1, 2)
-    v = v_cache[:b, :n].transpose(1, 2)
-    mask = torch.arange(n, device=q.device)[None, :] < lens[:, None].long()  # [B, n]
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale,
-        enable_gqa=hq != k.shape[1],
-    )
-    return out.squeeze(2)
+    hkv = k_cache.shape[2]
+    # fp32 einsums over the grouped heads: no K/V expansion, and faster on CPU than SDPA's
+    # masked half-precision path for one query row.
+    qg = q.float().reshape(b, hkv, hq // hkv, d)
+    k = k_cache[:b, :n].float()
+    v = v_cache[:b, :n].float()
+    scores = torch.einsum("bhgd,bnhd->bhgn", qg, k) * scale
+    valid = torch.arange(n, device=q.device)[None, :] < lens[:, None].long()  # [B, n]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    out = torch.einsum("bhgn,bnhd->bhgd", scores.softmax(-1), v)
+    return out.reshape(b, hq, d).to(q.dtype)
 
 
 # q [B, L, HQ, D] · caches [B', S, HKV, D]: queries at positions start .. start+L-1 of every row
