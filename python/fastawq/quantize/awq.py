@@ -9,7 +9,8 @@ is then exact without touching the tokens again:
 
 so each of the 20 grid points (and each clipping step) costs one [N, K] x [K, K] product instead
 of a pass over 65k tokens, and all candidates of a grid are evaluated as one batch. The
-quantization math itself is reference.pseudo_quantize / quantize_groupwise.
+quantization math is reference.pseudo_quantize's; fake_quantize_ below is its in-place twin for
+the inner loop, checked bit-identical by the tests.
 """
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from fastawq import reference
 from fastawq.models import ScaleGroup, architecture_of
 from fastawq.models.base import get_submodule
 from fastawq.quantize.config import QuantConfig
@@ -311,12 +311,11 @@ class AwqQuantizer:
             n, k = w.shape
             step = self._batch(n * k)
             for i in range(0, c, step):
-                sc = s[i : i + step]
+                sc = s[i : i + step, None, :]
                 m = sc.shape[0]
-                ws = (w[None] * sc[:, None, :]).reshape(m * n, k)
-                d = reference.pseudo_quantize(ws, g, bits, zp).view(m, n, k) / sc[:, None, :]
-                d -= w[None]
-                loss[i : i + m] += ((d.view(m * n, k) @ sigma).view(m, n, k) * d).sum(dim=(1, 2))
+                d = fake_quantize_(w[None] * sc, g, bits, zp).div_(sc).sub_(w[None])
+                a = (d.view(m * n, k) @ sigma).view(m, n * k)
+                loss[i : i + m] += a.mul_(d.view(m, n * k)).sum(dim=1)
         return loss
 
     def search_best_scale(
@@ -372,7 +371,7 @@ class AwqQuantizer:
             m = sh.shape[0]
             mx = (org_max[None] * sh[:, None, None]).unsqueeze(-1)  # [m, N, ng, 1]
             cw = torch.maximum(torch.minimum(wg[None], mx), -mx)
-            q = reference.pseudo_quantize(cw.reshape(m * n, k), g, self.config.w_bit, self.config.zero_point)
+            q = fake_quantize_(cw, g, self.config.w_bit, self.config.zero_point)
             d = (q.view(m, n, ng, g) - wg[None]).permute(2, 0, 1, 3).reshape(ng, m * n, g)
             err = (torch.bmm(d, blocks) * d).sum(-1).view(ng, m, n).permute(1, 2, 0)  # [m, N, ng]
             for j in range(m):
@@ -380,6 +379,23 @@ class AwqQuantizer:
                 best_err = torch.where(better, err[j], best_err)
                 best_max = torch.where(better, mx[j, :, :, 0], best_max)
         return best_max
+
+
+# w [..., K] float, overwritten  ->  the same tensor holding Q(w) in w's dtype
+def fake_quantize_(w: torch.Tensor, group_size: int, w_bit: int, zero_point: bool) -> torch.Tensor:
+    """reference.pseudo_quantize in place and without integer round trips: the search's inner
+    loop (tests check it is bit-identical to the reference)."""
+    shape = w.shape
+    wg = w.view(-1, group_size)
+    qmax = 2**w_bit - 1
+    if zero_point:
+        s = (wg.amax(dim=1, keepdim=True) - wg.amin(dim=1, keepdim=True)).clamp_(min=1e-5).div_(qmax)
+        z = wg.amin(dim=1, keepdim=True).div_(s).round_().neg_().clamp_(0, qmax)
+    else:
+        half = 2 ** (w_bit - 1)
+        s = wg.abs().amax(dim=1, keepdim=True).clamp_(min=1e-5).div_(half - 1)
+        z = torch.full_like(s, float(half))
+    return wg.div_(s).round_().add_(z).clamp_(0, qmax).sub_(z).mul_(s).view(shape)
 
 
 def _tensors(model: nn.Module):
