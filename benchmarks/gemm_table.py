@@ -142,6 +142,12 @@ def main() -> int:
     rows = run(backends, ms)
     text = summary(rows, backends)
     print(text)
+    if "triton" in backends:
+        from fastawq.triton_kernels import launch
+
+        print("# Triton configs chosen by the tuner (M bucket, N, K):")
+        for key, cfg in launch._TUNED.items():
+            print(f"#   M<={key[1]:<5} N={key[2]:<6} K={key[3]:<6} {getattr(cfg, 'label', lambda: cfg)()}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gemm_table.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)

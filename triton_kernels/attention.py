@@ -118,14 +118,15 @@ def rope_kv_cache(
 
 
 @triton.jit
-def _decode_attn_split_kernel(
-    q_ptr, k_ptr, v_ptr, lens_ptr, acc_ptr, ml_ptr,
-    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, scale,
+def _decode_attn_kernel(
+    q_ptr, k_ptr, v_ptr, lens_ptr, acc_ptr, ml_ptr, cnt_ptr, out_ptr,
+    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_ob, stride_oh, scale,
     HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
 ):
     # Flash-decoding: each program owns one KV head (all its query heads, as the rows of one
-    # dot) over one slice of the sequence, so a batch-1 decode still fills the GPU.
+    # dot) over one slice of the sequence, so a batch-1 decode still fills the GPU. The last
+    # split to finish combines the partials: one kernel per layer, no separate reduce launch.
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // HKV
@@ -140,9 +141,9 @@ def _decode_attn_split_kernel(
     n = tl.arange(0, BLOCK_N)
     gmask = g < GROUP
     dmask = d < D
+    gd_mask = gmask[:, None] & dmask[None, :]
     heads = kh * GROUP + g
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gd_mask, other=0.0)
     m_i = tl.full([GROUP_BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_BLOCK], tl.float32)
     acc = tl.zeros([GROUP_BLOCK, BLOCK_D], tl.float32)
@@ -162,32 +163,49 @@ def _decode_attn_split_kernel(
         v = tl.load(v_ptr + kv_off, mask=kvmask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    # Partials: acc [B, HQ, SPLITS, D] fp32 · ml [B, HQ, SPLITS, 2] fp32 (running max, sum)
-    row = (b * HKV * GROUP + heads) * SPLITS + split
-    tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
-    tl.store(ml_ptr + row * 2, m_i, mask=gmask)
-    tl.store(ml_ptr + row * 2 + 1, l_i, mask=gmask)
+    out_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+    if SPLITS == 1:
+        tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=gd_mask)
+    else:
+        # Partials: acc [B, HQ, SPLITS, D] fp32 · ml [B, HQ, SPLITS, 2] fp32 (running max, sum)
+        rows = (b * HKV * GROUP + heads) * SPLITS
+        tl.store(acc_ptr + (rows + split)[:, None] * D + d[None, :], acc, mask=gd_mask)
+        tl.store(ml_ptr + (rows + split) * 2, m_i, mask=gmask)
+        tl.store(ml_ptr + (rows + split) * 2 + 1, l_i, mask=gmask)
+        # acq_rel: the partials above are published before the count; the last arrival sees all
+        # (and reads them past L1, ".cg", where another SM's writes would not be).
+        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+        if arrived == SPLITS - 1:
+            m_max = tl.full([GROUP_BLOCK], float("-inf"), tl.float32)
+            for s in range(SPLITS):
+                m_s = tl.load(ml_ptr + (rows + s) * 2, mask=gmask, other=float("-inf"), cache_modifier=".cg")
+                m_max = tl.maximum(m_max, m_s)
+            num = tl.zeros([GROUP_BLOCK, BLOCK_D], tl.float32)
+            den = tl.zeros([GROUP_BLOCK], tl.float32)
+            for s in range(SPLITS):
+                m_s = tl.load(ml_ptr + (rows + s) * 2, mask=gmask, other=float("-inf"), cache_modifier=".cg")
+                l_s = tl.load(ml_ptr + (rows + s) * 2 + 1, mask=gmask, other=0.0, cache_modifier=".cg")
+                # Empty splits carry m = -inf and weigh exactly zero.
+                w = tl.where(m_s > float("-inf"), tl.exp(m_s - m_max), 0.0)
+                a_s = tl.load(acc_ptr + (rows + s)[:, None] * D + d[None, :], mask=gd_mask, other=0.0,
+                              cache_modifier=".cg")
+                num += a_s * w[:, None]
+                den += l_s * w
+            tl.store(out_ptrs, (num / den[:, None]).to(out_ptr.dtype.element_ty), mask=gd_mask)
+            # Re-arm the counter for the next launch (and graph replay): no memset needed.
+            tl.atomic_xchg(cnt_ptr + pid, 0)
 
 
-@triton.jit
-def _decode_attn_reduce_kernel(
-    acc_ptr, ml_ptr, out_ptr, stride_ob, stride_oh,
-    HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    b = pid // HQ
-    h = pid % HQ
-    s = tl.arange(0, SPLITS)
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
-    m = tl.load(ml_ptr + (pid * SPLITS + s) * 2)
-    l = tl.load(ml_ptr + (pid * SPLITS + s) * 2 + 1)
-    m_max = tl.max(m, axis=0)
-    # Empty splits carry m = -inf and weigh exactly zero.
-    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
-    acc = tl.load(acc_ptr + (pid * SPLITS + s)[:, None] * D + d[None, :], mask=dmask[None, :], other=0.0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed arrival counters that the kernel re-arms. Outgrown buffers stay alive: a captured
+    CUDA graph keeps pointing at the one it was captured with."""
+    bufs = _COUNTERS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -196,8 +214,8 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _num_splits(device: torch.device, programs: int, max_len: int, block_n: int) -> int:
-    # One wave of programs: more splits only add partials for the reduce kernel to read (64
-    # splits made the reduce cost as much as the attention itself on an H200, 2026-11-30).
+    # One wave of programs: more splits only add partials for the last split to read (64 splits
+    # made a separate reduce kernel cost as much as the attention itself on an H200, 2026-11-30).
     want = max(1, _sm_count(device) // max(1, programs))
     cap = max(1, triton.cdiv(max_len, block_n))
     return min(1 << (min(want, cap).bit_length() - 1), 32)
@@ -214,7 +232,9 @@ def decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of one query token per sequence over the first lens[b] cached keys of row b."""
+    """Attention of one query token per sequence over the first lens[b] (>= 1) cached keys of row b.
+
+    Calls on one device share arrival counters: run them on one stream at a time."""
     if q.dim() != 3 or k_cache.dim() != 4:
         raise ValueError(f"q {tuple(q.shape)} must be [B, HQ, D] and k_cache {tuple(k_cache.shape)} [B, S, HKV, D]")
     b, hq, d = q.shape
@@ -236,15 +256,11 @@ def decode_attention(
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} must match q {tuple(q.shape)} {q.dtype}")
-    block_d = _pow2(d, 16)
-    _decode_attn_split_kernel[(b * hkv, splits)](
-        q, k_cache, v_cache, lens, acc, ml,
+    _decode_attn_kernel[(b * hkv, splits)](
+        q, k_cache, v_cache, lens, acc, ml, _counters(q.device, b * hkv), out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        scale if scale is not None else d ** -0.5,
-        HKV=hkv, GROUP=group, GROUP_BLOCK=_pow2(group, 16), D=d, BLOCK_D=block_d,
+        out.stride(0), out.stride(1), scale if scale is not None else d ** -0.5,
+        HKV=hkv, GROUP=group, GROUP_BLOCK=_pow2(group, 16), D=d, BLOCK_D=_pow2(d, 16),
         BLOCK_N=block_n, SPLITS=splits, num_warps=4,
-    )
-    _decode_attn_reduce_kernel[(b * hq,)](
-        acc, ml, out, out.stride(0), out.stride(1), HQ=hq, D=d, BLOCK_D=block_d, SPLITS=splits, num_warps=4,
     )
     return out

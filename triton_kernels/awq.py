@@ -129,6 +129,7 @@ def awq_gemv_kernel(
     SPLIT_K: tl.constexpr,
     BLOCK_W: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DEFER: tl.constexpr = False,
 ):
     # x [1, K] · qweight [K, N // 8] -> out [1, N]. No tensor cores: one row, memory-bound.
     # Works on nibbles where they lie: tile [BLOCK_K, BLOCK_W words, 8 nibbles]; nibble i of word w
@@ -144,8 +145,7 @@ def awq_gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_w = offs_w < n8
     acc = tl.zeros((BLOCK_W, 8), dtype=tl.float32)
-    # BLOCK_K divides G: the group's scale and zero apply to the whole tile, after the K sum:
-    # sum_k (q - z) s x_k = s (sum_k q x_k - z sum_k x_k).
+    acc3 = tl.zeros((BLOCK_K, BLOCK_W, 8), dtype=tl.float32)
     for t in range(pid_k, K // BLOCK_K, SPLIT_K):
         k0 = t * BLOCK_K
         xk = tl.load(x_ptr + k0 + offs_k).to(tl.float32)
@@ -153,12 +153,21 @@ def awq_gemv_kernel(
         nibbles = (words[:, :, None] >> shifts) & 0xF
         # int -> fp32 through the exponent field (2^23 + q, exact), cheaper than a conversion.
         qf = (nibbles | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        part = tl.sum(qf * xk[:, None, None], axis=0)
         g = k0 // G
         zw = tl.load(qz_ptr + g * n8 + offs_w, mask=mask_w, other=0)
         z = ((zw[:, None] >> (nib * 4)[None, :]) & 0xF).to(tl.float32)
         s = tl.load(s_ptr + g * N + col, mask=mask_w[:, None], other=0.0).to(tl.float32)
-        acc += s * (part - z * tl.sum(xk, axis=0))
+        if DEFER:
+            # Keep one partial per (row, column) in registers and reduce over K once at the end:
+            # no cross-thread reduction in the loop, at the price of the scale per element.
+            acc3 += (qf * s[None, :, :] - (z * s)[None, :, :]) * xk[:, None, None]
+        else:
+            # BLOCK_K divides G: the group's scale and zero apply to the whole tile after the K
+            # sum: sum_k (q - z) s x_k = s (sum_k q x_k - z sum_k x_k).
+            part = tl.sum(qf * xk[:, None, None], axis=0)
+            acc += s * (part - z * tl.sum(xk, axis=0))
+    if DEFER:
+        acc = tl.sum(acc3, axis=0)
     offs_m = tl.arange(0, 1)
     _store_split_k(tl.reshape(acc, (1, BLOCK_W * 8)), offs_m, tl.reshape(col, (BLOCK_W * 8,)), 1, N, pid_k,
                    pid_n, bias_ptr, out_ptr, ws_ptr, lock_ptr, N, HAS_BIAS, SPLIT_K)

@@ -23,9 +23,10 @@ class GemmConfig:
     num_stages: int = 3
     group_m: int = 8
     gemv: bool = False  # the tensor-core-free kernel for M = 1 (block_m unused)
+    defer: bool = False  # GEMV: reduce over K once at the end instead of per tile
 
     def label(self) -> str:
-        kind = "gemv" if self.gemv else f"m{self.block_m}"
+        kind = ("gemvd" if self.defer else "gemv") if self.gemv else f"m{self.block_m}"
         return f"{kind}n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}p{self.num_stages}"
 
 
@@ -87,6 +88,15 @@ def candidate_configs(m: int, n: int, k: int, g: int, sms: int) -> list:
                 if split <= k // bk:
                     for stages in (2, 4):
                         out.append(GemmConfig(1, bw * 8, bk, split, warps, stages, gemv=True))
+        # Deferred reduction: 32 fp32 partials per thread.
+        for bw, bk, warps in ((32, 16, 4), (16, 32, 4), (64, 16, 8), (32, 32, 8)):
+            if g % bk or k % bk:
+                continue
+            tiles = triton.cdiv(n, bw * 8)
+            base = _split_for(tiles, k // bk, 2 * sms)
+            for split in {base, min(16, base * 2)}:
+                if split <= k // bk:
+                    out.append(GemmConfig(1, bw * 8, bk, split, warps, 3, gemv=True, defer=True))
     if m <= 64:
         bms = [16] if m <= 16 else [32, 64] if m <= 32 else [64]
         for bm in bms:
@@ -146,6 +156,7 @@ def launch_gemm(x, qweight, scales, qzeros, g, bias, out, cfg: GemmConfig) -> to
             SPLIT_K=cfg.split_k,
             BLOCK_W=cfg.block_n // 8,
             BLOCK_K=cfg.block_k,
+            DEFER=cfg.defer,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
