@@ -180,6 +180,7 @@ def _decode_attn_kernel(
             for s in range(SPLITS):
                 m_s = tl.load(ml_ptr + (rows + s) * 2, mask=gmask, other=float("-inf"), cache_modifier=".cg")
                 m_max = tl.maximum(m_max, m_s)
+            m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # padded rows: no -inf - -inf
             num = tl.zeros([GROUP_BLOCK, BLOCK_D], tl.float32)
             den = tl.zeros([GROUP_BLOCK], tl.float32)
             for s in range(SPLITS):
@@ -191,6 +192,7 @@ def _decode_attn_kernel(
                               cache_modifier=".cg")
                 num += a_s * w[:, None]
                 den += l_s * w
+            den = tl.where(den > 0.0, den, 1.0)
             tl.store(out_ptrs, (num / den[:, None]).to(out_ptr.dtype.element_ty), mask=gd_mask)
             # Re-arm the counter for the next launch (and graph replay): no memset needed.
             tl.atomic_xchg(cnt_ptr + pid, 0)
