@@ -7,7 +7,6 @@ vehicle, never chosen automatically, as in backend.select_backend).
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
@@ -249,6 +248,3 @@ def prefill_attention(
         out = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale)
     return out.transpose(1, 2)
 
-
-def default_scale(head_dim: int, query_pre_attn_scalar: float | None = None) -> float:
-    return 1.0 / math.sqrt(query_pre_attn_scalar if query_pre_attn_scalar else head_dim)
