@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # One device call: build the extension, run the GPU tests, time the kernels.
 #   bash benchmarks/cuda_dev.sh [tests|bench|all] [extra bench_cuda.py args...]
-# Logs go to $OUT (or ./cuda_dev_out). Env: FASTAWQ_CUDA_ARCHS (default 9.0a), CXX/CUDAHOSTCXX
-# pick the host compiler, DEV_PIP=1 installs editable with pip (else CMake into build/dev + a copy).
+# Logs go to $OUT (or ./cuda_dev_out). Env: FASTAWQ_CUDA_ARCHS (default 9.0a), FASTAWQ_HOST_CXX
+# picks the host compiler, DEV_PIP=1 installs editable with pip (else CMake into build/dev + a copy).
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-$PWD/cuda_dev_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FASTAWQ_BUILD_KERNELS=on FASTAWQ_CUDA_ARCHS=${FASTAWQ_CUDA_ARCHS:-9.0a}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv > "$OUT/gpu.txt" 2>&1
 start=$(date +%s)
-bdir=build/dev-$(basename "${CXX:-default}")
+# The image's $CXX (/opt/gcc) builds a _C whose std::ostream crashes; use the system compiler.
+[[ -x /usr/bin/g++ ]] && export FASTAWQ_HOST_CXX=${FASTAWQ_HOST_CXX:-/usr/bin/g++}
+bdir=build/dev-$(basename "${FASTAWQ_HOST_CXX:-${CXX:-default}}")
 if [[ ${DEV_PIP:-0} == 1 ]]; then
   # `pip` on PATH may belong to another interpreter than `python`: always `python -m pip`.
   python -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
