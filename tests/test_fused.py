@@ -32,6 +32,8 @@ def _config(arch: str):
         return tf.Qwen2Config(**COMMON)
     if arch == "qwen3":
         return tf.Qwen3Config(**COMMON, head_dim=32)
+    if arch == "phi3":
+        return tf.Phi3Config(**COMMON, pad_token_id=0, sliding_window=None)
     if arch == "gemma":
         return tf.GemmaConfig(**{**COMMON, "num_key_value_heads": 1}, head_dim=16)
     raise ValueError(arch)
@@ -83,7 +85,7 @@ def _match_over_decode(arch: str, kernels: str | None, steps: int, device: str =
     assert rt.length == 11 + steps
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"])
 def test_fused_matches_unfused_torch_ops(arch):
     _match_over_decode(arch, "torch", 32)
 
@@ -96,7 +98,7 @@ def test_fused_matches_unfused_triton_ops(arch):
 
 
 @needs_cuda
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"])
 def test_fused_cuda_graph_decode_matches_unfused(arch):
     _match_over_decode(arch, None, 32, device="cuda", graphs=True)
 
@@ -140,8 +142,8 @@ def test_cache_overflow_is_an_error_before_any_work():
 
 def test_unsupported_architecture_is_refused():
     model = tiny_w4_model("llama")
-    model.config.model_type = "phi3"
-    with pytest.raises(NotImplementedError, match="phi3"):
+    model.config.model_type = "gpt_neox"
+    with pytest.raises(NotImplementedError, match="gpt_neox"):
         fuse_model(model, 16, 1)
 
 

@@ -26,6 +26,7 @@ SUPPORTED = {
     "qwen2": (0.0, "hidden_act"),
     "qwen3": (0.0, "hidden_act"),
     "gemma": (1.0, "hidden_activation"),
+    "phi3": (0.0, "hidden_act"),  # already one qkv_proj and one gate_up_proj (gate, then up)
 }
 
 
@@ -54,6 +55,8 @@ def concat_wqlinear(layers: list[WQLinear]) -> WQLinear:
     The packed columns concatenate exactly: qweight/qzeros pack 8 output columns per int32 and every
     N here is a multiple of 8; scales are per column."""
     first = layers[0]
+    if len(layers) == 1 and isinstance(first, WQLinear):
+        return first
     for lin in layers:
         if not isinstance(lin, WQLinear):
             raise TypeError(f"fusing needs WQLinear layers, got {type(lin).__name__}")
@@ -82,7 +85,10 @@ class FusedAttention(nn.Module):
     def __init__(self, attn: nn.Module, cfg: FusedConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.cfg = cfg
-        self.qkv_proj = concat_wqlinear([attn.q_proj, attn.k_proj, attn.v_proj])
+        if hasattr(attn, "qkv_proj"):
+            self.qkv_proj = concat_wqlinear([attn.qkv_proj])
+        else:
+            self.qkv_proj = concat_wqlinear([attn.q_proj, attn.k_proj, attn.v_proj])
         self.o_proj = attn.o_proj
         if cfg.qk_norm:
             self.q_norm_weight = attn.q_norm.weight
@@ -120,7 +126,10 @@ class FusedAttention(nn.Module):
 class FusedMLP(nn.Module):
     def __init__(self, mlp: nn.Module, act: str):
         super().__init__()
-        self.gate_up_proj = concat_wqlinear([mlp.gate_proj, mlp.up_proj])
+        if hasattr(mlp, "gate_up_proj"):
+            self.gate_up_proj = concat_wqlinear([mlp.gate_up_proj])
+        else:
+            self.gate_up_proj = concat_wqlinear([mlp.gate_proj, mlp.up_proj])
         self.down_proj = mlp.down_proj
         self.act = act
 
@@ -319,6 +328,9 @@ def _fused_config(model: nn.Module, max_seq_len: int, batch_size: int) -> FusedC
             f"{mt} uses sliding-window attention of {window} tokens; fused layers support "
             f"max_seq_len <= {window}, got {max_seq_len}"
         )
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if float(rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) or 1.0) != 1.0:
+        raise NotImplementedError(f"{mt}: partial rotary embeddings are not fused (partial_rotary_factor < 1)")
     offset, act_attr = SUPPORTED[mt]
     act = getattr(cfg, act_attr, None) or getattr(cfg, "hidden_act", "silu")
     if act not in fused_ops.ACTIVATIONS:
@@ -369,7 +381,8 @@ def fuse_model(
     dtype = emb.dtype  # activations (and so the cache) run in the embeddings' dtype
     device = emb.device
     for i, layer in enumerate(model.model.layers):
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        names = ("qkv_proj", "o_proj") if hasattr(layer.self_attn, "qkv_proj") else ("q_proj", "k_proj", "v_proj", "o_proj")
+        for name in names:
             if not isinstance(getattr(layer.self_attn, name), WQLinear):
                 raise TypeError(f"layer {i} self_attn.{name} is not a WQLinear: quantize the model before fusing")
     cos, sin = _rope_tables(model, max_seq_len, device)
