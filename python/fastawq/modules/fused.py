@@ -4,6 +4,12 @@ kernel, split-K decode attention, gate/up in one GEMM with act*mul fused, add + 
 `fuse_model` swaps a transformers causal LM's decoder layers in place; `FusedRuntime` (attached to
 the model as `model.fastawq_runtime`) runs prefill and decode steps, the latter as CUDA-graph
 replays on GPU. Sequences of one batch share their length (no padding inside the cache).
+
+Architectures: llama, mistral (max_seq_len <= sliding window), qwen2, qwen3 (q/k norms fused
+into the rope kernel), gemma (1 + w norms, tanh-GELU, scaled embeddings), phi3 (full rotary).
+Others (gemma2/3: soft-capping, extra norms, alternating windows) are refused with an error.
+Kernels: Triton on CUDA (triton_kernels/attention.py and the norm/act kernels in fused_ops),
+torch elsewhere; prefill attention is torch SDPA. The fused model's device is fixed at fuse time.
 """
 from __future__ import annotations
 
