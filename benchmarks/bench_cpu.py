@@ -10,7 +10,7 @@ hits every row alike; median of warm runs, ratios against fp32 and bf16.
 Model: SmolLM2-135M-Instruct (see /work/shared/DATA.md) in fp32 under transformers versus the
 same model with every decoder Linear replaced by a 4-bit WQLinear (round-to-nearest), greedy
 decode of --new-tokens after a --prompt-tokens prompt, batch 1; tokens/s of the decode phase,
-plus a per-token profile of where the quantized model spends its time.
+plus (--profile) a per-token breakdown of where each model spends its decode time.
 """
 from __future__ import annotations
 
@@ -27,6 +27,12 @@ from fastawq import cpu, ops, reference
 from fastawq.modules.qlinear import WQLinear
 
 
+# Wall clock by default. The machine is shared with other jobs; `--clock cpu` (only with
+# `--threads 1`, where torch runs every op on the calling thread) counts this thread's CPU time,
+# which other processes cannot inflate by descheduling it.
+CLOCK = time.perf_counter
+
+
 def _round_robin(fns: dict, iters: int, warmup: int = 3) -> dict[str, tuple[float, float]]:
     """(min, median) seconds per call of each fn, calls interleaved so load spikes hit all alike.
     The machine is shared: the min is the figure least disturbed by other processes."""
@@ -34,11 +40,15 @@ def _round_robin(fns: dict, iters: int, warmup: int = 3) -> dict[str, tuple[floa
         for _ in range(warmup):
             fn()
     times = {name: [] for name in fns}
+    # Weights start cold, as in a model's decode step where each layer's weights were evicted by
+    # the other layers' (the 8 MB int4 weight of a 4096x4096 layer would otherwise stay in L3).
+    flush = torch.zeros(96 * 2**20 // 4)
     for _ in range(iters):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            flush.add_(1.0)
+            t0 = CLOCK()
             fn()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(CLOCK() - t0)
     return {name: (min(ts), statistics.median(ts)) for name, ts in times.items()}
 
 
@@ -133,12 +143,12 @@ def timed_generate(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, fl
 
     class Stamp:  # transformers calls streamer.put once for the prompt, then once per token
         def put(self, _):
-            stamps.append(time.perf_counter())
+            stamps.append(CLOCK())
 
         def end(self):
             pass
 
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     with torch.inference_mode():
         out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                              streamer=Stamp(), pad_token_id=0)
@@ -148,24 +158,68 @@ def timed_generate(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, fl
     return prefill, decode, out[:, ids.shape[1]:]
 
 
-def profile_decode(model, ids: torch.Tensor, steps: int) -> None:
-    """Per-token split of the decode step by op kind, from torch.profiler's CPU self-time."""
-    from torch.profiler import ProfilerActivity, profile
+def _hook_timers(model) -> tuple[dict[str, float], list]:
+    """Accumulate CLOCK time per part of the model via forward hooks (inclusive times)."""
+    acc: dict[str, float] = {}
+    handles = []
 
-    with torch.inference_mode():
-        model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            t0 = time.perf_counter()
-            model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
-            wall = time.perf_counter() - t0
-    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total_ms = sum(e.self_cpu_time_total for e in rows) / 1e3
-    print(f"\nprofile of generate({steps} tokens): wall {wall * 1e3:.0f} ms = {wall / steps * 1e3:.2f} ms/token; "
-          f"op self-time {total_ms:.0f} ms (rest: Python outside ops)")
-    print(f"{'op':45s} {'calls/token':>11s} {'ms/token':>9s} {'share':>6s}")
-    for e in rows[:14]:
-        ms = e.self_cpu_time_total / 1e3
-        print(f"{e.key[:45]:45s} {e.count / steps:11.1f} {ms / steps:9.3f} {ms / (wall * 1e3):6.1%}")
+    def timed(mod, key):
+        def pre(*_):
+            mod._bench_t0 = CLOCK()
+
+        def post(*_):
+            acc[key] = acc.get(key, 0.0) + CLOCK() - mod._bench_t0
+
+        handles.append(mod.register_forward_pre_hook(pre))
+        handles.append(mod.register_forward_hook(post))
+
+    for layer in model.model.layers:
+        timed(layer.self_attn, "attention block")
+        timed(layer.mlp, "mlp block")
+        timed(layer.input_layernorm, "rms norms")
+        timed(layer.post_attention_layernorm, "rms norms")
+        for parent, key in ((layer.self_attn, "attention linears"), (layer.mlp, "mlp linears")):
+            for child in parent.children():
+                if isinstance(child, (torch.nn.Linear, WQLinear)):
+                    timed(child, key)
+    timed(model.lm_head, "lm_head")
+    timed(model.model, "decoder (incl. embedding, final norm)")
+    return acc, handles
+
+
+def decode_breakdown(model, ids: torch.Tensor, steps: int) -> None:
+    """Where a decode step's time goes: linears, attention core, MLP activation, norms, lm_head,
+    and what is left (generate's loop, logits processing, Python), per token."""
+    acc, handles = _hook_timers(model)
+
+    def run(n):
+        acc.clear()
+        t0 = CLOCK()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return CLOCK() - t0, dict(acc)
+
+    run(2)
+    t1, a1 = run(1)  # prefill + first token
+    tn, an = run(steps + 1)
+    for h in handles:
+        h.remove()
+    per = {k: (an.get(k, 0.0) - a1.get(k, 0.0)) / steps for k in an}
+    total = (tn - t1) / steps
+    rows = {
+        "decoder linears (q,k,v,o,gate,up,down)": per.get("attention linears", 0) + per.get("mlp linears", 0),
+        "attention core (rope, KV cache, sdpa)": per.get("attention block", 0) - per.get("attention linears", 0),
+        "mlp act*mul": per.get("mlp block", 0) - per.get("mlp linears", 0),
+        "rms norms": per.get("rms norms", 0),
+        "lm_head": per.get("lm_head", 0),
+    }
+    rows["other decoder (embedding, residual adds, layer glue)"] = (
+        per.get("decoder (incl. embedding, final norm)", 0) - sum(v for k, v in rows.items() if k != "lm_head")
+    )
+    rows["generate loop (logits processing, stopping, Python)"] = total - sum(rows.values())
+    print(f"  decode step breakdown ({steps} tokens, hooks add ~1 us per module call): {total * 1e3:.2f} ms/token")
+    for k, v in rows.items():
+        print(f"    {k:52s} {v * 1e3:7.2f} ms {v / total:6.1%}")
 
 
 def bench_model(gguf: str | None, group_size: int, prompt_tokens: int, new_tokens: int, repeats: int,
@@ -192,11 +246,17 @@ def bench_model(gguf: str | None, group_size: int, prompt_tokens: int, new_token
         return gen
 
     gen_fp32 = run("fp32 (transformers)", model)
+    if profile:
+        decode_breakdown(model, ids, 16)
     n_q = quantize_linears(model, group_size)
     print(f"(replaced {n_q} Linear layers by WQLinear g{group_size}, RTN; lm_head / embeddings unchanged)")
     gen_q = run(f"4-bit g{group_size} fastawq cpu, fp32 activations", model)
+    if profile:
+        decode_breakdown(model, ids, 16)
     model.to(torch.bfloat16)
     gen_q16 = run(f"4-bit g{group_size} fastawq cpu, bf16 activations", model)
+    if profile:
+        decode_breakdown(model, ids, 16)
     base = results["fp32 (transformers)"][1]
     for name, (_, dec, _) in results.items():
         print(f"  {name:42s} {base / dec:5.2f}x fp32 decode tokens/s")
@@ -206,8 +266,6 @@ def bench_model(gguf: str | None, group_size: int, prompt_tokens: int, new_token
         print(f"  4-bit ({name}) greedy tokens equal the fp32 model's for the first {first} of {new_tokens}")
     print("  fp32 text:", repr(tok.decode(gen_fp32[0][:24])))
     print("  4-bit bf16 text:", repr(tok.decode(gen_q16[0][:24])))
-    if profile:
-        profile_decode(model, ids, 16)
 
 
 def main() -> None:
@@ -226,7 +284,19 @@ def main() -> None:
     mod.add_argument("--new-tokens", type=int, default=64)
     mod.add_argument("--repeats", type=int, default=3)
     mod.add_argument("--profile", action="store_true")
+    for sp in (lay, mod):
+        sp.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+        sp.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: this thread's CPU time, robust to other load; needs --threads 1")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.clock == "cpu":
+        if torch.get_num_threads() != 1:
+            sys.exit("--clock cpu measures one thread: add --threads 1")
+        global CLOCK
+        CLOCK = time.thread_time
+    print(f"clock: {args.clock}, threads: {torch.get_num_threads()}, load average: {os.getloadavg()}")
     if args.what == "layer":
         bench_layer(args.m, args.k, args.n, args.group_size, args.iters)
     else:

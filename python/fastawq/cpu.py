@@ -63,13 +63,24 @@ def kernel_group_size(group_size: int) -> int | None:
 def awq_gemm_fits(x2d: torch.Tensor, qweight: torch.Tensor, group_size: int) -> str | None:
     if _KERNEL_MISSING is not None:
         return _KERNEL_MISSING
-    if x2d.device.type != "cpu" or qweight.device.type != "cpu":
-        return f"tensors are on {x2d.device} / {qweight.device}; the CPU kernel runs on the CPU"
+    why = _x_fits(x2d) or _weight_fits(qweight, group_size)
+    if why is None and x2d.dtype == torch.float32 and _fp32_exact():
+        return "FASTAWQ_CPU_FP32=exact and the packed int4 CPU kernel computes in bf16"
+    return why
+
+
+def _x_fits(x2d: torch.Tensor) -> str | None:
+    if x2d.device.type != "cpu":
+        return f"x is on {x2d.device}; the CPU kernel runs on the CPU"
     if x2d.dtype not in _ACT_DTYPES:
         return f"x is {x2d.dtype}; the CPU kernel takes fp32, bf16 or fp16 activations"
-    if x2d.dtype == torch.float32 and _fp32_exact():
-        return "FASTAWQ_CPU_FP32=exact and the packed int4 CPU kernel computes in bf16"
+    return None
+
+
+def _weight_fits(qweight: torch.Tensor, group_size: int) -> str | None:
     k, n = qweight.shape[0], qweight.shape[1] * reference.PACK
+    if qweight.device.type != "cpu":
+        return f"qweight is on {qweight.device}; the CPU kernel runs on the CPU"
     g = reference.resolve_group_size(group_size, k)
     if kernel_group_size(g) is None:
         return f"group_size={g} is not a multiple of 32 (K={k}, N={n}); the CPU kernel needs 32, 64 or 128"
@@ -125,9 +136,10 @@ def _unpack_cols(packed: torch.Tensor) -> torch.Tensor:
 # qweight [K, N // 8] int32 · scales [K // G, N] · qzeros [K // G, N // 8] int32  ->  PackedInt4
 def _repack(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, g: int) -> PackedInt4:
     k, n, g = reference.check_awq_shapes(qweight, scales, qzeros, g)
+    why = _weight_fits(qweight, g)
+    if why is not None:
+        raise ValueError(f"CPU int4 kernel cannot run qweight {tuple(qweight.shape)}: {why}")
     kg = kernel_group_size(g)
-    if kg is None or n % _N_ALIGN != 0:
-        raise ValueError(f"the CPU int4 kernel cannot take K={k}, N={n}, group_size={g}")
     with torch.no_grad():
         # Transposing the packed words (8x less data) before unpacking halves the repack time.
         words_t = qweight.t().contiguous()  # [N // 8, K]
@@ -185,10 +197,11 @@ def awq_gemm(
     """y = x @ dequantize(qweight, scales, qzeros) + bias, computed in bf16 (see the module doc)."""
     if x2d.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K], got {tuple(x2d.shape)}")
-    why = awq_gemm_fits(x2d, qweight, group_size)
+    why = _x_fits(x2d)
     if why is not None:
         raise ValueError(f"CPU int4 kernel cannot run x {tuple(x2d.shape)} {x2d.dtype}: {why}")
-    p = prepare(qweight, scales, qzeros, group_size)
+    # Decode calls this ~200 times per token: a cache hit checks only what can differ per call.
+    p = prepare(qweight, scales, qzeros, group_size)  # validates the weight when it (re)packs
     if x2d.shape[1] != p.k:
         raise ValueError(f"x {tuple(x2d.shape)} has K={x2d.shape[1]} but qweight {tuple(qweight.shape)} has K={p.k}")
     if bias is not None and tuple(bias.shape) != (p.n,):
