@@ -35,3 +35,16 @@ def test_gram_loss_equals_output_mse():
         wq = reference.pseudo_quantize(w * s[i], 32) / s[i]
         mse = ((x @ wq.t() - x @ w.t()) ** 2).sum(1).mean()
         torch.testing.assert_close(loss[i], mse, rtol=1e-4, atol=1e-6)
+
+
+def test_each_layer_gets_its_own_keyword_arguments():
+    """Gemma 3's sliding and global layers take different rotary embeddings: capturing layer 0's
+    arguments and reusing them everywhere fed the wrong positions to half the layers."""
+    from fastawq.quantize import QuantConfig
+    from test_models import calib_ids, tiny_model
+
+    model = tiny_model("gemma3")
+    q = AwqQuantizer(model, QuantConfig(q_group_size=32), calib_ids(2, 16))
+    _, kwargs = q._capture_inputs(model.model.layers)
+    cos0, cos1 = kwargs[0]["position_embeddings"][0], kwargs[1]["position_embeddings"][0]
+    assert not torch.equal(cos0, cos1)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -58,16 +59,18 @@ class InputStats:
         self.gram /= s[:, None] * s[None, :]
 
 
-class _StopForward(Exception):
-    pass
+_TUPLE_OUTPUTS = int(transformers.__version__.split(".")[0]) < 5  # 4.x layers return tuples
 
 
 class _Catcher(nn.Module):
-    """Stands in for decoder layer 0: records its input and keyword arguments, then stops."""
+    """Stands in for decoder layer `index`: records the keyword arguments it is called with (masks
+    and rotary embeddings differ per layer type, e.g. Gemma's sliding layers) and, for layer 0,
+    its input; passes the hidden states through untouched."""
 
-    def __init__(self, layer: nn.Module, store: dict):
+    def __init__(self, layer: nn.Module, index: int, store: dict):
         super().__init__()
         self.__dict__["_inner"] = layer  # not a submodule: it must not follow .to(device)
+        self.index = index
         self.store = store
 
     def __getattr__(self, name: str) -> Any:
@@ -77,9 +80,10 @@ class _Catcher(nn.Module):
             return getattr(self.__dict__["_inner"], name)
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
-        self.store["x"] = hidden_states
-        self.store["kwargs"] = kwargs
-        raise _StopForward
+        if self.index == 0:
+            self.store["x"] = hidden_states
+        self.store["kwargs"].setdefault(self.index, kwargs)
+        return (hidden_states,) if _TUPLE_OUTPUTS else hidden_states
 
 
 class AwqQuantizer:
@@ -130,6 +134,17 @@ class AwqQuantizer:
     # ------------------------------------------------------------------ driver
     @torch.no_grad()
     def quantize(self) -> nn.Module:
+        # TF32 for the fp32 statistics and loss products on GPUs: the loss ranks candidates, and
+        # 10 mantissa bits do not change a ranking that fp16 activations already limit.
+        prev = torch.get_float32_matmul_precision()
+        if self.device.type == "cuda":
+            torch.set_float32_matmul_precision("high")
+        try:
+            return self._quantize()
+        finally:
+            torch.set_float32_matmul_precision(prev)
+
+    def _quantize(self) -> nn.Module:
         layers = get_submodule(self.model, self.arch.layers_path)
         t0 = time.perf_counter()
         inps, kwargs = self._capture_inputs(layers)
@@ -143,7 +158,7 @@ class AwqQuantizer:
             layer.to(self.device, compute_dtype)
             groups = self._resolve_groups(layer, name)
             t = time.perf_counter()
-            stats, inps = self._run_layer(layer, name, groups, inps, kwargs)
+            stats, inps = self._run_layer(layer, name, groups, inps, kwargs[i])
             self._tick("forward", t)
             t = time.perf_counter()
             for g in groups:
@@ -186,31 +201,25 @@ class AwqQuantizer:
         self.timings[what] = self.timings.get(what, 0.0) + time.perf_counter() - t0
 
     # ------------------------------------------------------------------ capture
-    def _capture_inputs(self, layers: nn.ModuleList) -> tuple[list[torch.Tensor], dict]:
-        """Run the model up to layer 0 on every chunk of samples: layer 0's inputs and the
-        keyword arguments (masks, rotary embeddings) every layer receives."""
+    def _capture_inputs(self, layers: nn.ModuleList) -> tuple[list[torch.Tensor], list[dict]]:
+        """Run the model's embedding on every chunk of samples, decoder layers stubbed out:
+        layer 0's inputs, and the keyword arguments each layer receives."""
         parent_path, _, attr = self.arch.layers_path.rpartition(".")
         parent = self.model.get_submodule(parent_path)
         real = getattr(parent, attr)
-        store: dict = {}
-        setattr(parent, attr, nn.ModuleList([_Catcher(real[0], store)]))
+        store: dict = {"kwargs": {}}
+        setattr(parent, attr, nn.ModuleList([_Catcher(layer, i, store) for i, layer in enumerate(real)]))
         # Everything but the decoder layers visits the accelerator for the capture.
         devices = {n: t.device for n, t in _tensors(self.model)}
         base = self.model.base_model
         base.to(self.device)
         inps: list[torch.Tensor] = []
-        kwargs: dict = {}
         try:
             for start in range(0, self.samples.shape[0], self.chunk):
                 ids = self.samples[start : start + self.chunk].to(self.device)
-                try:
-                    base(input_ids=ids, use_cache=False)
-                except _StopForward:
-                    pass
+                base(input_ids=ids, use_cache=False)
                 x = store["x"]
                 inps.append(x.to("cpu") if self.offload else x)
-                if not kwargs:
-                    kwargs = store["kwargs"]
         finally:
             setattr(parent, attr, real)
             for n, t in _tensors(self.model):
@@ -218,13 +227,16 @@ class AwqQuantizer:
                     t.data = t.data.to(devices[n])
         compute_dtype = torch.float32 if self.device.type == "cpu" else inps[0].dtype
         inps = [x.to(compute_dtype) for x in inps]
-        for key in ("past_key_values", "past_key_value", "cache", "layer_past"):
-            if key in kwargs:
-                kwargs[key] = None
-        if "use_cache" in kwargs:
-            kwargs["use_cache"] = False
-        kwargs = {k: _to(v, self.device, compute_dtype) for k, v in kwargs.items()}
-        return inps, kwargs
+        per_layer = []
+        for i in range(len(real)):
+            kwargs = dict(store["kwargs"][i])
+            for key in ("past_key_values", "past_key_value", "cache", "layer_past"):
+                if key in kwargs:
+                    kwargs[key] = None
+            if "use_cache" in kwargs:
+                kwargs["use_cache"] = False
+            per_layer.append({k: _to(v, self.device, compute_dtype) for k, v in kwargs.items()})
+        return inps, per_layer
 
     # ------------------------------------------------------------------ one layer
     def _resolve_groups(self, layer: nn.Module, name: str) -> list[ScaleGroup]:

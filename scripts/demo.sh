@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The main job on a fresh machine: make a venv, install fastawq, run `fastawq demo`.
+#   scripts/demo.sh [fastawq demo options]      e.g. --calib-samples 64
+# FASTAWQ_VENV picks the venv (default: .venv-demo in the repository); an existing venv that
+# already has torch is reused, so the second run starts at once. Needs PyPI, nothing else.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${FASTAWQ_VENV:-$ROOT/.venv-demo}"
+PY="${PYTHON:-python3}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "== creating $VENV"
+    "$PY" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+fi
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+    echo "== installing torch"
+    "$VENV/bin/python" -m pip install -q torch
+fi
+if ! "$VENV/bin/python" -c "import fastawq.commands.demo, gguf, accelerate" 2>/dev/null; then
+    echo "== installing fastawq (with the GGUF reader for the default model)"
+    "$VENV/bin/python" -m pip install -q "$ROOT[gguf]"
+fi
+echo "== fastawq demo $*"
+exec "$VENV/bin/fastawq" demo "$@"
