@@ -124,12 +124,18 @@ class _Workspace:
 
     def __init__(self) -> None:
         self.buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Outgrown buffers stay alive: a CUDA graph captured earlier still points at them.
+        self.retired: list[torch.Tensor] = []
 
     def get(self, device: torch.device, numel: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
         ws, locks = self.buffers.get(device, (None, None))
         if ws is None or ws.numel() < numel:
+            if ws is not None:
+                self.retired.append(ws)
             ws = torch.empty(max(numel, 1 << 20), dtype=torch.float32, device=device)
         if locks is None or locks.numel() < tiles:
+            if locks is not None:
+                self.retired.append(locks)
             locks = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
         self.buffers[device] = (ws, locks)
         return ws, locks
