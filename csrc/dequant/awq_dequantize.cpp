@@ -26,7 +26,7 @@ at::Tensor awq_dequantize(const at::Tensor& qweight, const at::Tensor& scales, c
                           int64_t group_size) {
   int64_t k, n, g;
   check_awq_weight("awq_dequantize", qweight, scales, qzeros, group_size, k, n, g);
-  TORCH_CHECK(k * (n / 8) < (int64_t(1) << 31), "awq_dequantize: qweight ", shape_str(qweight), " is too large");
+  FASTAWQ_CHECK(k * (n / 8) < (int64_t(1) << 31), "awq_dequantize: qweight ", shape_str(qweight), " is too large");
   const c10::cuda::CUDAGuard guard(qweight.device());
   at::Tensor out = at::empty({k, n}, scales.options());
   awq_dequantize_into(qweight, scales, qzeros, g, out);

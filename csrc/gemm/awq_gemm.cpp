@@ -80,17 +80,17 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& qweight, const at::T
                      int64_t path, int64_t split_k) {
   int64_t k, n, g;
   check_awq_weight("awq_gemm", qweight, scales, qzeros, group_size, k, n, g);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "awq_gemm: x must be [M, K=", k, "] to match qweight ",
+  FASTAWQ_CHECK(x.dim() == 2 && x.size(1) == k, "awq_gemm: x must be [M, K=", k, "] to match qweight ",
               shape_str(qweight), ", got x ", shape_str(x));
   const int64_t m = x.size(0);
-  TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
+  FASTAWQ_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
               "awq_gemm: x must be fp16 or bf16, got ", x.scalar_type(), " (x ", shape_str(x), ")");
-  TORCH_CHECK(scales.scalar_type() == x.scalar_type(), "awq_gemm: scales must have x's dtype ", x.scalar_type(),
+  FASTAWQ_CHECK(scales.scalar_type() == x.scalar_type(), "awq_gemm: scales must have x's dtype ", x.scalar_type(),
               ", got ", scales.scalar_type(), " (problem m=", m, ", n=", n, ", k=", k, ")");
-  TORCH_CHECK(x.device() == qweight.device(), "awq_gemm: x is on ", x.device(), " but qweight is on ",
+  FASTAWQ_CHECK(x.device() == qweight.device(), "awq_gemm: x is on ", x.device(), " but qweight is on ",
               qweight.device());
-  TORCH_CHECK(x.is_contiguous(), "awq_gemm: x ", shape_str(x), " must be contiguous");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
+  FASTAWQ_CHECK(x.is_contiguous(), "awq_gemm: x ", shape_str(x), " must be contiguous");
+  FASTAWQ_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(qweight.data_ptr()) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(scales.data_ptr()) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(qzeros.data_ptr()) % 16 == 0,
@@ -99,12 +99,12 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& qweight, const at::T
   const at::Tensor* b = nullptr;
   if (bias.has_value()) {
     b = &bias.value();
-    TORCH_CHECK(b->dim() == 1 && b->size(0) == n && b->scalar_type() == x.scalar_type() &&
+    FASTAWQ_CHECK(b->dim() == 1 && b->size(0) == n && b->scalar_type() == x.scalar_type() &&
                     b->device() == x.device() && b->is_contiguous(),
                 "awq_gemm: bias must be a contiguous [N=", n, "] ", x.scalar_type(), " tensor on ", x.device(),
                 ", got ", shape_str(*b), " ", b->scalar_type(), " on ", b->device());
   }
-  TORCH_CHECK(path >= 0 && path <= 2, "awq_gemm_config: path must be 0 (auto), 1 (mma) or 2 (dequant+cuBLAS)");
+  FASTAWQ_CHECK(path >= 0 && path <= 2, "awq_gemm_config: path must be 0 (auto), 1 (mma) or 2 (dequant+cuBLAS)");
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
@@ -112,7 +112,7 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& qweight, const at::T
 
   const bool fits = mma_fits(k, n, g);
   if (path == 0) path = (fits && m <= kMmaMaxM) ? 1 : 2;
-  TORCH_CHECK(path != 1 || fits, "awq_gemm: the tensor-core kernel needs sm_80+ and N % 32, K % 32, group_size % 32 "
+  FASTAWQ_CHECK(path != 1 || fits, "awq_gemm: the tensor-core kernel needs sm_80+ and N % 32, K % 32, group_size % 32 "
               "== 0 (problem m=", m, ", n=", n, ", k=", k, ", group_size=", g, ")");
   if (path == 1) {
     run_mma(x, qweight, scales, qzeros, g, b, out, split_k);
