@@ -28,10 +28,10 @@ def _unpack_cols(words, BLOCK_N: tl.constexpr):
 @triton.jit
 def awq_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, qz_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr,
-    M, N, K, G,
+    M, N, K, G, split_k,
     stride_xm, stride_om,
     HAS_BIAS: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -62,7 +62,7 @@ def awq_gemm_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # BLOCK_K divides G, so each K tile lies inside one quantization group.
-    for t in range(pid_k, K // BLOCK_K, SPLIT_K):
+    for t in range(pid_k, K // BLOCK_K, split_k):
         k0 = t * BLOCK_K
         a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
         words = tl.load(qw_ptr + (k0 + offs_k)[:, None] * n8 + offs_w[None, :], mask=mask_w[None, :], other=0)
@@ -90,29 +90,29 @@ def awq_gemm_kernel(
 
     tile = pid_m * num_pid_n + pid_n
     _store_split_k(acc, offs_m, offs_n, M, N, pid_k, tile, bias_ptr, out_ptr, ws_ptr, lock_ptr, stride_om,
-                   HAS_BIAS, SPLIT_K)
+                   split_k, HAS_BIAS, SPLIT)
 
 
 @triton.jit
 def _store_split_k(acc, offs_m, offs_n, M, N, pid_k, tile, bias_ptr, out_ptr, ws_ptr, lock_ptr, stride_om,
-                   HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+                   split_k, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
     """Write a [BM, BN] fp32 tile; with split-K, through the workspace and the last arrival."""
     mask_n = offs_n < N
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     out_mask = (offs_m < M)[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
+    if not SPLIT:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        # Workspace [SPLIT_K, M, N] fp32: each split writes its partial, the last to arrive sums.
+        # Workspace [split_k, M, N] fp32: each split writes its partial, the last to arrive sums.
         ws_tile = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
         tl.store(ws_tile + pid_k * M * N, acc, mask=out_mask)
         # acq_rel: the partial above is published before the count; the last arrival sees all.
         arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
+        if arrived == split_k - 1:
             total = tl.zeros(acc.shape, dtype=tl.float32)
-            for i in range(SPLIT_K):
+            for i in range(split_k):
                 total += tl.load(ws_tile + i * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -124,9 +124,9 @@ def _store_split_k(acc, offs_m, offs_n, M, N, pid_k, tile, bias_ptr, out_ptr, ws
 @triton.jit
 def awq_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, qz_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr,
-    N, K, G,
+    N, K, G, split_k,
     HAS_BIAS: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_W: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DEFER: tl.constexpr = False,
@@ -146,7 +146,7 @@ def awq_gemv_kernel(
     mask_w = offs_w < n8
     acc = tl.zeros((BLOCK_W, 8), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_K, BLOCK_W, 8), dtype=tl.float32)
-    for t in range(pid_k, K // BLOCK_K, SPLIT_K):
+    for t in range(pid_k, K // BLOCK_K, split_k):
         k0 = t * BLOCK_K
         xk = tl.load(x_ptr + k0 + offs_k).to(tl.float32)
         words = tl.load(qw_ptr + (k0 + offs_k)[:, None] * n8 + offs_w[None, :], mask=mask_w[None, :], other=0)
@@ -170,7 +170,7 @@ def awq_gemv_kernel(
         acc = tl.sum(acc3, axis=0)
     offs_m = tl.arange(0, 1)
     _store_split_k(tl.reshape(acc, (1, BLOCK_W * 8)), offs_m, tl.reshape(col, (BLOCK_W * 8,)), 1, N, pid_k,
-                   pid_n, bias_ptr, out_ptr, ws_ptr, lock_ptr, N, HAS_BIAS, SPLIT_K)
+                   pid_n, bias_ptr, out_ptr, ws_ptr, lock_ptr, N, split_k, HAS_BIAS, SPLIT)
 
 
 @triton.jit

@@ -49,11 +49,17 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _split_for(tiles: int, k_tiles: int, target: int) -> int:
+def _split_for(tiles: int, k_tiles: int, target: int, most: int = 64) -> int:
+    """Largest power-of-two K split keeping programs <= target and each split >= one K tile."""
     split = 1
-    while tiles * split * 2 <= target and split * 2 <= k_tiles and split < 16:
+    while tiles * split * 2 <= target and split * 2 <= k_tiles and split < most:
         split *= 2
     return split
+
+
+def _splits(tiles: int, k_tiles: int, sms: int) -> list[int]:
+    """Split-K values worth timing: from about one wave of programs to eight."""
+    return sorted({_split_for(tiles, k_tiles, w * sms) for w in (1, 2, 4, 8)})
 
 
 def heuristic_config(m: int, n: int, k: int, g: int, sms: int) -> GemmConfig:
@@ -79,34 +85,27 @@ def candidate_configs(m: int, n: int, k: int, g: int, sms: int) -> list:
     out: list = []
     if m == 1:
         # (words per program, K rows per tile, warps): at most 64 nibbles per thread in flight.
+        # Split-K is a run-time argument, so the splits cost timing, not compilation.
         for bw, bk, warps in ((16, 64, 4), (32, 64, 8), (32, 32, 4), (64, 32, 8), (16, 128, 8)):
             if g % bk or k % bk:
                 continue
-            tiles = triton.cdiv(n, bw * 8)
-            base = _split_for(tiles, k // bk, 2 * sms)
-            for split in {max(1, base // 2), base, min(16, base * 2)}:
-                if split <= k // bk:
-                    for stages in (2, 4):
-                        out.append(GemmConfig(1, bw * 8, bk, split, warps, stages, gemv=True))
+            for split in _splits(triton.cdiv(n, bw * 8), k // bk, sms):
+                for stages in (2, 4):
+                    out.append(GemmConfig(1, bw * 8, bk, split, warps, stages, gemv=True))
         # Deferred reduction: 32 fp32 partials per thread.
         for bw, bk, warps in ((32, 16, 4), (16, 32, 4), (64, 16, 8), (32, 32, 8)):
             if g % bk or k % bk:
                 continue
-            tiles = triton.cdiv(n, bw * 8)
-            base = _split_for(tiles, k // bk, 2 * sms)
-            for split in {base, min(16, base * 2)}:
-                if split <= k // bk:
-                    out.append(GemmConfig(1, bw * 8, bk, split, warps, 3, gemv=True, defer=True))
+            for split in _splits(triton.cdiv(n, bw * 8), k // bk, sms):
+                out.append(GemmConfig(1, bw * 8, bk, split, warps, 3, gemv=True, defer=True))
     if m <= 64:
         bms = [16] if m <= 16 else [32, 64] if m <= 32 else [64]
         for bm in bms:
             for bn in (64, 128, 256):
                 for bk in bks[:2]:
                     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-                    base = _split_for(tiles, k // bk, 2 * sms)
-                    for split in {max(1, base // 2), base, min(16, base * 2)}:
-                        if split <= k // bk:
-                            out.append(GemmConfig(bm, bn, bk, split, 4, 4))
+                    for split in _splits(tiles, k // bk, sms):
+                        out.append(GemmConfig(bm, bn, bk, split, 4, 4))
     else:
         bk = min(bks[0], 64)
         for bm, bn, warps in ((64, 128, 4), (128, 128, 8), (128, 256, 8), (64, 256, 8)):
@@ -157,9 +156,9 @@ def launch_gemm(x, qweight, scales, qzeros, g, bias, out, cfg: GemmConfig) -> to
         assert m == 1, "the GEMV kernel takes one row"
         awq_gemv_kernel[(grid_mn, cfg.split_k)](
             x, qweight, scales, qzeros, bias if bias is not None else out, out, ws, locks,
-            n, k, g,
+            n, k, g, cfg.split_k,
             HAS_BIAS=bias is not None,
-            SPLIT_K=cfg.split_k,
+            SPLIT=cfg.split_k > 1,
             BLOCK_W=cfg.block_n // 8,
             BLOCK_K=cfg.block_k,
             DEFER=cfg.defer,
@@ -169,10 +168,10 @@ def launch_gemm(x, qweight, scales, qzeros, g, bias, out, cfg: GemmConfig) -> to
         return out
     awq_gemm_kernel[(grid_mn, cfg.split_k)](
         x, qweight, scales, qzeros, bias if bias is not None else out, out, ws, locks,
-        m, n, k, g,
+        m, n, k, g, cfg.split_k,
         x.stride(0), out.stride(0),
         HAS_BIAS=bias is not None,
-        SPLIT_K=cfg.split_k,
+        SPLIT=cfg.split_k > 1,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -198,7 +197,7 @@ def _tune(key, x, qweight, scales, qzeros, g, bias, out, candidates):
     for cfg in candidates:
         try:
             ms = triton.testing.do_bench(
-                lambda: _run(cfg, x, qweight, scales, qzeros, g, bias, out), warmup=5, rep=25,
+                lambda: _run(cfg, x, qweight, scales, qzeros, g, bias, out), warmup=2, rep=10,
                 return_mode="median",
             )
         except Exception as e:  # a config the compiler rejects on this GPU (e.g. shared memory)
