@@ -31,6 +31,9 @@ class GemmConfig:
 
 
 DEQUANT_MATMUL = "dequant+matmul"  # a "config" too: dequantize once, then cuBLAS
+# The same, in K chunks on two streams: chunk j+1 is dequantized (memory-bound) while chunk j's
+# matmul (compute-bound at large M) runs, so the dequantize hides under cuBLAS.
+DEQUANT_MATMUL_PIPELINED = "dequant+matmul, pipelined"
 
 
 def _interpreting() -> bool:
@@ -114,6 +117,7 @@ def candidate_configs(m: int, n: int, k: int, g: int, sms: int) -> list:
         if m <= 256:
             out.append(GemmConfig(64, 128, bk, 2, 4, 4))
         out.append(DEQUANT_MATMUL)
+        out.append(DEQUANT_MATMUL_PIPELINED)
     return out
 
 
@@ -183,12 +187,46 @@ def launch_gemm(x, qweight, scales, qzeros, g, bias, out, cfg: GemmConfig) -> to
     return out
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def dequant_matmul_pipelined(x, qweight, scales, qzeros, g, bias, out, chunks: int = 4):
+    k = x.shape[1]
+    groups = k // g
+    step = triton.cdiv(groups, chunks) * g
+    bounds = [(a, min(a + step, k)) for a in range(0, k, step)]
+    if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        side = None
+    else:
+        side = _SIDE_STREAMS.setdefault(x.device, torch.cuda.Stream(x.device))
+        main = torch.cuda.current_stream(x.device)
+        side.wait_stream(main)
+    for j, (a, b) in enumerate(bounds):
+        if side is None:
+            w = awq_dequantize(qweight[a:b], scales[a // g:b // g], qzeros[a // g:b // g], g, dtype=x.dtype)
+        else:
+            with torch.cuda.stream(side):
+                w = awq_dequantize(qweight[a:b], scales[a // g:b // g], qzeros[a // g:b // g], g, dtype=x.dtype)
+            main.wait_stream(side)
+            w.record_stream(main)  # freed only after the main stream's matmul has used it
+        if j == 0:
+            if bias is None:
+                torch.mm(x[:, a:b], w, out=out)
+            else:
+                torch.addmm(bias, x[:, a:b], w, out=out)
+        else:
+            out.addmm_(x[:, a:b], w)
+    return out
+
+
 def _run(cfg, x, qweight, scales, qzeros, g, bias, out):
     if cfg == DEQUANT_MATMUL:
         w = awq_dequantize(qweight, scales, qzeros, g, dtype=x.dtype)
         if bias is None:
             return torch.matmul(x, w, out=out)
         return torch.addmm(bias, x, w, out=out)
+    if cfg == DEQUANT_MATMUL_PIPELINED:
+        return dequant_matmul_pipelined(x, qweight, scales, qzeros, g, bias, out)
     return launch_gemm(x, qweight, scales, qzeros, g, bias, out, cfg)
 
 
