@@ -10,6 +10,11 @@ def run(args) -> int:
     from fastawq.auto import AutoAWQForCausalLM
     from fastawq.eval import format_table
 
+    from pathlib import Path
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise FileExistsError(f"{out} is not empty; pass --overwrite to replace its checkpoint")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoAWQForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     qc = {"w_bit": args.w_bit, "q_group_size": args.group_size, "zero_point": args.zero_point,
