@@ -71,13 +71,15 @@ def bench_shape(k: int, n: int, ms: list[int], g: int, sweep: bool) -> list[dict
         t_cublas = time_graph(lambda i: torch.matmul(x, wf[i]), reps)
         variants = {
             "auto": lambda i: torch.ops.fastawq.awq_gemm(x, qw[i], s[i], qz[i], g, None),
-            "mma": lambda i: torch.ops.fastawq.awq_gemm_config(x, qw[i], s[i], qz[i], g, None, 1, 0),
+            "mma4": lambda i: torch.ops.fastawq.awq_gemm_config(x, qw[i], s[i], qz[i], g, None, 3, 0),
+            "mma8": lambda i: torch.ops.fastawq.awq_gemm_config(x, qw[i], s[i], qz[i], g, None, 4, 0),
             "deq+cublas": lambda i: torch.ops.fastawq.awq_gemm_config(x, qw[i], s[i], qz[i], g, None, 2, 0),
         }
         if sweep and m <= 64:
-            for sk in (1, 2, 4, 8, 16, 32):
-                variants[f"mma_sk{sk}"] = (
-                    lambda i, sk=sk: torch.ops.fastawq.awq_gemm_config(x, qw[i], s[i], qz[i], g, None, 1, sk))
+            for sk in (4, 8, 16, 32):
+                for path, wn in ((3, 4), (4, 8)):
+                    variants[f"mma{wn}_sk{sk}"] = (lambda i, sk=sk, path=path: torch.ops.fastawq.awq_gemm_config(
+                        x, qw[i], s[i], qz[i], g, None, path, sk))
         nbytes = w4_bytes(m, k, n, g)
         for name, fn in variants.items():
             t = time_graph(fn, reps)
@@ -112,15 +114,14 @@ def main() -> None:
     for r in rows:
         print(f"{r['k']:>6} {r['n']:>6} {r['m']:>5} {r['variant']:>11} {r['us']:>9.2f} {r['cublas_us']:>9.2f} "
               f"{r['speedup']:>6.2f} {r['gbps']:>7.0f} {r['roofline_us']:>8.2f} {r['tflops']:>7.1f} {r['rel_err']:>8.1e}")
-    print("\ngeomean speed-up over cuBLAS fp16 (4 Llama-3-8B shapes):")
-    variants = sorted({r["variant"] for r in rows})
-    print(f"{'M':>5} " + " ".join(f"{v:>11}" for v in variants))
-    for m in ms:
+    print("\ngeomean speed-up over cuBLAS fp16 (4 Llama-3-8B shapes), by variant and M:")
+    print(f"{'variant':>12} " + " ".join(f"{m:>6}" for m in ms))
+    for v in sorted({r["variant"] for r in rows}):
         cells = []
-        for v in variants:
+        for m in ms:
             sel = [r["speedup"] for r in rows if r["m"] == m and r["variant"] == v]
-            cells.append(f"{geomean(sel):>11.2f}" if len(sel) == len(SHAPES) else f"{'-':>11}")
-        print(f"{m:>5} " + " ".join(cells))
+            cells.append(f"{geomean(sel):>6.2f}" if len(sel) == len(SHAPES) else f"{'-':>6}")
+        print(f"{v:>12} " + " ".join(cells))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)

@@ -41,7 +41,7 @@ PY
 [[ $? == 0 ]] || { echo "THROW CRASHED"; exit 2; }
 rc=0
 if [[ $what == tests || $what == all ]]; then
-  python -m pytest tests/test_cuda_ops.py tests/test_build.py -q -x --durations=5 -p no:cacheprovider ${DEV_PYTEST_ARGS:-} \
+  python -m pytest tests/test_cuda_ops.py tests/test_build.py -q -x --durations=5 -p no:cacheprovider ${DEV_PYTEST_K:+-k "$DEV_PYTEST_K"} \
     > "$OUT/tests.log" 2>&1 || rc=1
   tail -12 "$OUT/tests.log"
 fi

@@ -14,8 +14,8 @@ enum class HalfType : int { kHalf = 0, kBFloat16 = 1 };
 void launch_awq_dequantize(HalfType dtype, const uint32_t* qweight, const void* scales, const uint32_t* qzeros,
                            void* out, int k, int n8, int group_size, int max_blocks, cudaStream_t stream);
 
-// Tile of the tensor-core kernel: 128 output columns (16 packed words) x 32 rows of K per stage.
-constexpr int kMmaBlockN = 128;
+// Tile of the tensor-core kernel: warps_n * 32 output columns (4 or 8 warps side by side in N)
+// x 32 rows of K per stage.
 constexpr int kMmaBlockK = 32;
 
 // Rows of M per block for a given M (the kernel instance the launcher will pick).
@@ -33,6 +33,7 @@ struct MmaArgs {
   int* counters;            // zeroed, one per (M block, N block) tile, when splits > 1
   int m, n, k, group_size;
   int splits, tiles_per_split;
+  int warps_n;              // 4 or 8
 };
 
 void launch_awq_gemm_mma(const MmaArgs& args, cudaStream_t stream);

@@ -15,8 +15,11 @@
 namespace fastawq {
 namespace {
 
-// Largest M served by the tensor-core kernel; above it dequantize + cuBLAS wins on the H200.
-constexpr int64_t kMmaMaxM = 256;
+// Largest M served by the tensor-core kernel; above it dequantize + cuBLAS wins on the H200
+// (bench of 2026-11-30: at M=16 the kernel is 0.66x cuBLAS vs 0.41x, at M=64 0.24x vs 0.40x).
+constexpr int64_t kMmaMaxM = 32;
+// Warps side by side in N (4: 128-column tiles, 8: 256-column tiles).
+constexpr int kMmaWarpsN = 4;
 
 bool mma_fits(int64_t k, int64_t n, int64_t g) {
 #ifdef FASTAWQ_NO_AWQ_GEMM_MMA_SM80
@@ -39,16 +42,17 @@ int* tile_counters(const at::Device& device, int64_t needed) {
 }
 
 void run_mma(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& qzeros,
-             int64_t g, const at::Tensor* bias, at::Tensor& out, int64_t split_k) {
+             int64_t g, const at::Tensor* bias, at::Tensor& out, int64_t split_k, int warps_n) {
   const int m = static_cast<int>(x.size(0)), k = static_cast<int>(x.size(1)), n = static_cast<int>(out.size(1));
   const int kt_total = k / kMmaBlockK;
-  const int col_blocks = (n + kMmaBlockN - 1) / kMmaBlockN;
+  const int block_n = warps_n * 32;
+  const int col_blocks = (n + block_n - 1) / block_n;
   const int bm = mma_block_m(m);
   const int m_blocks = (m + bm - 1) / bm;
   int splits = static_cast<int>(split_k);
   if (splits <= 0) {
     // Aim at ~4 blocks per SM so small M still streams from every SM, keeping >= 4 K tiles each.
-    const int target = at::cuda::getCurrentDeviceProperties()->multiProcessorCount * 4;
+    const int target = at::cuda::getCurrentDeviceProperties()->multiProcessorCount * (16 / warps_n);
     splits = std::min((target + col_blocks * m_blocks - 1) / (col_blocks * m_blocks), kt_total / 4);
   }
   splits = std::max(1, std::min(splits, kt_total));
@@ -71,6 +75,7 @@ void run_mma(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& s
   a.out = out.data_ptr();
   a.m = m, a.n = n, a.k = k, a.group_size = static_cast<int>(g);
   a.splits = splits, a.tiles_per_split = tiles_per_split;
+  a.warps_n = warps_n;
   launch_awq_gemm_mma(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -104,7 +109,8 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& qweight, const at::T
                 "awq_gemm: bias must be a contiguous [N=", n, "] ", x.scalar_type(), " tensor on ", x.device(),
                 ", got ", shape_str(*b), " ", b->scalar_type(), " on ", b->device());
   }
-  FASTAWQ_CHECK(path >= 0 && path <= 2, "awq_gemm_config: path must be 0 (auto), 1 (mma) or 2 (dequant+cuBLAS)");
+  FASTAWQ_CHECK(path >= 0 && path <= 4, "awq_gemm_config: path must be 0 (auto), 1 (tensor-core kernel), ",
+                "2 (dequantize + cuBLAS), 3 (tensor-core kernel, 4 warps) or 4 (tensor-core kernel, 8 warps)");
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
@@ -112,10 +118,11 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& qweight, const at::T
 
   const bool fits = mma_fits(k, n, g);
   if (path == 0) path = (fits && m <= kMmaMaxM) ? 1 : 2;
-  FASTAWQ_CHECK(path != 1 || fits, "awq_gemm: the tensor-core kernel needs sm_80+ and N % 32, K % 32, group_size % 32 "
+  FASTAWQ_CHECK(path == 2 || fits, "awq_gemm: the tensor-core kernel needs sm_80+ and N % 32, K % 32, group_size % 32 "
               "== 0 (problem m=", m, ", n=", n, ", k=", k, ", group_size=", g, ")");
-  if (path == 1) {
-    run_mma(x, qweight, scales, qzeros, g, b, out, split_k);
+  if (path != 2) {
+    const int warps_n = path == 3 ? 4 : (path == 4 ? 8 : kMmaWarpsN);
+    run_mma(x, qweight, scales, qzeros, g, b, out, split_k, warps_n);
     return out;
   }
   at::Tensor w = at::empty({k, n}, x.options());

@@ -16,32 +16,34 @@
 namespace fastawq {
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-constexpr int kWords = kMmaBlockN / 8;  // packed words per row of a tile
 
 // Real column (0..7) held by nibble c.
 __device__ __forceinline__ int awq_order(int c) { return (c & 3) * 2 + (c >> 2); }
 
-template <int MT>
+// WN warps side by side in N, each on 32 columns (4 packed words): a tile row is WN * 16 bytes.
+template <int MT, int WN>
 struct Smem {
   static constexpr int kBM = 16 * MT;
-  uint32_t w[kMmaBlockK * kWords];            // 32 rows x 64 B; 16-byte chunk j of row r at j ^ ((r >> 2) & 3)
+  static constexpr int kWords = WN * 4;       // packed words per tile row
+  uint32_t w[kMmaBlockK * kWords];            // 32 rows; 16-byte chunk j of row r at j ^ ((r >> 2) & 3)
   uint32_t z[kWords];                         // the tile's zero words (one group per stage)
-  uint16_t s[kMmaBlockN];                     // the tile's scales
+  uint16_t s[kWords * 8];                     // the tile's scales
   uint16_t x[kBM * kMmaBlockK];               // BM rows x 64 B; 32-byte half h of row r at h ^ ((r >> 1) & 1)
 };
 
-template <typename T, int MT, int STAGES>
-__global__ void __launch_bounds__(kThreads) awq_gemm_mma_kernel(
+template <typename T, int MT, int WN, int STAGES>
+__global__ void __launch_bounds__(WN * 32) awq_gemm_mma_kernel(
     const T* __restrict__ x, const uint32_t* __restrict__ qweight, const T* __restrict__ scales,
     const uint32_t* __restrict__ qzeros, const T* __restrict__ bias, T* __restrict__ out, float* __restrict__ ws,
     int* __restrict__ counters, int m, int n, int k, int group_size, int tiles_per_split) {
   using Tr = HalfTraits<T>;
   using T2 = typename Tr::T2;
   constexpr int kBM = 16 * MT;
+  constexpr int kThreads = WN * 32;
+  constexpr int kWords = WN * 4;
+  constexpr int kBlockN = kWords * 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  auto* smem = reinterpret_cast<Smem<MT>*>(smem_raw);
+  auto* smem = reinterpret_cast<Smem<MT, WN>*>(smem_raw);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -56,22 +58,22 @@ __global__ void __launch_bounds__(kThreads) awq_gemm_mma_kernel(
   const uint64_t policy = evict_first_policy();
 
   auto load_stage = [&](int slot, int kt) {
-    Smem<MT>& st = smem[slot];
+    Smem<MT, WN>& st = smem[slot];
     const int k0 = kt * kMmaBlockK;
     const int grp = k0 / group_size;
-    {  // weights: 32 rows x 4 chunks of 16 B, one chunk per thread
-      const int row = tid >> 2, chunk = tid & 3;
+    {  // weights: 32 rows x WN chunks of 16 B, one chunk per thread
+      const int row = tid / WN, chunk = tid % WN;
       const int word = word0 + chunk * 4;
       const bool ok = word < n8;
       const uint32_t* src = qweight + static_cast<int64_t>(k0 + row) * n8 + (ok ? word : 0);
       cp_async16_stream(&st.w[row * kWords + ((chunk ^ ((row >> 2) & 3)) * 4)], src, ok, policy);
     }
-    if (tid < 4) {
+    if (tid < WN) {
       const int word = word0 + tid * 4;
       const bool ok = word < n8;
       cp_async16(&st.z[tid * 4], qzeros + static_cast<int64_t>(grp) * n8 + (ok ? word : 0), ok);
-    } else if (tid < 4 + kMmaBlockN / 8) {
-      const int c = tid - 4;
+    } else if (tid < WN + kBlockN / 8) {
+      const int c = tid - WN;
       const int col = word0 * 8 + c * 8;
       const bool ok = col < n;
       cp_async16(&st.s[c * 8], scales + static_cast<int64_t>(grp) * n + (ok ? col : 0), ok);
@@ -113,7 +115,7 @@ __global__ void __launch_bounds__(kThreads) awq_gemm_mma_kernel(
       if (nxt < ntiles) load_stage(nxt % STAGES, kt_begin + nxt);
       cp_async_commit();
     }
-    const Smem<MT>& st = smem[it % STAGES];
+    const Smem<MT, WN>& st = smem[it % STAGES];
 
     // Per-stage zero point and scale of this lane's column in each of the warp's 4 tiles.
     uint32_t zz[4], ss[4];
@@ -210,8 +212,8 @@ __global__ void __launch_bounds__(kThreads) awq_gemm_mma_kernel(
   __threadfence();
   const int rows = min(kBM, m - m0);
   const int col0 = word0 * 8;
-  for (int i = tid; i < rows * kMmaBlockN; i += kThreads) {
-    const int row = m0 + i / kMmaBlockN, col = col0 + i % kMmaBlockN;
+  for (int i = tid; i < rows * kBlockN; i += kThreads) {
+    const int row = m0 + i / kBlockN, col = col0 + i % kBlockN;
     if (col >= n) continue;
     const int64_t idx = static_cast<int64_t>(row) * n + col;
     float v = bias != nullptr ? Tr::to_float(bias[col]) : 0.f;
@@ -221,37 +223,39 @@ __global__ void __launch_bounds__(kThreads) awq_gemm_mma_kernel(
   if (tid == 0) *counter = 0;  // ready for the next launch (and for CUDA-graph replays)
 }
 
-template <typename T, int MT, int STAGES>
+template <typename T, int MT, int WN, int STAGES>
 void launch(const MmaArgs& a, cudaStream_t stream) {
-  const size_t smem = sizeof(Smem<MT>) * STAGES;
-  auto kernel = awq_gemm_mma_kernel<T, MT, STAGES>;
+  const size_t smem = sizeof(Smem<MT, WN>) * STAGES;
+  auto kernel = awq_gemm_mma_kernel<T, MT, WN, STAGES>;
   if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  const dim3 grid((a.n + kMmaBlockN - 1) / kMmaBlockN, a.splits, (a.m + 16 * MT - 1) / (16 * MT));
-  kernel<<<grid, kThreads, smem, stream>>>(
+  const int block_n = WN * 32;
+  const dim3 grid((a.n + block_n - 1) / block_n, a.splits, (a.m + 16 * MT - 1) / (16 * MT));
+  kernel<<<grid, WN * 32, smem, stream>>>(
       static_cast<const T*>(a.x), a.qweight, static_cast<const T*>(a.scales), a.qzeros,
       static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.m, a.n, a.k, a.group_size,
       a.tiles_per_split);
 }
 
-template <typename T>
+template <typename T, int WN>
 void launch_for_m(const MmaArgs& a, cudaStream_t stream) {
   // Instances must match mma_block_m() in launch.h.
   if (a.m <= 16) {
-    launch<T, 1, 6>(a, stream);
+    launch<T, 1, WN, 6>(a, stream);
   } else if (a.m <= 32) {
-    launch<T, 2, 5>(a, stream);
+    launch<T, 2, WN, 5>(a, stream);
   } else {
-    launch<T, 4, 4>(a, stream);
+    launch<T, 4, WN, 4>(a, stream);
   }
 }
 
 }  // namespace
 
 void launch_awq_gemm_mma(const MmaArgs& args, cudaStream_t stream) {
+  const bool wide = args.warps_n == 8;
   if (args.dtype == HalfType::kHalf) {
-    launch_for_m<__half>(args, stream);
+    wide ? launch_for_m<__half, 8>(args, stream) : launch_for_m<__half, 4>(args, stream);
   } else {
-    launch_for_m<__nv_bfloat16>(args, stream);
+    wide ? launch_for_m<__nv_bfloat16, 8>(args, stream) : launch_for_m<__nv_bfloat16, 4>(args, stream);
   }
 }
 
