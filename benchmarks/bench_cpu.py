@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import glob
+import itertools
 import os
+import random
 import statistics
 import sys
 import time
@@ -34,45 +36,68 @@ CLOCK = time.perf_counter
 
 
 def _round_robin(fns: dict, iters: int, warmup: int = 3) -> dict[str, tuple[float, float]]:
-    """(min, median) seconds per call of each fn, calls interleaved so load spikes hit all alike.
+    """(min, median) seconds per call of each fn, interleaved so load spikes hit all alike.
     The machine is shared: the min is the figure least disturbed by other processes."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times = {name: [] for name in fns}
-    # Weights start cold, as in a model's decode step where each layer's weights were evicted by
-    # the other layers' (the 8 MB int4 weight of a 4096x4096 layer would otherwise stay in L3).
-    flush = torch.zeros(96 * 2**20 // 4)
+    rng = random.Random(0)
     for _ in range(iters):
-        for name, fn in fns.items():
-            flush.add_(1.0)
+        # Shuffled each round: a call right after the bf16 matmul runs ~0.1 ms slower (measured),
+        # so a fixed order would charge that to whichever variant follows it.
+        order = list(fns.items())
+        rng.shuffle(order)
+        for name, fn in order:
             t0 = CLOCK()
             fn()
             times[name].append(CLOCK() - t0)
     return {name: (min(ts), statistics.median(ts)) for name, ts in times.items()}
 
 
+def _cycle(items: list):
+    it = itertools.cycle(items)
+    return lambda: next(it)
+
+
+# Each variant cycles through enough copies of its weight to overflow the last-level cache, as
+# in a model's decode step where every layer's weights were evicted by the other layers' (one
+# 8 MB int4 4096x4096 weight would otherwise stay in a 32 MB L3 and flatter the kernel).
+CACHE_BYTES = 96 * 2**20
+
+
 def bench_layer(m: int, k: int, n: int, group_size: int, iters: int) -> None:
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(n, k, generator=gen) * 0.02
-    qweight, scales, qzeros = reference.quantize_awq(w, group_size)
     g = reference.resolve_group_size(group_size, k)
     x32 = torch.randn(m, k, generator=gen)
     x16 = x32.to(torch.bfloat16)
-    w32 = reference.dequantize(qweight, scales, qzeros, g).float().t().contiguous()  # [N, K]
-    w16 = w32.to(torch.bfloat16)
+
+    def copies(nbytes: int) -> int:
+        return max(1, -(-CACHE_BYTES // nbytes))
+
+    # Random nibbles and zero points: the speed does not depend on the values.
+    int4 = []
+    for _ in range(copies(k * n // 2)):
+        q = torch.randint(-(2**31), 2**31 - 1, (k, n // 8), generator=gen, dtype=torch.int32)
+        z = torch.randint(-(2**31), 2**31 - 1, (k // g, n // 8), generator=gen, dtype=torch.int32)
+        s = (torch.rand(k // g, n, generator=gen) * 0.01 + 1e-3).half()
+        int4.append((q, s, z))
     t0 = time.perf_counter()
-    packed = cpu.prepare(qweight, scales, qzeros, g)
-    repack_s = time.perf_counter() - t0
+    packed = [cpu.prepare(q, s, z, g) for q, s, z in int4]
+    repack_s = (time.perf_counter() - t0) / len(int4)
+    w32 = [torch.randn(n, k, generator=gen) * 0.02 for _ in range(copies(4 * n * k))]
+    w16 = [w.to(torch.bfloat16) for w in (w32 * 2)[: copies(2 * n * k)]]
     aten = torch.ops.aten._weight_int4pack_mm_for_cpu
+    next32, next16, next4, nextp = _cycle(w32), _cycle(w16), _cycle(int4), _cycle(packed)
 
     fns = {
-        "fp32 matmul (F.linear)": lambda: torch.nn.functional.linear(x32, w32),
-        "bf16 matmul (F.linear)": lambda: torch.nn.functional.linear(x16, w16),
-        "fastawq cpu, fp32 x (ops.awq_gemm)": lambda: ops.awq_gemm(x32, qweight, scales, qzeros, g),
-        "fastawq cpu, bf16 x (ops.awq_gemm)": lambda: ops.awq_gemm(x16, qweight, scales, qzeros, g),
-        "torch int4 kernel alone, bf16 x": lambda: aten(x16, packed.weight, packed.kernel_group, packed.scale_zeros),
+        "fp32 matmul (F.linear)": lambda: torch.nn.functional.linear(x32, next32()),
+        "bf16 matmul (F.linear)": lambda: torch.nn.functional.linear(x16, next16()),
+        "fastawq cpu, fp32 x (ops.awq_gemm)": lambda: ops.awq_gemm(x32, *next4(), g),
+        "fastawq cpu, bf16 x (ops.awq_gemm)": lambda: ops.awq_gemm(x16, *next4(), g),
+        "torch int4 kernel alone, bf16 x": lambda: aten(x16, *(lambda p: (p.weight, p.kernel_group, p.scale_zeros))(nextp())),
     }
+    qweight, scales, qzeros = int4[0]
     res = _round_robin(fns, iters)
     # The reference is ~100x slower: a few calls are enough and keep the run short.
     ref = _round_robin({"reference dequant+matmul (fp32)": lambda: reference.awq_gemm(x32, qweight, scales, qzeros, g)}, 3, 1)
@@ -253,6 +278,14 @@ def bench_model(gguf: str | None, group_size: int, prompt_tokens: int, new_token
     gen_q = run(f"4-bit g{group_size} fastawq cpu, fp32 activations", model)
     if profile:
         decode_breakdown(model, ids, 16)
+    # Beyond AWQ's recipe (which keeps the head in float): the tied 49152 x 576 head is the
+    # largest single matmul of a decode step, so show what a 4-bit head would add.
+    head = model.lm_head
+    model.lm_head = WQLinear.from_linear(head, group_size)
+    run(f"4-bit g{group_size} + 4-bit lm_head, fp32 activations", model)
+    if profile:
+        decode_breakdown(model, ids, 16)
+    model.lm_head = head
     model.to(torch.bfloat16)
     gen_q16 = run(f"4-bit g{group_size} fastawq cpu, bf16 activations", model)
     if profile:
