@@ -196,14 +196,23 @@ class AutoAWQForCausalLM:
             for m in model.modules():
                 if isinstance(m, WQLinear):
                     m.backend = backend
-        if fuse_layers is None:
-            fuse_layers = False
+        auto_fuse = fuse_layers is None
+        if auto_fuse:
+            # AutoAWQ fuses by default; fastawq does on GPUs where the fused modules exist.
+            import importlib.util
+
+            fuse_layers = device.type == "cuda" and importlib.util.find_spec("fastawq.modules.fused") is not None
         if fuse_layers:
             try:
                 from fastawq.modules.fused import fuse_model
             except ImportError as e:
                 raise ImportError(f"fuse_layers=True needs fastawq.modules.fused, which failed to import: {e}") from e
-            model = fuse_model(model, max_seq_len=max_seq_len, batch_size=batch_size)
+            try:
+                model = fuse_model(model, max_seq_len=max_seq_len, batch_size=batch_size)
+            except NotImplementedError as e:
+                if not auto_fuse:
+                    raise
+                log.info("not fusing layers: %s", e)
         tok = None
         try:
             from transformers import AutoTokenizer
