@@ -8,9 +8,11 @@ public op and straight into the cached kernel), timed round-robin in one run so 
 hits every row alike; median of warm runs, ratios against fp32 and bf16.
 
 Model: SmolLM2-135M-Instruct (see /work/shared/DATA.md) in fp32 under transformers versus the
-same model with every decoder Linear replaced by a 4-bit WQLinear (round-to-nearest), greedy
-decode of --new-tokens after a --prompt-tokens prompt, batch 1; tokens/s of the decode phase,
-plus (--profile) a per-token breakdown of where each model spends its decode time.
+same model with every decoder Linear replaced by a 4-bit WQLinear (round-to-nearest): through
+dispatch, then converted to fastawq.cpu.CPUInt4Linear (same kernel, no per-call dispatch), then
+with a 4-bit lm_head, then with bf16 activations. Greedy decode of --new-tokens after a
+--prompt-tokens prompt, batch 1; tokens/s of the decode phase, plus (--profile) a per-token
+breakdown of where each model spends its decode time.
 """
 from __future__ import annotations
 
@@ -205,7 +207,7 @@ def _hook_timers(model) -> tuple[dict[str, float], list]:
         timed(layer.post_attention_layernorm, "rms norms")
         for parent, key in ((layer.self_attn, "attention linears"), (layer.mlp, "mlp linears")):
             for child in parent.children():
-                if isinstance(child, (torch.nn.Linear, WQLinear)):
+                if isinstance(child, (torch.nn.Linear, WQLinear, cpu.CPUInt4Linear)):
                     timed(child, key)
     timed(model.lm_head, "lm_head")
     timed(model.model, "decoder (incl. embedding, final norm)")
@@ -266,39 +268,42 @@ def bench_model(gguf: str | None, group_size: int, prompt_tokens: int, new_token
                 best = (pre, dec, gen)
         results[name] = best
         pre, dec, gen = best
-        print(f"{name:42s} prefill {pre * 1e3:7.1f} ms   decode {(new_tokens - 1) / dec:6.1f} tok/s "
+        print(f"{name:44s} prefill {pre * 1e3:7.1f} ms   decode {(new_tokens - 1) / dec:6.1f} tok/s "
               f"({dec / (new_tokens - 1) * 1e3:6.2f} ms/token)")
         return gen
 
-    gen_fp32 = run("fp32 (transformers)", model)
-    if profile:
-        decode_breakdown(model, ids, 16)
+    def variant(name, mdl):
+        gen = run(name, mdl)
+        if profile:
+            decode_breakdown(mdl, ids, 16)
+        return gen
+
+    gen_fp32 = variant("fp32 (transformers)", model)
     n_q = quantize_linears(model, group_size)
     print(f"(replaced {n_q} Linear layers by WQLinear g{group_size}, RTN; lm_head / embeddings unchanged)")
-    gen_q = run(f"4-bit g{group_size} fastawq cpu, fp32 activations", model)
-    if profile:
-        decode_breakdown(model, ids, 16)
+    gens = {"WQLinear": variant("4-bit WQLinear (dispatch), fp32 act", model)}
+    # Same kernel, without ops.awq_gemm's per-call validation and dispatch (~30 us x 210 calls).
+    cpu.convert_model(model)
+    gens["CPUInt4Linear"] = variant("4-bit CPUInt4Linear, fp32 act", model)
     # Beyond AWQ's recipe (which keeps the head in float): the tied 49152 x 576 head is the
     # largest single matmul of a decode step, so show what a 4-bit head would add.
     head = model.lm_head
-    model.lm_head = WQLinear.from_linear(head, group_size)
-    run(f"4-bit g{group_size} + 4-bit lm_head, fp32 activations", model)
-    if profile:
-        decode_breakdown(model, ids, 16)
+    model.lm_head = cpu.CPUInt4Linear.from_wqlinear(WQLinear.from_linear(head, group_size))
+    gens["+ 4-bit lm_head"] = variant("4-bit CPUInt4Linear + 4-bit lm_head, fp32", model)
     model.lm_head = head
     model.to(torch.bfloat16)
-    gen_q16 = run(f"4-bit g{group_size} fastawq cpu, bf16 activations", model)
-    if profile:
-        decode_breakdown(model, ids, 16)
+    gens["bf16 act"] = variant("4-bit CPUInt4Linear, bf16 act + bf16 head", model)
     base = results["fp32 (transformers)"][1]
     for name, (_, dec, _) in results.items():
-        print(f"  {name:42s} {base / dec:5.2f}x fp32 decode tokens/s")
-    for name, gen in (("fp32 act", gen_q), ("bf16 act", gen_q16)):
+        print(f"  {name:44s} {base / dec:5.2f}x fp32 decode tokens/s")
+    for name, gen in gens.items():
         diff = (gen[0] != gen_fp32[0]).nonzero()
         first = int(diff[0]) if len(diff) else new_tokens
-        print(f"  4-bit ({name}) greedy tokens equal the fp32 model's for the first {first} of {new_tokens}")
+        same = "same" if torch.equal(gen, gens["WQLinear"]) else "different"
+        print(f"  {name:16s} greedy tokens: equal the fp32 model's for the first {first} of {new_tokens}; "
+              f"{same} as WQLinear's")
     print("  fp32 text:", repr(tok.decode(gen_fp32[0][:24])))
-    print("  4-bit bf16 text:", repr(tok.decode(gen_q16[0][:24])))
+    print("  4-bit text:", repr(tok.decode(gens["CPUInt4Linear"][0][:24])))
 
 
 def main() -> None:

@@ -235,3 +235,42 @@ def test_tiny_llama_wqlinear_matches_torch_backend():
     rel = (fast - slow).abs().max() / slow.abs().max()
     assert rel < 3e-2, f"relative logit difference {rel:.3g}"
     assert (fast.argmax(-1) == slow.argmax(-1)).float().mean() > 0.9
+
+
+def test_convert_model_gives_the_same_logits_as_dispatch():
+    transformers = pytest.importorskip("transformers")
+    from fastawq.modules.qlinear import WQLinear
+
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(config).eval()
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(parent, name, WQLinear.from_linear(child, 32))
+    # One layer the kernel declines (N=24 is not a multiple of 16) must stay a WQLinear.
+    model.model.layers[0].mlp.extra = WQLinear.from_linear(torch.nn.Linear(64, 24), 32)
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        before = model(ids).logits
+        assert cpu_backend.convert_model(model) == 14
+        assert isinstance(model.model.layers[0].mlp.extra, WQLinear)
+        assert isinstance(model.model.layers[1].self_attn.q_proj, cpu_backend.CPUInt4Linear)
+        after = model(ids).logits
+    assert torch.equal(before, after)
+
+
+def test_cpu_int4_linear_with_bias_and_3d_input():
+    from fastawq.modules.qlinear import WQLinear
+
+    torch.manual_seed(2)
+    layer = WQLinear.from_linear(torch.nn.Linear(256, 80), 64)
+    lean = cpu_backend.CPUInt4Linear.from_wqlinear(layer)
+    x = random_input((2, 3, 256), dtype=torch.float32)
+    out = lean(x)
+    assert out.shape == (2, 3, 80) and out.dtype == torch.float32
+    _check(out.reshape(6, 80), x.reshape(6, 256), layer.qweight, layer.scales, layer.qzeros, 64, layer.bias.float())

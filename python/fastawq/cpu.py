@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fastawq import reference
@@ -206,8 +207,13 @@ def awq_gemm(
         raise ValueError(f"x {tuple(x2d.shape)} has K={x2d.shape[1]} but qweight {tuple(qweight.shape)} has K={p.k}")
     if bias is not None and tuple(bias.shape) != (p.n,):
         raise ValueError(f"bias {tuple(bias.shape)} must have shape ({p.n},) to match qweight {tuple(qweight.shape)}")
-    xb = x2d.to(torch.bfloat16).contiguous()
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p.weight, p.kernel_group, p.scale_zeros)
+    return _int4_mm(x2d, p, bias)
+
+
+def _int4_mm(x2d: torch.Tensor, p: PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x2d.to(torch.bfloat16).contiguous(), p.weight, p.kernel_group, p.scale_zeros
+    )
     if bias is None:
         return out if x2d.dtype == torch.bfloat16 else out.to(x2d.dtype)
     # Bias is added in fp32 so its only rounding is the final cast, as in the reference.
@@ -225,3 +231,53 @@ def awq_dequantize(
     s = scales.to(torch.float32).unsqueeze(1)
     w = (q - z).to(torch.float32).mul_(s)
     return w.view(k, n).to(scales.dtype)
+
+
+class CPUInt4Linear(nn.Module):
+    """Inference-only CPU linear holding just the repacked weight: one kernel call per forward.
+
+    WQLinear's forward goes through ops.awq_gemm (validation, backend choice, cache lookup):
+    about 30 us per call on this project's 2-core CPU, a quarter of SmolLM2-135M's decode step.
+    This module skips all of it. It keeps no AWQ tensors (so no state_dict to save) and stays on
+    the CPU; convert a loaded model with `convert_model`.
+    """
+
+    def __init__(self, packed: PackedInt4, bias: torch.Tensor | None):
+        super().__init__()
+        self.packed = packed
+        self.in_features, self.out_features = packed.k, packed.n
+        self.bias_fp32 = None if bias is None else bias.detach().to(torch.float32)
+
+    @classmethod
+    def from_wqlinear(cls, layer: nn.Module) -> "CPUInt4Linear":
+        """From a WQLinear (any module with qweight, scales, qzeros, group_size and bias)."""
+        if _KERNEL_MISSING is not None:
+            raise RuntimeError(_KERNEL_MISSING)
+        return cls(_repack(layer.qweight, layer.scales, layer.qzeros, layer.group_size), layer.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _int4_mm(x.reshape(-1, self.in_features), self.packed, self.bias_fp32)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias_fp32 is not None}, kernel_group={self.packed.kernel_group}")
+
+
+def convert_model(model: nn.Module) -> int:
+    """Replace every CPU WQLinear that the kernel takes by a CPUInt4Linear; return how many.
+
+    Layers the kernel declines (group size not a multiple of 32, N not a multiple of 16) stay
+    WQLinear and keep working through dispatch."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            # Duck-typed on WQLinear's buffers: this backend sits below fastawq.modules.
+            qweight = getattr(child, "qweight", None)
+            if (
+                isinstance(qweight, torch.Tensor) and hasattr(child, "qzeros") and hasattr(child, "group_size")
+                and qweight.device.type == "cpu" and _weight_fits(qweight, child.group_size) is None
+            ):
+                setattr(parent, name, CPUInt4Linear.from_wqlinear(child))
+                count += 1
+    return count
