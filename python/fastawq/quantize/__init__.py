@@ -47,3 +47,4 @@ def quantize(
 
 
 __all__ = ["AwqQuantizer", "QuantConfig", "ScaledActivation", "quantize", "pack_model", "pseudo_quantize_model"]
+

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import transformers
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -60,7 +59,11 @@ class InputStats:
         self.gram /= s[:, None] * s[None, :]
 
 
-_TUPLE_OUTPUTS = int(transformers.__version__.split(".")[0]) < 5  # 4.x layers return tuples
+def _tuple_outputs() -> bool:
+    """transformers 4.x decoder layers return tuples, 5.x tensors."""
+    from importlib.metadata import version
+
+    return int(version("transformers").split(".")[0]) < 5
 
 
 class _Catcher(nn.Module):
@@ -84,7 +87,7 @@ class _Catcher(nn.Module):
         if self.index == 0:
             self.store["x"] = hidden_states
         self.store["kwargs"].setdefault(self.index, kwargs)
-        return (hidden_states,) if _TUPLE_OUTPUTS else hidden_states
+        return (hidden_states,) if self.store["tuples"] else hidden_states
 
 
 class AwqQuantizer:
@@ -219,7 +222,7 @@ class AwqQuantizer:
         parent_path, _, attr = self.arch.layers_path.rpartition(".")
         parent = self.model.get_submodule(parent_path)
         real = getattr(parent, attr)
-        store: dict = {"kwargs": {}}
+        store: dict = {"kwargs": {}, "tuples": _tuple_outputs()}
         setattr(parent, attr, nn.ModuleList([_Catcher(layer, i, store) for i, layer in enumerate(real)]))
         # Everything but the decoder layers visits the accelerator for the capture.
         devices = {n: t.device for n, t in _tensors(self.model)}
