@@ -60,6 +60,7 @@ def bench_shape(k: int, n: int, ms: list[int], g: int, sweep: bool) -> list[dict
     copies = max(2, min(16, math.ceil(240e6 / (k * n // 2))))  # > 4x L2 of weight bytes per graph
     qw, s, qz = make_weights(k, n, g, copies)
     wf = torch.randn(copies, k, n, device="cuda", dtype=torch.float16)
+    qt = torch.stack([torch.ops.fastawq.awq_repack_tiled(qw[i]) for i in range(copies)])
     rows = []
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
@@ -73,10 +74,13 @@ def bench_shape(k: int, n: int, ms: list[int], g: int, sweep: bool) -> list[dict
             "auto": lambda i: torch.ops.fastawq.awq_gemm(x, qw[i], s[i], qz[i], g, None),
             "mma4": lambda i: torch.ops.fastawq.awq_gemm_config(x, qw[i], s[i], qz[i], g, None, 3, 0),
             "mma8": lambda i: torch.ops.fastawq.awq_gemm_config(x, qw[i], s[i], qz[i], g, None, 4, 0),
+            "tiled": lambda i: torch.ops.fastawq.awq_gemm_tiled(x, qt[i], s[i], qz[i], g, None, 0),
             "deq+cublas": lambda i: torch.ops.fastawq.awq_gemm_config(x, qw[i], s[i], qz[i], g, None, 2, 0),
         }
         if sweep and m <= 64:
             for sk in (4, 8, 16, 32):
+                variants[f"tiled_sk{sk}"] = (lambda i, sk=sk: torch.ops.fastawq.awq_gemm_tiled(
+                    x, qt[i], s[i], qz[i], g, None, sk))
                 for path, wn in ((3, 4), (4, 8)):
                     variants[f"mma{wn}_sk{sk}"] = (lambda i, sk=sk, path=path: torch.ops.fastawq.awq_gemm_config(
                         x, qw[i], s[i], qz[i], g, None, path, sk))

@@ -22,6 +22,14 @@ at::Tensor awq_gemm_config(const at::Tensor& x, const at::Tensor& qweight, const
                            const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias,
                            int64_t path, int64_t split_k);
 
+// Load-time repack for the tensor-core kernel (exact permutation): qweight [K, N/8] -> [N/128, K/32, 32, 16].
+at::Tensor awq_repack_tiled(const at::Tensor& qweight);
+
+// awq_gemm on a repacked qweight (tensor-core kernel, any M); split_k 0 = auto.
+at::Tensor awq_gemm_tiled(const at::Tensor& x, const at::Tensor& qweight_tiled, const at::Tensor& scales,
+                          const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias,
+                          int64_t split_k);
+
 // Internal: dequantize into a preallocated out [K, N] (used by the large-M path of awq_gemm).
 void awq_dequantize_into(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& qzeros,
                          int64_t group_size, at::Tensor& out);

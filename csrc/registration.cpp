@@ -9,13 +9,21 @@ TORCH_LIBRARY(fastawq, m) {
   m.def("awq_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias) -> Tensor");
   m.def("awq_gemm_config(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
         "int path, int split_k) -> Tensor");
+  m.def("awq_repack_tiled(Tensor qweight) -> Tensor");
+  m.def("awq_gemm_tiled(Tensor x, Tensor qweight_tiled, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
+        "int split_k) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastawq, CUDA, m) {
   m.impl("awq_dequantize", &fastawq::awq_dequantize);
   m.impl("awq_gemm", &fastawq::awq_gemm);
   m.impl("awq_gemm_config", &fastawq::awq_gemm_config);
+  m.impl("awq_repack_tiled", &fastawq::awq_repack_tiled);
+  m.impl("awq_gemm_tiled", &fastawq::awq_gemm_tiled);
 }
+
+// The repack is a pure permutation: it also runs on CPU tensors (checkpoints load there first).
+TORCH_LIBRARY_IMPL(fastawq, CPU, m) { m.impl("awq_repack_tiled", &fastawq::awq_repack_tiled); }
 
 // `import fastawq._C` only has to run the static registrations above: an empty module.
 static PyModuleDef fastawq_c_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, 0, nullptr};

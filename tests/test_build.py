@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import types
 import warnings
@@ -128,3 +129,20 @@ def test_torch_pin_matches_build_decision(monkeypatch):
     info = build_env.probe()
     expected = [f"torch=={info['torch_version']}"] if info["build"] else []
     assert torch_pin.dynamic_metadata("dependencies", {}) == expected
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("fastawq._C"), reason="fastawq._C is not built")
+def test_repack_tiled_is_a_permutation():
+    # Runs on CPU wherever _C is built (CI compiles it): the load-time repack must be exact.
+    from fastawq import _ext
+
+    if not _ext.has_op("awq_repack_tiled"):
+        pytest.skip(f"fastawq._C not loaded: {_ext.status()['reason']}")
+    k, n = 256, 384
+    qw = torch.randint(-(2**31), 2**31 - 1, (k, n // 8), dtype=torch.int32)
+    tiled = torch.ops.fastawq.awq_repack_tiled(qw)
+    assert tiled.shape == (n // 128, k // 32, 32, 16)
+    assert torch.equal(tiled[2, 5, 7, 11], qw[5 * 32 + 7, 2 * 16 + 11])
+    assert torch.equal(tiled.permute(1, 2, 0, 3).reshape(k, n // 8), qw)
+    with pytest.raises(RuntimeError, match="N % 128 == 0"):
+        torch.ops.fastawq.awq_repack_tiled(qw[:, :20].contiguous())

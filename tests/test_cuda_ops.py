@@ -113,6 +113,23 @@ def test_public_op_dispatches_to_cuda():
     assert_close_to_reference(out.reshape(15, n), x.reshape(15, k), qw, s.to(torch.bfloat16), qz, g)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 7, 16, 33, 129])
+@pytest.mark.parametrize("group", [32, 128, -1])
+@pytest.mark.parametrize("shape", [(256, 384), (1152, 640), (4096, 4096), (14336, 4096)])
+def test_gemm_tiled(shape, group, m, dtype):
+    k, n = shape
+    g = reference.resolve_group_size(group, k)
+    qw, s, qz = random_awq(k, n, group, "cuda", dtype, seed=m + n)
+    x = random_input((m, k), "cuda", dtype, seed=m)
+    bias = random_input((n,), "cuda", dtype, seed=9) if m % 2 else None
+    qt = torch.ops.fastawq.awq_repack_tiled(qw)
+    _poison_allocator(m * n, dtype)
+    for split_k in (0, 3):
+        out = torch.ops.fastawq.awq_gemm_tiled(x, qt, s, qz, g, bias, split_k)
+        assert_close_to_reference(out, x, qw, s, qz, g, bias)
+
+
 @pytest.mark.parametrize("m", [1, 64])
 def test_opcheck(m):
     k, n, g = 256, 128, 64
@@ -123,6 +140,9 @@ def test_opcheck(m):
     torch.library.opcheck(torch.ops.fastawq.awq_gemm.default, (x, qw, s, qz, g, None))
     torch.library.opcheck(torch.ops.fastawq.awq_dequantize.default, (qw, s, qz, g))
     torch.library.opcheck(torch.ops.fastawq.awq_gemm_config.default, (x, qw, s, qz, g, bias, 1, 2))
+    qt = torch.ops.fastawq.awq_repack_tiled(qw)
+    torch.library.opcheck(torch.ops.fastawq.awq_repack_tiled.default, (qw,))
+    torch.library.opcheck(torch.ops.fastawq.awq_gemm_tiled.default, (x, qt, s, qz, g, bias, 0))
 
 
 def _bad_inputs():

@@ -34,6 +34,7 @@ struct MmaArgs {
   int m, n, k, group_size;
   int splits, tiles_per_split;
   int warps_n;              // 4 or 8
+  bool tiled;               // qweight in the awq_repack_tiled layout (then warps_n must be 4)
 };
 
 void launch_awq_gemm_mma(const MmaArgs& args, cudaStream_t stream);

@@ -42,7 +42,7 @@ int* tile_counters(const at::Device& device, int64_t needed) {
 }
 
 void run_mma(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& qzeros,
-             int64_t g, const at::Tensor* bias, at::Tensor& out, int64_t split_k, int warps_n) {
+             int64_t g, const at::Tensor* bias, at::Tensor& out, int64_t split_k, int warps_n, bool tiled) {
   const int m = static_cast<int>(x.size(0)), k = static_cast<int>(x.size(1)), n = static_cast<int>(out.size(1));
   const int kt_total = k / kMmaBlockK;
   const int block_n = warps_n * 32;
@@ -51,9 +51,14 @@ void run_mma(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& s
   const int m_blocks = (m + bm - 1) / bm;
   int splits = static_cast<int>(split_k);
   if (splits <= 0) {
-    // Aim at ~4 blocks per SM so small M still streams from every SM, keeping >= 4 K tiles each.
-    const int target = at::cuda::getCurrentDeviceProperties()->multiProcessorCount * (16 / warps_n);
-    splits = std::min((target + col_blocks * m_blocks - 1) / (col_blocks * m_blocks), kt_total / 4);
+    // Measured on the H200 (CUDA_NOTES.md, bench of 2026-11-30): 16 splits were best or within
+    // noise of best at M <= 16 for all four Llama-3-8B shapes, 4-16 at M = 32; at least 4 K tiles
+    // (128 rows) per split. A per-block latency chain, not bandwidth, limits the kernel, so more
+    // concurrent blocks help until the split-K reduction and the pipeline fill dominate.
+    splits = std::min(m <= 16 ? 16 : 8, std::max(1, kt_total / 4));
+    // Small problems (few column blocks) still want ~4 blocks per SM.
+    const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    while (splits * 2 <= kt_total / 4 && col_blocks * m_blocks * splits < sms * 2) splits *= 2;
   }
   splits = std::max(1, std::min(splits, kt_total));
   const int tiles_per_split = (kt_total + splits - 1) / splits;
@@ -76,13 +81,14 @@ void run_mma(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& s
   a.m = m, a.n = n, a.k = k, a.group_size = static_cast<int>(g);
   a.splits = splits, a.tiles_per_split = tiles_per_split;
   a.warps_n = warps_n;
+  a.tiled = tiled;
   launch_awq_gemm_mma(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                      const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias,
-                     int64_t path, int64_t split_k) {
+                     int64_t path, int64_t split_k, bool tiled = false) {
   int64_t k, n, g;
   check_awq_weight("awq_gemm", qweight, scales, qzeros, group_size, k, n, g);
   FASTAWQ_CHECK(x.dim() == 2 && x.size(1) == k, "awq_gemm: x must be [M, K=", k, "] to match qweight ",
@@ -95,12 +101,11 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& qweight, const at::T
   FASTAWQ_CHECK(x.device() == qweight.device(), "awq_gemm: x is on ", x.device(), " but qweight is on ",
               qweight.device());
   FASTAWQ_CHECK(x.is_contiguous(), "awq_gemm: x ", shape_str(x), " must be contiguous");
-  FASTAWQ_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
-                  reinterpret_cast<uintptr_t>(qweight.data_ptr()) % 16 == 0 &&
-                  reinterpret_cast<uintptr_t>(scales.data_ptr()) % 16 == 0 &&
-                  reinterpret_cast<uintptr_t>(qzeros.data_ptr()) % 16 == 0,
-              "awq_gemm: x, qweight, scales and qzeros must be 16-byte aligned (problem m=", m, ", n=", n, ", k=", k,
-              ")");
+  // The tensor-core kernel reads every operand with 16-byte cp.async.
+  const bool aligned = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(qweight.data_ptr()) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(scales.data_ptr()) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(qzeros.data_ptr()) % 16 == 0;
   const at::Tensor* b = nullptr;
   if (bias.has_value()) {
     b = &bias.value();
@@ -116,13 +121,13 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& qweight, const at::T
   if (m == 0 || n == 0) return out;
   if (k == 0) return b != nullptr ? out.copy_(b->expand({m, n})) : out.zero_();
 
-  const bool fits = mma_fits(k, n, g);
+  const bool fits = mma_fits(k, n, g) && aligned;
   if (path == 0) path = (fits && m <= kMmaMaxM) ? 1 : 2;
-  FASTAWQ_CHECK(path == 2 || fits, "awq_gemm: the tensor-core kernel needs sm_80+ and N % 32, K % 32, group_size % 32 "
-              "== 0 (problem m=", m, ", n=", n, ", k=", k, ", group_size=", g, ")");
+  FASTAWQ_CHECK(path == 2 || fits, "awq_gemm: the tensor-core kernel needs sm_80+, N % 32, K % 32, group_size % 32 "
+              "== 0 and 16-byte aligned operands (problem m=", m, ", n=", n, ", k=", k, ", group_size=", g, ")");
   if (path != 2) {
-    const int warps_n = path == 3 ? 4 : (path == 4 ? 8 : kMmaWarpsN);
-    run_mma(x, qweight, scales, qzeros, g, b, out, split_k, warps_n);
+    const int warps_n = tiled ? 4 : (path == 3 ? 4 : (path == 4 ? 8 : kMmaWarpsN));
+    run_mma(x, qweight, scales, qzeros, g, b, out, split_k, warps_n, tiled);
     return out;
   }
   at::Tensor w = at::empty({k, n}, x.options());
@@ -137,6 +142,31 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& qweight, const at::T
 at::Tensor awq_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                     const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias) {
   return gemm_impl(x, qweight, scales, qzeros, group_size, bias, 0, 0);
+}
+
+// qweight [K, N/8] int32 -> [N/128, K/32, 32, 16] int32: every (128-column, 32-row) tile of the
+// tensor-core kernel becomes one contiguous 2 KB block. A pure permutation, so it is exact.
+at::Tensor awq_repack_tiled(const at::Tensor& qweight) {
+  FASTAWQ_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kInt, "awq_repack_tiled: qweight must be 2-D int32 ",
+                "[K, N/8], got ", shape_str(qweight), " ", qweight.scalar_type());
+  const int64_t k = qweight.size(0), n8 = qweight.size(1);
+  FASTAWQ_CHECK(k % kMmaBlockK == 0 && n8 % 16 == 0, "awq_repack_tiled: needs K % 32 == 0 and N % 128 == 0, got K=", k,
+                ", N=", n8 * 8, " (qweight ", shape_str(qweight), ")");
+  return qweight.reshape({k / kMmaBlockK, kMmaBlockK, n8 / 16, 16}).permute({2, 0, 1, 3}).contiguous();
+}
+
+// x [M, K] · qweight_tiled [N/128, K/32, 32, 16] (awq_repack_tiled) · scales [K/G, N] · qzeros [K/G, N/8] -> [M, N]
+at::Tensor awq_gemm_tiled(const at::Tensor& x, const at::Tensor& qweight_tiled, const at::Tensor& scales,
+                          const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias,
+                          int64_t split_k) {
+  const at::Tensor& qt = qweight_tiled;
+  FASTAWQ_CHECK(qt.dim() == 4 && qt.size(2) == kMmaBlockK && qt.size(3) == 16 && qt.scalar_type() == at::kInt &&
+                    qt.is_contiguous(),
+                "awq_gemm_tiled: qweight_tiled must be a contiguous int32 [N/128, K/32, 32, 16] from awq_repack_tiled, "
+                "got ", shape_str(qt), " ", qt.scalar_type());
+  // The logical [K, N/8] view only carries the sizes into the shared checks.
+  const at::Tensor logical = qt.view({qt.size(1) * kMmaBlockK, qt.size(0) * 16});
+  return gemm_impl(x, logical, scales, qzeros, group_size, bias, 1, split_k, /*tiled=*/true);
 }
 
 at::Tensor awq_gemm_config(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,

@@ -31,7 +31,9 @@ struct Smem {
   uint16_t x[kBM * kMmaBlockK];               // BM rows x 64 B; 32-byte half h of row r at h ^ ((r >> 1) & 1)
 };
 
-template <typename T, int MT, int WN, int STAGES>
+// TILED: qweight comes from awq_repack_tiled ([N/128][K/32][32][16] words, WN = 4), so each
+// stage of a block is one contiguous 2 KB read instead of 32 rows x 64 bytes.
+template <typename T, int MT, int WN, int STAGES, bool TILED>
 __global__ void __launch_bounds__(WN * 32) awq_gemm_mma_kernel(
     const T* __restrict__ x, const uint32_t* __restrict__ qweight, const T* __restrict__ scales,
     const uint32_t* __restrict__ qzeros, const T* __restrict__ bias, T* __restrict__ out, float* __restrict__ ws,
@@ -65,7 +67,9 @@ __global__ void __launch_bounds__(WN * 32) awq_gemm_mma_kernel(
       const int row = tid / WN, chunk = tid % WN;
       const int word = word0 + chunk * 4;
       const bool ok = word < n8;
-      const uint32_t* src = qweight + static_cast<int64_t>(k0 + row) * n8 + (ok ? word : 0);
+      const uint32_t* src =
+          TILED ? qweight + ((static_cast<int64_t>(blockIdx.x) * kt_total + kt) * kMmaBlockK + row) * kWords + chunk * 4
+                : qweight + static_cast<int64_t>(k0 + row) * n8 + (ok ? word : 0);
       cp_async16_stream(&st.w[row * kWords + ((chunk ^ ((row >> 2) & 3)) * 4)], src, ok, policy);
     }
     if (tid < WN) {
@@ -223,10 +227,10 @@ __global__ void __launch_bounds__(WN * 32) awq_gemm_mma_kernel(
   if (tid == 0) *counter = 0;  // ready for the next launch (and for CUDA-graph replays)
 }
 
-template <typename T, int MT, int WN, int STAGES>
+template <typename T, int MT, int WN, int STAGES, bool TILED>
 void launch(const MmaArgs& a, cudaStream_t stream) {
   const size_t smem = sizeof(Smem<MT, WN>) * STAGES;
-  auto kernel = awq_gemm_mma_kernel<T, MT, WN, STAGES>;
+  auto kernel = awq_gemm_mma_kernel<T, MT, WN, STAGES, TILED>;
   if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   const int block_n = WN * 32;
   const dim3 grid((a.n + block_n - 1) / block_n, a.splits, (a.m + 16 * MT - 1) / (16 * MT));
@@ -236,15 +240,15 @@ void launch(const MmaArgs& a, cudaStream_t stream) {
       a.tiles_per_split);
 }
 
-template <typename T, int WN>
+template <typename T, int WN, bool TILED = false>
 void launch_for_m(const MmaArgs& a, cudaStream_t stream) {
   // Instances must match mma_block_m() in launch.h.
   if (a.m <= 16) {
-    launch<T, 1, WN, 6>(a, stream);
+    launch<T, 1, WN, 6, TILED>(a, stream);
   } else if (a.m <= 32) {
-    launch<T, 2, WN, 5>(a, stream);
+    launch<T, 2, WN, 5, TILED>(a, stream);
   } else {
-    launch<T, 4, WN, 4>(a, stream);
+    launch<T, 4, WN, 4, TILED>(a, stream);
   }
 }
 
@@ -252,7 +256,10 @@ void launch_for_m(const MmaArgs& a, cudaStream_t stream) {
 
 void launch_awq_gemm_mma(const MmaArgs& args, cudaStream_t stream) {
   const bool wide = args.warps_n == 8;
-  if (args.dtype == HalfType::kHalf) {
+  if (args.tiled) {
+    args.dtype == HalfType::kHalf ? launch_for_m<__half, 4, true>(args, stream)
+                                  : launch_for_m<__nv_bfloat16, 4, true>(args, stream);
+  } else if (args.dtype == HalfType::kHalf) {
     wide ? launch_for_m<__half, 8>(args, stream) : launch_for_m<__half, 4>(args, stream);
   } else {
     wide ? launch_for_m<__nv_bfloat16, 8>(args, stream) : launch_for_m<__nv_bfloat16, 4>(args, stream);
