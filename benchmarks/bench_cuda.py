@@ -74,11 +74,14 @@ def bench_shape(k: int, n: int, ms: list[int], g: int, sweep: bool) -> list[dict
             "auto": lambda i: torch.ops.fastawq.awq_gemm(x, qw[i], s[i], qz[i], g, None),
             "mma4": lambda i: torch.ops.fastawq.awq_gemm_config(x, qw[i], s[i], qz[i], g, None, 3, 0),
             "mma8": lambda i: torch.ops.fastawq.awq_gemm_config(x, qw[i], s[i], qz[i], g, None, 4, 0),
+            "mma4k4": lambda i: torch.ops.fastawq.awq_gemm_config(x, qw[i], s[i], qz[i], g, None, 5, 0),
             "tiled": lambda i: torch.ops.fastawq.awq_gemm_tiled(x, qt[i], s[i], qz[i], g, None, 0),
             "deq+cublas": lambda i: torch.ops.fastawq.awq_gemm_config(x, qw[i], s[i], qz[i], g, None, 2, 0),
         }
         if sweep and m <= 64:
             for sk in (4, 8, 16, 32):
+                variants[f"mma4k4_sk{sk}"] = (lambda i, sk=sk: torch.ops.fastawq.awq_gemm_config(
+                    x, qw[i], s[i], qz[i], g, None, 5, sk))
                 variants[f"tiled_sk{sk}"] = (lambda i, sk=sk: torch.ops.fastawq.awq_gemm_tiled(
                     x, qt[i], s[i], qz[i], g, None, sk))
                 for path, wn in ((3, 4), (4, 8)):

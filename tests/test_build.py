@@ -129,6 +129,9 @@ def test_torch_pin_matches_build_decision(monkeypatch):
     info = build_env.probe()
     expected = [f"torch=={info['torch_version']}"] if info["build"] else []
     assert torch_pin.dynamic_metadata("dependencies", {}) == expected
+    base = ["torch>=2.4", "numpy"]
+    pinned = [f"torch=={info['torch_version']}", "numpy"] if info["build"] else base
+    assert torch_pin.dynamic_metadata("dependencies", {"base": base}) == pinned
 
 
 @pytest.mark.skipif(not importlib.util.find_spec("fastawq._C"), reason="fastawq._C is not built")

@@ -56,7 +56,8 @@ def test_gemm_small_shapes(shape, group, m, dtype):
     qw, s, qz = random_awq(k, n, group, "cuda", dtype, seed=m + k)
     x = random_input((m, k), "cuda", dtype, seed=m)
     bias = random_input((n,), "cuda", dtype, seed=7) if m % 2 else None
-    for path in (0, 1, 2, 3, 4):  # auto, tensor-core (default width), dequant+cuBLAS, 4 warps, 8 warps
+    # auto, tensor-core (default width), dequant+cuBLAS, 4 warps, 8 warps, 4 warps with 128-row stages
+    for path in (0, 1, 2, 3, 4, 5):
         out = _gemm(x, qw, s, qz, g, bias, path=path)
         assert_close_to_reference(out, x, qw, s, qz, g, bias)
 
@@ -73,7 +74,7 @@ def test_gemm_llama_shapes(shape, group, m, dtype):
     out = _gemm(x, qw, s, qz, g)
     assert_close_to_reference(out, x, qw, s, qz, g)
     if m in (1, 16, 129, 1024):  # both tensor-core widths (auto takes dequantize + cuBLAS above M=32)
-        for path in (3, 4):
+        for path in (3, 4, 5):
             assert_close_to_reference(_gemm(x, qw, s, qz, g, path=path), x, qw, s, qz, g)
 
 
@@ -85,7 +86,7 @@ def test_gemm_forced_split_k(split_k, group, dtype):
     qw, s, qz = random_awq(k, n, group, "cuda", dtype, seed=split_k)
     x = random_input((33, k), "cuda", dtype, seed=split_k)
     bias = random_input((n,), "cuda", dtype, seed=3)
-    for path in (3, 4, 3):  # later launches reuse the split-K tile counters
+    for path in (3, 4, 5, 3):  # later launches reuse the split-K tile counters
         out = _gemm(x, qw, s, qz, group, bias, path=path, split_k=split_k)
         assert_close_to_reference(out, x, qw, s, qz, group, bias)
 

@@ -35,6 +35,7 @@ struct MmaArgs {
   int splits, tiles_per_split;
   int warps_n;              // 4 or 8
   bool tiled;               // qweight in the awq_repack_tiled layout (then warps_n must be 4)
+  int ksub;                 // 32-row tiles per pipeline stage: 1, or 4 (then warps_n 4, not tiled)
 };
 
 void launch_awq_gemm_mma(const MmaArgs& args, cudaStream_t stream);

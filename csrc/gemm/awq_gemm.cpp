@@ -42,7 +42,8 @@ int* tile_counters(const at::Device& device, int64_t needed) {
 }
 
 void run_mma(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& qzeros,
-             int64_t g, const at::Tensor* bias, at::Tensor& out, int64_t split_k, int warps_n, bool tiled) {
+             int64_t g, const at::Tensor* bias, at::Tensor& out, int64_t split_k, int warps_n, bool tiled,
+             int ksub) {
   const int m = static_cast<int>(x.size(0)), k = static_cast<int>(x.size(1)), n = static_cast<int>(out.size(1));
   const int kt_total = k / kMmaBlockK;
   const int block_n = warps_n * 32;
@@ -82,6 +83,7 @@ void run_mma(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& s
   a.splits = splits, a.tiles_per_split = tiles_per_split;
   a.warps_n = warps_n;
   a.tiled = tiled;
+  a.ksub = ksub;
   launch_awq_gemm_mma(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -114,8 +116,9 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& qweight, const at::T
                 "awq_gemm: bias must be a contiguous [N=", n, "] ", x.scalar_type(), " tensor on ", x.device(),
                 ", got ", shape_str(*b), " ", b->scalar_type(), " on ", b->device());
   }
-  FASTAWQ_CHECK(path >= 0 && path <= 4, "awq_gemm_config: path must be 0 (auto), 1 (tensor-core kernel), ",
-                "2 (dequantize + cuBLAS), 3 (tensor-core kernel, 4 warps) or 4 (tensor-core kernel, 8 warps)");
+  FASTAWQ_CHECK(path >= 0 && path <= 5, "awq_gemm_config: path must be 0 (auto), 1 (tensor-core kernel), ",
+                "2 (dequantize + cuBLAS), 3 (tensor-core kernel, 4 warps), 4 (tensor-core kernel, 8 warps) or ",
+                "5 (tensor-core kernel, 4 warps, 128-row stages)");
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
@@ -126,8 +129,8 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& qweight, const at::T
   FASTAWQ_CHECK(path == 2 || fits, "awq_gemm: the tensor-core kernel needs sm_80+, N % 32, K % 32, group_size % 32 "
               "== 0 and 16-byte aligned operands (problem m=", m, ", n=", n, ", k=", k, ", group_size=", g, ")");
   if (path != 2) {
-    const int warps_n = tiled ? 4 : (path == 3 ? 4 : (path == 4 ? 8 : kMmaWarpsN));
-    run_mma(x, qweight, scales, qzeros, g, b, out, split_k, warps_n, tiled);
+    const int warps_n = (tiled || path == 3 || path == 5) ? 4 : (path == 4 ? 8 : kMmaWarpsN);
+    run_mma(x, qweight, scales, qzeros, g, b, out, split_k, warps_n, tiled, path == 5 ? 4 : 1);
     return out;
   }
   at::Tensor w = at::empty({k, n}, x.options());

@@ -32,8 +32,10 @@ struct Smem {
 };
 
 // TILED: qweight comes from awq_repack_tiled ([N/128][K/32][32][16] words, WN = 4), so each
-// stage of a block is one contiguous 2 KB read instead of 32 rows x 64 bytes.
-template <typename T, int MT, int WN, int STAGES, bool TILED>
+// 32-row tile of a block is one contiguous 2 KB read instead of 32 rows x 64 bytes.
+// KSUB: 32-row tiles per pipeline stage (one cp.async group, one barrier). The per-stage cost
+// (wait, barrier, address arithmetic) was measured to dominate at KSUB = 1 (CUDA_NOTES.md).
+template <typename T, int MT, int WN, int STAGES, bool TILED, int KSUB>
 __global__ void __launch_bounds__(WN * 32) awq_gemm_mma_kernel(
     const T* __restrict__ x, const uint32_t* __restrict__ qweight, const T* __restrict__ scales,
     const uint32_t* __restrict__ qzeros, const T* __restrict__ bias, T* __restrict__ out, float* __restrict__ ws,
@@ -59,10 +61,53 @@ __global__ void __launch_bounds__(WN * 32) awq_gemm_mma_kernel(
   const int ntiles = max(kt_end - kt_begin, 0);
   const uint64_t policy = evict_first_policy();
 
+  // Lean loader (KSUB > 1): each thread's sources and destinations are computed once here and
+  // offset per tile, instead of the ~150 instructions of address arithmetic per tile of the
+  // general loader below (PTX of the KSUB = 1 kernel: half of the main loop).
+  constexpr int kXPer = (kBM * 4 + kThreads - 1) / kThreads;  // activation chunks per thread
+  static_assert(KSUB == 1 || WN + kBlockN / 8 <= 32, "the lean loader issues zeros and scales from warp 0");
+  const int w_row = tid / WN, w_chunk = tid % WN;
+  const bool w_ok = word0 + w_chunk * 4 < n8;
+  const uint32_t* w_src0 = qweight + static_cast<int64_t>(kt_begin * kMmaBlockK + w_row) * n8 +
+                           (w_ok ? word0 + w_chunk * 4 : 0);
+  const int w_dst = w_row * kWords + ((w_chunk ^ ((w_row >> 2) & 3)) * 4);
+  const T* x_src0[kXPer];
+  int x_dst[kXPer];
+  bool x_ok[kXPer], x_on[kXPer];
+#pragma unroll
+  for (int j = 0; j < kXPer; ++j) {
+    const int i = tid + j * kThreads;
+    const int row = i >> 2, chunk = i & 3;
+    x_on[j] = i < kBM * 4;
+    x_ok[j] = x_on[j] && m0 + row < m;
+    x_src0[j] = x + static_cast<int64_t>(x_ok[j] ? m0 + row : 0) * k + chunk * 8;
+    x_dst[j] = row * kMmaBlockK + ((chunk >> 1) ^ ((row >> 1) & 1)) * 16 + (chunk & 1) * 8;
+  }
+
   auto load_stage = [&](int slot, int kt) {
     Smem<MT, WN>& st = smem[slot];
     const int k0 = kt * kMmaBlockK;
-    const int grp = k0 / group_size;
+    if constexpr (KSUB > 1 && !TILED) {
+      cp_async16_stream(&st.w[w_dst], w_src0 + static_cast<int64_t>(kt - kt_begin) * (kMmaBlockK * n8), w_ok,
+                        policy);
+#pragma unroll
+      for (int j = 0; j < kXPer; ++j) {
+        if (x_on[j]) cp_async16(&st.x[x_dst[j]], x_src0[j] + k0, x_ok[j]);
+      }
+      if (warp == 0 && lane < WN + kBlockN / 8) {  // zeros (WN chunks) and scales of the tile's group
+        const int grp = k0 / group_size;
+        if (lane < WN) {
+          const int word = word0 + lane * 4;
+          const bool ok = word < n8;
+          cp_async16(&st.z[lane * 4], qzeros + static_cast<int64_t>(grp) * n8 + (ok ? word : 0), ok);
+        } else {
+          const int col = word0 * 8 + (lane - WN) * 8;
+          const bool ok = col < n;
+          cp_async16(&st.s[(lane - WN) * 8], scales + static_cast<int64_t>(grp) * n + (ok ? col : 0), ok);
+        }
+      }
+      return;
+    }
     {  // weights: 32 rows x WN chunks of 16 B, one chunk per thread
       const int row = tid / WN, chunk = tid % WN;
       const int word = word0 + chunk * 4;
@@ -73,10 +118,12 @@ __global__ void __launch_bounds__(WN * 32) awq_gemm_mma_kernel(
       cp_async16_stream(&st.w[row * kWords + ((chunk ^ ((row >> 2) & 3)) * 4)], src, ok, policy);
     }
     if (tid < WN) {
+      const int grp = k0 / group_size;
       const int word = word0 + tid * 4;
       const bool ok = word < n8;
       cp_async16(&st.z[tid * 4], qzeros + static_cast<int64_t>(grp) * n8 + (ok ? word : 0), ok);
     } else if (tid < WN + kBlockN / 8) {
+      const int grp = k0 / group_size;
       const int c = tid - WN;
       const int col = word0 * 8 + c * 8;
       const bool ok = col < n;
@@ -105,23 +152,19 @@ __global__ void __launch_bounds__(WN * 32) awq_gemm_mma_kernel(
   const int nib_shift = (g & 1) * 4;
   const uint32_t magic16 = Tr::kMagic2 & 0xFFFFu;
 
+  // Tiles [s * KSUB, s * KSUB + KSUB) of this split form pipeline stage s, in slots
+  // (s % STAGES) * KSUB + sub.
+  const int nstages = (ntiles + KSUB - 1) / KSUB;
+  auto load_group = [&](int s) {
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < ntiles) load_stage(s, kt_begin + s);
-    cp_async_commit();
-  }
-
-  for (int it = 0; it < ntiles; ++it) {
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();
-    {
-      const int nxt = it + STAGES - 1;
-      if (nxt < ntiles) load_stage(nxt % STAGES, kt_begin + nxt);
-      cp_async_commit();
+    for (int sub = 0; sub < KSUB; ++sub) {
+      const int i = s * KSUB + sub;
+      if (i < ntiles) load_stage((s % STAGES) * KSUB + sub, kt_begin + i);
     }
-    const Smem<MT, WN>& st = smem[it % STAGES];
+  };
 
-    // Per-stage zero point and scale of this lane's column in each of the warp's 4 tiles.
+  auto compute_tile = [&](const Smem<MT, WN>& st) {
+    // Per-tile zero point and scale of this lane's column in each of the warp's 4 tiles.
     uint32_t zz[4], ss[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -167,6 +210,23 @@ __global__ void __launch_bounds__(WN * 32) awq_gemm_mma_kernel(
 #pragma unroll
         for (int j = 0; j < 4; ++j) Mma<T>::run(acc[mi][j], a, b[j][0], b[j][1]);
       }
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < nstages) load_group(s);
+    cp_async_commit();
+  }
+
+  for (int s = 0; s < nstages; ++s) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    if (s + STAGES - 1 < nstages) load_group(s + STAGES - 1);
+    cp_async_commit();
+#pragma unroll
+    for (int sub = 0; sub < KSUB; ++sub) {
+      if (s * KSUB + sub < ntiles) compute_tile(smem[(s % STAGES) * KSUB + sub]);
     }
   }
   cp_async_wait<0>();
@@ -227,10 +287,10 @@ __global__ void __launch_bounds__(WN * 32) awq_gemm_mma_kernel(
   if (tid == 0) *counter = 0;  // ready for the next launch (and for CUDA-graph replays)
 }
 
-template <typename T, int MT, int WN, int STAGES, bool TILED>
+template <typename T, int MT, int WN, int STAGES, bool TILED, int KSUB>
 void launch(const MmaArgs& a, cudaStream_t stream) {
-  const size_t smem = sizeof(Smem<MT, WN>) * STAGES;
-  auto kernel = awq_gemm_mma_kernel<T, MT, WN, STAGES, TILED>;
+  const size_t smem = sizeof(Smem<MT, WN>) * STAGES * KSUB;
+  auto kernel = awq_gemm_mma_kernel<T, MT, WN, STAGES, TILED, KSUB>;
   if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   const int block_n = WN * 32;
   const dim3 grid((a.n + block_n - 1) / block_n, a.splits, (a.m + 16 * MT - 1) / (16 * MT));
@@ -240,15 +300,15 @@ void launch(const MmaArgs& a, cudaStream_t stream) {
       a.tiles_per_split);
 }
 
-template <typename T, int WN, bool TILED = false>
+template <typename T, int WN, bool TILED = false, int KSUB = 1>
 void launch_for_m(const MmaArgs& a, cudaStream_t stream) {
-  // Instances must match mma_block_m() in launch.h.
+  // Instances must match mma_block_m() in launch.h. KSUB = 4 stages are 4x larger: 3 deep.
   if (a.m <= 16) {
-    launch<T, 1, WN, 6, TILED>(a, stream);
+    launch<T, 1, WN, KSUB == 1 ? 6 : 3, TILED, KSUB>(a, stream);
   } else if (a.m <= 32) {
-    launch<T, 2, WN, 5, TILED>(a, stream);
+    launch<T, 2, WN, KSUB == 1 ? 5 : 3, TILED, KSUB>(a, stream);
   } else {
-    launch<T, 4, WN, 4, TILED>(a, stream);
+    launch<T, 4, WN, KSUB == 1 ? 4 : 3, TILED, KSUB>(a, stream);
   }
 }
 
@@ -256,7 +316,10 @@ void launch_for_m(const MmaArgs& a, cudaStream_t stream) {
 
 void launch_awq_gemm_mma(const MmaArgs& args, cudaStream_t stream) {
   const bool wide = args.warps_n == 8;
-  if (args.tiled) {
+  if (args.ksub == 4) {
+    args.dtype == HalfType::kHalf ? launch_for_m<__half, 4, false, 4>(args, stream)
+                                  : launch_for_m<__nv_bfloat16, 4, false, 4>(args, stream);
+  } else if (args.tiled) {
     args.dtype == HalfType::kHalf ? launch_for_m<__half, 4, true>(args, stream)
                                   : launch_for_m<__nv_bfloat16, 4, true>(args, stream);
   } else if (args.dtype == HalfType::kHalf) {
