@@ -150,8 +150,9 @@ def _repack(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, g
         s = scales.to(torch.float32)
         z = _unpack_cols(qzeros).to(torch.float32)
         s_b = s.to(torch.bfloat16)
-        # (q - z) * s == (q - 8) * s + (8 - z) * s; z_float is formed from the bf16 scale the
-        # kernel will use, so only its own bf16 rounding is added to that of s.
+        # (q - z) * s == (q - 8) * s + (8 - z) * s. Forming z_float from the bf16 scale makes the
+        # kernel's weight (q - z) * s_b plus one bf16 rounding of z_float: a relative error of the
+        # weight itself, measured 1.7e-3 (Frobenius) against 1.7e-3 for rounding w to bf16.
         z_b = ((8.0 - z) * s_b.to(torch.float32)).to(torch.bfloat16)
         sz = torch.stack([s_b, z_b], dim=-1)
         if rep > 1:
