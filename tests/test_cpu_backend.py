@@ -274,3 +274,13 @@ def test_cpu_int4_linear_with_bias_and_3d_input():
     out = lean(x)
     assert out.shape == (2, 3, 80) and out.dtype == torch.float32
     _check(out.reshape(6, 80), x.reshape(6, 256), layer.qweight, layer.scales, layer.qzeros, 64, layer.bias.float())
+
+
+def test_inference_mode_tensors():
+    # Inference tensors keep no version counter; the cache must still work with them.
+    with torch.inference_mode():
+        qweight, scales, qzeros = random_awq(128, 64, 64)
+        x = random_input((2, 128), dtype=torch.bfloat16)
+        out = cpu_backend.awq_gemm(x, qweight, scales, qzeros, 64)
+        assert cpu_backend.prepare(qweight, scales, qzeros, 64) is cpu_backend.prepare(qweight, scales, qzeros, 64)
+    _check(out, x, qweight, scales, qzeros, 64)
