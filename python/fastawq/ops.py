@@ -5,6 +5,8 @@ Every op takes the AWQ "GEMM" layout (see reference.py) and accepts ``backend=``
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from fastawq import _ext, reference
@@ -71,6 +73,25 @@ def awq_gemm(
     backend: str | None = None,
 ) -> torch.Tensor:
     """y = x @ dequantize(qweight, scales, qzeros) + bias, accumulated in fp32, in x's dtype."""
+    return awq_gemm_plan(x, qweight, scales, qzeros, group_size, bias, backend=backend)(x)
+
+
+def awq_gemm_plan(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    qzeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Validate once and bind the backend for activations like `x` (same device, dtype and K).
+
+    The returned function computes awq_gemm for any such activations with a reshape and one
+    backend call: a quantized layer caches it, so decoding pays neither validation nor dispatch
+    per call. Its `.backend` attribute names the backend chosen.
+    """
     k, n, g = reference.check_awq_shapes(qweight, scales, qzeros, group_size)
     if x.dim() < 1 or x.shape[-1] != k:
         raise ValueError(f"x {tuple(x.shape)} must end in K={k} to match qweight {tuple(qweight.shape)}")
@@ -79,24 +100,35 @@ def awq_gemm(
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"bias {tuple(bias.shape)} must have shape ({n},) to match qweight {tuple(qweight.shape)}")
     device = _check_same_device(x=x, qweight=qweight, scales=scales, qzeros=qzeros, bias=bias)
-    x2 = x.reshape(-1, k)
+    # The choice must not depend on this call's M: probe with one row.
+    probe = x.reshape(-1, k)[:1] if x.numel() else x.new_empty((1, k))
     be = select_backend(
-        "awq_gemm", device, backend=backend, shapes_ok=lambda b: _gemm_fits(b, x2, qweight, n, k, g)
+        "awq_gemm", device, backend=backend, shapes_ok=lambda b: _gemm_fits(b, probe, qweight, n, k, g)
     )
+    if be != "torch" and bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
     if be == "torch":
-        out = reference.awq_gemm(x2, qweight, scales, qzeros, g, bias)
+        def kernel(x2):
+            return reference.awq_gemm(x2, qweight, scales, qzeros, g, bias)
+    elif be == "cuda":
+        scales_x = scales if scales.dtype == x.dtype else scales.to(x.dtype)
+
+        def kernel(x2):
+            return torch.ops.fastawq.awq_gemm(x2.contiguous(), qweight, scales_x, qzeros, g, bias)
     else:
-        if bias is not None and bias.dtype != x.dtype:
-            bias = bias.to(x.dtype)
-        if be == "cuda":
-            if scales.dtype != x.dtype:
-                scales = scales.to(x.dtype)
-            out = torch.ops.fastawq.awq_gemm(x2.contiguous(), qweight, scales, qzeros, g, bias)
-        elif be == "triton":
-            out = _triton().awq_gemm(x2, qweight, scales, qzeros, g, bias)
-        else:
-            out = _cpu().awq_gemm(x2, qweight, scales, qzeros, g, bias)
-    return out.reshape(*x.shape[:-1], n)
+        impl = (_triton() if be == "triton" else _cpu()).awq_gemm
+
+        def kernel(x2):
+            return impl(x2, qweight, scales, qzeros, g, bias)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, k)
+        if x2.shape[0] == 0:
+            return x.new_empty((*x.shape[:-1], n))
+        return kernel(x2).reshape(*x.shape[:-1], n)
+
+    run.backend = be
+    return run
 
 
 # qweight [K, N // 8] int32 · scales [K // G, N] · qzeros [K // G, N // 8] int32  ->  w [K, N] (scales' dtype)

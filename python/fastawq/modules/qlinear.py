@@ -38,6 +38,8 @@ class WQLinear(nn.Module):
         self.group_size = g
         # Forces one backend for this layer (cuda | triton | cpu | torch); None lets dispatch decide.
         self.backend: str | None = None
+        self._plan = None
+        self._plan_key = None
         groups = in_features // g
         self.register_buffer(
             "qweight", torch.zeros(in_features, out_features // 8, dtype=torch.int32, device=device)
@@ -86,7 +88,18 @@ class WQLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.awq_gemm(x, self.qweight, self.scales, self.qzeros, self.group_size, self.bias, backend=self.backend)
+        # The validated, dispatched call is cached per activation device/dtype and per identity and
+        # version of the buffers (a .to(), a load or an in-place edit makes a new plan).
+        key = (
+            x.device, x.dtype, x.shape[-1], self.backend,
+            *((t.data_ptr(), t._version) for t in (self.qweight, self.scales, self.qzeros, self.bias) if t is not None),
+        )
+        if self._plan_key != key:
+            self._plan = ops.awq_gemm_plan(
+                x, self.qweight, self.scales, self.qzeros, self.group_size, self.bias, backend=self.backend
+            )
+            self._plan_key = key
+        return self._plan(x)
 
     def extra_repr(self) -> str:
         return (
