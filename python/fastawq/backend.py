@@ -21,6 +21,13 @@ _TRITON_MODULE = "fastawq.triton_kernels"
 _CPU_MODULE = "fastawq.cpu"
 
 
+# Per-op order on CUDA devices where measurement overrules "compiled first". awq_gemm: on the
+# H200 the Triton kernels beat the compiled ones at every M measured (benchmarks/RESULTS.md,
+# 2026-11-30: geomean vs cuBLAS at M=1/16/64/1024/4096 Triton 1.01/0.93/0.73/0.78/0.92, compiled
+# 0.91/0.67/0.40/0.74/0.83), so the compiled GEMM serves only when Triton is absent or forced.
+_CUDA_PREFERENCE = {"awq_gemm": ("triton", "cuda", "torch")}
+
+
 class BackendUnavailableError(RuntimeError):
     pass
 
@@ -95,7 +102,7 @@ def select_backend(op: str, device: torch.device, *, backend: str | None = None,
             raise BackendUnavailableError(f"backend {forced!r} cannot run {op}: {reason}")
         return forced
     if device.type == "cuda":
-        candidates = ("cuda", "triton", "torch")
+        candidates = _CUDA_PREFERENCE.get(op, ("cuda", "triton", "torch"))
     else:
         # The Triton interpreter is a test vehicle, never an automatic choice on CPU.
         candidates = ("cpu", "torch")
