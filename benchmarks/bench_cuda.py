@@ -10,43 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 
 import torch
 
 from fastawq import _ext, reference
+from timing import time_graph, w4_bytes
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
 COPY_BW = 4268e9  # measured device-to-device copy bandwidth on the H200, bytes/s
-
-
-def w4_bytes(m: int, k: int, n: int, g: int) -> int:
-    return k * n // 2 + (k // g) * n * 2 + (k // g) * n // 2 + 2 * m * k + 2 * m * n
-
-
-def time_graph(fn, reps: int, replays: int = 10) -> float:
-    """Median microseconds per call of fn(i) for i in range(reps), from CUDA-graph replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(reps):  # warm-up outside the graph: lazy init, workspace, counters
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return statistics.median(times)
 
 
 def make_weights(k: int, n: int, g: int, copies: int, dtype=torch.float16):

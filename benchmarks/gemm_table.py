@@ -12,12 +12,12 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 
 import torch
 
 from fastawq import _ext, ops, reference
+from timing import time_graph, w4_bytes
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
 MS = [1, 16, 64, 256, 1024, 4096]
@@ -27,37 +27,6 @@ TARGETS = {
 }
 COPIES = 16
 GROUP = 128
-
-
-def graph_time_us(fn, replays: int = 10) -> float:
-    """Median replay time of a graph holding COPIES calls, per call, in µs."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(COPIES):  # warm-up: tuning, compilation, workspace allocation
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(COPIES):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / COPIES)
-    del graph
-    return statistics.median(times)
-
-
-def w4_bytes(m: int, k: int, n: int, g: int = GROUP) -> int:
-    return k * n // 2 + (k // g) * n * 2 + (k // g) * n // 2 + 2 * m * k + 2 * m * n
 
 
 def run(backends: list[str], ms: list[int], dtype=torch.float16) -> list[dict]:
@@ -79,8 +48,8 @@ def run(backends: list[str], ms: list[int], dtype=torch.float16) -> list[dict]:
             def cublas(i):
                 torch.matmul(x, weights16[i], out=outs[i])
 
-            t_ref = graph_time_us(cublas)
-            row = {"K": k, "N": n, "M": m, "cublas_us": t_ref, "bytes_w4": w4_bytes(m, k, n)}
+            t_ref = time_graph(cublas, COPIES)
+            row = {"K": k, "N": n, "M": m, "cublas_us": t_ref, "bytes_w4": w4_bytes(m, k, n, GROUP)}
             for be in backends:
                 # Correctness on this exact input before timing it.
                 got = ops.awq_gemm(x, *packed[0], GROUP, backend=be)
@@ -90,7 +59,7 @@ def run(backends: list[str], ms: list[int], dtype=torch.float16) -> list[dict]:
                 def w4(i, be=be):
                     ops.awq_gemm(x, *packed[i], GROUP, backend=be)
 
-                t = graph_time_us(w4)
+                t = time_graph(w4, COPIES)
                 row[f"{be}_us"] = t
                 row[f"{be}_GBps"] = row["bytes_w4"] / t / 1e3
                 row[f"{be}_ratio"] = t_ref / t
