@@ -41,7 +41,8 @@ def lengths_for(max_len: int, rounds: int | None) -> list[int]:
 
 
 def build_model(mode: str, model: str | None, shape: str | None, device: str, max_seq_len: int,
-                batch_size: int, gemm_backend: str | None = None, prefill_chunk: int | None = 1024) -> torch.nn.Module:
+                batch_size: int, gemm_backend: str | None = None, prefill_chunk: int | None = 1024,
+                dtype: torch.dtype = torch.float16) -> torch.nn.Module:
     """The model for one mode, from a named random shape or a checkpoint directory."""
     from fastawq.modules.fused import fuse_model
     from fastawq.modules.qlinear import WQLinear
@@ -49,17 +50,17 @@ def build_model(mode: str, model: str | None, shape: str | None, device: str, ma
     if shape is not None:
         from fastawq.shapes import build_random_model
 
-        m = build_random_model(shape, quantized=mode != "fp16", device=device)
+        m = build_random_model(shape, quantized=mode != "fp16", device=device, dtype=dtype)
     elif mode == "fp16":
         from transformers import AutoModelForCausalLM
 
-        m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float16).to(device).eval()
+        m = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
     else:
         try:
             from fastawq.auto import AutoAWQForCausalLM
         except ImportError as e:
             raise SystemExit(f"loading a quantized checkpoint needs fastawq.AutoAWQForCausalLM: {e}")
-        m = AutoAWQForCausalLM.from_quantized(model, fuse_layers=False, device_map=device)
+        m = AutoAWQForCausalLM.from_quantized(model, fuse_layers=False, device_map=device, torch_dtype=dtype)
         m = getattr(m, "model", m)
     if gemm_backend:
         for mod in m.modules():
@@ -143,7 +144,8 @@ def format_table(rows: list[Row]) -> str:
 
 def bench(model: str | None, shape: str | None, modes: list[str], lengths: list[int], batch: int,
           device: str, max_seq_len: int | None = None, max_decode: int | None = None,
-          gemm_backend: str | None = None, prefill_chunk: int | None = 1024) -> list[Row]:
+          gemm_backend: str | None = None, prefill_chunk: int | None = 1024,
+          dtype: torch.dtype = torch.float16) -> list[Row]:
     """Run every mode over every length; each mode's model is freed before the next is built."""
     rows: list[Row] = []
     for mode in modes:
@@ -153,7 +155,7 @@ def bench(model: str | None, shape: str | None, modes: list[str], lengths: list[
             log.warning("CUDA graphs need a GPU: fused-graphs runs eagerly on %s", device)
         msl = max_seq_len or 2 * max(lengths)
         try:
-            m = build_model(mode, model, shape, device, msl, batch, gemm_backend, prefill_chunk)
+            m = build_model(mode, model, shape, device, msl, batch, gemm_backend, prefill_chunk, dtype)
         except Exception as e:
             if not _is_oom(e):
                 raise
@@ -178,11 +180,14 @@ def main(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else lengths_for(args.max_len, args.rounds)
     modes = [m.strip() for m in args.mode.split(",")]
+    # On CPU, fp16 runs as scalar loops on x86 and bf16 slows the small ops: fp32 activations
+    # (the int4 kernel itself computes in bf16, see fastawq.cpu).
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.float16 if device.startswith("cuda") else torch.float32)
     rows = bench(args.model, args.shape, modes, lengths, args.batch_size, device, args.max_seq_len,
-                 args.max_decode, args.gemm_backend, args.prefill_chunk or None)
+                 args.max_decode, args.gemm_backend, args.prefill_chunk or None, dtype)
     name = args.shape or args.model
     dev = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU"
-    print(f"\n{name} on {dev}, batch {args.batch_size}\n")
+    print(f"\n{name} on {dev}, batch {args.batch_size}, {str(dtype).removeprefix('torch.')}\n")
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:
@@ -205,6 +210,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--max-decode", type=int, default=None, help="cap the decode length of each round")
     p.add_argument("--max-seq-len", type=int, default=None, help="fused cache length (default 2 x longest)")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if present)")
+    p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None,
+                   help="activations and unquantized weights (default: float16 on GPU, float32 on CPU)")
     p.add_argument("--gemm-backend", default=None, help="force the W4 GEMM backend (cuda|triton|cpu|torch)")
     p.add_argument("--prefill-chunk", type=int, default=1024, help="fused prefill chunk (0: one pass)")
     p.add_argument("--json", help="also write the rows as JSON here")
