@@ -88,8 +88,11 @@ class QuantConfig:
         return any(m in name for m in (self.modules_to_not_convert or []))
 
     def to_hf(self) -> dict[str, Any]:
-        """The `quantization_config` entry of config.json (transformers / vLLM / AutoAWQ)."""
-        return {
+        """The `quantization_config` entry of config.json (transformers / vLLM / AutoAWQ).
+
+        A fallback group size is recorded as an extra key: fastawq's loader reads each layer's
+        group size from its tensors' shapes, other loaders assume `group_size` everywhere."""
+        d = {
             "quant_method": "awq",
             "bits": self.w_bit,
             "group_size": self.q_group_size,
@@ -97,6 +100,9 @@ class QuantConfig:
             "version": self.version,
             "modules_to_not_convert": self.modules_to_not_convert,
         }
+        if self.fallback_group_size is not None:
+            d["fallback_group_size"] = self.fallback_group_size
+        return d
 
     def to_autoawq(self) -> dict[str, Any]:
         return {
