@@ -48,3 +48,22 @@ def test_each_layer_gets_its_own_keyword_arguments():
     _, kwargs = q._capture_inputs(model.model.layers)
     cos0, cos1 = kwargs[0]["position_embeddings"][0], kwargs[1]["position_embeddings"][0]
     assert not torch.equal(cos0, cos1)
+
+
+def test_half_precision_search_path_as_on_gpus():
+    """On accelerators the layer stays in the model's dtype (no fp32 upcast): run that path on
+    CPU with an fp16 model, since CI has no GPU."""
+    from fastawq.modules import WQLinear
+    from fastawq.quantize import QuantConfig
+    from test_models import calib_ids, tiny_model
+
+    model = tiny_model("llama").half()
+    ids = calib_ids(2, 16, seed=4)
+    q = AwqQuantizer(model, QuantConfig(q_group_size=32), calib_ids(4, 32))
+    q.upcast = False
+    q.quantize()
+    layer = model.model.layers[1]
+    assert isinstance(layer.mlp.down_proj, WQLinear) and layer.mlp.down_proj.scales.dtype == torch.float16
+    assert layer.input_layernorm.weight.dtype == torch.float16
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits.float()).all()

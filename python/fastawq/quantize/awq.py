@@ -135,9 +135,12 @@ class AwqQuantizer:
         # With an explicit chunk size on an accelerator, activations wait on the CPU between uses.
         self.offload = n_parallel_calib_samples is not None and self.device.type != "cpu"
         self.layers_prefix = self.arch.layers_path
-        self.forward_dtype = self.cpu_forward_dtype if self.device.type == "cpu" else None
-        if self.forward_dtype is None:
-            self.forward_dtype = _cpu_forward_dtype() if self.device.type == "cpu" else torch.float16
+        # CPU: the layer is searched and folded in fp32 (fp16 CPU math is slow and lossy) and runs
+        # its forward in forward_dtype. Accelerators: everything in the model's dtype.
+        self.upcast = self.device.type == "cpu"
+        self.forward_dtype: torch.dtype | None = None
+        if self.upcast:
+            self.forward_dtype = self.cpu_forward_dtype or _cpu_forward_dtype()
         self.timings: dict[str, float] = {}
 
     # ------------------------------------------------------------------ driver
@@ -165,7 +168,7 @@ class AwqQuantizer:
             orig_dtype = next(layer.parameters()).dtype
             # The search folds scales into full-precision weights; on CPU the layer's forward may
             # run on a bf16 copy (twice the matmul speed where the CPU has bf16 instructions).
-            compute_dtype = torch.float32 if self.device.type == "cpu" else orig_dtype
+            compute_dtype = torch.float32 if self.upcast else orig_dtype
             layer.to(self.device, compute_dtype)
             fwd = layer
             if self.forward_dtype != compute_dtype:
@@ -240,7 +243,7 @@ class AwqQuantizer:
             for n, t in _tensors(self.model):
                 if n in devices and t.device != devices[n]:
                     t.data = t.data.to(devices[n])
-        compute_dtype = self.forward_dtype if self.device.type == "cpu" else inps[0].dtype
+        compute_dtype = self.forward_dtype if self.upcast else inps[0].dtype
         self.forward_dtype = compute_dtype
         inps = [x.to(compute_dtype) for x in inps]
         per_layer = []
