@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine: make a venv, install fastawq, run `fastawq demo`.
 #   scripts/demo.sh [fastawq demo options]      e.g. --calib-samples 64
-# FASTAWQ_VENV picks the venv (default: .venv-demo in the repository); an existing venv that
+# FASTAWQ_VENV picks the venv (default: ~/.cache/fastawq/venv, outside the repository); one that
 # already has torch is reused, so the second run starts at once. Needs PyPI, nothing else.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${FASTAWQ_VENV:-$ROOT/.venv-demo}"
+VENV="${FASTAWQ_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/fastawq/venv}"
 PY="${PYTHON:-python3}"
 
 if [ ! -x "$VENV/bin/python" ]; then
