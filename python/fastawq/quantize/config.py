@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -102,6 +103,11 @@ class QuantConfig:
         }
         if self.fallback_group_size is not None:
             d["fallback_group_size"] = self.fallback_group_size
+            logging.getLogger(__name__).warning(
+                "this checkpoint mixes group sizes (%d, and %d where %d does not divide a layer): fastawq "
+                "loads it, but transformers and vLLM assume one group_size and will reject those layers",
+                self.q_group_size, self.fallback_group_size, self.q_group_size,
+            )
         return d
 
     def to_autoawq(self) -> dict[str, Any]:
