@@ -49,7 +49,7 @@ if [[ " $stages " == *" e2e "* ]] && [ -f benchmarks/bench_e2e.py ]; then
 fi
 if [[ " $stages " == *" quantize "* ]] && [ -f benchmarks/bench_quantize.py ]; then
   step quantize
-  python benchmarks/bench_quantize.py --out "$OUT" 2>&1 | tee "$OUT/quantize.log" || status=1
+  python benchmarks/bench_quantize.py --shape llama-3-8b --json "$OUT/bench_quantize.json" 2>&1 | tee "$OUT/quantize.log" || status=1
 fi
 step done
 exit $status
