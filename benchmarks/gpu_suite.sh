@@ -4,6 +4,9 @@
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
 # (Triton/torch backends only), for quick kernel iterations.
+# One device call may run 10 minutes: all stages together take longer, so split them over calls
+# on the warm machine (the CMake build dir stays there): `build tests`, then `build gemm`, then
+# `build e2e quantize`. Triton tunes each (M bucket, shape) on first use: ~1-2 min in `gemm`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
