@@ -123,7 +123,12 @@ def candidate_configs(m: int, n: int, k: int, g: int, sms: int) -> list:
 
 class _Workspace:
     """Per-device fp32 partials and per-tile arrival counters for split-K (counters re-arm
-    themselves in the kernel, so they are zeroed only when allocated)."""
+    themselves in the kernel, so they are zeroed only when allocated).
+
+    One set per device: split-K GEMMs on one stream run one after another, but two streams
+    running split-K GEMMs at the same time would share counters and race. Keying by stream is
+    the fix; it moves the graph-captured decode onto buffers allocated inside the capture, so it
+    waits for a GPU run to validate it (see the closing note of 2026-11-30)."""
 
     def __init__(self) -> None:
         self.buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
