@@ -93,6 +93,22 @@ def test_gemm_handles_strided_and_3d_input():
     assert_close_to_reference(out.reshape(6, n), x.reshape(6, k), qweight, scales, qzeros, g)
 
 
+def test_gemm_takes_strided_weights_and_bias():
+    # Strided scales/qzeros/bias were once indexed as if dense: silently wrong results.
+    k, n, g = 256, 64, 64
+    qweight, scales, qzeros = random_awq(k, 2 * n, g, DEVICE, torch.float16)
+    qw, s, qz = qweight[:, ::2], scales[:, ::2], qzeros[:, ::2]
+    bias = random_input((2 * n,), DEVICE, torch.float16, seed=9)[::2]
+    x = random_input((3, k), DEVICE, torch.float16)
+    # Views along N are not valid AWQ packings (columns interleave within a word), but the
+    # kernel must compute what the reference computes on the same tensors.
+    out = ops.awq_gemm(x, qw, s, qz, g, bias, backend="triton")
+    assert_close_to_reference(out, x, qw.contiguous(), s.contiguous(), qz.contiguous(), g, bias.contiguous())
+    deq = ops.awq_dequantize(qw, s, qz, g, backend="triton")
+    expect = reference.dequantize(qw.contiguous(), s.contiguous(), qz.contiguous(), g)
+    torch.testing.assert_close(deq, expect, rtol=0, atol=0)
+
+
 @requires_cuda
 def test_gemm_under_cuda_graph_replay():
     k, n, g = 4096, 4096, 128

@@ -273,6 +273,10 @@ def choose_config(x, qweight, scales, qzeros, g, bias, out):
 def awq_gemm(x, qweight, scales, qzeros, group_size: int, bias=None, *, config=None) -> torch.Tensor:
     if x.stride(-1) != 1:
         x = x.contiguous()
+    # The kernels index the weights and bias as dense arrays (no-ops when they already are).
+    qweight, scales, qzeros = qweight.contiguous(), scales.contiguous(), qzeros.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
     m, k = x.shape
     n = qweight.shape[1] * 8
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -286,13 +290,12 @@ def awq_gemm_fits(x, qweight, group_size: int) -> str | None:
     k = x.shape[1]
     if not _block_ks(group_size, k):
         return f"group_size={group_size} and K={k} must be multiples of 32 for the Triton GEMM"
-    if not (qweight.is_contiguous()):
-        return f"qweight {tuple(qweight.shape)} must be contiguous"
     return None
 
 
 # qweight [K, N // 8] int32 · scales [K // G, N] · qzeros [K // G, N // 8]  ->  [K, N] (dtype, default scales')
 def awq_dequantize(qweight, scales, qzeros, group_size: int, *, dtype=None) -> torch.Tensor:
+    qweight, scales, qzeros = qweight.contiguous(), scales.contiguous(), qzeros.contiguous()
     k, n8 = qweight.shape
     n = n8 * 8
     out = torch.empty((k, n), dtype=dtype or scales.dtype, device=qweight.device)
