@@ -1,11 +1,17 @@
 """What the compiled extension will be built with: torch, the CUDA toolkit, the arch list.
 
+Two decisions: whether fastawq._C is built at all (`build`: torch is importable and kernels are
+not switched off; _C then always holds the CPU kernels of csrc/cpu/) and whether it also holds
+the CUDA kernels (`cuda`: torch is a CUDA build and nvcc exists).
+
 Used only by the build: CMakeLists.txt runs it as a script (``--cmake OUT``) to get the torch
 paths and the resolved toolchain, and torch_pin.py imports it to decide whether the wheel pins
 torch. One decision, two readers: they cannot disagree about whether kernels are built.
 
 Environment:
-  FASTAWQ_BUILD_KERNELS  auto (default) | on | off. ``on`` turns a missing toolchain into an error.
+  FASTAWQ_BUILD_KERNELS  auto (default) | on | cpu | off. ``on`` turns a missing CUDA toolchain
+                         into an error; ``auto`` then builds the CPU kernels only; ``cpu`` builds
+                         the CPU kernels only even where CUDA is there; ``off`` builds no _C.
   FASTAWQ_CUDA_ARCHS     e.g. "8.0;9.0a". Default: the visible GPU's arch, else DEFAULT_ARCHS.
   CUDA_HOME / CUDA_PATH  where the toolkit lives, when nvcc on PATH is not the one to use.
 """
@@ -25,8 +31,8 @@ _EXEC_RE = re.compile(r"exec\s+\"?([^\s\"]+/nvcc)\b")
 
 def build_mode() -> str:
     mode = os.environ.get("FASTAWQ_BUILD_KERNELS", "auto").strip().lower() or "auto"
-    if mode not in ("auto", "on", "off"):
-        raise SystemExit(f"FASTAWQ_BUILD_KERNELS={mode!r}: expected auto, on or off")
+    if mode not in ("auto", "on", "cpu", "off"):
+        raise SystemExit(f"FASTAWQ_BUILD_KERNELS={mode!r}: expected auto, on, cpu or off")
     return mode
 
 
@@ -113,15 +119,17 @@ def parse_archs(text: str) -> list[str]:
 
 
 def probe() -> dict:
-    """Everything the build needs to know, plus `build` (bool) and `reason` when it is False."""
+    """Everything the build needs to know, plus `build` and `cuda` (bool) and, when they are
+    False, `reason` and `cuda_reason`."""
     mode = build_mode()
-    info: dict = {"mode": mode, "build": False, "reason": ""}
+    info: dict = {"mode": mode, "build": False, "reason": "", "cuda": False, "cuda_reason": ""}
     if mode == "off":
-        info["reason"] = "FASTAWQ_BUILD_KERNELS=off"
+        info["reason"] = info["cuda_reason"] = "FASTAWQ_BUILD_KERNELS=off"
         return info
     torch = _torch()
     if torch is None:
-        info["reason"] = "torch is not importable in the build environment (use --no-build-isolation)"
+        info["reason"] = info["cuda_reason"] = (
+            "torch is not importable in the build environment (use --no-build-isolation)")
         return info
     torch_dir = Path(torch.__file__).parent
     info.update(
@@ -129,13 +137,18 @@ def probe() -> dict:
         torch_cuda=torch.version.cuda or "",
         torch_dir=str(torch_dir),
         cxx11_abi=int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))),
+        build=True,
+        archs=[],
     )
+    if mode == "cpu":
+        info["cuda_reason"] = "FASTAWQ_BUILD_KERNELS=cpu"
+        return info
     if not torch.version.cuda:
-        info["reason"] = f"torch {torch.__version__} is not a CUDA build"
+        info["cuda_reason"] = f"torch {torch.__version__} is not a CUDA build"
         return info
     nvcc = find_nvcc()
     if nvcc is None:
-        info["reason"] = "no CUDA compiler (nvcc) found; set CUDA_HOME or CUDACXX"
+        info["cuda_reason"] = "no CUDA compiler (nvcc) found; set CUDA_HOME or CUDACXX"
         return info
     env_archs = os.environ.get("FASTAWQ_CUDA_ARCHS", "").strip()
     info.update(
@@ -144,7 +157,7 @@ def probe() -> dict:
         nvrtc=_nvrtc_library(torch_dir) or "",
         extra_includes=_extra_includes(torch_dir, nvcc.parent.parent),
         archs=parse_archs(env_archs) if env_archs else default_archs(torch),
-        build=True,
+        cuda=True,
     )
     return info
 
@@ -155,17 +168,22 @@ def _cmake_list(values) -> str:
 
 def write_cmake(info: dict, out: Path) -> None:
     lines = [f'set(FASTAWQ_BUILD {"ON" if info["build"] else "OFF"})',
+             f'set(FASTAWQ_WITH_CUDA {"ON" if info["cuda"] else "OFF"})',
              f'set(FASTAWQ_MODE "{info["mode"]}")',
-             f'set(FASTAWQ_SKIP_REASON "{info["reason"]}")']
+             f'set(FASTAWQ_SKIP_REASON "{info["reason"]}")',
+             f'set(FASTAWQ_CUDA_SKIP_REASON "{info["cuda_reason"]}")',
+             f'set(FASTAWQ_ARCHS "{_cmake_list(info.get("archs", []))}")']
     if info["build"]:
         lines += [
             f'set(FASTAWQ_TORCH_VERSION "{info["torch_version"]}")',
             f'set(FASTAWQ_TORCH_DIR "{info["torch_dir"]}")',
             f'set(FASTAWQ_CXX11_ABI {info["cxx11_abi"]})',
+        ]
+    if info["cuda"]:
+        lines += [
             f'set(FASTAWQ_NVCC "{info["nvcc"]}")',
             f'set(FASTAWQ_CUDA_ROOT "{info["cuda_root"]}")',
             f'set(FASTAWQ_NVRTC "{info["nvrtc"]}")',
-            f'set(FASTAWQ_ARCHS "{_cmake_list(info["archs"])}")',
             f'set(FASTAWQ_EXTRA_INCLUDES "{_cmake_list(info["extra_includes"])}")',
         ]
     out.write_text("\n".join(lines) + "\n")

@@ -102,8 +102,29 @@ def test_build_env_modes(monkeypatch):
     info = build_env.probe()
     assert info["build"] is False and "off" in info["reason"]
     monkeypatch.setenv("FASTAWQ_BUILD_KERNELS", "sometimes")
-    with pytest.raises(SystemExit, match="auto, on or off"):
+    with pytest.raises(SystemExit, match="auto, on, cpu or off"):
         build_env.probe()
+
+
+def test_build_env_cpu_only(monkeypatch):
+    # Without a CUDA toolchain (or with FASTAWQ_BUILD_KERNELS=cpu) _C still holds the CPU kernels.
+    monkeypatch.setenv("FASTAWQ_BUILD_KERNELS", "auto")
+    monkeypatch.setattr(build_env, "find_nvcc", lambda: None)
+    info = build_env.probe()
+    assert info["build"] is True and info["cuda"] is False and "nvcc" in info["cuda_reason"]
+    assert info["torch_version"] == torch.__version__ and info["archs"] == []
+    monkeypatch.setenv("FASTAWQ_BUILD_KERNELS", "cpu")
+    info = build_env.probe()
+    assert info["build"] is True and info["cuda"] is False and "cpu" in info["cuda_reason"]
+
+
+def test_cmake_probe_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTAWQ_BUILD_KERNELS", "cpu")
+    out = tmp_path / "probe.cmake"
+    build_env.write_cmake(build_env.probe(), out)
+    text = out.read_text()
+    assert "set(FASTAWQ_BUILD ON)" in text and "set(FASTAWQ_WITH_CUDA OFF)" in text
+    assert 'set(FASTAWQ_ARCHS "")' in text and "FASTAWQ_NVCC" not in text
 
 
 def test_build_env_archs(monkeypatch):
