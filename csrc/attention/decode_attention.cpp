@@ -1,0 +1,166 @@
+// Host entry of fastawq::decode_attention: validation, split count, partials, arrival counters.
+#include <cstdint>
+#include <mutex>
+#include <unordered_map>
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "attention/attention_ops.h"
+#include "attention/launch_attention.h"
+#include "common/checks.h"
+
+namespace fastawq {
+namespace {
+
+constexpr int64_t kCounters = 1 << 16;
+
+// Zeroed arrival counters, one buffer per device for the life of the process: the kernel re-arms
+// them, so no memset precedes a launch, and a captured graph keeps pointing at this buffer. The
+// launches on one device share it: they must not overlap on two streams (as for the Triton
+// kernel). Created by the first call; inside a capture that is a memset node of the graph,
+// which re-zeroes counters that are zero anyway. Never destroyed: it would outlive the CUDA
+// context at exit.
+int* arrival_counters(const at::Tensor& like) {
+  static std::mutex mu;
+  static auto* buffers = new std::unordered_map<int, at::Tensor>();
+  const std::lock_guard<std::mutex> lock(mu);
+  auto it = buffers->find(like.get_device());
+  if (it == buffers->end()) {
+    it = buffers->emplace(like.get_device(), at::zeros({kCounters}, like.options().dtype(at::kInt))).first;
+  }
+  return it->second.data_ptr<int>();
+}
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// 16-byte vector loads: unit stride in D, every other stride a multiple of 8 elements.
+bool vector_friendly(const at::Tensor& t) {
+  if (t.stride(-1) != 1 || !aligned16(t)) return false;
+  for (int64_t i = 0; i + 1 < t.dim(); ++i) {
+    if (t.stride(i) % 8 != 0) return false;
+  }
+  return true;
+}
+
+std::string problem(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& lens) {
+  return cat("decode_attention (q ", shape_str(q), ", k_cache ", shape_str(k_cache), ", v_cache ",
+             shape_str(v_cache), ", lens ", shape_str(lens), ")");
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& lens) {
+  // Built only when a check fails (TORCH_CHECK evaluates its message lazily).
+  const auto p = [&] { return problem(q, k_cache, v_cache, lens); };
+  FASTAWQ_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, p(),
+                ": expected q [B, HQ, D] and k_cache, v_cache [B', S, HKV, D]");
+  FASTAWQ_CHECK(q.is_cuda() && k_cache.device() == q.device() && v_cache.device() == q.device() &&
+                    lens.device() == q.device(),
+                p(), ": q, k_cache, v_cache and lens must be on one CUDA device, got ", q.device(), ", ",
+                k_cache.device(), ", ", v_cache.device(), ", ", lens.device());
+  FASTAWQ_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, p(),
+                ": q must be fp16 or bf16, got ", q.scalar_type());
+  FASTAWQ_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(), p(),
+                ": k_cache and v_cache must have q's dtype ", q.scalar_type(), ", got ", k_cache.scalar_type(),
+                " and ", v_cache.scalar_type());
+  FASTAWQ_CHECK(lens.scalar_type() == at::kInt, p(), ": lens must be int32, got ", lens.scalar_type());
+  FASTAWQ_CHECK(k_cache.sizes() == v_cache.sizes(), p(), ": k_cache and v_cache must have one shape");
+  const int64_t b = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t hkv = k_cache.size(2);
+  FASTAWQ_CHECK(k_cache.size(3) == d, p(), ": head_dim D=", d, " of q differs from the caches' ", k_cache.size(3));
+  FASTAWQ_CHECK(d == 64 || d == 128 || d == 256, p(), ": head_dim D=", d, " is not supported (64, 128, 256)");
+  FASTAWQ_CHECK(hkv > 0 && hq % hkv == 0, p(), ": HQ=", hq, " query heads are not a multiple of HKV=", hkv,
+                " KV heads");
+  FASTAWQ_CHECK(hq / hkv <= kDecodeMaxGroup, p(), ": ", hq / hkv, " query heads per KV head (HQ=", hq, ", HKV=",
+                hkv, "); at most ", kDecodeMaxGroup, " are supported");
+  FASTAWQ_CHECK(k_cache.size(0) >= b, p(), ": the caches hold ", k_cache.size(0), " rows, q has B=", b);
+  FASTAWQ_CHECK(lens.dim() == 1 && lens.size(0) == b && lens.stride(0) == 1, p(),
+                ": lens must be a contiguous [B] = [", b, "] tensor");
+  FASTAWQ_CHECK(k_cache.size(1) > 0 && k_cache.size(1) < (int64_t(1) << 31) && hkv <= 65535 && b <= 65535, p(),
+                ": S, HKV or B out of range");
+  FASTAWQ_CHECK(b * hkv <= kCounters, p(), ": B*HKV=", b * hkv, " exceeds ", kCounters);
+  FASTAWQ_CHECK(vector_friendly(q), p(), ": q (strides ", q.strides(),
+                ") needs unit stride in D, other strides that are multiples of 8 and 16-byte alignment");
+  FASTAWQ_CHECK(vector_friendly(k_cache) && vector_friendly(v_cache), p(), ": k_cache (strides ",
+                k_cache.strides(), ") and v_cache (strides ", v_cache.strides(),
+                ") need unit stride in D, other strides that are multiples of 8 and 16-byte alignment");
+}
+
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& lens,
+         double scale, at::Tensor& out) {
+  const int64_t b = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t s = k_cache.size(1), hkv = k_cache.size(2);
+  if (b == 0 || hq == 0) return;
+  const int64_t group = hq / hkv;
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int splits = decode_attention_splits(static_cast<int>(b * hkv), static_cast<int>(s), sms);
+
+  DecodeAttentionArgs a{};
+  a.dtype = q.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
+  a.q = q.data_ptr();
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.lens = lens.data_ptr<int>();
+  a.out = out.data_ptr();
+  at::Tensor part_acc, part_ml;
+  if (splits > 1) {
+    // From the caching allocator (the graph's pool under capture), freed in stream order.
+    const auto f32 = q.options().dtype(at::kFloat);
+    part_acc = at::empty({b * hkv * splits * group * d}, f32);
+    part_ml = at::empty({b * hkv * splits * group * 2}, f32);
+    a.part_acc = part_acc.data_ptr<float>();
+    a.part_ml = part_ml.data_ptr<float>();
+    a.counters = arrival_counters(q);
+  }
+  a.q_sb = q.stride(0);
+  a.q_sh = q.stride(1);
+  a.k_sb = k_cache.stride(0);
+  a.k_ss = k_cache.stride(1);
+  a.k_sh = k_cache.stride(2);
+  a.v_sb = v_cache.stride(0);
+  a.v_ss = v_cache.stride(1);
+  a.v_sh = v_cache.stride(2);
+  a.o_sb = out.stride(0);
+  a.o_sh = out.stride(1);
+  a.batch = static_cast<int>(b);
+  a.seq_cap = static_cast<int>(s);
+  a.hkv = static_cast<int>(hkv);
+  a.group = static_cast<int>(group);
+  a.head_dim = static_cast<int>(d);
+  a.splits = splits;
+  a.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  launch_decode_attention(a, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& lens, double scale) {
+  check_inputs(q, k_cache, v_cache, lens);
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  run(q, k_cache, v_cache, lens, scale, out);
+  return out;
+}
+
+void decode_attention_out(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& lens, double scale, at::Tensor& out) {
+  check_inputs(q, k_cache, v_cache, lens);
+  // Built only when a check fails (TORCH_CHECK evaluates its message lazily).
+  const auto p = [&] { return problem(q, k_cache, v_cache, lens); };
+  FASTAWQ_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.device() == q.device(), p(),
+                ": out ", shape_str(out), " ", out.scalar_type(), " on ", out.device(), " must match q ",
+                shape_str(q), " ", q.scalar_type(), " on ", q.device());
+  FASTAWQ_CHECK(vector_friendly(out), p(), ": out (strides ", out.strides(),
+                ") needs unit stride in D, other strides that are multiples of 8 and 16-byte alignment");
+  FASTAWQ_CHECK(!out.is_alias_of(q) && !out.is_alias_of(k_cache) && !out.is_alias_of(v_cache), p(),
+                ": out must not share memory with q or the caches (other blocks still read them)");
+  const c10::cuda::CUDAGuard guard(q.device());
+  run(q, k_cache, v_cache, lens, scale, out);
+}
+
+}  // namespace fastawq

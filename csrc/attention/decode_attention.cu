@@ -1,0 +1,327 @@
+// Flash-decoding: one query token per row over the first lens[b] positions of a KV cache, GQA.
+//
+// Grid (splits, HKV, B), 4 warps per block. A block owns one KV head of one row over one slice
+// of the sequence; its warps take 16-key tiles in turn. Per tile a warp runs two tensor-core
+// products with every query head of the KV head in the same fragments, so each K/V byte is
+// loaded once for the whole group:
+//   S [heads, 16 keys] = Q [heads, D] · K^T          (heads on the mma's M: 16, group <= 8 used)
+//   O^T [D, heads]    += V^T [D, 16 keys] · P^T      (heads on N: 8)
+// The accumulator layout of the first product is the operand layout of the second, so the
+// probabilities never leave registers. K and V are read straight from global memory with 16-byte
+// loads; the contraction dimension is permuted (the same way on both sides) so that each loaded
+// 16 bytes is a fragment as it stands, with no shared-memory staging (each byte is used once).
+// Splits write fp32 partials; the last block of a (row, KV head) to arrive combines them and
+// re-arms its counter, so one launch does the whole step and a graph replays it as is.
+#include <cfloat>
+#include <cstdint>
+
+#include "attention/launch_attention.h"
+#include "common/dtype.cuh"
+#include "common/ptx.cuh"
+
+namespace fastawq {
+namespace {
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Positions past a split's end are never read (their memory may hold anything, even NaN):
+// the predicated load leaves zeros, which the -inf scores then weigh by exactly 0.
+__device__ __forceinline__ uint4 ld16(const void* p, bool ok) {
+  uint4 v = make_uint4(0u, 0u, 0u, 0u);
+  if (ok) v = __ldg(reinterpret_cast<const uint4*>(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
+}
+
+template <typename T>
+__device__ __forceinline__ void store4(T* dst, float4 v) {
+  uint2 w;
+  w.x = pack2<T>(v.x, v.y);
+  w.y = pack2<T>(v.z, v.w);
+  *reinterpret_cast<uint2*>(dst) = w;
+}
+
+__device__ __forceinline__ void fma4(float4& acc, float w, const float4& x) {
+  acc.x += w * x.x;
+  acc.y += w * x.y;
+  acc.z += w * x.z;
+  acc.w += w * x.w;
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(const DecodeAttentionArgs a) {
+  constexpr int KP = D / 32;  // pairs of k-steps over D in QK: one 16-byte chunk per lane each
+  constexpr int VC = D / 64;  // 16-byte chunks of a V row per lane
+  constexpr int MT = D / 16;  // m-tiles of O^T
+  constexpr int NW = kDecodeWarps;
+  constexpr int G = kDecodeMaxGroup;
+  constexpr int D4 = D / 4;
+
+  __shared__ __align__(16) float sm_o[NW][G][D];
+  __shared__ float sm_m[NW][G];
+  __shared__ float sm_l[NW][G];
+  __shared__ float2 sm_ml[kDecodeMaxSplits][G];
+  __shared__ float sm_w[kDecodeMaxSplits][G];
+  __shared__ int sm_last;
+
+  const int split = blockIdx.x;
+  const int kvh = blockIdx.y;
+  const int b = blockIdx.z;
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int g = lane >> 2;  // mma row group: query head (QK), d-row (PV), key row (K loads)
+  const int t = lane & 3;   // mma thread in group: key pair (QK), head pair (PV)
+  const int group = a.group;
+  const int splits = a.splits;
+
+  // The length is read here, not on the host: the grid depends only on the cache capacity.
+  const int len = min(max(__ldg(a.lens + b), 0), a.seq_cap);
+  const int per_split = ((len + splits - 1) / splits + kDecodeTileN - 1) / kDecodeTileN * kDecodeTileN;
+  const int start = split * per_split;
+  const int end = min(start + per_split, len);
+
+  const T* q = static_cast<const T*>(a.q);
+  const T* kbase = static_cast<const T*>(a.k_cache) + b * a.k_sb + kvh * a.k_sh;
+  const T* vbase = static_cast<const T*>(a.v_cache) + b * a.v_sb + kvh * a.v_sh;
+  T* out = static_cast<T*>(a.out);
+  const int64_t head0 = static_cast<int64_t>(kvh) * group;
+
+  if (start < end || splits == 1) {
+    // Q fragment of head g: in k-step 2p the lane's logical k {2t, 2t+1, 2t+8, 2t+9} are the
+    // physical dims 8c + {0, 1, 2, 3} of chunk c = 4p + t, in k-step 2p+1 dims 8c + {4..7}.
+    uint4 qf[KP];
+    {
+      const T* qrow = q + b * a.q_sb + (head0 + g) * a.q_sh;
+#pragma unroll
+      for (int p = 0; p < KP; ++p) qf[p] = ld16(qrow + (4 * p + t) * 8, g < group);
+    }
+    float o[MT][4];
+#pragma unroll
+    for (int j = 0; j < MT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    float m_run = -INFINITY;  // running max of head g's scores (log2 units), uniform over t
+    float l_run = 0.f;        // this lane's share of head g's running sum
+
+    for (int r0 = start + warp * kDecodeTileN; r0 < end; r0 += NW * kDecodeTileN) {
+      // K: key rows r0 + g and r0 + 8 + g (the two n-tiles), the same chunks as the Q fragment.
+      uint4 kf[2][KP];
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        const int row = r0 + 8 * n + g;
+        const T* kr = kbase + row * a.k_ss;
+#pragma unroll
+        for (int p = 0; p < KP; ++p) kf[n][p] = ld16(kr + (4 * p + t) * 8, row < end);
+      }
+      // V: key rows r0 + {2t, 2t+1, 2t+8, 2t+9} (PV's k), chunks g + 8i: d-row g of m-tile j is
+      // dim 64 (j / 4) + 8 g + 2 (j % 4), d-row g + 8 the next dim.
+      uint4 vf[4][VC];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int row = r0 + 2 * t + (r & 1) + 8 * (r >> 1);
+        const T* vr = vbase + row * a.v_ss;
+#pragma unroll
+        for (int i = 0; i < VC; ++i) vf[r][i] = ld16(vr + (g + 8 * i) * 8, row < end);
+      }
+
+      // S: c0, c1 = head g x keys 8n + 2t, 8n + 2t + 1 (c2, c3: the unused heads 8..15).
+      float s[2][4];
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+        for (int p = 0; p < KP; ++p) {
+          const uint32_t lo[4] = {qf[p].x, 0u, qf[p].y, 0u};
+          Mma<T>::run(s[n], lo, kf[n][p].x, kf[n][p].y);
+          const uint32_t hi[4] = {qf[p].z, 0u, qf[p].w, 0u};
+          Mma<T>::run(s[n], hi, kf[n][p].z, kf[n][p].w);
+        }
+      }
+
+      // Online softmax in fp32, per head g; the four lanes t of a head cover the 16 keys.
+      float pr[2][2];
+      float mx = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int row = r0 + 8 * n + 2 * t + j;
+          pr[n][j] = row < end ? s[n][j] * a.scale_log2 : -INFINITY;
+          mx = fmaxf(mx, pr[n][j]);
+        }
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run, mx);  // finite: key r0 < end is in every tile
+      const float alpha = exp2f(m_run - m_new);
+      float psum = 0.f;
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          pr[n][j] = exp2f(pr[n][j] - m_new);
+          psum += pr[n][j];
+        }
+      }
+      l_run = l_run * alpha + psum;
+      m_run = m_new;
+
+      // O^T's columns are heads 2t, 2t+1: their rescale factors live in lanes 8t and 8t + 4.
+      const float al0 = __shfl_sync(0xffffffffu, alpha, 8 * t);
+      const float al1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
+      // P^T fragment (k = keys 2t, 2t+1 | 2t+8, 2t+9; n = head g): the S accumulators as they are.
+      const uint32_t pb0 = pack2<T>(pr[0][0], pr[0][1]);
+      const uint32_t pb1 = pack2<T>(pr[1][0], pr[1][1]);
+#pragma unroll
+      for (int j = 0; j < MT; ++j) {
+        o[j][0] *= al0;
+        o[j][1] *= al1;
+        o[j][2] *= al0;
+        o[j][3] *= al1;
+        const int i = j / 4;
+        const int w = j % 4;
+        const uint32_t x0 = word(vf[0][i], w), x1 = word(vf[1][i], w);
+        const uint32_t x2 = word(vf[2][i], w), x3 = word(vf[3][i], w);
+        // Low halves: d-row g (dim d), high halves: d-row g + 8 (dim d + 1); keys pair up.
+        const uint32_t av[4] = {__byte_perm(x0, x1, 0x5410), __byte_perm(x0, x1, 0x7632),
+                                __byte_perm(x2, x3, 0x5410), __byte_perm(x2, x3, 0x7632)};
+        Mma<T>::run(o[j], av, pb0, pb1);
+      }
+    }
+
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+    if (t == 0) {
+      sm_m[warp][g] = m_run;  // -inf for a warp that had no tile: its sm_o is never read
+      sm_l[warp][g] = l_run;
+    }
+    if (start + warp * kDecodeTileN < end) {
+      const int h0 = 2 * t;
+      const int h1 = 2 * t + 1;
+#pragma unroll
+      for (int j = 0; j < MT; ++j) {
+        const int d = 64 * (j / 4) + 8 * g + 2 * (j % 4);
+        if (h0 < group) *reinterpret_cast<float2*>(&sm_o[warp][h0][d]) = make_float2(o[j][0], o[j][2]);
+        if (h1 < group) *reinterpret_cast<float2*>(&sm_o[warp][h1][d]) = make_float2(o[j][1], o[j][3]);
+      }
+    }
+    __syncthreads();
+
+    // Merge the warps: one (m, l, acc) per head for this block.
+    const int64_t part = ((static_cast<int64_t>(b) * a.hkv + kvh) * splits + split) * group;
+    for (int idx = tid; idx < group * D4; idx += NW * 32) {
+      const int h = idx / D4;
+      const int d = (idx % D4) * 4;
+      float mmax = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) mmax = fmaxf(mmax, sm_m[w][h]);
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      float l = 0.f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        const float mw = sm_m[w][h];
+        if (mw > -INFINITY) {
+          const float wt = exp2f(mw - mmax);
+          fma4(acc, wt, *reinterpret_cast<const float4*>(&sm_o[w][h][d]));
+          l += wt * sm_l[w][h];
+        }
+      }
+      if (splits == 1) {
+        const float inv = l > 0.f ? 1.f / l : 0.f;  // len 0: zeros
+        acc.x *= inv;
+        acc.y *= inv;
+        acc.z *= inv;
+        acc.w *= inv;
+        store4<T>(out + b * a.o_sb + (head0 + h) * a.o_sh + d, acc);
+      } else {
+        *reinterpret_cast<float4*>(a.part_acc + (part + h) * D + d) = acc;
+        if (d == 0) *reinterpret_cast<float2*>(a.part_ml + (part + h) * 2) = make_float2(mmax, l);
+      }
+    }
+  }
+  if (splits == 1) return;
+
+  // Every block arrives, empty ones too; the last sees all partials (fence before the count,
+  // reads through L2 after it).
+  __threadfence();
+  __syncthreads();
+  const int ci = b * a.hkv + kvh;
+  if (tid == 0) sm_last = atomicAdd(a.counters + ci, 1) == splits - 1;
+  __syncthreads();
+  if (!sm_last) return;
+  __threadfence();
+
+  // Splits past the length wrote nothing: the same arithmetic says which ones did.
+  const int active = per_split > 0 ? (len + per_split - 1) / per_split : 0;
+  const int64_t base = (static_cast<int64_t>(b) * a.hkv + kvh) * splits * group;
+  for (int idx = tid; idx < active * group; idx += NW * 32) {
+    sm_ml[idx / group][idx % group] = __ldcg(reinterpret_cast<const float2*>(a.part_ml) + base + idx);
+  }
+  __syncthreads();
+  if (tid < group) {
+    float mmax = -INFINITY;
+    for (int s = 0; s < active; ++s) mmax = fmaxf(mmax, sm_ml[s][tid].x);
+    float l = 0.f;
+    for (int s = 0; s < active; ++s) l += exp2f(sm_ml[s][tid].x - mmax) * sm_ml[s][tid].y;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int s = 0; s < active; ++s) sm_w[s][tid] = exp2f(sm_ml[s][tid].x - mmax) * inv;
+  }
+  __syncthreads();
+  for (int idx = tid; idx < group * D4; idx += NW * 32) {
+    const int h = idx / D4;
+    const int d = (idx % D4) * 4;
+    const float* src = a.part_acc + (base + h) * D + d;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int s = 0; s < active; ++s) {
+      fma4(acc, sm_w[s][h], __ldcg(reinterpret_cast<const float4*>(src + static_cast<int64_t>(s) * group * D)));
+    }
+    store4<T>(out + b * a.o_sb + (head0 + h) * a.o_sh + d, acc);
+  }
+  // Re-arm for the next launch (or graph replay): the kernel boundary orders it before that.
+  if (tid == 0) atomicExch(a.counters + ci, 0);
+}
+
+template <typename T, int D>
+void launch_typed(const DecodeAttentionArgs& a, cudaStream_t stream) {
+  const dim3 grid(a.splits, a.hkv, a.batch);
+  decode_attention_kernel<T, D><<<grid, kDecodeWarps * 32, 0, stream>>>(a);
+}
+
+template <typename T>
+void launch_dim(const DecodeAttentionArgs& a, cudaStream_t stream) {
+  switch (a.head_dim) {
+    case 64: launch_typed<T, 64>(a, stream); break;
+    case 128: launch_typed<T, 128>(a, stream); break;
+    case 256: launch_typed<T, 256>(a, stream); break;
+    default: break;  // the host entry admits only these
+  }
+}
+
+}  // namespace
+
+void launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream) {
+  if (args.batch == 0) return;
+  if (args.dtype == HalfType::kHalf) {
+    launch_dim<__half>(args, stream);
+  } else {
+    launch_dim<__nv_bfloat16>(args, stream);
+  }
+}
+
+}  // namespace fastawq

@@ -1,0 +1,52 @@
+// Launcher that decode_attention.cu exports to the host .cpp: plain pointers and a stream only,
+// so the CUDA source includes no torch headers.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "common/launch.h"
+
+namespace fastawq {
+
+// Keys per warp step: two mma n-tiles of 8 keys (QK), one k-step of 16 keys (PV).
+constexpr int kDecodeTileN = 16;
+constexpr int kDecodeWarps = 4;
+// Query heads per KV head that one warp's m16n8k16 fragments hold (the PV mma's N).
+constexpr int kDecodeMaxGroup = 8;
+// Sequence splits per (row, KV head): bounds the partials the last block reads back.
+constexpr int kDecodeMaxSplits = 32;
+
+struct DecodeAttentionArgs {
+  HalfType dtype;
+  const void* q;        // [B, HQ, D]
+  const void* k_cache;  // [B', S, HKV, D]
+  const void* v_cache;  // [B', S, HKV, D]
+  const int* lens;      // [B] int32, read on the device
+  void* out;            // [B, HQ, D]
+  float* part_acc;      // [B, HKV, splits, group, D] fp32 when splits > 1
+  float* part_ml;       // [B, HKV, splits, group, 2] fp32 (running max in log2 units, sum)
+  int* counters;        // [B * HKV] zeroed; the kernel re-arms them
+  int64_t q_sb, q_sh;
+  int64_t k_sb, k_ss, k_sh;
+  int64_t v_sb, v_ss, v_sh;
+  int64_t o_sb, o_sh;
+  int batch, seq_cap, hkv, group, head_dim, splits;
+  float scale_log2;     // softmax scale * log2(e)
+};
+
+// Splits for a batch of `rows_heads` (B * HKV) pairs over a cache of `seq_cap` positions: about two
+// blocks per SM, never more than one 16-key tile per split. Depends on no length, so a captured
+// CUDA graph stays valid whatever lens holds at replay.
+inline int decode_attention_splits(int rows_heads, int seq_cap, int sms) {
+  int want = (2 * sms + rows_heads - 1) / rows_heads;
+  int tiles = (seq_cap + kDecodeTileN - 1) / kDecodeTileN;
+  int s = want < tiles ? want : tiles;
+  s = s < kDecodeMaxSplits ? s : kDecodeMaxSplits;
+  return s < 1 ? 1 : s;
+}
+
+void launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream);
+
+}  // namespace fastawq
