@@ -27,7 +27,7 @@ def make_weights(k: int, n: int, g: int, copies: int, dtype=torch.float16):
     return qw, s, qz
 
 
-def bench_shape(k: int, n: int, ms: list[int], g: int, sweep: bool) -> list[dict]:
+def bench_shape(k: int, n: int, ms: list[int], g: int, sweep: bool, keep: set[str] | None = None) -> list[dict]:
     copies = max(2, min(16, math.ceil(240e6 / (k * n // 2))))  # > 4x L2 of weight bytes per graph
     qw, s, qz = make_weights(k, n, g, copies)
     wf = torch.randn(copies, k, n, device="cuda", dtype=torch.float16)
@@ -49,7 +49,13 @@ def bench_shape(k: int, n: int, ms: list[int], g: int, sweep: bool) -> list[dict
             "tiled": lambda i: torch.ops.fastawq.awq_gemm_tiled(x, qt[i], s[i], qz[i], g, None, 0),
             "deq+cublas": lambda i: torch.ops.fastawq.awq_gemm_config(x, qw[i], s[i], qz[i], g, None, 2, 0),
         }
-        if sweep and m <= 64:
+        if m <= 8:
+            variants["gemv"] = lambda i: torch.ops.fastawq.awq_gemm_config(x, qw[i], s[i], qz[i], g, None, 6, 0)
+            if sweep:
+                for sk in (1, 2, 4, 8, 16, 32):
+                    variants[f"gemv_sk{sk}"] = (lambda i, sk=sk: torch.ops.fastawq.awq_gemm_config(
+                        x, qw[i], s[i], qz[i], g, None, 6, sk))
+        if sweep and 8 < m <= 64:
             for sk in (4, 8, 16, 32):
                 variants[f"mma4k4_sk{sk}"] = (lambda i, sk=sk: torch.ops.fastawq.awq_gemm_config(
                     x, qw[i], s[i], qz[i], g, None, 5, sk))
@@ -59,6 +65,8 @@ def bench_shape(k: int, n: int, ms: list[int], g: int, sweep: bool) -> list[dict
                     variants[f"mma{wn}_sk{sk}"] = (lambda i, sk=sk, path=path: torch.ops.fastawq.awq_gemm_config(
                         x, qw[i], s[i], qz[i], g, None, path, sk))
         nbytes = w4_bytes(m, k, n, g)
+        if keep:
+            variants = {name: fn for name, fn in variants.items() if name in keep or name.split("_sk")[0] in keep}
         for name, fn in variants.items():
             t = time_graph(fn, reps)
             rows.append(dict(k=k, n=n, m=m, g=g, variant=name, us=t, cublas_us=t_cublas, speedup=t_cublas / t,
@@ -77,6 +85,7 @@ def main() -> None:
     ap.add_argument("--ms", default="1,16,64,256,1024,4096")
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--sweep", action="store_true", help="also time forced split-K values for M <= 64")
+    ap.add_argument("--variants", default=None, help="comma-separated variant names to keep (default: all)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
@@ -85,7 +94,7 @@ def main() -> None:
     torch.manual_seed(0)
     rows = []
     for k, n in SHAPES:
-        rows += bench_shape(k, n, ms, args.group, args.sweep)
+        rows += bench_shape(k, n, ms, args.group, args.sweep, set(args.variants.split(",")) if args.variants else None)
         torch.cuda.empty_cache()
     print(f"{'K':>6} {'N':>6} {'M':>5} {'variant':>11} {'us':>9} {'cuBLAS':>9} {'x':>6} {'GB/s':>7} "
           f"{'floor us':>8} {'TFLOP/s':>7} {'relerr':>8}")

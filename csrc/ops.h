@@ -17,7 +17,8 @@ at::Tensor awq_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Te
                     const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias);
 
 // Same as awq_gemm with the path forced, for benchmarks and tests:
-// path 0 = auto, 1 = tensor-core kernel, 2 = dequantize + cuBLAS; split_k 0 = auto.
+// path 0 = auto, 1 = tensor-core kernel, 2 = dequantize + cuBLAS, 3/4/5 = tensor-core variants,
+// 6 = CUDA-core GEMV (M <= 8); split_k 0 = auto (for path 6: the number of K splits).
 at::Tensor awq_gemm_config(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                            const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias,
                            int64_t path, int64_t split_k);

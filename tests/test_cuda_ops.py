@@ -91,6 +91,65 @@ def test_gemm_forced_split_k(split_k, group, dtype):
         assert_close_to_reference(out, x, qw, s, qz, group, bias)
 
 
+GEMV_MS = [1, 2, 3, 4, 5, 8]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", GEMV_MS)
+@pytest.mark.parametrize("group", [32, 64, 96, 128, -1])
+@pytest.mark.parametrize("shape", [(96, 32), (192, 160), (576, 544), (1152, 96), (2048, 1056)])
+def test_gemv(shape, group, m, dtype):
+    """The CUDA-core decode kernel (path 6): columns straddling its 64/128/256-column tiles, K of a
+    few 32-row batches, groups that do not divide its 32..128-row chunks, auto and forced splits."""
+    k, n = shape
+    g = reference.resolve_group_size(group, k)
+    if k % g:
+        pytest.skip(f"K={k} not divisible by group {g}")
+    qw, s, qz = random_awq(k, n, group, "cuda", dtype, seed=m * 7 + k + n)
+    x = random_input((m, k), "cuda", dtype, seed=m + 3)
+    bias = random_input((n,), "cuda", dtype, seed=5) if m % 2 else None
+    for split_k in (0, 1, 3, 1000):
+        assert_close_to_reference(_gemm(x, qw, s, qz, g, bias, path=6, split_k=split_k), x, qw, s, qz, g, bias)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+@pytest.mark.parametrize("shape", LLAMA3_8B_SHAPES)
+def test_gemv_llama_shapes(shape, m, dtype):
+    k, n = shape
+    qw, s, qz = random_awq(k, n, 128, "cuda", dtype, seed=k + n + m)
+    x = random_input((m, k), "cuda", dtype, seed=m)
+    assert_close_to_reference(_gemm(x, qw, s, qz, 128, path=6), x, qw, s, qz, 128)
+
+
+def test_gemv_graph_replay_split_k():
+    """Split-K GEMV re-zeroes its workspace and counters: replays and a second layer sharing them
+    stay correct."""
+    k, n, g = 4096, 1024, 128
+    a = random_awq(k, n, g, "cuda", torch.float16, seed=1)
+    b = random_awq(k, 2 * n, g, "cuda", torch.float16, seed=2)
+    x = random_input((1, k), "cuda", torch.float16)
+    torch.ops.fastawq.awq_gemm_config(x, *a, g, None, 6, 16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_a = torch.ops.fastawq.awq_gemm_config(x, *a, g, None, 6, 16)
+        out_b = torch.ops.fastawq.awq_gemm_config(x, *b, g, None, 6, 7)
+    for seed in (5, 6, 7):
+        x.copy_(random_input((1, k), "cuda", torch.float16, seed=seed))
+        graph.replay()
+        assert_close_to_reference(out_a, x, *a, g)
+        assert_close_to_reference(out_b, x, *b, g)
+
+
+def test_gemv_rejects_unsupported_shape():
+    k, n, g = 256, 200, 64  # N/8 = 25 is not a multiple of the 4 words a lane reads at M=1
+    qw, s, qz = random_awq(k, n, g, "cuda", torch.float16)
+    x = random_input((1, k), "cuda", torch.float16)
+    with pytest.raises(RuntimeError, match=r"GEMV kernel needs .*n=200"):
+        torch.ops.fastawq.awq_gemm_config(x, qw, s, qz, g, None, 6, 0)
+    assert_close_to_reference(torch.ops.fastawq.awq_gemm(x, qw, s, qz, g, None), x, qw, s, qz, g)
+
+
 def test_gemm_cuda_graph_replay():
     k, n, g = 4096, 4096, 128
     qw, s, qz = random_awq(k, n, g, "cuda", torch.float16)

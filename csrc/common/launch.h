@@ -40,4 +40,30 @@ struct MmaArgs {
 
 void launch_awq_gemm_mma(const MmaArgs& args, cudaStream_t stream);
 
+// CUDA-core kernel for decode (csrc/gemv/awq_gemv.cu): 1 <= M <= kGemvMaxM.
+constexpr int kGemvMaxM = 8;
+constexpr int kGemvThreads = 128;
+// Packed words per lane: fewer columns per lane as M grows keeps the accumulators in registers.
+constexpr int gemv_words_per_lane(int m) { return m <= 2 ? 4 : (m <= 4 ? 2 : 1); }
+// Columns of one block (8 lanes side by side).
+constexpr int gemv_tile_cols(int m) { return 64 * gemv_words_per_lane(m); }
+
+struct GemvArgs {
+  HalfType dtype;
+  const void* x;            // [M, K]
+  const uint32_t* qweight;  // [K, N/8], rows 16-byte aligned
+  const void* scales;       // [K/G, N]
+  const uint32_t* qzeros;   // [K/G, N/8]
+  const void* bias;         // [N] or nullptr
+  void* out;                // [M, N]
+  float* workspace;         // [M, N] fp32, zeroed (the kernel leaves it zeroed), when splits > 1
+  int* counters;            // zeroed, one per column tile, when splits > 1
+  int m, n, k, group_size;
+  int col_tiles, splits;    // grid
+  int chunk_rows;           // rows of K per warp item: 32, 64 or 128
+  int chunks_per_block;
+};
+
+void launch_awq_gemv(const GemvArgs& args, cudaStream_t stream);
+
 }  // namespace fastawq

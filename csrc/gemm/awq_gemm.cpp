@@ -2,6 +2,7 @@
 // benchmarks/CUDA_NOTES.md): the tensor-core kernel while weight bytes dominate, dequantize +
 // cuBLAS once the product is compute-bound.
 #include <algorithm>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -34,15 +35,72 @@ bool mma_fits(int64_t k, int64_t n, int64_t g) {
 #endif
 }
 
-// One zeroed counter buffer per device, grown on demand; the kernel leaves it zeroed again.
+// One zeroed counter buffer per device, grown on demand; the kernels leave it zeroed again.
+// Outgrown buffers are kept alive: a captured CUDA graph still points at the one it saw.
 // Concurrent split-K launches on different streams of one device must not share it: see notes.
 int* tile_counters(const at::Device& device, int64_t needed) {
-  static at::Tensor buffers[64];
-  at::Tensor& buf = buffers[device.index()];
-  if (!buf.defined() || buf.numel() < needed) {
-    buf = at::zeros({std::max<int64_t>(needed, 4096)}, at::TensorOptions().dtype(at::kInt).device(device));
+  static std::vector<at::Tensor> buffers[64];
+  auto& bufs = buffers[device.index()];
+  if (bufs.empty() || bufs.back().numel() < needed) {
+    bufs.push_back(at::zeros({std::max<int64_t>(needed, 4096)}, at::TensorOptions().dtype(at::kInt).device(device)));
   }
-  return buf.data_ptr<int>();
+  return bufs.back().data_ptr<int>();
+}
+
+// A zeroed fp32 buffer per device for the GEMV's split-K sums; the kernel re-zeroes what it uses.
+float* zeroed_workspace(const at::Device& device, int64_t needed) {
+  static std::vector<at::Tensor> buffers[64];
+  auto& bufs = buffers[device.index()];
+  if (bufs.empty() || bufs.back().numel() < needed) {
+    bufs.push_back(at::zeros({std::max<int64_t>(needed, 1 << 16)}, at::TensorOptions().dtype(at::kFloat).device(device)));
+  }
+  return bufs.back().data_ptr<float>();
+}
+
+bool gemv_fits(int64_t m, int64_t k, int64_t n, int64_t g) {
+  return m >= 1 && m <= kGemvMaxM && k % 32 == 0 && g % 32 == 0 && (n / 8) % gemv_words_per_lane(static_cast<int>(m)) == 0 &&
+         k <= (int64_t{1} << 30) && n <= (int64_t{1} << 30);
+}
+
+// Grid of the GEMV: enough warp items (chunk_rows rows x one column tile) for ~16 warps per SM,
+// 4 warps per block, and K split over blocks until the grid is about one wave.
+void run_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& qzeros,
+              int64_t g, const at::Tensor* bias, at::Tensor& out, int64_t split_k) {
+  const int m = static_cast<int>(x.size(0)), k = static_cast<int>(x.size(1)), n = static_cast<int>(out.size(1));
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int tile_cols = gemv_tile_cols(m);
+  const int col_tiles = (n + tile_cols - 1) / tile_cols;
+  const int64_t want_warps = int64_t(sms) * 16;
+  int chunk_rows = 128;
+  while (chunk_rows > 32 && int64_t(col_tiles) * ((k + chunk_rows - 1) / chunk_rows) < want_warps) chunk_rows /= 2;
+  const int total = (k + chunk_rows - 1) / chunk_rows;
+  int cpb;
+  if (split_k > 0) {
+    cpb = static_cast<int>((total + split_k - 1) / split_k);
+  } else {
+    const int64_t items = int64_t(col_tiles) * total;
+    cpb = static_cast<int>((items + sms * 4 - 1) / (sms * 4));
+    cpb = std::max(4, (cpb + 3) / 4 * 4);
+  }
+  cpb = std::max(1, std::min(cpb, total));
+  const int splits = (total + cpb - 1) / cpb;
+
+  GemvArgs a{};
+  a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
+  a.x = x.data_ptr();
+  a.qweight = reinterpret_cast<const uint32_t*>(qweight.data_ptr<int>());
+  a.scales = scales.data_ptr();
+  a.qzeros = reinterpret_cast<const uint32_t*>(qzeros.data_ptr<int>());
+  a.bias = bias != nullptr ? bias->data_ptr() : nullptr;
+  a.out = out.data_ptr();
+  if (splits > 1) {
+    a.workspace = zeroed_workspace(x.device(), int64_t(m) * n);
+    a.counters = tile_counters(x.device(), col_tiles);
+  }
+  a.m = m, a.n = n, a.k = k, a.group_size = static_cast<int>(g);
+  a.col_tiles = col_tiles, a.splits = splits, a.chunk_rows = chunk_rows, a.chunks_per_block = cpb;
+  launch_awq_gemv(a, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void run_mma(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& qzeros,
@@ -120,14 +178,23 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& qweight, const at::T
                 "awq_gemm: bias must be a contiguous [N=", n, "] ", x.scalar_type(), " tensor on ", x.device(),
                 ", got ", shape_str(*b), " ", b->scalar_type(), " on ", b->device());
   }
-  FASTAWQ_CHECK(path >= 0 && path <= 5, "awq_gemm_config: path must be 0 (auto), 1 (tensor-core kernel), ",
-                "2 (dequantize + cuBLAS), 3 (tensor-core kernel, 4 warps), 4 (tensor-core kernel, 8 warps) or ",
-                "5 (tensor-core kernel, 4 warps, 128-row stages)");
+  FASTAWQ_CHECK(path >= 0 && path <= 6, "awq_gemm_config: path must be 0 (auto), 1 (tensor-core kernel), ",
+                "2 (dequantize + cuBLAS), 3 (tensor-core kernel, 4 warps), 4 (tensor-core kernel, 8 warps), ",
+                "5 (tensor-core kernel, 4 warps, 128-row stages) or 6 (CUDA-core GEMV, M <= 8)");
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
   if (k == 0) return b != nullptr ? out.copy_(b->expand({m, n})) : out.zero_();
 
+  const bool gemv_ok = !tiled && gemv_fits(m, k, n, g) && aligned;
+  if (path == 0 && gemv_ok) path = 6;
+  if (path == 6) {
+    FASTAWQ_CHECK(gemv_ok, "awq_gemm: the GEMV kernel needs 1 <= M <= ", kGemvMaxM, ", K % 32, group_size % 32 == 0, ",
+                  "N/8 a multiple of ", gemv_words_per_lane(static_cast<int>(std::min<int64_t>(std::max<int64_t>(m, 1), kGemvMaxM))),
+                  " and 16-byte aligned operands (problem m=", m, ", n=", n, ", k=", k, ", group_size=", g, ")");
+    run_gemv(x, qweight, scales, qzeros, g, b, out, split_k);
+    return out;
+  }
   const bool fits = mma_fits(k, n, g) && aligned;
   if (path == 0) path = (fits && m <= kMmaMaxM) ? 1 : 2;
   FASTAWQ_CHECK(path == 2 || fits, "awq_gemm: the tensor-core kernel needs sm_80+, N % 32, K % 32, group_size % 32 "

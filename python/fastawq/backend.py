@@ -21,11 +21,27 @@ _TRITON_MODULE = "fastawq.triton_kernels"
 _CPU_MODULE = "fastawq.cpu"
 
 
-# Per-op order on CUDA devices where measurement overrules "compiled first". awq_gemm: on the
-# H200 the Triton kernels beat the compiled ones at every M measured (benchmarks/RESULTS.md,
-# 2026-11-30: geomean vs cuBLAS at M=1/16/64/1024/4096 Triton 1.01/0.93/0.73/0.78/0.92, compiled
-# 0.91/0.67/0.40/0.74/0.83), so the compiled GEMM serves only when Triton is absent or forced.
-_CUDA_PREFERENCE = {"awq_gemm": ("triton", "cuda", "torch")}
+# Per-op order on CUDA devices where measurement overrules "compiled first", by problem size:
+# a list of (largest M, order), the first entry whose bound is >= M applies (None: any M).
+# awq_gemm (benchmarks/RESULTS.md, H200, 2026-11-30): above M=8 the Triton kernels beat the
+# compiled ones at every M measured (geomean vs cuBLAS at M=16/64/1024/4096: Triton
+# 0.93/0.73/0.78/0.92, compiled 0.67/0.40/0.74/0.83); at M <= 8 see CUDA_GEMV_MAX_M.
+CUDA_GEMV_MAX_M = 8
+_CUDA_PREFERENCE: dict[str, list[tuple[int | None, tuple[str, ...]]]] = {
+    "awq_gemm": [(CUDA_GEMV_MAX_M, ("cuda", "triton", "torch")), (None, ("triton", "cuda", "torch"))],
+}
+
+
+def size_buckets(op: str) -> list[int | None]:
+    """The M bounds at which `op`'s automatic choice on CUDA may change (None: unbounded)."""
+    return [bound for bound, _ in _CUDA_PREFERENCE.get(op, [(None, ())])]
+
+
+def _cuda_order(op: str, m: int | None) -> tuple[str, ...]:
+    for bound, order in _CUDA_PREFERENCE.get(op, []):
+        if bound is None or (m is not None and m <= bound):
+            return order
+    return ("cuda", "triton", "torch")
 
 
 class BackendUnavailableError(RuntimeError):
@@ -89,8 +105,10 @@ def _always(_backend: str) -> None:
     return None
 
 
-def select_backend(op: str, device: torch.device, *, backend: str | None = None, shapes_ok=_always) -> str:
-    """Pick the backend for one call of `op` on `device`.
+def select_backend(
+    op: str, device: torch.device, *, backend: str | None = None, shapes_ok=_always, m: int | None = None
+) -> str:
+    """Pick the backend for one call of `op` on `device` (with `m` rows, where the order depends on it).
 
     `shapes_ok(backend)` returns None when that backend's kernels take the call's shapes and
     dtypes, else the reason; it lets a backend decline without knowing about the others.
@@ -102,7 +120,7 @@ def select_backend(op: str, device: torch.device, *, backend: str | None = None,
             raise BackendUnavailableError(f"backend {forced!r} cannot run {op}: {reason}")
         return forced
     if device.type == "cuda":
-        candidates = _CUDA_PREFERENCE.get(op, ("cuda", "triton", "torch"))
+        candidates = _cuda_order(op, m)
     else:
         # The Triton interpreter is a test vehicle, never an automatic choice on CPU.
         candidates = ("cpu", "torch")
@@ -117,7 +135,8 @@ def report(device: torch.device, ops: tuple[str, ...]) -> dict[str, str]:
     out = {}
     for op in ops:
         try:
-            out[op] = select_backend(op, device)
+            chosen = {select_backend(op, device, m=b) for b in size_buckets(op)}
+            out[op] = "/".join(sorted(chosen)) if len(chosen) > 1 else chosen.pop()
         except BackendUnavailableError as e:
             out[op] = f"error: {e}"
     return out

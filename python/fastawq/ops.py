@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from fastawq import _ext, reference
+from fastawq import backend as backend_mod
 from fastawq.backend import _module, select_backend
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -39,11 +40,13 @@ def _module_fits(mod, fn: str, *args) -> str | None:
 
 
 # x [M, K] · qweight [K, N // 8] int32 · scales [K // G, N] · qzeros [K // G, N // 8]
-def _gemm_fits(backend: str, x2: torch.Tensor, qweight: torch.Tensor, n: int, k: int, g: int) -> str | None:
+def _gemm_fits(
+    backend: str, x2: torch.Tensor, qweight: torch.Tensor, n: int, k: int, g: int, rows: int | None = None
+) -> str | None:
     if backend in ("cuda", "triton") and x2.dtype not in _HALF:
         return f"x is {x2.dtype}; the {backend} kernels take fp16 or bf16 activations"
     if backend == "cuda":
-        return _cuda_gemm_fits(x2, n, k, g)
+        return _cuda_gemm_fits(x2, n, k, g, rows)
     if backend == "triton":
         return _module_fits(_triton(), "awq_gemm_fits", x2, qweight, g)
     if backend == "cpu":
@@ -51,13 +54,17 @@ def _gemm_fits(backend: str, x2: torch.Tensor, qweight: torch.Tensor, n: int, k:
     return None
 
 
-def _cuda_gemm_fits(x2: torch.Tensor, n: int, k: int, g: int) -> str | None:
+def _cuda_gemm_fits(x2: torch.Tensor, n: int, k: int, g: int, rows: int | None) -> str | None:
     # The compiled op takes every shape check_awq_shapes accepts: inside C++ it runs the
     # tensor-core kernel when N % 32, K % 32 and G % 32 are 0 and the operands are 16-byte
     # aligned, and dequantize + cuBLAS otherwise (csrc/gemm/awq_gemm.cpp). Only an empty
     # problem is left to the reference.
     if x2.shape[0] == 0 or n == 0 or k == 0:
         return f"empty problem (M={x2.shape[0]}, N={n}, K={k})"
+    # The small-M bucket is served by the compiled op for its GEMV kernel (csrc/gemv/); shapes
+    # the GEMV declines would go to dequantize + cuBLAS there, so decline them (Triton serves).
+    if rows is not None and rows <= backend_mod.CUDA_GEMV_MAX_M and (k % 32 or g % 32 or n % 32):
+        return f"the compiled GEMV needs K, N and group_size multiples of 32 (K={k}, N={n}, group_size={g})"
     return None
 
 
@@ -90,7 +97,8 @@ def awq_gemm_plan(
 
     The returned function computes awq_gemm for any such activations with a reshape and one
     backend call: a quantized layer caches it, so decoding pays neither validation nor dispatch
-    per call. Its `.backend` attribute names the backend chosen.
+    per call. Its `.backend` attribute names the backend chosen ("cuda/triton": by M, see
+    backend.size_buckets).
     """
     k, n, g = reference.check_awq_shapes(qweight, scales, qzeros, group_size)
     if x.dim() < 1 or x.shape[-1] != k:
@@ -100,26 +108,30 @@ def awq_gemm_plan(
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"bias {tuple(bias.shape)} must have shape ({n},) to match qweight {tuple(qweight.shape)}")
     device = _check_same_device(x=x, qweight=qweight, scales=scales, qzeros=qzeros, bias=bias)
-    # The choice must not depend on this call's M: probe with one row.
+    # The choice depends on the call's M only through the measured size buckets (backend.py), so
+    # a plan binds one kernel per bucket and picks by M with one comparison.
     probe = x.reshape(-1, k)[:1] if x.numel() else x.new_empty((1, k))
-    be = select_backend(
-        "awq_gemm", device, backend=backend, shapes_ok=lambda b: _gemm_fits(b, probe, qweight, n, k, g)
-    )
-    if be != "torch" and bias is not None and bias.dtype != x.dtype:
-        bias = bias.to(x.dtype)
-    if be == "torch":
-        def kernel(x2):
-            return reference.awq_gemm(x2, qweight, scales, qzeros, g, bias)
-    elif be == "cuda":
-        scales_x = scales if scales.dtype == x.dtype else scales.to(x.dtype)
+    bounds = backend_mod.size_buckets("awq_gemm") if device.type == "cuda" else [None]
+    buckets = []
+    for bound in bounds:
+        be = select_backend(
+            "awq_gemm", device, backend=backend, m=bound,
+            shapes_ok=lambda b, rows=bound: _gemm_fits(b, probe, qweight, n, k, g, rows),
+        )
+        buckets.append((bound, be, _bind_gemm(be, x.dtype, qweight, scales, qzeros, g, bias)))
+    if len({be for _, be, _ in buckets}) == 1:
+        buckets = buckets[-1:]
+        buckets[0] = (None, *buckets[0][1:])
 
-        def kernel(x2):
-            return torch.ops.fastawq.awq_gemm(x2.contiguous(), qweight, scales_x, qzeros, g, bias)
+    if len(buckets) == 1:
+        kernel = buckets[0][2]
     else:
-        impl = (_triton() if be == "triton" else _cpu()).awq_gemm
-
         def kernel(x2):
-            return impl(x2, qweight, scales, qzeros, g, bias)
+            rows = x2.shape[0]
+            for bound, _, fn in buckets:
+                if bound is None or rows <= bound:
+                    return fn(x2)
+            raise AssertionError("the last bucket is unbounded")
 
     def run(x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, k)
@@ -127,8 +139,21 @@ def awq_gemm_plan(
             return x.new_empty((*x.shape[:-1], n))
         return kernel(x2).reshape(*x.shape[:-1], n)
 
+    be = "/".join(dict.fromkeys(be for _, be, _ in buckets))
     run.backend = be
     return run
+
+
+def _bind_gemm(be: str, dtype: torch.dtype, qweight, scales, qzeros, g: int, bias) -> Callable[[torch.Tensor], torch.Tensor]:
+    if be != "torch" and bias is not None and bias.dtype != dtype:
+        bias = bias.to(dtype)
+    if be == "torch":
+        return lambda x2: reference.awq_gemm(x2, qweight, scales, qzeros, g, bias)
+    if be == "cuda":
+        scales_x = scales if scales.dtype == dtype else scales.to(dtype)
+        return lambda x2: torch.ops.fastawq.awq_gemm(x2.contiguous(), qweight, scales_x, qzeros, g, bias)
+    impl = (_triton() if be == "triton" else _cpu()).awq_gemm
+    return lambda x2: impl(x2, qweight, scales, qzeros, g, bias)
 
 
 # qweight [K, N // 8] int32 · scales [K // G, N] · qzeros [K // G, N // 8] int32  ->  w [K, N] (scales' dtype)

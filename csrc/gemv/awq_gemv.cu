@@ -1,0 +1,270 @@
+// W4A16 for decode (M = 1..8) on the CUDA cores, reading the AWQ "GEMM" layout directly.
+//
+// y[m, n] = sum_k x[m, k] (q[k, n] - z[g, n]) s[g, n], fp32 accumulation.
+//
+// Dequantization in two instructions per weight, exact: a byte permute drops a nibble into the
+// mantissa of 0.5 (0x3F000000), giving f = 0.5 + q/256 as an fp32, and one FMA accumulates x * f.
+// Zero point and scale are applied once per group and column:
+//   sum_k x (q - z) = 256 * (sum_k x f - (0.5 + z/256) * sum_k x),
+// and the zero word decodes with the same permute. The cancellation costs a few of fp32's 24
+// bits, far below the fp16/bf16 output rounding.
+//
+// Work decomposition: a block is 4 warps on one column tile (8 lanes side by side, each with WPT
+// consecutive packed words = 8*WPT columns); the 4 row lanes of a warp take rows r, r+4, ...
+// A warp item is `chunk_rows` consecutive rows of K (32..128, picked by the host so that the
+// grid fills the GPU); each lane keeps 8 16-byte loads in flight per 32-row batch. Partial sums
+// of the 4 row lanes meet through shuffles, the 4 warps through shared memory, and the blocks
+// that split K through fp32 atomics into a zeroed workspace that the last block to arrive reads,
+// converts, and zeroes again (graph-safe, no extra launch).
+#include "common/dtype.cuh"
+#include "common/launch.h"
+#include "common/ptx.cuh"
+
+namespace fastawq {
+namespace {
+
+constexpr int kWarps = kGemvThreads / 32;
+constexpr int kBatchRows = 32;                // rows per batch: 8 per row lane
+constexpr int kLoads = kBatchRows / 4;        // loads in flight per lane per batch
+
+template <int WPT>
+struct Words;
+template <>
+struct Words<4> {
+  uint32_t v[4];
+  __device__ __forceinline__ void load(const uint32_t* p, uint64_t policy) {
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;\n"
+                 : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+                 : "l"(p), "l"(policy));
+  }
+};
+template <>
+struct Words<2> {
+  uint32_t v[2];
+  __device__ __forceinline__ void load(const uint32_t* p, uint64_t policy) {
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v2.u32 {%0,%1}, [%2], %3;\n"
+                 : "=r"(v[0]), "=r"(v[1])
+                 : "l"(p), "l"(policy));
+  }
+};
+template <>
+struct Words<1> {
+  uint32_t v[1];
+  __device__ __forceinline__ void load(const uint32_t* p, uint64_t policy) {
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.u32 %0, [%1], %2;\n" : "=r"(v[0]) : "l"(p), "l"(policy));
+  }
+};
+
+// f[c] = 0.5 + q_c / 256 for the 8 nibbles of an AWQ word, in real column order c = 0..7.
+// Nibble i holds column AWQ_ORDER[i] = (0, 2, 4, 6, 1, 3, 5, 7)[i]: the even nibbles (bytes of
+// w & 0x0F0F0F0F) are columns 0, 4, 1, 5 and the odd ones columns 2, 6, 3, 7.
+__device__ __forceinline__ void decode_word(uint32_t w, float (&f)[8]) {
+  const uint32_t lo = w & 0x0F0F0F0Fu;
+  const uint32_t hi = (w >> 4) & 0x0F0F0F0Fu;
+  constexpr uint32_t kHalf = 0x3F000000u;  // 0.5f; selector 0x7b44 puts byte b in bits 16..19
+  f[0] = __uint_as_float(__byte_perm(lo, kHalf, 0x7044));
+  f[4] = __uint_as_float(__byte_perm(lo, kHalf, 0x7144));
+  f[1] = __uint_as_float(__byte_perm(lo, kHalf, 0x7244));
+  f[5] = __uint_as_float(__byte_perm(lo, kHalf, 0x7344));
+  f[2] = __uint_as_float(__byte_perm(hi, kHalf, 0x7044));
+  f[6] = __uint_as_float(__byte_perm(hi, kHalf, 0x7144));
+  f[3] = __uint_as_float(__byte_perm(hi, kHalf, 0x7244));
+  f[7] = __uint_as_float(__byte_perm(hi, kHalf, 0x7344));
+}
+
+template <typename T, int M, int WPT>
+__global__ void __launch_bounds__(kGemvThreads) awq_gemv_kernel(
+    const T* __restrict__ x, const uint32_t* __restrict__ qweight, const T* __restrict__ scales,
+    const uint32_t* __restrict__ qzeros, const T* __restrict__ bias, T* __restrict__ out, float* __restrict__ ws,
+    int* __restrict__ counters, int n, int k, int group_size, int chunk_rows, int chunks_per_block) {
+  using Tr = HalfTraits<T>;
+  constexpr int kCols = WPT * 8;          // output columns per lane
+  constexpr int kTileWords = 8 * WPT;     // 8 column lanes
+  constexpr int kTileCols = kTileWords * 8;
+  __shared__ float red[kWarps][M][kTileCols];
+  __shared__ int is_last;
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int cl = lane & 7, rl = lane >> 3;
+  const int n8 = n >> 3;
+  const int tile_word0 = blockIdx.x * kTileWords;
+  const int word0 = tile_word0 + cl * WPT;
+  const bool col_ok = word0 < n8;  // the host guarantees n8 % WPT == 0: all WPT words or none
+  const uint64_t policy = evict_first_policy();
+  const int total_chunks = (k + chunk_rows - 1) / chunk_rows;
+  const int c_end = min((blockIdx.y + 1) * chunks_per_block, total_chunks);
+
+  float y[M][kCols], acc[M][kCols], xs[M];
+#pragma unroll
+  for (int mm = 0; mm < M; ++mm) {
+    xs[mm] = 0.f;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) y[mm][c] = acc[mm][c] = 0.f;
+  }
+
+  for (int chunk = blockIdx.y * chunks_per_block + warp; chunk < c_end; chunk += kWarps) {
+    const int chunk_row0 = chunk * chunk_rows;
+    const int chunk_row_end = min(chunk_row0 + chunk_rows, k);
+#pragma unroll 1
+    for (int base = chunk_row0; base < chunk_row_end; base += kBatchRows) {
+      // k % 32 == 0 (host check): a batch is all in range, and in one group (group_size % 32 == 0).
+      Words<WPT> w[kLoads];
+      float xv[M][kLoads];
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int r = base + rl + 4 * u;
+        if (col_ok) {
+          w[u].load(qweight + static_cast<int64_t>(r) * n8 + word0, policy);
+        } else {
+#pragma unroll
+          for (int j = 0; j < WPT; ++j) w[u].v[j] = 0u;
+        }
+#pragma unroll
+        for (int mm = 0; mm < M; ++mm) xv[mm][u] = Tr::to_float(x[static_cast<int64_t>(mm) * k + r]);
+      }
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+#pragma unroll
+        for (int j = 0; j < WPT; ++j) {
+          float f[8];
+          decode_word(w[u].v[j], f);
+#pragma unroll
+          for (int c = 0; c < 8; ++c) {
+#pragma unroll
+            for (int mm = 0; mm < M; ++mm) acc[mm][j * 8 + c] = fmaf(xv[mm][u], f[c], acc[mm][j * 8 + c]);
+          }
+        }
+#pragma unroll
+        for (int mm = 0; mm < M; ++mm) xs[mm] += xv[mm][u];
+      }
+      const int next = base + kBatchRows;
+      if (next % group_size == 0 || next >= chunk_row_end) {
+        // Close the (part of the) group this lane accumulated: y += s * (acc - (0.5 + z/256) * xs).
+        if (col_ok) {
+          const int grp = base / group_size;
+          Words<WPT> zw;
+#pragma unroll
+          for (int j = 0; j < WPT; ++j) zw.v[j] = __ldg(qzeros + static_cast<int64_t>(grp) * n8 + word0 + j);
+          const uint4* sp = reinterpret_cast<const uint4*>(scales + static_cast<int64_t>(grp) * n + word0 * 8);
+#pragma unroll
+          for (int j = 0; j < WPT; ++j) {
+            float fz[8];
+            decode_word(zw.v[j], fz);
+            const uint4 sv = __ldg(sp + j);
+            const T* sh = reinterpret_cast<const T*>(&sv);
+#pragma unroll
+            for (int c = 0; c < 8; ++c) {
+              const float s = Tr::to_float(sh[c]);
+#pragma unroll
+              for (int mm = 0; mm < M; ++mm) {
+                const float v = fmaf(-fz[c], xs[mm], acc[mm][j * 8 + c]);
+                y[mm][j * 8 + c] = fmaf(s, v, y[mm][j * 8 + c]);
+              }
+            }
+          }
+        }
+#pragma unroll
+        for (int mm = 0; mm < M; ++mm) {
+          xs[mm] = 0.f;
+#pragma unroll
+          for (int c = 0; c < kCols; ++c) acc[mm][c] = 0.f;
+        }
+      }
+    }
+  }
+
+  // The 4 row lanes of a column lane hold partial sums of the same columns.
+#pragma unroll
+  for (int mm = 0; mm < M; ++mm) {
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      float v = y[mm][c];
+      v += __shfl_xor_sync(0xffffffffu, v, 8);
+      v += __shfl_xor_sync(0xffffffffu, v, 16);
+      y[mm][c] = v;
+    }
+  }
+  if (rl == 0) {
+#pragma unroll
+    for (int mm = 0; mm < M; ++mm) {
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) red[warp][mm][cl * kCols + c] = y[mm][c];
+    }
+  }
+  __syncthreads();
+
+  const int col0 = tile_word0 * 8;
+  const bool split = gridDim.y > 1;
+  for (int e = threadIdx.x; e < M * kTileCols; e += kGemvThreads) {
+    const int mm = e / kTileCols, tc = e % kTileCols, col = col0 + tc;
+    if (col >= n) continue;
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) v += red[w][mm][tc];
+    if (split) {
+      atomicAdd(ws + static_cast<int64_t>(mm) * n + col, v);
+    } else {
+      const float b = bias != nullptr ? Tr::to_float(bias[col]) : 0.f;
+      out[static_cast<int64_t>(mm) * n + col] = Tr::from_float(fmaf(256.f, v, b));
+    }
+  }
+  if (!split) return;
+
+  // Split K: the last block of this column tile to arrive converts the sums and re-zeroes them.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int prev = atomicAdd(counters + blockIdx.x, 1);
+    is_last = prev == static_cast<int>(gridDim.y) - 1;
+    if (is_last) counters[blockIdx.x] = 0;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for (int e = threadIdx.x; e < M * kTileCols; e += kGemvThreads) {
+    const int mm = e / kTileCols, tc = e % kTileCols, col = col0 + tc;
+    if (col >= n) continue;
+    float* p = ws + static_cast<int64_t>(mm) * n + col;
+    const float v = __ldcg(p);
+    __stcg(p, 0.f);
+    const float b = bias != nullptr ? Tr::to_float(bias[col]) : 0.f;
+    out[static_cast<int64_t>(mm) * n + col] = Tr::from_float(fmaf(256.f, v, b));
+  }
+}
+
+template <typename T, int M>
+void launch_m(const GemvArgs& a, cudaStream_t stream) {
+  constexpr int WPT = gemv_words_per_lane(M);
+  const dim3 grid(a.col_tiles, a.splits);
+  awq_gemv_kernel<T, M, WPT><<<grid, kGemvThreads, 0, stream>>>(
+      static_cast<const T*>(a.x), a.qweight, static_cast<const T*>(a.scales), a.qzeros,
+      static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.n, a.k, a.group_size,
+      a.chunk_rows, a.chunks_per_block);
+}
+
+template <typename T>
+void launch_t(const GemvArgs& a, cudaStream_t stream) {
+  switch (a.m) {
+    case 1: return launch_m<T, 1>(a, stream);
+    case 2: return launch_m<T, 2>(a, stream);
+    case 3: return launch_m<T, 3>(a, stream);
+    case 4: return launch_m<T, 4>(a, stream);
+    case 5: return launch_m<T, 5>(a, stream);
+    case 6: return launch_m<T, 6>(a, stream);
+    case 7: return launch_m<T, 7>(a, stream);
+    case 8: return launch_m<T, 8>(a, stream);
+    default: return;  // the host entry only sends 1 <= m <= kGemvMaxM
+  }
+}
+
+}  // namespace
+
+void launch_awq_gemv(const GemvArgs& a, cudaStream_t stream) {
+  if (a.dtype == HalfType::kHalf) {
+    launch_t<__half>(a, stream);
+  } else {
+    launch_t<__nv_bfloat16>(a, stream);
+  }
+}
+
+}  // namespace fastawq
