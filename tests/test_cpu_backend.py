@@ -1,8 +1,10 @@
-"""The CPU backend (fastawq.cpu) against reference.py.
+"""The CPU backend (fastawq.cpu: kernel choice, repack cache, fallbacks) against reference.py,
+with each of its kernels forced in turn (fastawq's own, torch's packed int4).
 
-The packed int4 CPU kernel computes in bf16 whatever the activation dtype (see fastawq/cpu.py), so
-the yardstick is plain torch in bf16 against the fp32 oracle; the repack itself is checked for
-exactness separately, on inputs where every product and sum is exact in bf16.
+torch's kernel computes in bf16 whatever the activation dtype (see fastawq/cpu.py), so the
+yardstick here is plain torch in bf16 against the fp32 oracle (fastawq's kernel is held to its
+own dtype's yardstick in test_cpu_kernel.py); the repacks are checked for exactness separately,
+on inputs where every product and sum is exact in bf16.
 """
 from __future__ import annotations
 
@@ -15,9 +17,28 @@ from fastawq import backend, ops, reference
 from fastawq import cpu as cpu_backend
 from conftest import random_awq, random_input, same_dtype_error
 
-pytestmark = pytest.mark.skipif(
-    cpu_backend.kernel_available() is not None, reason=f"{cpu_backend.kernel_available()}"
-)
+KERNELS = [
+    name for name, why in ((cpu_backend.FASTAWQ, cpu_backend.fast_kernel_available()),
+                           (cpu_backend.TORCH_INT4, cpu_backend.kernel_available()))
+    if why is None
+]
+pytestmark = pytest.mark.skipif(not KERNELS, reason="neither CPU kernel is available")
+needs_int4 = pytest.mark.skipif(cpu_backend.TORCH_INT4 not in KERNELS, reason=f"{cpu_backend.kernel_available()}")
+needs_fast = pytest.mark.skipif(cpu_backend.FASTAWQ not in KERNELS, reason=f"{cpu_backend.fast_kernel_available()}")
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request, monkeypatch):
+    """Each available CPU kernel in turn, forced through FASTAWQ_CPU_KERNEL."""
+    monkeypatch.setenv("FASTAWQ_CPU_KERNEL", request.param)
+    return request.param
+
+
+@pytest.fixture
+def int4_kernel(monkeypatch):
+    if cpu_backend.TORCH_INT4 not in KERNELS:
+        pytest.skip(f"{cpu_backend.kernel_available()}")
+    monkeypatch.setenv("FASTAWQ_CPU_KERNEL", cpu_backend.TORCH_INT4)
 
 # (K, N): N straddles torch's 64-column (AVX-512) / 32-column (AVX2) blocks and their 16-column
 # tails; K is a multiple of 128 so every group size applies.
@@ -47,7 +68,7 @@ def _check(out, x, qweight, scales, qzeros, g, bias=None, factor: float = 4.0) -
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
-def test_gemm_matches_reference(shape, group_size, m, dtype, with_bias):
+def test_gemm_matches_reference(kernel, shape, group_size, m, dtype, with_bias):
     k, n = shape
     g = reference.resolve_group_size(group_size, k)
     qweight, scales, qzeros = random_awq(k, n, group_size, seed=k + n + g)
@@ -57,10 +78,11 @@ def test_gemm_matches_reference(shape, group_size, m, dtype, with_bias):
     _poison_allocator(m, n)
     out = cpu_backend.awq_gemm(x, qweight, scales, qzeros, g, bias)
     _check(out, x, qweight, scales, qzeros, g, bias)
+    assert cpu_backend.prepare(qweight, scales, qzeros, g).kernel == kernel
 
 
 @pytest.mark.parametrize("k,group_size", [(96, -1), (576, -1), (576, 64), (192, 96), (256, 256)])
-def test_groups_wider_than_the_kernel_are_split(k, group_size):
+def test_groups_wider_than_the_kernel_are_split(int4_kernel, k, group_size):
     # K=576 (SmolLM2's hidden size) and groups 96 / 256 / -1 run as repeated 32/64/128 groups.
     qweight, scales, qzeros = random_awq(k, 48, group_size, seed=3)
     g = reference.resolve_group_size(group_size, k)
@@ -72,7 +94,7 @@ def test_groups_wider_than_the_kernel_are_split(k, group_size):
 @pytest.mark.parametrize("group_size", [32, 64, 128, -1])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_repack_is_exact(group_size, scale_dtype, x_dtype):
+def test_repack_is_exact(kernel, group_size, scale_dtype, x_dtype):
     # Scales in {1/4, 1/8} and 8 nonzeros of x in {-1, 1} per row keep every output a multiple of
     # 1/8 below 32: exact in bf16, so any difference is a repack error (nibble order, zeros).
     k, n = 256, 80
@@ -102,14 +124,14 @@ def test_dequantize_is_bit_identical(group_size, scale_dtype):
     assert torch.equal(out, reference.dequantize(qweight, scales, qzeros, g))
 
 
-def test_fp16_activations_run_through_bf16():
+def test_fp16_activations(kernel):
     qweight, scales, qzeros = random_awq(384, 176, 128)
     x = random_input((3, 384), dtype=torch.float16)
     out = cpu_backend.awq_gemm(x, qweight, scales, qzeros, 128)
     _check(out, x, qweight, scales, qzeros, 128)
 
 
-def test_dispatch_picks_cpu_for_cpu_tensors(monkeypatch):
+def test_dispatch_picks_cpu_for_cpu_tensors(kernel, monkeypatch):
     calls = []
     real = cpu_backend.awq_gemm
     monkeypatch.setattr(cpu_backend, "awq_gemm", lambda *a: calls.append(1) or real(*a))
@@ -123,7 +145,7 @@ def test_dispatch_picks_cpu_for_cpu_tensors(monkeypatch):
     assert torch.equal(w, reference.dequantize(qweight, scales, qzeros, 64))
 
 
-def test_strided_input():
+def test_strided_input(kernel):
     qweight, scales, qzeros = random_awq(256, 64, 64)
     x = random_input((256, 10), dtype=torch.bfloat16).t()  # [10, 256], not contiguous
     out = ops.awq_gemm(x, qweight, scales, qzeros, 64, backend="cpu")
@@ -131,15 +153,21 @@ def test_strided_input():
 
 
 @pytest.mark.parametrize(
-    "k,n,group_size,dtype,why",
+    "kernel_name,k,n,group_size,dtype,why",
     [
-        (64, 64, 16, torch.float32, "not a multiple of 32"),
-        (240, 64, -1, torch.float32, "not a multiple of 32"),
-        (64, 24, 32, torch.float32, "N=24 is not a multiple of 16"),
-        (64, 64, 32, torch.float64, "takes fp32, bf16 or fp16"),
+        ("torch-int4", 64, 64, 16, torch.float32, "group_size=16 is not a multiple of 32"),
+        ("torch-int4", 240, 64, -1, torch.float32, "group_size=240 is not a multiple of 32"),
+        ("torch-int4", 64, 24, 32, torch.float32, "N=24 is not a multiple of 16"),
+        ("torch-int4", 64, 64, 32, torch.float64, "take fp32, bf16 or fp16"),
+        ("fastawq", 48, 64, 12, torch.float32, "group_size=12 is not a multiple of 8"),
+        ("fastawq", 60, 64, -1, torch.float32, "group_size=60 is not a multiple of 8"),
+        ("fastawq", 64, 64, 32, torch.float64, "take fp32, bf16 or fp16"),
     ],
 )
-def test_unfit_calls_are_declined_and_fall_back(k, n, group_size, dtype, why):
+def test_unfit_calls_are_declined_and_fall_back(monkeypatch, kernel_name, k, n, group_size, dtype, why):
+    if kernel_name not in KERNELS:
+        pytest.skip(f"{kernel_name} is not available")
+    monkeypatch.setenv("FASTAWQ_CPU_KERNEL", kernel_name)
     qweight, scales, qzeros = random_awq(k, n, group_size)
     g = reference.resolve_group_size(group_size, k)
     x = random_input((3, k), dtype=dtype)
@@ -152,7 +180,7 @@ def test_unfit_calls_are_declined_and_fall_back(k, n, group_size, dtype, why):
     assert torch.equal(out, reference.awq_gemm(x, qweight, scales, qzeros, g))
 
 
-def test_exact_fp32_env_declines_fp32(monkeypatch):
+def test_exact_fp32_env_declines_fp32(int4_kernel, monkeypatch):
     monkeypatch.setenv("FASTAWQ_CPU_FP32", "exact")
     qweight, scales, qzeros = random_awq(128, 64, 64)
     x = random_input((2, 128), dtype=torch.float32)
@@ -161,7 +189,42 @@ def test_exact_fp32_env_declines_fp32(monkeypatch):
     assert torch.equal(ops.awq_gemm(x, qweight, scales, qzeros, 64), reference.awq_gemm(x, qweight, scales, qzeros, 64))
 
 
+@needs_fast
+def test_fastawq_kernel_is_preferred_and_exact_in_fp32(monkeypatch):
+    # fastawq's kernel accumulates exact fp32 products: FASTAWQ_CPU_FP32=exact keeps it.
+    monkeypatch.delenv("FASTAWQ_CPU_KERNEL", raising=False)
+    monkeypatch.setenv("FASTAWQ_CPU_FP32", "exact")
+    qweight, scales, qzeros = random_awq(128, 64, 64)
+    x = random_input((2, 128), dtype=torch.float32)
+    assert cpu_backend.kernel_for(torch.float32, qweight, 64) == ("fastawq", "")
+    out = ops.awq_gemm(x, qweight, scales, qzeros, 64)
+    assert cpu_backend.prepare(qweight, scales, qzeros, 64).kernel == "fastawq"
+    ref = reference.awq_gemm(x, qweight, scales, qzeros, 64)
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@needs_int4
+def test_without_compiled_kernel_torch_int4_serves(monkeypatch):
+    monkeypatch.delenv("FASTAWQ_CPU_KERNEL", raising=False)
+    monkeypatch.setattr(cpu_backend, "_FAST_MISSING", "fastawq._C is not loaded (test)")
+    qweight, scales, qzeros = random_awq(128, 64, 64)
+    x = random_input((2, 128), dtype=torch.bfloat16)
+    assert cpu_backend.kernel_for(x.dtype, qweight, 64) == ("torch-int4", "")
+    out = cpu_backend.awq_gemm(x, qweight, scales, qzeros, 64)
+    assert cpu_backend.prepare(qweight, scales, qzeros, 64).kernel == "torch-int4"
+    _check(out, x, qweight, scales, qzeros, 64)
+
+
+def test_bad_kernel_name_is_an_error(monkeypatch):
+    monkeypatch.setenv("FASTAWQ_CPU_KERNEL", "ipex")
+    qweight, _, _ = random_awq(128, 64, 64)
+    with pytest.raises(ValueError, match="FASTAWQ_CPU_KERNEL='ipex'"):
+        cpu_backend.kernel_for(torch.float32, qweight, 64)
+
+
 def test_torch_without_the_kernel_declines(monkeypatch):
+    monkeypatch.delenv("FASTAWQ_CPU_KERNEL", raising=False)
+    monkeypatch.setattr(cpu_backend, "_FAST_MISSING", "fastawq._C is not loaded (test)")
     monkeypatch.setattr(cpu_backend, "_KERNEL_MISSING", "torch 2.3 has no _weight_int4pack_mm_for_cpu")
     qweight, scales, qzeros = random_awq(128, 64, 64)
     x = random_input((2, 128), dtype=torch.bfloat16)
@@ -170,7 +233,7 @@ def test_torch_without_the_kernel_declines(monkeypatch):
     assert torch.equal(out, reference.awq_gemm(x, qweight, scales, qzeros, 64))
 
 
-def test_bad_inputs_name_the_shapes():
+def test_bad_inputs_name_the_shapes(kernel):
     qweight, scales, qzeros = random_awq(128, 64, 64)
     with pytest.raises(ValueError, match=r"x \(3, 64\) has K=64 but qweight \(128, 8\)"):
         cpu_backend.awq_gemm(random_input((3, 64)).float(), qweight, scales, qzeros, 64)
@@ -182,7 +245,7 @@ def test_bad_inputs_name_the_shapes():
         cpu_backend.prepare(qweight, scales[:1], qzeros, 64)
 
 
-def test_repack_is_cached_and_invalidated_by_writes():
+def test_repack_is_cached_and_invalidated_by_writes(kernel):
     cpu_backend.clear_cache()
     qweight, scales, qzeros = random_awq(256, 64, 64, seed=1)
     x = random_input((4, 256), dtype=torch.bfloat16)
@@ -206,7 +269,7 @@ def test_repack_is_cached_and_invalidated_by_writes():
     assert cpu_backend.cache_size() == 0
 
 
-def test_tiny_llama_wqlinear_matches_torch_backend():
+def test_tiny_llama_wqlinear_matches_torch_backend(kernel):
     transformers = pytest.importorskip("transformers")
     from fastawq.modules.qlinear import WQLinear
 
@@ -237,7 +300,7 @@ def test_tiny_llama_wqlinear_matches_torch_backend():
     assert (fast.argmax(-1) == slow.argmax(-1)).float().mean() > 0.9
 
 
-def test_convert_model_gives_the_same_logits_as_dispatch():
+def test_convert_model_gives_the_same_logits_as_dispatch(kernel):
     transformers = pytest.importorskip("transformers")
     from fastawq.modules.qlinear import WQLinear
 
@@ -252,19 +315,20 @@ def test_convert_model_gives_the_same_logits_as_dispatch():
             for name, child in list(parent.named_children()):
                 if isinstance(child, torch.nn.Linear):
                     setattr(parent, name, WQLinear.from_linear(child, 32))
-    # One layer the kernel declines (N=24 is not a multiple of 16) must stay a WQLinear.
-    model.model.layers[0].mlp.extra = WQLinear.from_linear(torch.nn.Linear(64, 24), 32)
+    # One layer no kernel takes (group size 12) must stay a WQLinear.
+    model.model.layers[0].mlp.extra = WQLinear.from_linear(torch.nn.Linear(48, 24), 12)
     ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         before = model(ids).logits
         assert cpu_backend.convert_model(model) == 14
         assert isinstance(model.model.layers[0].mlp.extra, WQLinear)
         assert isinstance(model.model.layers[1].self_attn.q_proj, cpu_backend.CPUInt4Linear)
+        assert model.model.layers[1].self_attn.q_proj.packed.kernel == kernel
         after = model(ids).logits
     assert torch.equal(before, after)
 
 
-def test_cpu_int4_linear_with_bias_and_3d_input():
+def test_cpu_int4_linear_with_bias_and_3d_input(kernel):
     from fastawq.modules.qlinear import WQLinear
 
     torch.manual_seed(2)
@@ -276,7 +340,7 @@ def test_cpu_int4_linear_with_bias_and_3d_input():
     _check(out.reshape(6, 80), x.reshape(6, 256), layer.qweight, layer.scales, layer.qzeros, 64, layer.bias.float())
 
 
-def test_inference_mode_tensors():
+def test_inference_mode_tensors(kernel):
     # Inference tensors keep no version counter; the cache must still work with them.
     with torch.inference_mode():
         qweight, scales, qzeros = random_awq(128, 64, 64)

@@ -1,35 +1,49 @@
-"""CPU backend for W4A16: torch's packed int4 CPU kernel behind a cached load-time repack.
+"""CPU backend for W4A16: fastawq's own AVX-512 / AVX2 kernel (csrc/cpu/), or torch's packed
+int4 CPU kernel, each behind a cached, exact load-time repack of the AWQ GEMM layout.
 
-torch's ``_weight_int4pack_mm_for_cpu`` reads weights as ``w = (q - 8) * s + z`` with ``q`` the
-unsigned nibble and ``(s, z)`` float pairs per (group, column). AWQ's ``w = (q - z) * s`` is the
-same line with ``z_float = (8 - z) * s``, so the repack keeps every nibble and only rewrites the
-scales and zeros. The repack runs once per weight and is cached by the qweight tensor object.
+Which kernel serves a call (`kernel_for`): the first of `PREFERENCE` that is present and takes
+the call; `FASTAWQ_CPU_KERNEL=fastawq|torch-int4` forces one. When neither takes it,
+`awq_gemm_fits` says why and dispatch falls back to the torch reference.
 
-Precision. On x86 only the bf16 instantiation of torch's kernel is vectorised (AVX2 / AVX-512);
-its fp32 and fp16 instantiations are scalar loops, slower than a dense fp32 matmul. So every call
-computes in bf16: activations and the (s, z) pairs are rounded to bf16, products accumulate in
-fp32 and the output is rounded to bf16 before it is cast back to x's dtype. For bf16 activations
-this is the precision of a bf16 linear; for fp32 and fp16 activations it is bf16-grade, not fp32
-(IPEX's weight-only int4 makes the same trade by default). ``FASTAWQ_CPU_FP32=exact`` makes
-``awq_gemm_fits`` decline fp32 activations, so dispatch runs them on the exact torch path.
+fastawq's kernel (in fastawq._C, built with or without CUDA): any M, fp32 / bf16 / fp16
+activations, any N (a multiple of 8, as AWQ packs it), any group size that is a multiple of 8.
+It multiplies the activations by 1 + q/16 (exact in bf16 and fp32) and folds zero point and
+offset into one FMA per group, accumulating in fp32: fp32 activations get fp32 accuracy (an FMA
+chain), bf16 activations that of an fp32-accumulated bf16 matmul (vdpbf16ps where the CPU has
+AVX512-BF16). fp16 activations run as fp32. Measured (benchmarks/CPU_RESULTS.md, M=1, 4096 x 4096,
+g128, 2 threads): 0.27 ms (bf16 x) and 0.31 ms (fp32 x) against 0.44 ms for torch's kernel in
+bf16; one thread 0.35 / 0.57 ms against 0.85 ms. Hence it comes first.
+
+torch's ``_weight_int4pack_mm_for_cpu`` (the fallback when _C is absent) reads weights as
+``w = (q - 8) * s + z`` with ``(s, z)`` float pairs per (group, column). AWQ's ``w = (q - z) * s``
+is the same line with ``z_float = (8 - z) * s``, so its repack keeps every nibble and only
+rewrites the scales and zeros. On x86 only its bf16 instantiation is vectorised, so it computes
+in bf16 whatever the activations' dtype (products accumulate in fp32, the output is rounded to
+bf16 before it is cast back). ``FASTAWQ_CPU_FP32=exact`` makes it decline fp32 activations.
 """
 from __future__ import annotations
 
 import logging
 import os
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fastawq import reference
+from fastawq import _ext, reference
 
 log = logging.getLogger(__name__)
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# The kernel's K loop finds group starts with a bit mask, so its group size must be a power of
-# two; larger AWQ groups (and group_size=-1) are served by repeating (s, z) over sub-groups.
+FASTAWQ = "fastawq"
+TORCH_INT4 = "torch-int4"
+PREFERENCE = (FASTAWQ, TORCH_INT4)
+# fastawq's kernel walks K in steps of 8 rows (one packed word per column).
+_FAST_STEP_K = 8
+# torch's kernel finds group starts with a bit mask, so its group size must be a power of two;
+# larger AWQ groups (and group_size=-1) are served by repeating (s, z) over sub-groups.
 _KERNEL_GROUPS = (128, 64, 32)
 # torch packs 64 (AVX-512) or 32 (AVX2) output columns per block, with 16-column tails.
 _N_ALIGN = 16
@@ -48,46 +62,117 @@ def kernel_available() -> str | None:
 _KERNEL_MISSING = kernel_available()
 
 
+_UNKNOWN = object()
+# Why fastawq's kernel is absent (None: present). Found on first use, which loads _C.
+_FAST_MISSING: object = _UNKNOWN
+
+
+def fast_kernel_available() -> str | None:
+    """None if fastawq._C holds the CPU kernel, else why not."""
+    global _FAST_MISSING
+    if _FAST_MISSING is _UNKNOWN:
+        if not _ext.is_loaded():
+            _FAST_MISSING = f"fastawq._C is not loaded ({_ext.status()['reason']})"
+        elif not hasattr(torch.ops.fastawq, "awq_cpu_gemm"):
+            _FAST_MISSING = "fastawq._C has no CPU kernel (built before it existed): rebuild fastawq"
+        else:
+            _FAST_MISSING = None
+    return _FAST_MISSING
+
+
+def fast_kernel_isas() -> list[str]:
+    """Instruction sets fastawq's CPU kernel runs here, best first (empty without _C)."""
+    return list(torch.ops.fastawq.awq_cpu_isas()) if fast_kernel_available() is None else []
+
+
 def _fp32_exact() -> bool:
     return os.environ.get("FASTAWQ_CPU_FP32", "").lower() == "exact"
 
 
+def preference() -> tuple[str, ...]:
+    forced = os.environ.get("FASTAWQ_CPU_KERNEL", "").strip().lower()
+    if not forced:
+        return PREFERENCE
+    if forced not in PREFERENCE:
+        raise ValueError(f"FASTAWQ_CPU_KERNEL={forced!r}: expected one of {PREFERENCE}")
+    return (forced,)
+
+
 def kernel_group_size(group_size: int) -> int | None:
-    """Largest group size the kernel takes that divides the AWQ group size (None if none does)."""
+    """Largest group size torch's kernel takes that divides the AWQ group size (None if none)."""
     for kg in _KERNEL_GROUPS:
         if group_size % kg == 0:
             return kg
     return None
 
 
-# x [M, K] · qweight [K, N // 8] int32  ->  None if the CPU kernel takes the call, else the reason
+# x [M, K] · qweight [K, N // 8] int32  ->  None if a CPU kernel takes the call, else the reasons
 def awq_gemm_fits(x2d: torch.Tensor, qweight: torch.Tensor, group_size: int) -> str | None:
-    if _KERNEL_MISSING is not None:
-        return _KERNEL_MISSING
-    why = _x_fits(x2d) or _weight_fits(qweight, group_size)
-    if why is None and x2d.dtype == torch.float32 and _fp32_exact():
-        return "FASTAWQ_CPU_FP32=exact and the packed int4 CPU kernel computes in bf16"
-    return why
+    kernel, why = kernel_for(x2d.dtype, qweight, group_size, x_device=x2d.device)
+    return None if kernel is not None else why
 
 
-def _x_fits(x2d: torch.Tensor) -> str | None:
-    if x2d.device.type != "cpu":
-        return f"x is on {x2d.device}; the CPU kernel runs on the CPU"
-    if x2d.dtype not in _ACT_DTYPES:
-        return f"x is {x2d.dtype}; the CPU kernel takes fp32, bf16 or fp16 activations"
+def kernel_for(x_dtype: torch.dtype, qweight: torch.Tensor, group_size: int, *,
+               x_device: torch.device = torch.device("cpu")) -> tuple[str | None, str]:
+    """(the kernel that serves these activations and this weight, "") or (None, why none does)."""
+    reasons = []
+    for name in preference():
+        why = _x_fits(x_dtype, x_device) or _weight_fits(name, qweight, group_size)
+        if why is None and name == TORCH_INT4 and x_dtype == torch.float32 and _fp32_exact():
+            why = "FASTAWQ_CPU_FP32=exact and torch's packed int4 CPU kernel computes in bf16"
+        if why is None:
+            return name, ""
+        reasons.append(f"{name}: {why}")
+    return None, "; ".join(reasons)
+
+
+def _x_fits(x_dtype: torch.dtype, x_device: torch.device) -> str | None:
+    if x_device.type != "cpu":
+        return f"x is on {x_device}; the CPU kernels run on the CPU"
+    if x_dtype not in _ACT_DTYPES:
+        return f"x is {x_dtype}; the CPU kernels take fp32, bf16 or fp16 activations"
     return None
 
 
-def _weight_fits(qweight: torch.Tensor, group_size: int) -> str | None:
+def _weight_fits(kernel: str, qweight: torch.Tensor, group_size: int) -> str | None:
     k, n = qweight.shape[0], qweight.shape[1] * reference.PACK
     if qweight.device.type != "cpu":
-        return f"qweight is on {qweight.device}; the CPU kernel runs on the CPU"
+        return f"qweight is on {qweight.device}; the CPU kernels run on the CPU"
     g = reference.resolve_group_size(group_size, k)
+    if kernel == FASTAWQ:
+        why = fast_kernel_available()
+        if why is None and g % _FAST_STEP_K != 0:
+            why = f"group_size={g} is not a multiple of {_FAST_STEP_K} (K={k}, N={n})"
+        return why
+    if _KERNEL_MISSING is not None:
+        return _KERNEL_MISSING
     if kernel_group_size(g) is None:
-        return f"group_size={g} is not a multiple of 32 (K={k}, N={n}); the CPU kernel needs 32, 64 or 128"
+        return f"group_size={g} is not a multiple of 32 (K={k}, N={n}); the kernel needs 32, 64 or 128"
     if n % _N_ALIGN != 0:
         return f"N={n} is not a multiple of {_N_ALIGN} (qweight {tuple(qweight.shape)})"
     return None
+
+
+def _weight_kernel(qweight: torch.Tensor, group_size: int) -> str | None:
+    """The preferred kernel for this weight whatever the activations (None if none takes it)."""
+    return next((name for name in preference() if _weight_fits(name, qweight, group_size) is None), None)
+
+
+@dataclass(frozen=True)
+class FastPacked:
+    """One AWQ weight in fastawq's CPU layout (csrc/cpu/awq_cpu_kernels.h).
+
+    w [N/64, K/8, 64] int32 · scales [N/64, K/G, 64] fp32 · zeros16 [N/64, K/G, 64] uint8 (16 + z)
+    """
+
+    w: torch.Tensor
+    scales: torch.Tensor
+    zeros16: torch.Tensor
+    group: int
+    k: int
+    n: int
+    signature: tuple
+    kernel: ClassVar[str] = FASTAWQ
 
 
 @dataclass(frozen=True)
@@ -103,6 +188,7 @@ class PackedInt4:
     k: int
     n: int
     signature: tuple
+    kernel: ClassVar[str] = TORCH_INT4
 
 
 def _version(t: torch.Tensor) -> int:
@@ -135,11 +221,8 @@ def _unpack_cols(packed: torch.Tensor) -> torch.Tensor:
 
 
 # qweight [K, N // 8] int32 · scales [K // G, N] · qzeros [K // G, N // 8] int32  ->  PackedInt4
-def _repack(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, g: int) -> PackedInt4:
-    k, n, g = reference.check_awq_shapes(qweight, scales, qzeros, g)
-    why = _weight_fits(qweight, g)
-    if why is not None:
-        raise ValueError(f"CPU int4 kernel cannot run qweight {tuple(qweight.shape)}: {why}")
+def _repack_int4(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, g: int) -> PackedInt4:
+    k, n = qweight.shape[0], qweight.shape[1] * reference.PACK
     kg = kernel_group_size(g)
     with torch.no_grad():
         # Transposing the packed words (8x less data) before unpacking halves the repack time.
@@ -161,19 +244,40 @@ def _repack(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, g
     return PackedInt4(weight, sz, kg, k, n, _signature(qweight, scales, qzeros, g))
 
 
-def prepare(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, group_size: int) -> PackedInt4:
+# qweight [K, N // 8] int32 · scales [K // G, N] · qzeros [K // G, N // 8] int32  ->  FastPacked
+def _repack_fast(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, g: int) -> FastPacked:
+    k, n = qweight.shape[0], qweight.shape[1] * reference.PACK
+    with torch.no_grad():
+        w, s, z = torch.ops.fastawq.awq_cpu_repack(qweight.contiguous(), scales.contiguous(), qzeros.contiguous(), g)
+    return FastPacked(w, s, z, g, k, n, _signature(qweight, scales, qzeros, g))
+
+
+def _repack(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, g: int,
+            kernel: str | None = None) -> FastPacked | PackedInt4:
+    """The weight repacked for `kernel` (default: the preferred kernel that takes it)."""
+    k, n, g = reference.check_awq_shapes(qweight, scales, qzeros, g)
+    kernel = kernel or _weight_kernel(qweight, g)
+    why = "no CPU kernel is available" if kernel is None else _weight_fits(kernel, qweight, g)
+    if why is not None:
+        reasons = "; ".join(f"{name}: {_weight_fits(name, qweight, g)}" for name in preference())
+        raise ValueError(f"CPU int4 kernel cannot run qweight {tuple(qweight.shape)}: {reasons}")
+    return (_repack_fast if kernel == FASTAWQ else _repack_int4)(qweight, scales, qzeros, g)
+
+
+def prepare(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, group_size: int,
+            kernel: str | None = None) -> FastPacked | PackedInt4:
     """The repacked weight for these tensors: built once, then served from the cache until any of
-    qweight, scales or qzeros changes (in-place writes bump their version)."""
-    if _KERNEL_MISSING is not None:
-        raise RuntimeError(_KERNEL_MISSING)
+    qweight, scales or qzeros changes (in-place writes bump their version) or another kernel is
+    asked for."""
     g = reference.resolve_group_size(group_size, qweight.shape[0])
+    kernel = kernel or _weight_kernel(qweight, g)
     sig = _signature(qweight, scales, qzeros, g)
     entry = _cache.get(qweight)
-    if entry is not None and entry.signature == sig:
+    if entry is not None and entry.signature == sig and entry.kernel == kernel:
         return entry
     if entry is not None:
         log.debug("CPU int4 repack invalidated for qweight %s", tuple(qweight.shape))
-    entry = _repack(qweight, scales, qzeros, g)
+    entry = _repack(qweight, scales, qzeros, g, kernel)
     _cache[qweight] = entry
     return entry
 
@@ -196,18 +300,26 @@ def awq_gemm(
     group_size: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y = x @ dequantize(qweight, scales, qzeros) + bias, computed in bf16 (see the module doc)."""
+    """y = x @ dequantize(qweight, scales, qzeros) + bias on the kernel `kernel_for` picks."""
     if x2d.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K], got {tuple(x2d.shape)}")
-    why = _x_fits(x2d)
-    if why is not None:
+    kernel, why = kernel_for(x2d.dtype, qweight, group_size, x_device=x2d.device)
+    if kernel is None:
         raise ValueError(f"CPU int4 kernel cannot run x {tuple(x2d.shape)} {x2d.dtype}: {why}")
     # Decode calls this ~200 times per token: a cache hit checks only what can differ per call.
-    p = prepare(qweight, scales, qzeros, group_size)  # validates the weight when it (re)packs
+    p = prepare(qweight, scales, qzeros, group_size, kernel)  # validates the weight when it (re)packs
     if x2d.shape[1] != p.k:
         raise ValueError(f"x {tuple(x2d.shape)} has K={x2d.shape[1]} but qweight {tuple(qweight.shape)} has K={p.k}")
     if bias is not None and tuple(bias.shape) != (p.n,):
         raise ValueError(f"bias {tuple(bias.shape)} must have shape ({p.n},) to match qweight {tuple(qweight.shape)}")
+    return _mm(x2d, p, bias)
+
+
+def _mm(x2d: torch.Tensor, p: FastPacked | PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
+    if p.kernel == FASTAWQ:
+        if x2d.dtype == torch.float16:  # no fp16 arithmetic on x86 CPUs: run it as fp32
+            return torch.ops.fastawq.awq_cpu_gemm(x2d.float(), p.w, p.scales, p.zeros16, p.group, p.n, bias).half()
+        return torch.ops.fastawq.awq_cpu_gemm(x2d, p.w, p.scales, p.zeros16, p.group, p.n, bias)
     return _int4_mm(x2d, p, bias)
 
 
@@ -237,48 +349,71 @@ def awq_dequantize(
 class CPUInt4Linear(nn.Module):
     """Inference-only CPU linear holding just the repacked weight: one kernel call per forward.
 
-    WQLinear's forward goes through ops.awq_gemm (validation, backend choice, cache lookup):
-    about 30 us per call on this project's 2-core CPU, a quarter of SmolLM2-135M's decode step.
-    This module skips all of it. It keeps no AWQ tensors (so no state_dict to save) and stays on
-    the CPU; convert a loaded model with `convert_model`.
+    WQLinear's forward goes through ops.awq_gemm's cached plan and this module's awq_gemm (kernel
+    choice, cache lookup): about 10-30 us per call on this project's 2-core CPU, a large part of
+    SmolLM2-135M's decode step. This module skips all of it. It keeps no AWQ tensors (so no
+    state_dict to save) and stays on the CPU; convert a loaded model with `convert_model`.
     """
 
-    def __init__(self, packed: PackedInt4, bias: torch.Tensor | None):
+    def __init__(self, packed: FastPacked | PackedInt4, bias: torch.Tensor | None):
         super().__init__()
         self.packed = packed
         self.in_features, self.out_features = packed.k, packed.n
         self.bias_fp32 = None if bias is None else bias.detach().to(torch.float32)
 
     @classmethod
-    def from_wqlinear(cls, layer: nn.Module) -> "CPUInt4Linear":
+    def from_wqlinear(cls, layer: nn.Module, kernel: str | None = None) -> "CPUInt4Linear":
         """From a WQLinear (any module with qweight, scales, qzeros, group_size and bias)."""
-        if _KERNEL_MISSING is not None:
-            raise RuntimeError(_KERNEL_MISSING)
-        return cls(_repack(layer.qweight, layer.scales, layer.qzeros, layer.group_size), layer.bias)
+        return cls(_repack(layer.qweight, layer.scales, layer.qzeros, layer.group_size, kernel), layer.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _int4_mm(x.reshape(-1, self.in_features), self.packed, self.bias_fp32)
-        return out.reshape(*x.shape[:-1], self.out_features)
+        p = self.packed
+        x2 = x.reshape(-1, p.k)
+        if p.kernel == FASTAWQ and x2.dtype != torch.float16:
+            out = torch.ops.fastawq.awq_cpu_gemm(x2, p.w, p.scales, p.zeros16, p.group, p.n, self.bias_fp32)
+        else:
+            out = _mm(x2, p, self.bias_fp32)
+        return out.view(*x.shape[:-1], p.n)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias_fp32 is not None}, kernel_group={self.packed.kernel_group}")
+                f"bias={self.bias_fp32 is not None}, kernel={self.packed.kernel}")
 
 
-def convert_model(model: nn.Module) -> int:
-    """Replace every CPU WQLinear that the kernel takes by a CPUInt4Linear; return how many.
+def convert_model(model: nn.Module, kernel: str | None = None) -> int:
+    """Replace every CPU WQLinear that a CPU kernel takes by a CPUInt4Linear; return how many.
 
-    Layers the kernel declines (group size not a multiple of 32, N not a multiple of 16) stay
-    WQLinear and keep working through dispatch."""
+    Layers no kernel takes stay WQLinear and keep working through dispatch."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             # Duck-typed on WQLinear's buffers: this backend sits below fastawq.modules.
             qweight = getattr(child, "qweight", None)
-            if (
-                isinstance(qweight, torch.Tensor) and hasattr(child, "qzeros") and hasattr(child, "group_size")
-                and qweight.device.type == "cpu" and _weight_fits(qweight, child.group_size) is None
-            ):
-                setattr(parent, name, CPUInt4Linear.from_wqlinear(child))
+            if not (isinstance(qweight, torch.Tensor) and hasattr(child, "qzeros") and hasattr(child, "group_size")
+                    and qweight.device.type == "cpu"):
+                continue
+            chosen = kernel or _weight_kernel(qweight, child.group_size)
+            if chosen is not None and _weight_fits(chosen, qweight, child.group_size) is None:
+                setattr(parent, name, CPUInt4Linear.from_wqlinear(child, chosen))
                 count += 1
     return count
+
+
+def _register_fakes() -> None:
+    """Output shapes of the compiled CPU ops, so they trace under torch.compile."""
+    if fast_kernel_available() is not None:
+        return
+
+    @torch.library.register_fake("fastawq::awq_cpu_repack")
+    def _(qweight, scales, qzeros, group_size):
+        k, n = qweight.shape[0], qweight.shape[1] * 8
+        nb, groups = (n + 63) // 64, k // group_size
+        return (qweight.new_empty((nb, k // 8, 64)), scales.new_empty((nb, groups, 64), dtype=torch.float32),
+                qzeros.new_empty((nb, groups, 64), dtype=torch.uint8))
+
+    @torch.library.register_fake("fastawq::awq_cpu_gemm")
+    def _(x, w, scales, zeros16, group_size, n, bias, isa="auto"):
+        return x.new_empty((x.shape[0], n))
+
+
+_register_fakes()

@@ -26,7 +26,14 @@ def collect() -> list[tuple[str, str]]:
         rows.append(("triton", "not installed"))
     st = _ext.status()
     rows.append(("compiled kernels (_C)", "loaded" if st["loaded"] else f"not loaded: {st['reason']}"))
-    rows.append(("compiled archs", ", ".join(st["archs"]) or "-"))
+    rows.append(("compiled CUDA archs", ", ".join(st["archs"]) or ("none (CPU-only build)" if st["loaded"] else "-")))
+    from fastawq import cpu
+
+    why = cpu.fast_kernel_available()
+    rows.append(("CPU kernel (fastawq)", ", ".join(cpu.fast_kernel_isas()) if why is None else f"absent: {why}"))
+    why = cpu.kernel_available()
+    rows.append(("CPU kernel (torch int4)", "present" if why is None else f"absent: {why}"))
+    rows.append(("CPU kernel preference", ", ".join(cpu.preference())))
     devices = [torch.device("cpu")]
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
