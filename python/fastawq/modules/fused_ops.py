@@ -1,8 +1,10 @@
 """Element-wise and attention pieces of the fused decoder layer, each with a torch fallback.
 
 `kernels` picks the implementation: "triton" (GPU, or CPU under TRITON_INTERPRET=1), "torch",
-or None = Triton on CUDA when it is installed, torch elsewhere (the interpreter is a test
-vehicle, never chosen automatically, as in backend.select_backend).
+"cuda" (the compiled decode-attention kernel of fastawq._C; Triton for the ops that have none),
+or None = compiled, then Triton on CUDA when present, torch elsewhere (the interpreter is a test
+vehicle, never chosen automatically, as in backend.select_backend). FASTAWQ_BACKEND sets the
+same choice for every call (cpu means torch here).
 """
 from __future__ import annotations
 
@@ -12,15 +14,27 @@ import os
 import torch
 import torch.nn.functional as F
 
-from fastawq.backend import triton_available, triton_interpreting
+from fastawq import _ext
+from fastawq.backend import BackendUnavailableError, triton_available, triton_interpreting
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 
 
+_ENV_KERNELS = {"torch": "torch", "cpu": "torch", "triton": "triton", "cuda": "cuda"}
+
+
+def _forced(kernels: str | None) -> str | None:
+    forced = kernels or _ENV_KERNELS.get(os.environ.get("FASTAWQ_BACKEND", ""), None)
+    if forced not in (None, "auto", "cuda", "triton", "torch"):
+        raise ValueError(f"kernels={forced!r}; choose 'cuda', 'triton', 'torch' or None")
+    return None if forced == "auto" else forced
+
+
 def use_triton(device: torch.device, kernels: str | None) -> bool:
-    forced = kernels or {"torch": "torch", "cpu": "torch", "triton": "triton"}.get(
-        os.environ.get("FASTAWQ_BACKEND", ""), None
-    )
+    """Triton (else torch) for the ops without a compiled kernel; "cuda" means GPU kernels there."""
+    forced = _forced(kernels)
+    if forced == "cuda":
+        forced = None
     if forced == "torch":
         return False
     if forced == "triton":
@@ -29,9 +43,73 @@ def use_triton(device: torch.device, kernels: str | None) -> bool:
         if device.type != "cuda" and not triton_interpreting():
             raise RuntimeError(f"kernels='triton' on {device} needs TRITON_INTERPRET=1")
         return True
-    if forced not in (None, "auto"):
-        raise ValueError(f"kernels={forced!r}; choose 'triton', 'torch' or None")
     return device.type == "cuda" and triton_available()
+
+
+_FAKES = False
+
+
+def _register_fakes() -> None:
+    """Output shapes of the compiled attention ops, for torch.compile and opcheck."""
+    global _FAKES
+    if _FAKES:
+        return
+    _FAKES = True
+    try:
+        torch.library.register_fake("fastawq::decode_attention")(
+            lambda q, k_cache, v_cache, lens, scale: q.new_empty(q.shape)
+        )
+        torch.library.register_fake("fastawq::decode_attention_out")(
+            lambda q, k_cache, v_cache, lens, scale, out: None
+        )
+    except RuntimeError:  # registered elsewhere already
+        pass
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
+
+
+def cuda_decode_declines(q: torch.Tensor, k_cache: torch.Tensor, lens: torch.Tensor) -> str | None:
+    """None when the compiled decode-attention kernel takes these shapes and dtypes, else why not."""
+    d, hq, hkv = q.shape[-1], q.shape[-2], k_cache.shape[-2]
+    if q.dtype not in (torch.float16, torch.bfloat16) or k_cache.dtype != q.dtype:
+        return f"q {q.dtype} / cache {k_cache.dtype}: the kernel takes fp16 or bf16"
+    if d not in (64, 128, 256):
+        return f"head_dim {d} (the kernel takes 64, 128, 256)"
+    if hq % hkv or hq // hkv > 8:
+        return f"{hq} query heads over {hkv} KV heads (at most 8 per KV head)"
+    if lens.dtype != torch.int32:
+        return f"lens is {lens.dtype}, not int32"
+    if not (_aligned(q) and _aligned(k_cache)):
+        return "q or the caches are not 16-byte aligned rows"
+    return None
+
+
+def _why_not_cuda_decode(q: torch.Tensor, k_cache: torch.Tensor, lens: torch.Tensor) -> str | None:
+    if q.device.type != "cuda":
+        return f"q is on {q.device}"
+    if not _ext.has_op("decode_attention"):
+        return _ext.status()["reason"] or "the compiled extension has no op 'decode_attention'"
+    if not _ext.supports_device(q.device):
+        return f"fastawq._C was built for {_ext.built_archs()}, not this GPU"
+    _register_fakes()
+    return cuda_decode_declines(q, k_cache, lens)
+
+
+def decode_attention_backend(
+    q: torch.Tensor, k_cache: torch.Tensor, lens: torch.Tensor, kernels: str | None = None
+) -> str:
+    """"cuda", "triton" or "torch" for one decode_attention call (compiled > Triton > torch)."""
+    forced = _forced(kernels)
+    if forced == "cuda":
+        reason = _why_not_cuda_decode(q, k_cache, lens)
+        if reason is not None:
+            raise BackendUnavailableError(f"kernels='cuda' cannot run decode_attention: {reason}")
+        return "cuda"
+    if forced is None and q.device.type == "cuda" and _why_not_cuda_decode(q, k_cache, lens) is None:
+        return "cuda"
+    return "triton" if use_triton(q.device, forced) else "torch"
 
 
 @functools.lru_cache(maxsize=None)
@@ -204,12 +282,20 @@ def decode_attention(
     *,
     max_len: int | None = None,
     kernels: str | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query token per row over its first lens[b] cached positions.
+    """One query token per row over its first lens[b] cached positions, into `out` if given.
 
-    The torch path needs `max_len` (a host int >= every lens[b]) to bound the keys it reads."""
-    if use_triton(q.device, kernels):
-        return _tk()[3].decode_attention(q, k_cache, v_cache, lens, scale)
+    The torch path needs `max_len` (a host int >= every lens[b]) to bound the keys it reads;
+    the CUDA and Triton kernels read lens on the device (CUDA-graph safe)."""
+    backend = decode_attention_backend(q, k_cache, lens, kernels)
+    if backend == "cuda":
+        if out is None:
+            return torch.ops.fastawq.decode_attention(q, k_cache, v_cache, lens, scale)
+        torch.ops.fastawq.decode_attention_out(q, k_cache, v_cache, lens, scale, out)
+        return out
+    if backend == "triton":
+        return _tk()[3].decode_attention(q, k_cache, v_cache, lens, scale, out=out)
     b, hq, d = q.shape
     n = max_len if max_len is not None else int(lens.max())
     hkv = k_cache.shape[2]
@@ -221,8 +307,10 @@ def decode_attention(
     scores = torch.einsum("bhgd,bnhd->bhgn", qg, k) * scale
     valid = torch.arange(n, device=q.device)[None, :] < lens[:, None].long()  # [B, n]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    out = torch.einsum("bhgn,bnhd->bhgd", scores.softmax(-1), v)
-    return out.reshape(b, hq, d).to(q.dtype)
+    o = torch.einsum("bhgn,bnhd->bhgd", scores.softmax(-1), v).reshape(b, hq, d).to(q.dtype)
+    if out is None:
+        return o
+    return out.copy_(o)
 
 
 # q [B, L, HQ, D] · caches [B', S, HKV, D]: queries at positions start .. start+L-1 of every row

@@ -1,0 +1,317 @@
+"""The compiled decode-attention kernel (csrc/attention) against SDPA in float64 on the expanded
+K/V, and the dispatch in fused_ops that chooses it. GPU tests skip without CUDA or fastawq._C."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastawq import _ext
+from fastawq.backend import BackendUnavailableError
+from fastawq.modules import fused_ops
+
+HAS_CUDA = torch.cuda.is_available()
+HAS_OP = HAS_CUDA and _ext.has_op("decode_attention") and _ext.supports_device(torch.device("cuda"))
+_skip = pytest.mark.skipif(
+    not HAS_OP, reason="needs a CUDA device and fastawq._C with decode_attention built for it"
+)
+
+
+def needs_op(fn):
+    return pytest.mark.gpu(_skip(fn))
+
+
+DTYPES = [torch.float16, torch.bfloat16]
+HEADS = [(32, 8), (8, 8), (14, 2)]  # Llama-3-8B, no GQA, Qwen2-1.5B (7 query heads per KV head)
+S = 1100
+# Lengths straddle the 16-key tiles and 64-key warp rounds; rows of one batch differ.
+LENS = [(1,), (63,), (64,), (65,), (1000,), (S,), (1, 1000, 65), (63, S, 64)]
+
+
+def _caches(b: int, s: int, hkv: int, d: int, dtype, lens, seed: int = 0):
+    """Random q-independent caches of B + 1 rows; every position a row must not read is garbage
+    (NaN, or a value large enough to swamp the softmax), and so is the extra row."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    k = torch.randn(b + 1, s, hkv, d, generator=gen)
+    v = torch.randn(b + 1, s, hkv, d, generator=gen)
+    for i, n in enumerate(list(lens) + [0]):
+        k[i, n::2] = float("nan")
+        v[i, n::2] = 3e4
+        k[i, n + 1::2] = 3e4
+        v[i, n + 1::2] = float("nan")
+    return k.to("cuda", dtype), v.to("cuda", dtype)
+
+
+def _oracle(q, k, v, lens, scale, dtype=torch.float64):
+    """SDPA per row over its first lens[b] keys, K/V expanded to the query heads, in `dtype`."""
+    out = []
+    group = q.shape[1] // k.shape[2]
+    for i, n in enumerate(lens.tolist()):
+        kk = k[i, :n].to(dtype).transpose(0, 1).repeat_interleave(group, 0)
+        vv = v[i, :n].to(dtype).transpose(0, 1).repeat_interleave(group, 0)
+        out.append(F.scaled_dot_product_attention(q[i, :, None].to(dtype), kk, vv, scale=scale)[:, 0])
+    return torch.stack(out)
+
+
+def _check(got, q, k, v, lens, scale):
+    """Error against float64 within a small multiple of torch's own SDPA in q's dtype."""
+    want = _oracle(q, k, v, lens, scale)
+    same = _oracle(q, k, v, lens, scale, dtype=q.dtype)
+    assert torch.isfinite(got).all(), "non-finite output: garbage past a length was read, or out was not written"
+    err = (got.double() - want).abs().max().item()
+    ref_err = (same.double() - want).abs().max().item()
+    eps = torch.finfo(q.dtype).eps
+    bound = 4 * ref_err + 2 * eps * want.abs().max().item()
+    assert err <= bound, f"max error {err:.3g} > {bound:.3g} (torch {q.dtype}: {ref_err:.3g})"
+
+
+def _poison_allocator(numel: int, dtype: torch.dtype) -> None:
+    """Leave NaN in the caching allocator's free blocks, so an unwritten output shows up as NaN."""
+    torch.empty(numel + 4096, dtype=dtype, device="cuda").fill_(float("nan"))
+
+
+@needs_op
+@pytest.mark.parametrize("lens", LENS)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_matches_sdpa(dtype, d, heads, lens):
+    hq, hkv = heads
+    b = len(lens)
+    k, v = _caches(b, S, hkv, d, dtype, lens, seed=d + hq + b)
+    q = torch.randn(b, hq, d, device="cuda").to(dtype)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    scale = d ** -0.5
+    out = torch.full_like(q, float("nan"))
+    torch.ops.fastawq.decode_attention_out(q, k, v, lens_t, scale, out)
+    _check(out, q, k, v, lens_t, scale)
+    _poison_allocator(q.numel(), dtype)
+    _check(torch.ops.fastawq.decode_attention(q, k, v, lens_t, scale), q, k, v, lens_t, scale)
+
+
+@needs_op
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b", [1, 2, 8])
+def test_decode_attention_llama3_8b_long_cache(dtype, b):
+    # Cache capacity of 8192: the most splits, and lengths anywhere in it.
+    s, hq, hkv, d = 8192, 32, 8, 128
+    lens = [8192, 4097, 17, 4096, 1, 2049, 8191, 300][:b]
+    k, v = _caches(b, s, hkv, d, dtype, lens, seed=b)
+    q = torch.randn(b, hq, d, device="cuda").to(dtype)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    torch.ops.fastawq.decode_attention_out(q, k, v, lens_t, d ** -0.5, out)
+    _check(out, q, k, v, lens_t, d ** -0.5)
+
+
+@needs_op
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_peaky_scores(dtype):
+    # Scores of std ~40 growing along the sequence: the running max moves in every tile and the
+    # splits' maxima differ by hundreds (log2 units), which the combine must rescale exactly.
+    b, s, hq, hkv, d = 2, 2048, 8, 2, 128
+    lens = (2048, 777)
+    k, v = _caches(b, s, hkv, d, dtype, lens, seed=3)
+    ramp = torch.linspace(0.5, 2.0, s, device="cuda")[None, :, None, None]
+    k = (k.float() * ramp).to(dtype)
+    q = (4 * torch.randn(b, hq, d, device="cuda")).to(dtype)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out = torch.ops.fastawq.decode_attention(q, k, v, lens_t, 1.0)
+    _check(out, q, k, v, lens_t, 1.0)
+
+
+@needs_op
+def test_decode_attention_strided_views():
+    # Heads of q and the caches as views into wider buffers (strides of a fused QKV layout).
+    b, s, hq, hkv, d = 3, 300, 8, 2, 64
+    lens = (300, 5, 131)
+    kv, _ = _caches(b, s, 2 * hkv, d, torch.float16, lens)
+    k, v = kv[..., :hkv, :], kv[..., hkv:, :]
+    qbuf = torch.randn(b, hq + 4, d, device="cuda").half()
+    q = qbuf[:, 2:2 + hq]
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    obuf = torch.full((b, hq, 2 * d), float("nan"), device="cuda", dtype=torch.float16)
+    out = obuf[..., :d]
+    torch.ops.fastawq.decode_attention_out(q, k, v, lens_t, 0.1, out)
+    _check(out, q, k, v, lens_t, 0.1)
+    assert obuf[..., d:].isnan().all(), "wrote outside out"
+
+
+@needs_op
+def test_decode_attention_zero_length_gives_zeros():
+    q = torch.randn(2, 8, 128, device="cuda").half()
+    k, v = _caches(2, 64, 2, 128, torch.float16, (0, 0))
+    out = torch.ops.fastawq.decode_attention(q, k, v, torch.zeros(2, dtype=torch.int32, device="cuda"), 0.1)
+    assert (out == 0).all()
+
+
+@needs_op
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_cuda_graph_replay(dtype):
+    # One capture, then lengths changed on the device between replays: the grid is sized from
+    # the cache capacity and the arrival counters re-arm, so every replay must be exact.
+    b, s, hq, hkv, d = 2, 2048, 32, 8, 128
+    k, v = _caches(b, s, hkv, d, dtype, (s, s))
+    q = torch.randn(b, hq, d, device="cuda").to(dtype)
+    lens = torch.tensor([5, 9], dtype=torch.int32, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused_ops.decode_attention(q, k, v, lens, d ** -0.5, kernels="cuda", out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_ops.decode_attention(q, k, v, lens, d ** -0.5, kernels="cuda", out=out)
+        functional = fused_ops.decode_attention(q, k, v, lens, d ** -0.5, kernels="cuda")
+    for new in [(1, 1), (64, 65), (2048, 1000), (17, 2047), (3, 3), (1500, 2048)]:
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        _check(out, q, k, v, lens, d ** -0.5)
+        _check(functional, q, k, v, lens, d ** -0.5)
+
+
+@needs_op
+def test_decode_attention_matches_triton():
+    b, s, hq, hkv, d = 3, 1000, 32, 8, 128
+    lens = (999, 1, 513)
+    k, v = _caches(b, s, hkv, d, torch.float16, lens)
+    q = torch.randn(b, hq, d, device="cuda").half()
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    assert fused_ops.decode_attention_backend(q, k, lens_t) == "cuda"
+    got = fused_ops.decode_attention(q, k, v, lens_t, 0.09)
+    tri = fused_ops.decode_attention(q, k, v, lens_t, 0.09, kernels="triton")
+    torch.testing.assert_close(got, tri, rtol=3e-3, atol=3e-3)
+
+
+@needs_op
+def test_decode_attention_opcheck():
+    fused_ops._register_fakes()
+    b, s, hq, hkv, d = 2, 128, 8, 2, 64
+    k, v = _caches(b, s, hkv, d, torch.float16, (100, 7))
+    q = torch.randn(b, hq, d, device="cuda").half()
+    lens = torch.tensor([100, 7], dtype=torch.int32, device="cuda")
+    torch.library.opcheck(torch.ops.fastawq.decode_attention.default, (q, k, v, lens, 0.125))
+    out = torch.empty_like(q)
+    torch.library.opcheck(torch.ops.fastawq.decode_attention_out.default, (q, k, v, lens, 0.125, out))
+
+
+def _err(fn, match):
+    with pytest.raises(RuntimeError, match=match):
+        fn()
+
+
+@needs_op
+def test_decode_attention_error_messages():
+    op, op_out = torch.ops.fastawq.decode_attention, torch.ops.fastawq.decode_attention_out
+    q = torch.randn(2, 32, 128, device="cuda").half()
+    k = torch.randn(2, 64, 8, 128, device="cuda").half()
+    lens = torch.tensor([3, 4], dtype=torch.int32, device="cuda")
+    shapes = r"q \[2, 32, 128\], k_cache \[2, 64, 8, 128\]"
+    _err(lambda: op(q, k, k, lens.long(), 0.1), shapes + r".*lens must be int32, got Long")
+    _err(lambda: op(q.float(), k, k, lens, 0.1), r"q must be fp16 or bf16, got Float")
+    _err(lambda: op(q, k.bfloat16(), k.bfloat16(), lens, 0.1), r"must have q's dtype Half, got BFloat16")
+    _err(lambda: op(q[..., :96].contiguous(), k[..., :96].contiguous(), k[..., :96].contiguous(), lens, 0.1),
+         r"head_dim D=96 is not supported")
+    _err(lambda: op(q[:, :30].contiguous(), k, k, lens, 0.1), r"HQ=30 query heads are not a multiple of HKV=8")
+    _err(lambda: op(q, k[:, :, :2].contiguous(), k[:, :, :2].contiguous(), lens, 0.1),
+         r"16 query heads per KV head \(HQ=32, HKV=2\); at most 8")
+    _err(lambda: op(q, k, k[:, :32], lens, 0.1), r"k_cache and v_cache must have one shape")
+    _err(lambda: op(q, k[:1], k[:1], lens[:1], 0.1), r"the caches hold 1 rows, q has B=2")
+    _err(lambda: op(q, k, k, lens[:1], 0.1), r"lens must be a contiguous \[B\] = \[2\] tensor")
+    _err(lambda: op(q, k, k, lens.cpu(), 0.1), r"must be on one CUDA device")
+    _err(lambda: op(q.transpose(1, 2).contiguous().transpose(1, 2), k, k, lens, 0.1), r"q \(strides \[4096, 1, 32\]\)")
+    _err(lambda: op_out(q, k, k, lens, 0.1, torch.empty(2, 32, 64, device="cuda").half()),
+         r"out \[2, 32, 64\] Half on cuda:0 must match q \[2, 32, 128\]")
+    _err(lambda: op_out(q, k, k, lens, 0.1, q), r"out must not share memory with q")
+
+
+@needs_op
+def test_fused_model_cuda_kernel_matches_unfused():
+    # A Llama of head_dim 64 (the tiny models of test_fused have 16, which the kernel declines),
+    # decoded as CUDA-graph replays with the compiled attention against transformers.
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from fastawq.generate import HFStepper
+    from fastawq.modules import WQLinear
+    from fastawq.modules.fused import fuse_model
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    ref = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            for parent in (layer.self_attn, layer.mlp):
+                for name, mod in list(parent.named_children()):
+                    if isinstance(mod, torch.nn.Linear):
+                        setattr(parent, name, WQLinear.from_linear(mod.half(), 32))
+    ref = ref.half().cuda()
+    fused = fuse_model(copy.deepcopy(ref), max_seq_len=300, batch_size=2, kernels="cuda", use_cuda_graphs=True)
+    rt, hf = fused.fastawq_runtime, HFStepper(ref)
+    ids = torch.randint(0, cfg.vocab_size, (2, 70), device="cuda")
+    lf, lr = rt.prefill(ids)[:, -1], hf.prefill(ids)
+    for _ in range(40):  # lengths 71..110: across tile and split edges
+        tok = lr.argmax(-1)
+        lf, lr = rt.decode(tok), hf.decode(tok)
+        assert torch.isfinite(lf).all()
+        assert float((lf.float() - lr.float()).norm() / lr.float().norm()) < 1e-2
+
+
+# --- CPU: the dispatch (runs in CI without a GPU) ---------------------------------------------
+
+
+def _cpu_inputs(dtype=torch.float16, hq=8, hkv=2, d=64):
+    q = torch.randn(2, hq, d).to(dtype)
+    k = torch.randn(2, 16, hkv, d).to(dtype)
+    return q, k, torch.tensor([16, 3], dtype=torch.int32)
+
+
+def test_dispatch_falls_back_to_torch_without_the_op(monkeypatch):
+    monkeypatch.delenv("FASTAWQ_BACKEND", raising=False)
+    monkeypatch.setattr(_ext, "has_op", lambda name: False)
+    q, k, lens = _cpu_inputs()
+    assert fused_ops.decode_attention_backend(q, k, lens) == "torch"
+    assert fused_ops.decode_attention_backend(q, k, lens, "torch") == "torch"
+    with pytest.raises(BackendUnavailableError, match="kernels='cuda' cannot run decode_attention: q is on cpu"):
+        fused_ops.decode_attention_backend(q, k, lens, "cuda")
+    monkeypatch.setenv("FASTAWQ_BACKEND", "cpu")
+    assert fused_ops.decode_attention_backend(q, k, lens) == "torch"
+    with pytest.raises(ValueError, match="choose 'cuda', 'triton', 'torch' or None"):
+        fused_ops.decode_attention_backend(q, k, lens, "cudnn")
+
+
+@pytest.mark.parametrize(
+    "dtype,hq,hkv,d,reason",
+    [
+        (torch.float16, 8, 2, 64, None),
+        (torch.bfloat16, 32, 8, 128, None),
+        (torch.float16, 8, 1, 256, None),
+        (torch.float32, 8, 2, 64, "fp16 or bf16"),
+        (torch.float16, 8, 2, 96, "head_dim 96"),
+        (torch.float16, 32, 2, 64, "at most 8"),
+    ],
+)
+def test_cuda_kernel_declines_what_it_cannot_take(dtype, hq, hkv, d, reason):
+    q, k, lens = _cpu_inputs(dtype, hq, hkv, d)
+    got = fused_ops.cuda_decode_declines(q, k, lens)
+    assert (got is None) if reason is None else (reason in got)
+
+
+def test_torch_fallback_writes_out():
+    q, k, lens = _cpu_inputs(torch.float32)
+    v = torch.randn_like(k)
+    out = torch.full_like(q, float("nan"))
+    got = fused_ops.decode_attention(q, k, v, lens, 0.2, kernels="torch", out=out)
+    assert got is out
+    want = torch.stack([
+        F.scaled_dot_product_attention(
+            q[i, :, None], k[i, :n].transpose(0, 1).repeat_interleave(4, 0),
+            v[i, :n].transpose(0, 1).repeat_interleave(4, 0), scale=0.2,
+        )[:, 0]
+        for i, n in enumerate(lens.tolist())
+    ])
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
