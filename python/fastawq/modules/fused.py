@@ -9,7 +9,8 @@ Architectures: llama, mistral (max_seq_len <= sliding window), qwen2, qwen3 (q/k
 into the rope kernel), gemma (1 + w norms, tanh-GELU, scaled embeddings), phi3 (full rotary).
 Others (gemma2/3: soft-capping, extra norms, alternating windows) are refused with an error.
 Kernels: Triton on CUDA (triton_kernels/attention.py and the norm/act kernels in fused_ops),
-torch elsewhere; prefill attention is torch SDPA. The fused model's device is fixed at fuse time.
+decode attention compiled (csrc/attention) when fastawq._C has it, torch elsewhere; prefill
+attention is torch SDPA. The fused model's device is fixed at fuse time.
 """
 from __future__ import annotations
 
