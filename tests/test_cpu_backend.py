@@ -348,3 +348,52 @@ def test_inference_mode_tensors(kernel):
         out = cpu_backend.awq_gemm(x, qweight, scales, qzeros, 64)
         assert cpu_backend.prepare(qweight, scales, qzeros, 64) is cpu_backend.prepare(qweight, scales, qzeros, 64)
     _check(out, x, qweight, scales, qzeros, 64)
+
+
+@needs_fast
+@pytest.mark.parametrize("group_size", [64, -1])
+def test_int8_linear_matches_its_quantized_weight(group_size):
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(192, 72)
+    layer = cpu_backend.CPUInt8Linear.from_linear(lin, group_size)
+    q, s, z = reference.quantize_groupwise(lin.weight, group_size, 8, True)
+    g = reference.resolve_group_size(group_size, 192)
+    w = ((q.view(72, 192 // g, g) - z.unsqueeze(-1)) * s.unsqueeze(-1)).view(72, 192)
+    x = random_input((2, 5, 192), dtype=torch.float32)
+    out = layer(x)
+    ref = torch.nn.functional.linear(x, w, lin.bias)
+    assert out.shape == (2, 5, 72) and out.dtype == torch.float32
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+    # 8 bits per group: within 1% of the float layer on random weights.
+    full = lin(x)
+    assert (out - full).abs().max() <= 1e-2 * full.abs().max()
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
+
+
+@needs_fast
+@pytest.mark.parametrize("bits", [8, 4])
+def test_convert_model_lm_head(bits):
+    transformers = pytest.importorskip("transformers")
+    from fastawq.modules.qlinear import WQLinear
+
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+    )
+    torch.manual_seed(5)
+    model = transformers.LlamaForCausalLM(config).eval()
+    mlp = model.model.layers[0].mlp
+    mlp.up_proj = WQLinear.from_linear(mlp.up_proj, 32)
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        before = model(ids).logits
+        assert cpu_backend.convert_model(model, lm_head_bits=bits) == 1
+        head = model.lm_head
+        assert isinstance(head, cpu_backend.CPUInt8Linear if bits == 8 else cpu_backend.CPUInt4Linear)
+        assert model.model.embed_tokens.weight.dtype == torch.float32  # the tied embedding is untouched
+        after = model(ids).logits
+    rel = ((after - before).abs().max() / before.abs().max()).item()
+    assert rel < (2e-2 if bits == 8 else 2e-1), rel
+    with pytest.raises(ValueError, match="lm_head_bits must be 4, 8 or None"):
+        model.lm_head = torch.nn.Linear(64, 256, bias=False)
+        cpu_backend.convert_model(model, lm_head_bits=6)

@@ -180,7 +180,8 @@ class AutoAWQForCausalLM:
             log.warning("ignoring from_quantized arguments fastawq does not use: %s", sorted(kwargs))
         device = _device_of("cpu" if use_ipex else device_map)
         if use_ipex:
-            log.info("use_ipex=True: fastawq's own CPU kernels serve it (IPEX is not used)")
+            log.info("use_ipex=True: fastawq's own CPU kernels serve it (IPEX is not used); the packed "
+                     "layers become inference-only CPUInt4Linear modules")
         dtype = _resolve_dtype(torch_dtype)
         if dtype in (None, "auto"):
             # CPU matmuls are fast in fp32 / bf16 and slow in fp16; the packed scales stay as saved.
@@ -213,6 +214,13 @@ class AutoAWQForCausalLM:
                 if not auto_fuse:
                     raise
                 log.info("not fusing layers: %s", e)
+        if use_ipex and backend is None and not fuse_layers:
+            # AutoAWQ's IPEX path makes inference-only CPU modules; so does this one: each packed
+            # layer holds only its repacked weight and calls the kernel directly (no per-call
+            # dispatch, ~10 us of a small model's ~20 us per layer call; benchmarks/CPU_RESULTS.md).
+            from fastawq import cpu
+
+            log.info("use_ipex=True: %d packed layers converted for the CPU", cpu.convert_model(model))
         tok = None
         try:
             from transformers import AutoTokenizer
