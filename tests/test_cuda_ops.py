@@ -108,8 +108,10 @@ def test_gemv(shape, group, m, dtype):
     qw, s, qz = random_awq(k, n, group, "cuda", dtype, seed=m * 7 + k + n)
     x = random_input((m, k), "cuda", dtype, seed=m + 3)
     bias = random_input((n,), "cuda", dtype, seed=5) if m % 2 else None
-    for split_k in (0, 1, 3, 1000):
-        assert_close_to_reference(_gemm(x, qw, s, qz, g, bias, path=6, split_k=split_k), x, qw, s, qz, g, bias)
+    for path in (6, 7):  # 7: the prefetching variant (M = 1; larger M runs path 6 kernel)
+        for split_k in (0, 1, 3, 1000):
+            out = _gemm(x, qw, s, qz, g, bias, path=path, split_k=split_k)
+            assert_close_to_reference(out, x, qw, s, qz, g, bias)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -119,7 +121,8 @@ def test_gemv_llama_shapes(shape, m, dtype):
     k, n = shape
     qw, s, qz = random_awq(k, n, 128, "cuda", dtype, seed=k + n + m)
     x = random_input((m, k), "cuda", dtype, seed=m)
-    assert_close_to_reference(_gemm(x, qw, s, qz, 128, path=6), x, qw, s, qz, 128)
+    for path in (6, 7):
+        assert_close_to_reference(_gemm(x, qw, s, qz, 128, path=path), x, qw, s, qz, 128)
 
 
 def test_gemv_graph_replay_split_k():

@@ -62,6 +62,7 @@ struct GemvArgs {
   int col_tiles, splits;    // grid
   int chunk_rows;           // rows of K per warp item: 32, 64 or 128
   int chunks_per_block;
+  bool pipelined;           // prefetch the next batch before computing the current one (M = 1)
 };
 
 void launch_awq_gemv(const GemvArgs& args, cudaStream_t stream);

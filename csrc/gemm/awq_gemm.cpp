@@ -16,13 +16,14 @@
 namespace fastawq {
 namespace {
 
-// Largest M served by the tensor-core kernel; above it dequantize + cuBLAS wins on the H200
-// (bench of 2026-11-30: at M=16 the kernel is 0.66x cuBLAS vs 0.41x, at M=64 0.24x vs 0.40x).
-// 0 for now: the kernel's main loop was restructured after its last GPU validation (commit
-// cc955fa), so the automatic path keeps to dequantize + cuBLAS, which was validated, until the
-// GPU tests pass on it again; awq_gemm_config paths 1/3/4/5 still reach the kernel for tests.
-// Set back to 32 once tests/test_cuda_ops.py passes on the H200.
-constexpr int64_t kMmaMaxM = 0;
+// Largest M served by the CUDA-core GEMV: H200, 2026-11-30 (benchmarks/RESULTS.md), geomean vs
+// cuBLAS over the Llama-3-8B shapes at M = 1/2/4/8: GEMV 1.82/1.13/0.80/0.48, tensor-core kernel
+// with 128-row stages (path 5) 0.99/0.96/0.92/0.85.
+constexpr int64_t kGemvAutoMaxM = 2;
+// Largest M served by the tensor-core kernel (path 5); above it dequantize + cuBLAS wins on the
+// H200 (CUDA_NOTES.md: at M=64 the kernel's best was 0.31x cuBLAS against 0.40x). Paths 1-5
+// passed tests/test_cuda_ops.py on the H200 at commit 4325f6f.
+constexpr int64_t kMmaMaxM = 32;
 // Warps side by side in N (4: 128-column tiles, 8: 256-column tiles).
 constexpr int kMmaWarpsN = 4;
 
@@ -65,7 +66,7 @@ bool gemv_fits(int64_t m, int64_t k, int64_t n, int64_t g) {
 // Grid of the GEMV: enough warp items (chunk_rows rows x one column tile) for ~16 warps per SM,
 // 4 warps per block, and K split over blocks until the grid is about one wave.
 void run_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& qzeros,
-              int64_t g, const at::Tensor* bias, at::Tensor& out, int64_t split_k) {
+              int64_t g, const at::Tensor* bias, at::Tensor& out, int64_t split_k, bool pipelined) {
   const int m = static_cast<int>(x.size(0)), k = static_cast<int>(x.size(1)), n = static_cast<int>(out.size(1));
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int tile_cols = gemv_tile_cols(m);
@@ -99,6 +100,7 @@ void run_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& 
   }
   a.m = m, a.n = n, a.k = k, a.group_size = static_cast<int>(g);
   a.col_tiles = col_tiles, a.splits = splits, a.chunk_rows = chunk_rows, a.chunks_per_block = cpb;
+  a.pipelined = pipelined;
   launch_awq_gemv(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -178,25 +180,26 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& qweight, const at::T
                 "awq_gemm: bias must be a contiguous [N=", n, "] ", x.scalar_type(), " tensor on ", x.device(),
                 ", got ", shape_str(*b), " ", b->scalar_type(), " on ", b->device());
   }
-  FASTAWQ_CHECK(path >= 0 && path <= 6, "awq_gemm_config: path must be 0 (auto), 1 (tensor-core kernel), ",
+  FASTAWQ_CHECK(path >= 0 && path <= 7, "awq_gemm_config: path must be 0 (auto), 1 (tensor-core kernel), ",
                 "2 (dequantize + cuBLAS), 3 (tensor-core kernel, 4 warps), 4 (tensor-core kernel, 8 warps), ",
-                "5 (tensor-core kernel, 4 warps, 128-row stages) or 6 (CUDA-core GEMV, M <= 8)");
+                "5 (tensor-core kernel, 4 warps, 128-row stages), 6 (CUDA-core GEMV, M <= 8) or ",
+                "7 (CUDA-core GEMV with prefetch)");
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
   if (k == 0) return b != nullptr ? out.copy_(b->expand({m, n})) : out.zero_();
 
   const bool gemv_ok = !tiled && gemv_fits(m, k, n, g) && aligned;
-  if (path == 0 && gemv_ok) path = 6;
-  if (path == 6) {
+  if (path == 0 && gemv_ok && m <= kGemvAutoMaxM) path = 6;
+  if (path == 6 || path == 7) {
     FASTAWQ_CHECK(gemv_ok, "awq_gemm: the GEMV kernel needs 1 <= M <= ", kGemvMaxM, ", K % 32, group_size % 32 == 0, ",
                   "N/8 a multiple of ", gemv_words_per_lane(static_cast<int>(std::min<int64_t>(std::max<int64_t>(m, 1), kGemvMaxM))),
                   " and 16-byte aligned operands (problem m=", m, ", n=", n, ", k=", k, ", group_size=", g, ")");
-    run_gemv(x, qweight, scales, qzeros, g, b, out, split_k);
+    run_gemv(x, qweight, scales, qzeros, g, b, out, split_k, path == 7);
     return out;
   }
   const bool fits = mma_fits(k, n, g) && aligned;
-  if (path == 0) path = (fits && m <= kMmaMaxM) ? 1 : 2;
+  if (path == 0) path = (fits && m <= kMmaMaxM) ? 5 : 2;
   FASTAWQ_CHECK(path == 2 || fits, "awq_gemm: the tensor-core kernel needs sm_80+, N % 32, K % 32, group_size % 32 "
               "== 0 and 16-byte aligned operands (problem m=", m, ", n=", n, ", k=", k, ", group_size=", g, ")");
   if (path != 2) {

@@ -72,7 +72,84 @@ __device__ __forceinline__ void decode_word(uint32_t w, float (&f)[8]) {
   f[7] = __uint_as_float(__byte_perm(hi, kHalf, 0x7344));
 }
 
+// One 32-row batch of a lane: rows base + rl + 4u, u < kLoads.
 template <typename T, int M, int WPT>
+__device__ __forceinline__ void load_batch(const T* __restrict__ x, const uint32_t* __restrict__ qweight, int k,
+                                           int n8, int word0, bool col_ok, int row0, uint64_t policy,
+                                           Words<WPT> (&w)[kLoads], float (&xv)[M][kLoads]) {
+#pragma unroll
+  for (int u = 0; u < kLoads; ++u) {
+    const int r = row0 + 4 * u;
+    if (col_ok) {
+      w[u].load(qweight + static_cast<int64_t>(r) * n8 + word0, policy);
+    } else {
+#pragma unroll
+      for (int j = 0; j < WPT; ++j) w[u].v[j] = 0u;
+    }
+#pragma unroll
+    for (int mm = 0; mm < M; ++mm) xv[mm][u] = HalfTraits<T>::to_float(x[static_cast<int64_t>(mm) * k + r]);
+  }
+}
+
+// Accumulate one loaded batch, then close the group if the batch ends it (or ends the chunk):
+// y += s * (acc - (0.5 + z/256) * xs), the zero word decoded like the weights.
+template <typename T, int M, int WPT>
+__device__ __forceinline__ void consume_batch(const Words<WPT> (&w)[kLoads], const float (&xv)[M][kLoads],
+                                              float (&acc)[M][WPT * 8], float (&xs)[M], float (&y)[M][WPT * 8],
+                                              int base, int end, int group_size, bool col_ok,
+                                              const uint32_t* __restrict__ qzeros, const T* __restrict__ scales,
+                                              int n8, int n, int word0) {
+#pragma unroll
+  for (int u = 0; u < kLoads; ++u) {
+#pragma unroll
+    for (int j = 0; j < WPT; ++j) {
+      float f[8];
+      decode_word(w[u].v[j], f);
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+#pragma unroll
+        for (int mm = 0; mm < M; ++mm) acc[mm][j * 8 + c] = fmaf(xv[mm][u], f[c], acc[mm][j * 8 + c]);
+      }
+    }
+#pragma unroll
+    for (int mm = 0; mm < M; ++mm) xs[mm] += xv[mm][u];
+  }
+  const int next = base + kBatchRows;
+  if (next % group_size != 0 && next < end) return;
+  if (col_ok) {
+    const int grp = base / group_size;
+    Words<WPT> zw;
+#pragma unroll
+    for (int j = 0; j < WPT; ++j) zw.v[j] = __ldg(qzeros + static_cast<int64_t>(grp) * n8 + word0 + j);
+    const uint4* sp = reinterpret_cast<const uint4*>(scales + static_cast<int64_t>(grp) * n + word0 * 8);
+#pragma unroll
+    for (int j = 0; j < WPT; ++j) {
+      float fz[8];
+      decode_word(zw.v[j], fz);
+      const uint4 sv = __ldg(sp + j);
+      const T* sh = reinterpret_cast<const T*>(&sv);
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        const float s = HalfTraits<T>::to_float(sh[c]);
+#pragma unroll
+        for (int mm = 0; mm < M; ++mm) {
+          const float v = fmaf(-fz[c], xs[mm], acc[mm][j * 8 + c]);
+          y[mm][j * 8 + c] = fmaf(s, v, y[mm][j * 8 + c]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int mm = 0; mm < M; ++mm) {
+    xs[mm] = 0.f;
+#pragma unroll
+    for (int c = 0; c < WPT * 8; ++c) acc[mm][c] = 0.f;
+  }
+}
+
+// PIPE: issue the loads of the warp's next batch before the arithmetic of the current one, so a
+// lane keeps a batch in flight while it computes (costs the registers of a second batch).
+template <typename T, int M, int WPT, bool PIPE>
 __global__ void __launch_bounds__(kGemvThreads) awq_gemv_kernel(
     const T* __restrict__ x, const uint32_t* __restrict__ qweight, const T* __restrict__ scales,
     const uint32_t* __restrict__ qzeros, const T* __restrict__ bias, T* __restrict__ out, float* __restrict__ ws,
@@ -102,74 +179,47 @@ __global__ void __launch_bounds__(kGemvThreads) awq_gemv_kernel(
     for (int c = 0; c < kCols; ++c) y[mm][c] = acc[mm][c] = 0.f;
   }
 
-  for (int chunk = blockIdx.y * chunks_per_block + warp; chunk < c_end; chunk += kWarps) {
-    const int chunk_row0 = chunk * chunk_rows;
-    const int chunk_row_end = min(chunk_row0 + chunk_rows, k);
+  // The warp walks its chunks (chunk, chunk + 4, ...) in 32-row batches; k % 32 == 0 (host
+  // check), so a batch is all in range and inside one group (group_size % 32 == 0).
+  if constexpr (!PIPE) {
+    for (int chunk = blockIdx.y * chunks_per_block + warp; chunk < c_end; chunk += kWarps) {
+      const int chunk_row0 = chunk * chunk_rows;
+      const int chunk_row_end = min(chunk_row0 + chunk_rows, k);
 #pragma unroll 1
-    for (int base = chunk_row0; base < chunk_row_end; base += kBatchRows) {
-      // k % 32 == 0 (host check): a batch is all in range, and in one group (group_size % 32 == 0).
-      Words<WPT> w[kLoads];
-      float xv[M][kLoads];
+      for (int base = chunk_row0; base < chunk_row_end; base += kBatchRows) {
+        Words<WPT> w[kLoads];
+        float xv[M][kLoads];
+        load_batch<T, M, WPT>(x, qweight, k, n8, word0, col_ok, base + rl, policy, w, xv);
+        consume_batch<T, M, WPT>(w, xv, acc, xs, y, base, chunk_row_end, group_size, col_ok, qzeros, scales, n8, n,
+                                 word0);
+      }
+    }
+  } else {
+    int chunk = blockIdx.y * chunks_per_block + warp;
+    int base = chunk * chunk_rows;
+    int end = min(base + chunk_rows, k);
+    Words<WPT> w[kLoads];
+    float xv[M][kLoads];
+    if (chunk < c_end) load_batch<T, M, WPT>(x, qweight, k, n8, word0, col_ok, base + rl, policy, w, xv);
+#pragma unroll 1
+    while (chunk < c_end) {
+      int nchunk = chunk, nbase = base + kBatchRows, nend = end;
+      if (nbase >= end) {
+        nchunk += kWarps;
+        nbase = nchunk * chunk_rows;
+        nend = min(nbase + chunk_rows, k);
+      }
+      Words<WPT> wn[kLoads];
+      float xn[M][kLoads];
+      if (nchunk < c_end) load_batch<T, M, WPT>(x, qweight, k, n8, word0, col_ok, nbase + rl, policy, wn, xn);
+      consume_batch<T, M, WPT>(w, xv, acc, xs, y, base, end, group_size, col_ok, qzeros, scales, n8, n, word0);
 #pragma unroll
       for (int u = 0; u < kLoads; ++u) {
-        const int r = base + rl + 4 * u;
-        if (col_ok) {
-          w[u].load(qweight + static_cast<int64_t>(r) * n8 + word0, policy);
-        } else {
+        w[u] = wn[u];
 #pragma unroll
-          for (int j = 0; j < WPT; ++j) w[u].v[j] = 0u;
-        }
-#pragma unroll
-        for (int mm = 0; mm < M; ++mm) xv[mm][u] = Tr::to_float(x[static_cast<int64_t>(mm) * k + r]);
+        for (int mm = 0; mm < M; ++mm) xv[mm][u] = xn[mm][u];
       }
-#pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-#pragma unroll
-        for (int j = 0; j < WPT; ++j) {
-          float f[8];
-          decode_word(w[u].v[j], f);
-#pragma unroll
-          for (int c = 0; c < 8; ++c) {
-#pragma unroll
-            for (int mm = 0; mm < M; ++mm) acc[mm][j * 8 + c] = fmaf(xv[mm][u], f[c], acc[mm][j * 8 + c]);
-          }
-        }
-#pragma unroll
-        for (int mm = 0; mm < M; ++mm) xs[mm] += xv[mm][u];
-      }
-      const int next = base + kBatchRows;
-      if (next % group_size == 0 || next >= chunk_row_end) {
-        // Close the (part of the) group this lane accumulated: y += s * (acc - (0.5 + z/256) * xs).
-        if (col_ok) {
-          const int grp = base / group_size;
-          Words<WPT> zw;
-#pragma unroll
-          for (int j = 0; j < WPT; ++j) zw.v[j] = __ldg(qzeros + static_cast<int64_t>(grp) * n8 + word0 + j);
-          const uint4* sp = reinterpret_cast<const uint4*>(scales + static_cast<int64_t>(grp) * n + word0 * 8);
-#pragma unroll
-          for (int j = 0; j < WPT; ++j) {
-            float fz[8];
-            decode_word(zw.v[j], fz);
-            const uint4 sv = __ldg(sp + j);
-            const T* sh = reinterpret_cast<const T*>(&sv);
-#pragma unroll
-            for (int c = 0; c < 8; ++c) {
-              const float s = Tr::to_float(sh[c]);
-#pragma unroll
-              for (int mm = 0; mm < M; ++mm) {
-                const float v = fmaf(-fz[c], xs[mm], acc[mm][j * 8 + c]);
-                y[mm][j * 8 + c] = fmaf(s, v, y[mm][j * 8 + c]);
-              }
-            }
-          }
-        }
-#pragma unroll
-        for (int mm = 0; mm < M; ++mm) {
-          xs[mm] = 0.f;
-#pragma unroll
-          for (int c = 0; c < kCols; ++c) acc[mm][c] = 0.f;
-        }
-      }
+      chunk = nchunk, base = nbase, end = nend;
     }
   }
 
@@ -236,7 +286,12 @@ template <typename T, int M>
 void launch_m(const GemvArgs& a, cudaStream_t stream) {
   constexpr int WPT = gemv_words_per_lane(M);
   const dim3 grid(a.col_tiles, a.splits);
-  awq_gemv_kernel<T, M, WPT><<<grid, kGemvThreads, 0, stream>>>(
+  // The prefetching variant only where a second batch of registers fits without spills (M = 1).
+  auto kernel = awq_gemv_kernel<T, M, WPT, false>;
+  if constexpr (M == 1) {
+    if (a.pipelined) kernel = awq_gemv_kernel<T, M, WPT, true>;
+  }
+  kernel<<<grid, kGemvThreads, 0, stream>>>(
       static_cast<const T*>(a.x), a.qweight, static_cast<const T*>(a.scales), a.qzeros,
       static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.n, a.k, a.group_size,
       a.chunk_rows, a.chunks_per_block);

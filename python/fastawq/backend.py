@@ -26,7 +26,7 @@ _CPU_MODULE = "fastawq.cpu"
 # awq_gemm (benchmarks/RESULTS.md, H200, 2026-11-30): above M=8 the Triton kernels beat the
 # compiled ones at every M measured (geomean vs cuBLAS at M=16/64/1024/4096: Triton
 # 0.93/0.73/0.78/0.92, compiled 0.67/0.40/0.74/0.83); at M <= 8 see CUDA_GEMV_MAX_M.
-CUDA_GEMV_MAX_M = 8
+CUDA_GEMV_MAX_M = 2
 _CUDA_PREFERENCE: dict[str, list[tuple[int | None, tuple[str, ...]]]] = {
     "awq_gemm": [(CUDA_GEMV_MAX_M, ("cuda", "triton", "torch")), (None, ("triton", "cuda", "torch"))],
 }
