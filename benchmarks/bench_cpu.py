@@ -2,6 +2,7 @@
 
     python benchmarks/bench_cpu.py layer [--m 1] [--k 4096] [--n 4096] [--group-size 128]
     python benchmarks/bench_cpu.py model [--gguf PATH] [--group-size 64] [--new-tokens 64]
+    python benchmarks/bench_cpu.py ppl [--gguf PATH] [--group-size 64] [--windows 16]
 
 Layer: fp32 matmul, bf16 matmul, reference dequant+matmul, fastawq's CPU backend (through the
 public op and straight into the cached kernel), timed round-robin in one run so machine noise
@@ -9,8 +10,9 @@ hits every row alike; median of warm runs, ratios against fp32 and bf16.
 
 Model: SmolLM2-135M-Instruct (see /work/shared/DATA.md) in fp32 under transformers versus the
 same model with every decoder Linear replaced by a 4-bit WQLinear (round-to-nearest): through
-dispatch, then converted to fastawq.cpu.CPUInt4Linear (same kernel, no per-call dispatch), then
-with a 4-bit lm_head, then with bf16 activations. Greedy decode of --new-tokens after a
+dispatch, then converted to fastawq.cpu.CPUInt4Linear (same kernel, no per-call dispatch; what
+from_quantized(use_ipex=True) gives), then with an 8-bit or a 4-bit lm_head, then with bf16
+activations. `ppl` measures what those head options cost in perplexity. Greedy decode of --new-tokens after a
 --prompt-tokens prompt, batch 1; tokens/s of the decode phase, plus (--profile) a per-token
 breakdown of where each model spends its decode time.
 """
@@ -84,21 +86,34 @@ def bench_layer(m: int, k: int, n: int, group_size: int, iters: int) -> None:
         z = torch.randint(-(2**31), 2**31 - 1, (k // g, n // 8), generator=gen, dtype=torch.int32)
         s = (torch.rand(k // g, n, generator=gen) * 0.01 + 1e-3).half()
         int4.append((q, s, z))
-    t0 = time.perf_counter()
-    packed = [cpu.prepare(q, s, z, g) for q, s, z in int4]
-    repack_s = (time.perf_counter() - t0) / len(int4)
+    have_fast = cpu.fast_kernel_available() is None
+    kernels = ([cpu.FASTAWQ] if have_fast else []) + ([cpu.TORCH_INT4] if cpu.kernel_available() is None else [])
+    packed, repack_s = {}, {}
+    for kern in kernels:
+        t0 = time.perf_counter()
+        # The preferred kernel's packs go through the cache that ops.awq_gemm reads.
+        pack = cpu.prepare if kern == kernels[0] else cpu._repack
+        packed[kern] = [pack(q, s, z, g, kern) for q, s, z in int4]
+        repack_s[kern] = (time.perf_counter() - t0) / len(int4)
     w32 = [torch.randn(n, k, generator=gen) * 0.02 for _ in range(copies(4 * n * k))]
     w16 = [w.to(torch.bfloat16) for w in (w32 * 2)[: copies(2 * n * k)]]
-    aten = torch.ops.aten._weight_int4pack_mm_for_cpu
-    next32, next16, next4, nextp = _cycle(w32), _cycle(w16), _cycle(int4), _cycle(packed)
+    next32, next16, next4 = _cycle(w32), _cycle(w16), _cycle(int4)
 
     fns = {
         "fp32 matmul (F.linear)": lambda: torch.nn.functional.linear(x32, next32()),
         "bf16 matmul (F.linear)": lambda: torch.nn.functional.linear(x16, next16()),
-        "fastawq cpu, fp32 x (ops.awq_gemm)": lambda: ops.awq_gemm(x32, *next4(), g),
-        "fastawq cpu, bf16 x (ops.awq_gemm)": lambda: ops.awq_gemm(x16, *next4(), g),
-        "torch int4 kernel alone, bf16 x": lambda: aten(x16, *(lambda p: (p.weight, p.kernel_group, p.scale_zeros))(nextp())),
+        f"fastawq cpu, fp32 x (ops.awq_gemm -> {kernels[0] if kernels else '-'})": lambda: ops.awq_gemm(x32, *next4(), g),
+        f"fastawq cpu, bf16 x (ops.awq_gemm -> {kernels[0] if kernels else '-'})": lambda: ops.awq_gemm(x16, *next4(), g),
     }
+    if have_fast:
+        nextf = _cycle(packed[cpu.FASTAWQ])
+        gemm = torch.ops.fastawq.awq_cpu_gemm
+        fns["fastawq kernel alone, fp32 x"] = lambda: (lambda p: gemm(x32, p.w, p.scales, p.zeros16, g, n, None))(nextf())
+        fns["fastawq kernel alone, bf16 x"] = lambda: (lambda p: gemm(x16, p.w, p.scales, p.zeros16, g, n, None))(nextf())
+    if cpu.TORCH_INT4 in packed:
+        aten = torch.ops.aten._weight_int4pack_mm_for_cpu
+        nexti = _cycle(packed[cpu.TORCH_INT4])
+        fns["torch int4 kernel alone, bf16 x"] = lambda: (lambda p: aten(x16, p.weight, p.kernel_group, p.scale_zeros))(nexti())
     qweight, scales, qzeros = int4[0]
     res = _round_robin(fns, iters)
     # The reference is ~100x slower: a few calls are enough and keep the run short.
@@ -106,16 +121,19 @@ def bench_layer(m: int, k: int, n: int, group_size: int, iters: int) -> None:
     res.update(ref)
 
     flops = 2 * m * n * k
-    wbytes = {"fp32": 4 * n * k, "bf16": 2 * n * k, "int4": n * k // 2 + 4 * n * (k // g)}
+    wbytes = {"fp32": 4 * n * k, "bf16": 2 * n * k, "int4": n * k // 2 + 5 * n * (k // g)}
     print(f"\nLayer M={m} K={k} N={n} group_size={g}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")
-    print(f"one-time repack (AWQ -> torch int4 layout): {repack_s * 1e3:.1f} ms")
+    for kern, sec in repack_s.items():
+        print(f"one-time repack (AWQ -> {kern} layout): {sec * 1e3:.1f} ms per weight")
+    if have_fast:
+        print(f"fastawq CPU kernel instruction sets: {', '.join(cpu.fast_kernel_isas())}")
     print("times are min over round-robin runs (median in brackets); ratios use the mins")
-    print(f"{'variant':40s} {'ms':>9s} {'(median)':>9s} {'GFLOP/s':>8s} {'weight GB/s':>11s} {'vs fp32':>8s} {'vs bf16':>8s}")
+    print(f"{'variant':48s} {'ms':>9s} {'(median)':>9s} {'GFLOP/s':>8s} {'weight GB/s':>11s} {'vs fp32':>8s} {'vs bf16':>8s}")
     f32, b16 = res["fp32 matmul (F.linear)"][0], res["bf16 matmul (F.linear)"][0]
     for name, (s, med) in res.items():
         kind = "fp32" if name.startswith("fp32") or name.startswith("reference") else "bf16" if name.startswith("bf16") else "int4"
-        print(f"{name:40s} {s * 1e3:9.3f} {med * 1e3:9.3f} {flops / s / 1e9:8.1f} {wbytes[kind] / s / 1e9:11.2f} "
+        print(f"{name:48s} {s * 1e3:9.3f} {med * 1e3:9.3f} {flops / s / 1e9:8.1f} {wbytes[kind] / s / 1e9:11.2f} "
               f"{f32 / s:7.2f}x {b16 / s:7.2f}x")
 
 
@@ -286,13 +304,17 @@ def bench_model(gguf: str | None, group_size: int, prompt_tokens: int, new_token
     cpu.convert_model(model)
     gens["CPUInt4Linear"] = variant("4-bit CPUInt4Linear, fp32 act", model)
     # Beyond AWQ's recipe (which keeps the head in float): the tied 49152 x 576 head is the
-    # largest single matmul of a decode step, so show what a 4-bit head would add.
+    # largest single matmul of a decode step. 8-bit (CPUInt8Linear, two nibbles on the same
+    # kernel) and 4-bit heads, group 64; their perplexity cost: `bench_cpu.py ppl`.
     head = model.lm_head
-    model.lm_head = cpu.CPUInt4Linear.from_wqlinear(WQLinear.from_linear(head, group_size))
-    gens["+ 4-bit lm_head"] = variant("4-bit CPUInt4Linear + 4-bit lm_head, fp32", model)
-    model.lm_head = head
+    for bits in (8, 4):
+        cpu.convert_model(model, lm_head_bits=bits)
+        gens[f"+ {bits}-bit lm_head"] = variant(f"4-bit CPUInt4Linear + {bits}-bit lm_head, fp32", model)
+        model.lm_head = head
     model.to(torch.bfloat16)
     gens["bf16 act"] = variant("4-bit CPUInt4Linear, bf16 act + bf16 head", model)
+    cpu.convert_model(model, lm_head_bits=8)
+    gens["bf16 act, 8-bit head"] = variant("4-bit CPUInt4Linear, bf16 act + 8-bit head", model)
     base = results["fp32 (transformers)"][1]
     for name, (_, dec, _) in results.items():
         print(f"  {name:44s} {base / dec:5.2f}x fp32 decode tokens/s")
@@ -300,10 +322,41 @@ def bench_model(gguf: str | None, group_size: int, prompt_tokens: int, new_token
         diff = (gen[0] != gen_fp32[0]).nonzero()
         first = int(diff[0]) if len(diff) else new_tokens
         same = "same" if torch.equal(gen, gens["WQLinear"]) else "different"
-        print(f"  {name:16s} greedy tokens: equal the fp32 model's for the first {first} of {new_tokens}; "
+        print(f"  {name:20s} greedy tokens: equal the fp32 model's for the first {first} of {new_tokens}; "
               f"{same} as WQLinear's")
     print("  fp32 text:", repr(tok.decode(gen_fp32[0][:24])))
     print("  4-bit text:", repr(tok.decode(gens["CPUInt4Linear"][0][:24])))
+
+
+def bench_ppl(gguf: str | None, group_size: int, windows: int, seq_len: int) -> None:
+    """Perplexity cost of the CPU head options, on held-out text (fastawq.data.heldout_text):
+    the fp32 model, its 4-bit RTN decoder with the float head, and with bf16 / 8-bit / 4-bit
+    heads (group 64)."""
+    from fastawq import data, eval as ev
+
+    tok, model = load_fp32(find_gguf(gguf))
+    ids = torch.tensor(tok(data.heldout_text(40 * windows * seq_len), add_special_tokens=False)["input_ids"])
+    ids = ids[: windows * seq_len]
+    print(f"\nPerplexity, {ids.numel()} held-out tokens in {windows} windows of {seq_len}")
+
+    def ppl(name):
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            value = ev.perplexity(model, tok, ids, seq_len=seq_len, progress=False)
+        print(f"  {name:48s} {value:8.3f}   ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    ppl("fp32")
+    head = model.lm_head
+    quantize_linears(model, group_size)
+    cpu.convert_model(model)
+    ppl(f"4-bit RTN g{group_size} decoder, fp32 head")
+    w16 = head.weight.detach().to(torch.bfloat16)
+    model.lm_head = lambda x: torch.nn.functional.linear(x.to(torch.bfloat16), w16).float()
+    ppl(f"4-bit RTN g{group_size} decoder, bf16 head")
+    for bits in (8, 4):
+        model.lm_head = head
+        cpu.convert_model(model, lm_head_bits=bits)
+        ppl(f"4-bit RTN g{group_size} decoder, {bits}-bit head g64")
 
 
 def main() -> None:
@@ -322,7 +375,12 @@ def main() -> None:
     mod.add_argument("--new-tokens", type=int, default=64)
     mod.add_argument("--repeats", type=int, default=3)
     mod.add_argument("--profile", action="store_true")
-    for sp in (lay, mod):
+    pp = sub.add_parser("ppl")
+    pp.add_argument("--gguf", default=None)
+    pp.add_argument("--group-size", type=int, default=64)
+    pp.add_argument("--windows", type=int, default=16)
+    pp.add_argument("--seq-len", type=int, default=512)
+    for sp in (lay, mod, pp):
         sp.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
         sp.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: this thread's CPU time, robust to other load; needs --threads 1")
@@ -337,6 +395,8 @@ def main() -> None:
     print(f"clock: {args.clock}, threads: {torch.get_num_threads()}, load average: {os.getloadavg()}")
     if args.what == "layer":
         bench_layer(args.m, args.k, args.n, args.group_size, args.iters)
+    elif args.what == "ppl":
+        bench_ppl(args.gguf, args.group_size, args.windows, args.seq_len)
     else:
         bench_model(args.gguf, args.group_size, args.prompt_tokens, args.new_tokens, args.repeats, args.profile)
 

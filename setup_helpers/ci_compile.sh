@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# CI: prove csrc/ compiles on a machine without a GPU, and leave fastawq installed (with _C) in
-# the environment of the `python` on PATH (a CUDA build of torch must be installed there).
+# CI: prove csrc/ compiles on a machine without a GPU, and leave fastawq installed (with _C: the
+# CUDA kernels and the CPU kernels of csrc/cpu/) in the environment of the `python` on PATH (a
+# CUDA build of torch must be installed there). FASTAWQ_BUILD_KERNELS=cpu builds the CPU kernels
+# alone (what a machine without nvcc gets with the default `auto`).
 # Archs: 8.0 covers every *_sm80 source and the generic ones, 9.0a the Hopper-only ones.
 # About 3-4 minutes on 2 cores. Any compile error fails the script (and prints the compiler output).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export FASTAWQ_BUILD_KERNELS=on
+export FASTAWQ_BUILD_KERNELS="${FASTAWQ_BUILD_KERNELS:-on}"
 export FASTAWQ_CUDA_ARCHS="${FASTAWQ_CUDA_ARCHS:-8.0;9.0a}"
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 log=$(mktemp)
@@ -15,14 +17,23 @@ if ! python -m pip install --no-build-isolation --no-deps -v . >"$log" 2>&1; the
   grep -E -B2 -A8 "error|FAILED" "$log" | head -200 >&2 || tail -100 "$log" >&2
   exit 1
 fi
-echo "ci_compile: built and installed in $(( $(date +%s) - start )) s (archs ${FASTAWQ_CUDA_ARCHS})"
+[ "$FASTAWQ_BUILD_KERNELS" = cpu ] && archs="none" || archs="$FASTAWQ_CUDA_ARCHS"
+echo "ci_compile: built and installed in $(( $(date +%s) - start )) s (FASTAWQ_BUILD_KERNELS=${FASTAWQ_BUILD_KERNELS}, CUDA archs ${archs})"
 cd /   # import the installed package, not the source tree
 python - <<'PY'
 from fastawq import _ext
 status = _ext.status()
 assert status["loaded"], f"fastawq._C did not load after the build: {status}"
+import os
 import torch
-missing = [op for op in ("awq_dequantize", "awq_gemm", "awq_gemm_config") if not hasattr(torch.ops.fastawq, op)]
+mode = os.environ["FASTAWQ_BUILD_KERNELS"]
+ops = ("awq_cpu_repack", "awq_cpu_gemm", "awq_cpu_isas")
+if mode == "on":
+    ops += ("awq_dequantize", "awq_gemm", "awq_gemm_config")
+if mode == "cpu":
+    assert not hasattr(torch.ops.fastawq, "awq_gemm") and not status["archs"], "a CPU-only build holds CUDA code"
+missing = [op for op in ops if not hasattr(torch.ops.fastawq, op)]
 assert not missing, f"ops not registered: {missing}"
-print(f"ci_compile: fastawq._C loads (archs {status['archs']}, torch {status['built_torch']})")
+isas = list(torch.ops.fastawq.awq_cpu_isas())
+print(f"ci_compile: fastawq._C loads (archs {status['archs']}, torch {status['built_torch']}; CPU kernels {isas})")
 PY
