@@ -229,7 +229,9 @@ at::Tensor awq_repack_tiled(const at::Tensor& qweight) {
   const int64_t k = qweight.size(0), n8 = qweight.size(1);
   FASTAWQ_CHECK(k % kMmaBlockK == 0 && n8 % 16 == 0, "awq_repack_tiled: needs K % 32 == 0 and N % 128 == 0, got K=", k,
                 ", N=", n8 * 8, " (qweight ", shape_str(qweight), ")");
-  return qweight.reshape({k / kMmaBlockK, kMmaBlockK, n8 / 16, 16}).permute({2, 0, 1, 3}).contiguous();
+  // clone, not contiguous(): with N = 128 the permuted view is already contiguous, and the result
+  // must never alias the input (opcheck caught it).
+  return qweight.reshape({k / kMmaBlockK, kMmaBlockK, n8 / 16, 16}).permute({2, 0, 1, 3}).clone(at::MemoryFormat::Contiguous);
 }
 
 // x [M, K] · qweight_tiled [N/128, K/32, 32, 16] (awq_repack_tiled) · scales [K/G, N] · qzeros [K/G, N/8] -> [M, N]

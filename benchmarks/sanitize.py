@@ -1,0 +1,61 @@
+"""Every compiled kernel once on small shapes, for `compute-sanitizer` (GPU only).
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py
+
+Shapes are small (the sanitizer slows kernels ~100x) but cover each kernel's edges: column tiles
+cut short, several K splits (split-K workspaces and counters), odd M, bias, fp16 and bf16.
+Results are also checked against the reference, so a clean run is clean and right.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+sys.path.insert(0, "tests")
+from conftest import assert_close_to_reference, random_awq, random_input  # noqa: E402
+
+from fastawq import _ext  # noqa: E402
+
+
+def main() -> None:
+    if not _ext.is_loaded():
+        raise SystemExit(f"fastawq._C is not loaded: {_ext.status()}")
+    ops = torch.ops.fastawq
+    n_calls = 0
+    for dtype in (torch.float16, torch.bfloat16):
+        for k, n, g in ((256, 160, 64), (576, 544, 32), (1024, 96, 128)):
+            qw, s, qz = random_awq(k, n, g, "cuda", dtype, seed=k + n)
+            bias = random_input((n,), "cuda", dtype, seed=2)
+            w = ops.awq_dequantize(qw, s, qz, g)
+            assert w.shape == (k, n)
+            for m in (1, 2, 3, 5, 8, 17, 40):
+                x = random_input((m, k), "cuda", dtype, seed=m)
+                paths = [0, 2, 5] + ([6, 7] if m <= 8 else [])
+                for path in paths:
+                    for split_k in (0, 3):
+                        out = ops.awq_gemm_config(x, qw, s, qz, g, bias, path, split_k)
+                        assert_close_to_reference(out, x, qw, s, qz, g, bias)
+                        n_calls += 1
+            if n % 128 == 0 and k % 32 == 0:
+                qt = ops.awq_repack_tiled(qw)
+                x = random_input((3, k), "cuda", dtype)
+                assert_close_to_reference(ops.awq_gemm_tiled(x, qt, s, qz, g, bias, 0), x, qw, s, qz, g, bias)
+                n_calls += 1
+    if hasattr(ops, "decode_attention"):
+        for dtype in (torch.float16, torch.bfloat16):
+            for d, hq, hkv in ((128, 32, 8), (64, 8, 8), (256, 8, 2)):
+                b, cap = 2, 300
+                q = random_input((b, hq, d), "cuda", dtype, seed=d)
+                kc = random_input((b, cap, hkv, d), "cuda", dtype, seed=d + 1)
+                vc = random_input((b, cap, hkv, d), "cuda", dtype, seed=d + 2)
+                lens = torch.tensor([1, 257], dtype=torch.int32, device="cuda")
+                out = ops.decode_attention(q, kc, vc, lens, d ** -0.5)
+                assert torch.isfinite(out).all()
+                n_calls += 1
+    torch.cuda.synchronize()
+    print(f"sanitize: {n_calls} kernel calls ran and matched the reference")
+
+
+if __name__ == "__main__":
+    main()
