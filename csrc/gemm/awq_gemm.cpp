@@ -63,15 +63,18 @@ bool gemv_fits(int64_t m, int64_t k, int64_t n, int64_t g) {
          k <= (int64_t{1} << 30) && n <= (int64_t{1} << 30);
 }
 
-// Grid of the GEMV: enough warp items (chunk_rows rows x one column tile) for ~16 warps per SM,
-// 4 warps per block, and K split over blocks until the grid is about one wave.
+// Grid of the GEMV: enough warp items (chunk_rows rows x one column tile) to fill the SMs at the
+// kernel's occupancy (M=1: 127 registers, 16 warps per SM; M >= 2: ~230, 8), 4 warps per block,
+// and K split over blocks until the grid is about one wave. The H200 sweep of 2026-11-30 (forced
+// splits 1..32, CUDA_NOTES.md) put the best split within 10 % of this choice on every Llama shape.
 void run_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& qzeros,
               int64_t g, const at::Tensor* bias, at::Tensor& out, int64_t split_k, bool pipelined) {
   const int m = static_cast<int>(x.size(0)), k = static_cast<int>(x.size(1)), n = static_cast<int>(out.size(1));
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int tile_cols = gemv_tile_cols(m);
   const int col_tiles = (n + tile_cols - 1) / tile_cols;
-  const int64_t want_warps = int64_t(sms) * 16;
+  const int warps_per_sm = m == 1 ? 16 : 8;
+  const int64_t want_warps = int64_t(sms) * warps_per_sm;
   int chunk_rows = 128;
   while (chunk_rows > 32 && int64_t(col_tiles) * ((k + chunk_rows - 1) / chunk_rows) < want_warps) chunk_rows /= 2;
   const int total = (k + chunk_rows - 1) / chunk_rows;
@@ -80,7 +83,8 @@ void run_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& 
     cpb = static_cast<int>((total + split_k - 1) / split_k);
   } else {
     const int64_t items = int64_t(col_tiles) * total;
-    cpb = static_cast<int>((items + sms * 4 - 1) / (sms * 4));
+    const int64_t blocks = want_warps / 4;
+    cpb = static_cast<int>((items + blocks - 1) / blocks);
     cpb = std::max(4, (cpb + 3) / 4 * 4);
   }
   cpb = std::max(1, std::min(cpb, total));
