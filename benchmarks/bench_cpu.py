@@ -311,6 +311,9 @@ def bench_model(gguf: str | None, group_size: int, prompt_tokens: int, new_token
         cpu.convert_model(model, lm_head_bits=bits)
         gens[f"+ {bits}-bit lm_head"] = variant(f"4-bit CPUInt4Linear + {bits}-bit lm_head, fp32", model)
         model.lm_head = head
+    model.lm_head = BF16Linear(head)
+    gens["+ bf16 lm_head"] = variant("4-bit CPUInt4Linear + bf16 lm_head, fp32", model)
+    model.lm_head = head
     model.to(torch.bfloat16)
     gens["bf16 act"] = variant("4-bit CPUInt4Linear, bf16 act + bf16 head", model)
     cpu.convert_model(model, lm_head_bits=8)
@@ -326,6 +329,17 @@ def bench_model(gguf: str | None, group_size: int, prompt_tokens: int, new_token
               f"{same} as WQLinear's")
     print("  fp32 text:", repr(tok.decode(gen_fp32[0][:24])))
     print("  4-bit text:", repr(tok.decode(gens["CPUInt4Linear"][0][:24])))
+
+
+class BF16Linear(torch.nn.Module):
+    """A float linear with its weight rounded to bf16, run in bf16, output in x's dtype."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.weight = linear.weight.detach().to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
 
 
 def bench_ppl(gguf: str | None, group_size: int, windows: int, seq_len: int) -> None:
@@ -350,8 +364,7 @@ def bench_ppl(gguf: str | None, group_size: int, windows: int, seq_len: int) -> 
     quantize_linears(model, group_size)
     cpu.convert_model(model)
     ppl(f"4-bit RTN g{group_size} decoder, fp32 head")
-    w16 = head.weight.detach().to(torch.bfloat16)
-    model.lm_head = lambda x: torch.nn.functional.linear(x.to(torch.bfloat16), w16).float()
+    model.lm_head = BF16Linear(head)
     ppl(f"4-bit RTN g{group_size} decoder, bf16 head")
     for bits in (8, 4):
         model.lm_head = head

@@ -397,3 +397,30 @@ def test_convert_model_lm_head(bits):
     with pytest.raises(ValueError, match="lm_head_bits must be 4, 8 or None"):
         model.lm_head = torch.nn.Linear(64, 256, bias=False)
         cpu_backend.convert_model(model, lm_head_bits=6)
+
+
+@needs_fast
+def test_from_quantized_use_ipex_converts_and_heads(tmp_path):
+    # AutoAWQ's use_ipex=True lands on this backend: packed layers become CPUInt4Linear (same
+    # logits as dispatch), and cpu_lm_head_bits=8 makes the float head an 8-bit layer.
+    from fastawq.auto import AutoAWQForCausalLM, AWQModel
+    from fastawq.quantize import QuantConfig, quantize
+    from test_models import calib_ids, tiny_model
+
+    model = tiny_model("llama")
+    qc = QuantConfig(q_group_size=32)
+    quantize(model, None, qc, calib=calib_ids(), max_calib_samples=4, max_calib_seq_len=32)
+    AWQModel(model, qc).save_quantized(tmp_path)
+    ids = calib_ids(1, 10)
+    plain = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu")
+    lean = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", use_ipex=True)
+    head8 = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", use_ipex=True, cpu_lm_head_bits=8)
+    assert any(isinstance(m, cpu_backend.CPUInt4Linear) for m in lean.modules())
+    assert isinstance(head8.model.lm_head, cpu_backend.CPUInt8Linear)
+    with torch.no_grad():
+        ref = plain(ids).logits
+        assert torch.equal(lean(ids).logits, ref)
+        rel = ((head8(ids).logits - ref).abs().max() / ref.abs().max()).item()
+    assert rel < 2e-2, rel
+    with pytest.raises(ValueError, match="cpu_lm_head_bits needs use_ipex=True"):
+        AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", cpu_lm_head_bits=8)
