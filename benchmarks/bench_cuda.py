@@ -52,10 +52,16 @@ def bench_shape(k: int, n: int, ms: list[int], g: int, sweep: bool, keep: set[st
         if m <= 8:
             variants["gemv"] = lambda i: torch.ops.fastawq.awq_gemm_config(x, qw[i], s[i], qz[i], g, None, 6, 0)
             variants["gemvp"] = lambda i: torch.ops.fastawq.awq_gemm_config(x, qw[i], s[i], qz[i], g, None, 7, 0)
+            if m <= 2:
+                variants["gemva3"] = lambda i: torch.ops.fastawq.awq_gemm_config(x, qw[i], s[i], qz[i], g, None, 8, 0)
+                variants["gemva4"] = lambda i: torch.ops.fastawq.awq_gemm_config(x, qw[i], s[i], qz[i], g, None, 9, 0)
             if sweep:
                 for sk in (1, 2, 4, 8, 16, 32):
                     variants[f"gemv_sk{sk}"] = (lambda i, sk=sk: torch.ops.fastawq.awq_gemm_config(
                         x, qw[i], s[i], qz[i], g, None, 6, sk))
+                    if m <= 2:
+                        variants[f"gemva3_sk{sk}"] = (lambda i, sk=sk: torch.ops.fastawq.awq_gemm_config(
+                            x, qw[i], s[i], qz[i], g, None, 8, sk))
         if sweep and 8 < m <= 64:
             for sk in (4, 8, 16, 32):
                 variants[f"mma4k4_sk{sk}"] = (lambda i, sk=sk: torch.ops.fastawq.awq_gemm_config(

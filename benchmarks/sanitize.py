@@ -31,7 +31,7 @@ def main() -> None:
             assert w.shape == (k, n)
             for m in (1, 2, 3, 5, 8, 17, 40):
                 x = random_input((m, k), "cuda", dtype, seed=m)
-                paths = [0, 2, 5] + ([6, 7] if m <= 8 else [])
+                paths = [0, 2, 5] + ([6, 7] if m <= 8 else []) + ([8, 9] if m <= 2 else [])
                 for path in paths:
                     for split_k in (0, 3):
                         out = ops.awq_gemm_config(x, qw, s, qz, g, bias, path, split_k)

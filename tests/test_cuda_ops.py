@@ -108,7 +108,8 @@ def test_gemv(shape, group, m, dtype):
     qw, s, qz = random_awq(k, n, group, "cuda", dtype, seed=m * 7 + k + n)
     x = random_input((m, k), "cuda", dtype, seed=m + 3)
     bias = random_input((n,), "cuda", dtype, seed=5) if m % 2 else None
-    for path in (6, 7):  # 7: the prefetching variant (M = 1; larger M runs path 6 kernel)
+    # 7: the prefetching variant (M = 1; larger M runs path 6's kernel); 8, 9: cp.async-staged (M <= 2)
+    for path in (6, 7, 8, 9) if m <= 2 else (6, 7):
         for split_k in (0, 1, 3, 1000):
             out = _gemm(x, qw, s, qz, g, bias, path=path, split_k=split_k)
             assert_close_to_reference(out, x, qw, s, qz, g, bias)
@@ -121,7 +122,7 @@ def test_gemv_llama_shapes(shape, m, dtype):
     k, n = shape
     qw, s, qz = random_awq(k, n, 128, "cuda", dtype, seed=k + n + m)
     x = random_input((m, k), "cuda", dtype, seed=m)
-    for path in (6, 7):
+    for path in (6, 7, 8, 9) if m <= 2 else (6, 7):
         assert_close_to_reference(_gemm(x, qw, s, qz, 128, path=path), x, qw, s, qz, 128)
 
 
@@ -137,11 +138,13 @@ def test_gemv_graph_replay_split_k():
     with torch.cuda.graph(graph):
         out_a = torch.ops.fastawq.awq_gemm_config(x, *a, g, None, 6, 16)
         out_b = torch.ops.fastawq.awq_gemm_config(x, *b, g, None, 6, 7)
+        out_c = torch.ops.fastawq.awq_gemm_config(x, *b, g, None, 8, 5)
     for seed in (5, 6, 7):
         x.copy_(random_input((1, k), "cuda", torch.float16, seed=seed))
         graph.replay()
         assert_close_to_reference(out_a, x, *a, g)
         assert_close_to_reference(out_b, x, *b, g)
+        assert_close_to_reference(out_c, x, *b, g)
 
 
 def test_gemv_rejects_unsupported_shape():

@@ -63,6 +63,7 @@ struct GemvArgs {
   int chunk_rows;           // rows of K per warp item: 32, 64 or 128
   int chunks_per_block;
   bool pipelined;           // prefetch the next batch before computing the current one (M = 1)
+  int stages;               // 3 or 4: the cp.async-staged kernel (M <= 2); 0: the register kernel
 };
 
 void launch_awq_gemv(const GemvArgs& args, cudaStream_t stream);

@@ -20,6 +20,8 @@ namespace {
 // cuBLAS over the Llama-3-8B shapes at M = 1/2/4/8: GEMV 1.82/1.13/0.80/0.48, tensor-core kernel
 // with 128-row stages (path 5) 0.99/0.96/0.92/0.85.
 constexpr int64_t kGemvAutoMaxM = 2;
+// Which GEMV serves M <= kGemvAutoMaxM: 8 = through 3 cp.async stages, 6 = registers only.
+constexpr int64_t kGemvAutoPath = 8;
 // Largest M served by the tensor-core kernel (path 5); above it dequantize + cuBLAS wins on the
 // H200 (CUDA_NOTES.md: at M=64 the kernel's best was 0.31x cuBLAS against 0.40x). Paths 1-5
 // passed tests/test_cuda_ops.py on the H200 at commit 4325f6f.
@@ -68,7 +70,7 @@ bool gemv_fits(int64_t m, int64_t k, int64_t n, int64_t g) {
 // and K split over blocks until the grid is about one wave. The H200 sweep of 2026-11-30 (forced
 // splits 1..32, CUDA_NOTES.md) put the best split within 10 % of this choice on every Llama shape.
 void run_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& qzeros,
-              int64_t g, const at::Tensor* bias, at::Tensor& out, int64_t split_k, bool pipelined) {
+              int64_t g, const at::Tensor* bias, at::Tensor& out, int64_t split_k, bool pipelined, int stages) {
   const int m = static_cast<int>(x.size(0)), k = static_cast<int>(x.size(1)), n = static_cast<int>(out.size(1));
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int tile_cols = gemv_tile_cols(m);
@@ -105,6 +107,7 @@ void run_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& 
   a.m = m, a.n = n, a.k = k, a.group_size = static_cast<int>(g);
   a.col_tiles = col_tiles, a.splits = splits, a.chunk_rows = chunk_rows, a.chunks_per_block = cpb;
   a.pipelined = pipelined;
+  a.stages = stages;
   launch_awq_gemv(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -184,22 +187,29 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& qweight, const at::T
                 "awq_gemm: bias must be a contiguous [N=", n, "] ", x.scalar_type(), " tensor on ", x.device(),
                 ", got ", shape_str(*b), " ", b->scalar_type(), " on ", b->device());
   }
-  FASTAWQ_CHECK(path >= 0 && path <= 7, "awq_gemm_config: path must be 0 (auto), 1 (tensor-core kernel), ",
+  FASTAWQ_CHECK(path >= 0 && path <= 9, "awq_gemm_config: path must be 0 (auto), 1 (tensor-core kernel), ",
                 "2 (dequantize + cuBLAS), 3 (tensor-core kernel, 4 warps), 4 (tensor-core kernel, 8 warps), ",
-                "5 (tensor-core kernel, 4 warps, 128-row stages), 6 (CUDA-core GEMV, M <= 8) or ",
-                "7 (CUDA-core GEMV with prefetch)");
+                "5 (tensor-core kernel, 4 warps, 128-row stages), 6 (CUDA-core GEMV, M <= 8), ",
+                "7 (CUDA-core GEMV with prefetch), 8 or 9 (CUDA-core GEMV through 3 or 4 cp.async stages, M <= 2)");
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
   if (k == 0) return b != nullptr ? out.copy_(b->expand({m, n})) : out.zero_();
 
   const bool gemv_ok = !tiled && gemv_fits(m, k, n, g) && aligned;
-  if (path == 0 && gemv_ok && m <= kGemvAutoMaxM) path = 6;
+  if (path == 0 && gemv_ok && m <= kGemvAutoMaxM) path = kGemvAutoPath;
+  if (path == 8 || path == 9) {
+    FASTAWQ_CHECK(gemv_ok && m <= 2 && (n / 8) % 4 == 0, "awq_gemm: the staged GEMV kernel needs 1 <= M <= 2, K % 32, ",
+                  "group_size % 32 == 0, N % 32 == 0 and 16-byte aligned operands (problem m=", m, ", n=", n, ", k=", k,
+                  ", group_size=", g, ")");
+    run_gemv(x, qweight, scales, qzeros, g, b, out, split_k, false, path == 8 ? 3 : 4);
+    return out;
+  }
   if (path == 6 || path == 7) {
     FASTAWQ_CHECK(gemv_ok, "awq_gemm: the GEMV kernel needs 1 <= M <= ", kGemvMaxM, ", K % 32, group_size % 32 == 0, ",
                   "N/8 a multiple of ", gemv_words_per_lane(static_cast<int>(std::min<int64_t>(std::max<int64_t>(m, 1), kGemvMaxM))),
                   " and 16-byte aligned operands (problem m=", m, ", n=", n, ", k=", k, ", group_size=", g, ")");
-    run_gemv(x, qweight, scales, qzeros, g, b, out, split_k, path == 7);
+    run_gemv(x, qweight, scales, qzeros, g, b, out, split_k, path == 7, 0);
     return out;
   }
   const bool fits = mma_fits(k, n, g) && aligned;
