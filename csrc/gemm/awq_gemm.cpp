@@ -20,8 +20,10 @@ namespace {
 // cuBLAS over the Llama-3-8B shapes at M = 1/2/4/8: GEMV 1.82/1.13/0.80/0.48, tensor-core kernel
 // with 128-row stages (path 5) 0.99/0.96/0.92/0.85.
 constexpr int64_t kGemvAutoMaxM = 2;
-// Which GEMV serves M <= kGemvAutoMaxM: 8 = through 3 cp.async stages, 6 = registers only.
-constexpr int64_t kGemvAutoPath = 8;
+// Which GEMV serves each M (same run, commit fc0adda): at M=1 the register kernel (path 6, 1.81x)
+// beats the cp.async-staged one (path 8, 1.63x) on all four shapes; at M=2 the staged one wins
+// (1.40x vs 1.28x), its accumulators no longer competing with in-flight loads for registers.
+inline int64_t gemv_auto_path(int64_t m) { return m == 1 ? 6 : 8; }
 // Largest M served by the tensor-core kernel (path 5); above it dequantize + cuBLAS wins on the
 // H200 (CUDA_NOTES.md: at M=64 the kernel's best was 0.31x cuBLAS against 0.40x). Paths 1-5
 // passed tests/test_cuda_ops.py on the H200 at commit 4325f6f.
@@ -197,7 +199,7 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& qweight, const at::T
   if (k == 0) return b != nullptr ? out.copy_(b->expand({m, n})) : out.zero_();
 
   const bool gemv_ok = !tiled && gemv_fits(m, k, n, g) && aligned;
-  if (path == 0 && gemv_ok && m <= kGemvAutoMaxM) path = kGemvAutoPath;
+  if (path == 0 && gemv_ok && m <= kGemvAutoMaxM) path = gemv_auto_path(m);
   if (path == 8 || path == 9) {
     FASTAWQ_CHECK(gemv_ok && m <= 2 && (n / 8) % 4 == 0, "awq_gemm: the staged GEMV kernel needs 1 <= M <= 2, K % 32, ",
                   "group_size % 32 == 0, N % 32 == 0 and 16-byte aligned operands (problem m=", m, ", n=", n, ", k=", k,
