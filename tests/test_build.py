@@ -70,6 +70,16 @@ def test_failing_extension_warns_and_falls_back(fake_build):
     assert "libcudart" in msgs[0] and torch.__version__ in msgs[0] and "rebuild" in msgs[0]
 
 
+def test_cpu_only_build_loads_without_archs(fake_build):
+    # A _C built without CUDA (CPU kernels only) records CUDA_ARCHS = "".split(";") == [""].
+    install, imported = fake_build
+    ext = install(types.SimpleNamespace(TORCH_VERSION=torch.__version__, CUDA_ARCHS=[""]), None)
+    loaded, msgs = _load_twice(ext)
+    assert loaded is True and msgs == [] and imported == ["fastawq._C"]
+    assert ext.built_archs() == [] and ext.status()["archs"] == []
+    assert not ext.supports_device(torch.device("cpu"))
+
+
 def test_no_kernels_is_silent(fake_build):
     install, _ = fake_build
     ext = install(None, None)
