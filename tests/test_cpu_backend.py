@@ -424,3 +424,20 @@ def test_from_quantized_use_ipex_converts_and_heads(tmp_path):
     assert rel < 2e-2, rel
     with pytest.raises(ValueError, match="cpu_lm_head_bits needs use_ipex=True"):
         AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", cpu_lm_head_bits=8)
+
+
+@needs_fast
+def test_cached_fast_path_sees_writes_and_bias(monkeypatch):
+    # awq_gemm's shortcut to a cached fastawq repack must still notice in-place writes, a bias
+    # and activations it does not take as they are (fp16).
+    monkeypatch.delenv("FASTAWQ_CPU_KERNEL", raising=False)
+    qweight, scales, qzeros = random_awq(256, 72, 64, seed=1)
+    x = random_input((3, 256), dtype=torch.float32)
+    bias = random_input((72,), dtype=torch.float32, seed=9)
+    cpu_backend.awq_gemm(x, qweight, scales, qzeros, 64)
+    for target, new in zip((qweight, scales, qzeros), random_awq(256, 72, 64, seed=2)):
+        target.copy_(new)
+        _check(cpu_backend.awq_gemm(x, qweight, scales, qzeros, 64), x, qweight, scales, qzeros, 64)
+    _check(cpu_backend.awq_gemm(x, qweight, scales, qzeros, 64, bias), x, qweight, scales, qzeros, 64, bias)
+    _check(cpu_backend.awq_gemm(x.half(), qweight, scales, qzeros, 64), x.half(), qweight, scales, qzeros, 64)
+    assert cpu_backend.prepare(qweight, scales, qzeros, 64).kernel == "fastawq"
