@@ -29,7 +29,7 @@ import torch
 mode = os.environ["FASTAWQ_BUILD_KERNELS"]
 ops = ("awq_cpu_repack", "awq_cpu_gemm", "awq_cpu_isas")
 if mode == "on":
-    ops += ("awq_dequantize", "awq_gemm", "awq_gemm_config")
+    ops += ("awq_dequantize", "awq_gemm", "awq_gemm_config", "decode_attention")
 if mode == "cpu":
     assert not hasattr(torch.ops.fastawq, "awq_gemm") and not status["archs"], "a CPU-only build holds CUDA code"
 missing = [op for op in ops if not hasattr(torch.ops.fastawq, op)]
