@@ -18,8 +18,22 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     "$VENV/bin/python" -m pip install -q torch
 fi
 if ! "$VENV/bin/python" -c "import fastawq.commands.demo, gguf, accelerate" 2>/dev/null; then
-    echo "== installing fastawq (with the GGUF reader for the default model)"
-    "$VENV/bin/python" -m pip install -q "$ROOT[gguf]"
+    # Build fastawq._C against this venv's torch: the CPU kernels always, the CUDA ones only when
+    # torch sees a GPU (a CPU-only machine need not spend minutes compiling them). If the build
+    # fails (no C++ compiler, say), install the pure-Python package: Triton/torch kernels serve.
+    if [ -z "${FASTAWQ_BUILD_KERNELS:-}" ]; then
+        if "$VENV/bin/python" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+            export FASTAWQ_BUILD_KERNELS=auto
+        else
+            export FASTAWQ_BUILD_KERNELS=cpu
+        fi
+    fi
+    echo "== installing fastawq (kernels: $FASTAWQ_BUILD_KERNELS; with the GGUF reader for the default model)"
+    "$VENV/bin/python" -m pip install -q scikit-build-core cmake ninja
+    if ! "$VENV/bin/python" -m pip install -q --no-build-isolation "$ROOT[gguf]"; then
+        echo "== building fastawq's kernels failed; installing without them"
+        FASTAWQ_BUILD_KERNELS=off "$VENV/bin/python" -m pip install -q "$ROOT[gguf]"
+    fi
 fi
 echo "== fastawq demo $*"
 exec "$VENV/bin/fastawq" demo "$@"
