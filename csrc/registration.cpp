@@ -1,12 +1,20 @@
-// The one place fastawq's CUDA ops are registered: each schema is written once, here. The CPU
-// kernels (csrc/cpu/, built with or without CUDA) register theirs from csrc/cpu/awq_cpu.cpp with
-// TORCH_LIBRARY_FRAGMENT; FASTAWQ_WITH_CUDA is defined by CMakeLists.txt in CUDA builds only.
+// The one place fastawq's ops are registered: each schema is written once, here.
+// The CPU kernels (csrc/cpu/) are in every build; the CUDA ones only where CMakeLists.txt found
+// the CUDA toolchain and defined FASTAWQ_WITH_CUDA.
 #include <Python.h>
 #include <torch/library.h>
 
+#include "cpu/awq_cpu_ops.h"
+#ifdef FASTAWQ_WITH_CUDA
+#include "attention/attention_ops.h"
 #include "ops.h"
+#endif
 
 TORCH_LIBRARY(fastawq, m) {
+  m.def("awq_cpu_repack(Tensor qweight, Tensor scales, Tensor qzeros, int group_size) -> (Tensor, Tensor, Tensor)");
+  m.def("awq_cpu_gemm(Tensor x, Tensor w, Tensor scales, Tensor zeros16, int group_size, int n, Tensor? bias, "
+        "str isa=\"auto\") -> Tensor");
+  m.def("awq_cpu_isas() -> str[]", &fastawq::awq_cpu_isas);
 #ifdef FASTAWQ_WITH_CUDA
   m.def("awq_dequantize(Tensor qweight, Tensor scales, Tensor qzeros, int group_size) -> Tensor");
   m.def("awq_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias) -> Tensor");
@@ -15,6 +23,18 @@ TORCH_LIBRARY(fastawq, m) {
   m.def("awq_repack_tiled(Tensor qweight) -> Tensor");
   m.def("awq_gemm_tiled(Tensor x, Tensor qweight_tiled, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
         "int split_k) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lens, float scale) -> Tensor");
+  m.def("decode_attention_out(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lens, float scale, "
+        "Tensor(a!) out) -> ()");
+#endif
+}
+
+TORCH_LIBRARY_IMPL(fastawq, CPU, m) {
+  m.impl("awq_cpu_repack", &fastawq::awq_cpu_repack);
+  m.impl("awq_cpu_gemm", &fastawq::awq_cpu_gemm);
+#ifdef FASTAWQ_WITH_CUDA
+  // The repack is a pure permutation: it also runs on CPU tensors (checkpoints load there first).
+  m.impl("awq_repack_tiled", &fastawq::awq_repack_tiled);
 #endif
 }
 
@@ -25,10 +45,9 @@ TORCH_LIBRARY_IMPL(fastawq, CUDA, m) {
   m.impl("awq_gemm_config", &fastawq::awq_gemm_config);
   m.impl("awq_repack_tiled", &fastawq::awq_repack_tiled);
   m.impl("awq_gemm_tiled", &fastawq::awq_gemm_tiled);
+  m.impl("decode_attention", &fastawq::decode_attention);
+  m.impl("decode_attention_out", &fastawq::decode_attention_out);
 }
-
-// The repack is a pure permutation: it also runs on CPU tensors (checkpoints load there first).
-TORCH_LIBRARY_IMPL(fastawq, CPU, m) { m.impl("awq_repack_tiled", &fastawq::awq_repack_tiled); }
 #endif
 
 // `import fastawq._C` only has to run the static registrations above: an empty module.

@@ -1,4 +1,4 @@
-// Host entry points of the attention ops (schemas in registration_attention.cpp).
+// Host entry points of the attention ops (schemas in csrc/registration.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>

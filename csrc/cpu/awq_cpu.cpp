@@ -5,7 +5,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstring>
@@ -263,15 +262,3 @@ at::Tensor awq_cpu_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tens
 }
 
 }  // namespace fastawq
-
-TORCH_LIBRARY_FRAGMENT(fastawq, m) {
-  m.def("awq_cpu_repack(Tensor qweight, Tensor scales, Tensor qzeros, int group_size) -> (Tensor, Tensor, Tensor)");
-  m.def("awq_cpu_gemm(Tensor x, Tensor w, Tensor scales, Tensor zeros16, int group_size, int n, Tensor? bias, "
-        "str isa=\"auto\") -> Tensor");
-  m.def("awq_cpu_isas() -> str[]", &fastawq::awq_cpu_isas);
-}
-
-TORCH_LIBRARY_IMPL(fastawq, CPU, m) {
-  m.impl("awq_cpu_repack", &fastawq::awq_cpu_repack);
-  m.impl("awq_cpu_gemm", &fastawq::awq_cpu_gemm);
-}
