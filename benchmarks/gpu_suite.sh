@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
-#   bash benchmarks/gpu_suite.sh [stage ...]      stages: build tests gemm e2e quantize (default: all)
+#   bash benchmarks/gpu_suite.sh [stage ...]
+#   stages: build tests gemm gemv attention sanitize profile e2e quantize (default: all but profile)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
 # (Triton/torch backends only), for quick kernel iterations.
-# One device call may run 10 minutes: all stages together take longer, so split them over calls
-# on the warm machine (the CMake build dir stays there): `build tests`, then `build gemm`, then
-# `build e2e quantize`. Triton tunes each (M bucket, shape) on first use: ~1-2 min in `gemm`.
+# One device call may run 10 minutes and each call on a cold machine spends ~1 min starting it
+# (the machine goes back 30 s after a call): pack stages into few calls. Times seen on the H200
+# (2026-11-30): build 30-60 s; tests with FASTAWQ_SUITE_TESTS=tests/test_cuda_ops.py ~2 min, the
+# whole suite > 6 min (split it); gemm ~1.5 min (Triton tunes each M bucket and shape on first
+# use); gemv, attention, sanitize ~20-40 s each; quantize ~40 s; e2e ~2.5 min; profile (ncu) ~1 min.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-stages=${*:-build tests gemm e2e quantize}
+stages=${*:-build tests gemm gemv attention sanitize e2e quantize}
 status=0
 step() { echo "=== $1 ($(date +%T))"; }
 
@@ -40,11 +43,32 @@ if [[ " $stages " == *" build "* ]]; then
 fi
 if [[ " $stages " == *" tests "* ]]; then
   step tests
-  python -m pytest -q -x -p no:cacheprovider ${FASTAWQ_SUITE_TESTS:-tests} -m "not slow" 2>&1 | tail -25 | tee "$OUT/tests.log" || status=1
+  python -m pytest -q -x -p no:cacheprovider -p no:logging ${FASTAWQ_SUITE_TESTS:-tests} -m "not slow" 2>&1 \
+    | tee "$OUT/tests.log" | tail -25 || status=1
 fi
 if [[ " $stages " == *" gemm "* ]]; then
   step gemm
   python benchmarks/gemm_table.py --out "$OUT" ${FASTAWQ_SUITE_GEMM_ARGS:-} 2>&1 | tee "$OUT/gemm_table.md" || status=1
+fi
+if [[ " $stages " == *" gemv "* ]]; then
+  step gemv
+  python benchmarks/bench_cuda.py --ms 1,2 --variants auto,gemv,gemva3 --sweep --json "$OUT/bench_gemv.json" 2>&1 \
+    | tee "$OUT/bench_gemv.txt" | tail -14 || status=1
+fi
+if [[ " $stages " == *" attention "* ]]; then
+  step attention
+  python benchmarks/bench_attention.py --out "$OUT" 2>&1 | tail -12 || status=1
+fi
+if [[ " $stages " == *" sanitize "* ]]; then
+  step sanitize
+  compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py 2>&1 | tail -4 || status=1
+fi
+if [[ " $stages " == *" profile "* ]]; then
+  step profile
+  ncu --clock-control none --kernel-name regex:awq_gemv --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section Occupancy --section WarpStateStats --section LaunchStats python benchmarks/profile_gemv.py \
+    > "$OUT/ncu_gemv.txt" 2>&1 || status=1
+  grep -E "awq_gemv|Duration|DRAM Throughput|Achieved Occupancy|Warp Cycles Per Issued" "$OUT/ncu_gemv.txt" | head -40
 fi
 if [[ " $stages " == *" e2e "* ]] && [ -f benchmarks/bench_e2e.py ]; then
   step e2e
