@@ -40,26 +40,27 @@ bool mma_fits(int64_t k, int64_t n, int64_t g) {
 #endif
 }
 
-// One zeroed counter buffer per device, grown on demand; the kernels leave it zeroed again.
-// Outgrown buffers are kept alive: a captured CUDA graph still points at the one it saw.
-// Concurrent split-K launches on different streams of one device must not share it: see notes.
-int* tile_counters(const at::Device& device, int64_t needed) {
-  static std::vector<at::Tensor> buffers[64];
-  auto& bufs = buffers[device.index()];
+// Zeroed buffers per device (split-K tile counters, the GEMV's fp32 sums), grown on demand; the
+// kernels leave what they use zeroed again. Outgrown buffers are kept alive: a captured CUDA graph
+// still points at the one it saw. Concurrent split-K launches on different streams of one device
+// must not share them: see notes.
+at::Tensor& zeroed_buffer(std::vector<at::Tensor>* per_device, const at::Device& device, int64_t needed,
+                          int64_t minimum, at::ScalarType dtype) {
+  auto& bufs = per_device[device.index()];
   if (bufs.empty() || bufs.back().numel() < needed) {
-    bufs.push_back(at::zeros({std::max<int64_t>(needed, 4096)}, at::TensorOptions().dtype(at::kInt).device(device)));
+    bufs.push_back(at::zeros({std::max(needed, minimum)}, at::TensorOptions().dtype(dtype).device(device)));
   }
-  return bufs.back().data_ptr<int>();
+  return bufs.back();
 }
 
-// A zeroed fp32 buffer per device for the GEMV's split-K sums; the kernel re-zeroes what it uses.
+int* tile_counters(const at::Device& device, int64_t needed) {
+  static std::vector<at::Tensor> buffers[64];
+  return zeroed_buffer(buffers, device, needed, 4096, at::kInt).data_ptr<int>();
+}
+
 float* zeroed_workspace(const at::Device& device, int64_t needed) {
   static std::vector<at::Tensor> buffers[64];
-  auto& bufs = buffers[device.index()];
-  if (bufs.empty() || bufs.back().numel() < needed) {
-    bufs.push_back(at::zeros({std::max<int64_t>(needed, 1 << 16)}, at::TensorOptions().dtype(at::kFloat).device(device)));
-  }
-  return bufs.back().data_ptr<float>();
+  return zeroed_buffer(buffers, device, needed, int64_t{1} << 16, at::kFloat).data_ptr<float>();
 }
 
 bool gemv_fits(int64_t m, int64_t k, int64_t n, int64_t g) {

@@ -147,14 +147,35 @@ __device__ __forceinline__ void consume_batch(const Words<WPT> (&w)[kLoads], con
   }
 }
 
-// Sum the warps' partials of a column tile (red), then write the output, or with split K add
-// into the zeroed fp32 workspace and let the last block of the tile convert and re-zero it.
-template <typename T, int M, int kTileCols>
-__device__ __forceinline__ void finish_tile(const float (&red)[kWarps][M][kTileCols], int* is_last_flag,
-                                            const T* __restrict__ bias, T* __restrict__ out, float* __restrict__ ws,
-                                            int* __restrict__ counters, int n, int col0) {
+// Sum a block's partials of its column tile: the 4 row lanes of a column lane through shuffles,
+// the warps through shared memory (red). Then write the output, or with split K add into the
+// zeroed fp32 workspace and let the last block of the tile convert and re-zero it.
+template <typename T, int M, int kCols, int kTileCols>
+__device__ __forceinline__ void finish_tile(float (&y)[M][kCols], float (&red)[kWarps][M][kTileCols],
+                                            int* is_last_flag, const T* __restrict__ bias, T* __restrict__ out,
+                                            float* __restrict__ ws, int* __restrict__ counters, int n, int col0) {
   using Tr = HalfTraits<T>;
   int& is_last = *is_last_flag;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, cl = lane & 7, rl = lane >> 3;
+#pragma unroll
+  for (int mm = 0; mm < M; ++mm) {
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      float v = y[mm][c];
+      v += __shfl_xor_sync(0xffffffffu, v, 8);
+      v += __shfl_xor_sync(0xffffffffu, v, 16);
+      y[mm][c] = v;
+    }
+  }
+  if (rl == 0) {
+#pragma unroll
+    for (int mm = 0; mm < M; ++mm) {
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) red[warp][mm][cl * kCols + c] = y[mm][c];
+    }
+  }
+  __syncthreads();
+
   const bool split = gridDim.y > 1;
   for (int e = threadIdx.x; e < M * kTileCols; e += kGemvThreads) {
     const int mm = e / kTileCols, tc = e % kTileCols, col = col0 + tc;
@@ -192,6 +213,18 @@ __device__ __forceinline__ void finish_tile(const float (&red)[kWarps][M][kTileC
     out[static_cast<int64_t>(mm) * n + col] = Tr::from_float(fmaf(256.f, v, b));
   }
 }
+
+// A warp's walk over its chunks (chunk, chunk + kWarps, ...) in 32-row batches.
+struct Cursor {
+  int chunk, base, end;
+  __device__ __forceinline__ void start(int c, int chunk_rows, int k) {
+    chunk = c, base = c * chunk_rows, end = min(base + chunk_rows, k);
+  }
+  __device__ __forceinline__ void advance(int chunk_rows, int k) {
+    base += kBatchRows;
+    if (base >= end) start(chunk + kWarps, chunk_rows, k);
+  }
+};
 
 // PIPE: issue the loads of the warp's next batch before the arithmetic of the current one, so a
 // lane keeps a batch in flight while it computes (costs the registers of a second batch).
@@ -241,55 +274,31 @@ __global__ void __launch_bounds__(kGemvThreads) awq_gemv_kernel(
       }
     }
   } else {
-    int chunk = blockIdx.y * chunks_per_block + warp;
-    int base = chunk * chunk_rows;
-    int end = min(base + chunk_rows, k);
+    Cursor cur;
+    cur.start(blockIdx.y * chunks_per_block + warp, chunk_rows, k);
     Words<WPT> w[kLoads];
     float xv[M][kLoads];
-    if (chunk < c_end) load_batch<T, M, WPT>(x, qweight, k, n8, word0, col_ok, base + rl, policy, w, xv);
+    if (cur.chunk < c_end) load_batch<T, M, WPT>(x, qweight, k, n8, word0, col_ok, cur.base + rl, policy, w, xv);
 #pragma unroll 1
-    while (chunk < c_end) {
-      int nchunk = chunk, nbase = base + kBatchRows, nend = end;
-      if (nbase >= end) {
-        nchunk += kWarps;
-        nbase = nchunk * chunk_rows;
-        nend = min(nbase + chunk_rows, k);
-      }
+    while (cur.chunk < c_end) {
+      Cursor next = cur;
+      next.advance(chunk_rows, k);
       Words<WPT> wn[kLoads];
       float xn[M][kLoads];
-      if (nchunk < c_end) load_batch<T, M, WPT>(x, qweight, k, n8, word0, col_ok, nbase + rl, policy, wn, xn);
-      consume_batch<T, M, WPT>(w, xv, acc, xs, y, base, end, group_size, col_ok, qzeros, scales, n8, n, word0);
+      if (next.chunk < c_end) load_batch<T, M, WPT>(x, qweight, k, n8, word0, col_ok, next.base + rl, policy, wn, xn);
+      consume_batch<T, M, WPT>(w, xv, acc, xs, y, cur.base, cur.end, group_size, col_ok, qzeros, scales, n8, n,
+                               word0);
 #pragma unroll
       for (int u = 0; u < kLoads; ++u) {
         w[u] = wn[u];
 #pragma unroll
         for (int mm = 0; mm < M; ++mm) xv[mm][u] = xn[mm][u];
       }
-      chunk = nchunk, base = nbase, end = nend;
+      cur = next;
     }
   }
 
-  // The 4 row lanes of a column lane hold partial sums of the same columns.
-#pragma unroll
-  for (int mm = 0; mm < M; ++mm) {
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      float v = y[mm][c];
-      v += __shfl_xor_sync(0xffffffffu, v, 8);
-      v += __shfl_xor_sync(0xffffffffu, v, 16);
-      y[mm][c] = v;
-    }
-  }
-  if (rl == 0) {
-#pragma unroll
-    for (int mm = 0; mm < M; ++mm) {
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) red[warp][mm][cl * kCols + c] = y[mm][c];
-    }
-  }
-  __syncthreads();
-
-  finish_tile<T, M, kTileCols>(red, &is_last, bias, out, ws, counters, n, tile_word0 * 8);
+  finish_tile<T, M, kCols, kTileCols>(y, red, &is_last, bias, out, ws, counters, n, tile_word0 * 8);
 }
 
 // cp.async-staged variant (ASYNC paths): each lane streams its batches through S shared-memory
@@ -298,17 +307,6 @@ __global__ void __launch_bounds__(kGemvThreads) awq_gemv_kernel(
 // 19-23 % achieved occupancy and 45 % of DRAM bandwidth on the H200 (ncu, 2026-11-30). The x
 // rows of a batch (M x 32 values) are staged alongside by lanes 0..4M-1. Each lane reads back only
 // its own weight chunks, so only the x stage needs a warp barrier.
-struct Cursor {
-  int chunk, base, end;
-  __device__ __forceinline__ void start(int c, int chunk_rows, int k) {
-    chunk = c, base = c * chunk_rows, end = min(base + chunk_rows, k);
-  }
-  __device__ __forceinline__ void advance(int chunk_rows, int k) {
-    base += kBatchRows;
-    if (base >= end) start(chunk + kWarps, chunk_rows, k);
-  }
-};
-
 template <int M, int S>
 struct AsyncStage {
   uint4 w[kLoads][32];   // [row of the lane's batch][lane]
@@ -403,26 +401,7 @@ __global__ void __launch_bounds__(kGemvThreads, M == 1 ? 4 : 1) awq_gemv_async_k
   }
   cp_async_wait<0>();
 
-  // Reduction: as in awq_gemv_kernel.
-#pragma unroll
-  for (int mm = 0; mm < M; ++mm) {
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      float v = y[mm][c];
-      v += __shfl_xor_sync(0xffffffffu, v, 8);
-      v += __shfl_xor_sync(0xffffffffu, v, 16);
-      y[mm][c] = v;
-    }
-  }
-  if (rl == 0) {
-#pragma unroll
-    for (int mm = 0; mm < M; ++mm) {
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) red[warp][mm][cl * kCols + c] = y[mm][c];
-    }
-  }
-  __syncthreads();
-  finish_tile<T, M, kTileCols>(red, &is_last, bias, out, ws, counters, n, tile_word0 * 8);
+  finish_tile<T, M, kCols, kTileCols>(y, red, &is_last, bias, out, ws, counters, n, tile_word0 * 8);
 }
 
 template <typename T, int M>

@@ -112,16 +112,18 @@ def awq_gemm_plan(
     # a plan binds one kernel per bucket and picks by M with one comparison.
     probe = x.reshape(-1, k)[:1] if x.numel() else x.new_empty((1, k))
     bounds = backend_mod.size_buckets("awq_gemm") if device.type == "cuda" else [None]
-    buckets = []
-    for bound in bounds:
-        be = select_backend(
+    chosen = [
+        select_backend(
             "awq_gemm", device, backend=backend, m=bound,
             shapes_ok=lambda b, rows=bound: _gemm_fits(b, probe, qweight, n, k, g, rows),
         )
-        buckets.append((bound, be, _bind_gemm(be, x.dtype, qweight, scales, qzeros, g, bias)))
-    if len({be for _, be, _ in buckets}) == 1:
-        buckets = buckets[-1:]
-        buckets[0] = (None, *buckets[0][1:])
+        for bound in bounds
+    ]
+    if len(set(chosen)) == 1:
+        bounds, chosen = [None], chosen[:1]
+    buckets = [
+        (bound, be, _bind_gemm(be, x.dtype, qweight, scales, qzeros, g, bias)) for bound, be in zip(bounds, chosen)
+    ]
 
     if len(buckets) == 1:
         kernel = buckets[0][2]
