@@ -212,27 +212,24 @@ def test_gemv_graph_replay_split_k():
 
 
 @gpu
-def test_named_kernel_rejects_what_it_declines():
-    k, n, g = 256, 200, 64  # N/8 = 25 is not a multiple of the 4 words a GEMV lane reads
+@pytest.mark.parametrize("case", ["shape", "unknown", "misaligned"])
+def test_named_kernel_rejects(case):
+    k, g = 256, 64
+    n = 256 if case == "misaligned" else 200  # N/8 = 25 is not a multiple of a GEMV lane's 4 words
     qw, s, qz = random_awq(k, n, g, "cuda", torch.float16)
     x = random_input((1, k), "cuda", torch.float16)
-    for kernel in ("gemv", "gemv_staged", "mma"):
-        with pytest.raises(RuntimeError, match=rf"'{kernel}' declines the problem \(m=1, n=200, k=256, group_size=64\)"):
+    if case == "misaligned":  # contiguous, 2 bytes past a 16-byte boundary
+        x = torch.empty(k + 8, dtype=torch.float16, device="cuda")[1 : k + 1].view(1, k).copy_(x)
+        expect = {kn: "16-byte aligned" for kn in ("gemv", "gemv_staged", "mma")}
+    elif case == "unknown":
+        expect = {"path6": r"unknown kernel 'path6' \(m=1, n=200"}
+    else:
+        problem = r"\(m=1, n=200, k=256, group_size=64\)"
+        expect = {kn: f"'{kn}' declines the problem {problem}" for kn in ("gemv", "gemv_staged", "mma")}
+    for kernel, message in expect.items():
+        with pytest.raises(RuntimeError, match=message):
             torch.ops.fastawq.awq_gemm(x, qw, s, qz, g, None, kernel)
-    with pytest.raises(RuntimeError, match=r"unknown kernel 'path6' \(m=1, n=200"):
-        torch.ops.fastawq.awq_gemm(x, qw, s, qz, g, None, "path6")
-    assert_close_to_reference(torch.ops.fastawq.awq_gemm(x, qw, s, qz, g, None), x, qw, s, qz, g)
-
-
-@gpu
-def test_named_kernel_rejects_misaligned_operands():
-    k, n, g = 256, 256, 64
-    qw, s, qz = random_awq(k, n, g, "cuda", torch.float16)
-    buf = torch.empty(k + 8, dtype=torch.float16, device="cuda")
-    x = buf[1 : k + 1].view(1, k)  # contiguous, 2 bytes past a 16-byte boundary
-    x.copy_(random_input((1, k), "cuda", torch.float16))
-    with pytest.raises(RuntimeError, match="16-byte aligned"):
-        torch.ops.fastawq.awq_gemm(x, qw, s, qz, g, None, "gemv")
+    # "auto" falls back to dequantize + cuBLAS.
     assert_close_to_reference(torch.ops.fastawq.awq_gemm(x, qw, s, qz, g, None), x, qw, s, qz, g)
 
 

@@ -79,6 +79,19 @@ std::string declines(Kernel kernel, int64_t m, int64_t n, int64_t k, int64_t g) 
   return "unknown kernel";
 }
 
+// The operands every kernel's argument struct carries.
+template <typename Args>
+void bind_operands(Args& a, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                   const at::Tensor& qzeros, const at::Tensor* bias, at::Tensor& out) {
+  a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
+  a.x = x.data_ptr();
+  a.qweight = reinterpret_cast<const uint32_t*>(qweight.data_ptr<int>());
+  a.scales = scales.data_ptr();
+  a.qzeros = reinterpret_cast<const uint32_t*>(qzeros.data_ptr<int>());
+  a.bias = bias != nullptr ? bias->data_ptr() : nullptr;
+  a.out = out.data_ptr();
+}
+
 // GEMV grid: enough warp items (chunk_rows rows x one column tile) to fill the SMs at the
 // kernel's occupancy, 4 warps per block, K split over blocks until the grid is about one wave
 // (within 10 % of the best forced split on every Llama shape: benchmarks/CUDA_NOTES.md).
@@ -101,13 +114,7 @@ void run_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& 
   const int splits = (total + cpb - 1) / cpb;
 
   GemvArgs a{};
-  a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
-  a.x = x.data_ptr();
-  a.qweight = reinterpret_cast<const uint32_t*>(qweight.data_ptr<int>());
-  a.scales = scales.data_ptr();
-  a.qzeros = reinterpret_cast<const uint32_t*>(qzeros.data_ptr<int>());
-  a.bias = bias != nullptr ? bias->data_ptr() : nullptr;
-  a.out = out.data_ptr();
+  bind_operands(a, x, qweight, scales, qzeros, bias, out);
   if (splits > 1) {
     a.workspace = zeroed_sums(Workspace::kGemvSums, x.device(), int64_t(m) * n);
     a.counters = zeroed_counters(Workspace::kGemmTileCounters, x.device(), col_tiles);
@@ -143,13 +150,7 @@ void run_mma(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& s
     a.workspace = ws.data_ptr<float>();
     a.counters = zeroed_counters(Workspace::kGemmTileCounters, x.device(), int64_t(col_blocks) * m_blocks);
   }
-  a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
-  a.x = x.data_ptr();
-  a.qweight = reinterpret_cast<const uint32_t*>(qweight.data_ptr<int>());
-  a.scales = scales.data_ptr();
-  a.qzeros = reinterpret_cast<const uint32_t*>(qzeros.data_ptr<int>());
-  a.bias = bias != nullptr ? bias->data_ptr() : nullptr;
-  a.out = out.data_ptr();
+  bind_operands(a, x, qweight, scales, qzeros, bias, out);
   a.m = m, a.n = n, a.k = k, a.group_size = static_cast<int>(g);
   a.splits = splits, a.tiles_per_split = tiles_per_split;
   launch_awq_gemm_mma(a, at::cuda::getCurrentCUDAStream());
