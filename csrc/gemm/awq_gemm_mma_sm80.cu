@@ -202,7 +202,8 @@ __global__ void __launch_bounds__(kWarpsN * 32) awq_gemm_mma_kernel(
 
   // Epilogue. Lane (g, t) holds rows g, g+8 and mma columns 2t, 2t+1 = real columns below.
   const int c_lo = awq_order(2 * t), c_hi = awq_order(2 * t + 1);
-  if (splits == 1) {
+  // fn(offset of the element in [M, N], its column, its fp32 sum) for each in-range result.
+  auto for_each_result = [&](auto&& fn) {
 #pragma unroll
     for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
@@ -211,27 +212,20 @@ __global__ void __launch_bounds__(kWarpsN * 32) awq_gemm_mma_kernel(
         for (int r = 0; r < 4; ++r) {
           const int row = m0 + mi * 16 + g + (r >> 1) * 8;
           const int col = (word0 + warp * 4 + j) * 8 + ((r & 1) ? c_hi : c_lo);
-          if (row < m && col < n) {
-            float v = acc[mi][j][r];
-            if (bias != nullptr) v += Tr::to_float(bias[col]);
-            out[static_cast<int64_t>(row) * n + col] = Tr::from_float(v);
-          }
+          if (row < m && col < n) fn(static_cast<int64_t>(row) * n + col, col, acc[mi][j][r]);
         }
+  };
+  if (splits == 1) {
+    for_each_result([&](int64_t idx, int col, float v) {
+      if (bias != nullptr) v += Tr::to_float(bias[col]);
+      out[idx] = Tr::from_float(v);
+    });
     return;
   }
 
   // Split-K: each split writes fp32 partials; the last block of a tile to finish sums them.
   float* part = ws + static_cast<int64_t>(blockIdx.y) * m * n;
-#pragma unroll
-  for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int row = m0 + mi * 16 + g + (r >> 1) * 8;
-        const int col = (word0 + warp * 4 + j) * 8 + ((r & 1) ? c_hi : c_lo);
-        if (row < m && col < n) __stcg(part + static_cast<int64_t>(row) * n + col, acc[mi][j][r]);
-      }
+  for_each_result([&](int64_t idx, int, float v) { __stcg(part + idx, v); });
   __threadfence();
   __syncthreads();
   __shared__ int is_last;

@@ -200,6 +200,35 @@ __device__ __forceinline__ void finish_tile(float (&y)[M][kCols], float (&red)[k
   }
 }
 
+// A lane's place: its warp, row lane, column words (8 column lanes of WPT words per tile), and
+// the end of its block's chunk range.
+struct LanePlace {
+  int lane, warp, rl, n8, tile_word0, word0;
+  bool col_ok;
+  int c_end;
+};
+template <int WPT>
+__device__ __forceinline__ LanePlace place_lane(int n, int k, int chunk_rows, int chunks_per_block) {
+  LanePlace p;
+  p.lane = threadIdx.x & 31, p.warp = threadIdx.x >> 5, p.rl = p.lane >> 3;
+  p.n8 = n >> 3;
+  p.tile_word0 = blockIdx.x * (8 * WPT);
+  p.word0 = p.tile_word0 + (p.lane & 7) * WPT;
+  p.col_ok = p.word0 < p.n8;  // the host guarantees n8 % WPT == 0: all WPT words or none
+  p.c_end = min((blockIdx.y + 1) * chunks_per_block, (k + chunk_rows - 1) / chunk_rows);
+  return p;
+}
+
+template <int M, int kCols>
+__device__ __forceinline__ void zero_sums(float (&y)[M][kCols], float (&acc)[M][kCols], float (&xs)[M]) {
+#pragma unroll
+  for (int mm = 0; mm < M; ++mm) {
+    xs[mm] = 0.f;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) y[mm][c] = acc[mm][c] = 0.f;
+  }
+}
+
 // A warp's walk over its chunks (chunk, chunk + kWarps, ...) in 32-row batches.
 struct Cursor {
   int chunk, base, end;
@@ -224,23 +253,11 @@ __global__ void __launch_bounds__(kGemvThreads) awq_gemv_kernel(
   __shared__ float red[kWarps][M][kTileCols];
   __shared__ int is_last;
 
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int cl = lane & 7, rl = lane >> 3;
-  const int n8 = n >> 3;
-  const int tile_word0 = blockIdx.x * kTileWords;
-  const int word0 = tile_word0 + cl * WPT;
-  const bool col_ok = word0 < n8;  // the host guarantees n8 % WPT == 0: all WPT words or none
+  const auto [lane, warp, rl, n8, tile_word0, word0, col_ok, c_end] =
+      place_lane<WPT>(n, k, chunk_rows, chunks_per_block);
   const uint64_t policy = evict_first_policy();
-  const int total_chunks = (k + chunk_rows - 1) / chunk_rows;
-  const int c_end = min((blockIdx.y + 1) * chunks_per_block, total_chunks);
-
   float y[M][kCols], acc[M][kCols], xs[M];
-#pragma unroll
-  for (int mm = 0; mm < M; ++mm) {
-    xs[mm] = 0.f;
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) y[mm][c] = acc[mm][c] = 0.f;
-  }
+  zero_sums(y, acc, xs);
 
   // The warp walks its chunks (chunk, chunk + 4, ...) in 32-row batches; k % 32 == 0 (host
   // check), so a batch is all in range and inside one group (group_size % 32 == 0).
@@ -301,24 +318,12 @@ __global__ void __launch_bounds__(kGemvThreads, M == 1 ? 4 : 1) awq_gemv_async_k
   __shared__ float red[kWarps][M][kTileCols];
   __shared__ int is_last;
 
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int cl = lane & 7, rl = lane >> 3;
-  const int n8 = n >> 3;
-  const int tile_word0 = blockIdx.x * kTileWords;
-  const int word0 = tile_word0 + cl * WPT;
-  const bool col_ok = word0 < n8;
+  const auto [lane, warp, rl, n8, tile_word0, word0, col_ok, c_end] =
+      place_lane<WPT>(n, k, chunk_rows, chunks_per_block);
   const uint64_t policy = evict_first_policy();
-  const int total_chunks = (k + chunk_rows - 1) / chunk_rows;
-  const int c_end = min((blockIdx.y + 1) * chunks_per_block, total_chunks);
-  AsyncStage<M, S>* my = stages + warp * S;
-
   float y[M][kCols], acc[M][kCols], xs[M];
-#pragma unroll
-  for (int mm = 0; mm < M; ++mm) {
-    xs[mm] = 0.f;
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) y[mm][c] = acc[mm][c] = 0.f;
-  }
+  zero_sums(y, acc, xs);
+  AsyncStage<M, S>* my = stages + warp * S;
 
   Cursor cur, ahead;
   cur.start(blockIdx.y * chunks_per_block + warp, chunk_rows, k);
