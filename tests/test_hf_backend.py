@@ -16,6 +16,7 @@ from fastawq.auto import AutoAWQForCausalLM, AWQModel
 from fastawq.integrations import transformers as fit
 from fastawq.modules import WQLinear
 from fastawq.quantize import QuantConfig, pack_model
+from test_layouts import _rewrite
 from test_models import calib_ids, tiny_model
 
 pytestmark = pytest.mark.skipif(fit.gptqmodel_installed(), reason="GPTQModel installed: transformers keeps it")
@@ -64,13 +65,26 @@ def test_transformers_load_on_gpu(awq_dir, registered):
         torch.testing.assert_close(hf(ids).logits, ref(ids).logits, rtol=2e-3, atol=2e-3)
 
 
-def test_other_layouts_get_a_clear_error(awq_dir, registered, tmp_path):
+@pytest.mark.parametrize("layout", ["gemv", "gemv_fast"])
+def test_older_autoawq_layouts_load_repacked(awq_dir, registered, tmp_path, layout):
+    # transformers' AwqConfig knows gemv and gemv_fast (not marlin: its config is refused before any backend).
+    _rewrite(awq_dir, tmp_path / layout, layout, 32)
+    ids = calib_ids(1, 12, seed=4)
+    hf = _hf(tmp_path / layout, dtype=torch.float32)
+    assert hf.config.quantization_config.format == "gemm"
+    assert all(type(m).__name__ != "_LayoutTensors" for m in hf.modules())
+    ref = AutoAWQForCausalLM.from_quantized(awq_dir, device_map="cpu", torch_dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_layout_is_a_clear_error(awq_dir, registered, tmp_path):
     for f in awq_dir.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
     cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["quantization_config"]["version"] = "gemv"
+    cfg["quantization_config"]["version"] = "llm-awq"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="from_quantized"):
+    with pytest.raises(ValueError, match="llm-awq"):
         _hf(tmp_path)
 
 

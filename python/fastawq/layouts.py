@@ -22,6 +22,7 @@ Each layout has `to_gemm(tensors, group_size) -> (qweight, qzeros, scales)` and 
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,9 +114,9 @@ def gemv_to_gemm(tensors: Tensors, group_size: int) -> tuple[torch.Tensor, torch
 def gemv_from_gemm(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> dict:
     q, z, s, k, n, g = _unpack_gemm(qweight, qzeros, scales, group_size)
     width = padded_groups(k, g)
-    zp = torch.zeros(n, width, dtype=torch.int32)
+    zp = torch.zeros(n, width, dtype=torch.int32, device=z.device)
     zp[:, : k // g] = z.t()
-    sp = torch.zeros(n, width, dtype=s.dtype)
+    sp = torch.zeros(n, width, dtype=s.dtype, device=s.device)
     sp[:, : k // g] = s.t()
     return {"qweight": _pack_plain(q.t()), "qzeros": _pack_plain(zp), "scales": sp}
 
@@ -151,7 +152,7 @@ def gemv_fast_to_gemm(tensors: Tensors, group_size: int) -> tuple[torch.Tensor, 
             f"{tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, scales {tuple(scales.shape)}"
         )
     words = qweight.to(torch.int32) & 0xFFFF
-    shifts = torch.tensor((0, 4, 8, 12), dtype=torch.int32)
+    shifts = torch.tensor((0, 4, 8, 12), dtype=torch.int32, device=qweight.device)
     nib = (words.reshape(n // 4, k // 64, 64, 1) >> shifts) & 0xF
     q = _fast_unshuffle(nib, n, k).t()
     s = scales[:groups]
@@ -177,14 +178,15 @@ def gemv_fast_from_gemm(qweight: torch.Tensor, qzeros: torch.Tensor, scales: tor
     word = x[..., 0] | (x[..., 1] << 4) | (x[..., 2] << 8) | (x[..., 3] << 12)
     packed = torch.where(word >= 2**15, word - 2**16, word).to(torch.int16).reshape(n // 4, k)
     rows = padded_groups(k, g)
-    sp = torch.zeros(rows, n, dtype=s.dtype)
+    sp = torch.zeros(rows, n, dtype=s.dtype, device=s.device)
     sp[: k // g] = s
-    zp = torch.zeros(rows, n, dtype=s.dtype)
+    zp = torch.zeros(rows, n, dtype=s.dtype, device=s.device)
     zp[: k // g] = -(s.float() * z).to(s.dtype)
     return {"qweight": packed, "qzeros": zp, "scales": sp}
 
 
 # --------------------------------------------------------------- marlin
+@functools.lru_cache(maxsize=None)
 def _marlin_perms() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The weight permutation within 1024 values (four 16x16 tiles) and the two scale ones."""
     base = []
@@ -221,15 +223,15 @@ def marlin_to_gemm(tensors: Tensors, group_size: int) -> tuple[torch.Tensor, tor
     expected = reference.resolve_group_size(group_size, k)
     if g != expected:
         raise LayoutError(f"marlin scales {tuple(scales.shape)} give group size {g}, the config says {expected}")
-    perm = _marlin_perms()[0]
+    perm = _marlin_perms()[0].to(qweight.device)
     res = _unpack_plain(qweight)  # [K // 16, 16N], permuted within 1024
     out = torch.empty_like(res)
     out.view(-1, 1024)[:, perm] = res.reshape(-1, 1024)
     q = out.reshape(k // 16, n // 16, 16, 16).permute(0, 2, 1, 3).reshape(k, n)
-    sp = _marlin_scale_perm(groups)
+    sp = _marlin_scale_perm(groups).to(scales.device)
     s = torch.empty_like(scales)
     s.view(-1, sp.numel())[:, sp] = scales.reshape(-1, sp.numel())
-    z = torch.full((groups, n), 8, dtype=torch.int32)
+    z = torch.full((groups, n), 8, dtype=torch.int32, device=qweight.device)
     return _pack_gemm(q, z, s)
 
 
@@ -240,8 +242,8 @@ def marlin_from_gemm(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.
     if bool((z != 8).any()):
         raise LayoutError("marlin stores no zero points: only symmetric weights (every zero = 8) fit it")
     x = q.reshape(k // 16, 16, n // 16, 16).permute(0, 2, 1, 3).reshape(k // 16, n * 16)
-    x = x.reshape(-1, 1024)[:, _marlin_perms()[0]].reshape(k // 16, n * 16)
-    sp = _marlin_scale_perm(k // g)
+    x = x.reshape(-1, 1024)[:, _marlin_perms()[0].to(x.device)].reshape(k // 16, n * 16)
+    sp = _marlin_scale_perm(k // g).to(s.device)
     return {"qweight": _pack_plain(x), "scales": s.reshape(-1, sp.numel())[:, sp].reshape(k // g, n).contiguous()}
 
 

@@ -10,11 +10,32 @@ import torch
 from torch import nn
 from transformers.quantizers.base import HfQuantizer
 
+from fastawq import layouts
 from fastawq.modules import WQLinear
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "I32": torch.int32,
+           "I16": torch.int16}
+
+
+def _format(qc: Any) -> str:
+    fmt = getattr(qc, "format", None) or getattr(qc, "version", None) or "gemm"
+    return str(getattr(fmt, "value", fmt)).lower()
+
+
+class _LayoutTensors(nn.Module):
+    """Holds one linear's tensors as a gemv / gemv_fast checkpoint stores them, until the load
+    is done and they are repacked into a WQLinear."""
+
+    def __init__(self, linear: nn.Linear, tensors: dict[str, tuple[list[int], str]]):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        for name, (shape, dtype) in tensors.items():
+            self.register_buffer(name, torch.empty(shape, dtype=_DTYPES.get(dtype, torch.int32), device="meta"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a layout placeholder runs only if the model load did not finish")
 
 
 def _checkpoint_shapes(files: Any) -> dict[str, tuple[list[int], str]] | None:
@@ -41,11 +62,11 @@ class FastAwqHfQuantizer(HfQuantizer):
 
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
         qc = self.quantization_config
-        fmt = str(getattr(getattr(qc, "format", "gemm"), "value", getattr(qc, "format", "gemm"))).lower()
-        if fmt != "gemm":
+        fmt = _format(qc)
+        if fmt != "gemm" and fmt not in layouts.LAYOUTS:
             raise ValueError(
-                f"fastawq's transformers backend loads AWQ version='gemm' checkpoints; this one is {fmt!r}: load it "
-                "with fastawq.AutoAWQForCausalLM.from_quantized(...), which repacks gemv / gemv_fast / marlin to gemm"
+                f"fastawq's transformers backend loads AWQ checkpoints of version gemm, {', '.join(layouts.LAYOUTS)}; "
+                f"this one is {fmt!r}"
             )
         if getattr(qc, "bits", 4) != 4:
             raise ValueError(f"fastawq's AWQ layers are 4-bit, the checkpoint says bits={qc.bits}")
@@ -53,6 +74,9 @@ class FastAwqHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> None:
         qc = self.quantization_config
         shapes = _checkpoint_shapes(kwargs.get("checkpoint_files"))
+        fmt = _format(qc)
+        if fmt != "gemm" and shapes is None:
+            raise ValueError(f"the {fmt} layout is repacked from safetensors files; none were given to the loader")
         skip = self.get_modules_to_not_convert(model, qc.modules_to_not_convert, model._keep_in_fp32_modules, True)
         count = 0
         for name, mod in list(model.named_modules()):
@@ -62,6 +86,11 @@ class FastAwqHfQuantizer(HfQuantizer):
                 # The checkpoint says which layers are packed and with how many groups, as fastawq's
                 # own loader reads it (mixed group sizes included).
                 if f"{name}.qweight" not in shapes or f"{name}.scales" not in shapes:
+                    continue
+                if fmt != "gemm":
+                    names = [n for n in ("qweight", "qzeros", "scales", "bias") if f"{name}.{n}" in shapes]
+                    model.set_submodule(name, _LayoutTensors(mod, {n: shapes[f"{name}.{n}"] for n in names}))
+                    count += 1
                     continue
                 sshape, sdtype = shapes[f"{name}.scales"]
                 groups = sshape[0]
@@ -101,6 +130,25 @@ class FastAwqHfQuantizer(HfQuantizer):
                 wrap_activation(layer, arch.act_path, shapes[key][0][0])
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
+        fmt = _format(self.quantization_config)
+        if fmt == "gemm":
+            return model
+        layout, g = layouts.get_layout(fmt), self.quantization_config.group_size
+        for name, mod in list(model.named_modules()):
+            if isinstance(mod, _LayoutTensors):
+                try:
+                    qweight, qzeros, scales = layout.to_gemm({n: b for n, b in mod.named_buffers()}, g)
+                except layouts.LayoutError as e:
+                    raise ValueError(f"layer {name!r} ({fmt} layout): {e}") from None
+                bias = getattr(mod, "bias", None)
+                new = WQLinear(mod.in_features, mod.out_features, qweight.shape[0] // scales.shape[0],
+                               bias is not None, device=qweight.device, dtype=scales.dtype)
+                new.qweight, new.qzeros, new.scales = qweight, qzeros, scales
+                if bias is not None:
+                    new.bias = bias
+                model.set_submodule(name, new.requires_grad_(False))
+        # What the model now holds (and save_pretrained would write) is gemm.
+        self.quantization_config.format = "gemm"
         return model
 
     def is_serializable(self) -> bool:
