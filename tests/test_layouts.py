@@ -170,17 +170,17 @@ def _rewrite(src, dst, layout: str, g: int):
     (dst / "config.json").write_text(json.dumps(cfg))
 
 
-@pytest.mark.parametrize("zero_point,layouts_", [(True, ("gemv", "gemv_fast")), (False, ("gemv", "gemv_fast", "marlin"))])
-def test_layout_checkpoints_load_like_gemm(tmp_path, zero_point, layouts_):
+@pytest.mark.parametrize("zero_point,names", [(True, ("gemv", "gemv_fast")), (False, tuple(layouts.LAYOUTS))])
+def test_layout_checkpoints_load_like_gemm(tmp_path, zero_point, names):
     src = _tiny_checkpoint(tmp_path, zero_point)
     ids = calib_ids(1, 12, seed=5)
     with torch.no_grad():
         ref = AutoAWQForCausalLM.from_quantized(src, device_map="cpu")(ids).logits
-        for layout in layouts_:
+        for layout in names:
             dst = tmp_path / layout
             _rewrite(src, dst, layout, 32)
-            names = load_file(dst / "model.safetensors").keys()
-            assert any(k.endswith(".qzeros") for k in names) == (layout != "marlin")
+            keys = load_file(dst / "model.safetensors").keys()
+            assert any(k.endswith(".qzeros") for k in keys) == (layout != "marlin")
             model = AutoAWQForCausalLM.from_quantized(dst, device_map="cpu")
             assert model.quant_config.version == "gemm"
             assert torch.equal(model(ids).logits, ref), layout

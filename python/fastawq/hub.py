@@ -73,7 +73,7 @@ def _download(repo_id: str, revision: str | None, patterns: list[str]) -> Path:
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
     except ImportError as e:
         raise FileNotFoundError(
-            f"{repo_id!r} is not a local folder, and loading Hub ids needs huggingface_hub (pip install huggingface_hub)"
+            f"{repo_id!r} is not a local folder, and Hub ids need huggingface_hub (pip install huggingface_hub)"
         ) from e
     cache = cache_dir()
     is_offline = offline()
@@ -92,6 +92,7 @@ def _download(repo_id: str, revision: str | None, patterns: list[str]) -> Path:
             f"fetch it where the Hub is reachable (`hf download {repo_id}` with the same HF_HUB_CACHE) or pass a folder"
         ) from None
     except HfHubHTTPError as e:
-        raise FileNotFoundError(f"cannot fetch {where}{repo_id!r} from the Hugging Face Hub into {cache}: {e}") from None
+        msg = f"cannot fetch {where}{repo_id!r} from the Hugging Face Hub into {cache}: {e}"
+        raise FileNotFoundError(msg) from None
     log.info("%s -> %s", repo_id, folder)
     return Path(folder)

@@ -306,7 +306,9 @@ class MemoryHandle:
         return _Slice(self.tensors[name])
 
 
-def convert_to_gemm(tensors: dict[str, tuple[Path, Any]], quant_config: Mapping[str, Any]) -> dict[str, tuple[Path, Any]]:
+def convert_to_gemm(
+    tensors: dict[str, tuple[Path, Any]], quant_config: Mapping[str, Any]
+) -> dict[str, tuple[Path, Any]]:
     """Repack every linear of a checkpoint to GEMM.
 
     `tensors` maps name -> (file, safetensors handle) as checkpoint.read_tensors returns it; the
