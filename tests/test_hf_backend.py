@@ -74,8 +74,12 @@ def test_older_autoawq_layouts_load_repacked(awq_dir, registered, tmp_path, layo
     assert hf.config.quantization_config.format == "gemm"
     assert all(type(m).__name__ != "_LayoutTensors" for m in hf.modules())
     ref = AutoAWQForCausalLM.from_quantized(awq_dir, device_map="cpu", torch_dtype=torch.float32)
+    # What transformers saves from it is a gemm checkpoint that fastawq reads back unchanged.
+    hf.save_pretrained(tmp_path / "saved")
+    again = AutoAWQForCausalLM.from_quantized(tmp_path / "saved", device_map="cpu", torch_dtype=torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(again(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_unknown_layout_is_a_clear_error(awq_dir, registered, tmp_path):
