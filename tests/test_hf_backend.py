@@ -15,7 +15,7 @@ from conftest import requires_cuda
 from fastawq.auto import AutoAWQForCausalLM, AWQModel
 from fastawq.integrations import transformers as fit
 from fastawq.modules import WQLinear
-from fastawq.quantize import QuantConfig, pack_model
+from fastawq.quantize import QuantConfig, pack_model, quantize
 from test_layouts import _rewrite
 from test_models import calib_ids, tiny_model
 
@@ -53,6 +53,20 @@ def test_transformers_load_matches_from_quantized(awq_dir, registered):
         torch.testing.assert_close(hf(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
         greedy = dict(max_new_tokens=6, do_sample=False)
         assert torch.equal(hf.generate(ids[:1], **greedy), ref.generate(ids[:1], **greedy))
+
+
+def test_activation_scales_load(registered, tmp_path):
+    """GPT-NeoX checkpoints carry AWQ's `mlp.act.scales`: the backend gives them a ScaledActivation."""
+    model = tiny_model("gpt_neox")
+    qc = QuantConfig(q_group_size=32)
+    quantize(model, None, qc, calib=calib_ids(), max_calib_samples=2, max_calib_seq_len=16)
+    AWQModel(model, qc).save_quantized(tmp_path)
+    ids = calib_ids(1, 12, seed=4)
+    hf = _hf(tmp_path, dtype=torch.float32)
+    assert type(hf.gpt_neox.layers[0].mlp.act).__name__ == "ScaledActivation"
+    ref = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", torch_dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 @requires_cuda
