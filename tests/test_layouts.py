@@ -90,6 +90,21 @@ def test_gemv_fast_matches_description():
     assert not t["scales"][2:].any() and not t["qzeros"][2:].any()
 
 
+def test_gemv_fast_scaled_zeros_off_the_grid(caplog):
+    """A scaled zero that is not -s * integer is rounded to the nearest zero point, with a warning;
+    one that no zero point in [0, 15] explains is an error."""
+    k, n, g = 128, 64, 64
+    qweight, qzeros, scales = _gemm(k, n, g, "gemv_fast", seed=8)
+    t = layouts.gemv_fast_from_gemm(qweight, qzeros, scales, g)
+    t["qzeros"][0, 0] = t["qzeros"][0, 0] - 0.1 * t["scales"][0, 0]
+    with caplog.at_level("WARNING", logger="fastawq.layouts"):
+        _, z2, _ = layouts.gemv_fast_to_gemm(t, g)
+    assert "1 scaled zero" in caplog.text and torch.equal(z2, qzeros)
+    t["qzeros"][1, 3] = -17 * t["scales"][1, 3]
+    with pytest.raises(layouts.LayoutError, match="integer z in"):
+        layouts.gemv_fast_to_gemm(t, g)
+
+
 def test_marlin_matches_description():
     k, n, g = 256, 128, 128
     qweight, qzeros, scales = _gemm(k, n, g, "marlin", seed=5)
