@@ -135,6 +135,9 @@ class AutoAWQForCausalLM:
 
         if not safetensors:
             raise ValueError("fastawq reads only safetensors weights")
+        from fastawq.hub import resolve
+
+        model_path = resolve(model_path, model_init_kwargs.pop("revision", None), trust_remote_code=trust_remote_code)
         kwargs = dict(model_init_kwargs)
         kwargs["dtype"] = _resolve_dtype(torch_dtype)
         if device_map is not None:
@@ -180,6 +183,9 @@ class AutoAWQForCausalLM:
 
         if not safetensors:
             raise ValueError("fastawq reads only safetensors checkpoints")
+        from fastawq.hub import resolve
+
+        quant_path = resolve(quant_path, kwargs.pop("revision", None), trust_remote_code=trust_remote_code)
         if use_exllama or use_exllama_v2:
             log.info("use_exllama* ignored: fastawq's own kernels serve every backend")
         if kwargs:
