@@ -61,10 +61,38 @@ def test_every_listed_family_is_registered():
         assert get_architecture(t).model_types
 
 
-def test_unknown_model_type_lists_supported():
+def test_unknown_model_type_names_the_nearest_and_how_to_add_one():
     with pytest.raises(UnsupportedModelError) as e:
-        get_architecture("bloom")
-    assert "bloom" in str(e.value) and all(t in str(e.value) for t in SUPPORTED_MODEL_TYPES)
+        get_architecture("lama")
+    msg = str(e.value)
+    assert "'llama'" in msg and "Adding an architecture" in msg
+    assert all(t in msg for t in SUPPORTED_MODEL_TYPES)
+
+
+def test_set_submodule_replaces_by_dotted_path():
+    from fastawq.models import get_submodule, set_submodule
+
+    model = tiny_model("llama")
+    new = torch.nn.Identity()
+    set_submodule(model, "model.layers.1.mlp.act_fn", new)
+    assert model.model.layers[1].mlp.act_fn is new
+    with pytest.raises(AttributeError, match="model.layers.9"):
+        get_submodule(model, "model.layers.9.mlp")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_record_paths_resolve(arch):
+    """Every path the record names exists in the transformers model it describes."""
+    from fastawq.models import get_submodule
+
+    model = tiny_model(arch)
+    spec = architecture_of(model)
+    for path in (spec.layers_path, spec.embed_path, spec.final_norm_path, spec.lm_head_path, spec.rotary_path):
+        if path is not None:
+            get_submodule(model, path)
+    layer = get_submodule(model, spec.layers_path)[0]
+    for name in (*spec.attn_linears(), *spec.mlp_linears(), spec.attn_norm, spec.mlp_norm):
+        get_submodule(layer, name)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -77,7 +105,7 @@ def test_scale_folding_is_exact(arch):
         spec = architecture_of(model)
         gen = torch.Generator().manual_seed(3)
         for layer in model.get_submodule(spec.layers_path):
-            for g in spec.groups(layer, model.config):
+            for g in spec.scale_groups(layer, model.config):
                 k = layer.get_submodule(g.linears[0]).in_features
                 apply_scale(layer, g, torch.rand(k, generator=gen) * 1.5 + 0.25)
         out = model(ids).logits

@@ -5,18 +5,33 @@ import pytest
 import torch
 
 from fastawq import reference
-from fastawq.quantize.awq import AwqQuantizer, InputStats, fake_quantize_
+from fastawq.quantize.awq import AwqQuantizer, InputStats
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("zero_point", [True, False])
 @pytest.mark.parametrize("group_size", [32, 64, 96])
-def test_fake_quantize_is_bit_identical_to_reference(bits, zero_point, group_size):
-    w = torch.randn(40, 192, generator=torch.Generator().manual_seed(bits)) * 0.05
-    w[3, :group_size] = 0.0  # a constant group (scale clamp path)
-    ref = reference.pseudo_quantize(w, group_size, bits, zero_point)
-    out = fake_quantize_(w.clone(), group_size, bits, zero_point)
-    assert torch.equal(out, ref)
+def test_search_rounding_is_bit_identical_to_packed_integers(bits, zero_point, group_size):
+    """The search rounds with pseudo_quantize(inplace=True) on [candidates, N, K] batches; packing
+    stores quantize_groupwise's integers. Both must give the same weights to the last bit."""
+    w = torch.randn(3, 40, 192, generator=torch.Generator().manual_seed(bits)) * 0.05
+    w[1, 3, :group_size] = 0.0  # a constant group (scale clamp path)
+    for c in range(3):
+        q, s, z = reference.quantize_groupwise(w[c], group_size, bits, zero_point)
+        g = group_size
+        want = ((q.view(40, -1, g) - z[..., None]).float() * s[..., None]).view(40, 192)
+        assert torch.equal(reference.pseudo_quantize(w[c], group_size, bits, zero_point), want)
+    out = w.clone()
+    assert reference.pseudo_quantize(out, group_size, bits, zero_point, inplace=True) is out
+    for c in range(3):
+        assert torch.equal(out[c], reference.pseudo_quantize(w[c], group_size, bits, zero_point))
+
+
+def test_inplace_rounding_refuses_what_it_cannot_overwrite():
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        reference.pseudo_quantize(torch.randn(8, 64, dtype=torch.float16), 32, inplace=True)
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        reference.pseudo_quantize(torch.randn(64, 8).t(), 32, inplace=True)
 
 
 def test_gram_loss_equals_output_mse():

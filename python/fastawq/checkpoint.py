@@ -15,7 +15,7 @@ from torch import nn
 from fastawq.models import architecture_of
 from fastawq.modules import WQLinear
 from fastawq.quantize.config import QuantConfig
-from fastawq.quantize.scale import wrap_activation
+from fastawq.modules.scaled_activation import wrap_activation
 
 log = logging.getLogger(__name__)
 

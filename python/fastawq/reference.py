@@ -93,36 +93,48 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return nib.reshape(rows, words * PACK).contiguous()
 
 
+# wg [R, G] fp32 groups  ->  scales [R, 1] fp32 · zeros [R, 1] fp32 (integers)
+def _rtn_grid(wg: torch.Tensor, w_bit: int, zero_point: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """AWQ's round-to-nearest grid of each group: the one place its scale and zero are computed.
+
+    Asymmetric: s = (max - min) / (2^b - 1), z = clamp(-round(min / s)).
+    Symmetric (zero_point=False): s = max|w| / (2^(b-1) - 1), stored with the constant zero 2^(b-1)
+    so that both kinds dequantize as (q - z) * s."""
+    qmax = 2**w_bit - 1
+    if zero_point:
+        wmin = wg.amin(dim=1, keepdim=True)
+        scales = (wg.amax(dim=1, keepdim=True) - wmin).clamp_(min=1e-5).div_(qmax)
+        zeros = wmin.div_(scales).round_().neg_().clamp_(0, qmax)
+    else:
+        half = 2 ** (w_bit - 1)
+        scales = wg.abs().amax(dim=1, keepdim=True).clamp_(min=1e-5).div_(half - 1)
+        zeros = torch.full_like(scales, float(half))
+    return scales, zeros
+
+
+def _check_rtn(w: torch.Tensor, group_size: int, w_bit: int) -> int:
+    if not 2 <= w_bit <= 8:
+        raise ValueError(f"w_bit must be in [2, 8], got {w_bit}")
+    k = w.shape[-1]
+    g = resolve_group_size(group_size, k)
+    if k % g != 0:
+        raise ValueError(f"in_features K={k} (weight {tuple(w.shape)}) is not divisible by group_size={g}")
+    return g
+
+
 # w [N, K] (nn.Linear layout)  ->  q [N, K] int32, scales [N, K // G] fp32, zeros [N, K // G] int32
 def quantize_groupwise(
     w: torch.Tensor, group_size: int, w_bit: int = 4, zero_point: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Round-to-nearest group-wise quantization, AWQ's convention.
-
-    Asymmetric: s = (max - min) / (2^b - 1), z = clamp(-round(min / s)), q = clamp(round(w / s) + z).
-    Symmetric (zero_point=False): s = max|w| / (2^(b-1) - 1), stored with the constant zero 2^(b-1)
-    so that both kinds dequantize as (q - z) * s.
-    """
+    """Round-to-nearest group-wise quantization, AWQ's convention (grid: _rtn_grid):
+    q = clamp(round(w / s) + z, 0, 2^b - 1)."""
     if w.dim() != 2:
         raise ValueError(f"expected a 2-D weight [N, K], got {tuple(w.shape)}")
-    if not 2 <= w_bit <= 8:
-        raise ValueError(f"w_bit must be in [2, 8], got {w_bit}")
+    g = _check_rtn(w, group_size, w_bit)
     n, k = w.shape
-    g = resolve_group_size(group_size, k)
-    if k % g != 0:
-        raise ValueError(f"in_features K={k} (weight {tuple(w.shape)}) is not divisible by group_size={g}")
-    wg = w.detach().to(torch.float32).reshape(n, k // g, g)
-    qmax = 2**w_bit - 1
-    if zero_point:
-        wmax = wg.amax(dim=-1, keepdim=True)
-        wmin = wg.amin(dim=-1, keepdim=True)
-        scales = ((wmax - wmin).clamp(min=1e-5)) / qmax
-        zeros = (-torch.round(wmin / scales)).clamp(0, qmax)
-    else:
-        half = 2 ** (w_bit - 1)
-        scales = wg.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5) / (half - 1)
-        zeros = torch.full_like(scales, float(half))
-    q = (torch.round(wg / scales) + zeros).clamp(0, qmax)
+    wg = w.detach().to(torch.float32).reshape(-1, g)
+    scales, zeros = _rtn_grid(wg, w_bit, zero_point)
+    q = (torch.round(wg / scales) + zeros).clamp(0, 2**w_bit - 1)
     return (
         q.reshape(n, k).to(torch.int32),
         scales.reshape(n, k // g),
@@ -130,13 +142,23 @@ def quantize_groupwise(
     )
 
 
-def pseudo_quantize(w: torch.Tensor, group_size: int, w_bit: int = 4, zero_point: bool = True) -> torch.Tensor:
-    """Quantize then dequantize, in w's dtype and shape: what the AWQ search evaluates."""
-    n, k = w.shape
-    q, s, z = quantize_groupwise(w, group_size, w_bit, zero_point)
-    g = resolve_group_size(group_size, k)
-    wq = (q.reshape(n, k // g, g) - z.unsqueeze(-1)).to(torch.float32) * s.unsqueeze(-1)
-    return wq.reshape(n, k).to(w.dtype)
+# w [..., K]  ->  Q(w) [..., K] in w's dtype (w itself when inplace)
+def pseudo_quantize(
+    w: torch.Tensor, group_size: int, w_bit: int = 4, zero_point: bool = True, *, inplace: bool = False
+) -> torch.Tensor:
+    """Quantize then dequantize, (clamp(round(w / s) + z) - z) * s in fp32: what the AWQ search
+    evaluates and what quantize_groupwise's integers dequantize to. inplace=True overwrites w
+    (contiguous fp32) with no temporaries beyond the grid: the search's inner loop."""
+    g = _check_rtn(w, group_size, w_bit)
+    if inplace:
+        if w.dtype != torch.float32 or not w.is_contiguous():
+            raise ValueError(f"inplace pseudo_quantize needs a contiguous fp32 tensor, got {w.dtype} {tuple(w.shape)}")
+        wg = w.view(-1, g)
+    else:
+        wg = w.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True).view(-1, g)
+    scales, zeros = _rtn_grid(wg, w_bit, zero_point)
+    wg.div_(scales).round_().add_(zeros).clamp_(0, 2**w_bit - 1).sub_(zeros).mul_(scales)
+    return w if inplace else wg.view(w.shape).to(w.dtype)
 
 
 # q [N, K] · scales [N, K // G] · zeros [N, K // G]  ->  qweight [K, N // 8] · scales [K // G, N] · qzeros [K // G, N // 8]

@@ -8,6 +8,8 @@ import logging
 import torch
 from torch import nn
 
+from fastawq.models import architecture_of
+from fastawq.models.base import get_submodule, set_submodule
 from fastawq.modules.qlinear import WQLinear
 
 log = logging.getLogger(__name__)
@@ -80,8 +82,9 @@ def _fill_random_w4(layer: WQLinear, gen: torch.Generator) -> None:
 
 def _fresh_rotary(model: nn.Module, device: torch.device) -> None:
     # Built under the meta device, the rotary module's inverse frequencies are garbage: rebuild it.
-    rot = model.model.rotary_emb
-    model.model.rotary_emb = type(rot)(config=model.config).to(device)
+    path = architecture_of(model).rotary_path
+    if path is not None:
+        set_submodule(model, path, type(get_submodule(model, path))(config=model.config).to(device))
 
 
 def build_random_model(
@@ -108,10 +111,8 @@ def build_random_model(
     if quantized:
         for mname, mod in list(model.named_modules()):
             if _is_decoder_linear(mname, mod):
-                parent_name, _, child = mname.rpartition(".")
-                parent = model.get_submodule(parent_name)
-                setattr(parent, child, WQLinear(mod.in_features, mod.out_features, g, mod.bias is not None,
-                                                device="meta", dtype=dtype))
+                set_submodule(model, mname, WQLinear(mod.in_features, mod.out_features, g, mod.bias is not None,
+                                                     device="meta", dtype=dtype))
     model = model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():

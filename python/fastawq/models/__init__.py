@@ -1,9 +1,10 @@
-"""Architecture registry: one small file per family declares its decoder layers and scale groups."""
+"""Architecture registry: one small file per family declares its record (models/base.py)."""
 from __future__ import annotations
 
+import difflib
 import importlib
 
-from fastawq.models.base import Architecture, ScaleGroup
+from fastawq.models.base import Architecture, ScaleGroup, get_submodule, set_submodule
 
 _FILES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "opt", "gpt_neox")
 
@@ -11,6 +12,8 @@ REGISTRY: dict[str, Architecture] = {}
 for _f in _FILES:
     _arch = importlib.import_module(f"fastawq.models.{_f}").ARCH
     for _t in _arch.model_types:
+        if _t in REGISTRY:
+            raise RuntimeError(f"model_type {_t!r} is registered by both {REGISTRY[_t].name} and {_arch.name}")
         REGISTRY[_t] = _arch
 
 SUPPORTED_MODEL_TYPES = tuple(sorted(REGISTRY))
@@ -24,8 +27,11 @@ def get_architecture(model_type: str) -> Architecture:
     try:
         return REGISTRY[model_type]
     except KeyError:
+        near = difflib.get_close_matches(str(model_type), SUPPORTED_MODEL_TYPES, n=1, cutoff=0.5)
+        hint = f" The nearest supported type is {near[0]!r}." if near else ""
         raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"model_type {model_type!r} is not supported.{hint} Supported: {', '.join(SUPPORTED_MODEL_TYPES)}. "
+            "To add one, see 'Adding an architecture' in README.md (one small file in python/fastawq/models/)."
         ) from None
 
 
@@ -34,4 +40,4 @@ def architecture_of(model) -> Architecture:
 
 
 __all__ = ["Architecture", "ScaleGroup", "REGISTRY", "SUPPORTED_MODEL_TYPES", "UnsupportedModelError",
-           "get_architecture", "architecture_of"]
+           "get_architecture", "architecture_of", "get_submodule", "set_submodule"]

@@ -1,5 +1,7 @@
-"""What the quantizer needs to know about one architecture: where its decoder layers live and which
-linears share an input behind an op whose output channels a scale can be folded into."""
+"""One record per architecture: where its modules live, its norm and activation, which linears
+share an input behind an op a scale can fold into, and whether the fused engine can serve it.
+Everything architecture-specific lives here; the quantizer, the checkpoint loader and the fused
+engine read it and hard-code no module path."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,6 +16,7 @@ from torch import nn
 #   act         y = act(x)              ->  wrapped in ScaledActivation (y / s)
 #   none        no scaling: the linears are only clipped and rounded
 PREV_KINDS = ("norm", "gemma_norm", "linear", "act", "none")
+NORM_FORMS = ("rms", "layer")
 
 
 @dataclass
@@ -29,18 +32,76 @@ class ScaleGroup:
             raise ValueError(f"scale group {self.linears}: prev={self.prev!r} does not fit kind={self.kind!r}")
 
 
-@dataclass(frozen=True)
+GroupsFn = Callable[[nn.Module, object], list[ScaleGroup]]
+
+
+@dataclass(frozen=True, kw_only=True)
 class Architecture:
-    """One supported family. `groups(layer, config)` lists the scale groups of one decoder layer;
-    a linear of the layer that no group names is still clipped and rounded on its own."""
+    """One supported family. Paths are dotted submodule names: the first block from the causal LM,
+    `attn`/`mlp`/norms from one decoder layer, `qkv`/`o_proj` from the attention module and
+    `gate_up`/`down_proj` from the MLP. The defaults are Llama's.
+
+    `groups(layer, config)` lists the scale groups of one decoder layer; left None, they follow
+    from the paths (Llama's layout). A linear that no group names is still clipped and rounded."""
 
     name: str
     model_types: tuple[str, ...]
-    layers_path: str
-    groups: Callable[[nn.Module, object], list[ScaleGroup]]
-    # The activation that an "act" group wraps in ScaledActivation, relative to the layer.
+    groups: GroupsFn | None = None
+    # From the causal LM.
+    layers_path: str = "model.layers"
+    embed_path: str = "model.embed_tokens"
+    final_norm_path: str = "model.norm"
+    lm_head_path: str = "lm_head"
+    rotary_path: str | None = "model.rotary_emb"
+    # From one decoder layer: the norms whose outputs feed attention and the MLP.
+    attn: str = "self_attn"
+    mlp: str = "mlp"
+    attn_norm: str = "input_layernorm"
+    mlp_norm: str = "post_attention_layernorm"
+    # From the attention module / the MLP; one name when the checkpoint already fuses them
+    # (Phi-3's qkv_proj is q, k, v stacked along N; its gate_up_proj is gate, then up).
+    qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+    o_proj: str = "o_proj"
+    qk_norm: tuple[str, str] | None = None  # per-head norms after q/k (Qwen3), fused into rope
+    gate_up: tuple[str, ...] = ("gate_proj", "up_proj")
+    down_proj: str = "down_proj"
+    gated_mlp: bool = True  # False: act(up(x)) -> down, and gate_up names the one input linear
+    # Norm form: RMSNorm or LayerNorm, and Gemma's y = x * (offset + w).
+    norm: str = "rms"
+    norm_offset: float = 0.0
+    # The config attribute naming the activation, and (for "act" groups) the activation module
+    # a ScaledActivation wraps, relative to the layer.
+    act_attr: str = "hidden_act"
     act_path: str | None = None
+    # Why the fused engine cannot serve this family; None when it can (subject to the config
+    # checks in modules/fused.py: sliding window, partial rotary, activation).
+    fused_blocker: str | None = None
+    family: str = ""
     notes: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.norm not in NORM_FORMS:
+            raise ValueError(f"{self.name}: norm={self.norm!r}; expected one of {NORM_FORMS}")
+        if len(self.qkv) not in (1, 3) or len(self.gate_up) not in (1, 2):
+            raise ValueError(f"{self.name}: qkv={self.qkv} needs 1 or 3 names, gate_up={self.gate_up} 1 or 2")
+
+    @property
+    def fusable(self) -> bool:
+        return self.fused_blocker is None
+
+    def scale_groups(self, layer: nn.Module, config: object) -> list[ScaleGroup]:
+        return self.groups(layer, config) if self.groups is not None else llama_like_groups(self, layer)
+
+    # Full names inside one decoder layer (an empty `attn` / `mlp` means the layer itself).
+    def attn_linears(self) -> list[str]:
+        return [_join(self.attn, n) for n in self.qkv]
+
+    def mlp_linears(self) -> list[str]:
+        return [_join(self.mlp, n) for n in self.gate_up]
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
 
 def get_submodule(root: nn.Module, path: str) -> nn.Module:
@@ -50,14 +111,33 @@ def get_submodule(root: nn.Module, path: str) -> nn.Module:
         raise AttributeError(f"{type(root).__name__} has no submodule {path!r}") from e
 
 
-def llama_like_groups(layer: nn.Module, *, mlp_norm: str = "post_attention_layernorm", norm_kind: str = "norm") -> list[ScaleGroup]:
-    """Llama's layout, shared by Mistral, Qwen2/3 and the Gemma family."""
-    attn, mlp = layer.self_attn, layer.mlp
-    groups = [ScaleGroup(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "input_layernorm", norm_kind)]
-    # v -> o only when v's output is o's whole input (no grouped-query head sharing).
-    if attn.v_proj.weight.shape == attn.o_proj.weight.shape:
-        groups.append(ScaleGroup(["self_attn.o_proj"], "self_attn.v_proj", "linear"))
-    groups.append(ScaleGroup(["mlp.gate_proj", "mlp.up_proj"], mlp_norm, norm_kind))
-    if mlp.up_proj.weight.shape[0] == mlp.down_proj.weight.shape[1]:
-        groups.append(ScaleGroup(["mlp.down_proj"], "mlp.up_proj", "linear"))
+def set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Replace the submodule at dotted `path` (ModuleList indices included) by `module`."""
+    parent, _, name = path.rpartition(".")
+    setattr(get_submodule(root, parent) if parent else root, name, module)
+
+
+def llama_like_groups(arch: Architecture, layer: nn.Module) -> list[ScaleGroup]:
+    """Llama's layout, read from the record: attention norm -> q/k/v, v -> o, MLP norm -> gate/up,
+    up -> down. A fused qkv / gate_up takes the scale on its last rows (v, up)."""
+    kind = "gemma_norm" if arch.norm_offset == 1.0 else "norm"
+    attn = get_submodule(layer, arch.attn) if arch.attn else layer
+    mlp = get_submodule(layer, arch.mlp) if arch.mlp else layer
+    groups = [ScaleGroup(arch.attn_linears(), arch.attn_norm, kind)]
+    v = get_submodule(attn, arch.qkv[-1])
+    o = get_submodule(attn, arch.o_proj)
+    # v -> o only when v's output is o's whole input (no grouped-query head sharing); fused,
+    # v is the last third of qkv exactly when q, k and v have one size.
+    if len(arch.qkv) == 3:
+        v_to_o = v.weight.shape == o.weight.shape
+    else:
+        v_to_o = v.weight.shape[0] == 3 * o.weight.shape[1]
+    if v_to_o:
+        groups.append(ScaleGroup([_join(arch.attn, arch.o_proj)], _join(arch.attn, arch.qkv[-1]), "linear"))
+    groups.append(ScaleGroup(arch.mlp_linears(), arch.mlp_norm, kind))
+    up = get_submodule(mlp, arch.gate_up[-1])
+    down = get_submodule(mlp, arch.down_proj)
+    up_rows = up.weight.shape[0] if len(arch.gate_up) == 2 else up.weight.shape[0] / 2
+    if up_rows == down.weight.shape[1]:
+        groups.append(ScaleGroup([_join(arch.mlp, arch.down_proj)], _join(arch.mlp, arch.gate_up[-1]), "linear"))
     return groups

@@ -1,9 +1,6 @@
-"""Gemma: Llama's layout, but its RMSNorm multiplies by (1 + weight)."""
-from fastawq.models.base import Architecture, llama_like_groups
+"""Gemma: Llama's layout, but its RMSNorm multiplies by (1 + weight) and the activation is named
+by hidden_activation."""
+from fastawq.models.base import Architecture
 
-ARCH = Architecture(
-    name="gemma",
-    model_types=("gemma",),
-    layers_path="model.layers",
-    groups=lambda layer, config: llama_like_groups(layer, norm_kind="gemma_norm"),
-)
+ARCH = Architecture(name="gemma", family="Gemma", model_types=("gemma",), norm_offset=1.0,
+                    act_attr="hidden_activation")

@@ -1,10 +1,9 @@
 """Gemma 2: (1 + weight) norms; the MLP reads pre_feedforward_layernorm (post_* norms act on
 outputs and take no scale)."""
-from fastawq.models.base import Architecture, llama_like_groups
+from fastawq.models.base import Architecture
 
 ARCH = Architecture(
-    name="gemma2",
-    model_types=("gemma2",),
-    layers_path="model.layers",
-    groups=lambda layer, config: llama_like_groups(layer, mlp_norm="pre_feedforward_layernorm", norm_kind="gemma_norm"),
+    name="gemma2", family="Gemma", model_types=("gemma2",), norm_offset=1.0, act_attr="hidden_activation",
+    mlp_norm="pre_feedforward_layernorm",
+    fused_blocker="logit soft-capping and the post-attention / post-feedforward norms are not fused",
 )

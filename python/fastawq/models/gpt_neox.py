@@ -12,5 +12,10 @@ def _groups(layer, config) -> list[ScaleGroup]:
 
 
 ARCH = Architecture(
-    name="gpt_neox", model_types=("gpt_neox",), layers_path="gpt_neox.layers", groups=_groups, act_path="mlp.act"
+    name="gpt_neox", family="GPT-NeoX", model_types=("gpt_neox",), groups=_groups,
+    layers_path="gpt_neox.layers", embed_path="gpt_neox.embed_in", final_norm_path="gpt_neox.final_layer_norm",
+    rotary_path="gpt_neox.rotary_emb",
+    attn="attention", qkv=("query_key_value",), o_proj="dense",
+    gate_up=("dense_h_to_4h",), down_proj="dense_4h_to_h", gated_mlp=False, act_path="mlp.act", norm="layer",
+    fused_blocker="LayerNorm, per-head interleaved q/k/v, partial rotary and parallel residuals",
 )

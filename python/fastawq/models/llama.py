@@ -1,9 +1,4 @@
-"""Llama 1/2/3.x: RMSNorm in front of q/k/v and gate/up."""
-from fastawq.models.base import Architecture, llama_like_groups
+"""Llama 1/2/3.x: RMSNorm in front of q/k/v and gate/up (every default of the record)."""
+from fastawq.models.base import Architecture
 
-ARCH = Architecture(
-    name="llama",
-    model_types=("llama",),
-    layers_path="model.layers",
-    groups=lambda layer, config: llama_like_groups(layer),
-)
+ARCH = Architecture(name="llama", family="Llama", model_types=("llama",))

@@ -1,9 +1,4 @@
 """Mistral: Llama's layer layout (sliding-window attention does not change the scale groups)."""
-from fastawq.models.base import Architecture, llama_like_groups
+from fastawq.models.base import Architecture
 
-ARCH = Architecture(
-    name="mistral",
-    model_types=("mistral",),
-    layers_path="model.layers",
-    groups=lambda layer, config: llama_like_groups(layer),
-)
+ARCH = Architecture(name="mistral", family="Mistral", model_types=("mistral",))

@@ -14,4 +14,11 @@ def _groups(layer, config) -> list[ScaleGroup]:
     return groups
 
 
-ARCH = Architecture(name="opt", model_types=("opt",), layers_path="model.decoder.layers", groups=_groups)
+ARCH = Architecture(
+    name="opt", family="OPT", model_types=("opt",), groups=_groups,
+    layers_path="model.decoder.layers", embed_path="model.decoder.embed_tokens",
+    final_norm_path="model.decoder.final_layer_norm", rotary_path=None,
+    attn_norm="self_attn_layer_norm", mlp_norm="final_layer_norm", o_proj="out_proj",
+    mlp="", gate_up=("fc1",), down_proj="fc2", gated_mlp=False, norm="layer", act_attr="activation_function",
+    fused_blocker="LayerNorm, learned positions and an ungated MLP (the fused engine is Llama-shaped)",
+)

@@ -1,9 +1,4 @@
 """Qwen2 / Qwen2.5: Llama's layout with q/k/v biases (the biases move with the weights' rows)."""
-from fastawq.models.base import Architecture, llama_like_groups
+from fastawq.models.base import Architecture
 
-ARCH = Architecture(
-    name="qwen2",
-    model_types=("qwen2",),
-    layers_path="model.layers",
-    groups=lambda layer, config: llama_like_groups(layer),
-)
+ARCH = Architecture(name="qwen2", family="Qwen", model_types=("qwen2",))

@@ -5,9 +5,10 @@ kernel, split-K decode attention, gate/up in one GEMM with act*mul fused, add + 
 the model as `model.fastawq_runtime`) runs prefill and decode steps, the latter as CUDA-graph
 replays on GPU. Sequences of one batch share their length (no padding inside the cache).
 
-Architectures: llama, mistral (max_seq_len <= sliding window), qwen2, qwen3 (q/k norms fused
-into the rope kernel), gemma (1 + w norms, tanh-GELU, scaled embeddings), phi3 (full rotary).
-Others (gemma2/3: soft-capping, extra norms, alternating windows) are refused with an error.
+Architectures: every record in fastawq.models whose fused_blocker is None (Llama-shaped:
+RMSNorm, full rotary, gated MLP), e.g. llama, mistral (max_seq_len <= sliding window), qwen3
+(q/k norms fused into the rope kernel), gemma (1 + w norms); paths and names come from the record.
+Others are refused with the record's reason.
 Kernels: Triton on CUDA (triton_kernels/attention.py and the norm/act kernels in fused_ops),
 decode attention compiled (csrc/attention) when fastawq._C has it, torch elsewhere; prefill
 attention is torch SDPA. The fused model's device is fixed at fuse time.
@@ -21,21 +22,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fastawq.models import Architecture, architecture_of
+from fastawq.models.base import get_submodule, set_submodule
 from fastawq.modules import fused_ops
 from fastawq.modules.qlinear import WQLinear
 
 log = logging.getLogger(__name__)
-
-# model_type -> (norm weight offset, activation attribute of the config)
-SUPPORTED = {
-    "llama": (0.0, "hidden_act"),
-    "mistral": (0.0, "hidden_act"),
-    "qwen2": (0.0, "hidden_act"),
-    "qwen3": (0.0, "hidden_act"),
-    "gemma": (1.0, "hidden_activation"),
-    "phi3": (0.0, "hidden_act"),  # already one qkv_proj and one gate_up_proj (gate, then up)
-}
-
 
 class CacheOverflowError(ValueError):
     """A request does not fit the preallocated KV cache (max_seq_len or batch_size)."""
@@ -89,17 +81,15 @@ def concat_wqlinear(layers: list[WQLinear]) -> WQLinear:
 
 
 class FusedAttention(nn.Module):
-    def __init__(self, attn: nn.Module, cfg: FusedConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, attn: nn.Module, cfg: FusedConfig, dtype: torch.dtype, device: torch.device,
+                 arch: Architecture):
         super().__init__()
         self.cfg = cfg
-        if hasattr(attn, "qkv_proj"):
-            self.qkv_proj = concat_wqlinear([attn.qkv_proj])
-        else:
-            self.qkv_proj = concat_wqlinear([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o_proj = attn.o_proj
+        self.qkv_proj = concat_wqlinear([get_submodule(attn, n) for n in arch.qkv])
+        self.o_proj = get_submodule(attn, arch.o_proj)
         if cfg.qk_norm:
-            self.q_norm_weight = attn.q_norm.weight
-            self.k_norm_weight = attn.k_norm.weight
+            self.q_norm_weight = get_submodule(attn, arch.qk_norm[0]).weight
+            self.k_norm_weight = get_submodule(attn, arch.qk_norm[1]).weight
         else:
             self.q_norm_weight = self.k_norm_weight = None
         # Zero-filled: the torch fallback masks (rather than skips) positions past the length.
@@ -131,13 +121,10 @@ class FusedAttention(nn.Module):
 
 
 class FusedMLP(nn.Module):
-    def __init__(self, mlp: nn.Module, act: str):
+    def __init__(self, mlp: nn.Module, act: str, arch: Architecture):
         super().__init__()
-        if hasattr(mlp, "gate_up_proj"):
-            self.gate_up_proj = concat_wqlinear([mlp.gate_up_proj])
-        else:
-            self.gate_up_proj = concat_wqlinear([mlp.gate_proj, mlp.up_proj])
-        self.down_proj = mlp.down_proj
+        self.gate_up_proj = concat_wqlinear([get_submodule(mlp, n) for n in arch.gate_up])
+        self.down_proj = get_submodule(mlp, arch.down_proj)
         self.act = act
 
     def forward(self, x: torch.Tensor, kernels: str | None) -> torch.Tensor:
@@ -145,13 +132,14 @@ class FusedMLP(nn.Module):
 
 
 class FusedDecoderLayer(nn.Module):
-    def __init__(self, layer: nn.Module, cfg: FusedConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, layer: nn.Module, cfg: FusedConfig, dtype: torch.dtype, device: torch.device,
+                 arch: Architecture):
         super().__init__()
         self.cfg = cfg
-        self.self_attn = FusedAttention(layer.self_attn, cfg, dtype, device)
-        self.mlp = FusedMLP(layer.mlp, cfg.act)
-        self.input_layernorm = layer.input_layernorm
-        self.post_attention_layernorm = layer.post_attention_layernorm
+        self.self_attn = FusedAttention(get_submodule(layer, arch.attn), cfg, dtype, device, arch)
+        self.mlp = FusedMLP(get_submodule(layer, arch.mlp), cfg.act, arch)
+        self.input_layernorm = get_submodule(layer, arch.attn_norm)
+        self.post_attention_layernorm = get_submodule(layer, arch.mlp_norm)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, start: int,
@@ -217,6 +205,12 @@ class FusedRuntime:
     def __init__(self, model: nn.Module, cfg: FusedConfig, use_cuda_graphs: bool = True, kernels: str | None = None,
                  prefill_chunk: int | None = None):
         self.model = model
+        # The modules a step runs, found once through the architecture record.
+        arch = architecture_of(model)
+        self.embed = get_submodule(model, arch.embed_path)
+        self.layers = get_submodule(model, arch.layers_path)
+        self.final_norm = get_submodule(model, arch.final_norm_path)
+        self.lm_head = get_submodule(model, arch.lm_head_path)
         self.prefill_chunk = prefill_chunk
         self.cfg = cfg
         self.use_cuda_graphs = use_cuda_graphs
@@ -228,7 +222,7 @@ class FusedRuntime:
 
     @property
     def device(self) -> torch.device:
-        return self.model.model.embed_tokens.weight.device
+        return self.embed.weight.device
 
     def check_fits(self, batch: int, total_len: int) -> None:
         c = self.cfg
@@ -246,18 +240,17 @@ class FusedRuntime:
         self, ids: torch.Tensor, positions: torch.Tensor, start: int, lens: torch.Tensor | None,
         max_len: int, last_only: bool = True, logits: bool = True,
     ) -> torch.Tensor | None:
-        m = self.model.model
-        x = m.embed_tokens(ids)
+        x = self.embed(ids)
         residual = None
-        for layer in m.layers:
+        for layer in self.layers:
             x, residual = layer(x, residual, positions, start, lens, max_len, self.kernels)
         c = self.cfg
         if not logits:
             return None
         if last_only:
             x, residual = x[:, -1:], residual[:, -1:]
-        h, _ = fused_ops.add_rms_norm(x, residual, m.norm.weight, c.eps, c.norm_offset, kernels=self.kernels)
-        return self.model.lm_head(h)
+        h, _ = fused_ops.add_rms_norm(x, residual, self.final_norm.weight, c.eps, c.norm_offset, kernels=self.kernels)
+        return self.lm_head(h)
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, start: int = 0, last_only: bool = True) -> torch.Tensor:
@@ -319,13 +312,18 @@ class FusedRuntime:
         return logits[:, -1]
 
 
-def _fused_config(model: nn.Module, max_seq_len: int, batch_size: int) -> FusedConfig:
+def _fused_config(model: nn.Module, max_seq_len: int, batch_size: int) -> tuple[FusedConfig, Architecture]:
     cfg = model.config
     mt = getattr(cfg, "model_type", None)
-    if mt not in SUPPORTED:
+    arch = architecture_of(model)
+    if arch.fused_blocker is not None:
         raise NotImplementedError(
-            f"fuse_layers is not implemented for model_type={mt!r}; supported: {sorted(SUPPORTED)} "
-            "(load with fuse_layers=False)"
+            f"fuse_layers is not implemented for model_type={mt!r}: {arch.fused_blocker} (load with fuse_layers=False)"
+        )
+    if arch.norm != "rms" or not arch.gated_mlp or arch.rotary_path is None:
+        raise NotImplementedError(
+            f"{mt}: the fused engine needs RMSNorm, rotary positions and a gated MLP; the record has "
+            f"norm={arch.norm!r}, rotary_path={arch.rotary_path!r}, gated_mlp={arch.gated_mlp}"
         )
     if max_seq_len < 1 or batch_size < 1:
         raise ValueError(f"max_seq_len={max_seq_len} and batch_size={batch_size} must be positive")
@@ -338,30 +336,34 @@ def _fused_config(model: nn.Module, max_seq_len: int, batch_size: int) -> FusedC
     rope = getattr(cfg, "rope_parameters", None) or {}
     if float(rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) or 1.0) != 1.0:
         raise NotImplementedError(f"{mt}: partial rotary embeddings are not fused (partial_rotary_factor < 1)")
-    offset, act_attr = SUPPORTED[mt]
-    act = getattr(cfg, act_attr, None) or getattr(cfg, "hidden_act", "silu")
+    act = getattr(cfg, arch.act_attr, None) or getattr(cfg, "hidden_act", "silu")
     if act not in fused_ops.ACTIVATIONS:
         raise NotImplementedError(f"{mt}: activation {act!r} is not fused; supported {fused_ops.ACTIVATIONS}")
-    layer0 = model.model.layers[0]
+    attn0 = get_submodule(get_submodule(model, arch.layers_path)[0], arch.attn)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return FusedConfig(
+    if arch.qk_norm is not None:
+        n = get_submodule(attn0, arch.qk_norm[0]).weight.numel()
+        if n != head_dim:
+            raise NotImplementedError(f"{mt}: q/k norms over {n} channels (not one head of {head_dim}) are not fused")
+    fc = FusedConfig(
         hidden_size=cfg.hidden_size,
         num_heads=cfg.num_attention_heads,
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
         head_dim=head_dim,
         eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
-        norm_offset=offset,
+        norm_offset=arch.norm_offset,
         act=act,
-        scale=float(getattr(layer0.self_attn, "scaling", head_dim ** -0.5)),
-        qk_norm=hasattr(layer0.self_attn, "q_norm"),
+        scale=float(getattr(attn0, "scaling", head_dim ** -0.5)),
+        qk_norm=arch.qk_norm is not None,
         max_seq_len=max_seq_len,
         batch_size=batch_size,
     )
+    return fc, arch
 
 
 def _rope_tables(model: nn.Module, max_seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [max_seq_len, head_dim] fp32 from the model's own rotary module (any rope scaling)."""
-    rot = model.model.rotary_emb
+    rot = get_submodule(model, architecture_of(model).rotary_path)
     pos = torch.arange(max_seq_len, device=device)[None]
     dummy = torch.zeros(1, dtype=torch.float32, device=device)
     cos, sin = rot(dummy, pos)
@@ -383,25 +385,25 @@ def fuse_model(
     longer than prefill_chunk tokens are prefilled in chunks (None: in one pass). Afterwards
     `model(input_ids)` runs a fresh prefill, `model.generate(...)` runs fastawq.generate, and
     `model.fastawq_runtime` exposes prefill/decode steps."""
-    cfg = _fused_config(model, max_seq_len, batch_size)
-    emb = model.model.embed_tokens.weight
+    cfg, arch = _fused_config(model, max_seq_len, batch_size)
+    emb = get_submodule(model, arch.embed_path).weight
     dtype = emb.dtype  # activations (and so the cache) run in the embeddings' dtype
     device = emb.device
-    for i, layer in enumerate(model.model.layers):
-        names = ("qkv_proj", "o_proj") if hasattr(layer.self_attn, "qkv_proj") else ("q_proj", "k_proj", "v_proj", "o_proj")
-        for name in names:
-            if not isinstance(getattr(layer.self_attn, name), WQLinear):
-                raise TypeError(f"layer {i} self_attn.{name} is not a WQLinear: quantize the model before fusing")
+    layers = get_submodule(model, arch.layers_path)
+    for i, layer in enumerate(layers):
+        for name in (*arch.qkv, arch.o_proj):
+            if not isinstance(get_submodule(get_submodule(layer, arch.attn), name), WQLinear):
+                raise TypeError(f"layer {i} {arch.attn}.{name} is not a WQLinear: quantize the model before fusing")
     cos, sin = _rope_tables(model, max_seq_len, device)
     fused = []
-    for i in range(len(model.model.layers)):
-        f = FusedDecoderLayer(model.model.layers[i], cfg, dtype, device)
+    for i in range(len(layers)):
+        f = FusedDecoderLayer(layers[i], cfg, dtype, device, arch)
         # One table shared by all layers (plain attributes, not buffers: the fused model's device
         # is fixed at fuse time, like its cache).
         f.self_attn.rope_cos, f.self_attn.rope_sin = cos, sin
         fused.append(f)
-        model.model.layers[i] = f  # drop the unfused q/k/v and gate/up as we go
-    model.model.layers = nn.ModuleList(fused)
+        layers[i] = f  # drop the unfused q/k/v and gate/up as we go
+    set_submodule(model, arch.layers_path, nn.ModuleList(fused))
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError(f"prefill_chunk={prefill_chunk} must be positive or None")
     runtime = FusedRuntime(model, cfg, use_cuda_graphs=use_cuda_graphs, kernels=kernels, prefill_chunk=prefill_chunk)

@@ -9,7 +9,7 @@ from torch import nn
 from fastawq.quantize.awq import AwqQuantizer
 from fastawq.quantize.config import QuantConfig
 from fastawq.quantize.pack import pack_model, pseudo_quantize_model
-from fastawq.quantize.scale import ScaledActivation
+from fastawq.modules.scaled_activation import ScaledActivation
 
 
 def quantize(

@@ -9,8 +9,7 @@ is then exact without touching the tokens again:
 
 so each of the 20 grid points (and each clipping step) costs one [N, K] x [K, K] product instead
 of a pass over 65k tokens, and all candidates of a grid are evaluated as one batch. The
-quantization math is reference.pseudo_quantize's; fake_quantize_ below is its in-place twin for
-the inner loop, checked bit-identical by the tests.
+rounding is reference.pseudo_quantize itself (in place), the same grid packing uses.
 """
 from __future__ import annotations
 
@@ -25,7 +24,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fastawq.models import ScaleGroup, architecture_of
-from fastawq.models.base import get_submodule
+from fastawq.models.base import get_submodule, set_submodule
+from fastawq.reference import pseudo_quantize
 from fastawq.quantize.config import QuantConfig
 from fastawq.quantize.pack import finalize_layer
 from fastawq.quantize.scale import apply_scale
@@ -222,11 +222,10 @@ class AwqQuantizer:
     def _capture_inputs(self, layers: nn.ModuleList) -> tuple[list[torch.Tensor], list[dict]]:
         """Run the model's embedding on every chunk of samples, decoder layers stubbed out:
         layer 0's inputs, and the keyword arguments each layer receives."""
-        parent_path, _, attr = self.arch.layers_path.rpartition(".")
-        parent = self.model.get_submodule(parent_path)
-        real = getattr(parent, attr)
+        real = layers
         store: dict = {"kwargs": {}, "tuples": _tuple_outputs()}
-        setattr(parent, attr, nn.ModuleList([_Catcher(layer, i, store) for i, layer in enumerate(real)]))
+        set_submodule(self.model, self.arch.layers_path,
+                      nn.ModuleList([_Catcher(layer, i, store) for i, layer in enumerate(real)]))
         # Everything but the decoder layers visits the accelerator for the capture.
         devices = {n: t.device for n, t in _tensors(self.model)}
         base = self.model.base_model
@@ -239,7 +238,7 @@ class AwqQuantizer:
                 x = store["x"]
                 inps.append(x.to("cpu") if self.offload else x)
         finally:
-            setattr(parent, attr, real)
+            set_submodule(self.model, self.arch.layers_path, real)
             for n, t in _tensors(self.model):
                 if n in devices and t.device != devices[n]:
                     t.data = t.data.to(devices[n])
@@ -259,7 +258,7 @@ class AwqQuantizer:
 
     # ------------------------------------------------------------------ one layer
     def _resolve_groups(self, layer: nn.Module, name: str) -> list[ScaleGroup]:
-        groups = list(self.arch.groups(layer, self.model.config))
+        groups = list(self.arch.scale_groups(layer, self.model.config))
         covered = {n for g in groups for n in g.linears}
         for lin_name, mod in layer.named_modules():
             if isinstance(mod, nn.Linear) and lin_name not in covered:
@@ -354,7 +353,7 @@ class AwqQuantizer:
             for i in range(0, c, step):
                 sc = s[i : i + step, None, :]
                 m = sc.shape[0]
-                d = fake_quantize_(w[None] * sc, g, bits, zp).div_(sc).sub_(w[None])
+                d = pseudo_quantize(w[None] * sc, g, bits, zp, inplace=True).div_(sc).sub_(w[None])
                 a = (d.view(m * n, k) @ sigma).view(m, n * k)
                 loss[i : i + m] += a.mul_(d.view(m, n * k)).sum(dim=1)
         return loss
@@ -412,7 +411,7 @@ class AwqQuantizer:
             m = sh.shape[0]
             mx = (org_max[None] * sh[:, None, None]).unsqueeze(-1)  # [m, N, ng, 1]
             cw = torch.maximum(torch.minimum(wg[None], mx), -mx)
-            q = fake_quantize_(cw, g, self.config.w_bit, self.config.zero_point)
+            q = pseudo_quantize(cw, g, self.config.w_bit, self.config.zero_point, inplace=True)
             d = (q.view(m, n, ng, g) - wg[None]).permute(2, 0, 1, 3).reshape(ng, m * n, g)
             err = (torch.bmm(d, blocks) * d).sum(-1).view(ng, m, n).permute(1, 2, 0)  # [m, N, ng]
             for j in range(m):
@@ -420,23 +419,6 @@ class AwqQuantizer:
                 best_err = torch.where(better, err[j], best_err)
                 best_max = torch.where(better, mx[j, :, :, 0], best_max)
         return best_max
-
-
-# w [..., K] float, overwritten  ->  the same tensor holding Q(w) in w's dtype
-def fake_quantize_(w: torch.Tensor, group_size: int, w_bit: int, zero_point: bool) -> torch.Tensor:
-    """reference.pseudo_quantize in place and without integer round trips: the search's inner
-    loop (tests check it is bit-identical to the reference)."""
-    shape = w.shape
-    wg = w.view(-1, group_size)
-    qmax = 2**w_bit - 1
-    if zero_point:
-        s = (wg.amax(dim=1, keepdim=True) - wg.amin(dim=1, keepdim=True)).clamp_(min=1e-5).div_(qmax)
-        z = wg.amin(dim=1, keepdim=True).div_(s).round_().neg_().clamp_(0, qmax)
-    else:
-        half = 2 ** (w_bit - 1)
-        s = wg.abs().amax(dim=1, keepdim=True).clamp_(min=1e-5).div_(half - 1)
-        z = torch.full_like(s, float(half))
-    return wg.div_(s).round_().add_(z).clamp_(0, qmax).sub_(z).mul_(s).view(shape)
 
 
 def _cpu_forward_dtype() -> torch.dtype:

@@ -6,13 +6,9 @@ import torch
 from torch import nn
 
 from fastawq import reference
+from fastawq.models.base import set_submodule
 from fastawq.modules import WQLinear
 from fastawq.quantize.config import QuantConfig
-
-
-def _set(root: nn.Module, path: str, module: nn.Module) -> None:
-    parent, _, name = path.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, name, module)
 
 
 def target_linears(layer: nn.Module, prefix: str, config: QuantConfig) -> list[tuple[str, nn.Linear]]:
@@ -38,7 +34,7 @@ def finalize_layer(layer: nn.Module, prefix: str, config: QuantConfig, *, pack: 
                     f"layer {prefix}.{name}: out_features={lin.out_features} is not divisible by 8, "
                     f"so it cannot be packed; list it in modules_to_not_convert"
                 )
-            _set(layer, name, WQLinear.from_linear(lin, g, zero_point=config.zero_point))
+            set_submodule(layer, name, WQLinear.from_linear(lin, g, zero_point=config.zero_point))
         else:
             lin.weight.data = reference.pseudo_quantize(lin.weight.data, g, config.w_bit, config.zero_point)
 

@@ -5,25 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastawq.models.base import ScaleGroup
-
-
-class ScaledActivation(nn.Module):
-    """act(x) / scales: AutoAWQ's wrapper for activations a scale does not commute with (GELU).
-    The buffer is saved as `<act>.scales`, the name AutoAWQ checkpoints use."""
-
-    def __init__(self, act: nn.Module, scales: torch.Tensor):
-        super().__init__()
-        self.act = act
-        self.scales = nn.Parameter(scales.detach().clone(), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(x) / self.scales.view(*([1] * (x.dim() - 1)), -1).to(x.dtype)
-
-
-def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
-    parent, _, name = path.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, name, module)
+from fastawq.models.base import ScaleGroup, set_submodule
+from fastawq.modules.scaled_activation import ScaledActivation, wrap_activation
 
 
 # s [K] fp32: the scale of the K input channels of every linear in `group`
@@ -49,7 +32,7 @@ def apply_scale(layer: nn.Module, group: ScaleGroup, s: torch.Tensor) -> None:
         if isinstance(prev, ScaledActivation):
             prev.scales.data = prev.scales.data * s.to(prev.scales.dtype)
         else:
-            _set_submodule(layer, group.prev, ScaledActivation(prev, s.to(torch.float32)))
+            set_submodule(layer, group.prev, ScaledActivation(prev, s.to(torch.float32)))
     else:
         raise ValueError(f"scale group {group.linears} has no op to fold a scale into (kind={group.kind!r})")
     for name in group.linears:
@@ -57,8 +40,4 @@ def apply_scale(layer: nn.Module, group: ScaleGroup, s: torch.Tensor) -> None:
         lin.weight.data = (lin.weight.float() * s).to(lin.weight.dtype)
 
 
-def wrap_activation(layer: nn.Module, act_path: str, channels: int, dtype: torch.dtype = torch.float32) -> None:
-    """Insert a unit ScaledActivation so a checkpoint's `<act>.scales` has somewhere to load."""
-    act = layer.get_submodule(act_path)
-    if not isinstance(act, ScaledActivation):
-        _set_submodule(layer, act_path, ScaledActivation(act, torch.ones(channels, dtype=dtype)))
+__all__ = ["ScaledActivation", "apply_scale", "wrap_activation"]
