@@ -239,3 +239,21 @@ def test_fp32_activations_on_cpu():
     assert _rel(rt.prefill(ids)[:, -1], hf.prefill(ids)) < TOL
     tok = ids[:, -1]
     assert _rel(rt.decode(tok), hf.decode(tok)) < TOL
+
+
+def test_backend_reaches_every_wqlinear():
+    # fuse_model(kernels=...) used to stop at the norms and attention: the GEMMs kept dispatching.
+    model = fuse_model(tiny_w4_model("llama"), max_seq_len=16, batch_size=1, backend="torch")
+    layers = [m for m in model.modules() if isinstance(m, WQLinear)]
+    assert layers and all(m.backend == "torch" for m in layers)
+    ids = torch.randint(0, COMMON["vocab_size"], (1, 5))
+    model.fastawq_runtime.prefill(ids)
+    assert all(m._plan.backend == "torch" for m in layers)
+
+
+def test_kernels_is_a_deprecated_alias_of_backend():
+    with pytest.warns(DeprecationWarning, match="use backend="):
+        model = fuse_model(tiny_w4_model("llama"), max_seq_len=16, batch_size=1, kernels="torch")
+    assert model.fastawq_runtime.backend == "torch"
+    with pytest.raises(ValueError, match="disagree"):
+        fuse_model(tiny_w4_model("llama"), max_seq_len=16, batch_size=1, kernels="torch", backend="triton")
