@@ -5,7 +5,8 @@ Each wrapper validates its inputs (the message names the shapes), asks backend.s
 once, and calls one op: the compiled decode attention of fastawq._C, or a Python custom op
 (`fastawq::rms_norm`, `add_rms_norm`, `act_mul`, `rope_kv_cache`, `decode_attention_into`) whose
 impl runs the chosen Triton kernel (triton_kernels/) or the torch reference (reference.py). The
-backend travels as a string argument, so torch.compile sees one op and opcheck covers each path.
+backend travels as a string argument, so torch.compile sees one op and opcheck covers each path;
+eager calls run the impl without the dispatcher round trip (see _call).
 """
 from __future__ import annotations
 
@@ -20,15 +21,23 @@ from fastawq.ops._common import triton_module as _triton
 ACTIVATIONS = reference.ACTIVATIONS
 
 
+def _call(op, impl, *args):
+    """The schema'd op under torch.compile; its impl directly in eager mode, where the
+    dispatcher's round trip into Python would cost more than a decode step's norm itself."""
+    return op(*args) if torch.compiler.is_compiling() else impl(*args)
+
+
 # --- add + RMSNorm ---------------------------------------------------------------------------
 
 
-@torch.library.custom_op("fastawq::rms_norm", mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, backend: str) -> torch.Tensor:
+def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, backend: str) -> torch.Tensor:
     x = x.contiguous()
     if backend == "triton":
         return _triton().add_rms_norm(x, None, weight, eps, offset)[0]
     return reference.rms_norm(x, weight, eps, offset)
+
+
+_rms_norm_op = torch.library.custom_op("fastawq::rms_norm", _rms_norm_impl, mutates_args=())
 
 
 @_rms_norm_op.register_fake
@@ -37,14 +46,16 @@ def _(x, weight, eps, offset, backend):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("fastawq::add_rms_norm", mutates_args=())
-def _add_rms_norm_op(
+def _add_rms_norm_impl(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     x, residual = x.contiguous(), residual.contiguous()
     if backend == "triton":
         return _triton().add_rms_norm(x, residual, weight, eps, offset)
     return reference.add_rms_norm(x, residual, weight, eps, offset)
+
+
+_add_rms_norm_op = torch.library.custom_op("fastawq::add_rms_norm", _add_rms_norm_impl, mutates_args=())
 
 
 @_add_rms_norm_op.register_fake
@@ -74,19 +85,21 @@ def add_rms_norm(
     device = check_same_device(x=x, residual=residual, weight=weight)
     be = select_backend("add_rms_norm", device, backend=backend)
     if residual is None:
-        return torch.ops.fastawq.rms_norm(x, weight, eps, offset, be), x
-    y, r = torch.ops.fastawq.add_rms_norm(x, residual, weight, eps, offset, be)
+        return _call(torch.ops.fastawq.rms_norm, _rms_norm_impl, x, weight, eps, offset, be), x
+    y, r = _call(torch.ops.fastawq.add_rms_norm, _add_rms_norm_impl, x, residual, weight, eps, offset, be)
     return y, r
 
 
 # --- act(gate) * up ----------------------------------------------------------------------------
 
 
-@torch.library.custom_op("fastawq::act_mul", mutates_args=())
-def _act_mul_op(gate_up: torch.Tensor, act: str, backend: str) -> torch.Tensor:
+def _act_mul_impl(gate_up: torch.Tensor, act: str, backend: str) -> torch.Tensor:
     if backend == "triton":
         return _triton().act_mul(gate_up, act)
     return reference.act_mul(gate_up, act).contiguous()
+
+
+_act_mul_op = torch.library.custom_op("fastawq::act_mul", _act_mul_impl, mutates_args=())
 
 
 @_act_mul_op.register_fake
@@ -102,14 +115,13 @@ def act_mul(gate_up: torch.Tensor, act: str = "silu", *, backend: str | None = N
     if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up {tuple(gate_up.shape)} must have an even last dimension")
     be = select_backend("act_mul", gate_up.device, backend=backend)
-    return torch.ops.fastawq.act_mul(gate_up, act, be)
+    return _call(torch.ops.fastawq.act_mul, _act_mul_impl, gate_up, act, be)
 
 
 # --- rotary embedding + KV-cache write --------------------------------------------------------
 
 
-@torch.library.custom_op("fastawq::rope_kv_cache", mutates_args=("k_cache", "v_cache"))
-def _rope_kv_cache_op(
+def _rope_kv_cache_impl(
     qkv: torch.Tensor,
     positions: torch.Tensor,
     cos: torch.Tensor,
@@ -129,6 +141,11 @@ def _rope_kv_cache_op(
         qkv, positions, cos, sin, k_cache, v_cache, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight,
         eps,
     ).contiguous()
+
+
+_rope_kv_cache_op = torch.library.custom_op(
+    "fastawq::rope_kv_cache", _rope_kv_cache_impl, mutates_args=("k_cache", "v_cache")
+)
 
 
 @_rope_kv_cache_op.register_fake
@@ -172,8 +189,8 @@ def rope_kv_cache(
         raise ValueError("q_norm_weight and k_norm_weight go together")
     device = check_same_device(qkv=qkv, positions=positions, cos=cos, k_cache=k_cache, v_cache=v_cache)
     be = select_backend("rope_kv_cache", device, backend=backend)
-    return torch.ops.fastawq.rope_kv_cache(
-        qkv, positions, cos, sin, k_cache, v_cache, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight,
+    return _call(
+        torch.ops.fastawq.rope_kv_cache, _rope_kv_cache_impl, qkv, positions, cos, sin, k_cache, v_cache, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight,
         eps, be,
     )
 
@@ -181,8 +198,7 @@ def rope_kv_cache(
 # --- decode attention --------------------------------------------------------------------------
 
 
-@torch.library.custom_op("fastawq::decode_attention_into", mutates_args=("out",))
-def _decode_attention_op(
+def _decode_attention_impl(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -196,6 +212,11 @@ def _decode_attention_op(
         _triton().decode_attention(q, k_cache, v_cache, lens, scale, out=out)
     else:
         out.copy_(reference.decode_attention(q, k_cache, v_cache, lens, scale, max_len if max_len >= 0 else None))
+
+
+_decode_attention_op = torch.library.custom_op(
+    "fastawq::decode_attention_into", _decode_attention_impl, mutates_args=("out",)
+)
 
 
 @_decode_attention_op.register_fake
@@ -272,8 +293,8 @@ def decode_attention(
         return out
     if out is None:
         out = torch.empty_like(q)
-    torch.ops.fastawq.decode_attention_into(
-        q, k_cache, v_cache, lens, scale, -1 if max_len is None else max_len, be, out
+    _call(
+        torch.ops.fastawq.decode_attention_into, _decode_attention_impl, q, k_cache, v_cache, lens, scale, -1 if max_len is None else max_len, be, out
     )
     return out
 
