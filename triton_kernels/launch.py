@@ -133,7 +133,9 @@ def launch_gemm(x, qweight, scales, qzeros, g, bias, out, cfg: GemmConfig) -> to
     grid_mn = triton.cdiv(n, cfg.block_n) * (1 if cfg.gemv else triton.cdiv(m, cfg.block_m))
     if cfg.split_k > 1:
         # fp32 partials per split; per-tile arrival counters that the kernel re-arms.
-        ws = _WORKSPACE.get(x.device, "gemm_partials", cfg.split_k * m * n, torch.float32, zeroed=False, minimum=1 << 20)
+        ws = _WORKSPACE.get(
+            x.device, "gemm_partials", cfg.split_k * m * n, torch.float32, zeroed=False, minimum=1 << 20
+        )
         locks = _WORKSPACE.get(x.device, "gemm_counters", grid_mn, torch.int32, zeroed=True, minimum=4096)
     else:
         ws, locks = out, out  # unused

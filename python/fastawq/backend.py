@@ -11,9 +11,11 @@ A forced backend that cannot serve the call is an error that says why, never a s
 A forced backend names a family of kernels, so two cases are documented, not silent: a forced
 ``cpu`` for an op that has no CPU kernel (norm, act*mul, rope, attention) runs the torch
 reference on the CPU (the CPU backend's contract is "run on the CPU"), and a forced ``cuda``
-for an op that has no compiled kernel (norm, act*mul, rope) runs its Triton kernel on the GPU. Unforced, the order on CUDA devices is compiled > Triton > torch (by size
-bucket where measurement says otherwise, see _CUDA_PREFERENCE); on the CPU it is the CPU kernels,
-then torch (the Triton interpreter is a test vehicle, never chosen automatically).
+for an op that has no compiled kernel (norm, act*mul, rope) runs its Triton kernel on the GPU.
+
+Unforced, the order on CUDA devices is compiled > Triton > torch (by size bucket where
+measurement says otherwise, see _CUDA_PREFERENCE); on the CPU it is the CPU kernels where the op
+has one, then torch (the Triton interpreter is a test vehicle, never chosen automatically).
 """
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ Architectures: llama, mistral (max_seq_len <= sliding window), qwen2, qwen3 (q/k
 into the rope kernel), gemma (1 + w norms, tanh-GELU, scaled embeddings), phi3 (full rotary).
 Others (gemma2/3: soft-capping, extra norms, alternating windows) are refused with an error.
 Kernels: every piece is an op of fastawq.ops, chosen by backend.select_backend (`backend=` on
-fuse_model reaches the norms, rope, attention and every WQLinear); prefill attention is torch SDPA. The fused model's device is fixed at fuse time.
+fuse_model reaches the norms, rope, attention and every WQLinear); prefill attention is torch
+SDPA. The fused model's device is fixed at fuse time.
 """
 from __future__ import annotations
 

@@ -188,7 +188,9 @@ def _register_fakes() -> None:
         @torch.library.register_fake("fastawq::awq_gemm")
         def _(x, qweight, scales, qzeros, group_size, bias, kernel="auto"):
             torch._check(x.dim() == 2, lambda: f"x {tuple(x.shape)} must be [M, K]")
-            torch._check(x.shape[1] == qweight.shape[0], lambda: f"x {tuple(x.shape)} vs qweight {tuple(qweight.shape)}")
+            torch._check(
+                x.shape[1] == qweight.shape[0], lambda: f"x {tuple(x.shape)} vs qweight {tuple(qweight.shape)}"
+            )
             torch._check(qweight.dtype == torch.int32, lambda: f"qweight is {qweight.dtype}, not int32")
             return x.new_empty((x.shape[0], qweight.shape[1] * 8))
 

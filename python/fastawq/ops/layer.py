@@ -183,14 +183,16 @@ def rope_kv_cache(
         raise ValueError(f"positions {tuple(positions.shape)} must be {tuple(qkv.shape[:2])} to match qkv")
     if k_cache.dim() != 4 or k_cache.shape[2:] != (num_kv_heads, head_dim) or v_cache.shape != k_cache.shape:
         raise ValueError(
-            f"k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)} must be [B, S, {num_kv_heads}, {head_dim}]"
+            f"k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)} must be "
+            f"[B, S, {num_kv_heads}, {head_dim}]"
         )
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("q_norm_weight and k_norm_weight go together")
     device = check_same_device(qkv=qkv, positions=positions, cos=cos, k_cache=k_cache, v_cache=v_cache)
     be = select_backend("rope_kv_cache", device, backend=backend)
     return _call(
-        torch.ops.fastawq.rope_kv_cache, _rope_kv_cache_impl, qkv, positions, cos, sin, k_cache, v_cache, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight,
+        torch.ops.fastawq.rope_kv_cache, _rope_kv_cache_impl,
+        qkv, positions, cos, sin, k_cache, v_cache, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight,
         eps, be,
     )
 
@@ -294,7 +296,8 @@ def decode_attention(
     if out is None:
         out = torch.empty_like(q)
     _call(
-        torch.ops.fastawq.decode_attention_into, _decode_attention_impl, q, k_cache, v_cache, lens, scale, -1 if max_len is None else max_len, be, out
+        torch.ops.fastawq.decode_attention_into, _decode_attention_impl,
+        q, k_cache, v_cache, lens, scale, -1 if max_len is None else max_len, be, out,
     )
     return out
 
