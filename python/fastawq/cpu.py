@@ -245,7 +245,7 @@ def repack(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, g:
     if why is not None:
         reasons = "; ".join(f"{name}: {weight_fits(name, qweight, g)}" for name in preference())
         raise ValueError(f"CPU int4 kernel cannot run qweight {tuple(qweight.shape)}: {reasons}")
-    return (_repack_fast if kernel == FASTAWQ else _repack_int4)(qweight, scales, qzeros, g)
+    return (repack_fast if kernel == FASTAWQ else _repack_int4)(qweight, scales, qzeros, g)
 
 
 def prepare(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, group_size: int,
