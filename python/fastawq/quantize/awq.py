@@ -161,9 +161,14 @@ class AwqQuantizer:
         t0 = time.perf_counter()
         inps, kwargs = self._capture_inputs(layers)
         self._tick("capture", t0)
+        from fastawq.quantize import moe
+
+        moe_spec = moe.prepare(self)
         for i in tqdm(range(len(layers)), desc="AWQ", unit="layer"):
             name = f"{self.layers_prefix}.{i}"
             layer = layers[i]
+            # Unfuses the layer's experts before anything moves it: the search sees per-expert linears.
+            mx = moe.MoELayerSearch(self, layer, name, moe_spec) if moe_spec and moe_spec.block_of(layer) else None
             orig_device = next(layer.parameters()).device
             orig_dtype = next(layer.parameters()).dtype
             # The search folds scales into full-precision weights; on CPU the layer's forward may
@@ -173,9 +178,9 @@ class AwqQuantizer:
             fwd = layer
             if self.forward_dtype != compute_dtype:
                 fwd = copy.deepcopy(layer).to(self.forward_dtype)
-            groups = self._resolve_groups(layer, name)
+            groups = self._resolve_groups(layer, name, mx.claimed() if mx else ())
             t = time.perf_counter()
-            stats, inps = self._run_layer(fwd, name, groups, inps, kwargs[i])
+            stats, inps = self._run_layer(fwd, name, groups, inps, kwargs[i], mx.hooks if mx else None)
             del fwd
             self._tick("forward", t)
             t = time.perf_counter()
@@ -186,6 +191,8 @@ class AwqQuantizer:
                 s = self.search_best_scale(layer, name, g, consumers, stats[g.linears[0]])
                 apply_scale(layer, g, s)
                 stats[g.linears[0]].rescale(s)
+            if mx:
+                mx.search_scales()
             self._tick("scale", t)
             t = time.perf_counter()
             if self.apply_clip:
@@ -201,6 +208,8 @@ class AwqQuantizer:
                         g_sz = k // max_val.shape[1]
                         w = w.view(n, -1, g_sz).clamp(-max_val.unsqueeze(-1), max_val.unsqueeze(-1)).view(n, k)
                         lin.weight.data = w.to(lin.weight.dtype)
+                if mx:
+                    mx.clip()
             self._tick("clip", t)
             t = time.perf_counter()
             layer.to(dtype=orig_dtype)
@@ -258,9 +267,10 @@ class AwqQuantizer:
         return inps, per_layer
 
     # ------------------------------------------------------------------ one layer
-    def _resolve_groups(self, layer: nn.Module, name: str) -> list[ScaleGroup]:
+    def _resolve_groups(self, layer: nn.Module, name: str, claimed=()) -> list[ScaleGroup]:
         groups = list(self.arch.groups(layer, self.model.config))
-        covered = {n for g in groups for n in g.linears}
+        # `claimed`: linears another search owns (a MoE layer's experts, quantize/moe.py).
+        covered = {n for g in groups for n in g.linears} | set(claimed)
         for lin_name, mod in layer.named_modules():
             if isinstance(mod, nn.Linear) and lin_name not in covered:
                 groups.append(ScaleGroup([lin_name]))
@@ -271,9 +281,9 @@ class AwqQuantizer:
                     raise TypeError(f"{name}.{lin_name} is {type(mod).__name__}, expected nn.Linear")
         return groups
 
-    def _run_layer(self, layer, name, groups, inps, kwargs):
+    def _run_layer(self, layer, name, groups, inps, kwargs, extra_hooks=None):
         """One pass of the layer over all chunks: the output (next layer's input) and, through
-        hooks, each group's input statistics."""
+        hooks, each group's input statistics (`extra_hooks(layer)` registers more)."""
         stats: dict[str, InputStats] = {}
         handles = []
 
@@ -310,6 +320,8 @@ class AwqQuantizer:
 
         for g in groups:
             handles.append(layer.get_submodule(g.linears[0]).register_forward_hook(make_hook(g.linears[0])))
+        if extra_hooks is not None:
+            handles += extra_hooks(layer)
         outs = []
         try:
             for x in inps:
