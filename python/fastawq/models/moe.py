@@ -232,3 +232,70 @@ def mlp_groups(layer: nn.Module, spec: MoESpec) -> list:
     if sh.up_proj.weight.shape[0] != sh.down_proj.weight.shape[1]:
         return []
     return [ScaleGroup([f"{p}.{spec.shared}.down_proj"], f"{p}.{spec.shared}.up_proj", "linear")]
+
+
+# ---------------------------------------------------------------- loading
+class _RenamedHandle:
+    """A safetensors handle read under another name (the checkpoint's)."""
+
+    def __init__(self, handle, name: str):
+        self._h, self._name = handle, name
+
+    def get_tensor(self, _name: str):
+        return self._h.get_tensor(self._name)
+
+    def get_slice(self, _name: str):
+        return self._h.get_slice(self._name)
+
+
+def prepare_load(model: nn.Module, layers_path: str, spec: MoESpec, tensors: dict) -> dict:
+    """Before a checkpoint's tensors are matched to `model` (built from its config): map their
+    names to transformers', and give every MoE block whose experts the checkpoint stores one by
+    one an ExpertList of weightless linears to load them into."""
+    _, from_ck = checkpoint_renamer(layers_path, spec)
+    out = {}
+    for k, (f, h) in tensors.items():
+        new = from_ck(k)
+        out[new] = (f, h) if new == k else (f, _RenamedHandle(h, k))
+    for i, layer in enumerate(model.get_submodule(layers_path)):
+        block = spec.block_of(layer)
+        prefix = f"{layers_path}.{i}.{spec.block}.{spec.experts}.0."
+        if block is not None and any(k.startswith(prefix) for k in out):
+            unfuse_experts(block, spec, empty=True)
+    return out
+
+
+def _is_silu(act: nn.Module) -> bool:
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+def use_fast_experts(model: nn.Module, layers_path: str, spec: MoESpec) -> int:
+    """Swap each packed ExpertList for the grouped-GEMM WQExperts module (one launch for all
+    experts) where it is available and fits; the per-expert loop stays otherwise. Returns how
+    many blocks were swapped."""
+    try:
+        from fastawq.modules.moe import WQExperts
+    except ImportError:
+        return 0
+    from inspect import signature
+
+    from fastawq.modules import WQLinear
+
+    # WQExperts takes top-k ids and weights; Llama 4 hands its experts pre-scaled dense rows.
+    if spec.call != "topk":
+        return 0
+    takes_names = "proj_names" in signature(WQExperts.from_experts).parameters
+    if spec.proj_names != ("gate_proj", "up_proj", "down_proj") and not takes_names:
+        return 0
+    swapped = 0
+    for layer in model.get_submodule(layers_path):
+        ex = experts_of(layer, spec)
+        if ex is None or not _is_silu(ex[0].act_fn):
+            continue
+        triples = [e.linears() for e in ex]
+        if not all(isinstance(m, WQLinear) for t in triples for m in t):
+            continue
+        kwargs = {"proj_names": spec.proj_names} if takes_names else {}
+        setattr(spec.block_of(layer), spec.experts, WQExperts.from_experts(triples, **kwargs))
+        swapped += 1
+    return swapped

@@ -1,0 +1,201 @@
+"""Mixture-of-experts families on tiny random configs (CPU, float32): unfusing, exact scale folding,
+quantize -> save -> load -> generate, cold experts, checkpoint names."""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+from fastawq.auto import AutoAWQForCausalLM, AWQModel
+from fastawq.models import MOE_SPECS, architecture_of, moe_spec_of
+from fastawq.models.moe import ExpertList, experts_of, unfuse_experts
+from fastawq.modules import WQLinear
+from fastawq.quantize import QuantConfig, pack_model, pseudo_quantize_model, quantize
+from fastawq.quantize.moe import MoELayerSearch
+from fastawq.quantize.scale import apply_scale
+
+VOCAB = 128
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=256)
+CONFIGS = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_COMMON, head_dim=16, intermediate_size=64, moe_intermediate_size=32,
+                                         num_experts=8, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(_COMMON, intermediate_size=64, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2)),
+    "mixtral": ("MixtralConfig", dict(_COMMON, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)),
+    # First layer dense, then MLA + sigmoid group-limited routing + a shared expert.
+    "deepseek_v3": ("DeepseekV3Config", dict(_COMMON, intermediate_size=64, moe_intermediate_size=32,
+                                             n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                                             n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=32,
+                                             kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)),
+    # Dense layer 0, MoE layer 1 (interleaved), top-1 sigmoid routing, a shared expert.
+    "llama4_text": ("Llama4TextConfig", dict(_COMMON, head_dim=16, intermediate_size=32, intermediate_size_mlp=64,
+                                             num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2)),
+}
+ARCHS = list(CONFIGS)
+
+
+def tiny_moe(arch: str, seed: int = 0) -> torch.nn.Module:
+    cls_name, kwargs = CONFIGS[arch]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls_name)(**kwargs),
+                                                          dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:  # norms start at 1: perturb them so folding a scale is tested
+                p.add_(torch.randn_like(p) * 0.1)
+            elif p.dim() == 3 or name.endswith(("gate.weight", "router.weight")):
+                p.normal_(0, 0.2)  # transformers leaves fused experts and routers near zero
+    return model
+
+
+def ids_(n: int, seq: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def unfuse_all(model) -> None:
+    spec, arch = moe_spec_of(model), architecture_of(model)
+    for layer in model.get_submodule(arch.layers_path):
+        if spec.block_of(layer) is not None:
+            unfuse_experts(spec.block_of(layer), spec)
+
+
+def test_moe_families_registered():
+    assert set(MOE_SPECS) == {"qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "llama4_text"}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_unfused_experts_compute_the_fused_block(arch):
+    """The per-expert form (nn.Linear per expert) computes what transformers' fused 3-D form does."""
+    model = tiny_moe(arch)
+    ids = ids_(2, 12, 3)
+    with torch.no_grad():
+        ref = model(ids).logits
+        unfuse_all(model)
+        out = model(ids).logits
+    assert any(isinstance(m, ExpertList) for m in model.modules())
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_moe_scale_folding_is_exact(arch):
+    """Any positive scales folded into every group, the shared MoE input (router included) and
+    every expert's up -> down leave the float model's function unchanged."""
+    model = tiny_moe(arch)
+    ids = ids_(2, 12, 4)
+    gen = torch.Generator().manual_seed(5)
+    spec, a = moe_spec_of(model), architecture_of(model)
+    with torch.no_grad():
+        ref = model(ids).logits
+        for i, layer in enumerate(model.get_submodule(a.layers_path)):
+            for g in a.groups(layer, model.config):
+                k = layer.get_submodule(g.linears[0]).in_features
+                apply_scale(layer, g, torch.rand(k, generator=gen) * 1.5 + 0.25)
+            if spec.block_of(layer) is None:
+                continue
+            mx = MoELayerSearch(None, layer, f"{a.layers_path}.{i}", spec)
+            e, i_dim = mx.num_experts, mx.expert(0).linears()[0].out_features
+            mx.fold_input_scale(torch.rand(model.config.hidden_size, generator=gen) * 1.5 + 0.25)
+            mx.fold_down_scales(torch.rand(e, i_dim, generator=gen) * 1.5 + 0.25)
+        out = model(ids).logits
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def _quantize_pseudo_pack(model, qc, n_calib=4):
+    quantize(model, None, qc, calib=ids_(n_calib, 32, 1), max_calib_samples=n_calib, max_calib_seq_len=32,
+             export_compatible=True)
+    pseudo = pseudo_quantize_model(copy.deepcopy(model), qc)
+    pack_model(model, qc)
+    return pseudo
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_moe_quantize_save_load_generate(arch, tmp_path):
+    """quantize -> save -> load -> generate: the loaded packed model computes what the
+    pseudo-quantized float model computes; per-expert checkpoint names; routers stay float."""
+    model = tiny_moe(arch)
+    ids = ids_(2, 12, 7)
+    with torch.no_grad():
+        fp = model(ids).logits
+    qc = QuantConfig(w_bit=4, q_group_size=32)
+    pseudo = _quantize_pseudo_pack(model, qc)
+    with torch.no_grad():
+        packed = model(ids).logits
+    AWQModel(model, qc).save_quantized(tmp_path / "q")
+
+    spec = moe_spec_of(model)
+    ck_block = spec.checkpoint_block or spec.block
+    moe_layer = 0 if arch not in ("deepseek_v3", "llama4_text") else 1
+    gate, up, down = spec.proj_names
+    with safe_open(str(tmp_path / "q" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    p = f"model.layers.{moe_layer}.{ck_block}"
+    for n in (gate, up, down):
+        assert f"{p}.experts.0.{n}.qweight" in keys and f"{p}.experts.0.{n}.scales" in keys
+    assert not any(".gate_up_proj" in k for k in keys)
+    assert f"{p}.{spec.router}.weight" in keys and f"{p}.{spec.router}.qweight" not in keys
+    skipped = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    assert f"{p}.{spec.router}" in skipped
+    assert not any(s.endswith(("gate_proj", "up_proj", "down_proj")) for s in skipped)
+
+    loaded = AutoAWQForCausalLM.from_quantized(tmp_path / "q", device_map="cpu")
+    packed_experts = [m for n, m in loaded.named_modules() if ".experts." in n and isinstance(m, WQLinear)]
+    assert packed_experts or any(type(m).__name__ == "WQExperts" for m in loaded.modules())
+    with torch.no_grad():
+        ref = pseudo(ids).logits
+        out = loaded(ids).logits
+    assert torch.isfinite(out).all()
+    # The checkpoint round trip is exact up to the kernel that serves the loaded experts.
+    torch.testing.assert_close(out, packed, rtol=1e-3, atol=1e-3)
+    quant_err = (ref - fp).abs().max().item()
+    err = (out - ref).abs().amax(-1)
+    # Packed scales are fp16: the loaded model differs from the fp32 pseudo-quantized one by that
+    # rounding only, far less than quantization moved the logits, except where the rounding tips
+    # a router's near-tie to another expert (a discrete jump at a few positions).
+    close = (err <= 0.2 * quant_err + 1e-4).float().mean().item()
+    assert close >= 0.75, (close, err, quant_err)
+    gen = loaded.generate(ids[:1, :6], max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert gen.shape == (1, 9)
+
+
+def test_fused_and_per_expert_forms_quantize_alike():
+    """A model whose experts are already per-expert linears quantizes to the same model as the
+    fused 3-D form."""
+    fused = tiny_moe("mixtral", seed=2)
+    per_expert = copy.deepcopy(fused)
+    unfuse_all(per_expert)
+    qc = QuantConfig(w_bit=4, q_group_size=32)
+    a = _quantize_pseudo_pack(fused, qc)
+    b = _quantize_pseudo_pack(per_expert, QuantConfig(w_bit=4, q_group_size=32))
+    ids = ids_(1, 10, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(a(ids).logits, b(ids).logits, rtol=0, atol=0)
+
+
+def test_expert_without_calibration_tokens_is_quantized(caplog):
+    """An expert the router never picks (DeepSeek's score-correction bias pushes it out) is still
+    searched from every calibration token run through it, packed, and counted in the log."""
+    model = tiny_moe("deepseek_v3", seed=3)
+    router = model.model.layers[1].mlp.gate
+    with torch.no_grad():
+        router.e_score_correction_bias[5] = -100.0
+    fp_w = model.model.layers[1].mlp.experts.gate_up_proj[5].clone()
+    qc = QuantConfig(w_bit=4, q_group_size=32)
+    with caplog.at_level(logging.INFO, logger="fastawq.quantize.moe"):
+        quantize(model, None, qc, calib=ids_(4, 32, 1), max_calib_samples=4, max_calib_seq_len=32,
+                 export_compatible=True)
+    msgs = [r.getMessage() for r in caplog.records if "calibration tokens" in r.getMessage()]
+    assert len(msgs) == 1 and "(1 got none)" in msgs[0] and "model.layers.1" in msgs[0], msgs
+    ex = experts_of(model.model.layers[1], moe_spec_of(model))
+    # gate rows take only the shared input scale (up rows also take the down scale).
+    w, fp_w = ex[5].gate_proj.weight, fp_w[: ex[5].gate_proj.out_features]
+    # Undoing the input scale leaves at most the clipping of a few outliers.
+    s = (w / fp_w).median(dim=0).values
+    assert torch.isfinite(w).all() and ((w / s - fp_w).abs().mean() < 0.1 * fp_w.abs().mean())
+    pack_model(model, qc)
+    assert isinstance(ex[5].gate_proj, WQLinear) and isinstance(ex[5].down_proj, WQLinear)
