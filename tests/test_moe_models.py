@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from fastawq.auto import AutoAWQForCausalLM, AWQModel
 from fastawq.models import MOE_SPECS, architecture_of, moe_spec_of
-from fastawq.models.moe import ExpertList, experts_of, unfuse_experts
+from fastawq.models.moe import ExpertList, experts_of, unfuse_model
 from fastawq.modules import WQLinear
 from fastawq.quantize import QuantConfig, pack_model, pseudo_quantize_model, quantize
 from fastawq.quantize.moe import MoELayerSearch
@@ -59,10 +59,7 @@ def ids_(n: int, seq: int, seed: int) -> torch.Tensor:
 
 
 def unfuse_all(model) -> None:
-    spec, arch = moe_spec_of(model), architecture_of(model)
-    for layer in model.get_submodule(arch.layers_path):
-        if spec.block_of(layer) is not None:
-            unfuse_experts(spec.block_of(layer), spec)
+    assert unfuse_model(model, architecture_of(model).layers_path, moe_spec_of(model)) > 0
 
 
 def test_moe_families_registered():
@@ -199,3 +196,14 @@ def test_expert_without_calibration_tokens_is_quantized(caplog):
     assert torch.isfinite(w).all() and ((w / s - fp_w).abs().mean() < 0.1 * fp_w.abs().mean())
     pack_model(model, qc)
     assert isinstance(ex[5].gate_proj, WQLinear) and isinstance(ex[5].down_proj, WQLinear)
+
+
+def test_round_to_nearest_reaches_fused_experts():
+    """pseudo_quantize_model / pack_model on a model fresh from transformers (fused experts)
+    quantize the experts too instead of leaving them in full precision."""
+    model = tiny_moe("qwen3_moe")
+    pseudo_quantize_model(model, QuantConfig(w_bit=4, q_group_size=32))
+    ex = experts_of(model.model.layers[0], moe_spec_of(model))
+    w = ex[3].up_proj.weight.view(-1, 32)
+    # 4-bit asymmetric rounding leaves at most 16 distinct values per group.
+    assert max(len(torch.unique(row)) for row in w) <= 16

@@ -158,7 +158,8 @@ def unfuse_experts(block: nn.Module, spec: MoESpec, *, empty: bool = False) -> E
         dtype = gate.dtype
         experts = []
         for k in range(e):
-            ws = (None, None, None) if empty else (gate[k].clone(), up[k].clone(), down[k].clone())
+            # Views of the fused tensor where contiguous: no copy of the layer's experts.
+            ws = (None, None, None) if empty else (gate[k], up[k], down[k])
             experts.append(ExpertMLP(
                 _linear(ws[0], h, i, dtype=dtype), _linear(ws[1], h, i, dtype=dtype), _linear(ws[2], i, h, dtype=dtype),
                 act, spec.proj_names,
@@ -166,6 +167,20 @@ def unfuse_experts(block: nn.Module, spec: MoESpec, *, empty: bool = False) -> E
     new = ExpertList(experts, spec.call)
     setattr(block, spec.experts, new)
     return new
+
+
+def unfuse_model(model: nn.Module, layers_path: str, spec: MoESpec | None) -> int:
+    """Unfuse the experts of every MoE layer (so per-linear passes such as round-to-nearest or
+    packing see them); returns how many blocks there were."""
+    if spec is None:
+        return 0
+    n = 0
+    for layer in model.get_submodule(layers_path):
+        block = spec.block_of(layer)
+        if block is not None:
+            unfuse_experts(block, spec)
+            n += 1
+    return n
 
 
 def experts_of(layer: nn.Module, spec: MoESpec) -> ExpertList | None:
