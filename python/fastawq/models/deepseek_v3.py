@@ -4,8 +4,8 @@ group-limited top-k, a shared expert) after `first_k_dense_replace` dense layers
 MLA's low-rank projections: q_a_proj and kv_a_proj_with_mqa read the input norm; q_b_proj reads
 q_a_layernorm and kv_b_proj reads kv_a_layernorm, so each takes its scale from its own norm (the
 norms themselves stay in full precision). o_proj is only clipped: its input mixes heads of v."""
-from fastawq.models.base import Architecture, ScaleGroup
-from fastawq.models.moe import MoESpec, mlp_groups
+from fastawq.models.base import ScaleGroup
+from fastawq.models.moe import MoESpec, mlp_groups, moe_architecture
 
 MOE = MoESpec(shared="shared_experts")
 
@@ -23,4 +23,5 @@ def _groups(layer, config) -> list[ScaleGroup]:
     return groups + mlp_groups(layer, MOE)
 
 
-ARCH = Architecture(name="deepseek_v3", model_types=("deepseek_v3",), layers_path="model.layers", groups=_groups)
+ARCH = moe_architecture(name="deepseek_v3", model_types=("deepseek_v3",), layers_path="model.layers", groups=_groups,
+                        optional={"family": "DeepSeek"})

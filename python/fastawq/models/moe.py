@@ -215,6 +215,23 @@ def router_names(model: nn.Module, layers_path: str, spec: MoESpec) -> list[str]
     return out
 
 
+# ---------------------------------------------------------------- records
+BLOCKER = "mixture-of-experts blocks are not fused (the per-expert modules or WQExperts serve them)"
+
+
+def moe_architecture(*, optional: dict | None = None, **fields_):
+    """An Architecture record for an MoE family. `optional` holds fields the record may not have
+    in every version of models/base.py (the fused engine's blocker, the MLP's path): each is set
+    where the record has it."""
+    from dataclasses import fields
+
+    from fastawq.models.base import Architecture
+
+    have = {f.name for f in fields(Architecture)}
+    extra = {"fused_blocker": BLOCKER, **(optional or {})}
+    return Architecture(**fields_, **{k: v for k, v in extra.items() if k in have})
+
+
 # ---------------------------------------------------------------- scale groups
 def attention_groups(layer: nn.Module, norm: str = "input_layernorm") -> list:
     """Llama's attention groups: q/k/v behind the input norm, v -> o without grouped-query sharing."""

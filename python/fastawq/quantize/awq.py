@@ -178,7 +178,9 @@ class AwqQuantizer:
             fwd = layer
             if self.forward_dtype != compute_dtype:
                 fwd = copy.deepcopy(layer).to(self.forward_dtype)
-            groups = self._resolve_groups(layer, name, mx.claimed() if mx else ())
+            groups = self._resolve_groups(layer, name)
+            if mx:  # the experts' search owns their linears
+                groups = mx.unclaimed(groups)
             t = time.perf_counter()
             stats, inps = self._run_layer(fwd, name, groups, inps, kwargs[i], mx.hooks if mx else None)
             del fwd
@@ -267,10 +269,9 @@ class AwqQuantizer:
         return inps, per_layer
 
     # ------------------------------------------------------------------ one layer
-    def _resolve_groups(self, layer: nn.Module, name: str, claimed=()) -> list[ScaleGroup]:
+    def _resolve_groups(self, layer: nn.Module, name: str) -> list[ScaleGroup]:
         groups = list(self.arch.groups(layer, self.model.config))
-        # `claimed`: linears another search owns (a MoE layer's experts, quantize/moe.py).
-        covered = {n for g in groups for n in g.linears} | set(claimed)
+        covered = {n for g in groups for n in g.linears}
         for lin_name, mod in layer.named_modules():
             if isinstance(mod, nn.Linear) and lin_name not in covered:
                 groups.append(ScaleGroup([lin_name]))

@@ -29,6 +29,15 @@ from torch import nn
 from fastawq.models import moe_spec_of
 from fastawq.models.moe import MoESpec, router_names, unfuse_experts
 
+try:  # the search's in-place rounding: reference.pseudo_quantize's twin in awq.py, or itself in place
+    from fastawq.quantize.awq import fake_quantize_ as _round_
+except ImportError:
+    from functools import partial
+
+    from fastawq.reference import pseudo_quantize
+
+    _round_ = partial(pseudo_quantize, inplace=True)
+
 if TYPE_CHECKING:
     from fastawq.quantize.awq import AwqQuantizer
 
@@ -74,6 +83,11 @@ class MoELayerSearch:
         """Linears (relative to the layer) the generic per-group search must leave alone."""
         out = {f"{self.bp}.{e}.{n}" for e in range(self.num_experts) for n in self.spec.proj_names}
         return out | set(self.shared) | set(self.floats)
+
+    def unclaimed(self, groups: list) -> list:
+        """The layer's scale groups without the singleton groups of the linears this search owns."""
+        mine = self.claimed()
+        return [g for g in groups if not mine.intersection(g.linears)]
 
     # ------------------------------------------------------------------ statistics
     def hooks(self, fwd: nn.Module) -> list:
@@ -298,8 +312,6 @@ def _clamp(w: torch.Tensor, mx: torch.Tensor) -> torch.Tensor:
 def _batched_loss(q: "AwqQuantizer", w: torch.Tensor, sigma: torch.Tensor, s: torch.Tensor, g: int) -> torch.Tensor:
     """trace((Q(W s)/s - W) S (Q(W s)/s - W)^T) per expert and candidate, chunked to the
     quantizer's batch budget."""
-    from fastawq.quantize.awq import fake_quantize_
-
     e_all, n, k = w.shape
     c_all = s.shape[1]
     loss = torch.zeros(e_all, c_all, device=w.device)
@@ -310,7 +322,7 @@ def _batched_loss(q: "AwqQuantizer", w: torch.Tensor, sigma: torch.Tensor, s: to
         we = w[e0 : e0 + ec, None]
         for c0 in range(0, c_all, cc):
             sc = s[e0 : e0 + ec, c0 : c0 + cc, None, :]
-            d = fake_quantize_(we * sc, g, q.config.w_bit, q.config.zero_point).div_(sc).sub_(we)
+            d = _round_(we * sc, g, q.config.w_bit, q.config.zero_point).div_(sc).sub_(we)
             m, c = d.shape[0], d.shape[1]
             a = torch.bmm(d.view(m, c * n, k), sigma[e0 : e0 + m])
             loss[e0 : e0 + m, c0 : c0 + c] += a.mul_(d.view(m, c * n, k)).view(m, c, n * k).sum(-1)
@@ -321,8 +333,6 @@ def _batched_loss(q: "AwqQuantizer", w: torch.Tensor, sigma: torch.Tensor, s: to
 def _batched_clip(q: "AwqQuantizer", w: torch.Tensor, sigma: torch.Tensor, g: int) -> torch.Tensor:
     """AwqQuantizer.search_best_clip for every expert at once: per group, the shrink of max |w|
     whose rounding error, weighed by the group's diagonal block of S, is least."""
-    from fastawq.quantize.awq import fake_quantize_
-
     e_all, n, k = w.shape
     ng = k // g
     blocks = sigma.view(-1, ng, g, ng, g).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)  # [E, ng, g, g]
@@ -338,7 +348,7 @@ def _batched_clip(q: "AwqQuantizer", w: torch.Tensor, sigma: torch.Tensor, g: in
             sl = slice(e0, e0 + ec)
             mx = org_max[sl] * shrink
             cw = torch.maximum(torch.minimum(wg[sl], mx[..., None]), -mx[..., None])
-            d = fake_quantize_(cw, g, q.config.w_bit, q.config.zero_point).sub_(wg[sl])  # [m, N, ng, g]
+            d = _round_(cw, g, q.config.w_bit, q.config.zero_point).sub_(wg[sl])  # [m, N, ng, g]
             m = d.shape[0]
             dd = d.permute(0, 2, 1, 3).reshape(m * ng, n, g)
             err = (torch.bmm(dd, blocks[sl].reshape(m * ng, g, g)) * dd).sum(-1).view(m, ng, n).transpose(1, 2)
