@@ -207,3 +207,25 @@ def test_round_to_nearest_reaches_fused_experts():
     w = ex[3].up_proj.weight.view(-1, 32)
     # 4-bit asymmetric rounding leaves at most 16 distinct values per group.
     assert max(len(torch.unique(row)) for row in w) <= 16
+
+
+@pytest.mark.parametrize("quantized", [True, False])
+def test_random_moe_shape_builds_packed_experts(monkeypatch, quantized):
+    """`fastawq bench --shape qwen3-30b-a3b` builds this, scaled down: packed per-expert W4 (or
+    fused fp16) experts and initialised routers, finite logits."""
+    from fastawq import shapes
+
+    cls_name, kw, g = shapes.SHAPES["qwen3-30b-a3b"]
+    small = dict(kw, vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8)
+    monkeypatch.setitem(shapes.SHAPES, "moe-small", (cls_name, small, 64))
+    model = shapes.build_random_model("moe-small", quantized=quantized, dtype=torch.float32)
+    ex = model.model.layers[1].mlp.experts
+    if quantized:
+        assert type(ex).__name__ == "WQExperts" or isinstance(ex[7].down_proj, WQLinear)
+    else:
+        assert ex.gate_up_proj.std() > 0
+    assert model.model.layers[1].mlp.gate.weight.std() > 0
+    with torch.inference_mode():
+        logits = model(torch.randint(0, 256, (1, 10))).logits
+    assert torch.isfinite(logits).all() and logits.std() > 0

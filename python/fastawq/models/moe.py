@@ -169,7 +169,7 @@ def unfuse_experts(block: nn.Module, spec: MoESpec, *, empty: bool = False) -> E
     return new
 
 
-def unfuse_model(model: nn.Module, layers_path: str, spec: MoESpec | None) -> int:
+def unfuse_model(model: nn.Module, layers_path: str, spec: MoESpec | None, *, empty: bool = False) -> int:
     """Unfuse the experts of every MoE layer (so per-linear passes such as round-to-nearest or
     packing see them); returns how many blocks there were."""
     if spec is None:
@@ -178,7 +178,7 @@ def unfuse_model(model: nn.Module, layers_path: str, spec: MoESpec | None) -> in
     for layer in model.get_submodule(layers_path):
         block = spec.block_of(layer)
         if block is not None:
-            unfuse_experts(block, spec)
+            unfuse_experts(block, spec, empty=empty)
             n += 1
     return n
 
