@@ -154,6 +154,7 @@ class MoELayerSearch:
             log.info("%s: %d of %d experts got fewer than %d calibration tokens (%d got none); their clipping "
                      "and down_proj scales use all %d tokens run through them densely",
                      self.name, n_cold, self.num_experts, MIN_TOKENS, int((n_in.cpu() == 0).sum()), self.n_all)
+        # The run's total, for callers and tests: how many experts were quantized from dense stats.
         self.q.moe_cold_experts = getattr(self.q, "moe_cold_experts", 0) + n_cold
         if not n_cold:
             return cold
@@ -184,16 +185,14 @@ class MoELayerSearch:
     def search_scales(self) -> None:
         if self.n_all == 0:
             raise ValueError(f"{self.name}: no calibration token reached the MoE block")
-        for key, shape in (("gram_in", None), ("gram_mid", None)):
-            if key not in self.st:  # no expert saw a token: every expert is cold
-                k = (self.st["gram_all"].shape[0] if key == "gram_in"
-                     else getattr(self.expert(0), self.spec.proj_names[0]).weight.shape[0])
-                dev = self.st["gram_all"].device
-                suffix = key[5:]
-                self.st[key] = torch.zeros(self.num_experts, k, k, device=dev)
-                self.st[f"n_{suffix}"] = torch.zeros(self.num_experts, device=dev)
-                if suffix == "mid":
-                    self.st["abs_mid"] = torch.zeros(self.num_experts, k, device=dev)
+        dev = self.st["gram_all"].device
+        widths = {"in": self.st["gram_all"].shape[0], "mid": self.expert(0).linears()[0].weight.shape[0]}
+        for which, k in widths.items():
+            if f"gram_{which}" not in self.st:  # no expert saw a token: every expert is cold
+                self.st[f"gram_{which}"] = torch.zeros(self.num_experts, k, k, device=dev)
+                self.st[f"n_{which}"] = torch.zeros(self.num_experts, device=dev)
+        if "abs_mid" not in self.st:
+            self.st["abs_mid"] = torch.zeros(self.num_experts, widths["mid"], device=dev)
         self.cold = self._dense_stats_for_cold()
         self.x_chunks = []
         self._search_input_scale()
@@ -291,10 +290,14 @@ class MoELayerSearch:
         sig_in = torch.where(cold[:, None, None], sig_all[None], self.st["gram_in"] / cnt_in)
         sig_mid = self.st["gram_mid"] / self.st["n_mid"].clamp(min=1)[:, None, None]
         for idx, sig in ((0, sig_in), (1, sig_in), (2, sig_mid)):
+            if self.q.config.skips(f"{self.name}.{self.bp}.0.{self.spec.proj_names[idx]}"):
+                continue  # kept in full precision: clipping would only lose accuracy
             w = self._stack(idx)
             mx = _batched_clip(self.q, w, sig, self._gsize(idx, w.shape[2]))
             self._unstack(idx, _clamp(w, mx))
         for path in self.shared:
+            if self.q.config.skips(f"{self.name}.{path}"):
+                continue
             lin = self.layer.get_submodule(path)
             w = lin.weight.detach().float()[None]
             mx = _batched_clip(self.q, w, sig_all[None], self.q._group_size(f"{self.name}.{path}", w.shape[2]))
