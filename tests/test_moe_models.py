@@ -276,3 +276,19 @@ def test_few_calibration_tokens_leave_every_expert_cold(caplog, monkeypatch):
     # Eight tokens are too few for AWQ to gain anything, and top-1 routing flips dominate this
     # error; the bound only catches a broken cold path (degenerate scales blow far past it).
     assert torch.isfinite(out).all() and (out - fp).pow(2).mean() < 3 * e_rtn, ((out - fp).pow(2).mean(), e_rtn)
+
+
+def test_batched_expert_packing_equals_per_linear_packing():
+    """quantize() packs all experts of a layer in one pass; pack_model after export_compatible
+    packs them one WQLinear.from_linear at a time: the same words, scales and zeros."""
+    a = tiny_moe("mixtral", seed=6)
+    b = copy.deepcopy(a)
+    quantize(a, None, QuantConfig(w_bit=4, q_group_size=32), calib=ids_(2, 16, 1), max_calib_samples=2,
+             max_calib_seq_len=16)
+    qc = QuantConfig(w_bit=4, q_group_size=32)
+    quantize(b, None, qc, calib=ids_(2, 16, 1), max_calib_samples=2, max_calib_seq_len=16, export_compatible=True)
+    pack_model(b, qc)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and any(".experts.3.w2.qweight" in k for k in sa)
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k

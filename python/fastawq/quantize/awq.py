@@ -216,6 +216,8 @@ class AwqQuantizer:
             t = time.perf_counter()
             layer.to(dtype=orig_dtype)
             if not self.export_compatible:
+                if mx and self.config.packable:
+                    mx.pack()
                 finalize_layer(layer, name, self.config)
             layer.to(orig_device)
             self._tick("pack", t)
