@@ -8,6 +8,7 @@ import logging
 
 import pytest
 import torch
+from torch import nn
 import transformers
 from safetensors import safe_open
 
@@ -173,6 +174,32 @@ def test_fused_and_per_expert_forms_quantize_alike():
     qc = QuantConfig(w_bit=4, q_group_size=32)
     a = _quantize_pseudo_pack(fused, qc)
     b = _quantize_pseudo_pack(per_expert, QuantConfig(w_bit=4, q_group_size=32))
+    ids = ids_(1, 10, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(a(ids).logits, b(ids).logits, rtol=0, atol=0)
+
+
+def test_module_list_of_expert_mlps_quantizes_like_the_fused_form():
+    """transformers 4.x (and remote code) keep experts as an nn.ModuleList of MLPs with their own
+    gate/up/down linears: that form quantizes to the same model as transformers 5.x's fused one."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeMLP
+
+    fused = tiny_moe("qwen3_moe", seed=7)
+    listed = copy.deepcopy(fused)
+    cfg = listed.config
+    with torch.no_grad():
+        for layer in listed.model.layers:
+            f = layer.mlp.experts
+            mlps = nn.ModuleList(Qwen3MoeMLP(cfg, intermediate_size=cfg.moe_intermediate_size) for _ in range(f.num_experts))
+            i = cfg.moe_intermediate_size
+            for e, m in enumerate(mlps):
+                m.gate_proj.weight.copy_(f.gate_up_proj[e, :i])
+                m.up_proj.weight.copy_(f.gate_up_proj[e, i:])
+                m.down_proj.weight.copy_(f.down_proj[e])
+            layer.mlp.experts = mlps
+    qc = QuantConfig(w_bit=4, q_group_size=32)
+    a = _quantize_pseudo_pack(fused, qc)
+    b = _quantize_pseudo_pack(listed, QuantConfig(w_bit=4, q_group_size=32))
     ids = ids_(1, 10, 8)
     with torch.no_grad():
         torch.testing.assert_close(a(ids).logits, b(ids).logits, rtol=0, atol=0)
