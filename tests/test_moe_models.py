@@ -319,3 +319,21 @@ def test_batched_expert_packing_equals_per_linear_packing():
     assert sa.keys() == sb.keys() and any(".experts.3.w2.qweight" in k for k in sa)
     for k in sa:
         assert torch.equal(sa[k], sb[k]), k
+
+
+def test_fp32_router_keeps_its_precision_through_a_half_precision_search():
+    """DeepSeek keeps its router weight and score-correction bias in fp32: after quantizing an
+    fp16/bf16 model they are still fp32, and the weight is the original times the folded scale."""
+    model = tiny_moe("deepseek_v3", seed=8).to(torch.bfloat16)
+    router = model.model.layers[1].mlp.gate
+    with torch.no_grad():
+        router.weight.data = router.weight.data.float()
+        router.e_score_correction_bias.data = torch.randn(8) * 1e-3
+        norm_before = model.model.layers[1].post_attention_layernorm.weight.float().clone()
+    w0, b0 = router.weight.detach().clone(), router.e_score_correction_bias.detach().clone()
+    quantize(model, None, QuantConfig(w_bit=4, q_group_size=32), calib=ids_(2, 16, 1), max_calib_samples=2,
+             max_calib_seq_len=16)
+    assert router.weight.dtype == torch.float32 and router.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(router.e_score_correction_bias, b0)
+    s = norm_before / model.model.layers[1].post_attention_layernorm.weight.float()  # the folded scale
+    torch.testing.assert_close(router.weight, w0 * s, rtol=2e-2, atol=0)  # s itself read back through bf16

@@ -215,9 +215,9 @@ class AwqQuantizer:
             self._tick("clip", t)
             t = time.perf_counter()
             layer.to(dtype=orig_dtype)
+            if mx:
+                mx.finish(pack=not self.export_compatible and self.config.packable)
             if not self.export_compatible:
-                if mx and self.config.packable:
-                    mx.pack()
                 finalize_layer(layer, name, self.config)
             layer.to(orig_device)
             self._tick("pack", t)

@@ -74,6 +74,14 @@ class MoELayerSearch:
         self.x_chunks: list[torch.Tensor] = []
         self.st: dict[str, torch.Tensor] = {}
         self.n_all = 0
+        # Routers may be kept in fp32 (DeepSeek's weight and score-correction bias): the layer's
+        # casts for the search must not round them, so their originals are restored at the end.
+        self.s_in: torch.Tensor | None = None
+        self.float_state = {
+            path: {n: t.detach().clone() for n, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
+                   if t is not None}
+            for path in self.floats if (m := _maybe_submodule(layer, path)) is not None
+        }
 
     # ------------------------------------------------------------------ names
     def expert(self, e: int) -> nn.Module:
@@ -239,6 +247,7 @@ class MoELayerSearch:
         """The norm divides by s; every reader of its output multiplies its weight by s: the
         experts' and shared expert's gate/up, and the full-precision router (and shared-expert
         gate), which then see x / s and compute exactly what they did."""
+        self.s_in = s if self.s_in is None else self.s_in * s
         norm = self.layer.get_submodule(self.spec.norm)
         norm.weight.data = (norm.weight.float() / s).to(norm.weight.dtype)
         if getattr(norm, "bias", None) is not None:
@@ -305,7 +314,27 @@ class MoELayerSearch:
         self.st = {}
 
 
-    # ------------------------------------------------------------------ packing
+    # ------------------------------------------------------------------ end of the layer
+    @torch.no_grad()
+    def finish(self, pack: bool) -> None:
+        """After the layer is cast back to its dtype: the full-precision consumers get their
+        original dtype and values, times the input scale computed in fp32; then (pack) the experts
+        are packed."""
+        for path, tensors in self.float_state.items():
+            m = self.layer.get_submodule(path)
+            for n, orig in tensors.items():
+                val = orig
+                if n == "weight" and self.s_in is not None:
+                    val = (orig.float() * self.s_in.to(orig.device)).to(orig.dtype)
+                val = val.to(getattr(m, n).device)
+                if n in m._parameters:
+                    m._parameters[n].data = val
+                else:
+                    m._buffers[n] = val
+        self.float_state = {}
+        if pack:
+            self.pack()
+
     @torch.no_grad()
     def pack(self) -> None:
         """Pack every expert's linears, one quantize-and-pack per projection over all experts'
@@ -330,6 +359,13 @@ class MoELayerSearch:
                 lin.qzeros.copy_(qzeros[:, e * w8 : (e + 1) * w8])
                 lin.scales.copy_(scales[:, e * n : (e + 1) * n])
                 setattr(self.expert(e), pname, lin)
+
+
+def _maybe_submodule(root: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return root.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def _clamp(w: torch.Tensor, mx: torch.Tensor) -> torch.Tensor:
