@@ -13,8 +13,8 @@ import transformers
 from safetensors import safe_open
 
 from fastawq.auto import AutoAWQForCausalLM, AWQModel
-from fastawq.models import MOE_SPECS, architecture_of, moe_spec_of
-from fastawq.models.moe import ExpertList, experts_of, unfuse_model
+from fastawq.models import MOE_SPECS, architecture_of
+from fastawq.models.moe import ExpertList, experts_of, moe_spec_of, unfuse_model
 from fastawq.modules import WQLinear
 from fastawq.quantize import QuantConfig, pack_model, pseudo_quantize_model, quantize
 from fastawq.quantize.moe import MoELayerSearch

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastawq.models import architecture_of, moe_spec_of
+from fastawq.models import architecture_of
 from fastawq.models import moe
 from fastawq.modules import WQLinear
 from fastawq.quantize.config import QuantConfig
@@ -73,7 +73,7 @@ def save_quantized(
     if not any(isinstance(m, WQLinear) for m in model.modules()):
         raise ValueError("the model has no packed layers: quantize it (or pack() after export_compatible=True) first")
     sd = _state_dict_for_save(model)
-    to_ck, _ = moe.checkpoint_renamer(architecture_of(model).layers_path, moe_spec_of(model))
+    to_ck, _ = moe.checkpoint_renamer(architecture_of(model).layers_path, moe.moe_spec_of(model))
     sd = {to_ck(k): t for k, t in sd.items()}
     limit = parse_size(shard_size)
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -195,7 +195,7 @@ def load_quantized(
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=dtype)
     arch = architecture_of(model)
-    spec = moe_spec_of(model)
+    spec = moe.moe_spec_of(model)
     if spec is not None:
         tensors = moe.prepare_load(model, arch.layers_path, spec, tensors)
     _swap_modules(model, arch, tensors, d)

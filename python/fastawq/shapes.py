@@ -8,8 +8,6 @@ import logging
 import torch
 from torch import nn
 
-from fastawq.models import architecture_of, moe_spec_of
-from fastawq.models.moe import unfuse_model, use_fast_experts
 from fastawq.modules.qlinear import WQLinear
 
 log = logging.getLogger(__name__)
@@ -101,6 +99,9 @@ def _fresh_rotary(model: nn.Module, device: torch.device) -> None:
 def _fill_moe(model: nn.Module, spec, gen: torch.Generator) -> None:
     # Routers (not nn.Linear), fused fp16 experts and router biases are not reached by the
     # generic fill above; unit-variance routing spreads tokens over the experts.
+    from fastawq.models import architecture_of
+    from fastawq.models.moe import use_fast_experts
+
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         if f".{spec.experts}." in f"{name}." and p.dim() == 3:
             p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
@@ -128,6 +129,9 @@ def build_random_model(
     quantized=False: the plain fp16 model (the baseline)."""
     from transformers import AutoModelForCausalLM
 
+    from fastawq.models import get_architecture
+    from fastawq.models.moe import moe_spec_of, unfuse_model
+
     cfg = shape_config(name)
     g = group_size or SHAPES[name][2]
     device = torch.device(device)
@@ -135,7 +139,7 @@ def build_random_model(
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
         moe_spec = moe_spec_of(model)
         if quantized:  # per-expert linears, so the W4 pass below packs every expert
-            unfuse_model(model, architecture_of(model).layers_path, moe_spec, empty=True)
+            unfuse_model(model, get_architecture(cfg.model_type).layers_path, moe_spec, empty=True)
     if quantized:
         for mname, mod in list(model.named_modules()):
             if _is_decoder_linear(mname, mod):

@@ -4,21 +4,22 @@ from __future__ import annotations
 import importlib
 
 from fastawq.models.base import Architecture, ScaleGroup
-from fastawq.models.moe import MoESpec
 
 _FILES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "opt", "gpt_neox")
-# Mixture-of-experts families also export MOE (models/moe.py: where the router and experts live).
-_MOE_FILES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "llama4")
 
 REGISTRY: dict[str, Architecture] = {}
+for _f in _FILES:
+    _arch = importlib.import_module(f"fastawq.models.{_f}").ARCH
+    for _t in _arch.model_types:
+        REGISTRY[_t] = _arch
+
+# Mixture-of-experts families: a record plus MOE, where the router and experts live (models/moe.py).
 MOE_SPECS: dict[str, MoESpec] = {}
-for _f in _FILES + _MOE_FILES:
+for _f in ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "llama4"):
     _mod = importlib.import_module(f"fastawq.models.{_f}")
     for _t in _mod.ARCH.model_types:
         REGISTRY[_t] = _mod.ARCH
-        if getattr(_mod, "MOE", None) is not None:
-            MOE_SPECS[_t] = _mod.MOE
-
+        MOE_SPECS[_t] = _mod.MOE
 SUPPORTED_MODEL_TYPES = tuple(sorted(REGISTRY))
 
 
@@ -39,11 +40,5 @@ def architecture_of(model) -> Architecture:
     return get_architecture(getattr(model.config, "model_type", type(model).__name__))
 
 
-def moe_spec_of(model) -> MoESpec | None:
-    """The mixture-of-experts layout of `model`'s family, None for dense families."""
-    return MOE_SPECS.get(getattr(model.config, "model_type", None))
-
-
 __all__ = ["Architecture", "ScaleGroup", "REGISTRY", "SUPPORTED_MODEL_TYPES", "UnsupportedModelError",
-           "get_architecture", "architecture_of",
-           "MoESpec", "MOE_SPECS", "moe_spec_of"]
+           "get_architecture", "architecture_of"]

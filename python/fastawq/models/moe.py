@@ -56,6 +56,13 @@ class MoESpec:
         return [self.router] + ([self.shared_gate] if self.shared_gate else [])
 
 
+def moe_spec_of(model: nn.Module) -> MoESpec | None:
+    """The mixture-of-experts layout of `model`'s family, None for dense families."""
+    from fastawq.models import MOE_SPECS
+
+    return MOE_SPECS.get(getattr(model.config, "model_type", None))
+
+
 class ExpertMLP(nn.Module):
     """One expert: down(act(gate(x)) * up(x)), linears named as the checkpoint names them."""
 

@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from fastawq.models import moe_spec_of
-from fastawq.models.moe import MoESpec, router_names, unfuse_experts
+from fastawq.models.moe import MoESpec, moe_spec_of, router_names, unfuse_experts
 
 try:  # the search's in-place rounding: reference.pseudo_quantize's twin in awq.py, or itself in place
     from fastawq.quantize.awq import fake_quantize_ as _round_

@@ -44,8 +44,8 @@ def finalize_layer(layer: nn.Module, prefix: str, config: QuantConfig, *, pack: 
 
 
 def layers_of(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    from fastawq.models import architecture_of, moe_spec_of
-    from fastawq.models.moe import unfuse_model
+    from fastawq.models import architecture_of
+    from fastawq.models.moe import moe_spec_of, unfuse_model
 
     arch = architecture_of(model)
     # Fused 3-D experts are not nn.Linear: without this they would silently stay full precision.
