@@ -161,7 +161,7 @@ class AwqQuantizer:
         t0 = time.perf_counter()
         inps, kwargs = self._capture_inputs(layers)
         self._tick("capture", t0)
-        from fastawq.quantize import moe
+        from fastawq.quantize import moe  # here, not at the top: quantize/moe.py imports this module
 
         moe_spec = moe.prepare(self)
         for i in tqdm(range(len(layers)), desc="AWQ", unit="layer"):
