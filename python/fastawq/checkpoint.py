@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from fastawq.models import architecture_of
+from fastawq.models import moe
 from fastawq.modules import WQLinear
 from fastawq.quantize.config import QuantConfig
 from fastawq.modules.scaled_activation import wrap_activation
@@ -72,6 +73,8 @@ def save_quantized(
     if not any(isinstance(m, WQLinear) for m in model.modules()):
         raise ValueError("the model has no packed layers: quantize it (or pack() after export_compatible=True) first")
     sd = _state_dict_for_save(model)
+    to_ck, _ = moe.checkpoint_renamer(architecture_of(model).layers_path, moe.moe_spec_of(model))
+    sd = {to_ck(k): t for k, t in sd.items()}
     limit = parse_size(shard_size)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -205,8 +208,13 @@ def load_quantized(
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=dtype)
     arch = architecture_of(model)
+    spec = moe.moe_spec_of(model)
+    if spec is not None:
+        tensors = moe.prepare_load(model, arch.layers_path, spec, tensors)
     _swap_modules(model, arch, tensors, d)
     _load_state(model, tensors, d)
+    if spec is not None:
+        moe.use_fast_experts(model, arch.layers_path, spec)
     model.eval()
     model.fastawq_quant_config = quant_config
     model.fastawq_packed = True
