@@ -1,0 +1,367 @@
+"""Triton W4A16 mixture-of-experts: a grouped GEMM over all experts in one launch per projection.
+
+Rows are (token, slot) assignments, flat index f = t * k + j. Each program owns BLOCK_M rows that
+share one expert and a tile of output columns, so an expert's weight tile is read once per block
+instead of once per token. Two ways to form blocks:
+- sorted (prefill, batched decode): assignments sorted by expert into per-expert blocks padded to
+  BLOCK_M (moe_align, torch ops of fixed size: no host sync, so it captures in a CUDA graph);
+- one assignment per block (decode with few assignments per expert): no sort at all, and each
+  block reads one expert's weights, exactly what the assignment needs.
+w13 computes gate and up tiles side by side and writes act(gate) * up; w2 scales each row by its
+routing weight and writes it at its flat index; the k rows of a token are then summed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .awq import _unpack_cols
+
+logger = logging.getLogger(__name__)
+
+ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+
+
+@triton.jit
+def _dequant_tile(words, zw, s, a, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    """[BK, BN // 8] words, [BN // 8] zero words and [BN] scales of one group -> [BK, BN] for tl.dot with a."""
+    q = _unpack_cols(words, BLOCK_N)
+    z = tl.reshape(_unpack_cols(zw[None, :], BLOCK_N), (BLOCK_N,))
+    if INTERPRET:
+        # The interpreter's bf16 conversions and bf16 tl.dot are wrong: stay in fp32 there.
+        b = (q - z[None, :]).to(tl.float32) * s[None, :].to(tl.float32)
+    else:
+        # int4 -> half through the exponent field, as in awq.py: q - z is exact, one rounding in * s.
+        if a.dtype == tl.float16:
+            qh = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+            zh = (z | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        else:
+            qh = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            zh = (z | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        b = (qh - zh[None, :]) * s[None, :].to(a.dtype)
+    return b
+
+
+@triton.jit
+def _block_rows(pid_b, ids_ptr, sorted_ptr, bexp_ptr, n_assign, BLOCK_M: tl.constexpr, NAIVE: tl.constexpr):
+    """The expert of block pid_b and its rows' flat assignment indices (valid: a real row)."""
+    offs = tl.arange(0, BLOCK_M)
+    if NAIVE:
+        expert = tl.load(ids_ptr + pid_b).to(tl.int64)
+        flat = pid_b + offs
+        valid = offs == 0
+    else:
+        expert = tl.load(bexp_ptr + pid_b).to(tl.int64)
+        flat = tl.load(sorted_ptr + pid_b * BLOCK_M + offs)
+        valid = flat < n_assign
+    return expert, flat.to(tl.int64), valid
+
+
+@triton.jit
+def _act(g, ACT: tl.constexpr):
+    if ACT == 0:
+        y = g * tl.sigmoid(g)
+    elif ACT == 1:
+        y = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+    else:
+        # tanh(u) = 2 sigmoid(2u) - 1
+        u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        y = g * tl.sigmoid(2.0 * u)
+    return y
+
+
+@triton.jit
+def moe_w13_kernel(
+    x_ptr, ids_ptr, sorted_ptr, bexp_ptr, qw_ptr, s_ptr, qz_ptr, h_ptr,
+    n_assign, E, H, I, G, TOPK, stride_xm,
+    ACT: tl.constexpr,
+    NAIVE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr = False,
+):
+    # x [T, H] · w13 qweight [E, H, 2I // 8] · scales [E, H // G, 2I] · qzeros [E, H // G, 2I // 8]
+    # -> h [T * k, I] = act(x w_gate) * (x w_up) for each row's expert
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert, flat, valid = _block_rows(pid_b, ids_ptr, sorted_ptr, bexp_ptr, n_assign, BLOCK_M, NAIVE)
+    if expert >= E:  # a padding block past the last expert's
+        return
+    tok = flat // TOPK
+    n8 = I // 4  # words per row of w13 (2I columns)
+    i8 = I // 8  # the up columns start this many words in
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < I
+    mask_w = offs_w < i8
+    qw = qw_ptr + expert * H * n8
+    qz = qz_ptr + expert * (H // G) * n8
+    sc = s_ptr + expert * (H // G) * (2 * I)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # BLOCK_K divides G, so each K tile lies inside one quantization group.
+    for k0 in range(0, H, BLOCK_K):
+        a = tl.load(x_ptr + tok[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
+        w_ptrs = qw + (k0 + offs_k)[:, None] * n8 + offs_w[None, :]
+        wg = tl.load(w_ptrs, mask=mask_w[None, :], other=0)
+        wu = tl.load(w_ptrs + i8, mask=mask_w[None, :], other=0)
+        g = k0 // G
+        zg = tl.load(qz + g * n8 + offs_w, mask=mask_w, other=0)
+        zu = tl.load(qz + g * n8 + i8 + offs_w, mask=mask_w, other=0)
+        sg = tl.load(sc + g * 2 * I + offs_n, mask=mask_n, other=0.0)
+        su = tl.load(sc + g * 2 * I + I + offs_n, mask=mask_n, other=0.0)
+        if INTERPRET:
+            a = a.to(tl.float32)
+        acc_g = tl.dot(a, _dequant_tile(wg, zg, sg, a, BLOCK_N, INTERPRET), acc_g)
+        acc_u = tl.dot(a, _dequant_tile(wu, zu, su, a, BLOCK_N, INTERPRET), acc_u)
+    hval = _act(acc_g, ACT) * acc_u
+    tl.store(h_ptr + flat[:, None] * I + offs_n[None, :], hval.to(h_ptr.dtype.element_ty),
+             mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def moe_w2_kernel(
+    h_ptr, ids_ptr, sorted_ptr, bexp_ptr, tw_ptr, qw_ptr, s_ptr, qz_ptr, out_ptr,
+    n_assign, E, H, I, G,
+    NAIVE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr = False,
+):
+    # h [T * k, I] · w2 qweight [E, I, H // 8] · scales [E, I // G, H] · qzeros [E, I // G, H // 8]
+    # -> out [T * k, H] = topk_weight * (h w2) for each row's expert
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert, flat, valid = _block_rows(pid_b, ids_ptr, sorted_ptr, bexp_ptr, n_assign, BLOCK_M, NAIVE)
+    if expert >= E:
+        return
+    n8 = H // 8
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < H
+    mask_w = offs_w < n8
+    qw = qw_ptr + expert * I * n8
+    qz = qz_ptr + expert * (I // G) * n8
+    sc = s_ptr + expert * (I // G) * H
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        a = tl.load(h_ptr + flat[:, None] * I + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
+        words = tl.load(qw + (k0 + offs_k)[:, None] * n8 + offs_w[None, :], mask=mask_w[None, :], other=0)
+        g = k0 // G
+        zw = tl.load(qz + g * n8 + offs_w, mask=mask_w, other=0)
+        s = tl.load(sc + g * H + offs_n, mask=mask_n, other=0.0)
+        if INTERPRET:
+            a = a.to(tl.float32)
+        acc = tl.dot(a, _dequant_tile(words, zw, s, a, BLOCK_N, INTERPRET), acc)
+    w = tl.load(tw_ptr + flat, mask=valid, other=0.0).to(tl.float32)
+    acc = acc * w[:, None]
+    tl.store(out_ptr + flat[:, None] * H + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & mask_n[None, :])
+
+
+# --- launch ---
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    block_m: int  # rows per block; sorted mode only (one assignment per block otherwise)
+    naive: bool  # one assignment per block, no sort
+    bn13: int
+    bk13: int
+    bn2: int
+    bk2: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def label(self) -> str:
+        mode = "naive" if self.naive else f"m{self.block_m}"
+        return f"{mode} w13 n{self.bn13}k{self.bk13} w2 n{self.bn2}k{self.bk2} w{self.num_warps}p{self.num_stages}"
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _block_k(g: int, k: int, most: int = 128) -> int:
+    for bk in (128, 64, 32, 16):
+        if bk <= most and g % bk == 0 and k % bk == 0:
+            return bk
+    return 0
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort the flat assignments by expert into blocks of block_m rows, each block one expert.
+
+    Returns sorted_ids [max_blocks * block_m] int32 (flat index per row, n = T * k marks padding)
+    and block_expert [max_blocks] int32 (num_experts marks an unused block). Sizes depend only on
+    n, E and block_m, never on the routing, so the whole thing captures in a CUDA graph.
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    n = flat.numel()
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    blocks = (counts + block_m - 1) // block_m
+    block_end = blocks.cumsum(0)
+    # sum_e ceil(c_e / bm) <= #non-empty experts + floor(n / bm)
+    max_blocks = min(num_experts, n) + n // block_m
+    order = torch.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[sorted_e]
+    dest = (block_end - blocks)[sorted_e] * block_m + rank
+    sorted_ids = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    block_expert = torch.searchsorted(block_end, torch.arange(max_blocks, device=dev), right=True)
+    return sorted_ids, block_expert.to(torch.int32)
+
+
+def use_naive(t: int, topk: int, num_experts: int) -> bool:
+    # One token's k experts are distinct, so one assignment per block reads each expert once; with
+    # more assignments than about E / 4, experts repeat and sorting saves the re-reads.
+    return t == 1 or t * topk <= num_experts // 4
+
+
+def heuristic_config(t: int, topk: int, e: int, h: int, i: int, g13: int, g2: int, sms: int) -> MoeConfig:
+    n = t * topk
+    naive = use_naive(t, topk, e)
+    per_expert = n / min(e, n)
+    bm = 16 if naive or per_expert <= 8 else 32 if per_expert <= 32 else 64
+    blocks = n if naive else min(e, n) + n // bm
+    interp = _interpreting()
+
+    def bn_for(cols: int) -> int:
+        # Memory-bound at small M: enough programs to cover the SMs twice beats wide tiles.
+        if interp:
+            return 32
+        for bn in (128, 64):
+            if blocks * triton.cdiv(cols, bn) >= 2 * sms:
+                return bn
+        return 32
+
+    bkmax = 64 if bm >= 64 else 128
+    return MoeConfig(bm, naive, bn_for(i), _block_k(g13, h, bkmax), bn_for(h), _block_k(g2, i, bkmax),
+                     num_warps=4, num_stages=1 if interp else 3)
+
+
+def candidate_configs(t: int, topk: int, e: int, h: int, i: int, g13: int, g2: int, sms: int) -> list[MoeConfig]:
+    base = heuristic_config(t, topk, e, h, i, g13, g2, sms)
+    out = [base]
+    for bn in (32, 64, 128):
+        for stages in (3, 4):
+            out.append(MoeConfig(base.block_m, base.naive, bn, base.bk13, bn, base.bk2, 4, stages))
+    if not base.naive and base.block_m > 16:
+        out.append(MoeConfig(base.block_m // 2, False, base.bn13, base.bk13, base.bn2, base.bk2, 4, 3))
+    return list(dict.fromkeys(out))
+
+
+def _launch(cfg: MoeConfig, x, topk_ids, topk_weights, w13, w2, g13, g2, act):
+    t, h = x.shape
+    topk = topk_ids.shape[1]
+    e = w13[0].shape[0]
+    i = w2[0].shape[1]
+    n = t * topk
+    ids = topk_ids.reshape(-1)
+    if cfg.naive:
+        sorted_ids, bexp, blocks, bm = ids, ids, n, 16
+    else:
+        bm = cfg.block_m
+        sorted_ids, bexp = moe_align(topk_ids, e, bm)
+        blocks = bexp.numel()
+    hbuf = torch.empty((n, i), dtype=x.dtype, device=x.device)
+    interp = _interpreting()
+    moe_w13_kernel[(blocks, triton.cdiv(i, cfg.bn13))](
+        x, ids, sorted_ids, bexp, *w13, hbuf,
+        n, e, h, i, g13, topk, x.stride(0),
+        ACT=ACTS[act], NAIVE=cfg.naive, BLOCK_M=bm, BLOCK_N=cfg.bn13, BLOCK_K=cfg.bk13, INTERPRET=interp,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    out = torch.empty((n, h), dtype=x.dtype, device=x.device)
+    moe_w2_kernel[(blocks, triton.cdiv(h, cfg.bn2))](
+        hbuf, ids, sorted_ids, bexp, topk_weights.reshape(-1), *w2, out,
+        n, e, h, i, g2,
+        NAIVE=cfg.naive, BLOCK_M=bm, BLOCK_N=cfg.bn2, BLOCK_K=cfg.bk2, INTERPRET=interp,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if topk == 1:
+        return out
+    return out.view(t, topk, h).sum(dim=1)
+
+
+_TUNED: dict[tuple, MoeConfig] = {}
+
+
+def _tune(key, candidates, args) -> MoeConfig:
+    best, best_ms = None, float("inf")
+    for cfg in candidates:
+        try:
+            ms = triton.testing.do_bench(lambda: _launch(cfg, *args), warmup=2, rep=10, return_mode="median")
+        except Exception as err:  # a config the compiler rejects on this GPU (e.g. shared memory)
+            logger.debug("moe config %s failed: %s", cfg, err)
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    if best is not None:
+        logger.info("moe_w4 %s -> %s (%.1f us)", key, best.label(), best_ms * 1e3)
+    return best
+
+
+def choose_config(x, topk_ids, w13, w2, g13: int, g2: int, args) -> MoeConfig:
+    t, h = x.shape
+    topk = topk_ids.shape[1]
+    e, i = w13[0].shape[0], w2[0].shape[1]
+    if _interpreting() or x.device.type != "cuda":
+        return heuristic_config(t, topk, e, h, i, g13, g2, sms=4)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    bucket = 1 << max(0, (t - 1).bit_length())
+    # t == 1 gets its own key: the heuristic's mode flips there.
+    key = (x.device, t if t == 1 else bucket, topk, e, h, i, g13, g2, x.dtype)
+    cfg = _TUNED.get(key)
+    if cfg is not None and cfg.naive == use_naive(t, topk, e):
+        return cfg
+    if os.environ.get("FASTAWQ_TRITON_TUNE", "1") == "0" or torch.cuda.is_current_stream_capturing():
+        return heuristic_config(t, topk, e, h, i, g13, g2, sms)
+    cfg = _tune(key, candidate_configs(t, topk, e, h, i, g13, g2, sms), args)
+    _TUNED[key] = cfg or heuristic_config(t, topk, e, h, i, g13, g2, sms)
+    return _TUNED[key]
+
+
+# x [T, H] fp16/bf16 · topk_ids [T, k] int · topk_weights [T, k]
+# w13_qweight [E, H, 2I // 8] · w13_scales [E, H // G, 2I] · w13_qzeros [E, H // G, 2I // 8]
+# w2_qweight [E, I, H // 8] · w2_scales [E, I // G, H] · w2_qzeros [E, I // G, H // 8]  ->  [T, H]
+def moe_w4(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros,
+           group_size: int, act: str = "silu", *, config: MoeConfig | None = None) -> torch.Tensor:
+    t, h = x.shape
+    i = w2_qweight.shape[1]
+    g13 = h if group_size == -1 else group_size
+    g2 = i if group_size == -1 else group_size
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    # The kernels index everything else as dense arrays (no-ops when they already are).
+    topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
+    w13 = (w13_qweight.contiguous(), w13_scales.contiguous(), w13_qzeros.contiguous())
+    w2 = (w2_qweight.contiguous(), w2_scales.contiguous(), w2_qzeros.contiguous())
+    if t == 0:
+        return x.new_empty((0, h))
+    args = (x, topk_ids, topk_weights, w13, w2, g13, g2, act)
+    cfg = config or choose_config(x, topk_ids, w13, w2, g13, g2, args)
+    return _launch(cfg, *args)
+
+
+def moe_w4_fits(h: int, i: int, group_size: int, act: str) -> str | None:
+    g13 = h if group_size == -1 else group_size
+    g2 = i if group_size == -1 else group_size
+    if i % 8:
+        return f"intermediate size I={i} must be a multiple of 8 for the Triton MoE kernels"
+    if not _block_k(g13, h) or not _block_k(g2, i):
+        return f"group_size={group_size}, H={h} and I={i} must be multiples of 16 for the Triton MoE kernels"
+    if act not in ACTS:
+        return f"no Triton activation {act!r}; choose one of {tuple(ACTS)}"
+    return None
