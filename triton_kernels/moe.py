@@ -239,8 +239,8 @@ def heuristic_config(t: int, topk: int, e: int, h: int, i: int, g13: int, g2: in
 
     def bn_for(cols: int) -> int:
         # Memory-bound at small M: enough programs to cover the SMs twice beats wide tiles.
-        if interp:
-            return 32
+        if interp:  # fewest programs: the interpreter's cost is per program and per op
+            return min(128, triton.next_power_of_2(cols))
         for bn in (128, 64):
             if blocks * triton.cdiv(cols, bn) >= 2 * sms:
                 return bn

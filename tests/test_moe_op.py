@@ -1,0 +1,233 @@
+"""The W4 MoE op against reference.moe_w4: both backends, ragged expert loads, tile edges."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fastawq import ops_moe, reference
+from fastawq.backend import BackendUnavailableError
+
+from conftest import HAS_CUDA, random_awq, random_input, requires_cuda
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+TRITON_OK = HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton = pytest.mark.skipif(not TRITON_OK, reason="Triton needs CUDA or TRITON_INTERPRET=1")
+BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
+
+
+def random_moe(e: int, h: int, i: int, g: int, dtype=torch.float16, device=DEVICE, seed: int = 0):
+    """Stacked random experts: (w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros)."""
+    w13 = [random_awq(h, 2 * i, g, device, dtype, seed=seed + j) for j in range(e)]
+    w2 = [random_awq(i, h, g, device, dtype, seed=seed + 1000 + j) for j in range(e)]
+    return tuple(torch.stack([w[p] for w in ws]) for ws in (w13, w2) for p in range(3))
+
+
+def routing(kind: str, t: int, e: int, k: int, device=DEVICE, seed: int = 0):
+    """topk_ids [T, k], topk_weights [T, k] fp32 for a load pattern."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "random":
+        weights, ids = reference.topk_route(torch.randn(t, e, generator=gen), k)
+    else:
+        if kind == "one_expert":  # every token's first choice is expert 0, the rest share expert 1..k-1
+            ids = torch.arange(k).repeat(t, 1)
+        elif kind == "few_experts":  # only experts 1 and e-1 get tokens (twice per token when k > 2)
+            ids = torch.tensor([1, e - 1] * k)[:k].repeat(t, 1)
+            ids[::2] = ids[::2].flip(1)
+        else:
+            raise ValueError(kind)
+        weights = torch.rand(t, k, generator=gen).softmax(dim=-1)
+    return ids.to(device), weights.to(device)
+
+
+def torch_same_dtype_error(x, ids, w, weights, g, act) -> float:
+    ref = reference.moe_w4(x, ids, w, *weights, g, act).float()
+    return (ops_moe.moe_w4(x, ids, w, *weights, g, act, backend="torch").float() - ref).abs().max().item()
+
+
+def check(out, x, ids, w, weights, g, act="silu", factor=4.0):
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert torch.isfinite(out).all(), "output has NaN/inf (a row or buffer left unwritten?)"
+    ref = reference.moe_w4(x, ids, w, *weights, g, act).float()
+    err = (out.float() - ref).abs().max().item()
+    eps = 2**-10 if x.dtype == torch.float16 else 2**-7
+    budget = factor * torch_same_dtype_error(x, ids, w, weights, g, act) + 4 * eps * ref.abs().max().item()
+    assert err <= budget, f"max error {err:.4g} > budget {budget:.4g} (ref max {ref.abs().max().item():.4g})"
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty returns NaN floats and out-of-range ints, so an unwritten element shows."""
+    real = torch.empty
+
+    def empty(*size, **kw):
+        t = real(*size, **kw)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype in (torch.int32, torch.int64):
+            t.fill_(-(2**30))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+# (E, H, I, G, k, T, load): H and I straddle the 32..128 column tiles (I = 96 leaves a part tile).
+CASES = [
+    (4, 64, 64, 32, 2, 1, "random"),
+    (8, 128, 96, 32, 2, 5, "random"),
+    (8, 128, 96, 32, 2, 33, "random"),
+    (8, 64, 96, 32, 2, 33, "one_expert"),
+    (6, 128, 64, 64, 2, 5, "few_experts"),
+    (8, 64, 96, -1, 3, 17, "few_experts"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "E{}H{}I{}G{}k{}T{}-{}".format(*c))
+def test_moe_matches_reference(case, backend, poisoned_empty):
+    e, h, i, g, k, t, load = case
+    weights = random_moe(e, h, i, g, seed=t)
+    x = random_input((t, h), DEVICE, torch.float16, seed=t + 1)
+    ids, w = routing(load, t, e, k, seed=t)
+    out = ops_moe.moe_w4(x, ids, w, *weights, g, backend=backend)
+    check(out, x, ids, w, weights, g)
+
+
+@needs_triton
+@pytest.mark.parametrize("t", [1, 33])
+def test_moe_bf16_and_int32_ids(t, poisoned_empty):
+    e, h, i, g, k = 8, 128, 64, 64, 2
+    weights = random_moe(e, h, i, g, torch.bfloat16, seed=3)
+    x = random_input((t, h), DEVICE, torch.bfloat16, seed=4)
+    ids, w = routing("random", t, e, k, seed=5)
+    out = ops_moe.moe_w4(x, ids.to(torch.int32), w.to(torch.bfloat16), *weights, g, backend="triton")
+    check(out, x, ids, w.to(torch.bfloat16), weights, g)
+
+
+@needs_triton
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh"])
+def test_moe_other_activations(act):
+    e, h, i, g, k, t = 4, 64, 64, 32, 2, 5
+    weights = random_moe(e, h, i, g, seed=8)
+    x = random_input((t, h), DEVICE, torch.float16, seed=9)
+    ids, w = routing("random", t, e, k, seed=10)
+    check(ops_moe.moe_w4(x, ids, w, *weights, g, act, backend="triton"), x, ids, w, weights, g, act)
+
+
+@needs_triton
+def test_both_block_modes_agree_with_reference():
+    # The per-assignment blocks (decode) and the sorted blocks (batches) must give the same sums.
+    from fastawq.triton_kernels import moe as tmoe
+
+    e, h, i, g, k, t = 8, 64, 96, 32, 2, 6
+    weights = random_moe(e, h, i, g, seed=12)
+    x = random_input((t, h), DEVICE, torch.float16, seed=13)
+    ids, w = routing("random", t, e, k, seed=14)
+    base = tmoe.heuristic_config(t, k, e, h, i, g, g, sms=4)
+    for naive, bm in ((True, 16), (False, 16), (False, 32)):
+        cfg = tmoe.MoeConfig(bm, naive, base.bn13, base.bk13, base.bn2, base.bk2)
+        check(tmoe.moe_w4(x, ids, w, *weights, g, config=cfg), x, ids, w, weights, g)
+
+
+def test_moe_align_blocks_each_expert():
+    from fastawq.triton_kernels.moe import moe_align
+
+    e, bm = 6, 4
+    ids = torch.tensor([[5, 0], [5, 2], [0, 5], [5, 3], [5, 0]])
+    sorted_ids, block_expert = moe_align(ids, e, bm)
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    assert sorted_ids.numel() == block_expert.numel() * bm
+    seen = []
+    for b, ex in enumerate(block_expert.tolist()):
+        rows = sorted_ids[b * bm:(b + 1) * bm].tolist()
+        real = [r for r in rows if r < n]
+        if ex == e:
+            assert not real, "an unused block holds rows"
+            continue
+        assert real and all(flat[r] == ex for r in real)
+        seen += real
+    assert sorted(seen) == list(range(n))
+
+
+def test_topk_route_matches_softmax_topk():
+    logits = random_input((7, 16), "cpu", torch.float32, seed=2)
+    w, ids = reference.topk_route(logits, 4, renormalize=True)
+    probs = logits.softmax(-1)
+    expect = probs.topk(4, dim=-1)
+    assert torch.equal(ids, expect.indices)
+    torch.testing.assert_close(w, expect.values / expect.values.sum(-1, keepdim=True))
+
+
+def test_topk_route_grouped_sigmoid_only_picks_from_best_groups():
+    logits = random_input((5, 16), "cpu", torch.float32, seed=3)
+    bias = random_input((16,), "cpu", torch.float32, seed=4)
+    w, ids = reference.topk_route(logits, 4, True, "sigmoid", num_groups=4, topk_groups=2, correction_bias=bias,
+                                  scale=2.5)
+    biased = (logits.sigmoid() + bias).view(5, 4, 4)
+    best_groups = biased.topk(2, -1).values.sum(-1).topk(2, -1).indices
+    assert all(set((ids[r] // 4).tolist()) <= set(best_groups[r].tolist()) for r in range(5))
+    torch.testing.assert_close(w.sum(-1), torch.full((5,), 2.5))
+    torch.testing.assert_close(w / 2.5, logits.sigmoid().gather(1, ids) / logits.sigmoid().gather(1, ids).sum(-1, True))
+
+
+def test_bad_inputs_name_the_problem():
+    e, h, i, g = 4, 64, 64, 32
+    weights = random_moe(e, h, i, g, device="cpu")
+    x = random_input((3, h), "cpu", torch.float16)
+    ids, w = routing("random", 3, e, 2, device="cpu")
+    with pytest.raises(ValueError, match="hidden_states"):
+        ops_moe.moe_w4(x[:, :32], ids, w, *weights, g)
+    with pytest.raises(ValueError, match=r"topk_ids \(3, 1\)"):
+        ops_moe.moe_w4(x, ids[:, :1], w, *weights, g)
+    with pytest.raises(TypeError, match="topk_ids"):
+        ops_moe.moe_w4(x, ids.float(), w, *weights, g)
+    with pytest.raises(ValueError, match="w2_scales"):
+        ops_moe.moe_w4(x, ids, w, *weights[:4], weights[4][:, :1], weights[5], g)
+    with pytest.raises(ValueError, match="inconsistent"):
+        ops_moe.moe_w4(x, ids, w, *weights[:3], weights[3][:2], *weights[4:], g)
+    with pytest.raises(ValueError, match=r"\[0, 4\)"):
+        ops_moe.moe_w4(x, ids + 3, w, *weights, g, backend="torch")
+    with pytest.raises(ValueError, match="act"):
+        ops_moe.moe_w4(x, ids, w, *weights, g, "relu")
+    with pytest.raises(BackendUnavailableError, match="fp16 or bf16"):
+        ops_moe.moe_w4(x.float(), ids, w, *weights, g, backend="triton")
+
+
+def test_auto_backend_on_cpu_is_torch():
+    assert ops_moe.select_backend("moe_w4", torch.device("cpu")) == "torch"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck(backend):
+    e, h, i, g, k, t = 4, 64, 64, 32, 2, 3
+    weights = random_moe(e, h, i, g, seed=20)
+    x = random_input((t, h), DEVICE, torch.float16, seed=21)
+    ids, w = routing("random", t, e, k, seed=22)
+    utils = ["test_schema", "test_faketensor"]
+    if backend == "torch" or HAS_CUDA:  # the interpreter would run the kernels a dozen more times
+        utils += ["test_autograd_registration", "test_aot_dispatch_dynamic"]
+    torch.library.opcheck(torch.ops.fastawq.moe_w4.default, (x, ids, w, *weights, g, "silu", backend),
+                          test_utils=utils)
+
+
+@requires_cuda
+@pytest.mark.parametrize("t", [1, 16, 256])
+def test_moe_qwen3_shape_under_cuda_graph(t):
+    e, h, i, g, k = 128, 2048, 768, 128, 8
+    weights = random_moe(e, h, i, g, seed=30)
+    x = random_input((t, h), "cuda", torch.float16, seed=31)
+    ids, w = routing("random", t, e, k, seed=32)
+    ops_moe.moe_w4(x, ids, w, *weights, g, backend="triton")  # tune and compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops_moe.moe_w4(x, ids, w, *weights, g, backend="triton")
+    for seed in range(2):
+        new_ids, new_w = routing("random", t, e, k, seed=40 + seed)
+        ids.copy_(new_ids)
+        w.copy_(new_w)
+        x.copy_(random_input((t, h), "cuda", torch.float16, seed=50 + seed))
+        out.fill_(float("nan"))
+        graph.replay()
+        check(out, x, ids, w, weights, g)
