@@ -144,6 +144,7 @@ class WQExperts(nn.Module):
                     continue
                 keys = [[f"{prefix}{e}.{name}.{part}" for name in stacked] for e in range(self.num_experts)]
                 absent = [k for row in keys for k in row if k not in state_dict]
+                consumed.update(k for row in keys for k in row)
                 if absent:
                     missing_keys.extend(absent)
                     continue
@@ -155,7 +156,7 @@ class WQExperts(nn.Module):
                     error_msgs.append(f"{prefix}*.{'/'.join(stacked)}.{part}: per-expert shapes differ ({err})")
                     continue
                 self._load_one(buf_name, value, assign, f"{prefix}{{e}}.{'/'.join(stacked)}.{part}", error_msgs)
-                consumed.update(k for row in keys for k in row)
+        # (Module.load_state_dict always passes strict=True here and filters by its own strict.)
         if strict:
             unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in consumed)
 
