@@ -231,3 +231,23 @@ def test_moe_qwen3_shape_under_cuda_graph(t):
         out.fill_(float("nan"))
         graph.replay()
         check(out, x, ids, w, weights, g)
+
+
+def test_bench_moe_dry_run(tmp_path, capsys):
+    import importlib.util
+    import pathlib
+    import sys
+
+    bench_dir = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench_dir))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_moe", bench_dir / "bench_moe.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+        assert bench.main(["--dry-run", "--ts", "1,3", "--out", str(tmp_path)]) == 0
+    finally:
+        sys.path.remove(str(bench_dir))
+    out = capsys.readouterr().out
+    assert out.count("| tiny |") == 2
+    rows = __import__("json").loads((tmp_path / "bench_moe.json").read_text())["rows"]
+    assert [r["T"] for r in rows] == [1, 3] and all(r["relerr"] < 1e-2 for r in rows)

@@ -238,13 +238,11 @@ def heuristic_config(t: int, topk: int, e: int, h: int, i: int, g13: int, g2: in
     interp = _interpreting()
 
     def bn_for(cols: int) -> int:
-        # Memory-bound at small M: enough programs to cover the SMs twice beats wide tiles.
+        # Memory-bound at small M: enough programs to cover the SMs twice beats wide tiles, down to
+        # 64 columns (32 bytes of packed weights per row, one DRAM sector); the tuner may go below.
         if interp:  # fewest programs: the interpreter's cost is per program and per op
             return min(128, triton.next_power_of_2(cols))
-        for bn in (128, 64):
-            if blocks * triton.cdiv(cols, bn) >= 2 * sms:
-                return bn
-        return 32
+        return 128 if blocks * triton.cdiv(cols, 128) >= 2 * sms else 64
 
     bkmax = 64 if bm >= 64 else 128
     return MoeConfig(bm, naive, bn_for(i), _block_k(g13, h, bkmax), bn_for(h), _block_k(g2, i, bkmax),
