@@ -127,3 +127,13 @@ def test_constructor_errors_name_the_argument():
     experts[1] = (experts[1][0], experts[1][1], WQLinear(I, H, 16, False))
     with pytest.raises(ValueError, match="expert 1 down"):
         WQExperts.from_experts(experts)
+
+
+def test_compiles_to_one_graph_through_the_custom_op():
+    # Backend dispatch reads the environment and imports modules: under torch.compile it happens
+    # inside the op at run time, so the module traces without a graph break.
+    mod = WQExperts.from_experts(random_experts(seed=10))
+    x = random_input((5, H), "cpu", torch.float16, seed=11)
+    weights, ids = reference.topk_route(random_input((5, E), "cpu", torch.float32, seed=12), 2)
+    compiled = torch.compile(mod, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x, ids, weights), mod(x, ids, weights))

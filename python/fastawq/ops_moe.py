@@ -101,6 +101,16 @@ def moe_w4(
     if len(devices) > 1:
         raise ValueError(f"all MoE tensors must be on one device, got {sorted(map(str, devices))}")
 
+    args = (*tensors, group_size, act)
+    if torch.compiler.is_compiling():
+        # The choice is made when the op runs: dispatch reads the environment and imports modules,
+        # which the tracer would not follow.
+        return torch.ops.fastawq.moe_w4(*args, backend or "")
+    # Eagerly the op's dispatcher round trip costs more than a decode step's kernels: call direct.
+    return _run(_select(x, h, i, group_size, act, backend), *args)
+
+
+def _select(x: torch.Tensor, h: int, i: int, group_size: int, act: str, backend: str | None) -> str:
     def fits(b: str) -> str | None:
         if b in ("cuda", "triton") and x.dtype not in _HALF:
             return f"x is {x.dtype}; the {b} MoE kernels take fp16 or bf16 activations"
@@ -108,12 +118,7 @@ def moe_w4(
             return _triton().moe_w4_fits(h, i, group_size, act)
         return None
 
-    be = select_backend("moe_w4", x.device, backend=backend, shapes_ok=fits, m=x.shape[0])
-    args = (*tensors, group_size, act)
-    if torch.compiler.is_compiling():
-        return torch.ops.fastawq.moe_w4(*args, be)
-    # Eagerly the op's dispatcher round trip costs more than a decode step's kernels: call direct.
-    return _run(be, *args)
+    return select_backend("moe_w4", x.device, backend=backend, shapes_ok=fits, m=x.shape[0])
 
 
 def _run(be: str, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros,
@@ -164,6 +169,8 @@ def _moe_w4_op(
     act: str,
     backend: str,
 ) -> torch.Tensor:
+    if not backend:  # chosen here, at run time ("" from a traced call)
+        backend = _select(x, x.shape[1], w2_qweight.shape[1], group_size, act, None)
     return _run(backend, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros,
                 w2_qweight, w2_scales, w2_qzeros, group_size, act)
 
