@@ -130,13 +130,14 @@ def test_both_block_modes_agree_with_reference():
         check(tmoe.moe_w4(x, ids, w, *weights, g, config=cfg), x, ids, w, weights, g)
 
 
-def test_moe_align_blocks_each_expert():
-    from fastawq.triton_kernels.moe import moe_align
+@pytest.mark.parametrize("align", ["moe_align_torch", pytest.param("moe_align", marks=needs_triton)])
+def test_moe_align_blocks_each_expert(align):
+    from fastawq.triton_kernels import moe as tmoe
 
     e, bm = 6, 4
-    ids = torch.tensor([[5, 0], [5, 2], [0, 5], [5, 3], [5, 0]])
-    sorted_ids, block_expert = moe_align(ids, e, bm)
-    flat = ids.reshape(-1)
+    ids = torch.tensor([[5, 0], [5, 2], [0, 5], [5, 3], [5, 0]], device=DEVICE)
+    sorted_ids, block_expert = getattr(tmoe, align)(ids, e, bm)
+    flat = ids.reshape(-1).cpu()
     n = flat.numel()
     assert sorted_ids.numel() == block_expert.numel() * bm
     seen = []
@@ -144,11 +145,23 @@ def test_moe_align_blocks_each_expert():
         rows = sorted_ids[b * bm:(b + 1) * bm].tolist()
         real = [r for r in rows if r < n]
         if ex == e:
-            assert not real, "an unused block holds rows"
+            assert rows == [n] * bm, "an unused block holds rows"
             continue
-        assert real and all(flat[r] == ex for r in real)
+        assert real and all(flat[r] == ex for r in real) and rows == real + [n] * (bm - len(real))
         seen += real
     assert sorted(seen) == list(range(n))
+
+
+@needs_triton
+@pytest.mark.parametrize("e,bm,t,k", [(8, 16, 33, 2), (128, 16, 16, 8), (6, 32, 40, 3), (128, 64, 5, 8)])
+def test_align_kernel_equals_torch_align(e, bm, t, k, poisoned_empty):
+    from fastawq.triton_kernels import moe as tmoe
+
+    gen = torch.Generator().manual_seed(e + t)
+    ids = torch.randint(0, max(1, e // 2), (t, k), generator=gen).to(DEVICE)  # half the experts stay empty
+    sorted_ids, block_expert = tmoe.moe_align(ids, e, bm)  # into poisoned buffers: every row written
+    expect_ids, expect_blocks = tmoe.moe_align_torch(ids, e, bm)
+    assert torch.equal(sorted_ids, expect_ids) and torch.equal(block_expert, expect_blocks)
 
 
 def test_topk_route_matches_softmax_topk():

@@ -168,6 +168,49 @@ def moe_w2_kernel(
              mask=valid[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def moe_align_kernel(
+    ids_ptr, sorted_ptr, bexp_ptr,
+    n, E, max_blocks,
+    BLOCK_M: tl.constexpr,
+    E_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    # One program: the torch version of moe_align in one launch instead of about thirty small
+    # kernels, which at decode sizes cost more than the sort itself. Chunks of CHUNK assignments
+    # against all experts at once ([CHUNK, E_PAD] one-hot): counts, then stable ranks.
+    experts = tl.arange(0, E_PAD)
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for c0 in range(0, n, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32)
+        hit = ((ids[:, None] == experts[None, :]) & (experts < E)[None, :]).to(tl.int32)
+        counts += tl.sum(hit, axis=0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, axis=0)
+    row_start = (block_end - blocks) * BLOCK_M
+    total = max_blocks * BLOCK_M
+    for p0 in range(0, total, CHUNK):
+        offs = p0 + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + offs, tl.zeros((CHUNK,), dtype=tl.int32) + n, mask=offs < total)
+    end_real = tl.where(experts < E, block_end, 2**30)
+    for b0 in range(0, max_blocks, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        ex = tl.sum((end_real[None, :] <= b[:, None]).to(tl.int32), axis=1)
+        tl.store(bexp_ptr + b, ex, mask=b < max_blocks)
+    tl.debug_barrier()  # the padding fill above lands before the rows below overwrite it
+    running = tl.zeros((E_PAD,), dtype=tl.int32)
+    for c0 in range(0, n, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32)
+        hit = ((ids[:, None] == experts[None, :]) & (experts < E)[None, :]).to(tl.int32)
+        before = tl.cumsum(hit, axis=0) - hit
+        dest = tl.sum((before + running[None, :] + row_start[None, :]) * hit, axis=1)
+        # An id outside [0, E) hits no expert: its row is dropped rather than written anywhere.
+        tl.store(sorted_ptr + dest, offs, mask=(offs < n) & (tl.sum(hit, axis=1) > 0))
+        running += tl.sum(hit, axis=0)
+
+
 # --- launch ---
 
 
@@ -198,7 +241,7 @@ def _block_k(g: int, k: int, most: int = 128) -> int:
     return 0
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort the flat assignments by expert into blocks of block_m rows, each block one expert.
 
     Returns sorted_ids [max_blocks * block_m] int32 (flat index per row, n = T * k marks padding)
@@ -211,8 +254,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     blocks = (counts + block_m - 1) // block_m
     block_end = blocks.cumsum(0)
-    # sum_e ceil(c_e / bm) <= #non-empty experts + floor(n / bm)
-    max_blocks = min(num_experts, n) + n // block_m
+    max_blocks = max_blocks_for(n, num_experts, block_m)
     order = torch.argsort(flat, stable=True)
     sorted_e = flat[order]
     rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[sorted_e]
@@ -221,6 +263,31 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     sorted_ids.scatter_(0, dest, order.to(torch.int32))
     block_expert = torch.searchsorted(block_end, torch.arange(max_blocks, device=dev), right=True)
     return sorted_ids, block_expert.to(torch.int32)
+
+
+# Above this many assignments the one-program kernel's serial chunks cost more than the torch ops.
+ALIGN_KERNEL_MAX = 4096
+
+
+def max_blocks_for(n: int, num_experts: int, block_m: int) -> int:
+    # sum_e ceil(c_e / bm) <= #non-empty experts + floor(n / bm)
+    return min(num_experts, n) + n // block_m
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_align_torch's result (same sizes, same stable order), in one launch for small batches."""
+    n = topk_ids.numel()
+    if n > ALIGN_KERNEL_MAX:
+        return moe_align_torch(topk_ids, num_experts, block_m)
+    max_blocks = max_blocks_for(n, num_experts, block_m)
+    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=topk_ids.device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=topk_ids.device)
+    e_pad = max(16, triton.next_power_of_2(num_experts))
+    moe_align_kernel[(1,)](
+        topk_ids.reshape(-1), sorted_ids, block_expert, n, num_experts, max_blocks,
+        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=max(16, 8192 // e_pad), num_warps=8,
+    )
+    return sorted_ids, block_expert
 
 
 def use_naive(t: int, topk: int, num_experts: int) -> bool:
@@ -234,7 +301,7 @@ def heuristic_config(t: int, topk: int, e: int, h: int, i: int, g13: int, g2: in
     naive = use_naive(t, topk, e)
     per_expert = n / min(e, n)
     bm = 16 if naive or per_expert <= 8 else 32 if per_expert <= 32 else 64
-    blocks = n if naive else min(e, n) + n // bm
+    blocks = n if naive else max_blocks_for(n, e, bm)
     interp = _interpreting()
 
     def bn_for(cols: int) -> int:
