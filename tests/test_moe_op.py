@@ -116,8 +116,9 @@ def test_moe_other_activations(act):
 
 
 @needs_triton
-def test_both_block_modes_agree_with_reference():
-    # The per-assignment blocks (decode) and the sorted blocks (batches) must give the same sums.
+def test_block_modes_and_tiles_agree_with_reference():
+    # Per-assignment blocks (decode) and sorted blocks (batches), with column tiles that split
+    # I = 96 and H = 64 unevenly: every config the tuner may pick must give the same sums.
     from fastawq.triton_kernels import moe as tmoe
 
     e, h, i, g, k, t = 8, 64, 96, 32, 2, 6
@@ -125,9 +126,9 @@ def test_both_block_modes_agree_with_reference():
     x = random_input((t, h), DEVICE, torch.float16, seed=13)
     ids, w = routing("random", t, e, k, seed=14)
     base = tmoe.heuristic_config(t, k, e, h, i, g, g, sms=4)
-    for naive, bm in ((True, 16), (False, 16), (False, 32)):
-        cfg = tmoe.MoeConfig(bm, naive, base.bn13, base.bk13, base.bn2, base.bk2)
-        check(tmoe.moe_w4(x, ids, w, *weights, g, config=cfg), x, ids, w, weights, g)
+    narrow = tmoe.KernelConfig(64, 16, 4, 3)
+    for naive, bm, w13, w2 in ((True, 16, base.w13, narrow), (False, 16, narrow, base.w2), (False, 32, base.w13, base.w2)):
+        check(tmoe.moe_w4(x, ids, w, *weights, g, config=tmoe.MoeConfig(bm, naive, w13, w2)), x, ids, w, weights, g)
 
 
 @pytest.mark.parametrize("align", ["moe_align_torch", pytest.param("moe_align", marks=needs_triton)])
@@ -264,3 +265,17 @@ def test_bench_moe_dry_run(tmp_path, capsys):
     assert out.count("| tiny |") == 2
     rows = __import__("json").loads((tmp_path / "bench_moe.json").read_text())["rows"]
     assert [r["T"] for r in rows] == [1, 3] and all(r["relerr"] < 1e-2 for r in rows)
+
+
+def test_tuner_descends_to_the_fastest_tiles(monkeypatch):
+    # The GPU tuner's search, with a made-up cost in place of timing: it must reach the optimum.
+    from fastawq.triton_kernels import moe as tmoe
+
+    def cost(cfg, args):
+        return (abs(cfg.w13.block_n - 32) + abs(cfg.w2.block_n - 128) + 10 * (cfg.w2.num_stages != 4)
+                + abs(cfg.block_m - 64) + (cfg.w13.block_k != 64))
+
+    monkeypatch.setattr(tmoe, "_time", cost)
+    base = tmoe.MoeConfig(32, False, tmoe.KernelConfig(64, 128), tmoe.KernelConfig(64, 128))
+    best = tmoe._tune("key", base, None)
+    assert (best.w13.block_n, best.w13.block_k, best.w2.block_n, best.w2.num_stages, best.block_m) == (32, 64, 128, 4, 64)

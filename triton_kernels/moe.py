@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -215,19 +215,26 @@ def moe_align_kernel(
 
 
 @dataclass(frozen=True)
-class MoeConfig:
-    block_m: int  # rows per block; sorted mode only (one assignment per block otherwise)
-    naive: bool  # one assignment per block, no sort
-    bn13: int
-    bk13: int
-    bn2: int
-    bk2: int
+class KernelConfig:
+    block_n: int
+    block_k: int
     num_warps: int = 4
     num_stages: int = 3
 
     def label(self) -> str:
+        return f"n{self.block_n}k{self.block_k}w{self.num_warps}p{self.num_stages}"
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    block_m: int  # rows per block; sorted mode only (one assignment per block otherwise)
+    naive: bool  # one assignment per block, no sort
+    w13: KernelConfig
+    w2: KernelConfig
+
+    def label(self) -> str:
         mode = "naive" if self.naive else f"m{self.block_m}"
-        return f"{mode} w13 n{self.bn13}k{self.bk13} w2 n{self.bn2}k{self.bk2} w{self.num_warps}p{self.num_stages}"
+        return f"{mode} w13 {self.w13.label()} w2 {self.w2.label()}"
 
 
 def _interpreting() -> bool:
@@ -304,26 +311,24 @@ def heuristic_config(t: int, topk: int, e: int, h: int, i: int, g13: int, g2: in
     blocks = n if naive else max_blocks_for(n, e, bm)
     interp = _interpreting()
 
-    def bn_for(cols: int) -> int:
+    def kernel(cols: int, g: int, k: int) -> KernelConfig:
         # Memory-bound at small M: enough programs to cover the SMs twice beats wide tiles, down to
         # 64 columns (32 bytes of packed weights per row, one DRAM sector); the tuner may go below.
         if interp:  # fewest programs: the interpreter's cost is per program and per op
-            return min(128, triton.next_power_of_2(cols))
-        return 128 if blocks * triton.cdiv(cols, 128) >= 2 * sms else 64
+            return KernelConfig(min(128, triton.next_power_of_2(cols)), _block_k(g, k), 4, 1)
+        bn = 128 if blocks * triton.cdiv(cols, 128) >= 2 * sms else 64
+        big = bm >= 64 and bn == 128  # two [64, 128] fp32 accumulators in w13: spread over 8 warps
+        return KernelConfig(bn, _block_k(g, k, 64 if bm >= 64 else 128), 8 if big else 4, 3)
 
-    bkmax = 64 if bm >= 64 else 128
-    return MoeConfig(bm, naive, bn_for(i), _block_k(g13, h, bkmax), bn_for(h), _block_k(g2, i, bkmax),
-                     num_warps=4, num_stages=1 if interp else 3)
+    return MoeConfig(bm, naive, kernel(i, g13, h), kernel(h, g2, i))
 
 
-def candidate_configs(t: int, topk: int, e: int, h: int, i: int, g13: int, g2: int, sms: int) -> list[MoeConfig]:
-    base = heuristic_config(t, topk, e, h, i, g13, g2, sms)
+def _variants(base: KernelConfig, bm: int) -> list[KernelConfig]:
     out = [base]
     for bn in (32, 64, 128):
         for stages in (3, 4):
-            out.append(MoeConfig(base.block_m, base.naive, bn, base.bk13, bn, base.bk2, 4, stages))
-    if not base.naive and base.block_m > 16:
-        out.append(MoeConfig(base.block_m // 2, False, base.bn13, base.bk13, base.bn2, base.bk2, 4, 3))
+            for warps in (4, 8) if bm >= 64 else (4,):
+                out.append(KernelConfig(bn, base.block_k, warps, stages))
     return list(dict.fromkeys(out))
 
 
@@ -342,18 +347,18 @@ def _launch(cfg: MoeConfig, x, topk_ids, topk_weights, w13, w2, g13, g2, act):
         blocks = bexp.numel()
     hbuf = torch.empty((n, i), dtype=x.dtype, device=x.device)
     interp = _interpreting()
-    moe_w13_kernel[(blocks, triton.cdiv(i, cfg.bn13))](
+    moe_w13_kernel[(blocks, triton.cdiv(i, cfg.w13.block_n))](
         x, ids, sorted_ids, bexp, *w13, hbuf,
         n, e, h, i, g13, topk, x.stride(0),
-        ACT=ACTS[act], NAIVE=cfg.naive, BLOCK_M=bm, BLOCK_N=cfg.bn13, BLOCK_K=cfg.bk13, INTERPRET=interp,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ACT=ACTS[act], NAIVE=cfg.naive, BLOCK_M=bm, BLOCK_N=cfg.w13.block_n, BLOCK_K=cfg.w13.block_k,
+        INTERPRET=interp, num_warps=cfg.w13.num_warps, num_stages=cfg.w13.num_stages,
     )
     out = torch.empty((n, h), dtype=x.dtype, device=x.device)
-    moe_w2_kernel[(blocks, triton.cdiv(h, cfg.bn2))](
+    moe_w2_kernel[(blocks, triton.cdiv(h, cfg.w2.block_n))](
         hbuf, ids, sorted_ids, bexp, topk_weights.reshape(-1), *w2, out,
         n, e, h, i, g2,
-        NAIVE=cfg.naive, BLOCK_M=bm, BLOCK_N=cfg.bn2, BLOCK_K=cfg.bk2, INTERPRET=interp,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        NAIVE=cfg.naive, BLOCK_M=bm, BLOCK_N=cfg.w2.block_n, BLOCK_K=cfg.w2.block_k, INTERPRET=interp,
+        num_warps=cfg.w2.num_warps, num_stages=cfg.w2.num_stages,
     )
     if topk == 1:
         return out
@@ -363,18 +368,33 @@ def _launch(cfg: MoeConfig, x, topk_ids, topk_weights, w13, w2, g13, g2, act):
 _TUNED: dict[tuple, MoeConfig] = {}
 
 
-def _tune(key, candidates, args) -> MoeConfig:
-    best, best_ms = None, float("inf")
-    for cfg in candidates:
-        try:
-            ms = triton.testing.do_bench(lambda: _launch(cfg, *args), warmup=2, rep=10, return_mode="median")
-        except Exception as err:  # a config the compiler rejects on this GPU (e.g. shared memory)
-            logger.debug("moe config %s failed: %s", cfg, err)
-            continue
-        if ms < best_ms:
-            best, best_ms = cfg, ms
-    if best is not None:
-        logger.info("moe_w4 %s -> %s (%.1f us)", key, best.label(), best_ms * 1e3)
+def _time(cfg: MoeConfig, args) -> float:
+    try:
+        return triton.testing.do_bench(lambda: _launch(cfg, *args), warmup=2, rep=10, return_mode="median")
+    except Exception as err:  # a config the compiler rejects on this GPU (e.g. shared memory)
+        logger.debug("moe config %s failed: %s", cfg.label(), err)
+        return float("inf")
+
+
+def _tune(key, base: MoeConfig, args) -> MoeConfig:
+    """Coordinate descent from the heuristic: the w13 tile, then the w2 tile, then the block rows
+    (about 16 timings, 30 with 64-row blocks, where the full product would be hundreds)."""
+    best, best_ms = base, _time(base, args)
+    for field in ("w13", "w2"):
+        for kc in _variants(getattr(best, field), best.block_m):
+            cfg = replace(best, **{field: kc})
+            if cfg != best and (ms := _time(cfg, args)) < best_ms:
+                best, best_ms = cfg, ms
+        kc = getattr(best, field)
+        if kc.block_k > 32:  # shorter K steps: more loads in flight per stage of smem
+            cfg = replace(best, **{field: replace(kc, block_k=kc.block_k // 2)})
+            if (ms := _time(cfg, args)) < best_ms:
+                best, best_ms = cfg, ms
+    if not best.naive:
+        for bm in (best.block_m // 2, best.block_m * 2):
+            if 16 <= bm <= 64 and (ms := _time(replace(best, block_m=bm), args)) < best_ms:
+                best, best_ms = replace(best, block_m=bm), ms
+    logger.info("moe_w4 %s -> %s (%.1f us)", key, best.label(), best_ms * 1e3)
     return best
 
 
@@ -386,15 +406,13 @@ def choose_config(x, topk_ids, w13, w2, g13: int, g2: int, args) -> MoeConfig:
         return heuristic_config(t, topk, e, h, i, g13, g2, sms=4)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     bucket = 1 << max(0, (t - 1).bit_length())
-    # t == 1 gets its own key: the heuristic's mode flips there.
-    key = (x.device, t if t == 1 else bucket, topk, e, h, i, g13, g2, x.dtype)
+    key = (x.device, bucket, topk, e, h, i, g13, g2, x.dtype, use_naive(t, topk, e))
     cfg = _TUNED.get(key)
-    if cfg is not None and cfg.naive == use_naive(t, topk, e):
+    if cfg is not None:
         return cfg
     if os.environ.get("FASTAWQ_TRITON_TUNE", "1") == "0" or torch.cuda.is_current_stream_capturing():
         return heuristic_config(t, topk, e, h, i, g13, g2, sms)
-    cfg = _tune(key, candidate_configs(t, topk, e, h, i, g13, g2, sms), args)
-    _TUNED[key] = cfg or heuristic_config(t, topk, e, h, i, g13, g2, sms)
+    _TUNED[key] = _tune(key, heuristic_config(t, topk, e, h, i, g13, g2, sms), args)
     return _TUNED[key]
 
 
