@@ -126,9 +126,25 @@ def test_block_modes_and_tiles_agree_with_reference():
     x = random_input((t, h), DEVICE, torch.float16, seed=13)
     ids, w = routing("random", t, e, k, seed=14)
     base = tmoe.heuristic_config(t, k, e, h, i, g, g, sms=4)
-    narrow = tmoe.KernelConfig(64, 16, 4, 3)
-    for naive, bm, w13, w2 in ((True, 16, base.w13, narrow), (False, 16, narrow, base.w2), (False, 32, base.w13, base.w2)):
+    narrow, split = tmoe.KernelConfig(64, 16, 4, 3), tmoe.KernelConfig(32, 16, 4, 3, split_k=3)
+    for naive, bm, w13, w2 in ((True, 16, base.w13, narrow), (False, 16, narrow, base.w2),
+                               (False, 32, base.w13, base.w2), (True, 16, base.w13, split), (False, 16, narrow, split)):
         check(tmoe.moe_w4(x, ids, w, *weights, g, config=tmoe.MoeConfig(bm, naive, w13, w2)), x, ids, w, weights, g)
+
+
+@needs_triton
+def test_split_k_adds_rows_of_one_token_in_one_block():
+    # With k = 3 and repeated experts, one block holds two rows of the same token: their atomic
+    # adds hit the same addresses in one instruction.
+    from fastawq.triton_kernels import moe as tmoe
+
+    e, h, i, g, k, t = 6, 64, 64, 32, 3, 5
+    weights = random_moe(e, h, i, g, seed=15)
+    x = random_input((t, h), DEVICE, torch.float16, seed=16)
+    ids, w = routing("few_experts", t, e, k, seed=17)
+    base = tmoe.heuristic_config(t, k, e, h, i, g, g, sms=4)
+    cfg = tmoe.MoeConfig(16, False, base.w13, tmoe.KernelConfig(64, 16, 4, 3, split_k=2))
+    check(tmoe.moe_w4(x, ids, w, *weights, g, config=cfg), x, ids, w, weights, g)
 
 
 @pytest.mark.parametrize("align", ["moe_align_torch", pytest.param("moe_align", marks=needs_triton)])

@@ -129,17 +129,20 @@ def moe_w13_kernel(
 @triton.jit
 def moe_w2_kernel(
     h_ptr, ids_ptr, sorted_ptr, bexp_ptr, tw_ptr, qw_ptr, s_ptr, qz_ptr, out_ptr,
-    n_assign, E, H, I, G,
+    n_assign, E, H, I, G, TOPK, split_k,
     NAIVE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ATOMIC: tl.constexpr,
     INTERPRET: tl.constexpr = False,
 ):
     # h [T * k, I] · w2 qweight [E, I, H // 8] · scales [E, I // G, H] · qzeros [E, I // G, H // 8]
-    # -> out [T * k, H] = topk_weight * (h w2) for each row's expert
+    # -> out [T * k, H] = topk_weight * (h w2) for each row's expert, or with ATOMIC, added into
+    # a zeroed fp32 out [T, H] (the sum over k done here, and K split over program_id(2)).
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     expert, flat, valid = _block_rows(pid_b, ids_ptr, sorted_ptr, bexp_ptr, n_assign, BLOCK_M, NAIVE)
     if expert >= E:
         return
@@ -153,7 +156,7 @@ def moe_w2_kernel(
     qz = qz_ptr + expert * (I // G) * n8
     sc = s_ptr + expert * (I // G) * H
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
+    for k0 in range(pid_k * BLOCK_K, I, split_k * BLOCK_K):
         a = tl.load(h_ptr + flat[:, None] * I + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
         words = tl.load(qw + (k0 + offs_k)[:, None] * n8 + offs_w[None, :], mask=mask_w[None, :], other=0)
         g = k0 // G
@@ -164,8 +167,13 @@ def moe_w2_kernel(
         acc = tl.dot(a, _dequant_tile(words, zw, s, a, BLOCK_N, INTERPRET), acc)
     w = tl.load(tw_ptr + flat, mask=valid, other=0.0).to(tl.float32)
     acc = acc * w[:, None]
-    tl.store(out_ptr + flat[:, None] * H + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=valid[:, None] & mask_n[None, :])
+    if ATOMIC:
+        # Few programs would otherwise stream a long K each (Mixtral decode: I = 14336).
+        tl.atomic_add(out_ptr + (flat // TOPK)[:, None] * H + offs_n[None, :], acc,
+                      mask=valid[:, None] & mask_n[None, :], sem="relaxed")
+    else:
+        tl.store(out_ptr + flat[:, None] * H + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=valid[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -220,9 +228,11 @@ class KernelConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1  # w2 only: > 1 adds fp32 partials atomically into the output
 
     def label(self) -> str:
-        return f"n{self.block_n}k{self.block_k}w{self.num_warps}p{self.num_stages}"
+        split = f"s{self.split_k}" if self.split_k > 1 else ""
+        return f"n{self.block_n}k{self.block_k}w{self.num_warps}p{self.num_stages}{split}"
 
 
 @dataclass(frozen=True)
@@ -311,16 +321,21 @@ def heuristic_config(t: int, topk: int, e: int, h: int, i: int, g13: int, g2: in
     blocks = n if naive else max_blocks_for(n, e, bm)
     interp = _interpreting()
 
-    def kernel(cols: int, g: int, k: int) -> KernelConfig:
+    def kernel(cols: int, g: int, k: int, splittable: bool = False) -> KernelConfig:
         # Memory-bound at small M: enough programs to cover the SMs twice beats wide tiles, down to
         # 64 columns (32 bytes of packed weights per row, one DRAM sector); the tuner may go below.
         if interp:  # fewest programs: the interpreter's cost is per program and per op
             return KernelConfig(min(128, triton.next_power_of_2(cols)), _block_k(g, k), 4, 1)
         bn = 128 if blocks * triton.cdiv(cols, 128) >= 2 * sms else 64
         big = bm >= 64 and bn == 128  # two [64, 128] fp32 accumulators in w13: spread over 8 warps
-        return KernelConfig(bn, _block_k(g, k, 64 if bm >= 64 else 128), 8 if big else 4, 3)
+        bk = _block_k(g, k, 64 if bm >= 64 else 128)
+        programs, split = blocks * triton.cdiv(cols, bn), 1
+        # Split K until the programs cover the SMs twice, each split keeping 4+ K tiles.
+        while splittable and programs * split < 2 * sms and k // (bk * split * 2) >= 4:
+            split *= 2
+        return KernelConfig(bn, bk, 8 if big else 4, 3, split)
 
-    return MoeConfig(bm, naive, kernel(i, g13, h), kernel(h, g2, i))
+    return MoeConfig(bm, naive, kernel(i, g13, h), kernel(h, g2, i, splittable=True))
 
 
 def _variants(base: KernelConfig, bm: int) -> list[KernelConfig]:
@@ -328,7 +343,7 @@ def _variants(base: KernelConfig, bm: int) -> list[KernelConfig]:
     for bn in (32, 64, 128):
         for stages in (3, 4):
             for warps in (4, 8) if bm >= 64 else (4,):
-                out.append(KernelConfig(bn, base.block_k, warps, stages))
+                out.append(KernelConfig(bn, base.block_k, warps, stages, base.split_k))
     return list(dict.fromkeys(out))
 
 
@@ -353,13 +368,19 @@ def _launch(cfg: MoeConfig, x, topk_ids, topk_weights, w13, w2, g13, g2, act):
         ACT=ACTS[act], NAIVE=cfg.naive, BLOCK_M=bm, BLOCK_N=cfg.w13.block_n, BLOCK_K=cfg.w13.block_k,
         INTERPRET=interp, num_warps=cfg.w13.num_warps, num_stages=cfg.w13.num_stages,
     )
-    out = torch.empty((n, h), dtype=x.dtype, device=x.device)
-    moe_w2_kernel[(blocks, triton.cdiv(h, cfg.w2.block_n))](
+    split = cfg.w2.split_k
+    if split > 1:
+        out = torch.zeros((t, h), dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty((n, h), dtype=x.dtype, device=x.device)
+    moe_w2_kernel[(blocks, triton.cdiv(h, cfg.w2.block_n), split)](
         hbuf, ids, sorted_ids, bexp, topk_weights.reshape(-1), *w2, out,
-        n, e, h, i, g2,
-        NAIVE=cfg.naive, BLOCK_M=bm, BLOCK_N=cfg.w2.block_n, BLOCK_K=cfg.w2.block_k, INTERPRET=interp,
-        num_warps=cfg.w2.num_warps, num_stages=cfg.w2.num_stages,
+        n, e, h, i, g2, topk, split,
+        NAIVE=cfg.naive, BLOCK_M=bm, BLOCK_N=cfg.w2.block_n, BLOCK_K=cfg.w2.block_k, ATOMIC=split > 1,
+        INTERPRET=interp, num_warps=cfg.w2.num_warps, num_stages=cfg.w2.num_stages,
     )
+    if split > 1:
+        return out.to(x.dtype)
     if topk == 1:
         return out
     return out.view(t, topk, h).sum(dim=1)
@@ -377,8 +398,8 @@ def _time(cfg: MoeConfig, args) -> float:
 
 
 def _tune(key, base: MoeConfig, args) -> MoeConfig:
-    """Coordinate descent from the heuristic: the w13 tile, then the w2 tile, then the block rows
-    (about 16 timings, 30 with 64-row blocks, where the full product would be hundreds)."""
+    """Coordinate descent from the heuristic: the w13 tile, the w2 tile, w2's K split, then the
+    block rows (about 20 timings, 35 with 64-row blocks, where the full product would be hundreds)."""
     best, best_ms = base, _time(base, args)
     for field in ("w13", "w2"):
         for kc in _variants(getattr(best, field), best.block_m):
@@ -390,6 +411,10 @@ def _tune(key, base: MoeConfig, args) -> MoeConfig:
             cfg = replace(best, **{field: replace(kc, block_k=kc.block_k // 2)})
             if (ms := _time(cfg, args)) < best_ms:
                 best, best_ms = cfg, ms
+    kc = best.w2
+    for split in (1, 2, 4, 8):
+        if split != kc.split_k and (ms := _time(replace(best, w2=replace(kc, split_k=split)), args)) < best_ms:
+            best, best_ms = replace(best, w2=replace(kc, split_k=split)), ms
     if not best.naive:
         for bm in (best.block_m // 2, best.block_m * 2):
             if 16 <= bm <= 64 and (ms := _time(replace(best, block_m=bm), args)) < best_ms:
