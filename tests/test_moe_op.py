@@ -295,3 +295,23 @@ def test_tuner_descends_to_the_fastest_tiles(monkeypatch):
     base = tmoe.MoeConfig(32, False, tmoe.KernelConfig(64, 128), tmoe.KernelConfig(64, 128))
     best = tmoe._tune("key", base, None)
     assert (best.w13.block_n, best.w13.block_k, best.w2.block_n, best.w2.num_stages, best.block_m) == (32, 64, 128, 4, 64)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scoring,renorm,bias,e,k", [("softmax", True, False, 8, 2), ("softmax", False, False, 60, 8),
+                                                      ("sigmoid", True, True, 16, 4), ("sigmoid", False, True, 128, 8)])
+def test_topk_route_op_matches_reference(backend, scoring, renorm, bias, e, k, poisoned_empty):
+    logits = random_input((9, e), DEVICE, torch.float16, seed=e + k)
+    corr = random_input((e,), DEVICE, torch.float32, seed=5) * 0.1 if bias else None
+    w, ids = ops_moe.topk_route(logits, k, renorm, scoring, correction_bias=corr, scale=1.5, backend=backend)
+    ew, eids = reference.topk_route(logits, k, renorm, scoring, correction_bias=corr, scale=1.5)
+    assert ids.dtype == torch.int64 and torch.equal(ids, eids)
+    torch.testing.assert_close(w, ew, rtol=1e-5, atol=1e-6)
+
+
+def test_topk_route_group_limit_stays_in_torch():
+    logits = random_input((3, 16), "cpu", torch.float32, seed=6)
+    with pytest.raises(BackendUnavailableError, match="group-limited"):
+        ops_moe.topk_route(logits, 2, scoring="sigmoid", num_groups=4, topk_groups=2, backend="triton")
+    w, ids = ops_moe.topk_route(logits, 2, scoring="sigmoid", num_groups=4, topk_groups=2)
+    assert torch.equal(ids, reference.topk_route(logits, 2, scoring="sigmoid", num_groups=4, topk_groups=2)[1])

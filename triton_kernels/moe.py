@@ -219,6 +219,47 @@ def moe_align_kernel(
         running += tl.sum(hit, axis=0)
 
 
+@triton.jit
+def topk_route_kernel(
+    logits_ptr, bias_ptr, w_ptr, ids_ptr,
+    E, stride_l, scale,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RENORM: tl.constexpr,
+):
+    # router_logits [T, E] -> topk_weights [T, K] fp32 · topk_ids [T, K]; one program per token.
+    # Routing in torch is four or five kernels (softmax, topk, sum, divide) per layer per step.
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_PAD)
+    mask = offs < E
+    x = tl.load(logits_ptr + row * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    if SOFTMAX:
+        p = tl.exp(x - tl.max(x, axis=0))
+        p = p / tl.sum(p, axis=0)
+    else:
+        p = tl.sigmoid(x)
+    choice = p
+    if HAS_BIAS:  # the bias only chooses; the weights stay the unbiased scores
+        choice += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    choice = tl.where(mask, choice, float("-inf"))
+    ks = tl.arange(0, K_PAD)
+    wv = tl.zeros((K_PAD,), dtype=tl.float32)
+    iv = tl.zeros((K_PAD,), dtype=tl.int32)
+    for j in tl.static_range(K):
+        best = tl.max(choice, axis=0)
+        idx = tl.min(tl.where(choice == best, offs, E_PAD), axis=0)  # the lowest index among ties
+        wv = tl.where(ks == j, tl.sum(tl.where(offs == idx, p, 0.0), axis=0), wv)
+        iv = tl.where(ks == j, idx, iv)
+        choice = tl.where(offs == idx, float("-inf"), choice)
+    if RENORM:
+        wv = wv / tl.maximum(tl.sum(wv, axis=0), 1e-20)
+    tl.store(w_ptr + row * K + ks, wv * scale, mask=ks < K)
+    tl.store(ids_ptr + row * K + ks, iv, mask=ks < K)
+
+
 # --- launch ---
 
 
@@ -472,4 +513,33 @@ def moe_w4_fits(h: int, i: int, group_size: int, act: str) -> str | None:
         return f"group_size={group_size}, H={h} and I={i} must be multiples of 16 for the Triton MoE kernels"
     if act not in ACTS:
         return f"no Triton activation {act!r}; choose one of {tuple(ACTS)}"
+    return None
+
+
+# router_logits [T, E]  ->  topk_weights [T, k] fp32 · topk_ids [T, k] int64
+def topk_route(router_logits, k: int, renormalize: bool = True, scoring: str = "softmax", *,
+               correction_bias=None, scale: float = 1.0):
+    t, e = router_logits.shape
+    if router_logits.stride(-1) != 1:
+        router_logits = router_logits.contiguous()
+    weights = torch.empty((t, k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((t, k), dtype=torch.int64, device=router_logits.device)
+    if t == 0:
+        return weights, ids
+    bias = correction_bias.contiguous() if correction_bias is not None else weights
+    topk_route_kernel[(t,)](
+        router_logits, bias, weights, ids, e, router_logits.stride(0), float(scale),
+        K=k, K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(e), SOFTMAX=scoring == "softmax",
+        HAS_BIAS=correction_bias is not None, RENORM=renormalize, num_warps=4 if e <= 256 else 8,
+    )
+    return weights, ids
+
+
+def topk_route_fits(e: int, num_groups: int, scoring: str) -> str | None:
+    if num_groups > 1:
+        return "group-limited routing (num_groups > 1) has no Triton kernel"
+    if scoring not in ("softmax", "sigmoid"):
+        return f"scoring {scoring!r} has no Triton kernel"
+    if e > 4096:
+        return f"{e} experts exceed the one-program Triton router (4096)"
     return None

@@ -154,6 +154,44 @@ def moe_w4_torch(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros,
     return out.to(x.dtype)
 
 
+# router_logits [T, E]  ->  topk_weights [T, k] fp32 · topk_ids [T, k] int64
+def topk_route(
+    router_logits: torch.Tensor,
+    k: int,
+    renormalize: bool = True,
+    scoring: str = "softmax",
+    *,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    correction_bias: torch.Tensor | None = None,
+    scale: float = 1.0,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.topk_route (softmax or sigmoid scores, optional bias and group limit), in one
+    Triton launch on GPUs where there is no group limit."""
+    if router_logits.dim() != 2 or not router_logits.is_floating_point():
+        raise ValueError(f"router_logits must be a 2-D float tensor [T, E], got {router_logits.dtype} "
+                         f"{tuple(router_logits.shape)}")
+    e = router_logits.shape[1]
+    if not 1 <= k <= e:
+        raise ValueError(f"k={k} must lie in [1, {e}] for router_logits {tuple(router_logits.shape)}")
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+    if correction_bias is not None and tuple(correction_bias.shape) != (e,):
+        raise ValueError(f"correction_bias {tuple(correction_bias.shape)} must be [E={e}]")
+
+    def fits(b: str) -> str | None:
+        return _triton().topk_route_fits(e, num_groups, scoring) if b == "triton" else None
+
+    be = select_backend("topk_route", router_logits.device, backend=backend, shapes_ok=fits,
+                        m=router_logits.shape[0])
+    if be == "triton":
+        return _triton().topk_route(router_logits, k, renormalize, scoring, correction_bias=correction_bias,
+                                    scale=scale)
+    return reference.topk_route(router_logits, k, renormalize, scoring, num_groups=num_groups,
+                                topk_groups=topk_groups, correction_bias=correction_bias, scale=scale)
+
+
 @torch.library.custom_op("fastawq::moe_w4", mutates_args=())
 def _moe_w4_op(
     x: torch.Tensor,
