@@ -4,11 +4,13 @@ Rows are (token, slot) assignments, flat index f = t * k + j. Each program owns 
 share one expert and a tile of output columns, so an expert's weight tile is read once per block
 instead of once per token. Two ways to form blocks:
 - sorted (prefill, batched decode): assignments sorted by expert into per-expert blocks padded to
-  BLOCK_M (moe_align, torch ops of fixed size: no host sync, so it captures in a CUDA graph);
+  BLOCK_M (moe_align: one Triton program, or torch ops for large batches; sizes fixed by T, k and
+  E, no host sync, so it captures in a CUDA graph);
 - one assignment per block (decode with few assignments per expert): no sort at all, and each
   block reads one expert's weights, exactly what the assignment needs.
 w13 computes gate and up tiles side by side and writes act(gate) * up; w2 scales each row by its
-routing weight and writes it at its flat index; the k rows of a token are then summed.
+routing weight and writes it at its flat index, then the k rows of a token are summed; or, where
+few programs would each stream a long K, w2 splits K and adds into an fp32 [T, H] atomically.
 """
 from __future__ import annotations
 
