@@ -315,3 +315,25 @@ def test_topk_route_group_limit_stays_in_torch():
         ops_moe.topk_route(logits, 2, scoring="sigmoid", num_groups=4, topk_groups=2, backend="triton")
     w, ids = ops_moe.topk_route(logits, 2, scoring="sigmoid", num_groups=4, topk_groups=2)
     assert torch.equal(ids, reference.topk_route(logits, 2, scoring="sigmoid", num_groups=4, topk_groups=2)[1])
+
+
+@requires_cuda
+@pytest.mark.parametrize("t", [1, 16, 200])
+def test_every_tuning_candidate_is_correct(t):
+    # The tuner may pick any variant it times (tiles, warps, stages, K splits, block rows).
+    from dataclasses import replace
+
+    from fastawq.triton_kernels import moe as tmoe
+
+    e, h, i, g, k = 8, 1024, 4096, 128, 2
+    weights = random_moe(e, h, i, g, seed=60)
+    x = random_input((t, h), "cuda", torch.float16, seed=61)
+    ids, w = routing("random", t, e, k, seed=62)
+    base = tmoe.heuristic_config(t, k, e, h, i, g, g, torch.cuda.get_device_properties(0).multi_processor_count)
+    configs = [base]
+    configs += [replace(base, w13=kc) for kc in tmoe._variants(base.w13, base.block_m)]
+    configs += [replace(base, w2=kc) for kc in tmoe._variants(base.w2, base.block_m)]
+    configs += [replace(base, w2=replace(base.w2, split_k=s)) for s in (1, 2, 4, 8)]
+    configs += [replace(base, block_m=bm) for bm in (16, 32, 64) if not base.naive]
+    for cfg in dict.fromkeys(configs):
+        check(tmoe.moe_w4(x, ids, w, *weights, g, config=cfg), x, ids, w, weights, g)
