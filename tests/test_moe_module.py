@@ -55,6 +55,8 @@ def test_forward_is_the_sum_of_the_routed_experts():
                 * reference.awq_gemm(xt, up.qweight, up.scales.float(), up.qzeros, G)
             expect[t] += weights[t, j] * reference.awq_gemm(h, down.qweight, down.scales.float(), down.qzeros, G)[0]
     torch.testing.assert_close(out.float(), expect, rtol=2e-2, atol=2e-2 * expect.abs().max().item())
+    batched = mod(x[:4].reshape(2, 2, H), ids[:4].reshape(2, 2, 2), weights[:4].reshape(2, 2, 2))
+    torch.testing.assert_close(batched.reshape(4, H), out[:4], rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("names", [("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")])

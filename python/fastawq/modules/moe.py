@@ -64,13 +64,15 @@ class WQExperts(nn.Module):
         self.register_buffer("w2_qzeros", torch.zeros(e, i // g2, h // 8, **i32))
         self._register_state_dict_hook(_per_expert_state_dict)
 
-    # hidden_states [T, H] · topk_ids [T, k] int · topk_weights [T, k]  ->  [T, H]
+    # hidden_states [..., H] · topk_ids [..., k] int · topk_weights [..., k]  ->  [..., H]
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return ops_moe.moe_w4(
-            hidden_states, topk_ids, topk_weights,
+        k = topk_ids.shape[-1]
+        out = ops_moe.moe_w4(
+            hidden_states.reshape(-1, self.hidden_size), topk_ids.reshape(-1, k), topk_weights.reshape(-1, k),
             self.w13_qweight, self.w13_scales, self.w13_qzeros, self.w2_qweight, self.w2_scales, self.w2_qzeros,
             self.group_size, self.act, backend=self.backend,
         )
+        return out.reshape(hidden_states.shape)
 
     @classmethod
     def from_experts(
