@@ -364,28 +364,31 @@ def heuristic_config(t: int, topk: int, e: int, h: int, i: int, g13: int, g2: in
     blocks = n if naive else max_blocks_for(n, e, bm)
     interp = _interpreting()
 
-    def kernel(cols: int, g: int, k: int, splittable: bool = False) -> KernelConfig:
+    def kernel(cols: int, g: int, k: int, w2: bool) -> KernelConfig:
         # Memory-bound at small M: enough programs to cover the SMs twice beats wide tiles, down to
         # 64 columns (32 bytes of packed weights per row, one DRAM sector); the tuner may go below.
         if interp:  # fewest programs: the interpreter's cost is per program and per op
             return KernelConfig(min(128, triton.next_power_of_2(cols)), _block_k(g, k), 4, 1)
         bn = 128 if blocks * triton.cdiv(cols, 128) >= 2 * sms else 64
-        big = bm >= 64 and bn == 128  # two [64, 128] fp32 accumulators in w13: spread over 8 warps
-        bk = _block_k(g, k, 64 if bm >= 64 else 128)
+        # Register budget (ptxas for sm_90, 3 stages): w13 dequantizes two [BK, BN] tiles per step;
+        # past 16 x 64 (w13) or 16 x 128 (w2) a 128-deep K step spills, and 32+ rows by 128
+        # columns spill on 4 warps.
+        bk = _block_k(g, k, 128 if bm == 16 and (bn == 64 or w2) else 64)
+        warps = 8 if bm >= 32 and bn == 128 else 4
         programs, split = blocks * triton.cdiv(cols, bn), 1
         # Split K until the programs cover the SMs twice, each split keeping 4+ K tiles.
-        while splittable and programs * split < 2 * sms and k // (bk * split * 2) >= 4:
+        while w2 and programs * split < 2 * sms and k // (bk * split * 2) >= 4:
             split *= 2
-        return KernelConfig(bn, bk, 8 if big else 4, 3, split)
+        return KernelConfig(bn, bk, warps, 3, split)
 
-    return MoeConfig(bm, naive, kernel(i, g13, h), kernel(h, g2, i, splittable=True))
+    return MoeConfig(bm, naive, kernel(i, g13, h, False), kernel(h, g2, i, True))
 
 
 def _variants(base: KernelConfig, bm: int) -> list[KernelConfig]:
     out = [base]
     for bn in (32, 64, 128):
         for stages in (3, 4):
-            for warps in (4, 8) if bm >= 64 else (4,):
+            for warps in (4, 8) if bm >= 32 else (4,):
                 out.append(KernelConfig(bn, base.block_k, warps, stages, base.split_k))
     return list(dict.fromkeys(out))
 
@@ -442,7 +445,7 @@ def _time(cfg: MoeConfig, args) -> float:
 
 def _tune(key, base: MoeConfig, args) -> MoeConfig:
     """Coordinate descent from the heuristic: the w13 tile, the w2 tile, w2's K split, then the
-    block rows (about 20 timings, 35 with 64-row blocks, where the full product would be hundreds)."""
+    block rows (about 20 timings, 35 with 32+ row blocks, where the full product would be hundreds)."""
     best, best_ms = base, _time(base, args)
     for field in ("w13", "w2"):
         for kc in _variants(getattr(best, field), best.block_m):
