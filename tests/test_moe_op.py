@@ -337,3 +337,54 @@ def test_every_tuning_candidate_is_correct(t):
     configs += [replace(base, block_m=bm) for bm in (16, 32, 64) if not base.naive]
     for cfg in dict.fromkeys(configs):
         check(tmoe.moe_w4(x, ids, w, *weights, g, config=cfg), x, ids, w, weights, g)
+
+
+def _compile_for_sm90(fn, sig: dict, constexprs: dict, **options):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import triton
+
+    sig = {**sig, **{name: "constexpr" for name in constexprs}}
+    return triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def compile_heuristic_kernels(t: int) -> None:
+    """Build the Qwen3-30B-A3B shape's MoE kernels for sm_90 with the configs the heuristic picks."""
+    from fastawq.triton_kernels import moe as tmoe
+
+    cfg = tmoe.heuristic_config(t, 8, 128, 2048, 768, 128, 128, sms=132)
+    ptrs = {"ids_ptr": "*i64", "sorted_ptr": "*i32", "bexp_ptr": "*i32", "qw_ptr": "*i32", "s_ptr": "*fp16",
+            "qz_ptr": "*i32"}
+    dims = {"E": "i32", "H": "i32", "I": "i32", "G": "i32", "TOPK": "i32"}
+    common = {"NAIVE": cfg.naive, "BLOCK_M": cfg.block_m, "INTERPRET": False}
+    _compile_for_sm90(
+        tmoe.moe_w13_kernel, {"x_ptr": "*fp16", **ptrs, "h_ptr": "*fp16", "n_assign": "i32", **dims, "stride_xm": "i32"},
+        {"ACT": 0, **common, "BLOCK_N": cfg.w13.block_n, "BLOCK_K": cfg.w13.block_k},
+        num_warps=cfg.w13.num_warps, num_stages=cfg.w13.num_stages)
+    _compile_for_sm90(
+        tmoe.moe_w2_kernel, {"h_ptr": "*fp16", "ids_ptr": "*i64", "sorted_ptr": "*i32", "bexp_ptr": "*i32",
+                             "tw_ptr": "*fp32", "qw_ptr": "*i32", "s_ptr": "*fp16", "qz_ptr": "*i32",
+                             "out_ptr": "*fp32" if cfg.w2.split_k > 1 else "*fp16", "n_assign": "i32", **dims,
+                             "split_k": "i32"},
+        {**common, "BLOCK_N": cfg.w2.block_n, "BLOCK_K": cfg.w2.block_k, "ATOMIC": cfg.w2.split_k > 1},
+        num_warps=cfg.w2.num_warps, num_stages=cfg.w2.num_stages)
+    if not cfg.naive:
+        _compile_for_sm90(tmoe.moe_align_kernel, {"ids_ptr": "*i64", "sorted_ptr": "*i32", "bexp_ptr": "*i32",
+                                                  "n": "i32", "E": "i32", "max_blocks": "i32"},
+                          {"BLOCK_M": cfg.block_m, "E_PAD": 128, "CHUNK": 64}, num_warps=8)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="on a GPU the kernels run for real")
+def test_heuristic_configs_compile_for_sm90():
+    # The interpreter accepts programs the GPU compiler rejects: build the kernels for an H100/H200
+    # ahead of time (Triton's bundled ptxas, no GPU needed), in a process that is not interpreting.
+    import pathlib
+    import subprocess
+    import sys
+
+    here = pathlib.Path(__file__).resolve().parent
+    code = f"import sys; sys.path.insert(0, {str(here)!r}); import test_moe_op as t; [t.compile_heuristic_kernels(n) for n in (1, 16, 256)]"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
