@@ -334,6 +334,8 @@ def test_every_tuning_candidate_is_correct(t):
     configs += [replace(base, w13=kc) for kc in tmoe._variants(base.w13, base.block_m)]
     configs += [replace(base, w2=kc) for kc in tmoe._variants(base.w2, base.block_m)]
     configs += [replace(base, w2=replace(base.w2, split_k=s)) for s in (1, 2, 4, 8)]
+    configs += [replace(base, w13=replace(base.w13, block_k=base.w13.block_k // 2, num_stages=4)),
+                replace(base, w2=replace(base.w2, block_k=base.w2.block_k // 2, num_stages=4))]
     configs += [replace(base, block_m=bm) for bm in (16, 32, 64) if not base.naive]
     for cfg in dict.fromkeys(configs):
         check(tmoe.moe_w4(x, ids, w, *weights, g, config=cfg), x, ids, w, weights, g)

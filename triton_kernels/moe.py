@@ -385,11 +385,11 @@ def heuristic_config(t: int, topk: int, e: int, h: int, i: int, g13: int, g2: in
 
 
 def _variants(base: KernelConfig, bm: int) -> list[KernelConfig]:
+    """Tile widths and warp counts around base (its K step, stages and split kept)."""
     out = [base]
     for bn in (32, 64, 128):
-        for stages in (3, 4):
-            for warps in (4, 8) if bm >= 32 else (4,):
-                out.append(KernelConfig(bn, base.block_k, warps, stages, base.split_k))
+        for warps in (4, 8) if bm >= 32 else (4,):
+            out.append(replace(base, block_n=bn, num_warps=warps))
     return list(dict.fromkeys(out))
 
 
@@ -445,17 +445,17 @@ def _time(cfg: MoeConfig, args) -> float:
 
 def _tune(key, base: MoeConfig, args) -> MoeConfig:
     """Coordinate descent from the heuristic: the w13 tile, the w2 tile, w2's K split, then the
-    block rows (about 20 timings, 35 with 32+ row blocks, where the full product would be hundreds)."""
+    block rows (13 timings, 21 with 32+ row blocks, where the full product would be hundreds)."""
     best, best_ms = base, _time(base, args)
     for field in ("w13", "w2"):
         for kc in _variants(getattr(best, field), best.block_m):
             cfg = replace(best, **{field: kc})
             if cfg != best and (ms := _time(cfg, args)) < best_ms:
                 best, best_ms = cfg, ms
-        kc = getattr(best, field)
-        if kc.block_k > 32:  # shorter K steps: more loads in flight per stage of smem
-            cfg = replace(best, **{field: replace(kc, block_k=kc.block_k // 2)})
-            if (ms := _time(cfg, args)) < best_ms:
+        # One more stage in flight, then shorter K steps (more loads per byte of smem).
+        for change in ({"num_stages": 4}, {"block_k": getattr(best, field).block_k // 2}):
+            cfg = replace(best, **{field: replace(getattr(best, field), **change)})
+            if getattr(cfg, field).block_k >= 32 and cfg != best and (ms := _time(cfg, args)) < best_ms:
                 best, best_ms = cfg, ms
     kc = best.w2
     for split in (1, 2, 4, 8):
