@@ -127,8 +127,8 @@ def test_block_modes_and_tiles_agree_with_reference():
     ids, w = routing("random", t, e, k, seed=14)
     base = tmoe.heuristic_config(t, k, e, h, i, g, g, sms=4)
     narrow, split = tmoe.KernelConfig(64, 16, 4, 3), tmoe.KernelConfig(32, 16, 4, 3, split_k=3)
-    for naive, bm, w13, w2 in ((True, 16, base.w13, narrow), (False, 16, narrow, base.w2),
-                               (False, 32, base.w13, base.w2), (True, 16, base.w13, split), (False, 16, narrow, split)):
+    for naive, bm, w13, w2 in ((True, 16, base.w13, narrow), (False, 32, base.w13, base.w2),
+                               (True, 16, base.w13, split), (False, 16, narrow, split)):
         check(tmoe.moe_w4(x, ids, w, *weights, g, config=tmoe.MoeConfig(bm, naive, w13, w2)), x, ids, w, weights, g)
 
 
