@@ -185,12 +185,16 @@ class WQExperts(nn.Module):
 
 
 def _per_expert_state_dict(module: WQExperts, state_dict, prefix, local_metadata):
-    """Replace the stacked buffers by per-expert views, in the checkpoint naming."""
+    """Replace the stacked buffers by per-expert views, in the checkpoint naming.
+
+    Views, not copies: a state_dict() taken only for names and shapes (as checkpoint loading
+    does) must not duplicate the experts. The gate and up views are strided (columns of w13), so
+    a saver calls .contiguous() on them, as checkpoint.py does for every tensor.
+    """
     for name in [f"{p}_{part}" for p in ("w13", "w2") for part in _PARTS]:
         state_dict.pop(prefix + name, None)
     for e in range(module.num_experts):
         for proj, parts in module.expert_tensors(e).items():
             for part, t in parts.items():
-                # A saved tensor must own contiguous storage (safetensors refuses shared views).
-                state_dict[f"{prefix}{e}.{proj}.{part}"] = t if t.is_contiguous() else t.contiguous()
+                state_dict[f"{prefix}{e}.{proj}.{part}"] = t
     return state_dict
