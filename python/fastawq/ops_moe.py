@@ -3,7 +3,8 @@
 moe_w4 runs the routed experts of a SwiGLU-style MoE layer on the AWQ GEMM layout stacked per
 expert (see reference.moe_w4): Triton on GPUs (a grouped GEMM, tokens sorted by expert), torch
 elsewhere (a loop over the experts that received tokens). It is registered as
-``torch.ops.fastawq.moe_w4`` with a fake impl, so it traces under torch.compile.
+``torch.ops.fastawq.moe_w4`` with a fake impl, so it traces under torch.compile. topk_route
+turns router logits into (topk_weights, topk_ids), in one Triton launch on GPUs.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def check_moe_shapes(w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales,
             raise TypeError(f"{k} must be fp16, bf16 or fp32, got {named[k].dtype}")
     e, h, i2 = w13_qweight.shape[0], w13_qweight.shape[1], w13_qweight.shape[2] * reference.PACK
     i = i2 // 2
-    if i2 % 2 or any(v.shape[0] != e for v in named.values()) or w2_qweight.shape[1:] != (i, h // reference.PACK) \
+    if any(v.shape[0] != e for v in named.values()) or w2_qweight.shape[1:] != (i, h // reference.PACK) \
             or h % reference.PACK:
         raise ValueError(f"inconsistent MoE weights (E={e}, H={h}, 2I={i2}): {shapes}")
     g13 = reference.resolve_group_size(group_size, h)
