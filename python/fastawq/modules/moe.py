@@ -62,7 +62,7 @@ class WQExperts(nn.Module):
         self.register_buffer("w2_qweight", torch.zeros(e, i, h // 8, **i32))
         self.register_buffer("w2_scales", torch.zeros(e, i // g2, h, dtype=dtype, device=device))
         self.register_buffer("w2_qzeros", torch.zeros(e, i // g2, h // 8, **i32))
-        self._register_state_dict_hook(_per_expert_state_dict)
+        self.register_state_dict_post_hook(_per_expert_state_dict)
 
     # hidden_states [..., H] · topk_ids [..., k] int · topk_weights [..., k]  ->  [..., H]
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -184,7 +184,7 @@ class WQExperts(nn.Module):
         )
 
 
-def _per_expert_state_dict(module: WQExperts, state_dict, prefix, local_metadata):
+def _per_expert_state_dict(module: WQExperts, state_dict, prefix, local_metadata) -> None:
     """Replace the stacked buffers by per-expert views, in the checkpoint naming.
 
     Views, not copies: a state_dict() taken only for names and shapes (as checkpoint loading
@@ -197,4 +197,3 @@ def _per_expert_state_dict(module: WQExperts, state_dict, prefix, local_metadata
         for proj, parts in module.expert_tensors(e).items():
             for part, t in parts.items():
                 state_dict[f"{prefix}{e}.{proj}.{part}"] = t
-    return state_dict
