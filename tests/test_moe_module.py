@@ -147,3 +147,19 @@ def test_compiles_to_one_graph_through_the_custom_op():
     weights, ids = reference.topk_route(random_input((5, E), "cpu", torch.float32, seed=12), 2)
     compiled = torch.compile(mod, backend="eager", fullgraph=True)
     assert torch.equal(compiled(x, ids, weights), mod(x, ids, weights))
+
+
+def test_plan_is_rebuilt_when_the_buffers_change():
+    # A cached plan must not keep serving weights that a load or an in-place edit replaced.
+    experts = random_experts(seed=13)
+    mod = WQExperts.from_experts(experts)
+    x = random_input((3, H), "cpu", torch.float16, seed=14)
+    ids, w = torch.tensor([[0, 1], [2, 3], [1, 2]]), torch.full((3, 2), 0.5)
+    first = mod(x, ids, w)
+    assert mod._plan.backend == "torch"
+    other = WQExperts.from_experts(random_experts(seed=15))
+    mod.load_state_dict(other.state_dict())
+    torch.testing.assert_close(mod(x, ids, w), other(x, ids, w), rtol=0, atol=0)
+    mod.w2_scales.mul_(2)
+    assert not torch.equal(mod(x, ids, w), other(x, ids, w))
+    assert not torch.equal(first, other(x, ids, w))

@@ -8,6 +8,8 @@ turns router logits into (topk_weights, topk_ids), in one Triton launch on GPUs.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from fastawq import reference
@@ -56,6 +58,16 @@ def check_moe_shapes(w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales,
     return e, h, i
 
 
+def _check_experts(inputs: tuple, weights: tuple, group_size: int, act: str) -> tuple[int, int, int]:
+    e, h, i = check_moe_shapes(*weights, group_size)
+    if act not in reference.MOE_ACTS:
+        raise ValueError(f"act must be one of {reference.MOE_ACTS}, got {act!r}")
+    devices = {t.device for t in (*inputs, *weights)}
+    if len(devices) > 1:
+        raise ValueError(f"all MoE tensors must be on one device, got {sorted(map(str, devices))}")
+    return e, h, i
+
+
 def _check_routing(x, topk_ids, topk_weights, h: int) -> None:
     if x.dim() != 2 or x.shape[1] != h:
         raise ValueError(f"hidden_states {tuple(x.shape)} must be [T, H={h}]")
@@ -93,22 +105,47 @@ def moe_w4(
     topk_ids must lie in [0, E): the GPU path does not check them, since checking would cost a
     host sync that breaks CUDA-graph capture.
     """
-    e, h, i = check_moe_shapes(w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros, group_size)
+    weights = (w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros)
+    e, h, i = _check_experts((x, topk_ids, topk_weights), weights, group_size, act)
     _check_routing(x, topk_ids, topk_weights, h)
-    if act not in reference.MOE_ACTS:
-        raise ValueError(f"act must be one of {reference.MOE_ACTS}, got {act!r}")
-    tensors = (x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros)
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        raise ValueError(f"all MoE tensors must be on one device, got {sorted(map(str, devices))}")
-
-    args = (*tensors, group_size, act)
+    args = (x, topk_ids, topk_weights, *weights, group_size, act)
     if torch.compiler.is_compiling():
         # The choice is made when the op runs: dispatch reads the environment and imports modules,
         # which the tracer would not follow.
         return torch.ops.fastawq.moe_w4(*args, backend or "")
     # Eagerly the op's dispatcher round trip costs more than a decode step's kernels: call direct.
     return _run(_select(x, h, i, group_size, act, backend), *args)
+
+
+def moe_w4_plan(
+    x: torch.Tensor,
+    w13_qweight: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w13_qzeros: torch.Tensor,
+    w2_qweight: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w2_qzeros: torch.Tensor,
+    group_size: int,
+    act: str = "silu",
+    *,
+    backend: str | None = None,
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Validate the experts once and bind the backend for activations like `x` (device, dtype).
+
+    The returned run(x, topk_ids, topk_weights) checks only the routing shapes: a module caches
+    it, so an eager decode step pays neither weight validation nor dispatch (about 0.1 ms a layer
+    on a slow CPU). Its `.backend` attribute names the backend chosen.
+    """
+    weights = (w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros)
+    e, h, i = _check_experts((x,), weights, group_size, act)
+    be = _select(x, h, i, group_size, act, backend)
+
+    def run(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        _check_routing(x, topk_ids, topk_weights, h)
+        return _run(be, x, topk_ids, topk_weights, *weights, group_size, act)
+
+    run.backend = be
+    return run
 
 
 def _select(x: torch.Tensor, h: int, i: int, group_size: int, act: str, backend: str | None) -> str:

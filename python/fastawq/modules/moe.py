@@ -55,6 +55,8 @@ class WQExperts(nn.Module):
         self.proj_names = tuple(proj_names)
         # Forces one backend (triton | torch); None lets dispatch decide.
         self.backend: str | None = None
+        self._plan = None
+        self._plan_key = None
         i32 = dict(dtype=torch.int32, device=device)
         self.register_buffer("w13_qweight", torch.zeros(e, h, 2 * i // 8, **i32))
         self.register_buffer("w13_scales", torch.zeros(e, h // g13, 2 * i, dtype=dtype, device=device))
@@ -67,12 +69,18 @@ class WQExperts(nn.Module):
     # hidden_states [..., H] · topk_ids [..., k] int · topk_weights [..., k]  ->  [..., H]
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         k = topk_ids.shape[-1]
-        out = ops_moe.moe_w4(
-            hidden_states.reshape(-1, self.hidden_size), topk_ids.reshape(-1, k), topk_weights.reshape(-1, k),
-            self.w13_qweight, self.w13_scales, self.w13_qzeros, self.w2_qweight, self.w2_scales, self.w2_qzeros,
-            self.group_size, self.act, backend=self.backend,
-        )
-        return out.reshape(hidden_states.shape)
+        x, ids, w = hidden_states.reshape(-1, self.hidden_size), topk_ids.reshape(-1, k), topk_weights.reshape(-1, k)
+        buffers = (self.w13_qweight, self.w13_scales, self.w13_qzeros, self.w2_qweight, self.w2_scales, self.w2_qzeros)
+        if torch.compiler.is_compiling():  # traced: the custom op, with dispatch inside it
+            out = ops_moe.moe_w4(x, ids, w, *buffers, self.group_size, self.act, backend=self.backend)
+            return out.reshape(hidden_states.shape)
+        # Validated and dispatched once per activation device/dtype and per identity and version of
+        # the buffers (a .to(), a load or an in-place edit makes a new plan), as WQLinear does.
+        key = (x.device, x.dtype, self.backend, *((t.data_ptr(), t._version) for t in buffers))
+        if self._plan_key != key:
+            self._plan = ops_moe.moe_w4_plan(x, *buffers, self.group_size, self.act, backend=self.backend)
+            self._plan_key = key
+        return self._plan(x, ids, w).reshape(hidden_states.shape)
 
     @classmethod
     def from_experts(
