@@ -167,7 +167,9 @@ def load_quantized(
 ) -> tuple[nn.Module, QuantConfig]:
     """Build the transformers model of `quant_dir` with WQLinear layers where the checkpoint has
     `<name>.qweight`, and load every tensor, checking names and shapes. Returns it on the CPU."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from fastawq.multimodal import auto_model_class
 
     try:
         from transformers.initialization import no_init_weights
@@ -203,7 +205,7 @@ def load_quantized(
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
     with no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=dtype)
+        model = auto_model_class(config).from_config(config, trust_remote_code=trust_remote_code, dtype=dtype)
     arch = architecture_of(model)
     _swap_modules(model, arch, tensors, d)
     _load_state(model, tensors, d)
