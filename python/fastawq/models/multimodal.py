@@ -29,7 +29,7 @@ def wrap_text_record(text: Architecture, name: str, model_types: tuple[str, ...]
             return path
         return f"{lm}.{path[len('model.'):]}"
 
-    blocker = text.fused_blocker or fused_blocker
+    blocker = "; ".join(b for b in (fused_blocker, text.fused_blocker) if b) or None
     return replace(
         text, name=name, model_types=model_types, groups=groups, layers_path=move(text.layers_path),
         embed_path=move(text.embed_path), final_norm_path=move(text.final_norm_path),
