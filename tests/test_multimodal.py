@@ -161,6 +161,28 @@ def test_generate_with_image(quantized):
     assert out[0, n] == ref[0, n]  # the first new token depends on the image features
 
 
+def test_checkpoint_in_transformers_saved_layout_loads(quantized, tmp_path):
+    """AutoAWQ and transformers' save_pretrained write the legacy names (language_model.model.layers.N,
+    Qwen2-VL's model.layers.N): the loader renames them to the model's own."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.core_model_loading import revert_weight_conversion
+
+    family, _, _, loaded, d = quantized
+    sd = load_file(str(d / "model.safetensors"))
+    legacy = revert_weight_conversion(loaded.model, dict(sd))
+    assert set(legacy) != set(sd)
+    for f in d.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    save_file({k: v.contiguous() for k, v in legacy.items()}, str(tmp_path / "model.safetensors"))
+    again = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu")
+    inputs = image_inputs(family, seed=5)
+    with torch.no_grad():
+        torch.testing.assert_close(again(**inputs).logits, loaded(**inputs).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_fused_engine_names_why_it_does_not_serve(quantized):
     from fastawq.modules.fused import fuse_model
 

@@ -169,7 +169,7 @@ def load_quantized(
     `<name>.qweight`, and load every tensor, checking names and shapes. Returns it on the CPU."""
     from transformers import AutoConfig
 
-    from fastawq.multimodal import auto_model_class
+    from fastawq.multimodal import auto_model_class, rename_checkpoint_keys
 
     try:
         from transformers.initialization import no_init_weights
@@ -207,6 +207,7 @@ def load_quantized(
     with no_init_weights():
         model = auto_model_class(config).from_config(config, trust_remote_code=trust_remote_code, dtype=dtype)
     arch = architecture_of(model)
+    tensors = rename_checkpoint_keys(model, tensors)  # vision-language checkpoints in the saved layout
     _swap_modules(model, arch, tensors, d)
     _load_state(model, tensors, d)
     model.eval()

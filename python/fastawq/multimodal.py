@@ -107,6 +107,51 @@ def load_processor(path: str | Path, trust_remote_code: bool = False) -> Any:
     return proc if getattr(proc, "image_processor", None) is not None else None
 
 
+class _Renamed:
+    """A safetensors handle read under a tensor's new name (the file keeps its old one)."""
+
+    def __init__(self, handle: Any, old: str):
+        self.handle, self.old = handle, old
+
+    def get_tensor(self, _name: str) -> torch.Tensor:
+        return self.handle.get_tensor(self.old)
+
+    def get_slice(self, _name: str) -> Any:
+        return self.handle.get_slice(self.old)
+
+
+def rename_checkpoint_keys(model: nn.Module, tensors: dict[str, tuple[Path, Any]]) -> dict[str, tuple[Path, Any]]:
+    """Checkpoint names in the layout transformers saves and AutoAWQ wrote (`language_model.model.layers.N`,
+    Qwen2-VL's `model.layers.N` beside `visual`) mapped to the model's own (`model.language_model.layers.N`),
+    with transformers' own renaming table for the model; names already in the new layout pass unchanged."""
+    if not is_multimodal(model.config):
+        return tensors
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:  # transformers 4.x: the legacy names are the model's own
+        return tensors
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    if not renamings:
+        return tensors
+    # Linears are still nn.Linear here: their packed tensors are named by the module.
+    expected = model.state_dict()
+    meta = dict(expected) | {k.rsplit(".", 1)[0] + f".{p}": True for k in expected if k.endswith(".weight")
+                             for p in ("qweight", "qzeros", "scales")}
+    out: dict[str, tuple[Path, Any]] = {}
+    renamed = 0
+    for old, (f, h) in tensors.items():
+        new = old if old in expected else rename_source_key(old, renamings, [], model.base_model_prefix, meta)[0]
+        if new != old:
+            renamed += 1
+            h = _Renamed(h, old)
+        out[new] = (f, h)
+    if renamed:
+        log.info("renamed %d checkpoint tensor(s) from transformers' saved layout to the model's", renamed)
+    return out
+
+
 # ---------------------------------------------------------------- image+text calibration
 def as_pairs(data: Any, text_column: str = "text") -> list[dict] | None:
     """Image+text calibration pairs from a list of {"text", "image"} dicts or a .jsonl file whose
