@@ -216,6 +216,44 @@ def test_image_text_pairs_calibrate_through_the_vision_tower():
     assert torch.isfinite(q).all() and (q - fp).abs().max() < fp.abs().max()
 
 
+def _llava_next_config():
+    return transformers.LlavaNextConfig(
+        text_config=dict(_TEXT, model_type="mistral", head_dim=16),
+        vision_config=dict(_VISION, model_type="clip_vision_model", image_size=28, projection_dim=32),
+        image_token_index=IMG, image_grid_pinpoints=[[28, 28], [28, 56]])
+
+
+def _qwen2_vl_config():
+    return transformers.Qwen2VLConfig(
+        text_config=dict(_TEXT, rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]),
+                         bos_token_id=1, eos_token_id=2),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2), image_token_id=IMG)
+
+
+@pytest.mark.parametrize("make", [*[lambda f=f: tiny_config(f) for f in FAMILIES], _llava_next_config, _qwen2_vl_config],
+                         ids=[*FAMILIES, "llava_next", "qwen2_vl"])
+def test_record_paths_resolve(make):
+    """Every path of the wrapper's record exists in the transformers model, its text family fits the
+    record, and modules_to_not_convert names every non-language part (and nothing of the LM)."""
+    from fastawq.models import get_submodule
+    from fastawq.multimodal import check_language_model, full_precision_modules
+
+    model = transformers.AutoModelForImageTextToText.from_config(make())
+    arch = architecture_of(model)
+    check_language_model(model)
+    for path in (arch.layers_path, arch.embed_path, arch.final_norm_path, arch.lm_head_path, arch.rotary_path):
+        get_submodule(model, path)
+    layer = get_submodule(model, arch.layers_path)[0]
+    for name in (*arch.attn_linears(), *arch.mlp_linears(), arch.attn_norm, arch.mlp_norm):
+        get_submodule(layer, name)
+    skip = full_precision_modules(model)
+    qc = QuantConfig(modules_to_not_convert=skip)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    assert all(qc.skips(n) != n.startswith(arch.layers_path) for n in names)
+    assert any(qc.skips(n) for n in names)
+
+
 def test_wrapper_with_an_unsupported_text_family_is_refused():
     from fastawq.multimodal import check_language_model
 
@@ -284,8 +322,9 @@ def _image(path, seed: int = 0):
 
 @pytest.mark.parametrize("family", ["llava", "gemma3"])
 def test_processor_round_trip_pairs_and_cli(family, tmp_path, capsys):
-    """from_pretrained finds the processor; image+text pairs calibrate; the processor and its chat
-    template are saved; `fastawq generate DIR prompt --image` answers."""
+    """from_pretrained finds the processor; `fastawq quantize --calib pairs.jsonl` calibrates on
+    image+text pairs and saves the processor with its chat template; `fastawq generate DIR prompt
+    --image` answers."""
     from fastawq.cli import main
 
     proc = tiny_processor(family)
@@ -297,8 +336,8 @@ def test_processor_round_trip_pairs_and_cli(family, tmp_path, capsys):
     img = _image(tmp_path / "x.png")
     calib = tmp_path / "calib.jsonl"
     calib.write_text("\n".join(json.dumps({"text": f"w{i} w{i + 1} w{i + 2}", "image": "x.png"}) for i in range(3)))
-    model.quantize(model.tokenizer, {"q_group_size": 32}, calib_data=str(calib), max_calib_samples=3)
-    model.save_quantized(tmp_path / "q")
+    assert main(["quantize", str(src), str(tmp_path / "q"), "--group-size", "32", "--calib", str(calib),
+                 "--max-calib-samples", "3", "--device", "cpu"]) == 0
     loaded = AutoAWQForCausalLM.from_quantized(tmp_path / "q", device_map="cpu")
     assert loaded.processor is not None and loaded.processor.chat_template == proc.chat_template
     capsys.readouterr()

@@ -52,6 +52,8 @@ def check_language_model(model: nn.Module) -> None:
         return
     arch = architecture_of(model)
     text_type = getattr(model.config.get_text_config(), "model_type", None)
+    if text_type == f"{model.config.model_type}_text":
+        return  # the wrapper's own text model (Qwen2-VL's qwen2_vl_text): the record describes it
     try:
         text = get_architecture(text_type)
     except UnsupportedModelError:
