@@ -183,6 +183,24 @@ def test_checkpoint_in_transformers_saved_layout_loads(quantized, tmp_path):
         torch.testing.assert_close(again(**inputs).logits, loaded(**inputs).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_transformers_loads_the_checkpoint(quantized):
+    """transformers' image-text auto class (fastawq as its AWQ backend) skips the vision modules
+    named in modules_to_not_convert and computes what from_quantized's model computes."""
+    from fastawq.integrations import transformers as fit
+
+    if fit.gptqmodel_installed():
+        pytest.skip("GPTQModel installed: transformers keeps it as the AWQ backend")
+    family, original, _, loaded, d = quantized
+    assert fit.register()
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(str(d), dtype=torch.float32).eval()
+    assert sum(isinstance(m, WQLinear) for m in hf.modules()) == sum(isinstance(m, WQLinear) for m in loaded.modules())
+    ref, got = vision_state(original), vision_state(hf)
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    inputs = image_inputs(family, seed=4)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(**inputs).logits, loaded(**inputs).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_fused_engine_names_why_it_does_not_serve(quantized):
     from fastawq.modules.fused import fuse_model
 
