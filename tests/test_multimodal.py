@@ -201,12 +201,33 @@ def test_transformers_loads_the_checkpoint(quantized):
         torch.testing.assert_close(hf(**inputs).logits, loaded(**inputs).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_fused_engine_names_why_it_does_not_serve(quantized):
-    from fastawq.modules.fused import fuse_model
+def test_fused_engine(quantized):
+    """LLaVA / Mistral 3 (Llama-layout text): the fused language model prefills the merged
+    image+text embeddings and decodes what the unfused packed model decodes. Gemma 3 and
+    Qwen2.5-VL: a clear reason."""
+    from fastawq.multimodal import fuse_model
 
-    _, _, _, loaded, _ = quantized
-    with pytest.raises(NotImplementedError, match="vision-language"):
-        fuse_model(loaded.model, max_seq_len=64, batch_size=1)
+    family, _, _, loaded, d = quantized
+    if family in ("gemma3", "qwen2_5_vl"):
+        why = "gemma3_text: the post-attention" if family == "gemma3" else "mrope"
+        with pytest.raises(NotImplementedError, match=why):
+            fuse_model(loaded.model, max_seq_len=64, batch_size=1)
+        with pytest.raises(NotImplementedError, match=why):
+            AutoAWQForCausalLM.from_quantized(d, device_map="cpu", fuse_layers=True)
+        return
+    inputs = image_inputs(family, seed=6)
+    n = inputs["input_ids"].shape[1]
+    with torch.no_grad():
+        ref_logits = loaded.model(**inputs).logits
+    ref = loaded.model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    fused = fuse_model(copy.deepcopy(loaded.model), max_seq_len=64, batch_size=1, kernels="torch")
+    with torch.no_grad():
+        logits = fused(**inputs).logits
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    out = fused.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, n + 6) and torch.equal(out, ref)
+    assert fused.fastawq_runtime.embed.pending is None  # decoded tokens use the token embedding again
+    assert hasattr(AutoAWQForCausalLM.from_quantized(d, device_map="cpu", fuse_layers=True), "fastawq_runtime")
 
 
 def test_image_text_pairs_calibrate_through_the_vision_tower():

@@ -240,6 +240,10 @@ class AutoAWQForCausalLM:
                 from fastawq.modules.fused import fuse_model
             except ImportError as e:
                 raise ImportError(f"fuse_layers=True needs fastawq.modules.fused, which failed to import: {e}") from e
+            from fastawq import multimodal
+
+            if multimodal.is_multimodal(model.config):  # fuses the language model behind the vision tower
+                fuse_model = multimodal.fuse_model
             try:
                 model = fuse_model(model, max_seq_len=max_seq_len, batch_size=batch_size)
             except NotImplementedError as e:

@@ -1,7 +1,8 @@
 """Vision-language models: load with the image-text auto class, quantize only the language model's
 decoder layers, keep the vision tower / projector / audio tower in full precision (and name them
 in `modules_to_not_convert`), save the processor and its chat template with the checkpoint, and
-calibrate on text alone or on the user's image+text pairs.
+calibrate on text alone or on the user's image+text pairs, and let the fused engine serve the
+language model of a wrapper whose text family it fuses.
 
 The records live in models/multimodal.py; this module holds what the loader, the quantizer and the
 CLI need beyond a record."""
@@ -310,3 +311,138 @@ def quantize_pairs(model: nn.Module, processor: Any, config: QuantConfig, pairs:
     """AWQ-quantize `model`'s language model in place, calibrated on image+text `pairs`."""
     batches = encode_pairs(pairs, processor, max_calib_samples)
     return PairQuantizer(model, config, batches, **kwargs).quantize()
+
+
+# ---------------------------------------------------------------- fused engine
+# Keyword arguments of a wrapper's forward that carry the image (everything else goes to generate).
+_IMAGE_KEYS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask", "token_type_ids",
+               "vision_feature_layer", "vision_feature_select_strategy")
+
+
+class _Captured(Exception):
+    def __init__(self, x: torch.Tensor):
+        super().__init__()
+        self.x = x
+
+
+class _StopAtFirstLayer(nn.Module):
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
+        raise _Captured(hidden_states)
+
+
+class _PromptEmbedding(nn.Module):
+    """The fused runtime's embedding: the prompt's merged text+image embeddings (served chunk by
+    chunk as the prefill asks), then the token embedding for decoded tokens."""
+
+    def __init__(self, embed: nn.Module):
+        super().__init__()
+        self.embed = embed
+        self.pending: torch.Tensor | None = None
+        self.cursor = 0
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        p = self.pending
+        if p is None:
+            return self.embed(ids)
+        n = ids.shape[1]
+        if p.shape[0] != ids.shape[0] or self.cursor + n > p.shape[1]:
+            raise ValueError(f"prompt embeddings {tuple(p.shape)} do not fit ids {tuple(ids.shape)} at {self.cursor}")
+        x = p[:, self.cursor : self.cursor + n]
+        self.cursor += n
+        if self.cursor == p.shape[1]:
+            self.pending = None
+        return x
+
+
+@torch.inference_mode()
+def prompt_embeddings(model: nn.Module, input_ids: torch.Tensor, **image_inputs: Any) -> torch.Tensor:
+    """What the wrapper feeds its first decoder layer for this prompt: token embeddings with the
+    image features written over the image tokens (the wrapper's own merge, stopped at layer 0)."""
+    arch = architecture_of(model)
+    layers = model.get_submodule(arch.layers_path)
+    set_submodule(model, arch.layers_path, nn.ModuleList([_StopAtFirstLayer()]))
+    try:
+        model.base_model(input_ids=input_ids, use_cache=False, **image_inputs)
+    except _Captured as c:
+        return c.x
+    finally:
+        set_submodule(model, arch.layers_path, layers)
+    raise RuntimeError(f"{type(model).__name__} returned without calling its first decoder layer")
+
+
+class _TextView(nn.Module):
+    """A wrapper's language model seen as a text causal LM (`model.layers`, `lm_head`, the text
+    config), sharing every module with the wrapper: what the fused engine takes."""
+
+    def __init__(self, wrapper: nn.Module, lm: nn.Module):
+        super().__init__()
+        self.model = lm
+        self.lm_head = wrapper.get_output_embeddings()
+        self.config = wrapper.config.get_text_config()
+        self.generation_config = getattr(wrapper, "generation_config", None)
+
+
+def fuse_model(model: nn.Module, max_seq_len: int, batch_size: int, **kwargs: Any) -> nn.Module:
+    """Fuse a packed vision-language model's language model (when its text family is fusable).
+    Afterwards `model.generate(input_ids, pixel_values=..., ...)` prefills the merged image+text
+    embeddings and decodes with the fused layers; the vision tower runs unfused once per prompt."""
+    import types
+
+    from fastawq.modules.fused import fuse_model as fuse_text
+
+    arch = architecture_of(model)
+    text_type = getattr(model.config.get_text_config(), "model_type", None)
+    if arch.fused_blocker is not None:
+        raise NotImplementedError(f"fuse_layers is not implemented for model_type={model.config.model_type!r}: "
+                                  f"{arch.fused_blocker} (load with fuse_layers=False)")
+    text = get_architecture(text_type)
+    lm = model.get_submodule(arch.layers_path.rsplit(".", 1)[0])
+    view = _TextView(model, lm)
+    if architecture_of(view).layers_path != "model.layers":
+        raise NotImplementedError(f"the {text.name} record's layers are not at model.layers; cannot fuse {text_type}")
+    fuse_text(view, max_seq_len, batch_size, **kwargs)
+    runtime = view.fastawq_runtime
+    runtime.embed = _PromptEmbedding(runtime.embed)
+    object.__setattr__(model, "fastawq_runtime", runtime)
+    object.__setattr__(model, "fastawq_text_view", view)
+    model.forward = types.MethodType(_fused_forward, model)
+    model.generate = types.MethodType(_fused_generate, model)
+    return model
+
+
+def _split_image_inputs(kwargs: dict) -> dict:
+    return {k: kwargs.pop(k) for k in _IMAGE_KEYS if k in kwargs and kwargs[k] is not None}
+
+
+def _stage_prompt(model: nn.Module, input_ids: torch.Tensor, image: dict) -> None:
+    emb = model.fastawq_runtime.embed
+    emb.pending, emb.cursor = None, 0
+    if image:
+        dev = emb.weight.device
+        image = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in image.items()}
+        x = prompt_embeddings(model, input_ids.to(dev), **image)
+        emb.pending = x.to(emb.weight.dtype)
+
+
+def _fused_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any):
+    """A fresh prefill of the prompt (with its image) returning every position's logits."""
+    _stage_prompt(self, input_ids, _split_image_inputs(kwargs))
+    try:
+        return self.fastawq_text_view(input_ids, attention_mask=attention_mask)
+    finally:
+        self.fastawq_runtime.embed.pending = None
+
+
+def _fused_generate(self, input_ids: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+    """transformers-style generate() with pixel inputs, served by fastawq.generate."""
+    if input_ids is None:
+        raise ValueError("generate() needs input_ids")
+    _stage_prompt(self, input_ids, _split_image_inputs(kwargs))
+    try:
+        return self.fastawq_text_view.generate(input_ids, **kwargs)
+    finally:
+        self.fastawq_runtime.embed.pending = None

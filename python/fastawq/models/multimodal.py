@@ -9,10 +9,7 @@ from dataclasses import replace
 from fastawq.models import gemma3, llama, qwen2
 from fastawq.models.base import Architecture
 
-# Image features are written into the token embeddings before the first decoder layer, and
-# the fused engine's prefill embeds token ids itself.
-_BLOCKER = "vision-language wrapper: image features merge into the embeddings before the decoder layers, " \
-           "and the fused engine's prefill takes token ids only"
+_BLOCKER = "vision-language wrapper"
 
 
 def wrap_text_record(text: Architecture, name: str, model_types: tuple[str, ...], lm: str = "model.language_model",
@@ -29,7 +26,7 @@ def wrap_text_record(text: Architecture, name: str, model_types: tuple[str, ...]
             return path
         return f"{lm}.{path[len('model.'):]}"
 
-    blocker = "; ".join(b for b in (fused_blocker, text.fused_blocker) if b) or None
+    blocker = ": ".join(b for b in (fused_blocker, text.fused_blocker) if b) or None
     return replace(
         text, name=name, model_types=model_types, groups=groups, layers_path=move(text.layers_path),
         embed_path=move(text.embed_path), final_norm_path=move(text.final_norm_path),
@@ -40,12 +37,13 @@ def wrap_text_record(text: Architecture, name: str, model_types: tuple[str, ...]
 
 # Llama-layout language models (Llama / Vicuna / Mistral / Qwen2 text) behind a vision tower
 # and projector; fastawq.multimodal checks the text config's family matches this layout.
-LLAVA = wrap_text_record(llama.ARCH, "llava", ("llava", "llava_next", "mistral3"), fused_blocker=_BLOCKER)
+# fastawq.multimodal.fuse_model fuses the text layers and prefills the merged image+text embeddings.
+LLAVA = wrap_text_record(llama.ARCH, "llava", ("llava", "llava_next", "mistral3"))
 # Qwen2-VL / Qwen2.5-VL: Qwen2 text layers with multimodal rotary positions (mrope: three
 # position streams, which the fused engine's 1-D rope tables cannot express).
 QWEN2_VL = wrap_text_record(qwen2.ARCH, "qwen2_vl", ("qwen2_vl", "qwen2_5_vl"),
-                            fused_blocker=f"{_BLOCKER}; multimodal rotary positions (mrope) are not fused")
+                            fused_blocker=f"{_BLOCKER}: multimodal rotary positions (mrope) are not fused")
 # Gemma 3 4B / 12B / 27B: the gemma3_text record (its blocker carries over).
-GEMMA3 = wrap_text_record(gemma3.ARCH, "gemma3_vl", ("gemma3",), fused_blocker=_BLOCKER)
+GEMMA3 = wrap_text_record(gemma3.ARCH, "gemma3_vl", ("gemma3",), fused_blocker=f"{_BLOCKER} of gemma3_text")
 
 ARCHS = (LLAVA, QWEN2_VL, GEMMA3)
