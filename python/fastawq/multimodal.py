@@ -1,6 +1,6 @@
 """Vision-language models: load with the image-text auto class, quantize only the language model's
 decoder layers, keep the vision tower / projector / audio tower in full precision (and name them
-in `modules_to_not_convert`), save the processor and its chat template with the checkpoint, and
+in `modules_to_not_convert`), save the processor and its chat template with the checkpoint,
 calibrate on text alone or on the user's image+text pairs, and let the fused engine serve the
 language model of a wrapper whose text family it fuses.
 
@@ -91,6 +91,7 @@ def add_full_precision_modules(model: nn.Module, config: QuantConfig) -> QuantCo
     """`config` with the wrapper's non-language modules added to modules_to_not_convert."""
     if not is_multimodal(model.config):
         return config
+    check_language_model(model)
     names = list(config.modules_to_not_convert or [])
     names += [n for n in full_precision_modules(model) if n not in names]
     config.modules_to_not_convert = names
@@ -104,7 +105,10 @@ def load_processor(path: str | Path, trust_remote_code: bool = False) -> Any:
 
         proc = AutoProcessor.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError, KeyError, ImportError) as e:
-        log.info("no processor in %s (%s): image inputs need one", path, e)
+        # A folder that ships an image processor config but cannot build it (e.g. Pixtral's needs
+        # torchvision) deserves more than a silent None: image prompts will fail later.
+        has_config = any((Path(path) / f).exists() for f in ("preprocessor_config.json", "processor_config.json"))
+        (log.warning if has_config else log.info)("no processor loaded from %s: %s", path, e)
         return None
     # A text-only folder gives back a bare tokenizer; only a processor with an image part counts.
     return proc if getattr(proc, "image_processor", None) is not None else None
