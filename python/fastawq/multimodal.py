@@ -255,16 +255,18 @@ class PairQuantizer(AwqQuantizer):
 
     def _capture_inputs(self, layers: nn.ModuleList):
         real = layers
+        store: dict = {"kwargs": {}, "tuples": _tuple_outputs()}
+        set_submodule(self.model, self.arch.layers_path,
+                      nn.ModuleList([_Catcher(layer, i, store) for i, layer in enumerate(real)]))
+        # Everything but the decoder layers (stubbed out above) visits the accelerator for the capture.
         devices = {n: t.device for n, t in _tensors(self.model)}
         base = self.model.base_model
-        base.to(self.device)
-        float_dtype = next(p.dtype for p in base.parameters() if p.is_floating_point())
         inps, captured = [], []
         try:
+            base.to(self.device)
+            float_dtype = next(p.dtype for p in base.parameters() if p.is_floating_point())
             for batch in self.batches:
-                store: dict = {"kwargs": {}, "tuples": _tuple_outputs()}
-                set_submodule(self.model, self.arch.layers_path,
-                              nn.ModuleList([_Catcher(layer, i, store) for i, layer in enumerate(real)]))
+                store["kwargs"] = {}
                 inputs = {k: v.to(self.device, float_dtype) if v.is_floating_point() else v.to(self.device)
                           for k, v in batch.items()}
                 base(**inputs, use_cache=False)
