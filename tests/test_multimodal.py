@@ -1,4 +1,5 @@
-"""Vision-language models (tiny random configs, CPU, float32): only the language model is quantized,
+"""Vision-language models (tiny random configs of Gemma 3, Qwen2.5-VL, Qwen2-VL, Mistral 3 and LLaVA;
+LLaVA-NeXT is built only; CPU, float32): only the language model is quantized,
 the vision tower and projector stay bit-identical, and the packed checkpoint generates from an image.
 
 Pixel inputs are built directly (input_ids with the image token ids + pixel_values in each
@@ -41,6 +42,13 @@ def tiny_config(family: str):
                                patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
                                fullatt_block_indexes=[0]),
             image_token_id=IMG, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
+    if family == "qwen2_vl":
+        return transformers.Qwen2VLConfig(
+            text_config=dict(_TEXT, rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]),
+                             bos_token_id=1, eos_token_id=2),
+            vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                               spatial_merge_size=2, temporal_patch_size=2),
+            image_token_id=IMG, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
     if family == "mistral3":
         return transformers.Mistral3Config(
             text_config=dict(_TEXT, model_type="mistral", head_dim=16),
@@ -69,12 +77,15 @@ def image_inputs(family: str, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     text = torch.randint(3, 100, (1, 6), generator=g)
     pixels = torch.randn(1, 3, 28, 28, generator=g)
-    if family == "qwen2_5_vl":
+    if family in ("qwen2_vl", "qwen2_5_vl"):
         # 2x2 patches of 14 px over 2 frames, flattened; the 2x2 merge makes one image token.
         grid = torch.tensor([[1, 2, 2]])
         pv = torch.randn(4, 3 * 2 * 14 * 14, generator=g)
         ids = torch.cat([text[:, :2], torch.tensor([[122, IMG, 123]]), text[:, 2:]], dim=1)
-        return {"input_ids": ids, "pixel_values": pv, "image_grid_thw": grid}
+        out = {"input_ids": ids, "pixel_values": pv, "image_grid_thw": grid}
+        if family == "qwen2_vl":  # its mrope reads which tokens are image tokens from this
+            out["mm_token_type_ids"] = (ids == IMG).long()
+        return out
     if family == "mistral3":
         # 56 px: 4x4 patches merged 2x2 into 4 tokens (a single image token trips transformers'
         # squeeze of the feature batch).
@@ -96,7 +107,7 @@ def vision_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if "language_model" not in k and not k.startswith("lm_head")}
 
 
-FAMILIES = ["gemma3", "qwen2_5_vl", "mistral3", "llava"]
+FAMILIES = ["gemma3", "qwen2_5_vl", "qwen2_vl", "mistral3", "llava"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -129,7 +140,7 @@ def test_language_model_packed_vision_kept_full_precision(quantized):
     for k in ref:
         assert torch.equal(ref[k], got[k]), k
     skip = json.loads((d / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
-    vision = "visual" if family == "qwen2_5_vl" else "vision_tower"
+    vision = "visual" if family.startswith("qwen") else "vision_tower"
     # transformers matches from the start of the name, vLLM matches a substring of its own name.
     assert f"model.{vision}" in skip and vision in skip
 
@@ -208,7 +219,7 @@ def test_fused_engine(quantized):
     from fastawq.multimodal import fuse_model
 
     family, _, _, loaded, d = quantized
-    if family in ("gemma3", "qwen2_5_vl"):
+    if family in ("gemma3", "qwen2_5_vl", "qwen2_vl"):
         why = "gemma3_text: the post-attention" if family == "gemma3" else "mrope"
         with pytest.raises(NotImplementedError, match=why):
             fuse_model(loaded.model, max_seq_len=64, batch_size=1)
@@ -262,16 +273,8 @@ def _llava_next_config():
         image_token_index=IMG, image_grid_pinpoints=[[28, 28], [28, 56]])
 
 
-def _qwen2_vl_config():
-    return transformers.Qwen2VLConfig(
-        text_config=dict(_TEXT, rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]),
-                         bos_token_id=1, eos_token_id=2),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2), image_token_id=IMG)
-
-
-@pytest.mark.parametrize("make", [*[lambda f=f: tiny_config(f) for f in FAMILIES], _llava_next_config, _qwen2_vl_config],
-                         ids=[*FAMILIES, "llava_next", "qwen2_vl"])
+@pytest.mark.parametrize("make", [*[lambda f=f: tiny_config(f) for f in FAMILIES], _llava_next_config],
+                         ids=[*FAMILIES, "llava_next"])
 def test_record_paths_resolve(make):
     """Every path of the wrapper's record exists in the transformers model, its text family fits the
     record, and modules_to_not_convert names every non-language part (and nothing of the LM)."""

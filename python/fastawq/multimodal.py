@@ -322,7 +322,7 @@ def quantize_pairs(model: nn.Module, processor: Any, config: QuantConfig, pairs:
 # ---------------------------------------------------------------- fused engine
 # Keyword arguments of a wrapper's forward that carry the image (everything else goes to generate).
 _IMAGE_KEYS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask", "token_type_ids",
-               "vision_feature_layer", "vision_feature_select_strategy")
+               "mm_token_type_ids", "vision_feature_layer", "vision_feature_select_strategy")
 
 
 class _Captured(Exception):
