@@ -25,27 +25,27 @@ VOCAB = 128
 IMG = 120  # the image token id of every tiny config
 _TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256)
+_MROPE = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])  # sections sum to head_dim / 2
 _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=14)
 
 
 def tiny_config(family: str):
     if family == "gemma3":
         return transformers.Gemma3Config(
-            text_config=dict(_TEXT, head_dim=16, sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
+            text_config=dict(_TEXT, head_dim=16, sliding_window=16,
+                             layer_types=["sliding_attention", "full_attention"]),
             vision_config=dict(_VISION, image_size=28), mm_tokens_per_image=4, image_token_index=IMG,
             boi_token_index=121, eoi_token_index=122)
     if family == "qwen2_5_vl":
         return transformers.Qwen2_5_VLConfig(
-            text_config=dict(_TEXT, rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]),
-                             bos_token_id=1, eos_token_id=2),
+            text_config=dict(_TEXT, rope_parameters=dict(_MROPE), bos_token_id=1, eos_token_id=2),
             vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                                patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
                                fullatt_block_indexes=[0]),
             image_token_id=IMG, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
     if family == "qwen2_vl":
         return transformers.Qwen2VLConfig(
-            text_config=dict(_TEXT, rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]),
-                             bos_token_id=1, eos_token_id=2),
+            text_config=dict(_TEXT, rope_parameters=dict(_MROPE), bos_token_id=1, eos_token_id=2),
             vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
                                spatial_merge_size=2, temporal_patch_size=2),
             image_token_id=IMG, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
