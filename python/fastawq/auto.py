@@ -25,11 +25,13 @@ class AWQModel(nn.Module):
     """A transformers causal LM plus its quant config. Attributes and calls it does not define
     (generate, config, device, ...) go to the wrapped model."""
 
-    def __init__(self, model: nn.Module, quant_config: QuantConfig | None = None, tokenizer: Any = None):
+    def __init__(self, model: nn.Module, quant_config: QuantConfig | None = None, tokenizer: Any = None,
+                 processor: Any = None):
         super().__init__()
         self.model = model
         self.quant_config = quant_config or QuantConfig()
         self.tokenizer = tokenizer
+        self.processor = processor  # vision-language models: tokenizer + image processor + chat template
         self.is_quantized = bool(getattr(model, "fastawq_packed", False))
 
     def __getattr__(self, name: str) -> Any:
@@ -71,13 +73,24 @@ class AWQModel(nn.Module):
             log.info("max_chunk_memory is not needed: the search works on Gram matrices, not on activations")
         self.quant_config = QuantConfig.from_dict(quant_config)
         self.tokenizer = tokenizer if tokenizer is not None else self.tokenizer
-        _quantize(
-            self.model, self.tokenizer, self.quant_config, calib_data,
-            max_calib_samples=max_calib_samples, max_calib_seq_len=max_calib_seq_len, split=split,
-            text_column=text_column, duo_scaling=duo_scaling, apply_clip=apply_clip,
-            export_compatible=export_compatible, n_parallel_calib_samples=n_parallel_calib_samples,
-            device=device, quantizer_cls=quantizer_cls,
-        )
+        from fastawq import multimodal
+
+        multimodal.add_full_precision_modules(self.model, self.quant_config)
+        pairs = multimodal.as_pairs(calib_data, text_column)
+        if pairs is not None:
+            multimodal.quantize_pairs(
+                self.model, self.processor, self.quant_config, pairs, max_calib_samples=max_calib_samples,
+                duo_scaling=duo_scaling, apply_clip=apply_clip, export_compatible=export_compatible,
+                n_parallel_calib_samples=n_parallel_calib_samples, device=device,
+            )
+        else:
+            _quantize(
+                self.model, self.tokenizer, self.quant_config, calib_data,
+                max_calib_samples=max_calib_samples, max_calib_seq_len=max_calib_seq_len, split=split,
+                text_column=text_column, duo_scaling=duo_scaling, apply_clip=apply_clip,
+                export_compatible=export_compatible, n_parallel_calib_samples=n_parallel_calib_samples,
+                device=device, quantizer_cls=quantizer_cls,
+            )
         self.is_quantized = bool(getattr(self.model, "fastawq_packed", False))
 
     @torch.no_grad()
@@ -94,7 +107,8 @@ class AWQModel(nn.Module):
 
         if not safetensors:
             raise ValueError("fastawq writes only safetensors checkpoints")
-        save_quantized(self.model, save_dir, self.quant_config, self.tokenizer, shard_size=shard_size, overwrite=overwrite)
+        save_quantized(self.model, save_dir, self.quant_config, self.processor or self.tokenizer, shard_size=shard_size,
+                       overwrite=overwrite)
 
 
 def _device_of(device_map: Any) -> torch.device:
@@ -129,8 +143,9 @@ class AutoAWQForCausalLM:
     ) -> AWQModel:
         """Load a float model to quantize (on the CPU unless device_map says otherwise: the
         quantizer moves one layer at a time to the accelerator)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
+        from fastawq import multimodal
         from fastawq.models import architecture_of
 
         if not safetensors:
@@ -142,17 +157,22 @@ class AutoAWQForCausalLM:
         kwargs["dtype"] = _resolve_dtype(torch_dtype)
         if device_map is not None:
             kwargs["device_map"] = device_map
-        model = AutoModelForCausalLM.from_pretrained(
+        config = AutoConfig.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
+        model = multimodal.auto_model_class(config).from_pretrained(
             str(model_path), trust_remote_code=trust_remote_code, use_safetensors=True,
             low_cpu_mem_usage=low_cpu_mem_usage, **kwargs,
         )
         model.eval()
         architecture_of(model)  # fail early on an unsupported architecture
+        multimodal.check_language_model(model)
+        processor = None
+        if multimodal.is_multimodal(model.config):
+            processor = multimodal.load_processor(model_path, trust_remote_code)
         try:
             tok = AutoTokenizer.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
         except (OSError, ValueError):
-            tok = None
-        return AWQModel(model, tokenizer=tok)
+            tok = getattr(processor, "tokenizer", None)
+        return AWQModel(model, tokenizer=tok, processor=processor)
 
     @classmethod
     def from_quantized(
@@ -220,6 +240,10 @@ class AutoAWQForCausalLM:
                 from fastawq.modules.fused import fuse_model
             except ImportError as e:
                 raise ImportError(f"fuse_layers=True needs fastawq.modules.fused, which failed to import: {e}") from e
+            from fastawq import multimodal
+
+            if multimodal.is_multimodal(model.config):  # fuses the language model behind the vision tower
+                fuse_model = multimodal.fuse_model
             try:
                 model = fuse_model(model, max_seq_len=max_seq_len, batch_size=batch_size)
             except NotImplementedError as e:
@@ -243,7 +267,12 @@ class AutoAWQForCausalLM:
             tok = AutoTokenizer.from_pretrained(str(quant_path), trust_remote_code=trust_remote_code)
         except (OSError, ValueError):
             pass
-        return AWQModel(model, qc, tok)
+        from fastawq import multimodal
+
+        processor = None
+        if multimodal.is_multimodal(model.config):
+            processor = multimodal.load_processor(quant_path, trust_remote_code)
+        return AWQModel(model, qc, tok if tok is not None else getattr(processor, "tokenizer", None), processor)
 
 
 def _cast_float_params(model: nn.Module, dtype: torch.dtype) -> None:

@@ -170,7 +170,9 @@ def load_quantized(
 ) -> tuple[nn.Module, QuantConfig]:
     """Build the transformers model of `quant_dir` with WQLinear layers where the checkpoint has
     `<name>.qweight`, and load every tensor, checking names and shapes. Returns it on the CPU."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from fastawq.multimodal import auto_model_class, rename_checkpoint_keys
 
     try:
         from transformers.initialization import no_init_weights
@@ -206,8 +208,9 @@ def load_quantized(
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
     with no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=dtype)
+        model = auto_model_class(config).from_config(config, trust_remote_code=trust_remote_code, dtype=dtype)
     arch = architecture_of(model)
+    tensors = rename_checkpoint_keys(model, tensors)  # vision-language checkpoints in the saved layout
     spec = moe.moe_spec_of(model)
     if spec is not None:
         tensors = moe.prepare_load(model, arch.layers_path, spec, tensors)

@@ -42,7 +42,8 @@ def add_parser(sub) -> None:
     p.add_argument("--fallback-group-size", type=int, default=None,
                    help="group size for layers whose in_features --group-size does not divide")
     p.add_argument("--zero-point", action=_BoolAction, default=True)
-    p.add_argument("--calib", default=None, help="a .txt / .jsonl file (default: fastawq's offline text)")
+    p.add_argument("--calib", default=None, help="a .txt / .jsonl file (default: fastawq's offline text); a .jsonl "
+                   "whose objects have an \"image\" path calibrates a vision-language model on image+text pairs")
     p.add_argument("--text-column", default="text")
     p.add_argument("--max-calib-samples", type=int, default=128)
     p.add_argument("--max-calib-seq-len", type=int, default=512)
