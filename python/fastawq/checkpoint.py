@@ -274,8 +274,10 @@ def _swap_in(tmp: Path, target: Path) -> None:
         os.rename(backup, target)
         raise
     _fsync(target.parent)
-    fault_point("save:swapped")
-    shutil.rmtree(backup, ignore_errors=True)
+    try:
+        fault_point("save:swapped")
+    finally:
+        shutil.rmtree(backup, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- manifest
