@@ -48,6 +48,7 @@ def saved(packed, other, tmp_path_factory):
 def copy_of(saved, tmp_path):
     def make(name: str, dest_name: str = "ckpt"):
         dest = tmp_path / dest_name
+        shutil.rmtree(dest, ignore_errors=True)  # hypothesis runs one test function many times
         shutil.copytree(saved[name], dest)
         return dest
 
