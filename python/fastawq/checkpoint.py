@@ -7,25 +7,21 @@ beside the target, fsynced, and swapped in by one rename (`atomic_dir`). The las
 whose files do not belong together is refused instead of loaded."""
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import errno
-import fnmatch
-import hashlib
 import json
 import logging
 import os
 import re
-import shutil
-import signal
-import sys
-import tempfile
 from pathlib import Path, PurePath
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
+from fastawq.atomic import (  # noqa: F401  (re-exported: checkpoint.atomic_dir is the save machinery)
+    INDEX_NAME, MANIFEST_NAME, CheckpointError, atomic_dir, fault_point, recover, verify_checkpoint, verify_mode,
+    write_manifest,
+)
 from fastawq.models import architecture_of
 from fastawq.modules import WQLinear
 from fastawq.quantize.config import QuantConfig
@@ -33,40 +29,8 @@ from fastawq.quantize.scale import wrap_activation
 
 log = logging.getLogger(__name__)
 
-INDEX_NAME = "model.safetensors.index.json"
-MANIFEST_NAME = "fastawq_manifest.json"
-FORMAT_VERSION = 1
-VERIFY_MODES = ("full", "size", "off")
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-# What a save writes or replaces. Anything else in a folder overwritten with overwrite=True (notes,
-# a README, .git) belongs to the user and is carried into the new folder.
-CHECKPOINT_FILES = (
-    "*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.index.json", "config.json",
-    "generation_config.json", MANIFEST_NAME, "tokenizer*", "special_tokens_map.json", "added_tokens.json",
-    "vocab.*", "merges.txt", "spiece.model", "*.tiktoken", "chat_template.*", "preprocessor_config.json",
-)
 _STORAGE_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
-
-
-class CheckpointError(ValueError):
-    pass
-
-
-# ---------------------------------------------------------------- fault injection (tests)
-def fault_point(step: str) -> None:
-    """FASTAWQ_FAULT_AT=<step> stops a save at that step, the way a crash would:
-    FASTAWQ_FAULT_ACTION = kill (SIGKILL, default) | int (SIGINT) | enospc (a full disk) | raise."""
-    if os.environ.get("FASTAWQ_FAULT_AT") != step:
-        return
-    action = os.environ.get("FASTAWQ_FAULT_ACTION", "kill")
-    if action == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if action == "int":
-        signal.raise_signal(signal.SIGINT)
-        return
-    if action == "enospc":
-        raise OSError(errno.ENOSPC, f"No space left on device (injected at {step})")
-    raise RuntimeError(f"injected fault at {step}")
 
 
 def save_steps(n_shards: int) -> list[str]:
@@ -123,7 +87,7 @@ def check_local_path(path: str | os.PathLike) -> Path | None:
     raise FileNotFoundError(errno.ENOENT, f"no such model folder: {os.fspath(path)}", os.fspath(path))
 
 
-def _check_not_source(target: Path, source: Any) -> None:
+def check_not_source(target: Path, source: Any) -> None:
     if not source:
         return
     s = Path(source).expanduser()
@@ -144,207 +108,6 @@ def source_of(model: nn.Module) -> str | None:
         return str(src)
     name = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
     return name if name and Path(name).is_dir() else None
-
-
-# ---------------------------------------------------------------- atomic folders
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(d: Path) -> None:
-    for root, dirs, files in os.walk(d):
-        for f in files:
-            if not os.path.islink(os.path.join(root, f)):
-                _fsync(Path(root, f))
-        _fsync(Path(root))
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two folders in one step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
-    if sys.platform != "linux":
-        return False
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    at_fdcwd, rename_exchange = -100, 2
-    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
-
-
-def _siblings(target: Path, kind: str) -> list[Path]:
-    return sorted(target.parent.glob(f".{glob_escape(target.name)}.fastawq-{kind}-*"), key=lambda p: p.stat().st_mtime)
-
-
-def glob_escape(name: str) -> str:
-    return re.sub(r"([*?\[])", r"[\1]", name)
-
-
-def recover(target: Path) -> bool:
-    """A save killed between its two renames (where one-step exchange is unsupported) leaves the
-    old checkpoint beside the missing target: put it back."""
-    if target.exists() or not target.parent.is_dir():
-        return False
-    backups = _siblings(target, "old")
-    if not backups:
-        return False
-    os.rename(backups[-1], target)
-    log.warning("%s: restored the checkpoint an interrupted save had moved aside", target)
-    return True
-
-
-def _carry_user_files(old: Path, new: Path) -> None:
-    for p in old.iterdir():
-        if any(fnmatch.fnmatch(p.name, pat) for pat in CHECKPOINT_FILES) or (new / p.name).exists():
-            continue
-        if p.is_dir() and not p.is_symlink():
-            shutil.copytree(p, new / p.name, symlinks=True, copy_function=_link_or_copy)
-        else:
-            _link_or_copy(str(p), str(new / p.name))
-
-
-def _link_or_copy(src: str, dst: str) -> None:
-    if os.path.islink(src):
-        os.symlink(os.readlink(src), dst)
-        return
-    try:
-        os.link(src, dst)  # same file system by construction: no bytes copied
-    except OSError:
-        shutil.copy2(src, dst)
-
-
-@contextlib.contextmanager
-def atomic_dir(target: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield an empty temporary folder beside `target` to write a checkpoint into. When the block
-    ends, the user's own files of an old `target` are carried over, everything is fsynced and the
-    folder replaces `target` in one rename. On any error, Ctrl-C included, `target` is untouched
-    and the temporary folder removed; a kill leaves at most a hidden `.NAME.fastawq-tmp-*` folder,
-    which the next save to `target` removes."""
-    target = Path(target).expanduser().absolute()
-    recover(target)
-    if target.exists():
-        if not target.is_dir():
-            raise NotADirectoryError(f"{target} is a file, not a folder")
-        if any(target.iterdir()) and not overwrite:
-            raise FileExistsError(f"{target} is not empty; pass overwrite=True to replace its checkpoint")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    for stale in _siblings(target, "tmp"):
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.fastawq-tmp-", dir=target.parent))
-    try:
-        fault_point("save:tmpdir")
-        yield tmp
-        if target.is_dir():
-            _carry_user_files(target, tmp)
-        fault_point("save:carry")
-        _fsync_tree(tmp)
-        fault_point("save:swap")
-        _swap_in(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _swap_in(tmp: Path, target: Path) -> None:
-    if not target.exists():
-        os.rename(tmp, target)
-        _fsync(target.parent)
-        fault_point("save:swapped")
-        return
-    if _exchange(tmp, target):
-        _fsync(target.parent)
-        fault_point("save:swapped")
-        shutil.rmtree(tmp, ignore_errors=True)  # the old checkpoint now
-        return
-    backup = tmp.with_name(tmp.name.replace("-tmp-", "-old-"))
-    os.rename(target, backup)
-    try:
-        fault_point("save:between-renames")
-        os.rename(tmp, target)
-    except BaseException:
-        os.rename(backup, target)
-        raise
-    _fsync(target.parent)
-    try:
-        fault_point("save:swapped")
-    finally:
-        shutil.rmtree(backup, ignore_errors=True)
-
-
-# ---------------------------------------------------------------- manifest
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def write_manifest(d: Path) -> None:
-    """Every file of `d` (but the manifest) with its size and sha256; written last by a save."""
-    files = {}
-    for p in sorted(d.rglob("*")):
-        if p.is_file() and p.name != MANIFEST_NAME:
-            files[p.relative_to(d).as_posix()] = {"size": p.stat().st_size, "sha256": _sha256(p)}
-    doc = {"format": "fastawq-checkpoint", "format_version": FORMAT_VERSION, "files": files}
-    (d / MANIFEST_NAME).write_text(json.dumps(doc, indent=1))
-
-
-def verify_mode(verify: str | None) -> str:
-    mode = verify if verify is not None else os.environ.get("FASTAWQ_VERIFY", "full")
-    if mode not in VERIFY_MODES:
-        raise ValueError(f"verify must be one of {VERIFY_MODES} (or FASTAWQ_VERIFY), got {mode!r}")
-    return mode
-
-
-def verify_checkpoint(d: Path, verify: str | None = None) -> dict | None:
-    """Check `d` against its manifest: sizes always, sha256 unless verify="size"; "off" skips.
-    A folder without a manifest (AutoAWQ's, transformers') is loaded unchecked."""
-    mode = verify_mode(verify)
-    mpath = d / MANIFEST_NAME
-    if not mpath.exists():
-        log.debug("%s has no %s (not written by fastawq): its files are not checked", d, MANIFEST_NAME)
-        return None
-    if mode == "off":
-        return None
-    try:
-        doc = json.loads(mpath.read_text())
-        version, files = doc["format_version"], doc["files"]
-        if not isinstance(version, int) or not isinstance(files, dict):
-            raise TypeError("format_version must be an int and files an object")
-        entries = [(str(n), int(e["size"]), str(e["sha256"])) for n, e in files.items()]
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{mpath} is damaged ({type(e).__name__}: {e}); the checkpoint cannot be trusted") from None
-    if version > FORMAT_VERSION:
-        raise CheckpointError(f"{mpath}: format version {version} is newer than this fastawq reads ({FORMAT_VERSION})")
-    for name, size, digest in entries:
-        if Path(name).is_absolute() or ".." in Path(name).parts:
-            raise CheckpointError(f"{mpath} lists {name!r}, which is outside the checkpoint folder")
-        p = d / name
-        if not p.is_file():
-            raise CheckpointError(f"{p} is missing, but {MANIFEST_NAME} lists it: the checkpoint is incomplete")
-        actual = p.stat().st_size
-        if actual != size:
-            raise CheckpointError(f"{p} has {actual} bytes, {MANIFEST_NAME} says {size}: truncated or replaced")
-        if mode == "full" and _sha256(p) != digest:
-            raise CheckpointError(
-                f"{p} does not match its sha256 in {MANIFEST_NAME}: corrupted or replaced after the save "
-                f"(if you edited it on purpose, load with verify='size' or remove {MANIFEST_NAME})"
-            )
-    listed = {n for n, _, _ in entries}
-    for p in d.iterdir():
-        if (p.suffix == ".safetensors" or p.name in (INDEX_NAME, "config.json")) and p.name not in listed:
-            raise CheckpointError(f"{p} is not in {MANIFEST_NAME}: it does not belong to this checkpoint")
-    return doc
 
 
 # ---------------------------------------------------------------- saving
@@ -420,7 +183,7 @@ def save_quantized(
         raise ValueError("the model has no packed layers: quantize it (or pack() after export_compatible=True) first")
     if not quant_config.packable:
         raise ValueError(f"only 4-bit models are saved as AWQ checkpoints, the config says w_bit={quant_config.w_bit}")
-    _check_not_source(target, source_of(model))
+    check_not_source(target, source_of(model))
     sd = _state_dict_for_save(model)
     for k, t in sd.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
@@ -582,6 +345,7 @@ def load_quantized(
         raise CheckpointError(f"{d / 'config.json'}: quantization_config: {e}") from None
     del config.quantization_config
     tensors = read_tensors(d)
+    # A layout conversion of other formats' tensors (fastawq.hub) belongs here, before the checks below.
     if dtype is None:
         dtype = getattr(config, "dtype", None) or torch.float16
         if isinstance(dtype, str):

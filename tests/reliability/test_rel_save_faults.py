@@ -8,7 +8,7 @@ import signal
 import pytest
 import torch
 
-from fastawq import checkpoint
+from fastawq import atomic
 from fastawq.auto import AutoAWQForCausalLM
 from fastawq.checkpoint import save_steps, verify_checkpoint
 from relhelp import assert_intact, assert_loads_like, debris, run_forked, snapshot
@@ -34,7 +34,7 @@ def test_fault_in_process(packed, copy_of, tmp_path, monkeypatch, ids, step, sce
         copy_of("old")
         snap = snapshot(target)
     if scenario == "overwrite-two-renames":
-        monkeypatch.setattr(checkpoint, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
     monkeypatch.setenv("FASTAWQ_FAULT_AT", step)
     monkeypatch.setenv("FASTAWQ_FAULT_ACTION", action)
     with pytest.raises(RAISES[action]) as e:
@@ -85,7 +85,7 @@ def test_killed_fresh_save_leaves_nothing_loadable(packed, tmp_path, step):
 def test_kill_between_two_renames_is_recovered(packed, copy_of, tmp_path, monkeypatch, ids, other, sig):
     """Where one-step exchange is missing, a kill between the renames leaves the old checkpoint
     aside; the next load puts it back."""
-    monkeypatch.setattr(checkpoint, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
     target = copy_of("old")
     snap = snapshot(target)
     run_forked(lambda: _save(packed, target), {"FASTAWQ_FAULT_AT": "save:between-renames", "FASTAWQ_FAULT_ACTION": sig})

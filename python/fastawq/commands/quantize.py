@@ -12,14 +12,14 @@ def run(args) -> int:
 
     from pathlib import Path
 
-    from fastawq.checkpoint import _check_not_source, check_local_path
+    from fastawq.checkpoint import check_not_source, check_local_path
 
     out = Path(args.out)
     # Checked before the (long) quantization: the source exists, the output is not the source,
     # and the output may be written.
     src = check_local_path(args.model)
     if src is not None:
-        _check_not_source(out, src)
+        check_not_source(out, src)
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"{out} is a file, not a folder")
     if out.exists() and any(out.iterdir()) and not args.overwrite:
