@@ -88,6 +88,8 @@ class AWQModel(nn.Module):
         tokenizer = tokenizer if tokenizer is not None else self.tokenizer
         _check_quantize_args(self.model, config, tokenizer, calib_data, max_calib_samples, max_calib_seq_len,
                              export_compatible)
+        if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}, but torch sees no CUDA device")
         self.quant_config = config
         self.tokenizer = tokenizer
         self.model.fastawq_state = "partial"
@@ -303,6 +305,9 @@ def _check_quantize_args(model: nn.Module, config: QuantConfig, tokenizer: Any, 
                          f"nothing would be quantized")
     for name, lin in targets:
         config.group_size_for(name, lin.in_features)  # names the layer no group size fits
+        if config.packable and lin.out_features % 8:
+            raise ValueError(f"layer {name}: out_features={lin.out_features} is not divisible by 8, so it cannot "
+                             f"be packed; list it in modules_to_not_convert")
     if config.packable and not export_compatible:
         # Packed scales are fp16 for fp32 models: a group whose range / 15 exceeds fp16's max packs to inf.
         for name, lin in targets:

@@ -135,12 +135,26 @@ def test_bad_calibration_fails_before_work(case):
     ({"quant_config": {"q_group_size": 32, "modules_to_not_convert": "mlp"}}, "modules_to_not_convert"),
     ({"quant_config": {"q_group_size": 32, "zero_point": "false"}}, "zero_point"),
     ({"quant_config": {"q_group_size": 48}}, "not divisible by group_size=48"),
+    ({"quant_config": {"q_group_size": 32, "w_bit": 4.0}}, "w_bit"),
+    ({"quant_config": "w_bit=4"}, "quant_config must be a dict"),
+    ({"device": "cuda:0"} if not torch.cuda.is_available() else {"device": "tpu"}, "device"),
 ])
 def test_bad_arguments_fail_before_work(kw, match):
     m = _awq()
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
         _quantize(m, **kw)
     assert m.model.fastawq_state == "float"
+
+
+def test_unpackable_layer_named_before_work():
+    model = tiny_model("llama")
+    model.lm_head = torch.nn.Linear(64, 128, bias=False)  # not a decoder layer: never quantized
+    layer = model.model.layers[0].mlp
+    layer.down_proj = torch.nn.Linear(128, 60, bias=False)
+    layer.down_proj.out_features = 60
+    m = _awq(model)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj: out_features=60"):
+        _quantize(m)
 
 
 def test_fp32_weights_that_overflow_fp16_scales():
