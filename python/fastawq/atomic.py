@@ -238,8 +238,10 @@ def verify_checkpoint(d: Path, verify: str | None = None) -> dict | None:
     try:
         doc = json.loads(mpath.read_text())
         version, files = doc["format_version"], doc["files"]
-        if not isinstance(version, int) or not isinstance(files, dict):
-            raise TypeError("format_version must be an int and files an object")
+        if doc["format"] != "fastawq-checkpoint" or not isinstance(version, int) or version < 1:
+            raise TypeError(f"format {doc['format']!r} version {version!r} is not a fastawq manifest")
+        if not isinstance(files, dict):
+            raise TypeError("files must be an object")
         entries = [(str(n), int(e["size"]), str(e["sha256"])) for n, e in files.items()]
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{mpath} is damaged ({type(e).__name__}: {e}); the checkpoint cannot be trusted") from None
