@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if argv is not None:  # called from Python: errors stay exceptions
+        return int(args.func(args) or 0)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, TypeError, RuntimeError) as e:
         if args.verbose:
             raise
-        # A user error is one line naming what is wrong; -v shows the traceback.
+        # On the command line a user error is one line naming what is wrong; -v shows the traceback.
         print(f"fastawq {args.command}: error: {e}", file=sys.stderr)
         return 1
 

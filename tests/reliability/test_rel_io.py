@@ -66,7 +66,13 @@ def test_hf_style_generate_checks_ids(packed):
 
 # ---------------------------------------------------------------- CLI
 def _cli(capsys, *argv):
-    code = cli.main(list(map(str, argv)))
+    """As from a shell: `fastawq ARGV` (cli.main(None) reads sys.argv)."""
+    saved = sys.argv
+    sys.argv = ["fastawq", *map(str, argv)]
+    try:
+        code = cli.main()
+    finally:
+        sys.argv = saved
     return code, capsys.readouterr().err
 
 
@@ -92,6 +98,11 @@ def test_cli_errors_are_one_line(argv, capsys, tmp_path, float_dir, saved):
     code, err = _cli(capsys, *argv)
     assert code == 1 and err.startswith(f"fastawq {argv[0]}: error:") and err.count("\n") == 1
     assert time.perf_counter() - t < 5.0
+
+
+def test_cli_from_python_raises(float_dir):
+    with pytest.raises(ValueError, match="loaded from"):
+        cli.main(["quantize", str(float_dir), str(float_dir), "--overwrite"])
 
 
 def test_cli_quantize_non_empty_output_untouched(float_dir, saved, copy_of, capsys):
