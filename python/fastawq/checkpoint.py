@@ -119,6 +119,8 @@ def packing_state(model: nn.Module, quant_config: QuantConfig | None = None) -> 
     packed = [m for m in model.modules() if isinstance(m, WQLinear)]
     if not packed:
         return "float"
+    if state == "quantized":  # a finished quantize() or a load: float layers there are on purpose
+        return "quantized"
     try:
         arch = architecture_of(model)
         layers = model.get_submodule(arch.layers_path)
