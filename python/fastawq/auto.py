@@ -81,7 +81,7 @@ class AWQModel(nn.Module):
         if state == "partial":
             raise RuntimeError("an earlier quantize() was interrupted and left this model half-packed: reload the "
                                "float model (AutoAWQForCausalLM.from_pretrained) and quantize it again")
-        if self.is_quantized or state in ("quantized", "scaled") or _has_packed(self.model):
+        if self.is_quantized or state in ("quantized", "scaled", "pseudo") or _has_packed(self.model):
             raise RuntimeError("this model is already quantized; quantize() needs the float model "
                                "(AutoAWQForCausalLM.from_pretrained)")
         config = QuantConfig.from_dict(quant_config)
@@ -160,15 +160,15 @@ class AutoAWQForCausalLM:
     ) -> AWQModel:
         """Load a float model to quantize (on the CPU unless device_map says otherwise: the
         quantizer moves one layer at a time to the accelerator)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from fastawq.models import architecture_of
-
         from fastawq.checkpoint import check_local_path
 
         if not safetensors:
             raise ValueError("fastawq reads only safetensors weights")
-        local = check_local_path(model_path)
+        local = check_local_path(model_path)  # before the slow imports: a typo fails at once
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from fastawq.models import architecture_of
+
         kwargs = dict(model_init_kwargs)
         kwargs["dtype"] = _resolve_dtype(torch_dtype)
         if device_map is not None:
@@ -291,7 +291,7 @@ def _check_quantize_args(model: nn.Module, config: QuantConfig, tokenizer: Any, 
     """Everything quantize() can check before the first layer is searched."""
     from pathlib import Path, PurePath
 
-    from fastawq.checkpoint import _looks_local
+    from fastawq.checkpoint import looks_local
     from fastawq.quantize.pack import layers_of, target_linears
 
     for name, v in (("max_calib_samples", n_samples), ("max_calib_seq_len", seq_len)):
@@ -318,7 +318,7 @@ def _check_quantize_args(model: nn.Module, config: QuantConfig, tokenizer: Any, 
     vocab = model.get_input_embeddings().num_embeddings
     if isinstance(calib, (str, PurePath)):
         s = str(calib)
-        looks_file = s.endswith((".txt", ".jsonl", ".json")) or _looks_local(calib)
+        looks_file = s.endswith((".txt", ".jsonl", ".json")) or looks_local(calib)
         if s not in ("default", "pileval", "stdlib") and looks_file and not Path(s).exists():
             raise FileNotFoundError(f"calibration file {s} does not exist")
         texts = Path(s).exists() or s in ("default", "pileval", "stdlib")

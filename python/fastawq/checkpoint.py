@@ -59,7 +59,7 @@ def parse_size(size: int | str) -> int:
     return n
 
 
-def _looks_local(path: str | os.PathLike) -> bool:
+def looks_local(path: str | os.PathLike) -> bool:
     """A hub id is `name` or `org/name`; anything else (a Path, ./x, /x, ~/x, a/b/c, an existing
     parent folder) is a local path, which must not be sent to the hub."""
     if isinstance(path, PurePath):
@@ -80,7 +80,7 @@ def check_local_path(path: str | os.PathLike) -> Path | None:
         if not p.is_dir():
             raise NotADirectoryError(f"{path} is a file, not a model folder")
         return p
-    if not _looks_local(path):
+    if not looks_local(path):
         return None
     if recover(p):
         return p
@@ -331,6 +331,8 @@ def load_quantized(
     """Build the transformers model of `quant_dir` with WQLinear layers where the checkpoint has
     `<name>.qweight`, and load every tensor, checking the manifest, names, dtypes, shapes and
     finiteness first. Returns it on the CPU. verify: "full" | "size" | "off" (FASTAWQ_VERIFY)."""
+    d = _local_dir(quant_dir)  # before the slow imports: a typo fails at once
+    verify_checkpoint(d, verify)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
@@ -338,8 +340,6 @@ def load_quantized(
     except ImportError:  # transformers 4.x
         from transformers.modeling_utils import no_init_weights
 
-    d = _local_dir(quant_dir)
-    verify_checkpoint(d, verify)
     if not (d / "config.json").exists():
         raise CheckpointError(f"{d} has no config.json")
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+import signal
 
 import pytest
 import torch
@@ -12,6 +13,15 @@ from fastawq.auto import AWQModel
 from fastawq.modules import WQLinear
 from fastawq.quantize import QuantConfig, quantize
 from test_models import calib_ids, tiny_model
+
+
+@pytest.fixture(autouse=True)
+def ctrl_c_raises():
+    """SIGINT raises KeyboardInterrupt, as in a terminal: a shell starts background jobs (CI steps
+    among them) with SIGINT ignored, and Python then keeps it ignored."""
+    prev = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, prev)
 
 
 @pytest.fixture(scope="session")
