@@ -9,12 +9,19 @@ def run(args) -> int:
 
     from fastawq.auto import AutoAWQForCausalLM
     from fastawq.eval import format_table
+    from fastawq.generate import check_input_ids
 
+    if not args.prompt:
+        raise ValueError("the prompt is empty")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     model = AutoAWQForCausalLM.from_quantized(args.dir, device_map=args.device or "auto", fuse_layers=args.fuse_layers,
                                               max_seq_len=args.max_seq_len)
     tok = model.tokenizer
     if tok is None:
-        raise SystemExit(f"{args.dir} has no tokenizer")
+        raise FileNotFoundError(f"{args.dir} has no tokenizer files: `fastawq generate` needs one to encode the prompt")
     extra = {}
     if args.image is not None:
         from fastawq.multimodal import encode_prompt
@@ -29,7 +36,9 @@ def run(args) -> int:
                                            add_generation_prompt=True)
         else:
             text = args.prompt
-        ids = tok(text, return_tensors="pt", add_special_tokens=not args.chat).input_ids.to(model.device)
+        ids = tok(text, return_tensors="pt", add_special_tokens=not args.chat).input_ids
+        check_input_ids(ids, model.model)
+        ids = ids.to(model.device)
     t = time.perf_counter()
     out = model.generate(ids, **extra, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
                          temperature=args.temperature if args.temperature > 0 else None, top_p=None, top_k=None,
