@@ -15,7 +15,7 @@ from fastawq import cli
 from fastawq.auto import AutoAWQForCausalLM
 from fastawq.checkpoint import load_quantized
 from fastawq.generate import generate
-from relhelp import assert_intact, snapshot
+from .relhelp import assert_intact, snapshot
 from test_models import VOCAB
 
 MISSING = ["./no-such-model", "no/such/model/dir", "/nonexistent/awq", "~/no-such-fastawq-model", Path("no-such")]

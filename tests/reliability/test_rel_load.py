@@ -15,7 +15,7 @@ from fastawq.auto import AWQModel, AutoAWQForCausalLM
 from fastawq.checkpoint import CheckpointError, load_quantized, write_manifest
 from fastawq.modules import WQLinear
 from fastawq.quantize import QuantConfig
-from relhelp import assert_intact, debris, snapshot
+from .relhelp import assert_intact, debris, snapshot
 
 L = "model.layers.1.mlp.down_proj"  # [128 -> 64], group 32
 

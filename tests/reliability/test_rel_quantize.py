@@ -13,7 +13,7 @@ from fastawq.auto import AutoAWQForCausalLM, AWQModel
 from fastawq.checkpoint import save_quantized
 from fastawq.modules import WQLinear
 from fastawq.quantize import AwqQuantizer, QuantConfig
-from relhelp import assert_intact, run_forked, snapshot
+from .relhelp import assert_intact, run_forked, snapshot
 from test_models import VOCAB, calib_ids, tiny_model
 
 QC = {"q_group_size": 32}

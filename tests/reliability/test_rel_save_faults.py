@@ -11,7 +11,7 @@ import torch
 from fastawq import atomic
 from fastawq.auto import AutoAWQForCausalLM
 from fastawq.checkpoint import save_steps, verify_checkpoint
-from relhelp import assert_intact, assert_loads_like, debris, run_forked, snapshot
+from .relhelp import assert_intact, assert_loads_like, debris, run_forked, snapshot
 
 STEPS = save_steps(4)  # the packed tiny model in 20KB shards: 4 shards
 RAISES = {"raise": RuntimeError, "enospc": OSError, "int": KeyboardInterrupt}
