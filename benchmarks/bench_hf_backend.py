@@ -29,6 +29,8 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=64)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--diagnose", action="store_true",
+                    help="per model: the backends its W4 layers bound, plans rebuilt while decoding, top kernels")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_hf_backend.py needs a CUDA GPU", file=sys.stderr)
@@ -74,10 +76,13 @@ def main() -> int:
             m = load()
             load_s[label] = time.perf_counter() - t
             kinds = sorted({type(x).__name__ for x in m.modules() if "Linear" in type(x).__name__})
+            rebuilt = _count_plans()
             row = run_round(m, label, 1, args.prefill, args.decode, vocab)
             row.note = ""
             rows.append(row)
-            print(f"{label}: load {load_s[label]:.1f} s, linears {kinds}", flush=True)
+            print(f"{label}: load {load_s[label]:.1f} s, linears {kinds}, plans built {rebuilt()}", flush=True)
+            if args.diagnose:
+                _diagnose(m, vocab)
             del m
             gc.collect()
             torch.cuda.empty_cache()
@@ -90,6 +95,40 @@ def main() -> int:
         json.dump({"shape": name, "device": torch.cuda.get_device_name(), "rows": [asdict(r) for r in rows],
                    "load_s": load_s, "decode_ratio_unfused": ratio}, f, indent=1)
     return 0
+
+
+def _count_plans():
+    """How many times W4 layers (re)built their dispatch plan since this call."""
+    from fastawq.modules import qlinear
+
+    count = [0]
+    orig = getattr(qlinear.ops.awq_gemm_plan, "__wrapped__", qlinear.ops.awq_gemm_plan)
+
+    def counting(*a, **k):
+        count[0] += 1
+        return orig(*a, **k)
+
+    counting.__wrapped__ = orig
+    qlinear.ops.awq_gemm_plan = counting
+    return lambda: count[0]
+
+
+def _diagnose(model, vocab: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from fastawq.generate import stepper_for
+    from fastawq.modules import WQLinear
+
+    backends = sorted({getattr(getattr(m, "_plan", None), "backend", "none") for m in model.modules()
+                       if isinstance(m, WQLinear)})
+    step = stepper_for(model)
+    tok = step.prefill(torch.randint(0, vocab, (1, 16), device=step.device)).argmax(-1)
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            tok = step.decode(tok).argmax(-1)
+        torch.cuda.synchronize()
+    print(f"  W4 plan backends {backends}")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8, max_name_column_width=60))
 
 
 if __name__ == "__main__":
