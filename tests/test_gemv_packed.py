@@ -96,6 +96,20 @@ def test_repack_rejects_bad_shapes():
         awq_gemv_unpack(wp, sz[:, :8], 16, 32)
 
 
+@pytest.mark.skipif(not _ext.has_op("awq_gemv_packed"), reason="fastawq._C is not built with awq_gemv_packed")
+def test_fake_impl_gives_the_output_shape():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(3, 256, dtype=torch.bfloat16)
+        wp = torch.empty(32, 136, dtype=torch.int32)
+        sz = torch.empty(4, 272, dtype=torch.bfloat16)
+        out = torch.ops.fastawq.awq_gemv_packed(x, wp, sz, 136, 64, None)
+        assert tuple(out.shape) == (3, 136) and out.dtype == torch.bfloat16
+        with pytest.raises(Exception, match="M <= 8"):
+            torch.ops.fastawq.awq_gemv_packed(torch.empty(9, 256, dtype=torch.bfloat16), wp, sz, 136, 64, None)
+
+
 # --- GPU ---
 
 def _poisoned_call(x, wp, sz, n, g, bias=None):
