@@ -28,4 +28,9 @@ std::string awq_gemm_declines(const std::string& kernel, int64_t m, int64_t n, i
 void awq_dequantize_into(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& qzeros,
                          int64_t group_size, at::Tensor& out);
 
+// x [M<=8, K] fp16|bf16 · wpacked [K/8, N] int32 · szpacked [K/G, 2N] (x's dtype), both from
+// fastawq.ops.repack.awq_gemv_repack · bias [N] -> [M, N]: the decode kernel on the repacked layout.
+at::Tensor awq_gemv_packed(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n,
+                           int64_t group_size, const std::optional<at::Tensor>& bias);
+
 }  // namespace fastawq

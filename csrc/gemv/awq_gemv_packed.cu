@@ -1,0 +1,235 @@
+// W4A16 decode (M = 1..8) on the CUDA cores, on the load-time repacked layout of
+// awq_gemv_packed.h: every 16-byte load of a lane holds exactly the nibbles it consumes (8 rows x
+// its 4 columns), and one 16-byte load per group brings its 4 (scale, zero) pairs.
+//
+// y[m, n] = sum_k x[m, k] (q[k, n] - z[g, n]) s[g, n], fp32 accumulation, with the exact
+// dequantization of awq_gemv.cu: a byte permute drops a nibble into the mantissa of 0.5, giving
+// f = 0.5 + q/256, and per group and column sum_k x (q - z) = 256 (sum_k x f - (0.5 + z/256) sum_k x).
+//
+// Work: a block is 4 warps on one 128-column tile (32 lanes x 4 columns); each warp walks its own
+// contiguous range of `batches_per_warp` 32-row batches. Bytes in flight come from registers, not
+// shared memory: the next batch (4 independent 16-byte loads per lane) is issued before the current
+// one is consumed, so 8 loads per lane are in flight with ~40 registers of payload at M = 1, and the
+// low register count leaves room for many resident warps (cp.async would add a barrier and shared
+// memory traffic for no reuse: each byte is read by one lane once). The host picks the range so the
+// grid has about 32 warps per SM. Tail: warps meet in shared memory, split-K blocks add into the
+// zeroed fp32 workspace with one atomic per (row, column), and the last block of a tile converts
+// and re-zeroes it (graph-safe, no extra launch).
+// ptxas (sm_90a, no spills): 56 registers at M = 1, 95 at 2..3, 126..135 at 4..5, ~165 at 6..7,
+// ~190 at 8. A minimum of 6 blocks per SM brings M = 2 to 80 but spills at M = 3 and lifts M = 1 to 72.
+#include "common/dtype.cuh"
+#include "common/ptx.cuh"
+#include "gemv/awq_gemv_packed.h"
+
+namespace fastawq {
+namespace {
+
+constexpr int kWarps = kPackedThreads / 32;
+constexpr int kLoads = kPackedBatchRows / 8;  // 16-byte loads per lane per batch
+
+__device__ __forceinline__ float2 to_float2(uint32_t v, __half) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&v));
+}
+__device__ __forceinline__ float2 to_float2(uint32_t v, __nv_bfloat16) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+}
+
+__device__ __forceinline__ uint4 load_stream(const uint4* p, uint64_t policy) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p), "l"(policy));
+  return v;
+}
+
+// The 4 loads of batch b of a lane: 8-row blocks 4b .. 4b+3 at the lane's column chunk.
+__device__ __forceinline__ void load_batch(uint4 (&w)[kLoads], const uint4* __restrict__ wp, int b, int n4, int c4,
+                                           bool col_ok, uint64_t policy) {
+#pragma unroll
+  for (int u = 0; u < kLoads; ++u) {
+    w[u] = col_ok ? load_stream(wp + static_cast<int64_t>(b * kLoads + u) * n4 + c4, policy) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// f[c] = 0.5 + q / 256 for the 4 bytes (columns) of a masked word.
+__device__ __forceinline__ void decode4(uint32_t v, float (&f)[4]) {
+  constexpr uint32_t kHalf = 0x3F000000u;  // 0.5f; selector 0x7c44 puts byte c in bits 16..19
+  f[0] = __uint_as_float(__byte_perm(v, kHalf, 0x7044));
+  f[1] = __uint_as_float(__byte_perm(v, kHalf, 0x7144));
+  f[2] = __uint_as_float(__byte_perm(v, kHalf, 0x7244));
+  f[3] = __uint_as_float(__byte_perm(v, kHalf, 0x7344));
+}
+
+// acc += x * f over one batch (rows row0 .. row0+31), xs += x.
+template <typename T, int M>
+__device__ __forceinline__ void consume(const uint4 (&w)[kLoads], const T* __restrict__ x, int k, int row0,
+                                        float (&acc)[M][4], float (&xs)[M]) {
+#pragma unroll
+  for (int u = 0; u < kLoads; ++u) {
+    uint4 xr[M];
+#pragma unroll
+    for (int mm = 0; mm < M; ++mm) {
+      xr[mm] = __ldg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(mm) * k + row0 + 8 * u));
+    }
+    const uint32_t words[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float flo[4], fhi[4];
+      decode4(words[j] & 0x0F0F0F0Fu, flo);         // row 8u + 2j
+      decode4((words[j] >> 4) & 0x0F0F0F0Fu, fhi);  // row 8u + 2j + 1
+#pragma unroll
+      for (int mm = 0; mm < M; ++mm) {
+        const uint32_t pair = j == 0 ? xr[mm].x : j == 1 ? xr[mm].y : j == 2 ? xr[mm].z : xr[mm].w;
+        const float2 xv = to_float2(pair, T{});
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          acc[mm][c] = fmaf(xv.x, flo[c], acc[mm][c]);
+          acc[mm][c] = fmaf(xv.y, fhi[c], acc[mm][c]);
+        }
+        xs[mm] += xv.x + xv.y;
+      }
+    }
+  }
+}
+
+template <typename T, int M>
+__global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
+    const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
+    T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int n, int k, int group_size,
+    int batches_per_warp) {
+  using Tr = HalfTraits<T>;
+  __shared__ __align__(16) float red[kWarps][M][kPackedTileCols];
+  __shared__ int is_last;
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n4 = n >> 2;
+  const int c4 = blockIdx.x * 32 + lane;  // the lane's 4-column chunk
+  const bool col_ok = c4 < n4;            // n % 8 == 0: a chunk is all in range or all out
+  const int b_total = k / kPackedBatchRows;
+  const int b0 = (blockIdx.y * kWarps + warp) * batches_per_warp;
+  const int b1 = min(b0 + batches_per_warp, b_total);
+  const uint64_t policy = evict_first_policy();
+
+  float y[M][4], acc[M][4], xs[M];
+#pragma unroll
+  for (int mm = 0; mm < M; ++mm) {
+    xs[mm] = 0.f;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) y[mm][c] = acc[mm][c] = 0.f;
+  }
+
+  uint4 cur[kLoads], nxt[kLoads];
+  if (b0 < b1) load_batch(cur, wp, b0, n4, c4, col_ok, policy);
+#pragma unroll 1
+  for (int b = b0; b < b1; ++b) {
+    if (b + 1 < b1) load_batch(nxt, wp, b + 1, n4, c4, col_ok, policy);
+    consume<T, M>(cur, x, k, b * kPackedBatchRows, acc, xs);
+    // Close the group when the next batch starts a new one or the warp's range ends
+    // (group_size % 32 == 0: a batch never straddles groups).
+    const int next_row = (b + 1) * kPackedBatchRows;
+    if (next_row % group_size == 0 || b + 1 == b1) {
+      if (col_ok) {
+        const int grp = (b * kPackedBatchRows) / group_size;
+        const uint4 sv = __ldg(sz + static_cast<int64_t>(grp) * n4 + c4);
+        const T* p = reinterpret_cast<const T*>(&sv);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const float s = Tr::to_float(p[2 * c]);
+          const float fz = fmaf(Tr::to_float(p[2 * c + 1]), 1.f / 256.f, 0.5f);  // exact
+#pragma unroll
+          for (int mm = 0; mm < M; ++mm) y[mm][c] = fmaf(s, fmaf(-fz, xs[mm], acc[mm][c]), y[mm][c]);
+        }
+      }
+#pragma unroll
+      for (int mm = 0; mm < M; ++mm) {
+        xs[mm] = 0.f;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[mm][c] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) cur[u] = nxt[u];
+  }
+
+  // The 4 warps of the tile meet in shared memory (warps with an empty range add zeros).
+#pragma unroll
+  for (int mm = 0; mm < M; ++mm) {
+    *reinterpret_cast<float4*>(&red[warp][mm][lane * 4]) = make_float4(y[mm][0], y[mm][1], y[mm][2], y[mm][3]);
+  }
+  __syncthreads();
+
+  const int col0 = blockIdx.x * kPackedTileCols;
+  const bool split = gridDim.y > 1;
+  for (int e = threadIdx.x; e < M * kPackedTileCols; e += kPackedThreads) {
+    const int mm = e / kPackedTileCols, tc = e % kPackedTileCols, col = col0 + tc;
+    if (col >= n) continue;
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) v += red[w][mm][tc];
+    if (split) {
+      atomicAdd(ws + static_cast<int64_t>(mm) * n + col, v);
+    } else {
+      const float bv = bias != nullptr ? Tr::to_float(bias[col]) : 0.f;
+      out[static_cast<int64_t>(mm) * n + col] = Tr::from_float(fmaf(256.f, v, bv));
+    }
+  }
+  if (!split) return;
+
+  // Split K: the last block of this column tile to arrive converts the sums and re-zeroes them.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int prev = atomicAdd(counters + blockIdx.x, 1);
+    is_last = prev == static_cast<int>(gridDim.y) - 1;
+    if (is_last) counters[blockIdx.x] = 0;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for (int e = threadIdx.x; e < M * kPackedTileCols; e += kPackedThreads) {
+    const int mm = e / kPackedTileCols, tc = e % kPackedTileCols, col = col0 + tc;
+    if (col >= n) continue;
+    float* p = ws + static_cast<int64_t>(mm) * n + col;
+    const float v = __ldcg(p);
+    __stcg(p, 0.f);
+    const float bv = bias != nullptr ? Tr::to_float(bias[col]) : 0.f;
+    out[static_cast<int64_t>(mm) * n + col] = Tr::from_float(fmaf(256.f, v, bv));
+  }
+}
+
+template <typename T, int M>
+void launch_m(const GemvPackedArgs& a, cudaStream_t stream) {
+  const dim3 grid(a.col_tiles, a.splits);
+  awq_gemv_packed_kernel<T, M><<<grid, kPackedThreads, 0, stream>>>(
+      static_cast<const T*>(a.x), reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz),
+      static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.n, a.k, a.group_size,
+      a.batches_per_warp);
+}
+
+// The host entry sends only 1 <= m <= kPackedMaxM = 8.
+template <typename T>
+void launch_t(const GemvPackedArgs& a, cudaStream_t stream) {
+  static_assert(kPackedMaxM == 8, "one instance per M below");
+  switch (a.m) {
+    case 1: return launch_m<T, 1>(a, stream);
+    case 2: return launch_m<T, 2>(a, stream);
+    case 3: return launch_m<T, 3>(a, stream);
+    case 4: return launch_m<T, 4>(a, stream);
+    case 5: return launch_m<T, 5>(a, stream);
+    case 6: return launch_m<T, 6>(a, stream);
+    case 7: return launch_m<T, 7>(a, stream);
+    default: return launch_m<T, 8>(a, stream);
+  }
+}
+
+}  // namespace
+
+void launch_awq_gemv_packed(const GemvPackedArgs& a, cudaStream_t stream) {
+  if (a.dtype == HalfType::kHalf) {
+    launch_t<__half>(a, stream);
+  } else {
+    launch_t<__nv_bfloat16>(a, stream);
+  }
+}
+
+}  // namespace fastawq

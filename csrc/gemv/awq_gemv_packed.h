@@ -1,0 +1,40 @@
+// Launcher of the decode kernel on the repacked layout (csrc/gemv/awq_gemv_packed.cu), shared with
+// its host entry (awq_gemv_packed.cpp). Plain pointers only: the .cu includes no torch headers.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "common/launch.h"
+
+namespace fastawq {
+
+// Layout (python/fastawq/ops/repack.py is the one writer and reader):
+//   wpacked  [K/8, N] int32: the 16 bytes at (kb, 4*c4 .. 4*c4+3) hold rows 8kb..8kb+7 of columns
+//            4c4..4c4+3; word j holds rows 8kb+2j (even nibbles) and 8kb+2j+1 (odd nibbles), the
+//            nibble pair of column c at bits 8c..8c+7.
+//   szpacked [K/G, 2N] (x's dtype): (scale, zero) of column n at (g, 2n), (g, 2n+1), so the 16
+//            bytes at (g, 8*c4) are the group's pairs for one lane's 4 columns.
+constexpr int kPackedMaxM = 8;
+constexpr int kPackedThreads = 128;   // 4 warps on one column tile, each on its own range of K
+constexpr int kPackedTileCols = 128;  // 32 lanes x 4 columns
+constexpr int kPackedBatchRows = 32;  // 4 16-byte loads per lane per batch
+
+struct GemvPackedArgs {
+  HalfType dtype;
+  const void* x;           // [M, K], 16-byte aligned, K % 32 == 0
+  const uint32_t* w;       // wpacked [K/8, N]
+  const void* sz;          // szpacked [K/G, 2N]
+  const void* bias;        // [N] or nullptr
+  void* out;               // [M, N]
+  float* workspace;        // [M, N] fp32, zeroed (left zeroed), when splits > 1
+  int* counters;           // zeroed, one per column tile, when splits > 1
+  int m, n, k, group_size;
+  int col_tiles, splits;   // grid
+  int batches_per_warp;    // 32-row batches of K per warp
+};
+
+void launch_awq_gemv_packed(const GemvPackedArgs& args, cudaStream_t stream);
+
+}  // namespace fastawq

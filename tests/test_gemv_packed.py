@@ -1,0 +1,219 @@
+"""The decode kernel on the repacked layout (awq_gemv_packed) and its load-time repack.
+
+CPU: the repack round trip is bit-exact, and a bit-level emulation of the kernel's reading of the
+layout (written from csrc/gemv/awq_gemv_packed.h, not from the inverse) matches the reference.
+GPU (skipped without CUDA and the compiled op): the kernel against reference.awq_gemm.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import LLAMA3_8B_SHAPES, assert_close_to_reference, random_awq, random_input
+from fastawq import _ext, reference
+from fastawq.ops.repack import awq_gemv_packed, awq_gemv_repack, awq_gemv_unpack
+
+HAS_KERNEL = torch.cuda.is_available() and _ext.has_op("awq_gemv_packed")
+requires_kernel = pytest.mark.skipif(not HAS_KERNEL, reason="needs CUDA and fastawq._C with awq_gemv_packed")
+
+# (K, N, G): N below, at and across the 128-column tile and the 4-column lane chunk; K one batch,
+# a few, and across groups of every size.
+ROUND_TRIP_SHAPES = [
+    (8, 8, 8), (32, 8, 32), (64, 24, 32), (96, 136, 32), (128, 128, 64), (256, 264, 128), (384, 520, 128),
+    (200, 40, 40),
+]
+
+
+@pytest.mark.parametrize("k,n,g", ROUND_TRIP_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_round_trip_is_bit_exact(k, n, g, dtype):
+    qw, s, qz = random_awq(k, n, g, dtype=dtype, seed=k + n)
+    wp, sz = awq_gemv_repack(qw, s, qz, g)
+    assert wp.dtype == torch.int32 and tuple(wp.shape) == (k // 8, n)
+    assert sz.dtype == dtype and tuple(sz.shape) == (k // g, 2 * n)
+    qw2, s2, qz2 = awq_gemv_unpack(wp, sz, n, g)
+    assert torch.equal(qw2, qw) and torch.equal(qz2, qz)
+    assert torch.equal(s2.view(torch.int16), s.view(torch.int16))  # bit identity, not value equality
+
+
+def _emulate_layout(wp: torch.Tensor, sz: torch.Tensor, n: int, g: int) -> tuple[torch.Tensor, ...]:
+    """q [K, N], scales [K/G, N], zeros [K/G, N] read the way the kernel reads them."""
+    k = wp.shape[0] * 8
+    q = torch.empty(k, n, dtype=torch.int32)
+    words = wp.view(k // 8, n // 4, 4)  # [kb, c4, j]: one lane's 16 bytes per (kb, c4)
+    for j in range(4):
+        w = words[:, :, j]
+        for c in range(4):
+            lo = (w >> (8 * c)) & 0xF  # byte c of w & 0x0F0F0F0F
+            hi = (w >> (8 * c + 4)) & 0xF  # byte c of (w >> 4) & 0x0F0F0F0F
+            q[2 * j :: 8, c::4] = lo
+            q[2 * j + 1 :: 8, c::4] = hi
+    pairs = sz.view(k // g, n // 4, 4, 2)  # [g, c4, c, (s, z)]: one lane's 16 bytes per (g, c4)
+    return q, pairs[..., 0].reshape(k // g, n), pairs[..., 1].reshape(k // g, n)
+
+
+@pytest.mark.parametrize("k,n,g", [(32, 8, 32), (96, 136, 32), (256, 264, 128), (384, 520, 64)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_layout_as_the_kernel_reads_it(k, n, g, dtype):
+    qw, s, qz = random_awq(k, n, g, dtype=dtype, seed=3 * k + n)
+    wp, sz = awq_gemv_repack(qw, s, qz, g)
+    q, s_read, z_read = _emulate_layout(wp, sz, n, g)
+    assert torch.equal(q, reference.unpack_int4(qw))
+    assert torch.equal(s_read.view(torch.int16), s.view(torch.int16))
+    assert torch.equal(z_read.to(torch.int32), reference.unpack_int4(qz))
+    # The kernel's arithmetic: f = 0.5 + q/256 per weight, per group 256 * s * (sum x f - (0.5 + z/256) sum x).
+    x = random_input((3, k), dtype=dtype)
+    xf = x.float()
+    f = 0.5 + q.float() / 256
+    out = torch.zeros(3, n)
+    for grp in range(k // g):
+        rows = slice(grp * g, (grp + 1) * g)
+        acc = xf[:, rows] @ f[rows]
+        xs = xf[:, rows].sum(dim=1, keepdim=True)
+        fz = 0.5 + z_read[grp].float() / 256
+        out += s_read[grp].float() * (acc - fz * xs)
+    assert_close_to_reference((256 * out).to(dtype), x, qw, s, qz, g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cpu_fallback_matches_reference(dtype):
+    k, n, g = 256, 264, 64
+    qw, s, qz = random_awq(k, n, g, dtype=dtype, seed=5)
+    wp, sz = awq_gemv_repack(qw, s, qz, g)
+    x = random_input((2, k), dtype=dtype)
+    bias = random_input((n,), dtype=dtype, seed=2)
+    assert_close_to_reference(awq_gemv_packed(x, wp, sz, n, g, bias), x, qw, s, qz, g, bias)
+
+
+def test_repack_rejects_bad_shapes():
+    qw, s, qz = random_awq(64, 16, 32)
+    with pytest.raises(ValueError, match="group_size|qweight|scales"):
+        awq_gemv_repack(qw, s[:1], qz, 32)
+    wp, sz = awq_gemv_repack(qw, s, qz, 32)
+    with pytest.raises(ValueError, match="N=24"):
+        awq_gemv_unpack(wp, sz, 24, 32)
+    with pytest.raises(ValueError, match="szpacked"):
+        awq_gemv_unpack(wp, sz[:, :8], 16, 32)
+
+
+@pytest.mark.skipif(not _ext.has_op("awq_gemv_packed"), reason="fastawq._C is not built with awq_gemv_packed")
+def test_fake_impl_gives_the_output_shape():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(3, 256, dtype=torch.bfloat16)
+        wp = torch.empty(32, 136, dtype=torch.int32)
+        sz = torch.empty(4, 272, dtype=torch.bfloat16)
+        out = torch.ops.fastawq.awq_gemv_packed(x, wp, sz, 136, 64, None)
+        assert tuple(out.shape) == (3, 136) and out.dtype == torch.bfloat16
+        with pytest.raises(Exception, match="M <= 8"):
+            torch.ops.fastawq.awq_gemv_packed(torch.empty(9, 256, dtype=torch.bfloat16), wp, sz, 136, 64, None)
+
+
+# --- GPU ---
+
+def _poisoned_call(x, wp, sz, n, g, bias=None):
+    """Fill a freed block of the output's size with NaN first, so unwritten outputs show."""
+    junk = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype, device=x.device)
+    del junk
+    return torch.ops.fastawq.awq_gemv_packed(x, wp, sz, n, g, bias)
+
+
+def _setup(k, n, g, dtype, seed=0):
+    qw, s, qz = random_awq(k, n, g, "cuda", dtype, seed=seed)
+    wp, sz = awq_gemv_repack(qw, s, qz, g)
+    return qw, s, qz, wp, sz
+
+
+# Edges: N < one tile, N = tile + 8, odd tile counts; K = one batch, one group, split K; every group size.
+GPU_SHAPES = [
+    (32, 8, 32), (64, 136, 32), (128, 128, 64), (256, 264, 128), (1024, 1000, 64), (2048, 392, 128),
+    (8192, 128, 128), (11008, 520, 32), (4096, 4104, 128),
+]
+
+
+@requires_kernel
+@pytest.mark.parametrize("k,n,g", GPU_SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_matches_reference(k, n, g, m, dtype):
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=k + n + m)
+    x = random_input((m, k), "cuda", dtype, seed=m)
+    assert_close_to_reference(_poisoned_call(x, wp, sz, n, g), x, qw, s, qz, g)
+    bias = random_input((n,), "cuda", dtype, seed=7)
+    x2 = random_input((m, k), "cuda", dtype, seed=m + 100)  # a second call: the workspace was re-zeroed
+    assert_close_to_reference(_poisoned_call(x2, wp, sz, n, g, bias), x2, qw, s, qz, g, bias)
+
+
+@requires_kernel
+@pytest.mark.parametrize("k,n", LLAMA3_8B_SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_llama_shapes(k, n, m, dtype):
+    g = 128
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=m)
+    x = random_input((m, k), "cuda", dtype, seed=m)
+    assert_close_to_reference(_poisoned_call(x, wp, sz, n, g), x, qw, s, qz, g)
+
+
+@requires_kernel
+def test_repack_on_gpu_equals_cpu():
+    qw, s, qz = random_awq(512, 264, 128, dtype=torch.bfloat16, seed=9)
+    wp, sz = awq_gemv_repack(qw, s, qz, 128)
+    wpg, szg = awq_gemv_repack(qw.cuda(), s.cuda(), qz.cuda(), 128)
+    assert torch.equal(wpg.cpu(), wp) and torch.equal(szg.cpu().view(torch.int16), sz.view(torch.int16))
+
+
+@requires_kernel
+@pytest.mark.parametrize("m", [1, 4])
+def test_cuda_graph_replay_with_changed_inputs(m):
+    k, n, g, dtype = 8192, 392, 128, torch.float16  # split K: the graph replays the workspace reduction
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=11)
+    x = random_input((m, k), "cuda", dtype, seed=1)
+    torch.ops.fastawq.awq_gemv_packed(x, wp, sz, n, g, None)  # workspace allocated outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.fastawq.awq_gemv_packed(x, wp, sz, n, g, None)
+    for seed in (2, 3, 4):
+        x.copy_(random_input((m, k), "cuda", dtype, seed=seed))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close_to_reference(out, x, qw, s, qz, g)
+
+
+@requires_kernel
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_opcheck(m):
+    k, n, g = 256, 136, 64
+    _, _, _, wp, sz = _setup(k, n, g, torch.float16)
+    x = random_input((m, k), "cuda", torch.float16)
+    bias = random_input((n,), "cuda", torch.float16)
+    torch.library.opcheck(torch.ops.fastawq.awq_gemv_packed.default, (x, wp, sz, n, g, bias))
+    torch.library.opcheck(torch.ops.fastawq.awq_gemv_packed.default, (x, wp, sz, n, g, None))
+
+
+@requires_kernel
+def test_bad_inputs_are_named():
+    k, n, g = 256, 136, 64
+    _, _, _, wp, sz = _setup(k, n, g, torch.float16)
+    x = random_input((1, k), "cuda", torch.float16)
+    op = torch.ops.fastawq.awq_gemv_packed
+    with pytest.raises(RuntimeError, match="M <= 8.*m=9"):
+        op(random_input((9, k), "cuda", torch.float16), wp, sz, n, g, None)
+    with pytest.raises(RuntimeError, match="wpacked must be int32"):
+        op(x, wp[:16], sz, n, g, None)
+    with pytest.raises(RuntimeError, match="szpacked must be"):
+        op(x, wp, sz.to(torch.bfloat16), n, g, None)
+    with pytest.raises(RuntimeError, match="group_size"):
+        op(x, wp, sz, n, 48, None)
+    with pytest.raises(RuntimeError, match="n must be"):
+        op(x, wp, sz, 12, g, None)
+    with pytest.raises(RuntimeError, match="16-byte aligned"):
+        buf = torch.empty(k + 8, device="cuda", dtype=torch.float16)
+        op(buf[1 : 1 + k].view(1, k), wp, sz, n, g, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        op(x, wp, sz, n, g, random_input((n + 8,), "cuda", torch.float16))
+    with pytest.raises(RuntimeError, match="one CUDA device"):
+        op(x, wp.cpu(), sz, n, g, None)
