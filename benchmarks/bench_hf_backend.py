@@ -128,7 +128,8 @@ def _diagnose(model, vocab: int) -> None:
             tok = step.decode(tok).argmax(-1)
         torch.cuda.synchronize()
     print(f"  W4 plan backends {backends}")
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8, max_name_column_width=60))
+    for key in ("self_cuda_time_total", "self_cpu_time_total"):
+        print(prof.key_averages().table(sort_by=key, row_limit=8, max_name_column_width=60))
 
 
 if __name__ == "__main__":
