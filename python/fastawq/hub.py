@@ -9,6 +9,8 @@ import os
 import re
 from pathlib import Path
 
+from fastawq.atomic import recover
+
 log = logging.getLogger(__name__)
 
 # What fastawq reads: configs, safetensors weights, tokenizer files, chat templates. Never
@@ -52,14 +54,12 @@ def resolve(
 ) -> Path:
     """The local folder of a model: `name_or_path` itself when it exists, else the Hub cache's
     snapshot of the id (downloaded unless offline). Python files come only with trust_remote_code."""
-    if not isinstance(name_or_path, str):
-        p = Path(name_or_path)
-        if not p.exists():
-            raise FileNotFoundError(f"no such model folder: {p}")
-        return p
     p = Path(name_or_path).expanduser()
-    if p.exists():
+    # A save killed between its two renames left the checkpoint beside its path: put it back.
+    if p.exists() or recover(p):
         return p
+    if not isinstance(name_or_path, str):
+        raise FileNotFoundError(f"no such model folder: {p}")
     if looks_like_path(name_or_path) or not _REPO_ID.fullmatch(name_or_path):
         raise FileNotFoundError(
             f"no such model folder: {name_or_path!r} (and it is not a Hub id of the form 'org/name')"

@@ -294,13 +294,13 @@ class PairQuantizer(AwqQuantizer):
             per_layer.append(chunks)
         return inps, per_layer
 
-    def _run_layer(self, layer, name, groups, inps, kwargs):
+    def _run_layer(self, layer, name, groups, inps, kwargs, extra_hooks=None):
         if not isinstance(kwargs, _PerChunk):
-            return super()._run_layer(layer, name, groups, inps, kwargs)
+            return super()._run_layer(layer, name, groups, inps, kwargs, extra_hooks)
         stats: dict = {}
         outs = []
         for x, kw in zip(inps, kwargs):
-            st, out = super()._run_layer(layer, name, groups, [x], kw)
+            st, out = super()._run_layer(layer, name, groups, [x], kw, extra_hooks)
             outs += out
             for k, s in st.items():
                 if k not in stats:
