@@ -94,6 +94,11 @@ class AWQModel(nn.Module):
 
         if not safetensors:
             raise ValueError("fastawq writes only safetensors checkpoints")
+        if not self.is_quantized:  # after export_compatible=True: the scaled float model, for GGUF export
+            from fastawq.gguf_export import save_scaled_float
+
+            save_scaled_float(self.model, save_dir, self.tokenizer, shard_size=shard_size, overwrite=overwrite)
+            return
         save_quantized(self.model, save_dir, self.quant_config, self.tokenizer, shard_size=shard_size, overwrite=overwrite)
 
 
