@@ -9,7 +9,9 @@ Evaluation sets (16 disjoint windows of 512 tokens each by default):
   python-docs   a fixed set of Python 3.11 documentation sources (.rst.txt; no docs in calibration)
 Each variant is one AWQ run (pseudo-quantized after the search); fp and RTN are shared.
 Recovered = (RTN - AWQ) / (RTN - fp). `--save-scaled DIR` keeps the first variant's scaled float
-model (export_compatible) as a Hugging Face folder, for the GGUF comparison.
+model (export_compatible) as a Hugging Face folder; `--gguf-scaled DIR [--gguf-type q4_0]` then
+compares the same GGUF quantization of the unscaled and of the AWQ-scaled model (both written by
+fastawq.gguf_export, read back and dequantized by transformers' GGUF loader).
 """
 from __future__ import annotations
 
@@ -63,6 +65,30 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def gguf_compare(args, fp_dir: Path, scaled_dir: Path, fp, ppl, t0: float) -> int:
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from fastawq.gguf_export import export_gguf
+
+    rows, results = [["full precision (fp32)"] + list(ppl(fp).values())], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, src in (("unscaled", fp_dir), ("AWQ-scaled", scaled_dir)):
+            name = f"{label}-{args.gguf_type}.gguf"
+            export_gguf(src, Path(tmp) / name, args.gguf_type)
+            m = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=name, dtype=torch.float32).eval()
+            results[label] = ppl(m)
+            print(label, results[label], flush=True)
+            rows.append([f"GGUF {args.gguf_type.upper()} of the {label} model"] + list(results[label].values()))
+            del m
+    print(format_table(["model"] + args.sets, rows))
+    print(f"GGUF {args.gguf_type.upper()} (linears; embedding Q8_0), eval {args.windows} x {args.seq_len} tokens "
+          f"per set; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {cpu_name()}; "
+          f"total {time.perf_counter() - t0:.0f}s")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calib-samples", type=int, default=128)
@@ -75,6 +101,9 @@ def main() -> int:
                     help="NAME:calib=default|stdlib|FILE,n_grid=20,duo=1,clip=1 (repeatable; default: one default run)")
     ap.add_argument("--save-scaled", type=Path, default=None, help="save the first variant's scaled float model here")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--gguf-scaled", type=Path, default=None,
+                    help="only the GGUF comparison: the scaled float folder a --save-scaled run wrote")
+    ap.add_argument("--gguf-type", default="q4_0")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -93,6 +122,8 @@ def main() -> int:
     def ppl(m) -> dict:
         return {s: perplexity(m, tok, ids[s], args.seq_len, progress=False) for s in args.sets}
 
+    if args.gguf_scaled is not None:
+        return gguf_compare(args, path, args.gguf_scaled, fp, ppl, t0)
     qc = QuantConfig(w_bit=4, q_group_size=args.group_size, zero_point=True)
     results = {"fp": ppl(fp)}
     print("fp", results["fp"], flush=True)
