@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 
 import pytest
 import torch
@@ -49,17 +50,11 @@ def test_never_overlaps_heldout_files(records):
     # every Brown file is either calibration or held out, exactly once
     n_total = sum(n for _, n in data.BROWN_GENRES.values())
     assert len(genres) + len(files) + len(data.brown_calib_ids()) == n_total == 500
-    # the code part comes only from the calibration side of the stdlib docstring split
-    import sysconfig
-    import zlib
-    from pathlib import Path
-
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for r in records:
-        if r["source"] == "python-stdlib":
-            rel = r["id"].removeprefix("stdlib/")
-            assert zlib.crc32(rel.encode()) % data._HELDOUT_EVERY != 0, rel
-    assert stdlib.exists()
+    # the code part comes only from the calibration side of the stdlib docstring split, so
+    # data.heldout_text() stays unseen
+    code_ids = [r["id"].removeprefix("stdlib/") for r in records if r["source"] == "python-stdlib"]
+    assert len(code_ids) > 10
+    assert all(zlib.crc32(rel.encode()) % data._HELDOUT_EVERY != 0 for rel in code_ids)
 
 
 def test_default_texts_interleave_genres_and_code():
