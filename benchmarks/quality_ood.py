@@ -72,9 +72,11 @@ def gguf_compare(args, fp_dir: Path, scaled_dir: Path, fp, ppl, t0: float) -> in
 
     from fastawq.gguf_export import export_gguf
 
-    rows, results = [["full precision (fp32)"] + list(ppl(fp).values())], {}
+    del fp  # the float model's perplexity is the main run's
+    rows, results = [], {}
+    models = [("unscaled", fp_dir), ("AWQ-scaled", scaled_dir)]
     with tempfile.TemporaryDirectory() as tmp:
-        for label, src in (("unscaled", fp_dir), ("AWQ-scaled", scaled_dir)):
+        for label, src in [m for m in models if args.gguf_which in ("both", m[0])]:
             name = f"{label}-{args.gguf_type}.gguf"
             export_gguf(src, Path(tmp) / name, args.gguf_type)
             m = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=name, dtype=torch.float32).eval()
@@ -104,6 +106,7 @@ def main() -> int:
     ap.add_argument("--gguf-scaled", type=Path, default=None,
                     help="only the GGUF comparison: the scaled float folder a --save-scaled run wrote")
     ap.add_argument("--gguf-type", default="q4_0")
+    ap.add_argument("--gguf-which", choices=["both", "unscaled", "AWQ-scaled"], default="both")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
