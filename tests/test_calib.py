@@ -17,7 +17,7 @@ class CharTokenizer:
         return {"input_ids": [1 + ord(c) % 100 for c in text]}
 
 
-def test_default_is_offline_stdlib_text():
+def test_default_is_offline_text():
     x = get_calib_dataset(None, CharTokenizer(), n_samples=4, max_seq_len=64)
     assert x.shape == (4, 64) and x.dtype == torch.long
 

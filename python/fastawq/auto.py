@@ -139,6 +139,13 @@ class AWQModel(nn.Module):
 
         if not safetensors:
             raise ValueError("fastawq writes only safetensors checkpoints")
+        if getattr(self.model, "fastawq_state", None) == "scaled":
+            # After quantize(export_compatible=True): the scaled float model, for GGUF export.
+            from fastawq.gguf_export import save_scaled_float
+
+            save_scaled_float(self.model, save_dir, self.processor or self.tokenizer, shard_size=shard_size,
+                              overwrite=overwrite)
+            return
         save_quantized(self.model, save_dir, self.quant_config, self.processor or self.tokenizer, shard_size=shard_size,
                        overwrite=overwrite)
 

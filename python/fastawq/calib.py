@@ -1,7 +1,9 @@
 """Calibration data: text from anywhere, cut into blocks of token ids.
 
-Accepted: None / "default" (the offline stdlib text of fastawq.data), "pileval" (AutoAWQ's hub
-default, served by the offline text with a log line), a list of strings, a list of token-id
+Accepted: None / "default" (the diverse set shipped with fastawq: Brown-corpus English across
+twelve genres plus about 15 % Python code, see fastawq.data), "pileval" (AutoAWQ's hub default,
+served by that offline set with a log line), "stdlib" (the earlier default: the standard
+library's docstrings), a list of strings, a list of token-id
 lists, an [n, seq_len] id tensor, a local .txt (paragraphs) or .jsonl (one object per line,
 `text_column`) file, or a `datasets` Dataset / a dataset name when that package is installed.
 """
@@ -41,12 +43,14 @@ def _texts_from_file(path: Path, text_column: str) -> list[str]:
 def _texts_or_ids(data: CalibData, split: str, text_column: str, n_samples: int, seq_len: int):
     """-> ("text", list[str]) or ("ids", list[list[int]])."""
     if data is None or (isinstance(data, str) and data in ("default", "pileval", "stdlib")):
-        from fastawq.data import stdlib_texts
+        from fastawq.data import default_calib_texts, stdlib_texts
 
         if data == "pileval":
             log.info("calibration 'pileval' needs the hub; using fastawq's offline default text instead")
         # ~4 characters per token, with headroom.
-        return "text", stdlib_texts("calib", max_chars=6 * n_samples * seq_len)
+        if data == "stdlib":
+            return "text", stdlib_texts("calib", max_chars=6 * n_samples * seq_len)
+        return "text", default_calib_texts(max_chars=6 * n_samples * seq_len)
     if isinstance(data, (str, Path)):
         path = Path(data)
         if path.exists():

@@ -1,4 +1,4 @@
-"""`fastawq` command line: quantize | generate | ppl | demo | bench | env."""
+"""`fastawq` command line: quantize | generate | ppl | demo | bench | env | export-gguf."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ import logging
 import sys
 
 # Each is a module fastawq.commands.<name> with add_parser(subparsers) that sets func=<callable(args) -> int>.
-COMMANDS = ("demo", "quantize", "generate", "ppl", "bench", "env")
+COMMANDS = ("demo", "quantize", "generate", "ppl", "bench", "env", "export_gguf")
 
 
 def build_parser() -> argparse.ArgumentParser:

