@@ -6,15 +6,21 @@ import importlib
 
 from fastawq.models.base import Architecture, ScaleGroup, get_submodule, set_submodule
 
-_FILES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "opt", "gpt_neox")
+_FILES = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "opt", "gpt_neox",
+    "glm", "olmo", "granite", "starcoder2", "cohere", "falcon", "stablelm", "phi", "gptj", "bloom", "mpt",
+    "exaone", "gpt_bigcode",
+)
 
 REGISTRY: dict[str, Architecture] = {}
 for _f in _FILES:
-    _arch = importlib.import_module(f"fastawq.models.{_f}").ARCH
-    for _t in _arch.model_types:
-        if _t in REGISTRY:
-            raise RuntimeError(f"model_type {_t!r} is registered by both {REGISTRY[_t].name} and {_arch.name}")
-        REGISTRY[_t] = _arch
+    _mod = importlib.import_module(f"fastawq.models.{_f}")
+    # A file holds one record (ARCH) or, for close relatives, several (ARCHS).
+    for _arch in getattr(_mod, "ARCHS", None) or (_mod.ARCH,):
+        for _t in _arch.model_types:
+            if _t in REGISTRY:
+                raise RuntimeError(f"model_type {_t!r} is registered by both {REGISTRY[_t].name} and {_arch.name}")
+            REGISTRY[_t] = _arch
 
 SUPPORTED_MODEL_TYPES = tuple(sorted(REGISTRY))
 
