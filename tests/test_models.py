@@ -55,6 +55,15 @@ CONFIGS = {
     "exaone": ("ExaoneConfig", dict(_COMMON, num_key_value_heads=2, **_IDS)),
     "exaone4": ("Exaone4Config", dict(_COMMON, num_key_value_heads=2, head_dim=16, sliding_window=16, **_IDS)),
     "gpt_bigcode": ("GPTBigCodeConfig", dict(_GPT, n_inner=128, n_positions=256)),
+    "ministral": ("MinistralConfig", dict(_COMMON, num_key_value_heads=2, head_dim=16, sliding_window=16, **_IDS)),
+    "seed_oss": ("SeedOssConfig", dict(_COMMON, num_key_value_heads=4, head_dim=16, attention_out_bias=True, **_IDS)),
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", dict(_COMMON, num_key_value_heads=2, head_dim=16, **_IDS)),
+    "helium": ("HeliumConfig", dict(_COMMON, num_key_value_heads=2, head_dim=16, **_IDS)),
+    "ernie4_5": ("Ernie4_5Config", dict(_COMMON, num_key_value_heads=2, head_dim=16, **_IDS)),
+    "smollm3": ("SmolLM3Config", dict(_COMMON, num_key_value_heads=2, **_IDS)),
+    "arcee": ("ArceeConfig", dict(_COMMON, num_key_value_heads=4, **_IDS)),
+    "minicpm3": ("MiniCPM3Config", dict(_COMMON, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32,
+                                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, **_IDS)),
 }
 
 

@@ -60,8 +60,9 @@ class Architecture:
     attn_norm: str | None = "input_layernorm"
     mlp_norm: str | None = "post_attention_layernorm"
     parallel: bool = False
-    # From the attention module / the MLP; one name when the checkpoint already fuses them
-    # (Phi-3's qkv_proj is q, k, v stacked along N; its gate_up_proj is gate, then up).
+    # From the attention module / the MLP: the linears reading the attention norm's output (one
+    # name when the checkpoint fuses them: Phi-3's qkv_proj is q, k, v stacked along N, its
+    # gate_up_proj gate, then up; two for latent attention: q_a_proj, kv_a_proj_with_mqa).
     qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
     # A fused qkv's rows: "stacked" [q | k | v] (v is the last rows) or "interleaved" per head or
     # per group (GPT-NeoX, Bloom, Falcon): then v's rows are scattered and take no scale.
@@ -89,8 +90,8 @@ class Architecture:
             raise ValueError(f"{self.name}: norm={self.norm!r}; expected one of {NORM_FORMS}")
         if self.qkv_layout not in ("stacked", "interleaved"):
             raise ValueError(f"{self.name}: qkv_layout={self.qkv_layout!r}; expected 'stacked' or 'interleaved'")
-        if len(self.qkv) not in (1, 3) or len(self.gate_up) not in (1, 2):
-            raise ValueError(f"{self.name}: qkv={self.qkv} needs 1 or 3 names, gate_up={self.gate_up} 1 or 2")
+        if not 1 <= len(self.qkv) <= 3 or len(self.gate_up) not in (1, 2):
+            raise ValueError(f"{self.name}: qkv={self.qkv} needs 1 to 3 names, gate_up={self.gate_up} 1 or 2")
 
     @property
     def fusable(self) -> bool:
@@ -152,8 +153,10 @@ def standard_groups(
     # v is the last third of a stacked qkv exactly when q, k and v have one size.
     if len(arch.qkv) == 3:
         v_to_o = v.weight.shape == o.weight.shape
-    else:
+    elif len(arch.qkv) == 1:
         v_to_o = arch.qkv_layout == "stacked" and v.weight.shape[0] == 3 * o.weight.shape[1]
+    else:
+        v_to_o = False
     if v_to_o:
         groups.append(ScaleGroup([_join(arch.attn, arch.o_proj)], _join(arch.attn, arch.qkv[-1]), "linear"))
     if not parallel:
@@ -168,3 +171,20 @@ def standard_groups(
         # The activation does not commute with a scale: a ScaledActivation divides its output.
         groups.append(ScaleGroup([_join(arch.mlp, arch.down_proj)], arch.act_path, "act"))
     return groups
+
+
+def mla_groups(arch: Architecture, layer: nn.Module) -> list[ScaleGroup]:
+    """Multi-head latent attention (MiniCPM3, DeepSeek-V2/V3): the attention norm feeds the two
+    down-projections (or q_proj without a q latent), each latent norm feeds its up-projection;
+    v is interleaved with k inside kv_b_proj's rows, so o takes no scale. The MLP follows the
+    record (standard_groups)."""
+    kind = "gemma_norm" if arch.norm_offset == 1.0 else "norm"
+    a = arch.attn
+    attn = get_submodule(layer, a)
+    q_in = "q_a_proj" if getattr(attn, "q_a_proj", None) is not None else "q_proj"
+    groups = [ScaleGroup([_join(a, q_in), _join(a, "kv_a_proj_with_mqa")], arch.attn_norm, kind)]
+    if q_in == "q_a_proj":
+        groups.append(ScaleGroup([_join(a, "q_b_proj")], _join(a, "q_a_layernorm"), kind))
+    groups.append(ScaleGroup([_join(a, "kv_b_proj")], _join(a, "kv_a_layernorm"), kind))
+    mlp = [g for g in standard_groups(arch, layer) if not any(n.startswith(f"{a}.") for n in g.linears)]
+    return groups + mlp
