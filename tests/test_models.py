@@ -102,7 +102,18 @@ ARCHS = list(CONFIGS)
 
 def test_every_registered_type_has_a_tiny_model_here():
     tested = {getattr(transformers, cls).model_type for cls, _ in CONFIGS.values()}
-    assert tested == set(SUPPORTED_MODEL_TYPES)
+    text = {t for t in SUPPORTED_MODEL_TYPES if get_architecture(t).auto_class == "AutoModelForCausalLM"}
+    assert tested == text  # the image-text wrappers are tests/test_models_multimodal.py's
+
+
+def test_readme_model_table_lists_every_type_with_its_fused_status():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme[readme.index("## Models"):readme.index("### Adding an architecture")]
+    for t in SUPPORTED_MODEL_TYPES:
+        spec = get_architecture(t)
+        assert f"| `{t}` | {spec.family} | {'yes' if spec.fusable else 'no: ' + spec.fused_blocker} |" in table, t
 
 
 def test_unknown_model_type_names_the_nearest_and_how_to_add_one():

@@ -10,6 +10,7 @@ _FILES = (
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "opt", "gpt_neox",
     "glm", "olmo", "granite", "starcoder2", "cohere", "falcon", "stablelm", "phi", "gptj", "bloom", "mpt",
     "exaone", "gpt_bigcode", "minicpm3", "seed_oss", "hunyuan", "helium", "ernie", "smollm3", "arcee",
+    "multimodal",
 )
 
 REGISTRY: dict[str, Architecture] = {}

@@ -79,6 +79,10 @@ class Architecture:
     # a ScaledActivation wraps, relative to the layer.
     act_attr: str = "hidden_act"
     act_path: str | None = None
+    # Multimodal wrappers: module names kept in full precision (vision tower, projector) and the
+    # transformers auto class that builds the model.
+    keep_float: tuple[str, ...] = ()
+    auto_class: str = "AutoModelForCausalLM"
     # Why the fused engine cannot serve this family; None when it can (subject to the config
     # checks in modules/fused.py: sliding window, partial rotary, activation).
     fused_blocker: str | None = None

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 # Clipping is skipped for the linears whose outputs enter softmax(QK^T): their error there is
 # not what an output-MSE measures (AutoAWQ's rule).
-_NO_CLIP = ("q_", "k_", "query", "key", "Wqkv")
+_NO_CLIP = ("q_", "k_", "query", "key", "Wqkv", "c_attn")
 
 
 @dataclass
@@ -120,6 +120,10 @@ class AwqQuantizer:
         self.model = model
         self.config = QuantConfig.from_dict(quant_config)
         self.arch = architecture_of(model)
+        if self.arch.keep_float:
+            # Saved with the checkpoint: transformers and vLLM then leave the vision tower in float too.
+            keep = list(self.config.modules_to_not_convert or [])
+            self.config.modules_to_not_convert = keep + [m for m in self.arch.keep_float if m not in keep]
         if samples.dim() != 2 or samples.numel() == 0:
             raise ValueError(f"calibration samples must be a non-empty [n, seq_len] id tensor, got {tuple(samples.shape)}")
         self.samples = samples
