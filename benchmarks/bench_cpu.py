@@ -10,7 +10,7 @@ hits every row alike; median of warm runs, ratios against fp32 and bf16.
 
 Model: SmolLM2-135M-Instruct (see /work/shared/DATA.md) in fp32 under transformers versus the
 same model with every decoder Linear replaced by a 4-bit WQLinear (round-to-nearest): through
-dispatch, then converted to fastawq.cpu.CPUInt4Linear (same kernel, no per-call dispatch; what
+dispatch, then converted to fastawq.modules.cpu_linear.CPUInt4Linear (same kernel, no per-call dispatch; what
 from_quantized(use_ipex=True) gives), then with an 8-bit or a 4-bit lm_head, then with bf16
 activations. `ppl` measures what those head options cost in perplexity. Greedy decode of --new-tokens after a
 --prompt-tokens prompt, batch 1; tokens/s of the decode phase, plus (--profile) a per-token
@@ -30,6 +30,7 @@ import time
 import torch
 
 from fastawq import cpu, ops, reference
+from fastawq.modules import cpu_linear
 from fastawq.modules.qlinear import WQLinear
 
 
@@ -92,7 +93,7 @@ def bench_layer(m: int, k: int, n: int, group_size: int, iters: int) -> None:
     for kern in kernels:
         t0 = time.perf_counter()
         # The preferred kernel's packs go through the cache that ops.awq_gemm reads.
-        pack = cpu.prepare if kern == kernels[0] else cpu._repack
+        pack = cpu.prepare if kern == kernels[0] else cpu.repack
         packed[kern] = [pack(q, s, z, g, kern) for q, s, z in int4]
         repack_s[kern] = (time.perf_counter() - t0) / len(int4)
     w32 = [torch.randn(n, k, generator=gen) * 0.02 for _ in range(copies(4 * n * k))]
@@ -225,7 +226,7 @@ def _hook_timers(model) -> tuple[dict[str, float], list]:
         timed(layer.post_attention_layernorm, "rms norms")
         for parent, key in ((layer.self_attn, "attention linears"), (layer.mlp, "mlp linears")):
             for child in parent.children():
-                if isinstance(child, (torch.nn.Linear, WQLinear, cpu.CPUInt4Linear)):
+                if isinstance(child, (torch.nn.Linear, WQLinear, cpu_linear.CPUInt4Linear)):
                     timed(child, key)
     timed(model.lm_head, "lm_head")
     timed(model.model, "decoder (incl. embedding, final norm)")
@@ -301,14 +302,14 @@ def bench_model(gguf: str | None, group_size: int, prompt_tokens: int, new_token
     print(f"(replaced {n_q} Linear layers by WQLinear g{group_size}, RTN; lm_head / embeddings unchanged)")
     gens = {"WQLinear": variant("4-bit WQLinear (dispatch), fp32 act", model)}
     # Same kernel, without ops.awq_gemm's per-call validation and dispatch (~30 us x 210 calls).
-    cpu.convert_model(model)
+    cpu_linear.convert_model(model)
     gens["CPUInt4Linear"] = variant("4-bit CPUInt4Linear, fp32 act", model)
     # Beyond AWQ's recipe (which keeps the head in float): the tied 49152 x 576 head is the
     # largest single matmul of a decode step. 8-bit (CPUInt8Linear, two nibbles on the same
     # kernel) and 4-bit heads, group 64; their perplexity cost: `bench_cpu.py ppl`.
     head = model.lm_head
     for bits in (8, 4):
-        cpu.convert_model(model, lm_head_bits=bits)
+        cpu_linear.convert_model(model, lm_head_bits=bits)
         gens[f"+ {bits}-bit lm_head"] = variant(f"4-bit CPUInt4Linear + {bits}-bit lm_head, fp32", model)
         model.lm_head = head
     model.lm_head = BF16Linear(head)
@@ -316,7 +317,7 @@ def bench_model(gguf: str | None, group_size: int, prompt_tokens: int, new_token
     model.lm_head = head
     model.to(torch.bfloat16)
     gens["bf16 act"] = variant("4-bit CPUInt4Linear, bf16 act + bf16 head", model)
-    cpu.convert_model(model, lm_head_bits=8)
+    cpu_linear.convert_model(model, lm_head_bits=8)
     gens["bf16 act, 8-bit head"] = variant("4-bit CPUInt4Linear, bf16 act + 8-bit head", model)
     base = results["fp32 (transformers)"][1]
     for name, (_, dec, _) in results.items():
@@ -362,13 +363,13 @@ def bench_ppl(gguf: str | None, group_size: int, windows: int, seq_len: int) -> 
     ppl("fp32")
     head = model.lm_head
     quantize_linears(model, group_size)
-    cpu.convert_model(model)
+    cpu_linear.convert_model(model)
     ppl(f"4-bit RTN g{group_size} decoder, fp32 head")
     model.lm_head = BF16Linear(head)
     ppl(f"4-bit RTN g{group_size} decoder, bf16 head")
     for bits in (8, 4):
         model.lm_head = head
-        cpu.convert_model(model, lm_head_bits=bits)
+        cpu_linear.convert_model(model, lm_head_bits=bits)
         ppl(f"4-bit RTN g{group_size} decoder, {bits}-bit head g64")
 
 

@@ -3,7 +3,10 @@
 Each timing captures `reps` calls in one CUDA graph, each call on its own weight buffer (so no
 call is served from the 60 MB L2), and reports replay time / reps, median of `replays` replays.
 
-    python benchmarks/bench_cuda.py [--ms 1,16,64] [--sweep] [--json out.json]
+    python benchmarks/bench_cuda.py [--ms 1,16,64] [--variants auto,gemv] [--json out.json]
+
+Variants are the kernel names of `awq_gemm(..., kernel=)`; each is timed where
+`awq_gemm_declines` says it takes the problem.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch
 from fastawq import _ext, reference
 from timing import time_graph, w4_bytes
 
+KERNELS = ("auto", "gemv", "gemv_staged", "mma", "dequant_cublas")
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
 COPY_BW = 4268e9  # measured device-to-device copy bandwidth on the H200, bytes/s
 
@@ -27,11 +31,10 @@ def make_weights(k: int, n: int, g: int, copies: int, dtype=torch.float16):
     return qw, s, qz
 
 
-def bench_shape(k: int, n: int, ms: list[int], g: int, sweep: bool, keep: set[str] | None = None) -> list[dict]:
+def bench_shape(k: int, n: int, ms: list[int], g: int, keep: set[str] | None = None) -> list[dict]:
     copies = max(2, min(16, math.ceil(240e6 / (k * n // 2))))  # > 4x L2 of weight bytes per graph
     qw, s, qz = make_weights(k, n, g, copies)
     wf = torch.randn(copies, k, n, device="cuda", dtype=torch.float16)
-    qt = torch.stack([torch.ops.fastawq.awq_repack_tiled(qw[i]) for i in range(copies)])
     rows = []
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
@@ -42,38 +45,11 @@ def bench_shape(k: int, n: int, ms: list[int], g: int, sweep: bool, keep: set[st
         reps = copies
         t_cublas = time_graph(lambda i: torch.matmul(x, wf[i]), reps)
         variants = {
-            "auto": lambda i: torch.ops.fastawq.awq_gemm(x, qw[i], s[i], qz[i], g, None),
-            "mma4": lambda i: torch.ops.fastawq.awq_gemm_config(x, qw[i], s[i], qz[i], g, None, 3, 0),
-            "mma8": lambda i: torch.ops.fastawq.awq_gemm_config(x, qw[i], s[i], qz[i], g, None, 4, 0),
-            "mma4k4": lambda i: torch.ops.fastawq.awq_gemm_config(x, qw[i], s[i], qz[i], g, None, 5, 0),
-            "tiled": lambda i: torch.ops.fastawq.awq_gemm_tiled(x, qt[i], s[i], qz[i], g, None, 0),
-            "deq+cublas": lambda i: torch.ops.fastawq.awq_gemm_config(x, qw[i], s[i], qz[i], g, None, 2, 0),
+            name: (lambda i, name=name: torch.ops.fastawq.awq_gemm(x, qw[i], s[i], qz[i], g, None, name))
+            for name in KERNELS
+            if (keep is None or name in keep) and not torch.ops.fastawq.awq_gemm_declines(name, m, n, k, g)
         }
-        if m <= 8:
-            variants["gemv"] = lambda i: torch.ops.fastawq.awq_gemm_config(x, qw[i], s[i], qz[i], g, None, 6, 0)
-            variants["gemvp"] = lambda i: torch.ops.fastawq.awq_gemm_config(x, qw[i], s[i], qz[i], g, None, 7, 0)
-            if m <= 2:
-                variants["gemva3"] = lambda i: torch.ops.fastawq.awq_gemm_config(x, qw[i], s[i], qz[i], g, None, 8, 0)
-                variants["gemva4"] = lambda i: torch.ops.fastawq.awq_gemm_config(x, qw[i], s[i], qz[i], g, None, 9, 0)
-            if sweep:
-                for sk in (1, 2, 4, 8, 16, 32):
-                    variants[f"gemv_sk{sk}"] = (lambda i, sk=sk: torch.ops.fastawq.awq_gemm_config(
-                        x, qw[i], s[i], qz[i], g, None, 6, sk))
-                    if m <= 2:
-                        variants[f"gemva3_sk{sk}"] = (lambda i, sk=sk: torch.ops.fastawq.awq_gemm_config(
-                            x, qw[i], s[i], qz[i], g, None, 8, sk))
-        if sweep and 8 < m <= 64:
-            for sk in (4, 8, 16, 32):
-                variants[f"mma4k4_sk{sk}"] = (lambda i, sk=sk: torch.ops.fastawq.awq_gemm_config(
-                    x, qw[i], s[i], qz[i], g, None, 5, sk))
-                variants[f"tiled_sk{sk}"] = (lambda i, sk=sk: torch.ops.fastawq.awq_gemm_tiled(
-                    x, qt[i], s[i], qz[i], g, None, sk))
-                for path, wn in ((3, 4), (4, 8)):
-                    variants[f"mma{wn}_sk{sk}"] = (lambda i, sk=sk, path=path: torch.ops.fastawq.awq_gemm_config(
-                        x, qw[i], s[i], qz[i], g, None, path, sk))
         nbytes = w4_bytes(m, k, n, g)
-        if keep:
-            variants = {name: fn for name, fn in variants.items() if name in keep or name.split("_sk")[0] in keep}
         for name, fn in variants.items():
             t = time_graph(fn, reps)
             rows.append(dict(k=k, n=n, m=m, g=g, variant=name, us=t, cublas_us=t_cublas, speedup=t_cublas / t,
@@ -91,8 +67,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,16,64,256,1024,4096")
     ap.add_argument("--group", type=int, default=128)
-    ap.add_argument("--sweep", action="store_true", help="also time forced split-K values for M <= 64")
-    ap.add_argument("--variants", default=None, help="comma-separated variant names to keep (default: all)")
+    ap.add_argument("--variants", default=None,
+                    help=f"comma-separated kernel names to time (default: all of {', '.join(KERNELS)})")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
@@ -101,12 +77,15 @@ def main() -> None:
     torch.manual_seed(0)
     rows = []
     for k, n in SHAPES:
-        rows += bench_shape(k, n, ms, args.group, args.sweep, set(args.variants.split(",")) if args.variants else None)
+        keep = set(args.variants.split(",")) if args.variants else None
+        if keep and keep - set(KERNELS):
+            raise SystemExit(f"--variants: unknown {sorted(keep - set(KERNELS))}; expected {KERNELS}")
+        rows += bench_shape(k, n, ms, args.group, keep)
         torch.cuda.empty_cache()
-    print(f"{'K':>6} {'N':>6} {'M':>5} {'variant':>11} {'us':>9} {'cuBLAS':>9} {'x':>6} {'GB/s':>7} "
+    print(f"{'K':>6} {'N':>6} {'M':>5} {'variant':>14} {'us':>9} {'cuBLAS':>9} {'x':>6} {'GB/s':>7} "
           f"{'floor us':>8} {'TFLOP/s':>7} {'relerr':>8}")
     for r in rows:
-        print(f"{r['k']:>6} {r['n']:>6} {r['m']:>5} {r['variant']:>11} {r['us']:>9.2f} {r['cublas_us']:>9.2f} "
+        print(f"{r['k']:>6} {r['n']:>6} {r['m']:>5} {r['variant']:>14} {r['us']:>9.2f} {r['cublas_us']:>9.2f} "
               f"{r['speedup']:>6.2f} {r['gbps']:>7.0f} {r['roofline_us']:>8.2f} {r['tflops']:>7.1f} {r['rel_err']:>8.1e}")
     print("\ngeomean speed-up over cuBLAS fp16 (4 Llama-3-8B shapes), by variant and M:")
     print(f"{'variant':>12} " + " ".join(f"{m:>6}" for m in ms))

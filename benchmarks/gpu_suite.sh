@@ -6,8 +6,8 @@
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
 # (Triton/torch backends only), for quick kernel iterations.
 # One device call may run 10 minutes and each call on a cold machine spends ~1 min starting it
-# (the machine goes back 30 s after a call): pack stages into few calls. Times seen on the H200
-# (2026-11-30): build 30-60 s; tests with FASTAWQ_SUITE_TESTS=tests/test_cuda_ops.py ~2 min, the
+# (the machine goes back 30 s after a call): pack stages into few calls. Times seen on the H200:
+# build 30-60 s; tests with FASTAWQ_SUITE_TESTS=tests/test_cuda_ops.py ~2 min, the
 # whole suite > 6 min (split it); gemm ~1.5 min (Triton tunes each M bucket and shape on first
 # use); gemv, attention, sanitize ~20-40 s each; quantize ~40 s; e2e ~2.5 min; profile (ncu) ~1 min.
 set -uo pipefail
@@ -40,6 +40,19 @@ if [[ " $stages " == *" build "* ]]; then
     export PYTHONPATH=/tmp/fastawq_src
   fi
   python -m fastawq env | tee "$OUT/env.txt"
+  # A TORCH_CHECK thrown from _C must reach Python as a RuntimeError, not crash the interpreter
+  # (it did on the device image once: benchmarks/CUDA_NOTES.md, "Build facts").
+  python - <<'PY' || { echo "a C++ exception from _C crashed the interpreter"; exit 2; }
+import torch
+from fastawq import _ext
+if _ext.has_op("awq_gemm"):
+    qw = torch.zeros(256, 16, dtype=torch.int32, device="cuda")
+    try:
+        torch.ops.fastawq.awq_gemm(torch.ones(2, 256, device="cuda"), qw, torch.ones(4, 128, dtype=torch.float16,
+                                   device="cuda"), torch.zeros(4, 16, dtype=torch.int32, device="cuda"), 64, None)
+    except RuntimeError as e:
+        print("throw ok:", str(e).splitlines()[0])
+PY
 fi
 if [[ " $stages " == *" tests "* ]]; then
   step tests
@@ -52,8 +65,8 @@ if [[ " $stages " == *" gemm "* ]]; then
 fi
 if [[ " $stages " == *" gemv "* ]]; then
   step gemv
-  python benchmarks/bench_cuda.py --ms 1,2 --variants auto,gemv,gemva3 --sweep --json "$OUT/bench_gemv.json" 2>&1 \
-    | tee "$OUT/bench_gemv.txt" | tail -14 || status=1
+  python benchmarks/bench_cuda.py --ms 1,2 --variants gemv,gemv_staged,mma --json "$OUT/bench_gemv.json" 2>&1 \
+    | tee "$OUT/bench_gemv.txt" | tail -12 || status=1
 fi
 if [[ " $stages " == *" attention "* ]]; then
   step attention

@@ -1,4 +1,5 @@
-"""One M=1 GEMV call per Llama-3-8B shape, for Nsight Compute (GPU only):
+"""One M=1 call of each GEMV kernel (register, staged) per Llama-3-8B shape, for Nsight Compute
+(GPU only):
 
     ncu --clock-control none --kernel-name regex:awq_gemv --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
@@ -20,6 +21,7 @@ if not _ext.is_loaded():
 for k, n in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)):
     qw, s, qz = random_awq(k, n, 128, "cuda", torch.float16, seed=k + n)
     x = random_input((1, k), "cuda", torch.float16)
-    torch.ops.fastawq.awq_gemm(x, qw, s, qz, 128, None)
+    for kernel in ("gemv", "gemv_staged"):
+        torch.ops.fastawq.awq_gemm(x, qw, s, qz, 128, None, kernel)
 torch.cuda.synchronize()
 print("profile_gemv: done")

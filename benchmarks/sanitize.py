@@ -3,7 +3,8 @@
     compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py
 
 Shapes are small (the sanitizer slows kernels ~100x) but cover each kernel's edges: column tiles
-cut short, several K splits (split-K workspaces and counters), odd M, bias, fp16 and bf16.
+cut short, several K splits (split-K workspaces and counters), odd M, bias, fp16 and bf16,
+every named kernel that takes the problem.
 Results are also checked against the reference, so a clean run is clean and right.
 """
 from __future__ import annotations
@@ -31,17 +32,12 @@ def main() -> None:
             assert w.shape == (k, n)
             for m in (1, 2, 3, 5, 8, 17, 40):
                 x = random_input((m, k), "cuda", dtype, seed=m)
-                paths = [0, 2, 5] + ([6, 7] if m <= 8 else []) + ([8, 9] if m <= 2 else [])
-                for path in paths:
-                    for split_k in (0, 3):
-                        out = ops.awq_gemm_config(x, qw, s, qz, g, bias, path, split_k)
-                        assert_close_to_reference(out, x, qw, s, qz, g, bias)
-                        n_calls += 1
-            if n % 128 == 0 and k % 32 == 0:
-                qt = ops.awq_repack_tiled(qw)
-                x = random_input((3, k), "cuda", dtype)
-                assert_close_to_reference(ops.awq_gemm_tiled(x, qt, s, qz, g, bias, 0), x, qw, s, qz, g, bias)
-                n_calls += 1
+                for kernel in ("auto", "gemv", "gemv_staged", "mma", "dequant_cublas"):
+                    if ops.awq_gemm_declines(kernel, m, n, k, g):
+                        continue
+                    out = ops.awq_gemm(x, qw, s, qz, g, bias, kernel)
+                    assert_close_to_reference(out, x, qw, s, qz, g, bias)
+                    n_calls += 1
     if hasattr(ops, "decode_attention"):
         for dtype in (torch.float16, torch.bfloat16):
             for d, hq, hkv in ((128, 32, 8), (64, 8, 8), (256, 8, 2)):

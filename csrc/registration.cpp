@@ -17,12 +17,10 @@ TORCH_LIBRARY(fastawq, m) {
   m.def("awq_cpu_isas() -> str[]", &fastawq::awq_cpu_isas);
 #ifdef FASTAWQ_WITH_CUDA
   m.def("awq_dequantize(Tensor qweight, Tensor scales, Tensor qzeros, int group_size) -> Tensor");
-  m.def("awq_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias) -> Tensor");
-  m.def("awq_gemm_config(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
-        "int path, int split_k) -> Tensor");
-  m.def("awq_repack_tiled(Tensor qweight) -> Tensor");
-  m.def("awq_gemm_tiled(Tensor x, Tensor qweight_tiled, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
-        "int split_k) -> Tensor");
+  m.def("awq_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
+        "str kernel=\"auto\") -> Tensor");
+  // No tensors: callable without a GPU, so Python asks the one owner of the fit rules.
+  m.def("awq_gemm_declines(str kernel, int m, int n, int k, int group_size) -> str", &fastawq::awq_gemm_declines);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lens, float scale) -> Tensor");
   m.def("decode_attention_out(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lens, float scale, "
         "Tensor(a!) out) -> ()");
@@ -32,19 +30,12 @@ TORCH_LIBRARY(fastawq, m) {
 TORCH_LIBRARY_IMPL(fastawq, CPU, m) {
   m.impl("awq_cpu_repack", &fastawq::awq_cpu_repack);
   m.impl("awq_cpu_gemm", &fastawq::awq_cpu_gemm);
-#ifdef FASTAWQ_WITH_CUDA
-  // The repack is a pure permutation: it also runs on CPU tensors (checkpoints load there first).
-  m.impl("awq_repack_tiled", &fastawq::awq_repack_tiled);
-#endif
 }
 
 #ifdef FASTAWQ_WITH_CUDA
 TORCH_LIBRARY_IMPL(fastawq, CUDA, m) {
   m.impl("awq_dequantize", &fastawq::awq_dequantize);
   m.impl("awq_gemm", &fastawq::awq_gemm);
-  m.impl("awq_gemm_config", &fastawq::awq_gemm_config);
-  m.impl("awq_repack_tiled", &fastawq::awq_repack_tiled);
-  m.impl("awq_gemm_tiled", &fastawq::awq_gemm_tiled);
   m.impl("decode_attention", &fastawq::decode_attention);
   m.impl("decode_attention_out", &fastawq::decode_attention_out);
 }

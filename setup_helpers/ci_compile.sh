@@ -29,11 +29,13 @@ import torch
 mode = os.environ["FASTAWQ_BUILD_KERNELS"]
 ops = ("awq_cpu_repack", "awq_cpu_gemm", "awq_cpu_isas")
 if mode == "on":
-    ops += ("awq_dequantize", "awq_gemm", "awq_gemm_config", "decode_attention")
+    ops += ("awq_dequantize", "awq_gemm", "awq_gemm_declines", "decode_attention", "decode_attention_out")
 if mode == "cpu":
     assert not hasattr(torch.ops.fastawq, "awq_gemm") and not status["archs"], "a CPU-only build holds CUDA code"
 missing = [op for op in ops if not hasattr(torch.ops.fastawq, op)]
 assert not missing, f"ops not registered: {missing}"
+if mode == "on":  # the fit rules need no GPU
+    assert torch.ops.fastawq.awq_gemm_declines("gemv", 1, 4096, 4096, 128) == ""
 isas = list(torch.ops.fastawq.awq_cpu_isas())
 print(f"ci_compile: fastawq._C loads (archs {status['archs']}, torch {status['built_torch']}; CPU kernels {isas})")
 PY

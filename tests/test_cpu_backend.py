@@ -15,6 +15,7 @@ import torch
 
 from fastawq import backend, ops, reference
 from fastawq import cpu as cpu_backend
+from fastawq.modules import WQLinear, cpu_linear
 from conftest import random_awq, random_input, same_dtype_error
 
 KERNELS = [
@@ -320,9 +321,9 @@ def test_convert_model_gives_the_same_logits_as_dispatch(kernel):
     ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         before = model(ids).logits
-        assert cpu_backend.convert_model(model) == 14
+        assert cpu_linear.convert_model(model) == 14
         assert isinstance(model.model.layers[0].mlp.extra, WQLinear)
-        assert isinstance(model.model.layers[1].self_attn.q_proj, cpu_backend.CPUInt4Linear)
+        assert isinstance(model.model.layers[1].self_attn.q_proj, cpu_linear.CPUInt4Linear)
         assert model.model.layers[1].self_attn.q_proj.packed.kernel == kernel
         after = model(ids).logits
     assert torch.equal(before, after)
@@ -333,7 +334,7 @@ def test_cpu_int4_linear_with_bias_and_3d_input(kernel):
 
     torch.manual_seed(2)
     layer = WQLinear.from_linear(torch.nn.Linear(256, 80), 64)
-    lean = cpu_backend.CPUInt4Linear.from_wqlinear(layer)
+    lean = cpu_linear.CPUInt4Linear.from_wqlinear(layer)
     x = random_input((2, 3, 256), dtype=torch.float32)
     out = lean(x)
     assert out.shape == (2, 3, 80) and out.dtype == torch.float32
@@ -350,12 +351,28 @@ def test_inference_mode_tensors(kernel):
     _check(out, x, qweight, scales, qzeros, 64)
 
 
+def test_layer_loaded_in_inference_mode_runs_everywhere():
+    # A checkpoint loaded inside torch.inference_mode() could not generate: WQLinear's plan key
+    # read the weights' version counter, which inference tensors do not keep.
+    torch.manual_seed(4)
+    with torch.inference_mode():
+        layer = WQLinear.from_linear(torch.nn.Linear(128, 64), 64)
+    x = random_input((3, 128), dtype=torch.float32)
+    for mode in (torch.no_grad, torch.inference_mode, torch.no_grad):
+        with mode():
+            out = layer(x)
+        _check(out, x, layer.qweight, layer.scales, layer.qzeros, 64, layer.bias.float())
+    with torch.inference_mode():
+        lean = cpu_linear.CPUInt4Linear.from_wqlinear(layer)
+    _check(lean(x), x, layer.qweight, layer.scales, layer.qzeros, 64, layer.bias.float())
+
+
 @needs_fast
 @pytest.mark.parametrize("group_size", [64, -1])
 def test_int8_linear_matches_its_quantized_weight(group_size):
     torch.manual_seed(3)
     lin = torch.nn.Linear(192, 72)
-    layer = cpu_backend.CPUInt8Linear.from_linear(lin, group_size)
+    layer = cpu_linear.CPUInt8Linear.from_linear(lin, group_size)
     q, s, z = reference.quantize_groupwise(lin.weight, group_size, 8, True)
     g = reference.resolve_group_size(group_size, 192)
     w = ((q.view(72, 192 // g, g) - z.unsqueeze(-1)) * s.unsqueeze(-1)).view(72, 192)
@@ -387,16 +404,16 @@ def test_convert_model_lm_head(bits):
     ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         before = model(ids).logits
-        assert cpu_backend.convert_model(model, lm_head_bits=bits) == 1
+        assert cpu_linear.convert_model(model, lm_head_bits=bits) == 1
         head = model.lm_head
-        assert isinstance(head, cpu_backend.CPUInt8Linear if bits == 8 else cpu_backend.CPUInt4Linear)
+        assert isinstance(head, cpu_linear.CPUInt8Linear if bits == 8 else cpu_linear.CPUInt4Linear)
         assert model.model.embed_tokens.weight.dtype == torch.float32  # the tied embedding is untouched
         after = model(ids).logits
     rel = ((after - before).abs().max() / before.abs().max()).item()
     assert rel < (2e-2 if bits == 8 else 2e-1), rel
     with pytest.raises(ValueError, match="lm_head_bits must be 4, 8 or None"):
         model.lm_head = torch.nn.Linear(64, 256, bias=False)
-        cpu_backend.convert_model(model, lm_head_bits=6)
+        cpu_linear.convert_model(model, lm_head_bits=6)
 
 
 @needs_fast
@@ -415,8 +432,8 @@ def test_from_quantized_use_ipex_converts_and_heads(tmp_path):
     plain = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu")
     lean = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", use_ipex=True)
     head8 = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", use_ipex=True, cpu_lm_head_bits=8)
-    assert any(isinstance(m, cpu_backend.CPUInt4Linear) for m in lean.modules())
-    assert isinstance(head8.model.lm_head, cpu_backend.CPUInt8Linear)
+    assert any(isinstance(m, cpu_linear.CPUInt4Linear) for m in lean.modules())
+    assert isinstance(head8.model.lm_head, cpu_linear.CPUInt8Linear)
     with torch.no_grad():
         ref = plain(ids).logits
         assert torch.equal(lean(ids).logits, ref)

@@ -1,5 +1,6 @@
 """The compiled decode-attention kernel (csrc/attention) against SDPA in float64 on the expanded
-K/V, and the dispatch in fused_ops that chooses it. GPU tests skip without CUDA or fastawq._C."""
+K/V, and the dispatch in fastawq.ops (backend.select_backend) that chooses it. GPU tests skip
+without CUDA or fastawq._C."""
 from __future__ import annotations
 
 import copy
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 
 from fastawq import _ext
 from fastawq.backend import BackendUnavailableError
-from fastawq.modules import fused_ops
+from fastawq import ops
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_OP = HAS_CUDA and _ext.has_op("decode_attention") and _ext.supports_device(torch.device("cuda"))
@@ -160,12 +161,12 @@ def test_decode_attention_cuda_graph_replay(dtype):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fused_ops.decode_attention(q, k, v, lens, d ** -0.5, kernels="cuda", out=out)
+        ops.decode_attention(q, k, v, lens, d ** -0.5, backend="cuda", out=out)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fused_ops.decode_attention(q, k, v, lens, d ** -0.5, kernels="cuda", out=out)
-        functional = fused_ops.decode_attention(q, k, v, lens, d ** -0.5, kernels="cuda")
+        ops.decode_attention(q, k, v, lens, d ** -0.5, backend="cuda", out=out)
+        functional = ops.decode_attention(q, k, v, lens, d ** -0.5, backend="cuda")
     for new in [(1, 1), (64, 65), (2048, 1000), (17, 2047), (3, 3), (1500, 2048)]:
         lens.copy_(torch.tensor(new, dtype=torch.int32))
         out.fill_(float("nan"))
@@ -181,15 +182,14 @@ def test_decode_attention_matches_triton():
     k, v = _caches(b, s, hkv, d, torch.float16, lens)
     q = torch.randn(b, hq, d, device="cuda").half()
     lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    assert fused_ops.decode_attention_backend(q, k, lens_t) == "cuda"
-    got = fused_ops.decode_attention(q, k, v, lens_t, 0.09)
-    tri = fused_ops.decode_attention(q, k, v, lens_t, 0.09, kernels="triton")
+    assert ops.decode_attention_backend(q, k, lens_t) == "cuda"
+    got = ops.decode_attention(q, k, v, lens_t, 0.09)
+    tri = ops.decode_attention(q, k, v, lens_t, 0.09, backend="triton")
     torch.testing.assert_close(got, tri, rtol=3e-3, atol=3e-3)
 
 
 @needs_op
 def test_decode_attention_opcheck():
-    fused_ops._register_fakes()
     b, s, hq, hkv, d = 2, 128, 8, 2, 64
     k, v = _caches(b, s, hkv, d, torch.float16, (100, 7))
     q = torch.randn(b, hq, d, device="cuda").half()
@@ -250,7 +250,7 @@ def test_fused_model_cuda_kernel_matches_unfused():
                     if isinstance(mod, torch.nn.Linear):
                         setattr(parent, name, WQLinear.from_linear(mod.half(), 32))
     ref = ref.half().cuda()
-    fused = fuse_model(copy.deepcopy(ref), max_seq_len=300, batch_size=2, kernels="cuda", use_cuda_graphs=True)
+    fused = fuse_model(copy.deepcopy(ref), max_seq_len=300, batch_size=2, backend="cuda", use_cuda_graphs=True)
     rt, hf = fused.fastawq_runtime, HFStepper(ref)
     ids = torch.randint(0, cfg.vocab_size, (2, 70), device="cuda")
     lf, lr = rt.prefill(ids)[:, -1], hf.prefill(ids)
@@ -274,14 +274,14 @@ def test_dispatch_falls_back_to_torch_without_the_op(monkeypatch):
     monkeypatch.delenv("FASTAWQ_BACKEND", raising=False)
     monkeypatch.setattr(_ext, "has_op", lambda name: False)
     q, k, lens = _cpu_inputs()
-    assert fused_ops.decode_attention_backend(q, k, lens) == "torch"
-    assert fused_ops.decode_attention_backend(q, k, lens, "torch") == "torch"
-    with pytest.raises(BackendUnavailableError, match="kernels='cuda' cannot run decode_attention: q is on cpu"):
-        fused_ops.decode_attention_backend(q, k, lens, "cuda")
+    assert ops.decode_attention_backend(q, k, lens) == "torch"
+    assert ops.decode_attention_backend(q, k, lens, "torch") == "torch"
+    with pytest.raises(BackendUnavailableError, match="'cuda' cannot run decode_attention: tensors are on cpu"):
+        ops.decode_attention_backend(q, k, lens, "cuda")
     monkeypatch.setenv("FASTAWQ_BACKEND", "cpu")
-    assert fused_ops.decode_attention_backend(q, k, lens) == "torch"
-    with pytest.raises(ValueError, match="choose 'cuda', 'triton', 'torch' or None"):
-        fused_ops.decode_attention_backend(q, k, lens, "cudnn")
+    assert ops.decode_attention_backend(q, k, lens) == "torch"
+    with pytest.raises(BackendUnavailableError, match="unknown backend 'cudnn'"):
+        ops.decode_attention_backend(q, k, lens, "cudnn")
 
 
 @pytest.mark.parametrize(
@@ -297,7 +297,7 @@ def test_dispatch_falls_back_to_torch_without_the_op(monkeypatch):
 )
 def test_cuda_kernel_declines_what_it_cannot_take(dtype, hq, hkv, d, reason):
     q, k, lens = _cpu_inputs(dtype, hq, hkv, d)
-    got = fused_ops.cuda_decode_declines(q, k, lens)
+    got = ops.cuda_decode_declines(q, k, lens)
     assert (got is None) if reason is None else (reason in got)
 
 
@@ -305,7 +305,7 @@ def test_torch_fallback_writes_out():
     q, k, lens = _cpu_inputs(torch.float32)
     v = torch.randn_like(k)
     out = torch.full_like(q, float("nan"))
-    got = fused_ops.decode_attention(q, k, v, lens, 0.2, kernels="torch", out=out)
+    got = ops.decode_attention(q, k, v, lens, 0.2, backend="torch", out=out)
     assert got is out
     want = torch.stack([
         F.scaled_dot_product_attention(

@@ -1,4 +1,5 @@
-"""The compiled ops (fastawq._C) against reference.py on the GPU. Skipped without CUDA or _C."""
+"""The compiled ops (fastawq._C) against reference.py on the GPU, and the kernels' fit rules
+(awq_gemm_declines, no tensors) on any machine whose _C holds the CUDA ops."""
 from __future__ import annotations
 
 import pytest
@@ -7,17 +8,25 @@ import torch
 from conftest import LLAMA3_8B_SHAPES, assert_close_to_reference, random_awq, random_input
 from fastawq import _ext, ops, reference
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.skipif(not _ext.has_op("awq_gemm"), reason="fastawq._C is not built/loaded"),
-]
+pytestmark = pytest.mark.skipif(not _ext.has_op("awq_gemm"), reason="fastawq._C is not built with CUDA ops")
+
+
+def gpu(fn):
+    """A test that launches kernels: skipped without a CUDA device."""
+    fn = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(fn)
+    return pytest.mark.gpu(fn)
+
 
 DTYPES = [torch.float16, torch.bfloat16]
 MS = [1, 7, 16, 127, 128, 129, 1024]
 GROUPS = [32, 64, 128, -1]
 # Small shapes with odd tile counts: N not a multiple of the 128-column tile, K of a few tiles.
 SMALL_SHAPES = [(128, 32), (384, 160), (512, 544), (1152, 96)]
+KERNELS = ["auto", "gemv", "gemv_staged", "mma", "dequant_cublas"]
+
+
+def declines(kernel: str, m: int, n: int, k: int, g: int) -> str:
+    return torch.ops.fastawq.awq_gemm_declines(kernel, m, n, k, g)
 
 
 def _poison_allocator(numel: int, dtype: torch.dtype) -> None:
@@ -25,13 +34,66 @@ def _poison_allocator(numel: int, dtype: torch.dtype) -> None:
     torch.empty(numel + 4096, dtype=dtype, device="cuda").fill_(float("nan"))
 
 
-def _gemm(x, qw, s, qz, g, bias=None, path=0, split_k=0):
+def _gemm(x, qw, s, qz, g, bias=None, kernel="auto"):
     _poison_allocator(x.shape[0] * qw.shape[1] * 8, x.dtype)
-    if path == 0 and split_k == 0:
-        return torch.ops.fastawq.awq_gemm(x, qw, s, qz, g, bias)
-    return torch.ops.fastawq.awq_gemm_config(x, qw, s, qz, g, bias, path, split_k)
+    return torch.ops.fastawq.awq_gemm(x, qw, s, qz, g, bias, kernel)
 
 
+def _every_kernel_that_fits(x, qw, s, qz, g, bias=None):
+    """Run each named kernel that takes the problem; a declining one must raise with its reason."""
+    m, k = x.shape
+    n = qw.shape[1] * 8
+    ran = []
+    for kernel in KERNELS:
+        why = declines(kernel, m, n, k, g)
+        if why:
+            with pytest.raises(RuntimeError, match="declines the problem"):
+                _gemm(x, qw, s, qz, g, bias, kernel)
+            continue
+        assert_close_to_reference(_gemm(x, qw, s, qz, g, bias, kernel), x, qw, s, qz, g, bias)
+        ran.append(kernel)
+    assert "auto" in ran and "dequant_cublas" in ran
+    return ran
+
+
+# --- fit rules: no GPU needed -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_declines_takes_the_plain_decode_shape(kernel):
+    assert declines(kernel, 1, 4096, 4096, 128) == ""
+
+
+@pytest.mark.parametrize(
+    "kernel, m, n, k, g, reason",
+    [
+        ("gemv", 3, 4096, 4096, 128, "M <= 2"),
+        ("gemv_staged", 8, 4096, 4096, 128, "M <= 2"),
+        ("gemv", 1, 4096, 4096 + 16, 16, "multiples of 32"),
+        ("gemv", 1, 4096, 4096, 16, "multiples of 32"),
+        ("gemv", 1, 200, 256, 64, "N/8 a multiple of 4"),
+        ("mma", 16, 200, 256, 64, "N % 32"),
+        ("mma", 16, 256, 272, 16, "multiples of 32"),
+        ("dequant_cublas", 16, 100, 256, 64, "multiple of 8"),
+        ("mma", 1, 256, 250, 64, "not a multiple of group_size"),
+        ("warp9", 1, 256, 256, 64, "unknown kernel"),
+    ],
+)
+def test_declines_names_the_reason(kernel, m, n, k, g, reason):
+    assert reason in declines(kernel, m, n, k, g)
+
+
+def test_declines_edges():
+    # Larger M never makes mma or dequant_cublas decline: "auto" owns the size threshold.
+    assert declines("mma", 4096, 256, 256, 64) == "" and declines("dequant_cublas", 4096, 256, 256, 64) == ""
+    assert declines("gemv", 2, 32, 32, 32) == "" and declines("gemv_staged", 2, 32, 32, 32) == ""
+    assert declines("auto", 5, 12, 7, 7) == ""  # dequantize + cuBLAS takes the rest
+
+
+# --- kernels against the reference ---------------------------------------------------------------
+
+
+@gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("shape", SMALL_SHAPES + LLAMA3_8B_SHAPES[:2])
@@ -44,6 +106,7 @@ def test_dequantize_exact(shape, group, dtype):
     torch.testing.assert_close(out, reference.dequantize(qw, s, qz, g), rtol=0, atol=0)
 
 
+@gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("group", GROUPS)
@@ -56,12 +119,11 @@ def test_gemm_small_shapes(shape, group, m, dtype):
     qw, s, qz = random_awq(k, n, group, "cuda", dtype, seed=m + k)
     x = random_input((m, k), "cuda", dtype, seed=m)
     bias = random_input((n,), "cuda", dtype, seed=7) if m % 2 else None
-    # auto, tensor-core (default width), dequant+cuBLAS, 4 warps, 8 warps, 4 warps with 128-row stages
-    for path in (0, 1, 2, 3, 4, 5):
-        out = _gemm(x, qw, s, qz, g, bias, path=path)
-        assert_close_to_reference(out, x, qw, s, qz, g, bias)
+    ran = _every_kernel_that_fits(x, qw, s, qz, g, bias)
+    assert "mma" in ran
 
 
+@gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("group", [128, -1])
@@ -71,36 +133,36 @@ def test_gemm_llama_shapes(shape, group, m, dtype):
     g = reference.resolve_group_size(group, k)
     qw, s, qz = random_awq(k, n, group, "cuda", dtype, seed=k * 3 + n)
     x = random_input((m, k), "cuda", dtype, seed=m + 11)
-    out = _gemm(x, qw, s, qz, g)
-    assert_close_to_reference(out, x, qw, s, qz, g)
-    if m in (1, 16, 129, 1024):  # both tensor-core widths (auto takes dequantize + cuBLAS above M=32)
-        for path in (3, 4, 5):
-            assert_close_to_reference(_gemm(x, qw, s, qz, g, path=path), x, qw, s, qz, g)
+    assert_close_to_reference(_gemm(x, qw, s, qz, g), x, qw, s, qz, g)
+    if m in (1, 16, 129, 1024):  # the tensor-core kernel at every row-block size, also past "auto"'s M
+        assert_close_to_reference(_gemm(x, qw, s, qz, g, kernel="mma"), x, qw, s, qz, g)
 
 
+@gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("split_k", [1, 2, 3, 7, 64])
+@pytest.mark.parametrize("m", [1, 17, 33])
 @pytest.mark.parametrize("group", [32, 64])
-def test_gemm_forced_split_k(split_k, group, dtype):
+def test_gemm_split_k_counters_are_reused(m, group, dtype):
+    """K = 2048 makes the tensor-core kernel split K; later launches (other M blocks, the GEMV)
+    reuse the self-resetting tile counters."""
     k, n = 2048, 640
-    qw, s, qz = random_awq(k, n, group, "cuda", dtype, seed=split_k)
-    x = random_input((33, k), "cuda", dtype, seed=split_k)
+    qw, s, qz = random_awq(k, n, group, "cuda", dtype, seed=m)
+    x = random_input((m, k), "cuda", dtype, seed=m)
     bias = random_input((n,), "cuda", dtype, seed=3)
-    for path in (3, 4, 5, 3):  # later launches reuse the split-K tile counters
-        out = _gemm(x, qw, s, qz, group, bias, path=path, split_k=split_k)
-        assert_close_to_reference(out, x, qw, s, qz, group, bias)
+    for kernel in ("mma", "gemv", "mma", "gemv_staged", "mma"):
+        if declines(kernel, m, n, k, group):
+            continue
+        assert_close_to_reference(_gemm(x, qw, s, qz, group, bias, kernel), x, qw, s, qz, group, bias)
 
 
-GEMV_MS = [1, 2, 3, 4, 5, 8]
-
-
+@gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", GEMV_MS)
+@pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("group", [32, 64, 96, 128, -1])
-@pytest.mark.parametrize("shape", [(96, 32), (192, 160), (576, 544), (1152, 96), (2048, 1056)])
+@pytest.mark.parametrize("shape", [(96, 32), (192, 160), (576, 544), (1152, 96), (2048, 1056), (4096, 288)])
 def test_gemv(shape, group, m, dtype):
-    """The CUDA-core decode kernel (path 6): columns straddling its 64/128/256-column tiles, K of a
-    few 32-row batches, groups that do not divide its 32..128-row chunks, auto and forced splits."""
+    """The CUDA-core decode kernels: columns straddling their 256-column tile, K of a few 32-row
+    batches, groups that do not divide their 32..128-row chunks, K long enough to split."""
     k, n = shape
     g = reference.resolve_group_size(group, k)
     if k % g:
@@ -108,24 +170,24 @@ def test_gemv(shape, group, m, dtype):
     qw, s, qz = random_awq(k, n, group, "cuda", dtype, seed=m * 7 + k + n)
     x = random_input((m, k), "cuda", dtype, seed=m + 3)
     bias = random_input((n,), "cuda", dtype, seed=5) if m % 2 else None
-    # 7: the prefetching variant (M = 1; larger M runs path 6's kernel); 8, 9: cp.async-staged (M <= 2)
-    for path in (6, 7, 8, 9) if m <= 2 else (6, 7):
-        for split_k in (0, 1, 3, 1000):
-            out = _gemm(x, qw, s, qz, g, bias, path=path, split_k=split_k)
-            assert_close_to_reference(out, x, qw, s, qz, g, bias)
+    for kernel in ("gemv", "gemv_staged"):
+        assert declines(kernel, m, n, k, g) == ""
+        assert_close_to_reference(_gemm(x, qw, s, qz, g, bias, kernel), x, qw, s, qz, g, bias)
 
 
+@gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 2, 4, 8])
+@pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("shape", LLAMA3_8B_SHAPES)
 def test_gemv_llama_shapes(shape, m, dtype):
     k, n = shape
     qw, s, qz = random_awq(k, n, 128, "cuda", dtype, seed=k + n + m)
     x = random_input((m, k), "cuda", dtype, seed=m)
-    for path in (6, 7, 8, 9) if m <= 2 else (6, 7):
-        assert_close_to_reference(_gemm(x, qw, s, qz, 128, path=path), x, qw, s, qz, 128)
+    for kernel in ("gemv", "gemv_staged"):
+        assert_close_to_reference(_gemm(x, qw, s, qz, 128, kernel=kernel), x, qw, s, qz, 128)
 
 
+@gpu
 def test_gemv_graph_replay_split_k():
     """Split-K GEMV re-zeroes its workspace and counters: replays and a second layer sharing them
     stay correct."""
@@ -133,29 +195,45 @@ def test_gemv_graph_replay_split_k():
     a = random_awq(k, n, g, "cuda", torch.float16, seed=1)
     b = random_awq(k, 2 * n, g, "cuda", torch.float16, seed=2)
     x = random_input((1, k), "cuda", torch.float16)
-    torch.ops.fastawq.awq_gemm_config(x, *a, g, None, 6, 16)
+    torch.ops.fastawq.awq_gemm(x, *a, g, None, "gemv")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out_a = torch.ops.fastawq.awq_gemm_config(x, *a, g, None, 6, 16)
-        out_b = torch.ops.fastawq.awq_gemm_config(x, *b, g, None, 6, 7)
-        out_c = torch.ops.fastawq.awq_gemm_config(x, *b, g, None, 8, 5)
+        out_a = torch.ops.fastawq.awq_gemm(x, *a, g, None, "gemv")
+        out_b = torch.ops.fastawq.awq_gemm(x, *b, g, None, "gemv")
+        out_c = torch.ops.fastawq.awq_gemm(x, *b, g, None, "gemv_staged")
+        out_d = torch.ops.fastawq.awq_gemm(x, *a, g, None, "mma")
     for seed in (5, 6, 7):
         x.copy_(random_input((1, k), "cuda", torch.float16, seed=seed))
         graph.replay()
         assert_close_to_reference(out_a, x, *a, g)
         assert_close_to_reference(out_b, x, *b, g)
         assert_close_to_reference(out_c, x, *b, g)
+        assert_close_to_reference(out_d, x, *a, g)
 
 
-def test_gemv_rejects_unsupported_shape():
-    k, n, g = 256, 200, 64  # N/8 = 25 is not a multiple of the 4 words a lane reads at M=1
+@gpu
+@pytest.mark.parametrize("case", ["shape", "unknown", "misaligned"])
+def test_named_kernel_rejects(case):
+    k, g = 256, 64
+    n = 256 if case == "misaligned" else 200  # N/8 = 25 is not a multiple of a GEMV lane's 4 words
     qw, s, qz = random_awq(k, n, g, "cuda", torch.float16)
     x = random_input((1, k), "cuda", torch.float16)
-    with pytest.raises(RuntimeError, match=r"GEMV kernel needs .*n=200"):
-        torch.ops.fastawq.awq_gemm_config(x, qw, s, qz, g, None, 6, 0)
+    if case == "misaligned":  # contiguous, 2 bytes past a 16-byte boundary
+        x = torch.empty(k + 8, dtype=torch.float16, device="cuda")[1 : k + 1].view(1, k).copy_(x)
+        expect = {kn: "16-byte aligned" for kn in ("gemv", "gemv_staged", "mma")}
+    elif case == "unknown":
+        expect = {"path6": r"unknown kernel 'path6' \(m=1, n=200"}
+    else:
+        problem = r"\(m=1, n=200, k=256, group_size=64\)"
+        expect = {kn: f"'{kn}' declines the problem {problem}" for kn in ("gemv", "gemv_staged", "mma")}
+    for kernel, message in expect.items():
+        with pytest.raises(RuntimeError, match=message):
+            torch.ops.fastawq.awq_gemm(x, qw, s, qz, g, None, kernel)
+    # "auto" falls back to dequantize + cuBLAS.
     assert_close_to_reference(torch.ops.fastawq.awq_gemm(x, qw, s, qz, g, None), x, qw, s, qz, g)
 
 
+@gpu
 def test_gemm_cuda_graph_replay():
     k, n, g = 4096, 4096, 128
     qw, s, qz = random_awq(k, n, g, "cuda", torch.float16)
@@ -170,6 +248,7 @@ def test_gemm_cuda_graph_replay():
         assert_close_to_reference(out, x, qw, s, qz, g)
 
 
+@gpu
 def test_public_op_dispatches_to_cuda():
     k, n, g = 512, 256, 128
     qw, s, qz = random_awq(k, n, g, "cuda", torch.float16)
@@ -179,36 +258,19 @@ def test_public_op_dispatches_to_cuda():
     assert_close_to_reference(out.reshape(15, n), x.reshape(15, k), qw, s.to(torch.bfloat16), qz, g)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 7, 16, 33, 129])
-@pytest.mark.parametrize("group", [32, 128, -1])
-@pytest.mark.parametrize("shape", [(256, 384), (1152, 640), (4096, 4096), (14336, 4096)])
-def test_gemm_tiled(shape, group, m, dtype):
-    k, n = shape
-    g = reference.resolve_group_size(group, k)
-    qw, s, qz = random_awq(k, n, group, "cuda", dtype, seed=m + n)
-    x = random_input((m, k), "cuda", dtype, seed=m)
-    bias = random_input((n,), "cuda", dtype, seed=9) if m % 2 else None
-    qt = torch.ops.fastawq.awq_repack_tiled(qw)
-    _poison_allocator(m * n, dtype)
-    for split_k in (0, 3):
-        out = torch.ops.fastawq.awq_gemm_tiled(x, qt, s, qz, g, bias, split_k)
-        assert_close_to_reference(out, x, qw, s, qz, g, bias)
-
-
+@gpu
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("m", [1, 64])
-def test_opcheck(m):
+def test_opcheck(m, kernel):
     k, n, g = 256, 128, 64
+    if declines(kernel, m, n, k, g):
+        pytest.skip(f"{kernel} declines M={m}")
     qw, s, qz = random_awq(k, n, g, "cuda", torch.float16)
     x = random_input((m, k), "cuda", torch.float16)
     bias = random_input((n,), "cuda", torch.float16)
-    torch.library.opcheck(torch.ops.fastawq.awq_gemm.default, (x, qw, s, qz, g, bias))
-    torch.library.opcheck(torch.ops.fastawq.awq_gemm.default, (x, qw, s, qz, g, None))
+    torch.library.opcheck(torch.ops.fastawq.awq_gemm.default, (x, qw, s, qz, g, bias, kernel))
+    torch.library.opcheck(torch.ops.fastawq.awq_gemm.default, (x, qw, s, qz, g, None, kernel))
     torch.library.opcheck(torch.ops.fastawq.awq_dequantize.default, (qw, s, qz, g))
-    torch.library.opcheck(torch.ops.fastawq.awq_gemm_config.default, (x, qw, s, qz, g, bias, 1, 2))
-    qt = torch.ops.fastawq.awq_repack_tiled(qw)
-    torch.library.opcheck(torch.ops.fastawq.awq_repack_tiled.default, (qw,))
-    torch.library.opcheck(torch.ops.fastawq.awq_gemm_tiled.default, (x, qt, s, qz, g, bias, 0))
 
 
 def _bad_inputs():
@@ -218,6 +280,7 @@ def _bad_inputs():
     return x, qw, s, qz, g
 
 
+@gpu
 @pytest.mark.parametrize(
     "mutate, message",
     [
@@ -236,6 +299,7 @@ def test_gemm_rejects_bad_inputs(mutate, message):
         torch.ops.fastawq.awq_gemm(*args, None)
 
 
+@gpu
 def test_dequantize_rejects_bad_group():
     _, qw, s, qz, _ = _bad_inputs()
     with pytest.raises(RuntimeError, match="not divisible by group_size=96"):

@@ -1,12 +1,13 @@
-"""Fused decoder layers against the unfused W4 model (same packed weights), and the fused kernels
-against their torch references."""
+"""Fused decoder layers against the unfused W4 model (same packed weights); the layer ops
+themselves are tested against reference.py in test_layer_ops.py."""
 import copy
 import os
 
 import pytest
 import torch
 
-from fastawq.modules import WQLinear, fused_ops
+from fastawq import ops
+from fastawq.modules import WQLinear
 from fastawq.modules.fused import CacheOverflowError, fuse_model
 from fastawq.generate import HFStepper
 
@@ -68,9 +69,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def _match_over_decode(arch: str, kernels: str | None, steps: int, device: str = "cpu", graphs: bool = False) -> None:
+def _match_over_decode(arch: str, backend: str | None, steps: int, device: str = "cpu", graphs: bool = False) -> None:
     ref = tiny_w4_model(arch, device=device)
-    fused = fuse_model(copy.deepcopy(ref), max_seq_len=64, batch_size=2, kernels=kernels, use_cuda_graphs=graphs)
+    fused = fuse_model(copy.deepcopy(ref), max_seq_len=64, batch_size=2, backend=backend, use_cuda_graphs=graphs)
     ids = torch.randint(0, COMMON["vocab_size"], (2, 11), device=device)
     rt = fused.fastawq_runtime
     hf = HFStepper(ref)
@@ -105,7 +106,7 @@ def test_fused_cuda_graph_decode_matches_unfused(arch):
 
 def test_full_logits_forward_matches_unfused():
     ref = tiny_w4_model("qwen2", seed=1)
-    fused = fuse_model(copy.deepcopy(ref), max_seq_len=32, batch_size=1, kernels="torch")
+    fused = fuse_model(copy.deepcopy(ref), max_seq_len=32, batch_size=1, backend="torch")
     ids = torch.randint(0, COMMON["vocab_size"], (1, 17))
     with torch.inference_mode():
         assert _rel(fused(ids).logits, ref(ids).logits) < TOL
@@ -125,7 +126,7 @@ def test_qkv_concat_is_exact():
 def test_cache_overflow_is_an_error_before_any_work():
     from fastawq.generate import generate
 
-    model = fuse_model(tiny_w4_model("llama"), max_seq_len=16, batch_size=1, kernels="torch")
+    model = fuse_model(tiny_w4_model("llama"), max_seq_len=16, batch_size=1, backend="torch")
     rt = model.fastawq_runtime
     with pytest.raises(CacheOverflowError, match="max_seq_len=16"):
         generate(model, None, torch.randint(0, 300, (1, 10)), max_new_tokens=7)
@@ -209,53 +210,11 @@ def test_decode_attention_many_splits_matches_sdpa():
     torch.testing.assert_close(got[0], want, rtol=tol, atol=tol)
 
 
-@needs_triton
-@pytest.mark.parametrize("qk_norm", [False, True])
-def test_rope_kv_cache_kernel_matches_torch(qk_norm):
-    dev = "cuda" if CUDA else "cpu"
-    b, seq, hq, hkv, d, s = 2, 5, 4, 2, 32, 24
-    qkv = torch.randn(b, seq, (hq + 2 * hkv) * d, dtype=torch.float16, device=dev)
-    positions = (torch.arange(seq, dtype=torch.int32, device=dev) + torch.tensor([[0], [7]], device=dev)).to(torch.int32)
-    cos, sin = torch.randn(2, s, d, device=dev).unbind(0)
-    w = (torch.rand(d, dtype=torch.float16, device=dev), torch.rand(d, dtype=torch.float16, device=dev)) if qk_norm else (None, None)
-    caches = [torch.full((b, s, hkv, d), float("nan"), dtype=torch.float16, device=dev) for _ in range(4)]
-    q1 = fused_ops.rope_kv_cache(qkv, positions, cos, sin, caches[0], caches[1], hq, hkv, d, *w, kernels="triton")
-    q2 = fused_ops.rope_kv_cache(qkv, positions, cos, sin, caches[2], caches[3], hq, hkv, d, *w, kernels="torch")
-    torch.testing.assert_close(q1, q2, rtol=2e-3, atol=2e-3)
-    for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
-        assert torch.equal(got.isnan(), want.isnan())  # the same cache slots written, the rest untouched
-        torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=2e-3, atol=2e-3)
-
-
-@needs_triton
-@pytest.mark.parametrize("h", [48, 64, 200])
-@pytest.mark.parametrize("offset", [0.0, 1.0])
-def test_add_rms_norm_kernel_matches_torch(h, offset):
-    dev = "cuda" if CUDA else "cpu"
-    x, r = torch.randn(2, 3, 5, h, dtype=torch.float16, device=dev).unbind(0)
-    w = torch.randn(h, dtype=torch.float16, device=dev)
-    for res in (None, r):
-        y1, r1 = fused_ops.add_rms_norm(x, res, w, 1e-5, offset, kernels="triton")
-        y2, r2 = fused_ops.add_rms_norm(x, res, w, 1e-5, offset, kernels="torch")
-        torch.testing.assert_close(y1, y2, rtol=2e-3, atol=2e-3)
-        torch.testing.assert_close(r1, r2, rtol=0, atol=0)
-
-
-@needs_triton
-@pytest.mark.parametrize("act", fused_ops.ACTIVATIONS)
-def test_act_mul_kernel_matches_torch(act):
-    dev = "cuda" if CUDA else "cpu"
-    gu = torch.randn(3, 2, 2 * 1100, dtype=torch.float16, device=dev)  # I = 1100 straddles 1024-column blocks
-    torch.testing.assert_close(
-        fused_ops.act_mul(gu, act, kernels="triton"), fused_ops.act_mul(gu, act, kernels="torch"), rtol=2e-3, atol=2e-3
-    )
-
-
 @pytest.mark.parametrize("chunk", [1, 4, 7])
 def test_chunked_prefill_matches_one_pass(chunk):
     ref = tiny_w4_model("llama", seed=2)
-    one = fuse_model(copy.deepcopy(ref), max_seq_len=40, batch_size=2, kernels="torch", prefill_chunk=None)
-    chunked = fuse_model(ref, max_seq_len=40, batch_size=2, kernels="torch", prefill_chunk=chunk)
+    one = fuse_model(copy.deepcopy(ref), max_seq_len=40, batch_size=2, backend="torch", prefill_chunk=None)
+    chunked = fuse_model(ref, max_seq_len=40, batch_size=2, backend="torch", prefill_chunk=chunk)
     ids = torch.randint(0, COMMON["vocab_size"], (2, 13))
     a, b = one.fastawq_runtime, chunked.fastawq_runtime
     assert _rel(b.prefill(ids, last_only=False), a.prefill(ids, last_only=False)) < TOL
@@ -272,7 +231,7 @@ def test_fp32_activations_on_cpu():
     for p in ref.parameters():
         if id(p) not in packed:
             p.data = p.data.float()
-    fused = fuse_model(copy.deepcopy(ref), max_seq_len=24, batch_size=1, kernels="torch")
+    fused = fuse_model(copy.deepcopy(ref), max_seq_len=24, batch_size=1, backend="torch")
     assert fused.model.layers[0].self_attn.k_cache.dtype == torch.float32
     ids = torch.randint(0, COMMON["vocab_size"], (1, 9))
     hf = HFStepper(ref)
@@ -280,3 +239,21 @@ def test_fp32_activations_on_cpu():
     assert _rel(rt.prefill(ids)[:, -1], hf.prefill(ids)) < TOL
     tok = ids[:, -1]
     assert _rel(rt.decode(tok), hf.decode(tok)) < TOL
+
+
+def test_backend_reaches_every_wqlinear():
+    # fuse_model(kernels=...) used to stop at the norms and attention: the GEMMs kept dispatching.
+    model = fuse_model(tiny_w4_model("llama"), max_seq_len=16, batch_size=1, backend="torch")
+    layers = [m for m in model.modules() if isinstance(m, WQLinear)]
+    assert layers and all(m.backend == "torch" for m in layers)
+    ids = torch.randint(0, COMMON["vocab_size"], (1, 5))
+    model.fastawq_runtime.prefill(ids)
+    assert all(m._plan.backend == "torch" for m in layers)
+
+
+def test_kernels_is_a_deprecated_alias_of_backend():
+    with pytest.warns(DeprecationWarning, match="use backend="):
+        model = fuse_model(tiny_w4_model("llama"), max_seq_len=16, batch_size=1, kernels="torch")
+    assert model.fastawq_runtime.backend == "torch"
+    with pytest.raises(ValueError, match="disagree"):
+        fuse_model(tiny_w4_model("llama"), max_seq_len=16, batch_size=1, kernels="torch", backend="triton")

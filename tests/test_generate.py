@@ -14,7 +14,7 @@ V = COMMON["vocab_size"]
 @pytest.fixture(scope="module")
 def models():
     ref = tiny_w4_model("llama", seed=3)
-    fused = fuse_model(copy.deepcopy(ref), max_seq_len=48, batch_size=2, kernels="torch")
+    fused = fuse_model(copy.deepcopy(ref), max_seq_len=48, batch_size=2, backend="torch")
     return ref, fused
 
 

@@ -207,7 +207,7 @@ def test_quantize_save_load_generate(arch, tmp_path):
     gen = loaded.generate(ids[:1, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert gen.shape == (1, 12)
     if spec.fusable:
-        fused = fuse_model(copy.deepcopy(loaded.model), max_seq_len=16, batch_size=2, kernels="torch")
+        fused = fuse_model(copy.deepcopy(loaded.model), max_seq_len=16, batch_size=2, backend="torch")
         with torch.no_grad():
             torch.testing.assert_close(fused(ids).logits, out, rtol=1e-3, atol=1e-3)
     else:

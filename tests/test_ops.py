@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastawq import backend, ops, reference
+from fastawq import _ext, backend, ops, reference
 from fastawq.modules import WQLinear
 
 from conftest import assert_close_to_reference, random_awq, random_input
@@ -93,3 +93,72 @@ def test_wqlinear_rejects_indivisible_shapes():
         WQLinear(100, 64, 64, bias=False)
     with pytest.raises(ValueError, match="out_features=60"):
         WQLinear(128, 60, 64, bias=False)
+
+
+# --- the compiled GEMM: kernel names, one owner of the M threshold and of the fit rules -------
+
+HAS_NAMED_GEMM = torch.cuda.is_available() and _ext.has_op("awq_gemm_declines")
+needs_named_gemm = pytest.mark.skipif(not HAS_NAMED_GEMM, reason="needs CUDA and fastawq._C with named GEMM kernels")
+
+
+def test_gemv_threshold_has_one_owner():
+    assert backend.size_buckets("awq_gemm") == [*sorted(backend.CUDA_GEMM_KERNEL_BY_M), None]
+    assert backend.CUDA_GEMV_MAX_M == max(backend.CUDA_GEMM_KERNEL_BY_M)
+    assert [backend.cuda_gemm_kernel(b) for b in backend.size_buckets("awq_gemm")] == ["gemv", "gemv_staged", "auto"]
+
+
+def test_extension_without_named_kernels_counts_as_unavailable(monkeypatch):
+    monkeypatch.setattr(_ext, "has_op", lambda name: name != "awq_gemm_declines")
+    assert "predates named GEMM kernels" in ops.cuda_gemm_declines("gemv", 1, 64, 256, 64)
+
+
+@needs_named_gemm
+@pytest.mark.parametrize("m", [1, 2, 3, 16, 127, 128, 129])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_forced_cuda_matches_reference_across_m_buckets(m, dtype):
+    qweight, scales, qzeros = random_awq(512, 320, 128, "cuda", dtype=dtype)
+    bias = torch.randn(320, device="cuda", dtype=dtype)
+    x = random_input((m, 512), "cuda", dtype=dtype)
+    plan = ops.awq_gemm_plan(x, qweight, scales, qzeros, 128, bias, backend="cuda")
+    assert plan.backend == "cuda"
+    assert_close_to_reference(plan(x), x, qweight, scales, qzeros, 128, bias)
+
+
+@needs_named_gemm
+@pytest.mark.parametrize("kernel", ["auto", "gemv", "gemv_staged", "mma", "dequant_cublas"])
+def test_named_kernels_pass_opcheck(kernel):
+    qweight, scales, qzeros = random_awq(256, 128, 64, "cuda")
+    m = 2 if kernel.startswith("gemv") else 33
+    assert torch.ops.fastawq.awq_gemm_declines(kernel, m, 128, 256, 64) == ""
+    x = random_input((m, 256), "cuda")
+    bias = torch.randn(128, device="cuda", dtype=torch.float16)
+    torch.library.opcheck(torch.ops.fastawq.awq_gemm.default, (x, qweight, scales, qzeros, 64, bias, kernel))
+    out = torch.ops.fastawq.awq_gemm(x, qweight, scales, qzeros, 64, bias, kernel)
+    assert_close_to_reference(out, x, qweight, scales, qzeros, 64, bias)
+
+
+@needs_named_gemm
+def test_gemv_declines_shapes_off_its_tiles():
+    assert torch.ops.fastawq.awq_gemm_declines("gemv", 1, 128, 96 + 8, 8) != ""
+    assert ops.cuda_gemm_declines("gemv", 1, 128, 256, 64) is None
+
+
+@pytest.mark.skipif(not _ext.has_op("awq_cpu_gemm"), reason="fastawq._C without the CPU kernel")
+def test_cpu_ops_pass_opcheck():
+    qweight, scales, qzeros = random_awq(256, 128, 64, dtype=torch.float32)
+    torch.library.opcheck(torch.ops.fastawq.awq_cpu_repack.default, (qweight, scales, qzeros, 64))
+    w, s, z = torch.ops.fastawq.awq_cpu_repack(qweight, scales, qzeros, 64)
+    x = random_input((3, 256), dtype=torch.float32)
+    torch.library.opcheck(torch.ops.fastawq.awq_cpu_gemm.default, (x, w, s, z, 64, 128, None))
+
+
+def test_wqlinear_backend_is_forced_and_replanned():
+    torch.manual_seed(1)
+    layer = WQLinear.from_linear(torch.nn.Linear(128, 64), 64)
+    x = random_input((2, 128), dtype=torch.float32)
+    layer.set_backend("torch")
+    assert torch.equal(layer(x), reference.awq_gemm(x, layer.qweight, layer.scales, layer.qzeros, 64, layer.bias))
+    assert layer._plan.backend == "torch"
+    layer.set_backend("cuda")
+    with pytest.raises(backend.BackendUnavailableError, match="'cuda' cannot run awq_gemm"):
+        layer(x)

@@ -70,6 +70,22 @@ def test_split_k_counters_rearm_across_calls():
         assert_close_to_reference(out, x, qweight, scales, qzeros, g)
 
 
+def test_one_workspace_serves_gemm_and_attention():
+    from fastawq.triton_kernels import attention, launch
+    from fastawq.triton_kernels.workspace import WORKSPACE, Workspace
+
+    assert launch._WORKSPACE is WORKSPACE and attention.WORKSPACE is WORKSPACE
+    ws = Workspace()
+    a = ws.get(torch.device("cpu"), "counters", 10, torch.int32, zeroed=True, minimum=16)
+    assert a.numel() == 16 and not a.any()
+    a.fill_(7)  # a kernel that failed to re-arm
+    assert ws.get(torch.device("cpu"), "counters", 16, torch.int32, zeroed=True) is a
+    b = ws.get(torch.device("cpu"), "counters", 17, torch.int32, zeroed=True)
+    # Grown, zeroed, and the outgrown buffer kept alive for graphs captured over it.
+    assert b.numel() == 17 and not b.any() and any(t is a for t in ws.retired)
+    assert ws.buffers[torch.device("cpu")] == (b,)
+
+
 @pytest.mark.parametrize("group_size", [32, 64, 128, -1])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_dequantize_is_exact(group_size, dtype):

@@ -1,7 +1,12 @@
-"""Triton W4A16 kernels, installed as ``fastawq.triton_kernels``.
+"""Triton kernels, installed as ``fastawq.triton_kernels``; each op here has the name and the
+arguments of its wrapper in ``fastawq.ops`` (backend.py looks them up by name).
 
 (A top-level ``triton_kernels`` package already exists in the Triton ecosystem, hence the nesting.)
 """
+from .attention import decode_attention, rope_kv_cache
 from .launch import awq_dequantize, awq_gemm, awq_gemm_fits
+from .norm import act_mul, add_rms_norm
 
-__all__ = ["awq_dequantize", "awq_gemm", "awq_gemm_fits"]
+__all__ = [
+    "act_mul", "add_rms_norm", "awq_dequantize", "awq_gemm", "awq_gemm_fits", "decode_attention", "rope_kv_cache",
+]

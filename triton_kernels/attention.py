@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .workspace import WORKSPACE
+
 
 def _pow2(n: int, lo: int = 1) -> int:
     return max(lo, triton.next_power_of_2(int(n)))
@@ -198,18 +200,6 @@ def _decode_attn_kernel(
             tl.atomic_xchg(cnt_ptr + pid, 0)
 
 
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed arrival counters that the kernel re-arms. Outgrown buffers stay alive: a captured
-    CUDA graph keeps pointing at the one it was captured with."""
-    bufs = _COUNTERS.setdefault(device, [])
-    if not bufs or bufs[-1].numel() < n:
-        bufs.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
-    return bufs[-1]
-
-
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
@@ -258,8 +248,10 @@ def decode_attention(
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} must match q {tuple(q.shape)} {q.dtype}")
+    # Per-(row, KV head) arrival counters: the last split to arrive reduces, then re-arms it.
+    counters = WORKSPACE.get(q.device, "attention_counters", b * hkv, torch.int32, zeroed=True, minimum=1024)
     _decode_attn_kernel[(b * hkv, splits)](
-        q, k_cache, v_cache, lens, acc, ml, _counters(q.device, b * hkv), out,
+        q, k_cache, v_cache, lens, acc, ml, counters, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), scale if scale is not None else d ** -0.5,
         HKV=hkv, GROUP=group, GROUP_BLOCK=_pow2(group, 16), D=d, BLOCK_D=_pow2(d, 16),

@@ -9,6 +9,7 @@ import torch
 import triton
 
 from .awq import awq_dequantize_kernel, awq_gemm_kernel, awq_gemv_kernel
+from .workspace import WORKSPACE
 
 logger = logging.getLogger(__name__)
 
@@ -121,35 +122,8 @@ def candidate_configs(m: int, n: int, k: int, g: int, sms: int) -> list:
     return out
 
 
-class _Workspace:
-    """Per-device fp32 partials and per-tile arrival counters for split-K (counters re-arm
-    themselves in the kernel, so they are zeroed only when allocated).
-
-    One set per device: split-K GEMMs on one stream run one after another, but two streams
-    running split-K GEMMs at the same time would share counters and race. Keying by stream is
-    the fix; it moves the graph-captured decode onto buffers allocated inside the capture, so it
-    waits for a GPU run to validate it (see the closing note of 2026-11-30)."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        # Outgrown buffers stay alive: a CUDA graph captured earlier still points at them.
-        self.retired: list[torch.Tensor] = []
-
-    def get(self, device: torch.device, numel: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ws, locks = self.buffers.get(device, (None, None))
-        if ws is None or ws.numel() < numel:
-            if ws is not None:
-                self.retired.append(ws)
-            ws = torch.empty(max(numel, 1 << 20), dtype=torch.float32, device=device)
-        if locks is None or locks.numel() < tiles:
-            if locks is not None:
-                self.retired.append(locks)
-            locks = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-        self.buffers[device] = (ws, locks)
-        return ws, locks
-
-
-_WORKSPACE = _Workspace()
+# Shared with the attention kernels: one owner of graph-safe scratch (workspace.py).
+_WORKSPACE = WORKSPACE
 _TUNED: dict[tuple, object] = {}
 
 
@@ -158,7 +132,11 @@ def launch_gemm(x, qweight, scales, qzeros, g, bias, out, cfg: GemmConfig) -> to
     n = out.shape[1]
     grid_mn = triton.cdiv(n, cfg.block_n) * (1 if cfg.gemv else triton.cdiv(m, cfg.block_m))
     if cfg.split_k > 1:
-        ws, locks = _WORKSPACE.get(x.device, cfg.split_k * m * n, grid_mn)
+        # fp32 partials per split; per-tile arrival counters that the kernel re-arms.
+        ws = _WORKSPACE.get(
+            x.device, "gemm_partials", cfg.split_k * m * n, torch.float32, zeroed=False, minimum=1 << 20
+        )
+        locks = _WORKSPACE.get(x.device, "gemm_counters", grid_mn, torch.int32, zeroed=True, minimum=4096)
     else:
         ws, locks = out, out  # unused
     if cfg.gemv:

@@ -1,7 +1,5 @@
 // Host entry of fastawq::decode_attention: validation, split count, partials, arrival counters.
 #include <cstdint>
-#include <mutex>
-#include <unordered_map>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -11,28 +9,10 @@
 #include "attention/attention_ops.h"
 #include "attention/launch_attention.h"
 #include "common/checks.h"
+#include "common/workspace.h"
 
 namespace fastawq {
 namespace {
-
-constexpr int64_t kCounters = 1 << 16;
-
-// Zeroed arrival counters, one buffer per device for the life of the process: the kernel re-arms
-// them, so no memset precedes a launch, and a captured graph keeps pointing at this buffer. The
-// launches on one device share it: they must not overlap on two streams (as for the Triton
-// kernel). Created by the first call; inside a capture that is a memset node of the graph,
-// which re-zeroes counters that are zero anyway. Never destroyed: it would outlive the CUDA
-// context at exit.
-int* arrival_counters(const at::Tensor& like) {
-  static std::mutex mu;
-  static auto* buffers = new std::unordered_map<int, at::Tensor>();
-  const std::lock_guard<std::mutex> lock(mu);
-  auto it = buffers->find(like.get_device());
-  if (it == buffers->end()) {
-    it = buffers->emplace(like.get_device(), at::zeros({kCounters}, like.options().dtype(at::kInt))).first;
-  }
-  return it->second.data_ptr<int>();
-}
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
@@ -81,7 +61,6 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                 ": lens must be a contiguous [B] = [", b, "] tensor");
   FASTAWQ_CHECK(k_cache.size(1) > 0 && k_cache.size(1) < (int64_t(1) << 31) && hkv <= 65535 && b <= 65535, p(),
                 ": S, HKV or B out of range");
-  FASTAWQ_CHECK(b * hkv <= kCounters, p(), ": B*HKV=", b * hkv, " exceeds ", kCounters);
   FASTAWQ_CHECK(vector_friendly(q), p(), ": q (strides ", q.strides(),
                 ") needs unit stride in D, other strides that are multiples of 8 and 16-byte alignment");
   FASTAWQ_CHECK(vector_friendly(k_cache) && vector_friendly(v_cache), p(), ": k_cache (strides ",
@@ -113,7 +92,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     part_ml = at::empty({b * hkv * splits * group * 2}, f32);
     a.part_acc = part_acc.data_ptr<float>();
     a.part_ml = part_ml.data_ptr<float>();
-    a.counters = arrival_counters(q);
+    // Zeroed arrival counters, one per (row, KV head); the kernel re-arms them.
+    a.counters = zeroed_counters(Workspace::kAttentionCounters, q.device(), b * hkv);
   }
   a.q_sb = q.stride(0);
   a.q_sh = q.stride(1);

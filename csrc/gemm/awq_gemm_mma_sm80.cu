@@ -9,6 +9,8 @@
 // One 16-byte shared load gives a lane the words of 4 neighbouring 8-column tiles for one row.
 // The result of lane (g, t) lands in real columns AWQ_ORDER[2t], AWQ_ORDER[2t+1]: the epilogue
 // scatters accordingly.
+// Stages of 4 x 32 rows (one cp.async group and one barrier per 128 rows) with each thread's load
+// addresses computed once: the per-stage cost dominated with 32-row stages (CUDA_NOTES.md).
 #include "common/dtype.cuh"
 #include "common/launch.h"
 #include "common/ptx.cuh"
@@ -16,6 +18,8 @@
 namespace fastawq {
 namespace {
 
+constexpr int kWarpsN = kMmaBlockN / 32;  // warps side by side in N, 32 columns each
+constexpr int kKsub = 4;                  // 32-row tiles per pipeline stage
 
 // Real column (0..7) held by nibble c.
 __device__ __forceinline__ int awq_order(int c) { return (c & 3) * 2 + (c >> 2); }
@@ -31,17 +35,15 @@ struct Smem {
   uint16_t x[kBM * kMmaBlockK];               // BM rows x 64 B; 32-byte half h of row r at h ^ ((r >> 1) & 1)
 };
 
-// TILED: qweight comes from awq_repack_tiled ([N/128][K/32][32][16] words, WN = 4), so each
-// 32-row tile of a block is one contiguous 2 KB read instead of 32 rows x 64 bytes.
-// KSUB: 32-row tiles per pipeline stage (one cp.async group, one barrier). The per-stage cost
-// (wait, barrier, address arithmetic) was measured to dominate at KSUB = 1 (CUDA_NOTES.md).
-template <typename T, int MT, int WN, int STAGES, bool TILED, int KSUB>
-__global__ void __launch_bounds__(WN * 32) awq_gemm_mma_kernel(
+template <typename T, int MT, int STAGES>
+__global__ void __launch_bounds__(kWarpsN * 32) awq_gemm_mma_kernel(
     const T* __restrict__ x, const uint32_t* __restrict__ qweight, const T* __restrict__ scales,
     const uint32_t* __restrict__ qzeros, const T* __restrict__ bias, T* __restrict__ out, float* __restrict__ ws,
     int* __restrict__ counters, int m, int n, int k, int group_size, int tiles_per_split) {
   using Tr = HalfTraits<T>;
   using T2 = typename Tr::T2;
+  constexpr int WN = kWarpsN;
+  constexpr int KSUB = kKsub;
   constexpr int kBM = 16 * MT;
   constexpr int kThreads = WN * 32;
   constexpr int kWords = WN * 4;
@@ -61,11 +63,10 @@ __global__ void __launch_bounds__(WN * 32) awq_gemm_mma_kernel(
   const int ntiles = max(kt_end - kt_begin, 0);
   const uint64_t policy = evict_first_policy();
 
-  // Lean loader (KSUB > 1): each thread's sources and destinations are computed once here and
-  // offset per tile, instead of the ~150 instructions of address arithmetic per tile of the
-  // general loader below (PTX of the KSUB = 1 kernel: half of the main loop).
+  // Each thread's sources and destinations are computed once here and offset per tile (per-tile
+  // address arithmetic was half of the main loop's PTX).
   constexpr int kXPer = (kBM * 4 + kThreads - 1) / kThreads;  // activation chunks per thread
-  static_assert(KSUB == 1 || WN + kBlockN / 8 <= 32, "the lean loader issues zeros and scales from warp 0");
+  static_assert(WN + kBlockN / 8 <= 32, "the loader issues zeros and scales from warp 0");
   const int w_row = tid / WN, w_chunk = tid % WN;
   const bool w_ok = word0 + w_chunk * 4 < n8;
   const uint32_t* w_src0 = qweight + static_cast<int64_t>(kt_begin * kMmaBlockK + w_row) * n8 +
@@ -87,55 +88,23 @@ __global__ void __launch_bounds__(WN * 32) awq_gemm_mma_kernel(
   auto load_stage = [&](int slot, int kt) {
     Smem<MT, WN>& st = smem[slot];
     const int k0 = kt * kMmaBlockK;
-    if constexpr (KSUB > 1 && !TILED) {
-      cp_async16_stream(&st.w[w_dst], w_src0 + static_cast<int64_t>(kt - kt_begin) * (kMmaBlockK * n8), w_ok,
-                        policy);
+    cp_async16_stream(&st.w[w_dst], w_src0 + static_cast<int64_t>(kt - kt_begin) * (kMmaBlockK * n8), w_ok,
+                      policy);
 #pragma unroll
-      for (int j = 0; j < kXPer; ++j) {
-        if (x_on[j]) cp_async16(&st.x[x_dst[j]], x_src0[j] + k0, x_ok[j]);
-      }
-      if (warp == 0 && lane < WN + kBlockN / 8) {  // zeros (WN chunks) and scales of the tile's group
-        const int grp = k0 / group_size;
-        if (lane < WN) {
-          const int word = word0 + lane * 4;
-          const bool ok = word < n8;
-          cp_async16(&st.z[lane * 4], qzeros + static_cast<int64_t>(grp) * n8 + (ok ? word : 0), ok);
-        } else {
-          const int col = word0 * 8 + (lane - WN) * 8;
-          const bool ok = col < n;
-          cp_async16(&st.s[(lane - WN) * 8], scales + static_cast<int64_t>(grp) * n + (ok ? col : 0), ok);
-        }
-      }
-      return;
+    for (int j = 0; j < kXPer; ++j) {
+      if (x_on[j]) cp_async16(&st.x[x_dst[j]], x_src0[j] + k0, x_ok[j]);
     }
-    {  // weights: 32 rows x WN chunks of 16 B, one chunk per thread
-      const int row = tid / WN, chunk = tid % WN;
-      const int word = word0 + chunk * 4;
-      const bool ok = word < n8;
-      const uint32_t* src =
-          TILED ? qweight + ((static_cast<int64_t>(blockIdx.x) * kt_total + kt) * kMmaBlockK + row) * kWords + chunk * 4
-                : qweight + static_cast<int64_t>(k0 + row) * n8 + (ok ? word : 0);
-      cp_async16_stream(&st.w[row * kWords + ((chunk ^ ((row >> 2) & 3)) * 4)], src, ok, policy);
-    }
-    if (tid < WN) {
+    if (warp == 0 && lane < WN + kBlockN / 8) {  // zeros (WN chunks) and scales of the tile's group
       const int grp = k0 / group_size;
-      const int word = word0 + tid * 4;
-      const bool ok = word < n8;
-      cp_async16(&st.z[tid * 4], qzeros + static_cast<int64_t>(grp) * n8 + (ok ? word : 0), ok);
-    } else if (tid < WN + kBlockN / 8) {
-      const int grp = k0 / group_size;
-      const int c = tid - WN;
-      const int col = word0 * 8 + c * 8;
-      const bool ok = col < n;
-      cp_async16(&st.s[c * 8], scales + static_cast<int64_t>(grp) * n + (ok ? col : 0), ok);
-    }
-#pragma unroll
-    for (int i = tid; i < kBM * 4; i += kThreads) {  // activations: BM rows x 4 chunks of 16 B
-      const int row = i >> 2, chunk = i & 3;
-      const bool ok = m0 + row < m;
-      const T* src = x + static_cast<int64_t>(ok ? m0 + row : 0) * k + k0 + chunk * 8;
-      const int half = (chunk >> 1) ^ ((row >> 1) & 1);
-      cp_async16(&st.x[row * kMmaBlockK + half * 16 + (chunk & 1) * 8], src, ok);
+      if (lane < WN) {
+        const int word = word0 + lane * 4;
+        const bool ok = word < n8;
+        cp_async16(&st.z[lane * 4], qzeros + static_cast<int64_t>(grp) * n8 + (ok ? word : 0), ok);
+      } else {
+        const int col = word0 * 8 + (lane - WN) * 8;
+        const bool ok = col < n;
+        cp_async16(&st.s[(lane - WN) * 8], scales + static_cast<int64_t>(grp) * n + (ok ? col : 0), ok);
+      }
     }
   };
 
@@ -233,7 +202,8 @@ __global__ void __launch_bounds__(WN * 32) awq_gemm_mma_kernel(
 
   // Epilogue. Lane (g, t) holds rows g, g+8 and mma columns 2t, 2t+1 = real columns below.
   const int c_lo = awq_order(2 * t), c_hi = awq_order(2 * t + 1);
-  if (splits == 1) {
+  // fn(offset of the element in [M, N], its column, its fp32 sum) for each in-range result.
+  auto for_each_result = [&](auto&& fn) {
 #pragma unroll
     for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
@@ -242,27 +212,20 @@ __global__ void __launch_bounds__(WN * 32) awq_gemm_mma_kernel(
         for (int r = 0; r < 4; ++r) {
           const int row = m0 + mi * 16 + g + (r >> 1) * 8;
           const int col = (word0 + warp * 4 + j) * 8 + ((r & 1) ? c_hi : c_lo);
-          if (row < m && col < n) {
-            float v = acc[mi][j][r];
-            if (bias != nullptr) v += Tr::to_float(bias[col]);
-            out[static_cast<int64_t>(row) * n + col] = Tr::from_float(v);
-          }
+          if (row < m && col < n) fn(static_cast<int64_t>(row) * n + col, col, acc[mi][j][r]);
         }
+  };
+  if (splits == 1) {
+    for_each_result([&](int64_t idx, int col, float v) {
+      if (bias != nullptr) v += Tr::to_float(bias[col]);
+      out[idx] = Tr::from_float(v);
+    });
     return;
   }
 
   // Split-K: each split writes fp32 partials; the last block of a tile to finish sums them.
   float* part = ws + static_cast<int64_t>(blockIdx.y) * m * n;
-#pragma unroll
-  for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int row = m0 + mi * 16 + g + (r >> 1) * 8;
-        const int col = (word0 + warp * 4 + j) * 8 + ((r & 1) ? c_hi : c_lo);
-        if (row < m && col < n) __stcg(part + static_cast<int64_t>(row) * n + col, acc[mi][j][r]);
-      }
+  for_each_result([&](int64_t idx, int, float v) { __stcg(part + idx, v); });
   __threadfence();
   __syncthreads();
   __shared__ int is_last;
@@ -287,46 +250,34 @@ __global__ void __launch_bounds__(WN * 32) awq_gemm_mma_kernel(
   if (tid == 0) *counter = 0;  // ready for the next launch (and for CUDA-graph replays)
 }
 
-template <typename T, int MT, int WN, int STAGES, bool TILED, int KSUB>
+template <typename T, int MT, int STAGES>
 void launch(const MmaArgs& a, cudaStream_t stream) {
-  const size_t smem = sizeof(Smem<MT, WN>) * STAGES * KSUB;
-  auto kernel = awq_gemm_mma_kernel<T, MT, WN, STAGES, TILED, KSUB>;
+  const size_t smem = sizeof(Smem<MT, kWarpsN>) * STAGES * kKsub;
+  auto kernel = awq_gemm_mma_kernel<T, MT, STAGES>;
   if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  const int block_n = WN * 32;
-  const dim3 grid((a.n + block_n - 1) / block_n, a.splits, (a.m + 16 * MT - 1) / (16 * MT));
-  kernel<<<grid, WN * 32, smem, stream>>>(
+  const dim3 grid((a.n + kMmaBlockN - 1) / kMmaBlockN, a.splits, (a.m + 16 * MT - 1) / (16 * MT));
+  kernel<<<grid, kWarpsN * 32, smem, stream>>>(
       static_cast<const T*>(a.x), a.qweight, static_cast<const T*>(a.scales), a.qzeros,
       static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.m, a.n, a.k, a.group_size,
       a.tiles_per_split);
 }
 
-template <typename T, int WN, bool TILED = false, int KSUB = 1>
+template <typename T>
 void launch_for_m(const MmaArgs& a, cudaStream_t stream) {
-  // Instances must match mma_block_m() in launch.h. KSUB = 4 stages are 4x larger: 3 deep.
+  // Instances must match mma_block_m() in launch.h; 3 stages of 128 rows each.
   if (a.m <= 16) {
-    launch<T, 1, WN, KSUB == 1 ? 6 : 3, TILED, KSUB>(a, stream);
+    launch<T, 1, 3>(a, stream);
   } else if (a.m <= 32) {
-    launch<T, 2, WN, KSUB == 1 ? 5 : 3, TILED, KSUB>(a, stream);
+    launch<T, 2, 3>(a, stream);
   } else {
-    launch<T, 4, WN, KSUB == 1 ? 4 : 3, TILED, KSUB>(a, stream);
+    launch<T, 4, 3>(a, stream);
   }
 }
 
 }  // namespace
 
 void launch_awq_gemm_mma(const MmaArgs& args, cudaStream_t stream) {
-  const bool wide = args.warps_n == 8;
-  if (args.ksub == 4) {
-    args.dtype == HalfType::kHalf ? launch_for_m<__half, 4, false, 4>(args, stream)
-                                  : launch_for_m<__nv_bfloat16, 4, false, 4>(args, stream);
-  } else if (args.tiled) {
-    args.dtype == HalfType::kHalf ? launch_for_m<__half, 4, true>(args, stream)
-                                  : launch_for_m<__nv_bfloat16, 4, true>(args, stream);
-  } else if (args.dtype == HalfType::kHalf) {
-    wide ? launch_for_m<__half, 8>(args, stream) : launch_for_m<__half, 4>(args, stream);
-  } else {
-    wide ? launch_for_m<__nv_bfloat16, 8>(args, stream) : launch_for_m<__nv_bfloat16, 4>(args, stream);
-  }
+  args.dtype == HalfType::kHalf ? launch_for_m<__half>(args, stream) : launch_for_m<__nv_bfloat16>(args, stream);
 }
 
 }  // namespace fastawq

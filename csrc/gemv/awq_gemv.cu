@@ -1,4 +1,4 @@
-// W4A16 for decode (M = 1..8) on the CUDA cores, reading the AWQ "GEMM" layout directly.
+// W4A16 for decode (M = 1, 2) on the CUDA cores, reading the AWQ "GEMM" layout directly.
 //
 // y[m, n] = sum_k x[m, k] (q[k, n] - z[g, n]) s[g, n], fp32 accumulation.
 //
@@ -10,12 +10,15 @@
 // bits, far below the fp16/bf16 output rounding.
 //
 // Work decomposition: a block is 4 warps on one column tile (8 lanes side by side, each with WPT
-// consecutive packed words = 8*WPT columns); the 4 row lanes of a warp take rows r, r+4, ...
+// = 4 consecutive packed words = 32 columns); the 4 row lanes of a warp take rows r, r+4, ...
 // A warp item is `chunk_rows` consecutive rows of K (32..128, picked by the host so that the
 // grid fills the GPU); each lane keeps 8 16-byte loads in flight per 32-row batch. Partial sums
 // of the 4 row lanes meet through shuffles, the 4 warps through shared memory, and the blocks
 // that split K through fp32 atomics into a zeroed workspace that the last block to arrive reads,
 // converts, and zeroes again (graph-safe, no extra launch).
+//
+// Two kernels: the register kernel ("gemv", wins at M = 1) and the cp.async-staged one
+// ("gemv_staged", wins at M = 2); benchmarks/RESULTS.md has the numbers.
 #include "common/dtype.cuh"
 #include "common/launch.h"
 #include "common/ptx.cuh"
@@ -38,23 +41,6 @@ struct Words<4> {
                  : "l"(p), "l"(policy));
   }
 };
-template <>
-struct Words<2> {
-  uint32_t v[2];
-  __device__ __forceinline__ void load(const uint32_t* p, uint64_t policy) {
-    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v2.u32 {%0,%1}, [%2], %3;\n"
-                 : "=r"(v[0]), "=r"(v[1])
-                 : "l"(p), "l"(policy));
-  }
-};
-template <>
-struct Words<1> {
-  uint32_t v[1];
-  __device__ __forceinline__ void load(const uint32_t* p, uint64_t policy) {
-    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.u32 %0, [%1], %2;\n" : "=r"(v[0]) : "l"(p), "l"(policy));
-  }
-};
-
 // f[c] = 0.5 + q_c / 256 for the 8 nibbles of an AWQ word, in real column order c = 0..7.
 // Nibble i holds column AWQ_ORDER[i] = (0, 2, 4, 6, 1, 3, 5, 7)[i]: the even nibbles (bytes of
 // w & 0x0F0F0F0F) are columns 0, 4, 1, 5 and the odd ones columns 2, 6, 3, 7.
@@ -214,6 +200,35 @@ __device__ __forceinline__ void finish_tile(float (&y)[M][kCols], float (&red)[k
   }
 }
 
+// A lane's place: its warp, row lane, column words (8 column lanes of WPT words per tile), and
+// the end of its block's chunk range.
+struct LanePlace {
+  int lane, warp, rl, n8, tile_word0, word0;
+  bool col_ok;
+  int c_end;
+};
+template <int WPT>
+__device__ __forceinline__ LanePlace place_lane(int n, int k, int chunk_rows, int chunks_per_block) {
+  LanePlace p;
+  p.lane = threadIdx.x & 31, p.warp = threadIdx.x >> 5, p.rl = p.lane >> 3;
+  p.n8 = n >> 3;
+  p.tile_word0 = blockIdx.x * (8 * WPT);
+  p.word0 = p.tile_word0 + (p.lane & 7) * WPT;
+  p.col_ok = p.word0 < p.n8;  // the host guarantees n8 % WPT == 0: all WPT words or none
+  p.c_end = min((blockIdx.y + 1) * chunks_per_block, (k + chunk_rows - 1) / chunk_rows);
+  return p;
+}
+
+template <int M, int kCols>
+__device__ __forceinline__ void zero_sums(float (&y)[M][kCols], float (&acc)[M][kCols], float (&xs)[M]) {
+#pragma unroll
+  for (int mm = 0; mm < M; ++mm) {
+    xs[mm] = 0.f;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) y[mm][c] = acc[mm][c] = 0.f;
+  }
+}
+
 // A warp's walk over its chunks (chunk, chunk + kWarps, ...) in 32-row batches.
 struct Cursor {
   int chunk, base, end;
@@ -226,9 +241,7 @@ struct Cursor {
   }
 };
 
-// PIPE: issue the loads of the warp's next batch before the arithmetic of the current one, so a
-// lane keeps a batch in flight while it computes (costs the registers of a second batch).
-template <typename T, int M, int WPT, bool PIPE>
+template <typename T, int M, int WPT>
 __global__ void __launch_bounds__(kGemvThreads) awq_gemv_kernel(
     const T* __restrict__ x, const uint32_t* __restrict__ qweight, const T* __restrict__ scales,
     const uint32_t* __restrict__ qzeros, const T* __restrict__ bias, T* __restrict__ out, float* __restrict__ ws,
@@ -240,73 +253,35 @@ __global__ void __launch_bounds__(kGemvThreads) awq_gemv_kernel(
   __shared__ float red[kWarps][M][kTileCols];
   __shared__ int is_last;
 
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int cl = lane & 7, rl = lane >> 3;
-  const int n8 = n >> 3;
-  const int tile_word0 = blockIdx.x * kTileWords;
-  const int word0 = tile_word0 + cl * WPT;
-  const bool col_ok = word0 < n8;  // the host guarantees n8 % WPT == 0: all WPT words or none
+  const auto [lane, warp, rl, n8, tile_word0, word0, col_ok, c_end] =
+      place_lane<WPT>(n, k, chunk_rows, chunks_per_block);
   const uint64_t policy = evict_first_policy();
-  const int total_chunks = (k + chunk_rows - 1) / chunk_rows;
-  const int c_end = min((blockIdx.y + 1) * chunks_per_block, total_chunks);
-
   float y[M][kCols], acc[M][kCols], xs[M];
-#pragma unroll
-  for (int mm = 0; mm < M; ++mm) {
-    xs[mm] = 0.f;
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) y[mm][c] = acc[mm][c] = 0.f;
-  }
+  zero_sums(y, acc, xs);
 
   // The warp walks its chunks (chunk, chunk + 4, ...) in 32-row batches; k % 32 == 0 (host
   // check), so a batch is all in range and inside one group (group_size % 32 == 0).
-  if constexpr (!PIPE) {
-    for (int chunk = blockIdx.y * chunks_per_block + warp; chunk < c_end; chunk += kWarps) {
-      const int chunk_row0 = chunk * chunk_rows;
-      const int chunk_row_end = min(chunk_row0 + chunk_rows, k);
+  for (int chunk = blockIdx.y * chunks_per_block + warp; chunk < c_end; chunk += kWarps) {
+    const int chunk_row0 = chunk * chunk_rows;
+    const int chunk_row_end = min(chunk_row0 + chunk_rows, k);
 #pragma unroll 1
-      for (int base = chunk_row0; base < chunk_row_end; base += kBatchRows) {
-        Words<WPT> w[kLoads];
-        float xv[M][kLoads];
-        load_batch<T, M, WPT>(x, qweight, k, n8, word0, col_ok, base + rl, policy, w, xv);
-        consume_batch<T, M, WPT>(w, xv, acc, xs, y, base, chunk_row_end, group_size, col_ok, qzeros, scales, n8, n,
-                                 word0);
-      }
-    }
-  } else {
-    Cursor cur;
-    cur.start(blockIdx.y * chunks_per_block + warp, chunk_rows, k);
-    Words<WPT> w[kLoads];
-    float xv[M][kLoads];
-    if (cur.chunk < c_end) load_batch<T, M, WPT>(x, qweight, k, n8, word0, col_ok, cur.base + rl, policy, w, xv);
-#pragma unroll 1
-    while (cur.chunk < c_end) {
-      Cursor next = cur;
-      next.advance(chunk_rows, k);
-      Words<WPT> wn[kLoads];
-      float xn[M][kLoads];
-      if (next.chunk < c_end) load_batch<T, M, WPT>(x, qweight, k, n8, word0, col_ok, next.base + rl, policy, wn, xn);
-      consume_batch<T, M, WPT>(w, xv, acc, xs, y, cur.base, cur.end, group_size, col_ok, qzeros, scales, n8, n,
+    for (int base = chunk_row0; base < chunk_row_end; base += kBatchRows) {
+      Words<WPT> w[kLoads];
+      float xv[M][kLoads];
+      load_batch<T, M, WPT>(x, qweight, k, n8, word0, col_ok, base + rl, policy, w, xv);
+      consume_batch<T, M, WPT>(w, xv, acc, xs, y, base, chunk_row_end, group_size, col_ok, qzeros, scales, n8, n,
                                word0);
-#pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        w[u] = wn[u];
-#pragma unroll
-        for (int mm = 0; mm < M; ++mm) xv[mm][u] = xn[mm][u];
-      }
-      cur = next;
     }
   }
 
   finish_tile<T, M, kCols, kTileCols>(y, red, &is_last, bias, out, ws, counters, n, tile_word0 * 8);
 }
 
-// cp.async-staged variant (ASYNC paths): each lane streams its batches through S shared-memory
-// stages of its own (16 bytes per row), so the bytes in flight are bounded by shared memory, not
-// by registers: the register-bound variant above keeps one batch per lane in flight and reached
-// 19-23 % achieved occupancy and 45 % of DRAM bandwidth on the H200 (ncu, 2026-11-30). The x
-// rows of a batch (M x 32 values) are staged alongside by lanes 0..4M-1. Each lane reads back only
-// its own weight chunks, so only the x stage needs a warp barrier.
+// cp.async-staged kernel: each lane streams its batches through S shared-memory stages of its own
+// (16 bytes per row), so the bytes in flight are bounded by shared memory, not by registers (the
+// register kernel above keeps one batch per lane in flight; ncu numbers in benchmarks/RESULTS.md).
+// The x rows of a batch (M x 32 values) are staged alongside by lanes 0..4M-1. Each lane reads
+// back only its own weight chunks, so only the x stage needs a warp barrier.
 template <int M, int S>
 struct AsyncStage {
   uint4 w[kLoads][32];   // [row of the lane's batch][lane]
@@ -334,7 +309,7 @@ __global__ void __launch_bounds__(kGemvThreads, M == 1 ? 4 : 1) awq_gemv_async_k
     const uint32_t* __restrict__ qzeros, const T* __restrict__ bias, T* __restrict__ out, float* __restrict__ ws,
     int* __restrict__ counters, int n, int k, int group_size, int chunk_rows, int chunks_per_block) {
   using Tr = HalfTraits<T>;
-  constexpr int WPT = 4;
+  constexpr int WPT = kGemvWordsPerLane;
   constexpr int kCols = WPT * 8;
   constexpr int kTileWords = 8 * WPT;
   constexpr int kTileCols = kTileWords * 8;
@@ -343,24 +318,12 @@ __global__ void __launch_bounds__(kGemvThreads, M == 1 ? 4 : 1) awq_gemv_async_k
   __shared__ float red[kWarps][M][kTileCols];
   __shared__ int is_last;
 
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int cl = lane & 7, rl = lane >> 3;
-  const int n8 = n >> 3;
-  const int tile_word0 = blockIdx.x * kTileWords;
-  const int word0 = tile_word0 + cl * WPT;
-  const bool col_ok = word0 < n8;
+  const auto [lane, warp, rl, n8, tile_word0, word0, col_ok, c_end] =
+      place_lane<WPT>(n, k, chunk_rows, chunks_per_block);
   const uint64_t policy = evict_first_policy();
-  const int total_chunks = (k + chunk_rows - 1) / chunk_rows;
-  const int c_end = min((blockIdx.y + 1) * chunks_per_block, total_chunks);
-  AsyncStage<M, S>* my = stages + warp * S;
-
   float y[M][kCols], acc[M][kCols], xs[M];
-#pragma unroll
-  for (int mm = 0; mm < M; ++mm) {
-    xs[mm] = 0.f;
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) y[mm][c] = acc[mm][c] = 0.f;
-  }
+  zero_sums(y, acc, xs);
+  AsyncStage<M, S>* my = stages + warp * S;
 
   Cursor cur, ahead;
   cur.start(blockIdx.y * chunks_per_block + warp, chunk_rows, k);
@@ -406,21 +369,16 @@ __global__ void __launch_bounds__(kGemvThreads, M == 1 ? 4 : 1) awq_gemv_async_k
 
 template <typename T, int M>
 void launch_m(const GemvArgs& a, cudaStream_t stream) {
-  constexpr int WPT = gemv_words_per_lane(M);
   const dim3 grid(a.col_tiles, a.splits);
-  // The prefetching variant only where a second batch of registers fits without spills (M = 1).
-  auto kernel = awq_gemv_kernel<T, M, WPT, false>;
-  if constexpr (M == 1) {
-    if (a.pipelined) kernel = awq_gemv_kernel<T, M, WPT, true>;
-  }
-  kernel<<<grid, kGemvThreads, 0, stream>>>(
+  awq_gemv_kernel<T, M, kGemvWordsPerLane><<<grid, kGemvThreads, 0, stream>>>(
       static_cast<const T*>(a.x), a.qweight, static_cast<const T*>(a.scales), a.qzeros,
       static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.n, a.k, a.group_size,
       a.chunk_rows, a.chunks_per_block);
 }
 
-template <typename T, int M, int S>
-void launch_async(const GemvArgs& a, cudaStream_t stream) {
+// Three stages: four measured no better at M = 2 and worse at M = 1 (benchmarks/CUDA_NOTES.md).
+template <typename T, int M, int S = 3>
+void launch_staged(const GemvArgs& a, cudaStream_t stream) {
   const size_t smem = sizeof(AsyncStage<M, S>) * S * kWarps;
   auto kernel = awq_gemv_async_kernel<T, M, S>;
   static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -432,23 +390,12 @@ void launch_async(const GemvArgs& a, cudaStream_t stream) {
       a.chunk_rows, a.chunks_per_block);
 }
 
+// The host entry sends only 1 <= m <= kGemvMaxM = 2.
 template <typename T>
 void launch_t(const GemvArgs& a, cudaStream_t stream) {
-  if (a.stages == 3 || a.stages == 4) {  // the host entry sends only m <= 2 here
-    if (a.m == 1) return a.stages == 3 ? launch_async<T, 1, 3>(a, stream) : launch_async<T, 1, 4>(a, stream);
-    return a.stages == 3 ? launch_async<T, 2, 3>(a, stream) : launch_async<T, 2, 4>(a, stream);
-  }
-  switch (a.m) {
-    case 1: return launch_m<T, 1>(a, stream);
-    case 2: return launch_m<T, 2>(a, stream);
-    case 3: return launch_m<T, 3>(a, stream);
-    case 4: return launch_m<T, 4>(a, stream);
-    case 5: return launch_m<T, 5>(a, stream);
-    case 6: return launch_m<T, 6>(a, stream);
-    case 7: return launch_m<T, 7>(a, stream);
-    case 8: return launch_m<T, 8>(a, stream);
-    default: return;  // the host entry only sends 1 <= m <= kGemvMaxM
-  }
+  static_assert(kGemvMaxM == 2, "one instance per M below");
+  if (a.staged) return a.m == 1 ? launch_staged<T, 1>(a, stream) : launch_staged<T, 2>(a, stream);
+  return a.m == 1 ? launch_m<T, 1>(a, stream) : launch_m<T, 2>(a, stream);
 }
 
 }  // namespace

@@ -14,3 +14,9 @@ def __getattr__(name: str):
 
         return AutoAWQForCausalLM
     raise AttributeError(f"module 'fastawq' has no attribute {name!r}")
+
+# transformers loads `quant_method: "awq"` checkpoints with fastawq's kernels once its quantizer
+# registry is imported (free until then; see fastawq.integrations.transformers).
+from fastawq.integrations.transformers import register_on_import as _register_on_import  # noqa: E402
+
+_register_on_import()

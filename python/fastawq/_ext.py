@@ -52,37 +52,8 @@ def _load() -> tuple[bool, str | None]:
         )
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
         return False, msg
-    _register_test_fakes()
     logger.debug("fastawq._C loaded (archs %s)", built_archs())
     return True, None
-
-
-_FAKES_REGISTERED = False
-
-
-def _register_test_fakes() -> None:
-    """awq_gemm_config (awq_gemm with its path forced, for benchmarks and tests) and the repacked
-    pair awq_repack_tiled / awq_gemm_tiled have no Python wrapper in ops.py yet; their output
-    shapes are registered here so they trace and pass opcheck."""
-    global _FAKES_REGISTERED
-    if _FAKES_REGISTERED or not hasattr(torch.ops.fastawq, "awq_gemm_config"):
-        return
-    _FAKES_REGISTERED = True
-
-    @torch.library.register_fake("fastawq::awq_gemm_config")
-    def _(x, qweight, scales, qzeros, group_size, bias, path, split_k):
-        return x.new_empty((x.shape[0], qweight.shape[1] * 8))
-
-    if hasattr(torch.ops.fastawq, "awq_gemm_tiled"):
-
-        @torch.library.register_fake("fastawq::awq_repack_tiled")
-        def _(qweight):
-            k, n8 = qweight.shape
-            return qweight.new_empty((n8 // 16, k // 32, 32, 16))
-
-        @torch.library.register_fake("fastawq::awq_gemm_tiled")
-        def _(x, qweight_tiled, scales, qzeros, group_size, bias, split_k):
-            return x.new_empty((x.shape[0], qweight_tiled.shape[0] * 128))
 
 
 def is_loaded() -> bool:

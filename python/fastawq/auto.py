@@ -135,6 +135,9 @@ class AutoAWQForCausalLM:
 
         if not safetensors:
             raise ValueError("fastawq reads only safetensors weights")
+        from fastawq.hub import resolve
+
+        model_path = resolve(model_path, model_init_kwargs.pop("revision", None), trust_remote_code=trust_remote_code)
         kwargs = dict(model_init_kwargs)
         kwargs["dtype"] = _resolve_dtype(torch_dtype)
         if device_map is not None:
@@ -180,6 +183,9 @@ class AutoAWQForCausalLM:
 
         if not safetensors:
             raise ValueError("fastawq reads only safetensors checkpoints")
+        from fastawq.hub import resolve
+
+        quant_path = resolve(quant_path, kwargs.pop("revision", None), trust_remote_code=trust_remote_code)
         if use_exllama or use_exllama_v2:
             log.info("use_exllama* ignored: fastawq's own kernels serve every backend")
         if kwargs:
@@ -224,9 +230,9 @@ class AutoAWQForCausalLM:
             # AutoAWQ's IPEX path makes inference-only CPU modules; so does this one: each packed
             # layer holds only its repacked weight and calls the kernel directly (no per-call
             # dispatch, ~10 us of a small model's ~20 us per layer call; benchmarks/CPU_RESULTS.md).
-            from fastawq import cpu
+            from fastawq.modules.cpu_linear import convert_model
 
-            count = cpu.convert_model(model, lm_head_bits=cpu_lm_head_bits)
+            count = convert_model(model, lm_head_bits=cpu_lm_head_bits)
             log.info("use_ipex=True: %d packed layers converted for the CPU", count)
         elif cpu_lm_head_bits is not None:
             raise ValueError("cpu_lm_head_bits needs use_ipex=True on the CPU (and no fused layers or forced backend)")

@@ -1,8 +1,21 @@
 """Which backend serves an op: compiled CUDA > Triton (GPU) > CPU kernels > torch reference.
 
-This module is the only place that chooses. The user overrides it with ``backend=`` on an op or
-the ``FASTAWQ_BACKEND`` environment variable; a forced backend that cannot serve the call is an
-error that says why, never a silent fallback.
+This module is the only place that chooses, for every op in ``fastawq.ops`` (the W4 GEMM,
+dequantize, add+RMSNorm, act*mul, rope + KV-cache write, decode attention). One vocabulary
+everywhere: ``cuda`` (the compiled kernels of fastawq._C), ``triton`` (triton_kernels/, on GPUs,
+or on CPU under TRITON_INTERPRET=1), ``cpu`` (the CPU kernels of fastawq/cpu.py) and ``torch``
+(reference.py). The user forces one with ``backend=`` on an op (or on ``fuse_model`` / a
+``WQLinear``) or the ``FASTAWQ_BACKEND`` environment variable.
+
+A forced backend that cannot serve the call is an error that says why, never a silent fallback.
+A forced backend names a family of kernels, so two cases are documented, not silent: a forced
+``cpu`` for an op that has no CPU kernel (norm, act*mul, rope, attention) runs the torch
+reference on the CPU (the CPU backend's contract is "run on the CPU"), and a forced ``cuda``
+for an op that has no compiled kernel (norm, act*mul, rope) runs its Triton kernel on the GPU.
+
+Unforced, the order on CUDA devices is compiled > Triton > torch (by size bucket where
+measurement says otherwise, see _CUDA_PREFERENCE); on the CPU it is the CPU kernels where the op
+has one, then torch (the Triton interpreter is a test vehicle, never chosen automatically).
 """
 from __future__ import annotations
 
@@ -23,13 +36,25 @@ _CPU_MODULE = "fastawq.cpu"
 
 # Per-op order on CUDA devices where measurement overrules "compiled first", by problem size:
 # a list of (largest M, order), the first entry whose bound is >= M applies (None: any M).
-# awq_gemm (benchmarks/RESULTS.md, H200, 2026-11-30): above M=8 the Triton kernels beat the
-# compiled ones at every M measured (geomean vs cuBLAS at M=16/64/1024/4096: Triton
-# 0.93/0.73/0.78/0.92, compiled 0.67/0.40/0.74/0.83); at M <= 8 see CUDA_GEMV_MAX_M.
+# awq_gemm (benchmarks/RESULTS.md, H200): above M=2 the Triton kernels beat the compiled ones at
+# every M measured; at M <= CUDA_GEMV_MAX_M the compiled GEMV kernels win. This is the only
+# owner of that threshold: the compiled op no longer chooses GEMV by M, Python names the kernel.
 CUDA_GEMV_MAX_M = 2
+# The compiled awq_gemm kernel bound for each small-M bucket (measured winners, RESULTS.md):
+# the plain GEMV at M=1, the staged one (activations staged in shared memory) at M=2; above
+# that "auto" (the tensor-core kernel when it fits, else dequantize + cuBLAS).
+CUDA_GEMM_KERNEL_BY_M = {1: "gemv", 2: "gemv_staged"}
 _CUDA_PREFERENCE: dict[str, list[tuple[int | None, tuple[str, ...]]]] = {
-    "awq_gemm": [(CUDA_GEMV_MAX_M, ("cuda", "triton", "torch")), (None, ("triton", "cuda", "torch"))],
+    "awq_gemm": [
+        *((m, ("cuda", "triton", "torch")) for m in sorted(CUDA_GEMM_KERNEL_BY_M)),
+        (None, ("triton", "cuda", "torch")),
+    ],
 }
+
+
+def cuda_gemm_kernel(m: int | None) -> str:
+    """The compiled awq_gemm kernel name for an M bucket (None: above every GEMV bucket)."""
+    return CUDA_GEMM_KERNEL_BY_M.get(m, "auto") if m is not None else "auto"
 
 
 def size_buckets(op: str) -> list[int | None]:
@@ -42,6 +67,15 @@ def _cuda_order(op: str, m: int | None) -> tuple[str, ...]:
         if bound is None or (m is not None and m <= bound):
             return order
     return ("cuda", "triton", "torch")
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """t's in-place write counter, for caches keyed on weights; -1 for an inference tensor, which
+    keeps none (it can be written in place only inside inference mode: such an edit goes
+    unseen by the caches, which then key on identity alone; fastawq.cpu.clear_cache() drops them)."""
+    if t.is_inference():
+        return -1
+    return t._version
 
 
 class BackendUnavailableError(RuntimeError):
@@ -94,11 +128,19 @@ def _why_not(backend: str, op: str, device: torch.device, shapes_ok) -> str | No
     if backend == "cpu":
         if device.type != "cpu":
             return f"tensors are on {device}, the CPU kernels run on the CPU"
-        mod = _module(_CPU_MODULE)
-        if mod is None or not hasattr(mod, op):
-            return f"no CPU kernel for {op!r}"
+        if not has_cpu_kernel(op):
+            return None  # the torch reference on the CPU (see the module docstring)
         return shapes_ok("cpu")
     return f"unknown backend {backend!r}; choose one of {BACKENDS}"
+
+
+# Ops fastawq._C implements on CUDA devices (the schemas in csrc/registration.cpp).
+COMPILED_OPS = frozenset({"awq_gemm", "awq_dequantize", "decode_attention"})
+
+
+def has_cpu_kernel(op: str) -> bool:
+    mod = _module(_CPU_MODULE)
+    return mod is not None and hasattr(mod, op)
 
 
 def _always(_backend: str) -> None:
@@ -111,19 +153,27 @@ def select_backend(
     """Pick the backend for one call of `op` on `device` (with `m` rows, where the order depends on it).
 
     `shapes_ok(backend)` returns None when that backend's kernels take the call's shapes and
-    dtypes, else the reason; it lets a backend decline without knowing about the others.
+    dtypes, else the reason; it lets a backend decline without knowing about the others. The
+    answer is the backend that runs: a forced "cpu" comes back "torch" for an op without a CPU
+    kernel, a forced "cuda" comes back "triton" for an op without a compiled kernel.
     """
     forced = backend or os.environ.get("FASTAWQ_BACKEND") or None
+    if forced == "auto":
+        forced = None
+    if forced == "cuda" and op not in COMPILED_OPS and device.type == "cuda":
+        forced = "triton"
     if forced:
         reason = _why_not(forced, op, device, shapes_ok)
         if reason is not None:
             raise BackendUnavailableError(f"backend {forced!r} cannot run {op}: {reason}")
+        if forced == "cpu" and not has_cpu_kernel(op):
+            return "torch"
         return forced
     if device.type == "cuda":
         candidates = _cuda_order(op, m)
     else:
         # The Triton interpreter is a test vehicle, never an automatic choice on CPU.
-        candidates = ("cpu", "torch")
+        candidates = ("cpu", "torch") if has_cpu_kernel(op) else ("torch",)
     for name in candidates:
         if _why_not(name, op, device, shapes_ok) is None:
             return name

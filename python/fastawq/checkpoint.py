@@ -182,9 +182,22 @@ def load_quantized(
     if qc is None:
         raise CheckpointError(f"{d / 'config.json'} has no quantization_config: not an AWQ checkpoint")
     qc = qc if isinstance(qc, dict) else qc.to_dict()
-    quant_config = QuantConfig.from_dict(qc)
+    from fastawq import layouts
+
+    # AutoAWQ's gemv / gemv_fast / marlin checkpoints are repacked to gemm right after reading.
+    version = layouts.version_of(qc)
+    if version != "gemm" and version not in layouts.LAYOUTS:
+        raise CheckpointError(
+            f"{d / 'config.json'}: unknown AWQ version={version!r}; fastawq reads gemm, {', '.join(layouts.LAYOUTS)}"
+        )
+    quant_config = QuantConfig.from_dict({k: v for k, v in qc.items() if k not in ("version", "format")})
     del config.quantization_config
     tensors = read_tensors(d)
+    if version != "gemm":
+        try:
+            tensors = layouts.convert_to_gemm(tensors, qc)
+        except layouts.LayoutError as e:
+            raise CheckpointError(str(e)) from None
     if dtype is None:
         dtype = getattr(config, "dtype", None) or torch.float16
         if isinstance(dtype, str):

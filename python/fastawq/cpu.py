@@ -20,6 +20,9 @@ is the same line with ``z_float = (8 - z) * s``, so its repack keeps every nibbl
 rewrites the scales and zeros. On x86 only its bf16 instantiation is vectorised, so it computes
 in bf16 whatever the activations' dtype (products accumulate in fp32, the output is rounded to
 bf16 before it is cast back). ``FASTAWQ_CPU_FP32=exact`` makes it decline fp32 activations.
+
+The inference-only modules built on these repacks (CPUInt4Linear, CPUInt8Linear, convert_model)
+live in fastawq/modules/cpu_linear.py; the fake impls of the compiled CPU ops in fastawq/ops/gemm.py.
 """
 from __future__ import annotations
 
@@ -29,10 +32,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fastawq import _ext, reference
+from fastawq.backend import tensor_version
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +121,7 @@ def kernel_for(x_dtype: torch.dtype, qweight: torch.Tensor, group_size: int, *,
     """(the kernel that serves these activations and this weight, "") or (None, why none does)."""
     reasons = []
     for name in preference():
-        why = _x_fits(x_dtype, x_device) or _weight_fits(name, qweight, group_size)
+        why = _x_fits(x_dtype, x_device) or weight_fits(name, qweight, group_size)
         if why is None and name == TORCH_INT4 and x_dtype == torch.float32 and _fp32_exact():
             why = "FASTAWQ_CPU_FP32=exact and torch's packed int4 CPU kernel computes in bf16"
         if why is None:
@@ -135,7 +138,7 @@ def _x_fits(x_dtype: torch.dtype, x_device: torch.device) -> str | None:
     return None
 
 
-def _weight_fits(kernel: str, qweight: torch.Tensor, group_size: int) -> str | None:
+def weight_fits(kernel: str, qweight: torch.Tensor, group_size: int) -> str | None:
     k, n = qweight.shape[0], qweight.shape[1] * reference.PACK
     if qweight.device.type != "cpu":
         return f"qweight is on {qweight.device}; the CPU kernels run on the CPU"
@@ -154,9 +157,9 @@ def _weight_fits(kernel: str, qweight: torch.Tensor, group_size: int) -> str | N
     return None
 
 
-def _weight_kernel(qweight: torch.Tensor, group_size: int) -> str | None:
+def weight_kernel(qweight: torch.Tensor, group_size: int) -> str | None:
     """The preferred kernel for this weight whatever the activations (None if none takes it)."""
-    return next((name for name in preference() if _weight_fits(name, qweight, group_size) is None), None)
+    return next((name for name in preference() if weight_fits(name, qweight, group_size) is None), None)
 
 
 @dataclass(frozen=True)
@@ -192,33 +195,15 @@ class PackedInt4:
     kernel: ClassVar[str] = TORCH_INT4
 
 
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors keep no version counter
-        return -1
-
-
 def _signature(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, g: int) -> tuple:
     return (
         g,
         scales.dtype,
         tuple(qweight.shape), tuple(scales.shape), tuple(qzeros.shape),
         qweight.stride(), scales.stride(), qzeros.stride(),
-        _version(qweight), _version(scales), _version(qzeros),
+        tensor_version(qweight), tensor_version(scales), tensor_version(qzeros),
         qweight.data_ptr(), scales.data_ptr(), qzeros.data_ptr(),
     )
-
-
-def _nibble_shifts(device: torch.device) -> torch.Tensor:
-    # Column c of each group of 8 sits in nibble AWQ_REVERSE_ORDER[c].
-    return torch.tensor([4 * i for i in reference.AWQ_REVERSE_ORDER], dtype=torch.int32, device=device)
-
-
-def _unpack_cols(packed: torch.Tensor) -> torch.Tensor:
-    """[R, C // 8] int32 AWQ words -> [R, C] int32 nibbles in column order."""
-    rows, words = packed.shape
-    return ((packed.unsqueeze(-1) >> _nibble_shifts(packed.device)) & 0xF).reshape(rows, words * reference.PACK)
 
 
 # qweight [K, N // 8] int32 · scales [K // G, N] · qzeros [K // G, N // 8] int32  ->  PackedInt4
@@ -226,13 +211,11 @@ def _repack_int4(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tens
     k, n = qweight.shape[0], qweight.shape[1] * reference.PACK
     kg = kernel_group_size(g)
     with torch.no_grad():
-        # Transposing the packed words (8x less data) before unpacking halves the repack time.
-        words_t = qweight.t().contiguous()  # [N // 8, K]
-        q = ((words_t.unsqueeze(1) >> _nibble_shifts(qweight.device).view(1, 8, 1)) & 0xF).reshape(n, k)
+        q = reference.unpack_int4(qweight).t().contiguous()  # [N, K], the kernel's row order
         weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         rep = g // kg
         s = scales.to(torch.float32)
-        z = _unpack_cols(qzeros).to(torch.float32)
+        z = reference.unpack_int4(qzeros).to(torch.float32)
         s_b = s.to(torch.bfloat16)
         # (q - z) * s == (q - 8) * s + (8 - z) * s. Forming z_float from the bf16 scale makes the
         # kernel's weight (q - z) * s_b plus one bf16 rounding of z_float: a relative error of the
@@ -246,23 +229,23 @@ def _repack_int4(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tens
 
 
 # qweight [K, N // 8] int32 · scales [K // G, N] · qzeros [K // G, N // 8] int32  ->  FastPacked
-def _repack_fast(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, g: int) -> FastPacked:
+def repack_fast(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, g: int) -> FastPacked:
     k, n = qweight.shape[0], qweight.shape[1] * reference.PACK
     with torch.no_grad():
         w, s, z = torch.ops.fastawq.awq_cpu_repack(qweight.contiguous(), scales.contiguous(), qzeros.contiguous(), g)
     return FastPacked(w, s, z, g, k, n, _signature(qweight, scales, qzeros, g))
 
 
-def _repack(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, g: int,
+def repack(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, g: int,
             kernel: str | None = None) -> FastPacked | PackedInt4:
     """The weight repacked for `kernel` (default: the preferred kernel that takes it)."""
     k, n, g = reference.check_awq_shapes(qweight, scales, qzeros, g)
-    kernel = kernel or _weight_kernel(qweight, g)
-    why = "no CPU kernel is available" if kernel is None else _weight_fits(kernel, qweight, g)
+    kernel = kernel or weight_kernel(qweight, g)
+    why = "no CPU kernel is available" if kernel is None else weight_fits(kernel, qweight, g)
     if why is not None:
-        reasons = "; ".join(f"{name}: {_weight_fits(name, qweight, g)}" for name in preference())
+        reasons = "; ".join(f"{name}: {weight_fits(name, qweight, g)}" for name in preference())
         raise ValueError(f"CPU int4 kernel cannot run qweight {tuple(qweight.shape)}: {reasons}")
-    return (_repack_fast if kernel == FASTAWQ else _repack_int4)(qweight, scales, qzeros, g)
+    return (repack_fast if kernel == FASTAWQ else _repack_int4)(qweight, scales, qzeros, g)
 
 
 def prepare(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, group_size: int,
@@ -271,14 +254,14 @@ def prepare(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, g
     qweight, scales or qzeros changes (in-place writes bump their version) or another kernel is
     asked for."""
     g = reference.resolve_group_size(group_size, qweight.shape[0])
-    kernel = kernel or _weight_kernel(qweight, g)
+    kernel = kernel or weight_kernel(qweight, g)
     sig = _signature(qweight, scales, qzeros, g)
     entry = _cache.get(qweight)
     if entry is not None and entry.signature == sig and entry.kernel == kernel:
         return entry
     if entry is not None:
         log.debug("CPU int4 repack invalidated for qweight %s", tuple(qweight.shape))
-    entry = _repack(qweight, scales, qzeros, g, kernel)
+    entry = repack(qweight, scales, qzeros, g, kernel)
     _cache[qweight] = entry
     return entry
 
@@ -322,10 +305,10 @@ def awq_gemm(
         raise ValueError(f"x {tuple(x2d.shape)} has K={x2d.shape[1]} but qweight {tuple(qweight.shape)} has K={p.k}")
     if bias is not None and tuple(bias.shape) != (p.n,):
         raise ValueError(f"bias {tuple(bias.shape)} must have shape ({p.n},) to match qweight {tuple(qweight.shape)}")
-    return _mm(x2d, p, bias)
+    return mm(x2d, p, bias)
 
 
-def _mm(x2d: torch.Tensor, p: FastPacked | PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
+def mm(x2d: torch.Tensor, p: FastPacked | PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
     if p.kernel == FASTAWQ:
         if x2d.dtype == torch.float16:  # no fp16 arithmetic on x86 CPUs: run it as fp32
             return torch.ops.fastawq.awq_cpu_gemm(x2d.float(), p.w, p.scales, p.zeros16, p.group, p.n, bias).half()
@@ -349,141 +332,8 @@ def awq_dequantize(
 ) -> torch.Tensor:
     """Vectorised dequantisation, bit-identical to reference.dequantize (fp32 math, one cast)."""
     k, n, g = reference.check_awq_shapes(qweight, scales, qzeros, group_size)
-    q = _unpack_cols(qweight).view(k // g, g, n)
-    z = _unpack_cols(qzeros).unsqueeze(1)  # [K // G, 1, N]
+    q = reference.unpack_int4(qweight).view(k // g, g, n)
+    z = reference.unpack_int4(qzeros).unsqueeze(1)  # [K // G, 1, N]
     s = scales.to(torch.float32).unsqueeze(1)
     w = (q - z).to(torch.float32).mul_(s)
     return w.view(k, n).to(scales.dtype)
-
-
-class CPUInt4Linear(nn.Module):
-    """Inference-only CPU linear holding just the repacked weight: one kernel call per forward.
-
-    WQLinear's forward goes through ops.awq_gemm's cached plan and this module's awq_gemm (kernel
-    choice, cache lookup): about 10-30 us per call on this project's 2-core CPU, a large part of
-    SmolLM2-135M's decode step. This module skips all of it. It keeps no AWQ tensors (so no
-    state_dict to save) and stays on the CPU; convert a loaded model with `convert_model`.
-    """
-
-    def __init__(self, packed: FastPacked | PackedInt4, bias: torch.Tensor | None):
-        super().__init__()
-        self.packed = packed
-        self.in_features, self.out_features = packed.k, packed.n
-        self.bias_fp32 = None if bias is None else bias.detach().to(torch.float32)
-
-    @classmethod
-    def from_wqlinear(cls, layer: nn.Module, kernel: str | None = None) -> "CPUInt4Linear":
-        """From a WQLinear (any module with qweight, scales, qzeros, group_size and bias)."""
-        return cls(_repack(layer.qweight, layer.scales, layer.qzeros, layer.group_size, kernel), layer.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        p = self.packed
-        x2 = x.reshape(-1, p.k)
-        if p.kernel == FASTAWQ and x2.dtype != torch.float16:
-            out = torch.ops.fastawq.awq_cpu_gemm(x2, p.w, p.scales, p.zeros16, p.group, p.n, self.bias_fp32)
-        else:
-            out = _mm(x2, p, self.bias_fp32)
-        return out.view(*x.shape[:-1], p.n)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias_fp32 is not None}, kernel={self.packed.kernel}")
-
-
-class CPUInt8Linear(nn.Module):
-    """Inference-only 8-bit linear (round-to-nearest, asymmetric, per group of K) on fastawq's
-    4-bit kernel, for layers AWQ keeps in float, such as a large tied lm_head.
-
-    An 8-bit code is two nibbles, q = 16 hi + lo, and (q - z) s = (hi - z_hi) 16 s + (lo - z_lo) s
-    with z = 16 z_hi + z_lo. So x @ W = [x, x] @ W4, where W4 stacks the hi nibbles (scales 16 s)
-    on the lo nibbles (scales s): a 4-bit layer of depth 2K, exact in the kernel's arithmetic.
-    """
-
-    def __init__(self, packed: FastPacked, in_features: int, bias: torch.Tensor | None):
-        super().__init__()
-        self.packed = packed
-        self.in_features, self.out_features = in_features, packed.n
-        self.bias_fp32 = None if bias is None else bias.detach().to(torch.float32)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = 64) -> "CPUInt8Linear":
-        why = fast_kernel_available()
-        if why is not None:
-            raise RuntimeError(f"CPUInt8Linear needs fastawq's CPU kernel: {why}")
-        with torch.no_grad():
-            q, s, z = reference.quantize_groupwise(linear.weight, group_size, 8, True)
-            q4 = torch.cat([q >> 4, q & 15], dim=1)  # [N, 2K]
-            s4 = torch.cat([s * 16, s], dim=1)  # fp32, exact
-            z4 = torch.cat([z >> 4, z & 15], dim=1)
-            qweight, scales, qzeros = reference.pack_awq(q4, s4, z4, torch.float32)
-        g = reference.resolve_group_size(group_size, linear.in_features)
-        return cls(_repack_fast(qweight, scales, qzeros, g), linear.in_features, linear.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        p = self.packed
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype == torch.float16:
-            x2 = x2.float()
-        out = torch.ops.fastawq.awq_cpu_gemm(torch.cat([x2, x2], dim=1), p.w, p.scales, p.zeros16, p.group, p.n,
-                                              self.bias_fp32)
-        return out.to(x.dtype).view(*x.shape[:-1], p.n)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias_fp32 is not None}, bits=8, group_size={self.packed.group}")
-
-
-def convert_model(model: nn.Module, kernel: str | None = None, *, lm_head_bits: int | None = None,
-                  lm_head_group_size: int = 64) -> int:
-    """Replace every CPU WQLinear that a CPU kernel takes by a CPUInt4Linear; return how many.
-
-    Layers no kernel takes stay WQLinear and keep working through dispatch. `lm_head_bits=8`
-    also replaces a float `model.lm_head` by a CPUInt8Linear (group `lm_head_group_size`): not
-    AWQ's recipe, which keeps it in float, but on the CPU the float head of a small model costs
-    as much as all its quantized layers (benchmarks/CPU_RESULTS.md gives speed and perplexity).
-    `lm_head_bits=4` makes it a round-to-nearest CPUInt4Linear instead."""
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            # Duck-typed on WQLinear's buffers: this backend sits below fastawq.modules.
-            qweight = getattr(child, "qweight", None)
-            if not (isinstance(qweight, torch.Tensor) and hasattr(child, "qzeros") and hasattr(child, "group_size")
-                    and qweight.device.type == "cpu"):
-                continue
-            chosen = kernel or _weight_kernel(qweight, child.group_size)
-            if chosen is not None and _weight_fits(chosen, qweight, child.group_size) is None:
-                setattr(parent, name, CPUInt4Linear.from_wqlinear(child, chosen))
-                count += 1
-    head = getattr(model, "lm_head", None)
-    if lm_head_bits is not None and type(head) is nn.Linear and head.weight.device.type == "cpu":
-        if lm_head_bits == 8:
-            model.lm_head = CPUInt8Linear.from_linear(head, lm_head_group_size)
-        elif lm_head_bits == 4:
-            with torch.no_grad():
-                q, s, z = reference.quantize_groupwise(head.weight, lm_head_group_size, 4, True)
-                qw, sc, qz = reference.pack_awq(q, s, z, torch.float32)
-            g = reference.resolve_group_size(lm_head_group_size, head.in_features)
-            model.lm_head = CPUInt4Linear(_repack(qw, sc, qz, g, kernel), head.bias)
-        else:
-            raise ValueError(f"lm_head_bits must be 4, 8 or None, got {lm_head_bits}")
-    return count
-
-
-def _register_fakes() -> None:
-    """Output shapes of the compiled CPU ops, so they trace under torch.compile."""
-    if fast_kernel_available() is not None:
-        return
-
-    @torch.library.register_fake("fastawq::awq_cpu_repack")
-    def _(qweight, scales, qzeros, group_size):
-        k, n = qweight.shape[0], qweight.shape[1] * 8
-        nb, groups = (n + 63) // 64, k // group_size
-        return (qweight.new_empty((nb, k // 8, 64)), scales.new_empty((nb, groups, 64), dtype=torch.float32),
-                qzeros.new_empty((nb, groups, 64), dtype=torch.uint8))
-
-    @torch.library.register_fake("fastawq::awq_cpu_gemm")
-    def _(x, w, scales, zeros16, group_size, n, bias, isa="auto"):
-        return x.new_empty((x.shape[0], n))
-
-
-_register_fakes()

@@ -213,3 +213,106 @@ def awq_gemm(
     if bias is not None:
         out = out + bias.to(torch.float32)
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+# --- fused-layer ops ---
+# The oracles of the decoder-layer ops in fastawq.ops.layer (and their torch backend): fp32 math,
+# rounded to the activation dtype where the model stores a tensor.
+
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
+
+
+# x [..., H] · weight [H]  ->  [..., H] (x's dtype)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """x / rms(x) * (weight + offset); offset is 1.0 for Gemma's (1 + weight) norms."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + offset)).to(x.dtype)
+
+
+# x [..., H] · residual [..., H] or None · weight [H]  ->  (y [..., H], residual' = x + residual)
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # The sum is rounded to x's dtype first: the residual stream is stored in it.
+    r = x if residual is None else x + residual
+    return rms_norm(r, weight, eps, offset), r
+
+
+# gate_up [..., 2I] (gate columns, then up columns)  ->  act(gate) * up [..., I]
+def act_mul(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    g, u = gate_up.float().chunk(2, dim=-1)
+    if act == "silu":
+        a = torch.nn.functional.silu(g)
+    elif act in ("gelu_pytorch_tanh", "gelu"):
+        a = torch.nn.functional.gelu(g, approximate="tanh" if act == "gelu_pytorch_tanh" else "none")
+    else:
+        raise ValueError(f"activation {act!r} is not one of {ACTIVATIONS}")
+    return (a * u).to(gate_up.dtype)
+
+
+def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+# qkv [B, L, (HQ + 2 HKV) D] · positions [B, L] int · cos/sin [S, D] fp32 · caches [B', S, HKV, D]
+#   -> q [B, L, HQ, D] (rotated); k (rotated) and v written into the caches at `positions`
+def rope_kv_cache(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """HF "rotate_half" rotary embedding (after an optional per-head RMSNorm of q and k, Qwen3)."""
+    b, seq, _ = qkv.shape
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = q.reshape(b, seq, num_heads, head_dim)
+    k = k.reshape(b, seq, num_kv_heads, head_dim)
+    v = v.reshape(b, seq, num_kv_heads, head_dim)
+    if q_norm_weight is not None:
+        # The normalised head is rounded to the activation dtype before the weight, as HF does.
+        q = (rms_norm(q, torch.ones_like(q_norm_weight), eps).float() * q_norm_weight.float()).to(q.dtype)
+        k = (rms_norm(k, torch.ones_like(k_norm_weight), eps).float() * k_norm_weight.float()).to(k.dtype)
+    pos = positions.long()
+    c = cos[pos].unsqueeze(2)  # [B, L, 1, D]
+    s = sin[pos].unsqueeze(2)
+    q = _rotate_half(q.float(), c, s).to(qkv.dtype)
+    k = _rotate_half(k.float(), c, s).to(k_cache.dtype)
+    rows = torch.arange(b, device=qkv.device).unsqueeze(1).expand(b, seq)
+    k_cache[rows, pos] = k
+    v_cache[rows, pos] = v.to(v_cache.dtype)
+    return q
+
+
+# q [B, HQ, D] · caches [B', S, HKV, D] · lens [B] int  ->  [B, HQ, D] (q's dtype)
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    max_len: int | None = None,
+) -> torch.Tensor:
+    """One query token per row over its first lens[b] cached positions (grouped KV heads).
+
+    `max_len` (a host int >= every lens[b]) bounds the keys read; None reads lens.max()."""
+    b, hq, d = q.shape
+    n = max_len if max_len is not None else int(lens.max())
+    hkv = k_cache.shape[2]
+    # fp32 einsums over the grouped heads: no K/V expansion, and faster on CPU than SDPA's
+    # masked half-precision path for one query row.
+    qg = q.float().reshape(b, hkv, hq // hkv, d)
+    k = k_cache[:b, :n].float()
+    v = v_cache[:b, :n].float()
+    scores = torch.einsum("bhgd,bnhd->bhgn", qg, k) * scale
+    valid = torch.arange(n, device=q.device)[None, :] < lens[:, None].long()  # [B, n]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    return torch.einsum("bhgn,bnhd->bhgd", scores.softmax(-1), v).reshape(b, hq, d).to(q.dtype)

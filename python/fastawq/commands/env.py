@@ -8,7 +8,8 @@ import torch
 import fastawq
 from fastawq import _ext, backend
 
-OPS = ("awq_gemm", "awq_dequantize")
+# Every op of fastawq.ops that dispatches (prefill attention is plain SDPA).
+OPS = ("awq_gemm", "awq_dequantize", "add_rms_norm", "act_mul", "rope_kv_cache", "decode_attention")
 
 
 def collect() -> list[tuple[str, str]]:

@@ -9,22 +9,23 @@ Architectures: every record in fastawq.models whose fused_blocker is None (Llama
 RMSNorm, full rotary, gated MLP), e.g. llama, mistral (max_seq_len <= sliding window), qwen3
 (q/k norms fused into the rope kernel), gemma (1 + w norms); paths and names come from the record.
 Others are refused with the record's reason.
-Kernels: Triton on CUDA (triton_kernels/attention.py and the norm/act kernels in fused_ops),
-decode attention compiled (csrc/attention) when fastawq._C has it, torch elsewhere; prefill
-attention is torch SDPA. The fused model's device is fixed at fuse time.
+Kernels: every piece is an op of fastawq.ops, chosen by backend.select_backend (`backend=` on
+fuse_model reaches the norms, rope, attention and every WQLinear); prefill attention is torch
+SDPA. The fused model's device is fixed at fuse time.
 """
 from __future__ import annotations
 
 import logging
 import types
+import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from fastawq import ops
 from fastawq.models import Architecture, architecture_of
 from fastawq.models.base import get_submodule, set_submodule
-from fastawq.modules import fused_ops
 from fastawq.modules.qlinear import WQLinear
 
 log = logging.getLogger(__name__)
@@ -100,23 +101,23 @@ class FusedAttention(nn.Module):
     # x [B, L, H] · positions [B, L] int32 · lens [B] int32 (decode) -> [B, L, H]
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, start: int, lens: torch.Tensor | None,
-        max_len: int, kernels: str | None,
+        max_len: int, backend: str | None,
     ) -> torch.Tensor:
         c = self.cfg
         b, seq, _ = x.shape
         qkv = self.qkv_proj(x)
-        q = fused_ops.rope_kv_cache(
+        q = ops.rope_kv_cache(
             qkv, positions, self.rope_cos, self.rope_sin, self.k_cache, self.v_cache,
             c.num_heads, c.num_kv_heads, c.head_dim, self.q_norm_weight, self.k_norm_weight, c.eps,
-            kernels=kernels,
+            backend=backend,
         )
         if lens is not None:
-            o = fused_ops.decode_attention(
+            o = ops.decode_attention(
                 q.reshape(b, c.num_heads, c.head_dim), self.k_cache, self.v_cache, lens, c.scale,
-                max_len=max_len, kernels=kernels,
+                max_len=max_len, backend=backend,
             )
         else:
-            o = fused_ops.prefill_attention(q, self.k_cache, self.v_cache, start, c.scale)
+            o = ops.prefill_attention(q, self.k_cache, self.v_cache, start, c.scale)
         return self.o_proj(o.reshape(b, seq, c.num_heads * c.head_dim))
 
 
@@ -127,8 +128,8 @@ class FusedMLP(nn.Module):
         self.down_proj = get_submodule(mlp, arch.down_proj)
         self.act = act
 
-    def forward(self, x: torch.Tensor, kernels: str | None) -> torch.Tensor:
-        return self.down_proj(fused_ops.act_mul(self.gate_up_proj(x), self.act, kernels=kernels))
+    def forward(self, x: torch.Tensor, backend: str | None) -> torch.Tensor:
+        return self.down_proj(ops.act_mul(self.gate_up_proj(x), self.act, backend=backend))
 
 
 class FusedDecoderLayer(nn.Module):
@@ -143,18 +144,18 @@ class FusedDecoderLayer(nn.Module):
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, start: int,
-        lens: torch.Tensor | None, max_len: int, kernels: str | None,
+        lens: torch.Tensor | None, max_len: int, backend: str | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x is the previous block's output (or the embeddings when residual is None)."""
         c = self.cfg
-        h, residual = fused_ops.add_rms_norm(
-            x, residual, self.input_layernorm.weight, c.eps, c.norm_offset, kernels=kernels
+        h, residual = ops.add_rms_norm(
+            x, residual, self.input_layernorm.weight, c.eps, c.norm_offset, backend=backend
         )
-        a = self.self_attn(h, positions, start, lens, max_len, kernels)
-        h, residual = fused_ops.add_rms_norm(
-            a, residual, self.post_attention_layernorm.weight, c.eps, c.norm_offset, kernels=kernels
+        a = self.self_attn(h, positions, start, lens, max_len, backend)
+        h, residual = ops.add_rms_norm(
+            a, residual, self.post_attention_layernorm.weight, c.eps, c.norm_offset, backend=backend
         )
-        return self.mlp(h, kernels), residual
+        return self.mlp(h, backend), residual
 
 
 class _DecodeGraph:
@@ -202,7 +203,7 @@ def _external_workspaces() -> tuple:
 class FusedRuntime:
     """Runs a fused model: prefill (eager, SDPA) and decode (CUDA-graph replay on GPU)."""
 
-    def __init__(self, model: nn.Module, cfg: FusedConfig, use_cuda_graphs: bool = True, kernels: str | None = None,
+    def __init__(self, model: nn.Module, cfg: FusedConfig, use_cuda_graphs: bool = True, backend: str | None = None,
                  prefill_chunk: int | None = None):
         self.model = model
         # The modules a step runs, found once through the architecture record.
@@ -214,7 +215,7 @@ class FusedRuntime:
         self.prefill_chunk = prefill_chunk
         self.cfg = cfg
         self.use_cuda_graphs = use_cuda_graphs
-        self.kernels = kernels
+        self.backend = backend
         self.length = 0  # tokens in the cache (all rows share it)
         self.batch = 0
         self._graphs: dict[int, _DecodeGraph] = {}
@@ -243,13 +244,13 @@ class FusedRuntime:
         x = self.embed(ids)
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, positions, start, lens, max_len, self.kernels)
+            x, residual = layer(x, residual, positions, start, lens, max_len, self.backend)
         c = self.cfg
         if not logits:
             return None
         if last_only:
             x, residual = x[:, -1:], residual[:, -1:]
-        h, _ = fused_ops.add_rms_norm(x, residual, self.final_norm.weight, c.eps, c.norm_offset, kernels=self.kernels)
+        h, _ = ops.add_rms_norm(x, residual, self.final_norm.weight, c.eps, c.norm_offset, backend=self.backend)
         return self.lm_head(h)
 
     @torch.inference_mode()
@@ -337,8 +338,8 @@ def _fused_config(model: nn.Module, max_seq_len: int, batch_size: int) -> tuple[
     if float(rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) or 1.0) != 1.0:
         raise NotImplementedError(f"{mt}: partial rotary embeddings are not fused (partial_rotary_factor < 1)")
     act = getattr(cfg, arch.act_attr, None) or getattr(cfg, "hidden_act", "silu")
-    if act not in fused_ops.ACTIVATIONS:
-        raise NotImplementedError(f"{mt}: activation {act!r} is not fused; supported {fused_ops.ACTIVATIONS}")
+    if act not in ops.ACTIVATIONS:
+        raise NotImplementedError(f"{mt}: activation {act!r} is not fused; supported {ops.ACTIVATIONS}")
     attn0 = get_submodule(get_submodule(model, arch.layers_path)[0], arch.attn)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if arch.qk_norm is not None:
@@ -376,15 +377,23 @@ def fuse_model(
     batch_size: int,
     *,
     use_cuda_graphs: bool = True,
-    kernels: str | None = None,
+    backend: str | None = None,
     prefill_chunk: int | None = 1024,
+    kernels: str | None = None,
 ) -> nn.Module:
     """Swap each decoder layer of a W4 (WQLinear) Llama-like causal LM for fused modules, in place.
 
     Preallocates the KV cache [batch_size, max_seq_len, kv_heads, head_dim] per layer; prompts
     longer than prefill_chunk tokens are prefilled in chunks (None: in one pass). Afterwards
     `model(input_ids)` runs a fresh prefill, `model.generate(...)` runs fastawq.generate, and
-    `model.fastawq_runtime` exposes prefill/decode steps."""
+    `model.fastawq_runtime` exposes prefill/decode steps. `backend` (cuda | triton | cpu | torch,
+    None: dispatch decides) is forced on every op of the fused model, its WQLinear layers included;
+    `kernels` is its deprecated former name."""
+    if kernels is not None:
+        if backend is not None and backend != kernels:
+            raise ValueError(f"backend={backend!r} and its deprecated alias kernels={kernels!r} disagree")
+        warnings.warn("fuse_model(kernels=...) is deprecated; use backend=...", DeprecationWarning, stacklevel=2)
+        backend = kernels
     cfg, arch = _fused_config(model, max_seq_len, batch_size)
     emb = get_submodule(model, arch.embed_path).weight
     dtype = emb.dtype  # activations (and so the cache) run in the embeddings' dtype
@@ -406,7 +415,11 @@ def fuse_model(
     set_submodule(model, arch.layers_path, nn.ModuleList(fused))
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError(f"prefill_chunk={prefill_chunk} must be positive or None")
-    runtime = FusedRuntime(model, cfg, use_cuda_graphs=use_cuda_graphs, kernels=kernels, prefill_chunk=prefill_chunk)
+    if backend is not None:
+        for module in model.modules():
+            if isinstance(module, WQLinear):
+                module.set_backend(backend)
+    runtime = FusedRuntime(model, cfg, use_cuda_graphs=use_cuda_graphs, backend=backend, prefill_chunk=prefill_chunk)
     object.__setattr__(model, "fastawq_runtime", runtime)
     model.forward = types.MethodType(_fused_forward, model)
     model.generate = types.MethodType(_fused_generate, model)

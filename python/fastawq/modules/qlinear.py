@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from fastawq import ops, reference
+from fastawq.backend import tensor_version
 
 
 class WQLinear(nn.Module):
@@ -87,12 +88,17 @@ class WQLinear(nn.Module):
             layer.bias.copy_(linear.bias.data.to(dtype))
         return layer
 
+    def set_backend(self, backend: str | None) -> None:
+        """Force one backend for this layer (None: dispatch decides); the next call re-plans."""
+        self.backend = backend
+        self._plan, self._plan_key = None, None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The validated, dispatched call is cached per activation device/dtype and per identity and
         # version of the buffers (a .to(), a load or an in-place edit makes a new plan).
         key = (
             x.device, x.dtype, x.shape[-1], self.backend,
-            *((t.data_ptr(), t._version) for t in (self.qweight, self.scales, self.qzeros, self.bias) if t is not None),
+            *((t.data_ptr(), tensor_version(t)) for t in (self.qweight, self.scales, self.qzeros, self.bias) if t is not None),
         )
         if self._plan_key != key:
             self._plan = ops.awq_gemm_plan(

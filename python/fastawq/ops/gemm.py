@@ -1,4 +1,5 @@
-"""Public W4A16 ops: validation, backend dispatch, and fake impls for torch.compile.
+"""The W4A16 ops: awq_gemm (and its cached plan) and awq_dequantize, with the fake impls of the
+compiled GEMM, dequantize and CPU ops.
 
 Every op takes the AWQ "GEMM" layout (see reference.py) and accepts ``backend=`` to force one of
 ``cuda | triton | cpu | torch``; otherwise backend.select_backend decides.
@@ -11,26 +12,11 @@ import torch
 
 from fastawq import _ext, reference
 from fastawq import backend as backend_mod
-from fastawq.backend import _module, select_backend
-
-_HALF = (torch.float16, torch.bfloat16)
-
-
-def _triton():
-    return _module("fastawq.triton_kernels")
-
-
-def _cpu():
-    return _module("fastawq.cpu")
-
-
-def _check_same_device(**tensors: torch.Tensor | None) -> torch.device:
-    present = {k: t for k, t in tensors.items() if t is not None}
-    devices = {t.device for t in present.values()}
-    if len(devices) > 1:
-        where = ", ".join(f"{k} on {t.device}" for k, t in present.items())
-        raise ValueError(f"all tensors must be on one device, got {where}")
-    return next(iter(devices))
+from fastawq.backend import select_backend
+from fastawq.ops._common import HALF as _HALF
+from fastawq.ops._common import check_same_device as _check_same_device
+from fastawq.ops._common import cpu_module as _cpu
+from fastawq.ops._common import triton_module as _triton
 
 
 def _module_fits(mod, fn: str, *args) -> str | None:
@@ -55,17 +41,20 @@ def _gemm_fits(
 
 
 def _cuda_gemm_fits(x2: torch.Tensor, n: int, k: int, g: int, rows: int | None) -> str | None:
-    # The compiled op takes every shape check_awq_shapes accepts: inside C++ it runs the
-    # tensor-core kernel when N % 32, K % 32 and G % 32 are 0 and the operands are 16-byte
-    # aligned, and dequantize + cuBLAS otherwise (csrc/gemm/awq_gemm.cpp). Only an empty
-    # problem is left to the reference.
     if x2.shape[0] == 0 or n == 0 or k == 0:
         return f"empty problem (M={x2.shape[0]}, N={n}, K={k})"
-    # The small-M bucket is served by the compiled op for its GEMV kernel (csrc/gemv/); shapes
-    # the GEMV declines would go to dequantize + cuBLAS there, so decline them (Triton serves).
-    if rows is not None and rows <= backend_mod.CUDA_GEMV_MAX_M and (k % 32 or g % 32 or n % 32):
-        return f"the compiled GEMV needs K, N and group_size multiples of 32 (K={k}, N={n}, group_size={g})"
-    return None
+    return cuda_gemm_declines(backend_mod.cuda_gemm_kernel(rows), rows or backend_mod.CUDA_GEMV_MAX_M + 1, n, k, g)
+
+
+def cuda_gemm_declines(kernel: str, m: int, n: int, k: int, g: int) -> str | None:
+    """None when the compiled kernel `kernel` takes an (m, n, k, g) problem, else why not.
+
+    The fit rules (multiples of 32, alignment) have one owner, the C++ op awq_gemm_declines;
+    an older fastawq._C without it (and without kernel names) counts as unavailable."""
+    if not _ext.has_op("awq_gemm_declines"):
+        return "the loaded fastawq._C predates named GEMM kernels (no awq_gemm_declines): rebuild fastawq"
+    why = torch.ops.fastawq.awq_gemm_declines(kernel, m, n, k, g)
+    return f"kernel {kernel!r} declines (M={m}, N={n}, K={k}, group_size={g}): {why}" if why else None
 
 
 # x [..., K] fp16/bf16 · qweight [K, N // 8] int32 · scales [K // G, N] · qzeros [K // G, N // 8] int32 · bias [N]  ->  [..., N]
@@ -119,10 +108,12 @@ def awq_gemm_plan(
         )
         for bound in bounds
     ]
-    if len(set(chosen)) == 1:
+    # One binding when every bucket runs the same thing (the compiled op names a kernel per bucket).
+    if len({(be, backend_mod.cuda_gemm_kernel(b) if be == "cuda" else None) for b, be in zip(bounds, chosen)}) == 1:
         bounds, chosen = [None], chosen[:1]
     buckets = [
-        (bound, be, _bind_gemm(be, x.dtype, qweight, scales, qzeros, g, bias)) for bound, be in zip(bounds, chosen)
+        (bound, be, _bind_gemm(be, x.dtype, qweight, scales, qzeros, g, bias, backend_mod.cuda_gemm_kernel(bound)))
+        for bound, be in zip(bounds, chosen)
     ]
 
     if len(buckets) == 1:
@@ -146,14 +137,16 @@ def awq_gemm_plan(
     return run
 
 
-def _bind_gemm(be: str, dtype: torch.dtype, qweight, scales, qzeros, g: int, bias) -> Callable[[torch.Tensor], torch.Tensor]:
+def _bind_gemm(
+    be: str, dtype: torch.dtype, qweight, scales, qzeros, g: int, bias, kernel: str
+) -> Callable[[torch.Tensor], torch.Tensor]:
     if be != "torch" and bias is not None and bias.dtype != dtype:
         bias = bias.to(dtype)
     if be == "torch":
         return lambda x2: reference.awq_gemm(x2, qweight, scales, qzeros, g, bias)
     if be == "cuda":
         scales_x = scales if scales.dtype == dtype else scales.to(dtype)
-        return lambda x2: torch.ops.fastawq.awq_gemm(x2.contiguous(), qweight, scales_x, qzeros, g, bias)
+        return lambda x2: torch.ops.fastawq.awq_gemm(x2.contiguous(), qweight, scales_x, qzeros, g, bias, kernel)
     impl = (_triton() if be == "triton" else _cpu()).awq_gemm
     return lambda x2: impl(x2, qweight, scales, qzeros, g, bias)
 
@@ -188,18 +181,42 @@ def awq_dequantize(
 
 
 def _register_fakes() -> None:
-    """Shapes of the compiled ops' outputs, so they trace under torch.compile."""
+    """Output shapes of the compiled GEMM, dequantize and CPU ops, so they trace under
+    torch.compile and pass opcheck (the one place for them; _ext.py only loads _C)."""
     if _ext.has_op("awq_gemm"):
 
         @torch.library.register_fake("fastawq::awq_gemm")
-        def _(x, qweight, scales, qzeros, group_size, bias):
+        def _(x, qweight, scales, qzeros, group_size, bias, kernel="auto"):
+            torch._check(x.dim() == 2, lambda: f"x {tuple(x.shape)} must be [M, K]")
+            torch._check(
+                x.shape[1] == qweight.shape[0], lambda: f"x {tuple(x.shape)} vs qweight {tuple(qweight.shape)}"
+            )
+            torch._check(qweight.dtype == torch.int32, lambda: f"qweight is {qweight.dtype}, not int32")
             return x.new_empty((x.shape[0], qweight.shape[1] * 8))
 
     if _ext.has_op("awq_dequantize"):
 
         @torch.library.register_fake("fastawq::awq_dequantize")
         def _(qweight, scales, qzeros, group_size):
+            torch._check(qweight.dtype == torch.int32, lambda: f"qweight is {qweight.dtype}, not int32")
+            torch._check(scales.shape[1] == qweight.shape[1] * 8, lambda: f"scales {tuple(scales.shape)} vs qweight")
             return scales.new_empty((qweight.shape[0], qweight.shape[1] * 8))
+
+    if _ext.has_op("awq_cpu_gemm"):
+
+        @torch.library.register_fake("fastawq::awq_cpu_repack")
+        def _(qweight, scales, qzeros, group_size):
+            k, n = qweight.shape[0], qweight.shape[1] * 8
+            torch._check(k % group_size == 0, lambda: f"K={k} is not a multiple of group_size={group_size}")
+            nb, groups = (n + 63) // 64, k // group_size
+            return (qweight.new_empty((nb, k // 8, 64)), scales.new_empty((nb, groups, 64), dtype=torch.float32),
+                    qzeros.new_empty((nb, groups, 64), dtype=torch.uint8))
+
+        @torch.library.register_fake("fastawq::awq_cpu_gemm")
+        def _(x, w, scales, zeros16, group_size, n, bias, isa="auto"):
+            torch._check(x.dim() == 2, lambda: f"x {tuple(x.shape)} must be [M, K]")
+            torch._check(x.shape[1] == w.shape[1] * 8, lambda: f"x {tuple(x.shape)} vs repacked w {tuple(w.shape)}")
+            return x.new_empty((x.shape[0], n))
 
 
 _register_fakes()

@@ -1,0 +1,1 @@
+"""Glue that lets other libraries load fastawq checkpoints with fastawq's kernels."""

@@ -1,0 +1,36 @@
+"""fastawq.ops: every op the model layer calls, one function each.
+
+Each wrapper has a shape banner, validates its inputs (messages name the shapes), asks
+backend.select_backend once (``backend=`` / ``FASTAWQ_BACKEND``: cuda | triton | cpu | torch),
+and calls one schema'd op (compiled in fastawq._C, or a ``torch.library.custom_op``) whose fake
+impl sits beside it. The torch backend of every op is its reference in reference.py.
+
+  gemm.py   awq_gemm, awq_gemm_plan, awq_dequantize
+  layer.py  add_rms_norm, act_mul, rope_kv_cache, decode_attention, prefill_attention
+"""
+from fastawq.ops.gemm import awq_dequantize, awq_gemm, awq_gemm_plan, cuda_gemm_declines
+from fastawq.ops.layer import (
+    ACTIVATIONS,
+    act_mul,
+    add_rms_norm,
+    cuda_decode_declines,
+    decode_attention,
+    decode_attention_backend,
+    prefill_attention,
+    rope_kv_cache,
+)
+
+__all__ = [
+    "ACTIVATIONS",
+    "act_mul",
+    "add_rms_norm",
+    "awq_dequantize",
+    "awq_gemm",
+    "awq_gemm_plan",
+    "cuda_decode_declines",
+    "cuda_gemm_declines",
+    "decode_attention",
+    "decode_attention_backend",
+    "prefill_attention",
+    "rope_kv_cache",
+]

@@ -1,0 +1,141 @@
+"""fastawq as transformers' AWQ backend: `AutoModelForCausalLM.from_pretrained(awq_dir)` without
+GPTQModel loads fastawq's WQLinear and gives from_quantized's logits."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from conftest import requires_cuda
+from fastawq.auto import AutoAWQForCausalLM, AWQModel
+from fastawq.integrations import transformers as fit
+from fastawq.modules import WQLinear
+from fastawq.quantize import QuantConfig, pack_model, quantize
+from test_layouts import _rewrite
+from test_models import calib_ids, tiny_model
+
+pytestmark = pytest.mark.skipif(fit.gptqmodel_installed(), reason="GPTQModel installed: transformers keeps it")
+
+
+@pytest.fixture(scope="module")
+def awq_dir(tmp_path_factory):
+    model = tiny_model("llama")
+    qc = QuantConfig(q_group_size=32)
+    pack_model(model, qc)
+    d = tmp_path_factory.mktemp("awq")
+    AWQModel(model, qc).save_quantized(d)
+    return d
+
+
+@pytest.fixture
+def registered():
+    assert fit.register()
+    yield
+    fit.register()
+
+
+def _hf(awq_dir, **kw):
+    return transformers.AutoModelForCausalLM.from_pretrained(str(awq_dir), **kw).eval()
+
+
+def test_transformers_load_matches_from_quantized(awq_dir, registered):
+    ids = calib_ids(2, 12, seed=3)
+    hf = _hf(awq_dir, dtype=torch.float32)
+    packed = {n for n, m in hf.named_modules() if isinstance(m, WQLinear)}
+    assert len(packed) == 2 * 7 and "lm_head" not in packed
+    ref = AutoAWQForCausalLM.from_quantized(awq_dir, device_map="cpu", torch_dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+        greedy = dict(max_new_tokens=6, do_sample=False)
+        assert torch.equal(hf.generate(ids[:1], **greedy), ref.generate(ids[:1], **greedy))
+
+
+def test_activation_scales_load(registered, tmp_path):
+    """GPT-NeoX checkpoints carry AWQ's `mlp.act.scales`: the backend gives them a ScaledActivation."""
+    model = tiny_model("gpt_neox")
+    qc = QuantConfig(q_group_size=32)
+    quantize(model, None, qc, calib=calib_ids(), max_calib_samples=2, max_calib_seq_len=16)
+    AWQModel(model, qc).save_quantized(tmp_path)
+    ids = calib_ids(1, 12, seed=4)
+    hf = _hf(tmp_path, dtype=torch.float32)
+    assert type(hf.gpt_neox.layers[0].mlp.act).__name__ == "ScaledActivation"
+    ref = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", torch_dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@requires_cuda
+def test_transformers_load_on_gpu(awq_dir, registered):
+    ids = calib_ids(2, 12, seed=3).cuda()
+    hf = _hf(awq_dir, dtype=torch.float16, device_map="cuda")
+    assert hf.model.layers[0].mlp.down_proj.qweight.is_cuda
+    ref = AutoAWQForCausalLM.from_quantized(awq_dir, device_map="cuda", torch_dtype=torch.float16, fuse_layers=False)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ref(ids).logits, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("layout", ["gemv", "gemv_fast"])
+def test_older_autoawq_layouts_load_repacked(awq_dir, registered, tmp_path, layout):
+    # transformers' AwqConfig knows gemv and gemv_fast (not marlin: its config is refused before any backend).
+    _rewrite(awq_dir, tmp_path / layout, layout, 32)
+    ids = calib_ids(1, 12, seed=4)
+    hf = _hf(tmp_path / layout, dtype=torch.float32)
+    assert hf.config.quantization_config.format == "gemm"
+    assert all(type(m).__name__ != "_LayoutTensors" for m in hf.modules())
+    ref = AutoAWQForCausalLM.from_quantized(awq_dir, device_map="cpu", torch_dtype=torch.float32)
+    # What transformers saves from it is a gemm checkpoint that fastawq reads back unchanged.
+    hf.save_pretrained(tmp_path / "saved")
+    again = AutoAWQForCausalLM.from_quantized(tmp_path / "saved", device_map="cpu", torch_dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(again(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_layout_is_a_clear_error(awq_dir, registered, tmp_path):
+    for f in awq_dir.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"]["version"] = "llm-awq"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="llm-awq"):
+        _hf(tmp_path)
+
+
+def test_an_installed_gptqmodel_keeps_awq(monkeypatch):
+    from transformers.quantizers import auto
+    from transformers.quantizers.quantizer_awq import AwqQuantizer
+
+    fit.unregister()
+    try:
+        assert auto.AUTO_QUANTIZER_MAPPING["awq"] is AwqQuantizer
+        monkeypatch.setattr(fit, "gptqmodel_installed", lambda: True)
+        assert not fit.register() and auto.AUTO_QUANTIZER_MAPPING["awq"] is AwqQuantizer
+        fit.register_on_import()
+        assert not fit.is_registered()
+        assert fit.register(force=True) and fit.is_registered()
+        fit.unregister()
+        monkeypatch.setattr(fit, "gptqmodel_installed", lambda: False)
+        monkeypatch.setenv("FASTAWQ_TRANSFORMERS_BACKEND", "0")
+        fit.register_on_import()
+        assert not fit.is_registered()
+    finally:
+        fit.register()
+
+
+def test_import_fastawq_registers_lazily():
+    """`import fastawq` must not import transformers, yet the registry gets fastawq when it loads."""
+    code = (
+        "import sys, fastawq\n"
+        "assert 'transformers.quantizers.auto' not in sys.modules\n"
+        "from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING as m\n"
+        "print(m['awq'].__module__)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "fastawq.integrations.hf_quantizer"

@@ -1,0 +1,164 @@
+"""The decoder-layer ops of fastawq.ops (add + RMSNorm, act*mul, rope + KV-cache write, decode
+attention) against reference.py on every backend that runs here, their torch.library schemas
+under opcheck, and the one backend vocabulary."""
+import os
+
+import pytest
+import torch
+
+from fastawq import backend, ops, reference
+
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEV = "cuda" if CUDA else "cpu"
+# Triton runs on the GPU, or on the CPU under the interpreter (conftest sets it).
+BACKENDS = ["torch", "triton"] if (CUDA or INTERPRET) else ["torch"]
+
+
+def _tol(be: str) -> dict:
+    # The torch backend is the reference itself; the kernels round fp16 once more than fp32 math.
+    return dict(rtol=0, atol=0) if be == "torch" else dict(rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("be", BACKENDS)
+@pytest.mark.parametrize("h", [48, 200])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_add_rms_norm_matches_reference(be, h, offset):
+    x, r = torch.randn(2, 3, 5, h, dtype=torch.float16, device=DEV).unbind(0)
+    w = torch.randn(h, dtype=torch.float16, device=DEV)
+    for res in (None, r):
+        y, r_out = ops.add_rms_norm(x, res, w, 1e-5, offset, backend=be)
+        y_ref, r_ref = reference.add_rms_norm(x, res, w, 1e-5, offset)
+        torch.testing.assert_close(y, y_ref, **_tol(be))
+        assert torch.equal(r_out, r_ref)
+
+
+@pytest.mark.parametrize("be", BACKENDS)
+@pytest.mark.parametrize("act", ops.ACTIVATIONS)
+def test_act_mul_matches_reference(be, act):
+    gu = torch.randn(3, 2, 2 * 1100, dtype=torch.float16, device=DEV)  # I = 1100 straddles 1024-column blocks
+    torch.testing.assert_close(ops.act_mul(gu, act, backend=be), reference.act_mul(gu, act), **_tol(be))
+
+
+def _rope_inputs(qk_norm: bool, dtype=torch.float16):
+    b, seq, hq, hkv, d, s = 2, 5, 4, 2, 32, 24
+    qkv = torch.randn(b, seq, (hq + 2 * hkv) * d, dtype=dtype, device=DEV)
+    positions = (torch.arange(seq, device=DEV) + torch.tensor([[0], [7]], device=DEV)).to(torch.int32)
+    cos, sin = torch.randn(2, s, d, device=DEV).unbind(0)
+    w = (torch.rand(d, dtype=dtype, device=DEV), torch.rand(d, dtype=dtype, device=DEV)) if qk_norm else (None, None)
+    # Poisoned caches: only the slots at `positions` may change.
+    caches = [torch.full((b, s, hkv, d), float("nan"), dtype=dtype, device=DEV) for _ in range(2)]
+    return qkv, positions, cos, sin, caches, (hq, hkv, d), w
+
+
+@pytest.mark.parametrize("be", BACKENDS)
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_kv_cache_matches_reference(be, qk_norm):
+    qkv, positions, cos, sin, (kc, vc), heads, w = _rope_inputs(qk_norm)
+    kr, vr = kc.clone(), vc.clone()
+    q = ops.rope_kv_cache(qkv, positions, cos, sin, kc, vc, *heads, *w, backend=be)
+    q_ref = reference.rope_kv_cache(qkv, positions, cos, sin, kr, vr, *heads, *w)
+    torch.testing.assert_close(q, q_ref, **_tol(be))
+    for got, want in ((kc, kr), (vc, vr)):
+        assert torch.equal(got.isnan(), want.isnan())  # the same cache slots written, the rest untouched
+        torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), **_tol(be))
+
+
+def _decode_inputs(b=2, hq=4, hkv=2, d=32, s=40, dtype=torch.float16):
+    q = torch.randn(b, hq, d, dtype=dtype, device=DEV)
+    kc, vc = torch.randn(2, b + 1, s, hkv, d, dtype=dtype, device=DEV).unbind(0)
+    lens = torch.tensor([17, s][:b], dtype=torch.int32, device=DEV)
+    return q, kc, vc, lens
+
+
+@pytest.mark.parametrize("be", BACKENDS)
+def test_decode_attention_matches_reference(be):
+    q, kc, vc, lens = _decode_inputs()
+    want = reference.decode_attention(q, kc, vc, lens, 0.2)
+    out = torch.full_like(q, float("nan"))
+    got = ops.decode_attention(q, kc, vc, lens, 0.2, backend=be, max_len=40, out=out)
+    assert got is out
+    tol = 3e-3 if (be != "torch" and CUDA) else 1e-3  # tf32 dots on the GPU
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(ops.decode_attention(q, kc, vc, lens, 0.2, backend=be), want, rtol=tol, atol=tol)
+
+
+def test_bad_layer_inputs_are_named():
+    x = torch.randn(3, 16)
+    with pytest.raises(ValueError, match=r"norm weight \(8,\) does not match hidden size 16"):
+        ops.add_rms_norm(x, None, torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match=r"gate_up \(3, 15\) must have an even last dimension"):
+        ops.act_mul(torch.randn(3, 15))
+    with pytest.raises(ValueError, match="activation 'relu' is not fused"):
+        ops.act_mul(x, "relu")
+    q, kc, vc, lens = _decode_inputs()
+    with pytest.raises(ValueError, match=r"lens \(3,\) must be \(2,\)"):
+        ops.decode_attention(q, kc, vc, torch.ones(3, dtype=torch.int32, device=DEV), 0.2)
+
+
+# --- opcheck: schema, fake impl, autograd registration and aliasing of each custom op ---------
+
+
+def _opcheck_cases(be: str):
+    h = 40
+    x, r = torch.randn(2, 3, h, dtype=torch.float16, device=DEV).unbind(0)
+    w = torch.randn(h, dtype=torch.float16, device=DEV)
+    yield torch.ops.fastawq.rms_norm.default, (x, w, 1e-5, 1.0, be)
+    yield torch.ops.fastawq.add_rms_norm.default, (x, r, w, 1e-5, 0.0, be)
+    yield torch.ops.fastawq.act_mul.default, (torch.randn(3, 2 * 24, dtype=torch.float16, device=DEV), "silu", be)
+    qkv, positions, cos, sin, (kc, vc), heads, wn = _rope_inputs(True)
+    kc, vc = kc.nan_to_num(), vc.nan_to_num()  # opcheck compares cache contents, NaN != NaN
+    yield torch.ops.fastawq.rope_kv_cache.default, (qkv, positions, cos, sin, kc, vc, *heads, *wn, 1e-6, be)
+    q, kc, vc, lens = _decode_inputs()
+    yield torch.ops.fastawq.decode_attention_into.default, (q, kc, vc, lens, 0.2, -1, be, torch.empty_like(q))
+
+
+@pytest.mark.parametrize("be", BACKENDS)
+def test_layer_ops_pass_opcheck(be):
+    for op, args in _opcheck_cases(be):
+        torch.library.opcheck(op, args)
+
+
+def test_layer_ops_trace_under_compile():
+    """The fused path's ops trace with their fake impls (one graph, no graph break)."""
+
+    def layer(x, r, w, gu):
+        y, r2 = ops.add_rms_norm(x, r, w, 1e-5, backend="torch")
+        return y + r2, ops.act_mul(gu, backend="torch")
+
+    x, r = torch.randn(2, 4, 32).unbind(0)
+    w, gu = torch.randn(32), torch.randn(4, 64)
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    for got, want in zip(compiled(x, r, w, gu), layer(x, r, w, gu)):
+        torch.testing.assert_close(got, want)
+
+
+# --- one backend vocabulary -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["add_rms_norm", "act_mul", "rope_kv_cache", "decode_attention"])
+def test_forced_cpu_without_cpu_kernel_runs_the_reference(op, monkeypatch):
+    # Documented in backend.py: the CPU backend's contract is "run on the CPU".
+    assert backend.select_backend(op, torch.device("cpu"), backend="cpu") == "torch"
+    monkeypatch.setenv("FASTAWQ_BACKEND", "cpu")
+    assert backend.select_backend(op, torch.device("cpu")) == "torch"
+
+
+def test_env_backend_reaches_layer_ops(monkeypatch):
+    x = torch.randn(3, 16)
+    monkeypatch.setenv("FASTAWQ_BACKEND", "cuda")
+    with pytest.raises(backend.BackendUnavailableError, match="backend 'cuda' cannot run add_rms_norm: tensors are on cpu"):
+        ops.add_rms_norm(x, None, torch.ones(16), 1e-5)
+    monkeypatch.setenv("FASTAWQ_BACKEND", "torch")
+    y, _ = ops.add_rms_norm(x, None, torch.ones(16), 1e-5)
+    assert torch.equal(y, reference.rms_norm(x, torch.ones(16), 1e-5))
+
+
+def test_decode_attention_backend_choice_on_cpu():
+    q, k, v, lens = (t.cpu() for t in _decode_inputs())
+    assert ops.decode_attention_backend(q, k, lens) == "torch"
+    assert ops.decode_attention_backend(q, k, lens, "torch") == "torch"
+    with pytest.raises(backend.BackendUnavailableError, match="'cuda' cannot run decode_attention: tensors are on cpu"):
+        ops.decode_attention_backend(q, k, lens, "cuda")
+    with pytest.raises(backend.BackendUnavailableError, match="unknown backend 'cudnn'"):
+        ops.decode_attention_backend(q, k, lens, "cudnn")

@@ -1,0 +1,80 @@
+"""Triton kernels for the element-wise pieces of a decoder layer: add + RMSNorm, and act(gate) * up."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Order matters: the kernel takes the index as a constexpr.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, n, eps, offset,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        # Round the sum to the activation dtype first: the residual stream is stored in it.
+        x = x + tl.load(res_ptr + row * n + cols, mask=mask, other=0.0)
+        tl.store(res_out_ptr + row * n + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / n
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + offset
+    y = xf * tl.rsqrt(var + eps) * w
+    tl.store(y_ptr + row * n + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _act_mul_kernel(gu_ptr, out_ptr, inter, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    g = tl.load(gu_ptr + row * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 0:
+        a = g / (1.0 + tl.exp(-g))
+    elif ACT == 1:
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        a = 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * z)) - 1.0))
+    else:
+        a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+    tl.store(out_ptr + row * inter + cols, (a * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# x [..., H] · residual [..., H] or None · weight [H]  ->  (y [..., H], x + residual [..., H] or None)
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm(x + residual) * (weight + offset); the new residual is None when `residual` is."""
+    h = x.shape[-1]
+    x2 = x.reshape(-1, h).contiguous()
+    y = torch.empty_like(x2)
+    if residual is None:
+        res_in, res_out = x2, x2  # unread and unwritten (HAS_RES=False)
+    else:
+        res_in = residual.reshape(-1, h).contiguous()
+        res_out = torch.empty_like(x2)
+    block = triton.next_power_of_2(h)
+    _add_rms_norm_kernel[(x2.shape[0],)](
+        x2, res_in, weight.contiguous(), y, res_out, h, eps, offset,
+        HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+    )
+    return y.reshape(x.shape), (None if residual is None else res_out.reshape(x.shape))
+
+
+# gate_up [..., 2I] (gate columns, then up columns)  ->  act(gate) * up [..., I]
+def act_mul(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    two_i = gate_up.shape[-1]
+    inter = two_i // 2
+    gu = gate_up.reshape(-1, two_i).contiguous()
+    out = torch.empty(gu.shape[0], inter, device=gu.device, dtype=gu.dtype)
+    block = min(1024, triton.next_power_of_2(inter))
+    _act_mul_kernel[(gu.shape[0], triton.cdiv(inter, block))](
+        gu, out, inter, ACT=ACTIVATIONS.index(act), BLOCK=block, num_warps=4
+    )
+    return out.reshape(*gate_up.shape[:-1], inter)
