@@ -207,9 +207,11 @@ def test_quantize_save_load_generate(arch, tmp_path):
     gen = loaded.generate(ids[:1, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert gen.shape == (1, 12)
     if spec.fusable:
-        fused = fuse_model(copy.deepcopy(loaded.model), max_seq_len=16, batch_size=2, backend="torch")
+        fused = fuse_model(copy.deepcopy(loaded.model), max_seq_len=16, batch_size=2)
         with torch.no_grad():
-            torch.testing.assert_close(fused(ids).logits, out, rtol=1e-3, atol=1e-3)
+            got = fused(ids).logits
+        # Same W4 backend as the unfused model; a wrong norm, rope or cache slot is an O(1) error.
+        assert (got - out).norm() / out.norm() < 1e-2
     else:
         with pytest.raises(NotImplementedError, match=re.escape(spec.fused_blocker)):
             fuse_model(loaded.model, max_seq_len=16, batch_size=1)

@@ -4,7 +4,7 @@ Everything architecture-specific lives here; the quantizer, the checkpoint loade
 engine read it and hard-code no module path."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from torch import nn
@@ -86,8 +86,7 @@ class Architecture:
     # Why the fused engine cannot serve this family; None when it can (subject to the config
     # checks in modules/fused.py: sliding window, partial rotary, activation).
     fused_blocker: str | None = None
-    family: str = ""
-    notes: str = field(default="", compare=False)
+    family: str = ""  # the README's model table groups types by it
 
     def __post_init__(self) -> None:
         if self.norm not in NORM_FORMS:
