@@ -3,6 +3,7 @@
     python benchmarks/bench_quantize.py --shape llama-3-8b                 # the H200 target: <= 3 min
     python benchmarks/bench_quantize.py --shape smollm2-135m --device cpu  # the 2-core CPU target: <= 10 min
     python benchmarks/bench_quantize.py --shape llama-3-8b --layers 8      # part of the model, extrapolated
+    python benchmarks/bench_quantize.py --shape qwen3-30b-a3b              # MoE: <= 4 min (mixtral-8x7b: <= 6)
 
 128 x 512 random calibration tokens by default (AutoAWQ's defaults). Prints a table of the phases
 (capture, layer forward + statistics, scale search, clip search, packing) and writes JSON to
@@ -24,20 +25,27 @@ SHAPES = {
                        num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
     "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=32, vocab_size=32000),
+    # Mixture-of-experts shapes (issue targets: <= 4 min and <= 6 min on one H200).
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936),
+    "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                         vocab_size=32000),
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True),
 }
 
 
 def build(shape: str, layers: int | None, device: torch.device, dtype: torch.dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     kw = dict(SHAPES[shape])
     if layers:
         kw["num_hidden_layers"] = layers
-    config = LlamaConfig(max_position_embeddings=4096, **kw)
+    config = AutoConfig.for_model(kw.pop("model_type", "llama"), max_position_embeddings=4096, **kw)
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype).eval()
+        model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
     return model, SHAPES[shape]["num_hidden_layers"]
 
 

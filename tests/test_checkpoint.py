@@ -78,13 +78,16 @@ def test_wrong_shape_names_tensor(packed, tmp_path):
     k = "model.layers.1.self_attn.o_proj.qzeros"
     sd[k] = torch.zeros(sd[k].shape[0] + 1, sd[k].shape[1], dtype=torch.int32)
     save_file(sd, f)
-    with pytest.raises(CheckpointError, match=k.replace(".", r"\.")):
+    with pytest.raises(CheckpointError, match="sha256"):
         AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu")
+    with pytest.raises(CheckpointError, match=k.replace(".", r"\.")):
+        AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", verify="off")
 
 
 def test_only_safetensors_are_read(packed, tmp_path):
     packed.save_quantized(tmp_path)
     (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")
+    (tmp_path / "fastawq_manifest.json").unlink()
     with pytest.raises(CheckpointError, match="only safetensors"):
         AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu")
 
@@ -93,6 +96,7 @@ def test_autoawq_written_checkpoint_loads(packed, tmp_path):
     """AutoAWQ's files: its own config keys (w_bit/q_group_size spelled as HF's bits/group_size
     plus extra fields) and an index even for one shard."""
     packed.save_quantized(tmp_path)
+    (tmp_path / "fastawq_manifest.json").unlink()
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "awq", "zero_point": True, "group_size": 32, "bits": 4,
                                   "version": "gemm", "modules_to_not_convert": None}
@@ -111,3 +115,26 @@ def test_parse_size():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("20KB") == 20_000 and parse_size(123) == 123
     with pytest.raises(ValueError, match="shard size"):
         parse_size("lots")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), None])
+def test_all_finite_at_the_dtype_limits(dtype, bad):
+    """A sum of values at the dtype's max must not read as overflow; one NaN / inf must be seen."""
+    from fastawq.checkpoint import all_finite
+
+    t = torch.full((4096,), torch.finfo(dtype).max, dtype=dtype)
+    t[::2] = -t[::2]
+    t[:7] = torch.finfo(dtype).max
+    if bad is not None:
+        t[1234] = bad
+    assert all_finite(t) == (bad is None)
+
+
+def test_manifest_lists_every_file(packed, tmp_path):
+    from fastawq.checkpoint import MANIFEST_NAME
+
+    packed.save_quantized(tmp_path / "c", shard_size="20KB")
+    doc = json.loads((tmp_path / "c" / MANIFEST_NAME).read_text())
+    assert set(doc["files"]) == {p.name for p in (tmp_path / "c").iterdir()} - {MANIFEST_NAME}
+    assert doc["format_version"] == 1 and all(len(e["sha256"]) == 64 for e in doc["files"].values())

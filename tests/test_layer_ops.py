@@ -162,3 +162,23 @@ def test_decode_attention_backend_choice_on_cpu():
         ops.decode_attention_backend(q, k, lens, "cuda")
     with pytest.raises(backend.BackendUnavailableError, match="unknown backend 'cudnn'"):
         ops.decode_attention_backend(q, k, lens, "cudnn")
+
+
+@pytest.mark.parametrize("op", ["add_rms_norm", "act_mul", "rope_kv_cache"])
+def test_python_custom_ops_never_count_as_compiled(op, monkeypatch):
+    # Regression: the layer ops' Python custom ops share the fastawq namespace with _C's ops, so a
+    # hasattr(torch.ops.fastawq, op) check took them for compiled kernels and the fused engine ran
+    # the torch reference for its norms and rope on the GPU (decode at half speed).
+    from fastawq import _ext
+
+    monkeypatch.setattr(_ext, "is_loaded", lambda: True)
+    monkeypatch.setattr(_ext, "supports_device", lambda device: True)
+    assert hasattr(torch.ops.fastawq, op)
+    reason = backend._why_not("cuda", op, torch.device("cuda"), backend._always)
+    assert reason == f"the compiled extension has no op {op!r}"
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("op", ["add_rms_norm", "act_mul", "rope_kv_cache"])
+def test_layer_ops_run_triton_on_cuda_by_default(op):
+    assert backend.select_backend(op, torch.device("cuda")) == "triton"

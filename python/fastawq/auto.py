@@ -25,11 +25,13 @@ class AWQModel(nn.Module):
     """A transformers causal LM plus its quant config. Attributes and calls it does not define
     (generate, config, device, ...) go to the wrapped model."""
 
-    def __init__(self, model: nn.Module, quant_config: QuantConfig | None = None, tokenizer: Any = None):
+    def __init__(self, model: nn.Module, quant_config: QuantConfig | None = None, tokenizer: Any = None,
+                 processor: Any = None):
         super().__init__()
         self.model = model
         self.quant_config = quant_config or QuantConfig()
         self.tokenizer = tokenizer
+        self.processor = processor  # vision-language models: tokenizer + image processor + chat template
         self.is_quantized = bool(getattr(model, "fastawq_packed", False))
 
     def __getattr__(self, name: str) -> Any:
@@ -42,6 +44,11 @@ class AWQModel(nn.Module):
         return self.model(*args, **kwargs)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
+        from fastawq.generate import check_input_ids
+
+        ids = args[0] if args else kwargs.get("input_ids")
+        if isinstance(ids, torch.Tensor):
+            check_input_ids(ids, self.model)
         with torch.inference_mode():
             return self.model.generate(*args, **kwargs)
 
@@ -64,26 +71,64 @@ class AWQModel(nn.Module):
         device: torch.device | str | None = None,
         **kwargs: Any,
     ) -> None:
-        """AutoAWQ's quantize(); calib_data=None (or "pileval") uses fastawq's offline text."""
+        """AutoAWQ's quantize(); calib_data=None (or "pileval") uses fastawq's offline text.
+
+        Everything is validated before any work. An interrupted run (an error or Ctrl-C) leaves
+        the model marked partial (`fastawq_state == "partial"`): save_quantized refuses it."""
         if kwargs:
             log.warning("ignoring AutoAWQ arguments fastawq does not use: %s", sorted(kwargs))
         if max_chunk_memory is not None:
             log.info("max_chunk_memory is not needed: the search works on Gram matrices, not on activations")
-        self.quant_config = QuantConfig.from_dict(quant_config)
-        self.tokenizer = tokenizer if tokenizer is not None else self.tokenizer
-        _quantize(
-            self.model, self.tokenizer, self.quant_config, calib_data,
-            max_calib_samples=max_calib_samples, max_calib_seq_len=max_calib_seq_len, split=split,
-            text_column=text_column, duo_scaling=duo_scaling, apply_clip=apply_clip,
-            export_compatible=export_compatible, n_parallel_calib_samples=n_parallel_calib_samples,
-            device=device, quantizer_cls=quantizer_cls,
+        state = getattr(self.model, "fastawq_state", None)
+        if state == "partial":
+            raise RuntimeError("an earlier quantize() was interrupted and left this model half-packed: reload the "
+                               "float model (AutoAWQForCausalLM.from_pretrained) and quantize it again")
+        if self.is_quantized or state in ("quantized", "scaled", "pseudo") or _has_packed(self.model):
+            raise RuntimeError("this model is already quantized; quantize() needs the float model "
+                               "(AutoAWQForCausalLM.from_pretrained)")
+        from fastawq import multimodal
+
+        config = QuantConfig.from_dict(quant_config)
+        tokenizer = tokenizer if tokenizer is not None else self.tokenizer
+        multimodal.add_full_precision_modules(self.model, config)
+        pairs = multimodal.as_pairs(calib_data, text_column)
+        if pairs is None:
+            _check_quantize_args(self.model, config, tokenizer, calib_data, max_calib_samples, max_calib_seq_len,
+                                 export_compatible)
+        if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}, but torch sees no CUDA device")
+        self.quant_config = config
+        self.tokenizer = tokenizer
+        self.model.fastawq_state = "partial"
+        if pairs is not None:
+            multimodal.quantize_pairs(
+                self.model, self.processor, self.quant_config, pairs, max_calib_samples=max_calib_samples,
+                duo_scaling=duo_scaling, apply_clip=apply_clip, export_compatible=export_compatible,
+                n_parallel_calib_samples=n_parallel_calib_samples, device=device,
+            )
+        else:
+            _quantize(
+                self.model, self.tokenizer, self.quant_config, calib_data,
+                max_calib_samples=max_calib_samples, max_calib_seq_len=max_calib_seq_len, split=split,
+                text_column=text_column, duo_scaling=duo_scaling, apply_clip=apply_clip,
+                export_compatible=export_compatible, n_parallel_calib_samples=n_parallel_calib_samples,
+                device=device, quantizer_cls=quantizer_cls,
+            )
+        _check_quantized(self.model, config, export_compatible)
+        self.model.fastawq_state = (
+            "scaled" if export_compatible else "quantized" if config.packable else "pseudo"
         )
         self.is_quantized = bool(getattr(self.model, "fastawq_packed", False))
 
     @torch.no_grad()
     def pack(self) -> None:
         """Pack the weights after quantize(export_compatible=True)."""
+        if getattr(self.model, "fastawq_state", None) == "partial":
+            raise RuntimeError("the model is partially quantized (an interrupted quantize()); reload and quantize again")
+        self.model.fastawq_state = "partial"
         pack_model(self.model, self.quant_config)
+        _check_quantized(self.model, self.quant_config, False)
+        self.model.fastawq_state = "quantized"
         self.is_quantized = True
 
     def save_quantized(
@@ -94,7 +139,8 @@ class AWQModel(nn.Module):
 
         if not safetensors:
             raise ValueError("fastawq writes only safetensors checkpoints")
-        save_quantized(self.model, save_dir, self.quant_config, self.tokenizer, shard_size=shard_size, overwrite=overwrite)
+        save_quantized(self.model, save_dir, self.quant_config, self.processor or self.tokenizer, shard_size=shard_size,
+                       overwrite=overwrite)
 
 
 def _device_of(device_map: Any) -> torch.device:
@@ -129,12 +175,16 @@ class AutoAWQForCausalLM:
     ) -> AWQModel:
         """Load a float model to quantize (on the CPU unless device_map says otherwise: the
         quantizer moves one layer at a time to the accelerator)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from fastawq.models import architecture_of
+        from fastawq.checkpoint import check_local_path
 
         if not safetensors:
             raise ValueError("fastawq reads only safetensors weights")
+        local = check_local_path(model_path)  # before the slow imports: a typo fails at once
+        from transformers import AutoConfig, AutoTokenizer
+
+        from fastawq import multimodal
+        from fastawq.models import architecture_of
+
         from fastawq.hub import resolve
 
         model_path = resolve(model_path, model_init_kwargs.pop("revision", None), trust_remote_code=trust_remote_code)
@@ -142,17 +192,25 @@ class AutoAWQForCausalLM:
         kwargs["dtype"] = _resolve_dtype(torch_dtype)
         if device_map is not None:
             kwargs["device_map"] = device_map
-        model = AutoModelForCausalLM.from_pretrained(
+        config = AutoConfig.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
+        model = multimodal.auto_model_class(config).from_pretrained(
             str(model_path), trust_remote_code=trust_remote_code, use_safetensors=True,
             low_cpu_mem_usage=low_cpu_mem_usage, **kwargs,
         )
         model.eval()
         architecture_of(model)  # fail early on an unsupported architecture
+        multimodal.check_language_model(model)
+        processor = None
+        if multimodal.is_multimodal(model.config):
+            processor = multimodal.load_processor(model_path, trust_remote_code)
+        model.fastawq_state = "float"
+        if local is not None:
+            model.fastawq_source = str(local)
         try:
             tok = AutoTokenizer.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
         except (OSError, ValueError):
-            tok = None
-        return AWQModel(model, tokenizer=tok)
+            tok = getattr(processor, "tokenizer", None)
+        return AWQModel(model, tokenizer=tok, processor=processor)
 
     @classmethod
     def from_quantized(
@@ -171,6 +229,7 @@ class AutoAWQForCausalLM:
         torch_dtype: Any = None,
         backend: str | None = None,
         cpu_lm_head_bits: int | None = None,
+        verify: str | None = None,
         **kwargs: Any,
     ) -> AWQModel:
         """Load an AWQ checkpoint (fastawq's or AutoAWQ's) ready for generate().
@@ -178,7 +237,9 @@ class AutoAWQForCausalLM:
         On the CPU, `use_ipex=True` makes the packed layers inference-only modules that call the
         CPU kernel directly, and `cpu_lm_head_bits=8` (with it) also runs the float lm_head as an
         8-bit layer: about +0.15% perplexity on SmolLM2-135M for 1.7x its decode speed
-        (benchmarks/CPU_RESULTS.md); it is not AWQ's recipe, so it is off by default."""
+        (benchmarks/CPU_RESULTS.md); it is not AWQ's recipe, so it is off by default.
+        verify: "full" (default: sizes and sha256 against the checkpoint's manifest), "size" or
+        "off"; FASTAWQ_VERIFY sets the default."""
         from fastawq.checkpoint import load_quantized
 
         if not safetensors:
@@ -199,7 +260,7 @@ class AutoAWQForCausalLM:
             # CPU matmuls are fast in fp32 / bf16 and slow in fp16; the packed scales stay as saved.
             dtype = torch.float32 if device.type == "cpu" else None
         model, qc = load_quantized(quant_path, dtype=None if device.type == "cpu" else dtype,
-                                   trust_remote_code=trust_remote_code)
+                                   trust_remote_code=trust_remote_code, verify=verify)
         if device.type == "cpu" and dtype is not None:
             _cast_float_params(model, dtype)
         model.to(device)
@@ -208,7 +269,7 @@ class AutoAWQForCausalLM:
 
             for m in model.modules():
                 if isinstance(m, WQLinear):
-                    m.backend = backend
+                    m.set_backend(backend)
         auto_fuse = fuse_layers is None
         if auto_fuse:
             # AutoAWQ fuses by default; fastawq does on GPUs where the fused modules exist.
@@ -220,8 +281,12 @@ class AutoAWQForCausalLM:
                 from fastawq.modules.fused import fuse_model
             except ImportError as e:
                 raise ImportError(f"fuse_layers=True needs fastawq.modules.fused, which failed to import: {e}") from e
+            from fastawq import multimodal
+
+            if multimodal.is_multimodal(model.config):  # fuses the language model behind the vision tower
+                fuse_model = multimodal.fuse_model
             try:
-                model = fuse_model(model, max_seq_len=max_seq_len, batch_size=batch_size)
+                model = fuse_model(model, max_seq_len=max_seq_len, batch_size=batch_size, backend=backend)
             except NotImplementedError as e:
                 if not auto_fuse:
                     raise
@@ -243,7 +308,100 @@ class AutoAWQForCausalLM:
             tok = AutoTokenizer.from_pretrained(str(quant_path), trust_remote_code=trust_remote_code)
         except (OSError, ValueError):
             pass
-        return AWQModel(model, qc, tok)
+        from fastawq import multimodal
+
+        processor = None
+        if multimodal.is_multimodal(model.config):
+            processor = multimodal.load_processor(quant_path, trust_remote_code)
+        return AWQModel(model, qc, tok if tok is not None else getattr(processor, "tokenizer", None), processor)
+
+
+def _has_packed(model: nn.Module) -> bool:
+    from fastawq.modules import WQLinear
+
+    return any(isinstance(m, WQLinear) for m in model.modules())
+
+
+def _check_quantize_args(model: nn.Module, config: QuantConfig, tokenizer: Any, calib: Any, n_samples: Any,
+                         seq_len: Any, export_compatible: bool) -> None:
+    """Everything quantize() can check before the first layer is searched."""
+    from pathlib import Path, PurePath
+
+    from fastawq.checkpoint import looks_local
+    from fastawq.quantize.pack import layers_of, target_linears
+
+    for name, v in (("max_calib_samples", n_samples), ("max_calib_seq_len", seq_len)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    prefix, layers = layers_of(model)
+    targets = [(f"{prefix}.{i}.{n}", m) for i, layer in enumerate(layers)
+               for n, m in target_linears(layer, f"{prefix}.{i}", config)]
+    if not targets:
+        raise ValueError(f"modules_to_not_convert={config.modules_to_not_convert} excludes every linear layer: "
+                         f"nothing would be quantized")
+    for name, lin in targets:
+        config.group_size_for(name, lin.in_features)  # names the layer no group size fits
+        if config.packable and lin.out_features % 8:
+            raise ValueError(f"layer {name}: out_features={lin.out_features} is not divisible by 8, so it cannot "
+                             f"be packed; list it in modules_to_not_convert")
+    if config.packable and not export_compatible:
+        # Packed scales are fp16 for fp32 models: a group whose range / 15 exceeds fp16's max packs to inf.
+        for name, lin in targets:
+            w = lin.weight.detach()
+            if w.dtype == torch.float32 and float(w.abs().max()) * 2 / 15 > torch.finfo(torch.float16).max:
+                raise ValueError(f"layer {name}: weights up to {float(w.abs().max()):.3g} overflow fp16 scales; "
+                                 f"cast the model to bfloat16 first")
+    vocab = model.get_input_embeddings().num_embeddings
+    if isinstance(calib, (str, PurePath)):
+        s = str(calib)
+        looks_file = s.endswith((".txt", ".jsonl", ".json")) or looks_local(calib)
+        if s not in ("default", "pileval", "stdlib") and looks_file and not Path(s).exists():
+            raise FileNotFoundError(f"calibration file {s} does not exist")
+        texts = Path(s).exists() or s in ("default", "pileval", "stdlib")
+        if texts and tokenizer is None:
+            raise ValueError("text calibration data needs a tokenizer: pass tokenizer= or token ids")
+        return
+    if calib is None:
+        if tokenizer is None:
+            raise ValueError("calibration with fastawq's default text needs a tokenizer: pass tokenizer= or "
+                             "calib_data as token ids")
+        return
+    if isinstance(calib, torch.Tensor):
+        if calib.dim() != 2 or calib.is_floating_point() or calib.dtype == torch.bool or calib.numel() == 0:
+            raise ValueError(f"calib_data tensor must be non-empty [n, seq_len] integer token ids, got "
+                             f"{calib.dtype} {tuple(calib.shape)}")
+        lo, hi = int(calib.min()), int(calib.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"calib_data holds token id {lo if lo < 0 else hi}, outside the vocabulary [0, {vocab})")
+        return
+    if isinstance(calib, (list, tuple)):
+        if not calib:
+            raise ValueError("calib_data is an empty list")
+        if all(isinstance(t, str) for t in calib):
+            if not any(t.strip() for t in calib):
+                raise ValueError("calib_data holds only empty strings")
+            if tokenizer is None:
+                raise ValueError("text calibration data needs a tokenizer: pass tokenizer= or token ids")
+            return
+        for i, seq in enumerate(calib):
+            if isinstance(seq, (str, bytes)) or not isinstance(seq, (list, tuple)):
+                raise ValueError(f"calib_data[{i}] is {type(seq).__name__}: give all strings or all token-id lists")
+            for t in seq:
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                    raise ValueError(f"calib_data[{i}] holds {t!r}, not a token id in [0, {vocab})")
+
+
+def _check_quantized(model: nn.Module, config: QuantConfig, export_compatible: bool) -> None:
+    """After the search: every packed scale finite and at least one layer packed."""
+    from fastawq.modules import WQLinear
+
+    packed = [(n, m) for n, m in model.named_modules() if isinstance(m, WQLinear)]
+    if config.packable and not export_compatible and not packed:
+        raise RuntimeError("quantize() packed no layer; check modules_to_not_convert")
+    for n, m in packed:
+        if not bool(torch.isfinite(m.scales).all()):
+            raise FloatingPointError(f"layer {n}: packed scales overflowed to inf/NaN ({m.scales.dtype}); "
+                                     f"quantize the model in bfloat16")
 
 
 def _cast_float_params(model: nn.Module, dtype: torch.dtype) -> None:

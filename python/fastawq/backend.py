@@ -111,7 +111,9 @@ def _why_not(backend: str, op: str, device: torch.device, shapes_ok) -> str | No
             return f"tensors are on {device}, the compiled kernels run on CUDA devices"
         if not _ext.is_loaded():
             return _ext.status()["reason"]
-        if not _ext.has_op(op):
+        # torch.ops.fastawq also holds the Python custom ops of ops/layer.py (same namespace):
+        # only the ops _C itself implements count as compiled.
+        if op not in COMPILED_OPS or not _ext.has_op(op):
             return f"the compiled extension has no op {op!r}"
         if not _ext.supports_device(device):
             cap = ".".join(map(str, torch.cuda.get_device_capability(device)))

@@ -34,7 +34,19 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    if argv is not None:  # called from Python: errors stay exceptions
+        return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("fastawq: interrupted", file=sys.stderr)
+        return 130
+    except (OSError, ValueError, TypeError, RuntimeError) as e:
+        if args.verbose:
+            raise
+        # On the command line a user error is one line naming what is wrong; -v shows the traceback.
+        print(f"fastawq {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -94,11 +94,38 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def vocab_size(model: torch.nn.Module) -> int | None:
+    try:
+        return int(model.get_input_embeddings().num_embeddings)
+    except (AttributeError, NotImplementedError, TypeError):
+        return getattr(getattr(model, "config", None), "vocab_size", None)
+
+
+# ids [B, L] integer  ->  the same, or ValueError before any model call
+def check_input_ids(ids: torch.Tensor, model: torch.nn.Module | None = None) -> torch.Tensor:
+    """An empty prompt or an id outside the vocabulary fails here, not as a reshape or index
+    error deep inside the model."""
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be integer token ids, got {ids.dtype}")
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids must be [L] or [batch, L], got shape {tuple(ids.shape)}")
+    if ids.shape[0] == 0 or ids.shape[1] == 0:
+        raise ValueError(f"the prompt is empty (input_ids shape {tuple(ids.shape)}): give at least one token")
+    v = vocab_size(model) if model is not None else None
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or (v is not None and hi >= v):
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"input_ids holds token id {bad}, outside the model's vocabulary [0, {v})")
+    return ids
+
+
 def encode(tokenizer: Any, prompt: Any, chat: bool = False) -> torch.Tensor:
     """Prompt -> input_ids [B, L]: a str, a list of chat messages ({"role", "content"} dicts), a
     list of ids, or a tensor. chat=True wraps a str in the tokenizer's chat template."""
     if isinstance(prompt, torch.Tensor):
         return prompt.unsqueeze(0) if prompt.dim() == 1 else prompt
+    if isinstance(prompt, str) and not prompt:
+        raise ValueError("the prompt is empty")
     if isinstance(prompt, str) and chat:
         prompt = [{"role": "user", "content": prompt}]
     if isinstance(prompt, str):
@@ -113,6 +140,8 @@ def encode(tokenizer: Any, prompt: Any, chat: bool = False) -> torch.Tensor:
             ids = ids["input_ids"]
         return ids
     if isinstance(prompt, (list, tuple)):
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise TypeError("a list prompt must hold token ids (ints) or chat messages (dicts)")
         return torch.tensor([list(prompt)], dtype=torch.long)
     raise TypeError(f"cannot encode a prompt of type {type(prompt).__name__}")
 
@@ -150,9 +179,9 @@ def generate(
     stop_token_ids defaults to the tokenizer's (else the generation config's) EOS; a row that
     stopped is padded with its stop token until all rows stop. stream(new_ids [B]) is called after
     every step. seed makes sampling reproducible. A fused model's cache is checked before any work."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    ids = encode(tokenizer, input_ids, chat=chat)
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+    ids = check_input_ids(encode(tokenizer, input_ids, chat=chat), model)
     b, seq = ids.shape
     step = stepper_for(model)
     step.check(b, seq + max_new_tokens)

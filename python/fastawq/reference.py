@@ -316,3 +316,93 @@ def decode_attention(
     valid = torch.arange(n, device=q.device)[None, :] < lens[:, None].long()  # [B, n]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     return torch.einsum("bhgn,bnhd->bhgd", scores.softmax(-1), v).reshape(b, hq, d).to(q.dtype)
+
+# --- mixture of experts ---
+# Per expert e, the AWQ GEMM layout above, stacked on a leading expert dim; w13 holds the gate
+# columns [0, I) then the up columns [I, 2I) of one [H, 2I] matrix.
+
+MOE_ACTS = ("silu", "gelu", "gelu_tanh")
+
+
+def moe_act(h: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "silu":
+        return torch.nn.functional.silu(h)
+    if act == "gelu":
+        return torch.nn.functional.gelu(h)
+    if act == "gelu_tanh":
+        return torch.nn.functional.gelu(h, approximate="tanh")
+    raise ValueError(f"act must be one of {MOE_ACTS}, got {act!r}")
+
+
+# x [T, H] · topk_ids [T, k] int · topk_weights [T, k]
+# w13_qweight [E, H, 2I // 8] int32 · w13_scales [E, H // G, 2I] · w13_qzeros [E, H // G, 2I // 8] int32
+# w2_qweight [E, I, H // 8] int32 · w2_scales [E, I // G, H] · w2_qzeros [E, I // G, H // 8] int32  ->  [T, H] (x's dtype)
+def moe_w4(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_qweight: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w13_qzeros: torch.Tensor,
+    w2_qweight: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w2_qzeros: torch.Tensor,
+    group_size: int,
+    act: str = "silu",
+) -> torch.Tensor:
+    """sum_j w_j * down_e(act(gate_e(x)) * up_e(x)) with e = topk_ids[t, j], all in fp32."""
+    t, h = x.shape
+    out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
+    xf = x.to(torch.float32)
+    for e in topk_ids.unique().tolist():
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        w13 = dequantize(w13_qweight[e], w13_scales[e].float(), w13_qzeros[e], group_size)
+        w2 = dequantize(w2_qweight[e], w2_scales[e].float(), w2_qzeros[e], group_size)
+        gate, up = (xf[tok] @ w13).chunk(2, dim=-1)
+        y = (moe_act(gate, act) * up) @ w2
+        out.index_add_(0, tok, y * topk_weights[tok, slot].to(torch.float32)[:, None])
+    return out.to(x.dtype)
+
+
+# router_logits [T, E]  ->  topk_weights [T, k] fp32 · topk_ids [T, k] int64
+def topk_route(
+    router_logits: torch.Tensor,
+    k: int,
+    renormalize: bool = True,
+    scoring: str = "softmax",
+    *,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    correction_bias: torch.Tensor | None = None,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing of Mixtral/Qwen (softmax) and DeepSeek-V3 (sigmoid, group-limited, biased).
+
+    The bias only chooses experts; the weights are the unbiased scores of the chosen ones. With
+    num_groups > 1 the experts split into equal groups ranked by the sum of their two best biased
+    scores, and only the topk_groups best groups compete.
+    """
+    t, e = router_logits.shape
+    if not 1 <= k <= e:
+        raise ValueError(f"k={k} must lie in [1, {e}] for router_logits {tuple(router_logits.shape)}")
+    logits = router_logits.to(torch.float32)
+    if scoring == "softmax":
+        scores = logits.softmax(dim=-1)
+    elif scoring == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+    choice = scores if correction_bias is None else scores + correction_bias.to(torch.float32)
+    if num_groups > 1:
+        if e % num_groups or not 1 <= topk_groups <= num_groups:
+            raise ValueError(f"{e} experts do not split into {num_groups} groups with topk_groups={topk_groups}")
+        grouped = choice.view(t, num_groups, e // num_groups)
+        group_score = grouped.topk(min(2, e // num_groups), dim=-1).values.sum(dim=-1)
+        keep = torch.zeros_like(group_score, dtype=torch.bool)
+        keep.scatter_(1, group_score.topk(topk_groups, dim=-1).indices, True)
+        choice = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(t, e)
+    ids = choice.topk(k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=1e-20)
+    return weights * scale, ids

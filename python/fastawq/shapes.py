@@ -40,6 +40,18 @@ SHAPES: dict[str, tuple[str, dict, int]] = {
         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
         rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
     ), 64),
+    # Mixture-of-experts shapes: 128 experts of 768, top-8 / 8 experts of 14336, top-2.
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ), 128),
+    "mixtral-8x7b": ("MixtralConfig", dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ), 128),
     # For tests and CPU smoke runs.
     "tiny": ("LlamaConfig", dict(
         vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -87,6 +99,23 @@ def _fresh_rotary(model: nn.Module, device: torch.device) -> None:
         set_submodule(model, path, type(get_submodule(model, path))(config=model.config).to(device))
 
 
+def _fill_moe(model: nn.Module, spec, gen: torch.Generator) -> None:
+    # Routers (not nn.Linear), fused fp16 experts and router biases are not reached by the
+    # generic fill above; unit-variance routing spreads tokens over the experts.
+    from fastawq.models import architecture_of
+    from fastawq.models.moe import use_fast_experts
+
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        if f".{spec.experts}." in f"{name}." and p.dim() == 3:
+            p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+        elif any(f".{spec.block}.{r}." in f"{name}." for r in spec.float_consumers()) and p.is_floating_point():
+            if p.dim() == 2:
+                p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+            else:
+                p.zero_()
+    use_fast_experts(model, architecture_of(model).layers_path, spec)
+
+
 def build_random_model(
     name: str,
     *,
@@ -103,11 +132,17 @@ def build_random_model(
     quantized=False: the plain fp16 model (the baseline)."""
     from transformers import AutoModelForCausalLM
 
+    from fastawq.models import get_architecture
+    from fastawq.models.moe import moe_spec_of, unfuse_model
+
     cfg = shape_config(name)
     g = group_size or SHAPES[name][2]
     device = torch.device(device)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        moe_spec = moe_spec_of(model)
+        if quantized:  # per-expert linears, so the W4 pass below packs every expert
+            unfuse_model(model, get_architecture(cfg.model_type).layers_path, moe_spec, empty=True)
     if quantized:
         for mname, mod in list(model.named_modules()):
             if _is_decoder_linear(mname, mod):
@@ -128,6 +163,8 @@ def build_random_model(
                 mod.weight.fill_(1.0)
         if cfg.tie_word_embeddings:
             model.tie_weights()
+        if moe_spec is not None:
+            _fill_moe(model, moe_spec, gen)
     _fresh_rotary(model, device)
     model.eval()
     log.info("built random %s model %r on %s", "W4" if quantized else str(dtype), name, device)

@@ -9,20 +9,38 @@ def run(args) -> int:
 
     from fastawq.auto import AutoAWQForCausalLM
     from fastawq.eval import format_table
+    from fastawq.generate import check_input_ids
 
+    if not args.prompt:
+        raise ValueError("the prompt is empty")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     model = AutoAWQForCausalLM.from_quantized(args.dir, device_map=args.device or "auto", fuse_layers=args.fuse_layers,
                                               max_seq_len=args.max_seq_len)
     tok = model.tokenizer
     if tok is None:
-        raise SystemExit(f"{args.dir} has no tokenizer")
-    if args.chat and getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
-                                       add_generation_prompt=True)
+        raise FileNotFoundError(f"{args.dir} has no tokenizer files: `fastawq generate` needs one to encode the prompt")
+    extra = {}
+    if args.image is not None:
+        from fastawq.multimodal import encode_prompt
+
+        extra = {k: v.to(model.device) for k, v in encode_prompt(model.processor, args.prompt, args.image,
+                                                                  chat=args.chat).items()}
+        extra = {k: v.to(model.dtype) if v.is_floating_point() else v for k, v in extra.items()}
+        ids = extra.pop("input_ids")
     else:
-        text = args.prompt
-    ids = tok(text, return_tensors="pt", add_special_tokens=not args.chat).input_ids.to(model.device)
+        if args.chat and getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
+                                           add_generation_prompt=True)
+        else:
+            text = args.prompt
+        ids = tok(text, return_tensors="pt", add_special_tokens=not args.chat).input_ids
+        check_input_ids(ids, model.model)
+        ids = ids.to(model.device)
     t = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
+    out = model.generate(ids, **extra, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
                          temperature=args.temperature if args.temperature > 0 else None, top_p=None, top_k=None,
                          pad_token_id=tok.eos_token_id)
     dt = time.perf_counter() - t
@@ -43,4 +61,5 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--fuse-layers", action="store_true")
     p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--image", default=None, help="an image file for a vision-language checkpoint")
     p.set_defaults(func=run)

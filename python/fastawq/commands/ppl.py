@@ -10,7 +10,13 @@ def run(args) -> int:
     from fastawq import data
     from fastawq.eval import format_table, perplexity
 
-    d = Path(args.dir)
+    from fastawq.checkpoint import check_local_path
+
+    d = check_local_path(args.dir) or Path(args.dir)
+    if args.text and not Path(args.text).is_file():
+        raise FileNotFoundError(f"--text {args.text}: no such file")
+    if args.seq_len < 2:
+        raise ValueError(f"--seq-len must be >= 2, got {args.seq_len}")
     cfg = (d / "config.json").read_text() if (d / "config.json").exists() else ""
     if '"quantization_config"' in cfg:
         from fastawq.auto import AutoAWQForCausalLM

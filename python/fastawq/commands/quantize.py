@@ -12,9 +12,21 @@ def run(args) -> int:
 
     from pathlib import Path
 
+    from fastawq.checkpoint import check_not_source, check_local_path
+
     out = Path(args.out)
+    # Checked before the (long) quantization: the source exists, the output is not the source,
+    # and the output may be written.
+    src = check_local_path(args.model)
+    if src is not None:
+        check_not_source(out, src)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{out} is a file, not a folder")
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise FileExistsError(f"{out} is not empty; pass --overwrite to replace its checkpoint")
+    from fastawq.checkpoint import parse_size
+
+    parse_size(args.shard_size)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoAWQForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     qc = {"w_bit": args.w_bit, "q_group_size": args.group_size, "zero_point": args.zero_point,
@@ -42,7 +54,8 @@ def add_parser(sub) -> None:
     p.add_argument("--fallback-group-size", type=int, default=None,
                    help="group size for layers whose in_features --group-size does not divide")
     p.add_argument("--zero-point", action=_BoolAction, default=True)
-    p.add_argument("--calib", default=None, help="a .txt / .jsonl file (default: fastawq's offline text)")
+    p.add_argument("--calib", default=None, help="a .txt / .jsonl file (default: fastawq's offline text); a .jsonl "
+                   "whose objects have an \"image\" path calibrates a vision-language model on image+text pairs")
     p.add_argument("--text-column", default="text")
     p.add_argument("--max-calib-samples", type=int, default=128)
     p.add_argument("--max-calib-seq-len", type=int, default=512)

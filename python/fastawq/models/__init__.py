@@ -16,13 +16,19 @@ _FILES = (
 REGISTRY: dict[str, Architecture] = {}
 for _f in _FILES:
     _mod = importlib.import_module(f"fastawq.models.{_f}")
-    # A file holds one record (ARCH) or, for close relatives, several (ARCHS).
-    for _arch in getattr(_mod, "ARCHS", None) or (_mod.ARCH,):
+    for _arch in getattr(_mod, "ARCHS", None) or (_mod.ARCH,):  # a file may hold several records
         for _t in _arch.model_types:
             if _t in REGISTRY:
                 raise RuntimeError(f"model_type {_t!r} is registered by both {REGISTRY[_t].name} and {_arch.name}")
             REGISTRY[_t] = _arch
 
+# Mixture-of-experts families: a record plus MOE, where the router and experts live (models/moe.py).
+MOE_SPECS: dict[str, MoESpec] = {}
+for _f in ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "llama4"):
+    _mod = importlib.import_module(f"fastawq.models.{_f}")
+    for _t in _mod.ARCH.model_types:
+        REGISTRY[_t] = _mod.ARCH
+        MOE_SPECS[_t] = _mod.MOE
 SUPPORTED_MODEL_TYPES = tuple(sorted(REGISTRY))
 
 

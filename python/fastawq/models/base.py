@@ -4,7 +4,7 @@ Everything architecture-specific lives here; the quantizer, the checkpoint loade
 engine read it and hard-code no module path."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from torch import nn
@@ -79,14 +79,11 @@ class Architecture:
     # a ScaledActivation wraps, relative to the layer.
     act_attr: str = "hidden_act"
     act_path: str | None = None
-    # Multimodal wrappers: module names kept in full precision (vision tower, projector) and the
-    # transformers auto class that builds the model.
-    keep_float: tuple[str, ...] = ()
-    auto_class: str = "AutoModelForCausalLM"
     # Why the fused engine cannot serve this family; None when it can (subject to the config
     # checks in modules/fused.py: sliding window, partial rotary, activation).
     fused_blocker: str | None = None
     family: str = ""  # the README's model table groups types by it
+    notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if self.norm not in NORM_FORMS:

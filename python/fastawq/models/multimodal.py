@@ -1,40 +1,49 @@
-"""Vision-language wrappers: the language model is quantized by its own text record, the vision
-tower and projector stay in full precision (listed in modules_to_not_convert so transformers and
-vLLM skip them too). Calibration runs the wrapper on text alone."""
+"""Vision-language wrappers: the language model's record (its scale groups, norms, activation)
+with the wrapper's module paths. Only the decoder layers are quantized; the vision tower,
+projector and any audio tower stay in full precision (fastawq/multimodal.py lists them in
+`modules_to_not_convert`)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
+from fastawq.models import gemma3, llama, qwen2
 from fastawq.models.base import Architecture
 
-_TEXT = "model.language_model"
+_BLOCKER = "vision-language wrapper"
 
 
-# Text models that exist only inside a wrapper, by the record whose layer they share.
-_TEXT_ONLY = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2"}
+def wrap_text_record(text: Architecture, name: str, model_types: tuple[str, ...], lm: str = "model.language_model",
+                     fused_blocker: str | None = None) -> Architecture:
+    """`text` (a causal LM's record, paths under `model.`) moved under the wrapper's language model `lm`."""
+    groups = text.groups
+    if groups is not None:
+        # The text family's groups read the text config, not the wrapper's.
+        def groups(layer, config, _g=text.groups):  # noqa: F811
+            return _g(layer, config.get_text_config())
 
+    def move(path: str | None) -> str | None:
+        if path is None or not path.startswith("model."):
+            return path
+        return f"{lm}.{path[len('model.'):]}"
 
-def _text_groups(layer, config):
-    """The language model's own record decides (LLaVA wraps Llama, Mistral, Qwen2, ...)."""
-    from fastawq.models import get_architecture
-
-    text = config.get_text_config()
-    return get_architecture(_TEXT_ONLY.get(text.model_type, text.model_type)).scale_groups(layer, text)
-
-
-def _vlm(name: str, family: str, model_type: str, keep_float: tuple[str, ...]) -> Architecture:
-    return Architecture(
-        name=name, family=family, model_types=(model_type,), groups=_text_groups,
-        layers_path=f"{_TEXT}.layers", embed_path=f"{_TEXT}.embed_tokens", final_norm_path=f"{_TEXT}.norm",
-        rotary_path=f"{_TEXT}.rotary_emb", keep_float=keep_float, auto_class="AutoModelForImageTextToText",
-        fused_blocker="the fused engine does not merge image features into the embeddings",
+    blocker = ": ".join(b for b in (fused_blocker, text.fused_blocker) if b) or None
+    return replace(
+        text, name=name, model_types=model_types, groups=groups, layers_path=move(text.layers_path),
+        embed_path=move(text.embed_path), final_norm_path=move(text.final_norm_path),
+        rotary_path=move(text.rotary_path), fused_blocker=blocker,
+        notes=f"language model: the {text.name} record under {lm}",
     )
 
 
-_VISION = ("vision_tower", "multi_modal_projector")
-ARCHS = (
-    _vlm("gemma3", "Gemma", "gemma3", _VISION),
-    _vlm("mistral3", "Mistral", "mistral3", _VISION),
-    _vlm("llava", "LLaVA", "llava", _VISION),
-    _vlm("llava_next", "LLaVA", "llava_next", (*_VISION, "image_newline")),
-    _vlm("qwen2_vl", "Qwen", "qwen2_vl", ("visual",)),
-    _vlm("qwen2_5_vl", "Qwen", "qwen2_5_vl", ("visual",)),
-)
+# Llama-layout language models (Llama / Vicuna / Mistral / Qwen2 text) behind a vision tower
+# and projector; fastawq.multimodal checks the text config's family matches this layout.
+# fastawq.multimodal.fuse_model fuses the text layers and prefills the merged image+text embeddings.
+LLAVA = wrap_text_record(llama.ARCH, "llava", ("llava", "llava_next", "mistral3"))
+# Qwen2-VL / Qwen2.5-VL: Qwen2 text layers with multimodal rotary positions (mrope: three
+# position streams, which the fused engine's 1-D rope tables cannot express).
+QWEN2_VL = wrap_text_record(qwen2.ARCH, "qwen2_vl", ("qwen2_vl", "qwen2_5_vl"),
+                            fused_blocker=f"{_BLOCKER}: multimodal rotary positions (mrope) are not fused")
+# Gemma 3 4B / 12B / 27B: the gemma3_text record (its blocker carries over).
+GEMMA3 = wrap_text_record(gemma3.ARCH, "gemma3_vl", ("gemma3",), fused_blocker=f"{_BLOCKER} of gemma3_text")
+
+ARCHS = (LLAVA, QWEN2_VL, GEMMA3)

@@ -7,6 +7,7 @@ impl sits beside it. The torch backend of every op is its reference in reference
 
   gemm.py   awq_gemm, awq_gemm_plan, awq_dequantize
   layer.py  add_rms_norm, act_mul, rope_kv_cache, decode_attention, prefill_attention
+  moe.py    moe_w4, moe_w4_plan, topk_route (mixture-of-experts blocks)
 """
 from fastawq.ops.gemm import awq_dequantize, awq_gemm, awq_gemm_plan, cuda_gemm_declines
 from fastawq.ops.layer import (
@@ -19,6 +20,7 @@ from fastawq.ops.layer import (
     prefill_attention,
     rope_kv_cache,
 )
+from fastawq.ops.moe import moe_w4, moe_w4_plan, topk_route
 
 __all__ = [
     "ACTIVATIONS",
@@ -27,6 +29,9 @@ __all__ = [
     "awq_dequantize",
     "awq_gemm",
     "awq_gemm_plan",
+    "moe_w4",
+    "moe_w4_plan",
+    "topk_route",
     "cuda_decode_declines",
     "cuda_gemm_declines",
     "decode_attention",

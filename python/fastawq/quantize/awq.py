@@ -120,10 +120,6 @@ class AwqQuantizer:
         self.model = model
         self.config = QuantConfig.from_dict(quant_config)
         self.arch = architecture_of(model)
-        if self.arch.keep_float:
-            # Saved with the checkpoint: transformers and vLLM then leave the vision tower in float too.
-            keep = list(self.config.modules_to_not_convert or [])
-            self.config.modules_to_not_convert = keep + [m for m in self.arch.keep_float if m not in keep]
         if samples.dim() != 2 or samples.numel() == 0:
             raise ValueError(f"calibration samples must be a non-empty [n, seq_len] id tensor, got {tuple(samples.shape)}")
         self.samples = samples
@@ -165,9 +161,14 @@ class AwqQuantizer:
         t0 = time.perf_counter()
         inps, kwargs = self._capture_inputs(layers)
         self._tick("capture", t0)
+        from fastawq.quantize import moe  # here, not at the top: quantize/moe.py imports this module
+
+        moe_spec = moe.prepare(self)
         for i in tqdm(range(len(layers)), desc="AWQ", unit="layer"):
             name = f"{self.layers_prefix}.{i}"
             layer = layers[i]
+            # Unfuses the layer's experts before anything moves it: the search sees per-expert linears.
+            mx = moe.MoELayerSearch(self, layer, name, moe_spec) if moe_spec and moe_spec.block_of(layer) else None
             orig_device = next(layer.parameters()).device
             orig_dtype = next(layer.parameters()).dtype
             # The search folds scales into full-precision weights; on CPU the layer's forward may
@@ -178,8 +179,10 @@ class AwqQuantizer:
             if self.forward_dtype != compute_dtype:
                 fwd = copy.deepcopy(layer).to(self.forward_dtype)
             groups = self._resolve_groups(layer, name)
+            if mx:  # the experts' search owns their linears
+                groups = mx.unclaimed(groups)
             t = time.perf_counter()
-            stats, inps = self._run_layer(fwd, name, groups, inps, kwargs[i])
+            stats, inps = self._run_layer(fwd, name, groups, inps, kwargs[i], mx.hooks if mx else None)
             del fwd
             self._tick("forward", t)
             t = time.perf_counter()
@@ -190,6 +193,8 @@ class AwqQuantizer:
                 s = self.search_best_scale(layer, name, g, consumers, stats[g.linears[0]])
                 apply_scale(layer, g, s)
                 stats[g.linears[0]].rescale(s)
+            if mx:
+                mx.search_scales()
             self._tick("scale", t)
             t = time.perf_counter()
             if self.apply_clip:
@@ -205,9 +210,13 @@ class AwqQuantizer:
                         g_sz = k // max_val.shape[1]
                         w = w.view(n, -1, g_sz).clamp(-max_val.unsqueeze(-1), max_val.unsqueeze(-1)).view(n, k)
                         lin.weight.data = w.to(lin.weight.dtype)
+                if mx:
+                    mx.clip()
             self._tick("clip", t)
             t = time.perf_counter()
             layer.to(dtype=orig_dtype)
+            if mx:
+                mx.finish(pack=not self.export_compatible and self.config.packable)
             if not self.export_compatible:
                 finalize_layer(layer, name, self.config)
             layer.to(orig_device)
@@ -274,9 +283,9 @@ class AwqQuantizer:
                     raise TypeError(f"{name}.{lin_name} is {type(mod).__name__}, expected nn.Linear")
         return groups
 
-    def _run_layer(self, layer, name, groups, inps, kwargs):
+    def _run_layer(self, layer, name, groups, inps, kwargs, extra_hooks=None):
         """One pass of the layer over all chunks: the output (next layer's input) and, through
-        hooks, each group's input statistics."""
+        hooks, each group's input statistics (`extra_hooks(layer)` registers more)."""
         stats: dict[str, InputStats] = {}
         handles = []
 
@@ -313,6 +322,8 @@ class AwqQuantizer:
 
         for g in groups:
             handles.append(layer.get_submodule(g.linears[0]).register_forward_hook(make_hook(g.linears[0])))
+        if extra_hooks is not None:
+            handles += extra_hooks(layer)
         outs = []
         try:
             for x in inps:

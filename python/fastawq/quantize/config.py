@@ -8,6 +8,15 @@ from typing import Any, Mapping
 
 # AutoAWQ's quant_config keys -> ours (HF's quantization_config uses bits / group_size).
 _ALIASES = {"w_bit": "w_bit", "bits": "w_bit", "q_group_size": "q_group_size", "group_size": "q_group_size"}
+# Keys AutoAWQ / transformers' AwqConfig write that fastawq does not need: kept quietly.
+_FOREIGN_KEYS = frozenset({
+    "backend", "do_fuse", "fuse_max_seq_len", "modules_to_fuse", "exllama_config", "start_pos",
+    "modules_to_preserve", "linear_type", "_load_in_4bit", "_load_in_8bit",
+})
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass
@@ -31,20 +40,34 @@ class QuantConfig:
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.w_bit, int) or self.w_bit not in (2, 3, 4, 8):
-            raise ValueError(f"w_bit must be one of 2, 3, 4, 8, got {self.w_bit!r}")
-        if not isinstance(self.q_group_size, int) or (self.q_group_size <= 0 and self.q_group_size != -1):
+        # Strict types: a config read from JSON or a CLI must not turn "false" into True or a
+        # string into a list of its characters.
+        if not _is_int(self.w_bit) or self.w_bit not in (2, 3, 4, 8):
+            raise ValueError(f"w_bit must be one of 2, 3, 4, 8 (int), got {self.w_bit!r}")
+        if not _is_int(self.q_group_size) or (self.q_group_size <= 0 and self.q_group_size != -1):
             raise ValueError(f"q_group_size must be a positive int or -1, got {self.q_group_size!r}")
         if self.fallback_group_size is not None and (
-            not isinstance(self.fallback_group_size, int) or self.fallback_group_size <= 0
+            not _is_int(self.fallback_group_size) or self.fallback_group_size <= 0
         ):
             raise ValueError(f"fallback_group_size must be a positive int or None, got {self.fallback_group_size!r}")
-        if str(self.version).lower() != "gemm":
+        if not isinstance(self.zero_point, bool):
+            raise ValueError(f"zero_point must be True or False, got {self.zero_point!r} ({type(self.zero_point).__name__})")
+        if not isinstance(self.version, str) or self.version.lower() != "gemm":
             raise ValueError(f"only version='gemm' is supported, got {self.version!r}")
         self.version = "gemm"
-        self.zero_point = bool(self.zero_point)
-        if self.modules_to_not_convert is not None:
-            self.modules_to_not_convert = [str(m) for m in self.modules_to_not_convert]
+        m = self.modules_to_not_convert
+        if m is not None:
+            if isinstance(m, (str, bytes)) or not isinstance(m, (list, tuple)):
+                raise ValueError(
+                    f"modules_to_not_convert must be a list of name substrings, got {m!r}; write [{m!r}] for one"
+                )
+            bad = [x for x in m if not isinstance(x, str) or not x]
+            if bad:
+                raise ValueError(f"modules_to_not_convert entries must be non-empty strings, got {bad!r} "
+                                 f"(an empty string would match every layer)")
+            self.modules_to_not_convert = list(m)
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"extra must be a dict, got {type(self.extra).__name__}")
 
     @property
     def packable(self) -> bool:
@@ -57,17 +80,30 @@ class QuantConfig:
             return cls()
         if isinstance(d, QuantConfig):
             return d
+        if not isinstance(d, Mapping):
+            raise TypeError(f"quant_config must be a dict or QuantConfig, got {type(d).__name__}")
+        method = d.get("quant_method", "awq")
+        if not isinstance(method, str) or method.lower() != "awq":
+            raise ValueError(f"not an AWQ config: quant_method={method!r}")
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs: dict[str, Any] = {}
         extra: dict[str, Any] = {}
         for k, v in d.items():
+            if not isinstance(k, str):
+                raise ValueError(f"quant_config keys must be strings, got {k!r}")
             name = _ALIASES.get(k, k)
             if name in known:
+                if name in kwargs and kwargs[name] != v:
+                    raise ValueError(f"quant_config sets {name} twice with different values ({kwargs[name]!r}, {v!r})")
                 kwargs[name] = v
-            elif k not in ("quant_method",):
+            elif k == "quant_method":
+                continue
+            else:
+                if k not in _FOREIGN_KEYS:
+                    logging.getLogger(__name__).warning(
+                        "quant_config key %r is not used by fastawq (known: %s); check its spelling",
+                        k, ", ".join(sorted(known | set(_ALIASES))))
                 extra[k] = v
-        if d.get("quant_method", "awq") != "awq":
-            raise ValueError(f"not an AWQ config: quant_method={d.get('quant_method')!r}")
         return cls(**kwargs, extra=extra)
 
     def group_size_for(self, name: str, in_features: int) -> int:

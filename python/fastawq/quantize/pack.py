@@ -41,8 +41,11 @@ def finalize_layer(layer: nn.Module, prefix: str, config: QuantConfig, *, pack: 
 
 def layers_of(model: nn.Module) -> tuple[str, nn.ModuleList]:
     from fastawq.models import architecture_of
+    from fastawq.models.moe import moe_spec_of, unfuse_model
 
     arch = architecture_of(model)
+    # Fused 3-D experts are not nn.Linear: without this they would silently stay full precision.
+    unfuse_model(model, arch.layers_path, moe_spec_of(model))
     return arch.layers_path, model.get_submodule(arch.layers_path)
 
 

@@ -1,0 +1,264 @@
+"""The W4A16 mixture-of-experts op: validation, backend dispatch, the torch path and the custom op.
+
+moe_w4 runs the routed experts of a SwiGLU-style MoE layer on the AWQ GEMM layout stacked per
+expert (see reference.moe_w4): Triton on GPUs (a grouped GEMM, tokens sorted by expert), torch
+elsewhere (a loop over the experts that received tokens). It is registered as
+``torch.ops.fastawq.moe_w4`` with a fake impl, so it traces under torch.compile. topk_route
+turns router logits into (topk_weights, topk_ids), in one Triton launch on GPUs.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from fastawq import reference
+from fastawq.backend import _module, select_backend
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _triton():
+    return _module("fastawq.triton_kernels")
+
+
+# w13_qweight [E, H, 2I // 8] · w13_scales [E, H // G, 2I] · w13_qzeros [E, H // G, 2I // 8]
+# w2_qweight [E, I, H // 8] · w2_scales [E, I // G, H] · w2_qzeros [E, I // G, H // 8]
+def check_moe_shapes(w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros, group_size: int):
+    """Validate stacked expert weights; return (E, H, I). Errors name every shape involved."""
+    named = {
+        "w13_qweight": w13_qweight, "w13_scales": w13_scales, "w13_qzeros": w13_qzeros,
+        "w2_qweight": w2_qweight, "w2_scales": w2_scales, "w2_qzeros": w2_qzeros,
+    }
+    shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in named.items())
+    if any(v.dim() != 3 for v in named.values()):
+        raise ValueError(f"expected 3-D stacked expert weights [E, ...], got {shapes}")
+    for k in ("w13_qweight", "w13_qzeros", "w2_qweight", "w2_qzeros"):
+        if named[k].dtype != torch.int32:
+            raise TypeError(f"{k} must be int32, got {named[k].dtype}")
+    for k in ("w13_scales", "w2_scales"):
+        if named[k].dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"{k} must be fp16, bf16 or fp32, got {named[k].dtype}")
+    e, h, i2 = w13_qweight.shape[0], w13_qweight.shape[1], w13_qweight.shape[2] * reference.PACK
+    i = i2 // 2
+    if any(v.shape[0] != e for v in named.values()) or w2_qweight.shape[1:] != (i, h // reference.PACK) \
+            or h % reference.PACK:
+        raise ValueError(f"inconsistent MoE weights (E={e}, H={h}, 2I={i2}): {shapes}")
+    g13 = reference.resolve_group_size(group_size, h)
+    g2 = reference.resolve_group_size(group_size, i)
+    if h % g13 or i % g2:
+        raise ValueError(f"H={h} and I={i} must be divisible by group_size={group_size}: {shapes}")
+    want = {
+        "w13_scales": (e, h // g13, i2), "w13_qzeros": (e, h // g13, i2 // 8),
+        "w2_scales": (e, i // g2, h), "w2_qzeros": (e, i // g2, h // 8),
+    }
+    for k, shape in want.items():
+        if tuple(named[k].shape) != shape:
+            raise ValueError(f"{k} should be {shape} for E={e}, H={h}, I={i}, group_size={group_size}; got {shapes}")
+    return e, h, i
+
+
+def _check_experts(inputs: tuple, weights: tuple, group_size: int, act: str) -> tuple[int, int, int]:
+    e, h, i = check_moe_shapes(*weights, group_size)
+    if act not in reference.MOE_ACTS:
+        raise ValueError(f"act must be one of {reference.MOE_ACTS}, got {act!r}")
+    devices = {t.device for t in (*inputs, *weights)}
+    if len(devices) > 1:
+        raise ValueError(f"all MoE tensors must be on one device, got {sorted(map(str, devices))}")
+    return e, h, i
+
+
+def _check_routing(x, topk_ids, topk_weights, h: int) -> None:
+    if x.dim() != 2 or x.shape[1] != h:
+        raise ValueError(f"hidden_states {tuple(x.shape)} must be [T, H={h}]")
+    if not x.is_floating_point():
+        raise TypeError(f"hidden_states must be floating point, got {x.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(
+            f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be "
+            f"[T={x.shape[0]}, k]"
+        )
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if not topk_weights.is_floating_point():
+        raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+
+
+# x [T, H] · topk_ids [T, k] int · topk_weights [T, k] · w13_* / w2_* as in check_moe_shapes  ->  [T, H] (x's dtype)
+def moe_w4(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_qweight: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w13_qzeros: torch.Tensor,
+    w2_qweight: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w2_qzeros: torch.Tensor,
+    group_size: int,
+    act: str = "silu",
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """sum_j topk_weights[:, j] * down_e(act(gate_e(x)) * up_e(x)), e = topk_ids[:, j].
+
+    topk_ids must lie in [0, E): the GPU path does not check them, since checking would cost a
+    host sync that breaks CUDA-graph capture.
+    """
+    weights = (w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros)
+    e, h, i = _check_experts((x, topk_ids, topk_weights), weights, group_size, act)
+    _check_routing(x, topk_ids, topk_weights, h)
+    args = (x, topk_ids, topk_weights, *weights, group_size, act)
+    if torch.compiler.is_compiling():
+        # The choice is made when the op runs: dispatch reads the environment and imports modules,
+        # which the tracer would not follow.
+        return torch.ops.fastawq.moe_w4(*args, backend or "")
+    # Eagerly the op's dispatcher round trip costs more than a decode step's kernels: call direct.
+    return _run(_select(x, h, i, group_size, act, backend), *args)
+
+
+def moe_w4_plan(
+    x: torch.Tensor,
+    w13_qweight: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w13_qzeros: torch.Tensor,
+    w2_qweight: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w2_qzeros: torch.Tensor,
+    group_size: int,
+    act: str = "silu",
+    *,
+    backend: str | None = None,
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Validate the experts once and bind the backend for activations like `x` (device, dtype).
+
+    The returned run(x, topk_ids, topk_weights) checks only the routing shapes: a module caches
+    it, so an eager decode step pays neither weight validation nor dispatch (about 0.1 ms a layer
+    on a slow CPU). Its `.backend` attribute names the backend chosen.
+    """
+    weights = (w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros)
+    e, h, i = _check_experts((x,), weights, group_size, act)
+    be = _select(x, h, i, group_size, act, backend)
+
+    def run(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        _check_routing(x, topk_ids, topk_weights, h)
+        return _run(be, x, topk_ids, topk_weights, *weights, group_size, act)
+
+    run.backend = be
+    return run
+
+
+def _select(x: torch.Tensor, h: int, i: int, group_size: int, act: str, backend: str | None) -> str:
+    def fits(b: str) -> str | None:
+        if b in ("cuda", "triton") and x.dtype not in _HALF:
+            return f"x is {x.dtype}; the {b} MoE kernels take fp16 or bf16 activations"
+        if b == "triton":
+            return _triton().moe_w4_fits(h, i, group_size, act)
+        return None
+
+    return select_backend("moe_w4", x.device, backend=backend, shapes_ok=fits, m=x.shape[0])
+
+
+def _run(be: str, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros,
+         group_size: int, act: str) -> torch.Tensor:
+    if be == "triton":
+        return _triton().moe_w4(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros,
+                                w2_qweight, w2_scales, w2_qzeros, group_size, act)
+    if be != "torch":
+        raise ValueError(f"no {be!r} implementation of moe_w4")
+    return moe_w4_torch(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros,
+                        w2_qweight, w2_scales, w2_qzeros, group_size, act)
+
+
+def moe_w4_torch(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros,
+                 group_size: int, act: str = "silu") -> torch.Tensor:
+    """The reference math in x's dtype: per expert that has tokens, dequantize, gather, two matmuls."""
+    t, h = x.shape
+    e = w13_qweight.shape[0]
+    out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
+    if t == 0:
+        return out.to(x.dtype)
+    lo, hi = int(topk_ids.min()), int(topk_ids.max())
+    if lo < 0 or hi >= e:
+        raise ValueError(f"topk_ids must lie in [0, {e}) for {e} experts, got values in [{lo}, {hi}]")
+    for ex in topk_ids.unique().tolist():
+        tok, slot = (topk_ids == ex).nonzero(as_tuple=True)
+        # Dequantized in fp32 and rounded once to x's dtype: what a dequantize-then-matmul layer holds.
+        w13 = reference.dequantize(w13_qweight[ex], w13_scales[ex].float(), w13_qzeros[ex], group_size).to(x.dtype)
+        w2 = reference.dequantize(w2_qweight[ex], w2_scales[ex].float(), w2_qzeros[ex], group_size).to(x.dtype)
+        gate, up = (x[tok] @ w13).chunk(2, dim=-1)
+        y = (reference.moe_act(gate, act) * up) @ w2
+        out.index_add_(0, tok, y.float() * topk_weights[tok, slot].float()[:, None])
+    return out.to(x.dtype)
+
+
+# router_logits [T, E]  ->  topk_weights [T, k] fp32 · topk_ids [T, k] int64
+def topk_route(
+    router_logits: torch.Tensor,
+    k: int,
+    renormalize: bool = True,
+    scoring: str = "softmax",
+    *,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    correction_bias: torch.Tensor | None = None,
+    scale: float = 1.0,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.topk_route (softmax or sigmoid scores, optional bias and group limit), in one
+    Triton launch on GPUs where there is no group limit."""
+    if router_logits.dim() != 2 or not router_logits.is_floating_point():
+        raise ValueError(f"router_logits must be a 2-D float tensor [T, E], got {router_logits.dtype} "
+                         f"{tuple(router_logits.shape)}")
+    e = router_logits.shape[1]
+    if not 1 <= k <= e:
+        raise ValueError(f"k={k} must lie in [1, {e}] for router_logits {tuple(router_logits.shape)}")
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+    if correction_bias is not None and tuple(correction_bias.shape) != (e,):
+        raise ValueError(f"correction_bias {tuple(correction_bias.shape)} must be [E={e}]")
+
+    def fits(b: str) -> str | None:
+        return _triton().topk_route_fits(e, num_groups, scoring) if b == "triton" else None
+
+    be = select_backend("topk_route", router_logits.device, backend=backend, shapes_ok=fits,
+                        m=router_logits.shape[0])
+    if be == "triton":
+        return _triton().topk_route(router_logits, k, renormalize, scoring, correction_bias=correction_bias,
+                                    scale=scale)
+    return reference.topk_route(router_logits, k, renormalize, scoring, num_groups=num_groups,
+                                topk_groups=topk_groups, correction_bias=correction_bias, scale=scale)
+
+
+@torch.library.custom_op("fastawq::moe_w4", mutates_args=())
+def _moe_w4_op(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_qweight: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w13_qzeros: torch.Tensor,
+    w2_qweight: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w2_qzeros: torch.Tensor,
+    group_size: int,
+    act: str,
+    backend: str,
+) -> torch.Tensor:
+    if not backend:  # chosen here, at run time ("" from a traced call)
+        backend = _select(x, x.shape[1], w2_qweight.shape[1], group_size, act, None)
+    return _run(backend, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros,
+                w2_qweight, w2_scales, w2_qzeros, group_size, act)
+
+
+@_moe_w4_op.register_fake
+def _(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros,
+      group_size, act, backend):
+    torch._check(x.dim() == 2, lambda: f"hidden_states must be [T, H], got {tuple(x.shape)}")
+    torch._check(w13_qweight.dim() == 3 and w2_qweight.dim() == 3, lambda: "stacked expert weights must be 3-D")
+    torch._check(x.shape[1] == w13_qweight.shape[1], lambda: f"x {tuple(x.shape)} vs w13 {tuple(w13_qweight.shape)}")
+    torch._check(w2_qweight.shape[2] * 8 == x.shape[1], lambda: f"w2 {tuple(w2_qweight.shape)} vs H={x.shape[1]}")
+    torch._check(w13_qweight.shape[2] * 4 == w2_qweight.shape[1], lambda: "w13's 2I must be twice w2's I")
+    torch._check(topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == x.shape[0],
+                 lambda: f"topk_ids {tuple(topk_ids.shape)} and weights must be [T={x.shape[0]}, k]")
+    return x.new_empty(x.shape)

@@ -1,0 +1,393 @@
+"""The W4 MoE op against reference.moe_w4: both backends, ragged expert loads, tile edges."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fastawq import reference
+from fastawq.ops import moe as ops_moe
+from fastawq.backend import BackendUnavailableError
+
+from conftest import HAS_CUDA, random_awq, random_input, requires_cuda
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+TRITON_OK = HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton = pytest.mark.skipif(not TRITON_OK, reason="Triton needs CUDA or TRITON_INTERPRET=1")
+BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
+
+
+def random_moe(e: int, h: int, i: int, g: int, dtype=torch.float16, device=DEVICE, seed: int = 0):
+    """Stacked random experts: (w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros)."""
+    w13 = [random_awq(h, 2 * i, g, device, dtype, seed=seed + j) for j in range(e)]
+    w2 = [random_awq(i, h, g, device, dtype, seed=seed + 1000 + j) for j in range(e)]
+    return tuple(torch.stack([w[p] for w in ws]) for ws in (w13, w2) for p in range(3))
+
+
+def routing(kind: str, t: int, e: int, k: int, device=DEVICE, seed: int = 0):
+    """topk_ids [T, k], topk_weights [T, k] fp32 for a load pattern."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "random":
+        weights, ids = reference.topk_route(torch.randn(t, e, generator=gen), k)
+    else:
+        if kind == "one_expert":  # every token's first choice is expert 0, the rest share expert 1..k-1
+            ids = torch.arange(k).repeat(t, 1)
+        elif kind == "few_experts":  # only experts 1 and e-1 get tokens (twice per token when k > 2)
+            ids = torch.tensor([1, e - 1] * k)[:k].repeat(t, 1)
+            ids[::2] = ids[::2].flip(1)
+        else:
+            raise ValueError(kind)
+        weights = torch.rand(t, k, generator=gen).softmax(dim=-1)
+    return ids.to(device), weights.to(device)
+
+
+def torch_same_dtype_error(x, ids, w, weights, g, act) -> float:
+    ref = reference.moe_w4(x, ids, w, *weights, g, act).float()
+    return (ops_moe.moe_w4(x, ids, w, *weights, g, act, backend="torch").float() - ref).abs().max().item()
+
+
+def check(out, x, ids, w, weights, g, act="silu", factor=4.0):
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert torch.isfinite(out).all(), "output has NaN/inf (a row or buffer left unwritten?)"
+    ref = reference.moe_w4(x, ids, w, *weights, g, act).float()
+    err = (out.float() - ref).abs().max().item()
+    eps = 2**-10 if x.dtype == torch.float16 else 2**-7
+    budget = factor * torch_same_dtype_error(x, ids, w, weights, g, act) + eps * ref.abs().max().item()
+    assert err <= budget, f"max error {err:.4g} > budget {budget:.4g} (ref max {ref.abs().max().item():.4g})"
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty returns NaN floats and out-of-range ints, so an unwritten element shows."""
+    real = torch.empty
+
+    def empty(*size, **kw):
+        t = real(*size, **kw)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype in (torch.int32, torch.int64):
+            t.fill_(-(2**30))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+# (E, H, I, G, k, T, load): H and I straddle the 32..128 column tiles (I = 96 leaves a part tile).
+CASES = [
+    (4, 64, 64, 32, 2, 1, "random"),
+    (8, 128, 96, 32, 2, 5, "random"),
+    (8, 128, 96, 32, 2, 33, "random"),
+    (8, 64, 96, 32, 2, 33, "one_expert"),
+    (6, 128, 64, 64, 2, 5, "few_experts"),
+    (8, 64, 96, -1, 3, 17, "few_experts"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "E{}H{}I{}G{}k{}T{}-{}".format(*c))
+def test_moe_matches_reference(case, backend, poisoned_empty):
+    e, h, i, g, k, t, load = case
+    weights = random_moe(e, h, i, g, seed=t)
+    x = random_input((t, h), DEVICE, torch.float16, seed=t + 1)
+    ids, w = routing(load, t, e, k, seed=t)
+    out = ops_moe.moe_w4(x, ids, w, *weights, g, backend=backend)
+    check(out, x, ids, w, weights, g)
+
+
+@needs_triton
+@pytest.mark.parametrize("t", [1, 33])
+def test_moe_bf16_and_int32_ids(t, poisoned_empty):
+    e, h, i, g, k = 8, 128, 64, 64, 2
+    weights = random_moe(e, h, i, g, torch.bfloat16, seed=3)
+    x = random_input((t, h), DEVICE, torch.bfloat16, seed=4)
+    ids, w = routing("random", t, e, k, seed=5)
+    out = ops_moe.moe_w4(x, ids.to(torch.int32), w.to(torch.bfloat16), *weights, g, backend="triton")
+    check(out, x, ids, w.to(torch.bfloat16), weights, g)
+
+
+@needs_triton
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh"])
+def test_moe_other_activations(act):
+    e, h, i, g, k, t = 4, 64, 64, 32, 2, 5
+    weights = random_moe(e, h, i, g, seed=8)
+    x = random_input((t, h), DEVICE, torch.float16, seed=9)
+    ids, w = routing("random", t, e, k, seed=10)
+    check(ops_moe.moe_w4(x, ids, w, *weights, g, act, backend="triton"), x, ids, w, weights, g, act)
+
+
+@needs_triton
+def test_block_modes_and_tiles_agree_with_reference():
+    # Per-assignment blocks (decode) and sorted blocks (batches), with column tiles that split
+    # I = 96 and H = 64 unevenly: every config the tuner may pick must give the same sums.
+    from fastawq.triton_kernels import moe as tmoe
+
+    e, h, i, g, k, t = 8, 64, 96, 32, 2, 6
+    weights = random_moe(e, h, i, g, seed=12)
+    x = random_input((t, h), DEVICE, torch.float16, seed=13)
+    ids, w = routing("random", t, e, k, seed=14)
+    base = tmoe.heuristic_config(t, k, e, h, i, g, g, sms=4)
+    narrow, split = tmoe.KernelConfig(64, 16, 4, 3), tmoe.KernelConfig(32, 16, 4, 3, split_k=3)
+    for naive, bm, w13, w2 in ((True, 16, base.w13, narrow), (False, 32, base.w13, base.w2),
+                               (True, 16, base.w13, split), (False, 16, narrow, split)):
+        check(tmoe.moe_w4(x, ids, w, *weights, g, config=tmoe.MoeConfig(bm, naive, w13, w2)), x, ids, w, weights, g)
+
+
+@needs_triton
+def test_split_k_adds_rows_of_one_token_in_one_block():
+    # With k = 3 and repeated experts, one block holds two rows of the same token: their atomic
+    # adds hit the same addresses in one instruction.
+    from fastawq.triton_kernels import moe as tmoe
+
+    e, h, i, g, k, t = 6, 64, 64, 32, 3, 5
+    weights = random_moe(e, h, i, g, seed=15)
+    x = random_input((t, h), DEVICE, torch.float16, seed=16)
+    ids, w = routing("few_experts", t, e, k, seed=17)
+    base = tmoe.heuristic_config(t, k, e, h, i, g, g, sms=4)
+    cfg = tmoe.MoeConfig(16, False, base.w13, tmoe.KernelConfig(64, 16, 4, 3, split_k=2))
+    check(tmoe.moe_w4(x, ids, w, *weights, g, config=cfg), x, ids, w, weights, g)
+
+
+@pytest.mark.parametrize("align", ["moe_align_torch", pytest.param("moe_align", marks=needs_triton)])
+def test_moe_align_blocks_each_expert(align):
+    from fastawq.triton_kernels import moe as tmoe
+
+    e, bm = 6, 4
+    ids = torch.tensor([[5, 0], [5, 2], [0, 5], [5, 3], [5, 0]], device=DEVICE)
+    sorted_ids, block_expert = getattr(tmoe, align)(ids, e, bm)
+    flat = ids.reshape(-1).cpu()
+    n = flat.numel()
+    assert sorted_ids.numel() == block_expert.numel() * bm
+    seen = []
+    for b, ex in enumerate(block_expert.tolist()):
+        rows = sorted_ids[b * bm:(b + 1) * bm].tolist()
+        real = [r for r in rows if r < n]
+        if ex == e:
+            assert rows == [n] * bm, "an unused block holds rows"
+            continue
+        assert real and all(flat[r] == ex for r in real) and rows == real + [n] * (bm - len(real))
+        seen += real
+    assert sorted(seen) == list(range(n))
+
+
+@needs_triton
+@pytest.mark.parametrize("e,bm,t,k", [(8, 16, 33, 2), (128, 16, 16, 8), (6, 32, 40, 3), (128, 64, 5, 8)])
+def test_align_kernel_equals_torch_align(e, bm, t, k, poisoned_empty):
+    from fastawq.triton_kernels import moe as tmoe
+
+    gen = torch.Generator().manual_seed(e + t)
+    ids = torch.randint(0, max(1, e // 2), (t, k), generator=gen).to(DEVICE)  # half the experts stay empty
+    sorted_ids, block_expert = tmoe.moe_align(ids, e, bm)  # into poisoned buffers: every row written
+    expect_ids, expect_blocks = tmoe.moe_align_torch(ids, e, bm)
+    assert torch.equal(sorted_ids, expect_ids) and torch.equal(block_expert, expect_blocks)
+
+
+def test_topk_route_matches_softmax_topk():
+    logits = random_input((7, 16), "cpu", torch.float32, seed=2)
+    w, ids = reference.topk_route(logits, 4, renormalize=True)
+    probs = logits.softmax(-1)
+    expect = probs.topk(4, dim=-1)
+    assert torch.equal(ids, expect.indices)
+    torch.testing.assert_close(w, expect.values / expect.values.sum(-1, keepdim=True))
+
+
+def test_topk_route_grouped_sigmoid_only_picks_from_best_groups():
+    logits = random_input((5, 16), "cpu", torch.float32, seed=3)
+    bias = random_input((16,), "cpu", torch.float32, seed=4)
+    w, ids = reference.topk_route(logits, 4, True, "sigmoid", num_groups=4, topk_groups=2, correction_bias=bias,
+                                  scale=2.5)
+    biased = (logits.sigmoid() + bias).view(5, 4, 4)
+    best_groups = biased.topk(2, -1).values.sum(-1).topk(2, -1).indices
+    assert all(set((ids[r] // 4).tolist()) <= set(best_groups[r].tolist()) for r in range(5))
+    torch.testing.assert_close(w.sum(-1), torch.full((5,), 2.5))
+    torch.testing.assert_close(w / 2.5, logits.sigmoid().gather(1, ids) / logits.sigmoid().gather(1, ids).sum(-1, True))
+
+
+def test_bad_inputs_name_the_problem():
+    e, h, i, g = 4, 64, 64, 32
+    weights = random_moe(e, h, i, g, device="cpu")
+    x = random_input((3, h), "cpu", torch.float16)
+    ids, w = routing("random", 3, e, 2, device="cpu")
+    with pytest.raises(ValueError, match="hidden_states"):
+        ops_moe.moe_w4(x[:, :32], ids, w, *weights, g)
+    with pytest.raises(ValueError, match=r"topk_ids \(3, 1\)"):
+        ops_moe.moe_w4(x, ids[:, :1], w, *weights, g)
+    with pytest.raises(TypeError, match="topk_ids"):
+        ops_moe.moe_w4(x, ids.float(), w, *weights, g)
+    with pytest.raises(ValueError, match="w2_scales"):
+        ops_moe.moe_w4(x, ids, w, *weights[:4], weights[4][:, :1], weights[5], g)
+    with pytest.raises(ValueError, match="inconsistent"):
+        ops_moe.moe_w4(x, ids, w, *weights[:3], weights[3][:2], *weights[4:], g)
+    with pytest.raises(ValueError, match=r"\[0, 4\)"):
+        ops_moe.moe_w4(x, ids + 3, w, *weights, g, backend="torch")
+    with pytest.raises(ValueError, match="act"):
+        ops_moe.moe_w4(x, ids, w, *weights, g, "relu")
+    with pytest.raises(BackendUnavailableError, match="fp16 or bf16"):
+        ops_moe.moe_w4(x.float(), ids, w, *weights, g, backend="triton")
+
+
+def test_auto_backend_on_cpu_is_torch():
+    assert ops_moe.select_backend("moe_w4", torch.device("cpu")) == "torch"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck(backend):
+    e, h, i, g, k, t = 4, 64, 64, 32, 2, 3
+    weights = random_moe(e, h, i, g, seed=20)
+    x = random_input((t, h), DEVICE, torch.float16, seed=21)
+    ids, w = routing("random", t, e, k, seed=22)
+    utils = ["test_schema", "test_faketensor"]
+    if backend == "torch" or HAS_CUDA:  # the interpreter would run the kernels a dozen more times
+        utils += ["test_autograd_registration", "test_aot_dispatch_dynamic"]
+    torch.library.opcheck(torch.ops.fastawq.moe_w4.default, (x, ids, w, *weights, g, "silu", backend),
+                          test_utils=utils)
+
+
+@requires_cuda
+@pytest.mark.parametrize("t", [1, 16, 256])
+def test_moe_qwen3_shape_under_cuda_graph(t):
+    e, h, i, g, k = 128, 2048, 768, 128, 8
+    weights = random_moe(e, h, i, g, seed=30)
+    x = random_input((t, h), "cuda", torch.float16, seed=31)
+    ids, w = routing("random", t, e, k, seed=32)
+    ops_moe.moe_w4(x, ids, w, *weights, g, backend="triton")  # tune and compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops_moe.moe_w4(x, ids, w, *weights, g, backend="triton")
+    for seed in range(2):
+        new_ids, new_w = routing("random", t, e, k, seed=40 + seed)
+        ids.copy_(new_ids)
+        w.copy_(new_w)
+        x.copy_(random_input((t, h), "cuda", torch.float16, seed=50 + seed))
+        out.fill_(float("nan"))
+        graph.replay()
+        check(out, x, ids, w, weights, g)
+
+
+def test_bench_moe_dry_run(tmp_path, capsys):
+    import importlib.util
+    import pathlib
+    import sys
+
+    bench_dir = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench_dir))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_moe", bench_dir / "bench_moe.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+        assert bench.main(["--dry-run", "--ts", "1,3", "--out", str(tmp_path)]) == 0
+    finally:
+        sys.path.remove(str(bench_dir))
+    out = capsys.readouterr().out
+    assert out.count("| tiny |") == 2
+    rows = __import__("json").loads((tmp_path / "bench_moe.json").read_text())["rows"]
+    assert [r["T"] for r in rows] == [1, 3] and all(r["relerr"] < 1e-2 for r in rows)
+
+
+def test_tuner_descends_to_the_fastest_tiles(monkeypatch):
+    # The GPU tuner's search, with a made-up cost in place of timing: it must reach the optimum.
+    from fastawq.triton_kernels import moe as tmoe
+
+    def cost(cfg, args):
+        return (abs(cfg.w13.block_n - 32) + abs(cfg.w2.block_n - 128) + 10 * (cfg.w2.num_stages != 4)
+                + abs(cfg.block_m - 64) + (cfg.w13.block_k != 64))
+
+    monkeypatch.setattr(tmoe, "_time", cost)
+    base = tmoe.MoeConfig(32, False, tmoe.KernelConfig(64, 128), tmoe.KernelConfig(64, 128))
+    best = tmoe._tune("key", base, None)
+    assert (best.w13.block_n, best.w13.block_k, best.w2.block_n, best.w2.num_stages, best.block_m) == (32, 64, 128, 4, 64)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scoring,renorm,bias,e,k", [("softmax", True, False, 8, 2), ("softmax", False, False, 60, 8),
+                                                      ("sigmoid", True, True, 16, 4), ("sigmoid", False, True, 128, 8)])
+def test_topk_route_op_matches_reference(backend, scoring, renorm, bias, e, k, poisoned_empty):
+    logits = random_input((9, e), DEVICE, torch.float16, seed=e + k)
+    corr = random_input((e,), DEVICE, torch.float32, seed=5) * 0.1 if bias else None
+    w, ids = ops_moe.topk_route(logits, k, renorm, scoring, correction_bias=corr, scale=1.5, backend=backend)
+    ew, eids = reference.topk_route(logits, k, renorm, scoring, correction_bias=corr, scale=1.5)
+    assert ids.dtype == torch.int64 and torch.equal(ids, eids)
+    torch.testing.assert_close(w, ew, rtol=1e-5, atol=1e-6)
+
+
+def test_topk_route_group_limit_stays_in_torch():
+    logits = random_input((3, 16), "cpu", torch.float32, seed=6)
+    with pytest.raises(BackendUnavailableError, match="group-limited"):
+        ops_moe.topk_route(logits, 2, scoring="sigmoid", num_groups=4, topk_groups=2, backend="triton")
+    w, ids = ops_moe.topk_route(logits, 2, scoring="sigmoid", num_groups=4, topk_groups=2)
+    assert torch.equal(ids, reference.topk_route(logits, 2, scoring="sigmoid", num_groups=4, topk_groups=2)[1])
+
+
+@requires_cuda
+@pytest.mark.parametrize("t", [1, 16, 200])
+def test_every_tuning_candidate_is_correct(t):
+    # The tuner may pick any variant it times (tiles, warps, stages, K splits, block rows).
+    from dataclasses import replace
+
+    from fastawq.triton_kernels import moe as tmoe
+
+    e, h, i, g, k = 8, 1024, 4096, 128, 2
+    weights = random_moe(e, h, i, g, seed=60)
+    x = random_input((t, h), "cuda", torch.float16, seed=61)
+    ids, w = routing("random", t, e, k, seed=62)
+    base = tmoe.heuristic_config(t, k, e, h, i, g, g, torch.cuda.get_device_properties(0).multi_processor_count)
+    configs = [base]
+    configs += [replace(base, w13=kc) for kc in tmoe._variants(base.w13, base.block_m)]
+    configs += [replace(base, w2=kc) for kc in tmoe._variants(base.w2, base.block_m)]
+    configs += [replace(base, w2=replace(base.w2, split_k=s)) for s in (1, 2, 4, 8)]
+    configs += [replace(base, w13=replace(base.w13, block_k=base.w13.block_k // 2, num_stages=4)),
+                replace(base, w2=replace(base.w2, block_k=base.w2.block_k // 2, num_stages=4))]
+    configs += [replace(base, block_m=bm) for bm in (16, 32, 64) if not base.naive]
+    for cfg in dict.fromkeys(configs):
+        check(tmoe.moe_w4(x, ids, w, *weights, g, config=cfg), x, ids, w, weights, g)
+
+
+def _compile_for_sm90(fn, sig: dict, constexprs: dict, **options):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import triton
+
+    sig = {**sig, **{name: "constexpr" for name in constexprs}}
+    return triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def compile_heuristic_kernels(t: int) -> None:
+    """Build the Qwen3-30B-A3B shape's MoE kernels for sm_90 with the configs the heuristic picks."""
+    from fastawq.triton_kernels import moe as tmoe
+
+    cfg = tmoe.heuristic_config(t, 8, 128, 2048, 768, 128, 128, sms=132)
+    ptrs = {"ids_ptr": "*i64", "sorted_ptr": "*i32", "bexp_ptr": "*i32", "qw_ptr": "*i32", "s_ptr": "*fp16",
+            "qz_ptr": "*i32"}
+    dims = {"E": "i32", "H": "i32", "I": "i32", "G": "i32", "TOPK": "i32"}
+    common = {"NAIVE": cfg.naive, "BLOCK_M": cfg.block_m, "INTERPRET": False}
+    _compile_for_sm90(
+        tmoe.moe_w13_kernel, {"x_ptr": "*fp16", **ptrs, "h_ptr": "*fp16", "n_assign": "i32", **dims, "stride_xm": "i32"},
+        {"ACT": 0, **common, "BLOCK_N": cfg.w13.block_n, "BLOCK_K": cfg.w13.block_k},
+        num_warps=cfg.w13.num_warps, num_stages=cfg.w13.num_stages)
+    _compile_for_sm90(
+        tmoe.moe_w2_kernel, {"h_ptr": "*fp16", "ids_ptr": "*i64", "sorted_ptr": "*i32", "bexp_ptr": "*i32",
+                             "tw_ptr": "*fp32", "qw_ptr": "*i32", "s_ptr": "*fp16", "qz_ptr": "*i32",
+                             "out_ptr": "*fp32" if cfg.w2.split_k > 1 else "*fp16", "n_assign": "i32", **dims,
+                             "split_k": "i32"},
+        {**common, "BLOCK_N": cfg.w2.block_n, "BLOCK_K": cfg.w2.block_k, "ATOMIC": cfg.w2.split_k > 1},
+        num_warps=cfg.w2.num_warps, num_stages=cfg.w2.num_stages)
+    if not cfg.naive:
+        _compile_for_sm90(tmoe.moe_align_kernel, {"ids_ptr": "*i64", "sorted_ptr": "*i32", "bexp_ptr": "*i32",
+                                                  "n": "i32", "E": "i32", "max_blocks": "i32"},
+                          {"BLOCK_M": cfg.block_m, "E_PAD": 128, "CHUNK": 64}, num_warps=8)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="on a GPU the kernels run for real")
+def test_heuristic_configs_compile_for_sm90():
+    # The interpreter accepts programs the GPU compiler rejects: build the kernels for an H100/H200
+    # ahead of time (Triton's bundled ptxas, no GPU needed), in a process that is not interpreting.
+    import pathlib
+    import subprocess
+    import sys
+
+    here = pathlib.Path(__file__).resolve().parent
+    code = f"import sys; sys.path.insert(0, {str(here)!r}); import test_moe_op as t; [t.compile_heuristic_kernels(n) for n in (1, 16, 256)]"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -1,0 +1,387 @@
+"""Vision-language models (tiny random configs of Gemma 3, Qwen2.5-VL, Qwen2-VL, Mistral 3 and LLaVA;
+LLaVA-NeXT is built only; CPU, float32): only the language model is quantized,
+the vision tower and projector stay bit-identical, and the packed checkpoint generates from an image.
+
+Pixel inputs are built directly (input_ids with the image token ids + pixel_values in each
+family's layout), so the core tests need neither Pillow nor torchvision. The processor tests
+(LLaVA and Gemma 3: a processor built from a tiny word-level vocabulary and a small image
+processor) need Pillow; Qwen2.5-VL's and Mistral 3's processors also need torchvision, so those
+two families are fed directly only."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import transformers
+
+from fastawq.auto import AutoAWQForCausalLM, AWQModel
+from fastawq.models import UnsupportedModelError, architecture_of
+from fastawq.modules import WQLinear
+from fastawq.quantize import QuantConfig, pseudo_quantize_model
+
+VOCAB = 128
+IMG = 120  # the image token id of every tiny config
+_TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+_MROPE = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])  # sections sum to head_dim / 2
+_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=14)
+
+
+def tiny_config(family: str):
+    if family == "gemma3":
+        return transformers.Gemma3Config(
+            text_config=dict(_TEXT, head_dim=16, sliding_window=16,
+                             layer_types=["sliding_attention", "full_attention"]),
+            vision_config=dict(_VISION, image_size=28), mm_tokens_per_image=4, image_token_index=IMG,
+            boi_token_index=121, eoi_token_index=122)
+    if family == "qwen2_5_vl":
+        return transformers.Qwen2_5_VLConfig(
+            text_config=dict(_TEXT, rope_parameters=dict(_MROPE), bos_token_id=1, eos_token_id=2),
+            vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                               patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                               fullatt_block_indexes=[0]),
+            image_token_id=IMG, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
+    if family == "qwen2_vl":
+        return transformers.Qwen2VLConfig(
+            text_config=dict(_TEXT, rope_parameters=dict(_MROPE), bos_token_id=1, eos_token_id=2),
+            vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                               spatial_merge_size=2, temporal_patch_size=2),
+            image_token_id=IMG, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
+    if family == "mistral3":
+        return transformers.Mistral3Config(
+            text_config=dict(_TEXT, model_type="mistral", head_dim=16),
+            vision_config=dict(_VISION, model_type="pixtral", image_size=56, head_dim=16),
+            image_token_index=IMG, spatial_merge_size=2)
+    if family == "llava":
+        return transformers.LlavaConfig(
+            text_config=dict(_TEXT, model_type="llama"),
+            vision_config=dict(_VISION, model_type="clip_vision_model", image_size=28, projection_dim=32),
+            image_token_index=IMG, image_seq_length=4)
+    raise KeyError(family)
+
+
+def tiny_vlm(family: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForImageTextToText.from_config(tiny_config(family), dtype=torch.float32).eval()
+    with torch.no_grad():  # norms at 1 and biases at 0 would hide a wrong scale fold
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def image_inputs(family: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """input_ids with the image tokens in place, and pixel inputs for one small image."""
+    g = torch.Generator().manual_seed(seed)
+    text = torch.randint(3, 100, (1, 6), generator=g)
+    pixels = torch.randn(1, 3, 28, 28, generator=g)
+    if family in ("qwen2_vl", "qwen2_5_vl"):
+        # 2x2 patches of 14 px over 2 frames, flattened; the 2x2 merge makes one image token.
+        grid = torch.tensor([[1, 2, 2]])
+        pv = torch.randn(4, 3 * 2 * 14 * 14, generator=g)
+        ids = torch.cat([text[:, :2], torch.tensor([[122, IMG, 123]]), text[:, 2:]], dim=1)
+        out = {"input_ids": ids, "pixel_values": pv, "image_grid_thw": grid}
+        if family == "qwen2_vl":  # its mrope reads which tokens are image tokens from this
+            out["mm_token_type_ids"] = (ids == IMG).long()
+        return out
+    if family == "mistral3":
+        # 56 px: 4x4 patches merged 2x2 into 4 tokens (a single image token trips transformers'
+        # squeeze of the feature batch).
+        pixels = torch.randn(1, 3, 56, 56, generator=g)
+    ids = torch.cat([text[:, :2], torch.full((1, 4), IMG), text[:, 2:]], dim=1)
+    out = {"input_ids": ids, "pixel_values": pixels}
+    if family == "mistral3":
+        out["image_sizes"] = torch.tensor([[56, 56]])
+    if family == "gemma3":
+        out["token_type_ids"] = (ids == IMG).long()
+    return out
+
+
+def text_ids(n: int = 4, seq_len: int = 32, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, 100, (n, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+def vision_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.state_dict().items() if "language_model" not in k and not k.startswith("lm_head")}
+
+
+FAMILIES = ["gemma3", "qwen2_5_vl", "qwen2_vl", "mistral3", "llava"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def quantized(request, tmp_path_factory):
+    """(family, float original, pseudo-quantized float model, loaded packed model, checkpoint dir)."""
+    family = request.param
+    model = tiny_vlm(family)
+    original = copy.deepcopy(model)
+    w = AWQModel(model)
+    w.quantize(None, {"q_group_size": 32}, calib_data=text_ids(), max_calib_samples=4, max_calib_seq_len=32,
+               export_compatible=True)
+    pseudo = pseudo_quantize_model(copy.deepcopy(model), w.quant_config)
+    w.pack()
+    d = tmp_path_factory.mktemp(family)
+    w.save_quantized(d)
+    loaded = AutoAWQForCausalLM.from_quantized(d, device_map="cpu")
+    return family, original, pseudo, loaded, d
+
+
+def test_language_model_packed_vision_kept_full_precision(quantized):
+    family, original, _, loaded, d = quantized
+    arch = architecture_of(loaded.model)
+    layers = loaded.model.get_submodule(arch.layers_path)
+    assert all(isinstance(layer.get_submodule(n), WQLinear) for layer in layers
+               for n in (*arch.attn_linears(), *arch.mlp_linears()))
+    lm = arch.layers_path.rsplit(".", 2)[0]
+    assert not any(isinstance(m, WQLinear) for n, m in loaded.model.named_modules() if not n.startswith(lm))
+    ref, got = vision_state(original), vision_state(loaded.model)
+    assert ref.keys() == got.keys() and ref
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), k
+    skip = json.loads((d / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    vision = "visual" if family.startswith("qwen") else "vision_tower"
+    # transformers matches from the start of the name, vLLM matches a substring of its own name.
+    assert f"model.{vision}" in skip and vision in skip
+
+
+def test_logits_equal_pseudo_quantized(quantized):
+    """Text-only and with an image: the packed model computes what the pseudo-quantized float
+    model computes, up to the fp16 rounding of the packed scales."""
+    family, original, pseudo, loaded, _ = quantized
+    for inputs in ({"input_ids": text_ids(2, 16, seed=7)}, image_inputs(family)):
+        with torch.no_grad():
+            fp = original(**inputs).logits
+            ref = pseudo(**inputs).logits
+            out = loaded(**inputs).logits
+        assert torch.isfinite(out).all()
+        quant_err = (ref - fp).abs().max().item()
+        err = (out - ref).abs().max().item()
+        assert quant_err > 0
+        assert err <= 0.2 * quant_err + 1e-4, (family, err, quant_err)
+
+
+def test_generate_with_image(quantized):
+    family, _, pseudo, loaded, _ = quantized
+    inputs = image_inputs(family, seed=3)
+    n = inputs["input_ids"].shape[1]
+    out = loaded.generate(**inputs, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, n + 4)
+    with torch.no_grad():
+        ref = pseudo.generate(**inputs, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    assert out[0, n] == ref[0, n]  # the first new token depends on the image features
+
+
+def test_checkpoint_in_transformers_saved_layout_loads(quantized, tmp_path):
+    """AutoAWQ and transformers' save_pretrained write the legacy names (language_model.model.layers.N,
+    Qwen2-VL's model.layers.N): the loader renames them to the model's own."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.core_model_loading import revert_weight_conversion
+
+    family, _, _, loaded, d = quantized
+    sd = load_file(str(d / "model.safetensors"))
+    legacy = revert_weight_conversion(loaded.model, dict(sd))
+    assert set(legacy) != set(sd)
+    for f in d.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    save_file({k: v.contiguous() for k, v in legacy.items()}, str(tmp_path / "model.safetensors"))
+    again = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu")
+    inputs = image_inputs(family, seed=5)
+    with torch.no_grad():
+        torch.testing.assert_close(again(**inputs).logits, loaded(**inputs).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_transformers_loads_the_checkpoint(quantized):
+    """transformers' image-text auto class (fastawq as its AWQ backend) skips the vision modules
+    named in modules_to_not_convert and computes what from_quantized's model computes."""
+    from fastawq.integrations import transformers as fit
+
+    if fit.gptqmodel_installed():
+        pytest.skip("GPTQModel installed: transformers keeps it as the AWQ backend")
+    family, original, _, loaded, d = quantized
+    assert fit.register()
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(str(d), dtype=torch.float32).eval()
+    assert sum(isinstance(m, WQLinear) for m in hf.modules()) == sum(isinstance(m, WQLinear) for m in loaded.modules())
+    ref, got = vision_state(original), vision_state(hf)
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    inputs = image_inputs(family, seed=4)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(**inputs).logits, loaded(**inputs).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_engine(quantized):
+    """LLaVA / Mistral 3 (Llama-layout text): the fused language model prefills the merged
+    image+text embeddings and decodes what the unfused packed model decodes. Gemma 3 and
+    Qwen2.5-VL: a clear reason."""
+    from fastawq.multimodal import fuse_model
+
+    family, _, _, loaded, d = quantized
+    if family in ("gemma3", "qwen2_5_vl", "qwen2_vl"):
+        why = "gemma3_text: the post-attention" if family == "gemma3" else "mrope"
+        with pytest.raises(NotImplementedError, match=why):
+            fuse_model(loaded.model, max_seq_len=64, batch_size=1)
+        with pytest.raises(NotImplementedError, match=why):
+            AutoAWQForCausalLM.from_quantized(d, device_map="cpu", fuse_layers=True)
+        return
+    inputs = image_inputs(family, seed=6)
+    n = inputs["input_ids"].shape[1]
+    with torch.no_grad():
+        ref_logits = loaded.model(**inputs).logits
+    ref = loaded.model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    fused = fuse_model(copy.deepcopy(loaded.model), max_seq_len=64, batch_size=1, kernels="torch")
+    with torch.no_grad():
+        logits = fused(**inputs).logits
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    out = fused.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, n + 6) and torch.equal(out, ref)
+    assert fused.fastawq_runtime.embed.pending is None  # decoded tokens use the token embedding again
+    assert hasattr(AutoAWQForCausalLM.from_quantized(d, device_map="cpu", fuse_layers=True), "fastawq_runtime")
+
+
+def test_image_text_pairs_calibrate_through_the_vision_tower():
+    """The image+text quantizer runs each pair through the whole wrapper: its per-pair masks and
+    positions reach the layers, and the statistics differ from text-only calibration."""
+    from fastawq.multimodal import PairQuantizer
+
+    family = "qwen2_5_vl"  # mrope positions differ per pair: the per-pair keyword path matters here
+    batches = [image_inputs(family, seed=s) for s in range(3)]
+    model = tiny_vlm(family)
+    original = copy.deepcopy(model)
+    qc = QuantConfig(q_group_size=32)
+    PairQuantizer(model, qc, batches, export_compatible=True).quantize()
+    text_model = tiny_vlm(family)
+    PairQuantizer(text_model, qc, [{"input_ids": text_ids(1, 9, seed=s)} for s in range(3)],
+                  export_compatible=True).quantize()
+    ref, got = vision_state(original), vision_state(model)
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    lin = "model.language_model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(model.state_dict()[lin], text_model.state_dict()[lin])
+    inputs = image_inputs(family, seed=9)
+    with torch.no_grad():
+        fp = original(**inputs).logits
+        q = pseudo_quantize_model(model, qc)(**inputs).logits
+    assert torch.isfinite(q).all() and (q - fp).abs().max() < fp.abs().max()
+
+
+def _llava_next_config():
+    return transformers.LlavaNextConfig(
+        text_config=dict(_TEXT, model_type="mistral", head_dim=16),
+        vision_config=dict(_VISION, model_type="clip_vision_model", image_size=28, projection_dim=32),
+        image_token_index=IMG, image_grid_pinpoints=[[28, 28], [28, 56]])
+
+
+@pytest.mark.parametrize("make", [*[lambda f=f: tiny_config(f) for f in FAMILIES], _llava_next_config],
+                         ids=[*FAMILIES, "llava_next"])
+def test_record_paths_resolve(make):
+    """Every path of the wrapper's record exists in the transformers model, its text family fits the
+    record, and modules_to_not_convert names every non-language part (and nothing of the LM)."""
+    from fastawq.models import get_submodule
+    from fastawq.multimodal import check_language_model, full_precision_modules
+
+    model = transformers.AutoModelForImageTextToText.from_config(make())
+    arch = architecture_of(model)
+    check_language_model(model)
+    for path in (arch.layers_path, arch.embed_path, arch.final_norm_path, arch.lm_head_path, arch.rotary_path):
+        get_submodule(model, path)
+    layer = get_submodule(model, arch.layers_path)[0]
+    for name in (*arch.attn_linears(), *arch.mlp_linears(), arch.attn_norm, arch.mlp_norm):
+        get_submodule(layer, name)
+    skip = full_precision_modules(model)
+    qc = QuantConfig(modules_to_not_convert=skip)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    assert all(qc.skips(n) != n.startswith(arch.layers_path) for n in names)
+    assert any(qc.skips(n) for n in names)
+
+
+def test_wrapper_with_an_unsupported_text_family_is_refused():
+    from fastawq.multimodal import check_language_model
+
+    cfg = transformers.LlavaConfig(
+        text_config=dict(_TEXT, model_type="gemma", head_dim=16),
+        vision_config=dict(_VISION, model_type="clip_vision_model", image_size=28, projection_dim=32),
+        image_token_index=IMG)
+    model = transformers.AutoModelForImageTextToText.from_config(cfg)
+    with pytest.raises(UnsupportedModelError, match=r"'gemma' language model.*norm_offset"):
+        check_language_model(model)
+
+
+def test_calibration_pairs_from_jsonl(tmp_path):
+    from fastawq.multimodal import as_pairs
+
+    (tmp_path / "a.png").write_bytes(b"")
+    (tmp_path / "calib.jsonl").write_text(
+        json.dumps({"text": "a cat", "image": "a.png"}) + "\n" + json.dumps({"text": "no image"}) + "\n")
+    pairs = as_pairs(str(tmp_path / "calib.jsonl"))
+    assert pairs == [{"text": "a cat", "image": str(tmp_path / "a.png")}, {"text": "no image", "image": None}]
+    assert as_pairs(["plain", "strings"]) is None
+    with pytest.raises(ValueError, match="pair 0 has no text"):
+        as_pairs([{"image": "x.png"}])
+
+
+# ---------------------------------------------------------------- processors (need Pillow)
+_PROC_TOKENS = {"llava": dict(image_token="<image>"),
+                "gemma3": dict(image_token="<image_soft_token>", boi_token="<start_of_image>",
+                               eoi_token="<end_of_image>")}
+
+
+def tiny_processor(family: str):
+    """A processor from a word-level vocabulary (w0 w1 ...) whose image tokens sit at the config's ids."""
+    pytest.importorskip("PIL")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    special = ["<pad>", "<s>", "</s>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(special + [f"w{i}" for i in range(IMG - len(special))])}
+    names = _PROC_TOKENS[family]
+    order = ["image_token", "boi_token", "eoi_token"]
+    for key in order:
+        if key in names:
+            vocab[names[key]] = IMG + order.index(key)
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>",
+                                               eos_token="</s>", unk_token="<unk>", extra_special_tokens=names)
+    template = ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+                + ("<start_of_image>" if family == "gemma3" else "<image>")
+                + " {% else %}{{ c['text'] }} {% endif %}{% endfor %}{% endfor %}")
+    if family == "llava":
+        ip = transformers.CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+        return transformers.LlavaProcessor(image_processor=ip, tokenizer=tok, patch_size=14, chat_template=template,
+                                           vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    ip = transformers.Gemma3ImageProcessor(size={"height": 28, "width": 28})
+    return transformers.Gemma3Processor(image_processor=ip, tokenizer=tok, image_seq_length=4, chat_template=template)
+
+
+def _image(path, seed: int = 0):
+    import numpy as np
+    from PIL import Image
+
+    Image.fromarray(np.random.RandomState(seed).randint(0, 255, (40, 40, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3"])
+def test_processor_round_trip_pairs_and_cli(family, tmp_path, capsys):
+    """from_pretrained finds the processor; `fastawq quantize --calib pairs.jsonl` calibrates on
+    image+text pairs and saves the processor with its chat template; `fastawq generate DIR prompt
+    --image` answers."""
+    from fastawq.cli import main
+
+    proc = tiny_processor(family)
+    src = tmp_path / "float"
+    tiny_vlm(family).save_pretrained(src)
+    proc.save_pretrained(src)
+    model = AutoAWQForCausalLM.from_pretrained(src)
+    assert model.processor is not None and model.tokenizer is not None
+    img = _image(tmp_path / "x.png")
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("\n".join(json.dumps({"text": f"w{i} w{i + 1} w{i + 2}", "image": "x.png"}) for i in range(3)))
+    assert main(["quantize", str(src), str(tmp_path / "q"), "--group-size", "32", "--calib", str(calib),
+                 "--max-calib-samples", "3", "--device", "cpu"]) == 0
+    loaded = AutoAWQForCausalLM.from_quantized(tmp_path / "q", device_map="cpu")
+    assert loaded.processor is not None and loaded.processor.chat_template == proc.chat_template
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "q"), "w5 w6", "--image", str(img), "--max-new-tokens", "3"]) == 0
+    assert "tokens/s" in capsys.readouterr().out

@@ -1,0 +1,550 @@
+"""Triton W4A16 mixture-of-experts: a grouped GEMM over all experts in one launch per projection.
+
+Rows are (token, slot) assignments, flat index f = t * k + j. Each program owns BLOCK_M rows that
+share one expert and a tile of output columns, so an expert's weight tile is read once per block
+instead of once per token. Two ways to form blocks:
+- sorted (prefill, batched decode): assignments sorted by expert into per-expert blocks padded to
+  BLOCK_M (moe_align: one Triton program, or torch ops for large batches; sizes fixed by T, k and
+  E, no host sync, so it captures in a CUDA graph);
+- one assignment per block (decode with few assignments per expert): no sort at all, and each
+  block reads one expert's weights, exactly what the assignment needs.
+w13 computes gate and up tiles side by side and writes act(gate) * up; w2 scales each row by its
+routing weight and writes it at its flat index, then the k rows of a token are summed; or, where
+few programs would each stream a long K, w2 splits K and adds into an fp32 [T, H] atomically.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from .awq import _unpack_cols
+
+logger = logging.getLogger(__name__)
+
+ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+
+
+@triton.jit
+def _dequant_tile(words, zw, s, a, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    """[BK, BN // 8] words, [BN // 8] zero words and [BN] scales of one group -> [BK, BN] for tl.dot with a."""
+    q = _unpack_cols(words, BLOCK_N)
+    z = tl.reshape(_unpack_cols(zw[None, :], BLOCK_N), (BLOCK_N,))
+    if INTERPRET:
+        # The interpreter's bf16 conversions and bf16 tl.dot are wrong: stay in fp32 there.
+        b = (q - z[None, :]).to(tl.float32) * s[None, :].to(tl.float32)
+    else:
+        # int4 -> half through the exponent field, as in awq.py: q - z is exact, one rounding in * s.
+        if a.dtype == tl.float16:
+            qh = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+            zh = (z | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        else:
+            qh = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            zh = (z | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        b = (qh - zh[None, :]) * s[None, :].to(a.dtype)
+    return b
+
+
+@triton.jit
+def _block_rows(pid_b, ids_ptr, sorted_ptr, bexp_ptr, n_assign, BLOCK_M: tl.constexpr, NAIVE: tl.constexpr):
+    """The expert of block pid_b and its rows' flat assignment indices (valid: a real row)."""
+    offs = tl.arange(0, BLOCK_M)
+    if NAIVE:
+        expert = tl.load(ids_ptr + pid_b).to(tl.int64)
+        flat = pid_b + offs
+        valid = offs == 0
+    else:
+        expert = tl.load(bexp_ptr + pid_b).to(tl.int64)
+        flat = tl.load(sorted_ptr + pid_b * BLOCK_M + offs)
+        valid = flat < n_assign
+    return expert, flat.to(tl.int64), valid
+
+
+@triton.jit
+def _act(g, ACT: tl.constexpr):
+    if ACT == 0:
+        y = g * tl.sigmoid(g)
+    elif ACT == 1:
+        y = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+    else:
+        # tanh(u) = 2 sigmoid(2u) - 1
+        u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        y = g * tl.sigmoid(2.0 * u)
+    return y
+
+
+@triton.jit
+def moe_w13_kernel(
+    x_ptr, ids_ptr, sorted_ptr, bexp_ptr, qw_ptr, s_ptr, qz_ptr, h_ptr,
+    n_assign, E, H, I, G, TOPK, stride_xm,
+    ACT: tl.constexpr,
+    NAIVE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr = False,
+):
+    # x [T, H] · w13 qweight [E, H, 2I // 8] · scales [E, H // G, 2I] · qzeros [E, H // G, 2I // 8]
+    # -> h [T * k, I] = act(x w_gate) * (x w_up) for each row's expert
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert, flat, valid = _block_rows(pid_b, ids_ptr, sorted_ptr, bexp_ptr, n_assign, BLOCK_M, NAIVE)
+    if expert >= E:  # a padding block past the last expert's
+        return
+    tok = flat // TOPK
+    n8 = I // 4  # words per row of w13 (2I columns)
+    i8 = I // 8  # the up columns start this many words in
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < I
+    mask_w = offs_w < i8
+    qw = qw_ptr + expert * H * n8
+    qz = qz_ptr + expert * (H // G) * n8
+    sc = s_ptr + expert * (H // G) * (2 * I)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # BLOCK_K divides G, so each K tile lies inside one quantization group.
+    for k0 in range(0, H, BLOCK_K):
+        a = tl.load(x_ptr + tok[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
+        w_ptrs = qw + (k0 + offs_k)[:, None] * n8 + offs_w[None, :]
+        wg = tl.load(w_ptrs, mask=mask_w[None, :], other=0)
+        wu = tl.load(w_ptrs + i8, mask=mask_w[None, :], other=0)
+        g = k0 // G
+        zg = tl.load(qz + g * n8 + offs_w, mask=mask_w, other=0)
+        zu = tl.load(qz + g * n8 + i8 + offs_w, mask=mask_w, other=0)
+        sg = tl.load(sc + g * 2 * I + offs_n, mask=mask_n, other=0.0)
+        su = tl.load(sc + g * 2 * I + I + offs_n, mask=mask_n, other=0.0)
+        if INTERPRET:
+            a = a.to(tl.float32)
+        acc_g = tl.dot(a, _dequant_tile(wg, zg, sg, a, BLOCK_N, INTERPRET), acc_g)
+        acc_u = tl.dot(a, _dequant_tile(wu, zu, su, a, BLOCK_N, INTERPRET), acc_u)
+    hval = _act(acc_g, ACT) * acc_u
+    tl.store(h_ptr + flat[:, None] * I + offs_n[None, :], hval.to(h_ptr.dtype.element_ty),
+             mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def moe_w2_kernel(
+    h_ptr, ids_ptr, sorted_ptr, bexp_ptr, tw_ptr, qw_ptr, s_ptr, qz_ptr, out_ptr,
+    n_assign, E, H, I, G, TOPK, split_k,
+    NAIVE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    INTERPRET: tl.constexpr = False,
+):
+    # h [T * k, I] · w2 qweight [E, I, H // 8] · scales [E, I // G, H] · qzeros [E, I // G, H // 8]
+    # -> out [T * k, H] = topk_weight * (h w2) for each row's expert, or with ATOMIC, added into
+    # a zeroed fp32 out [T, H] (the sum over k done here, and K split over program_id(2)).
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    expert, flat, valid = _block_rows(pid_b, ids_ptr, sorted_ptr, bexp_ptr, n_assign, BLOCK_M, NAIVE)
+    if expert >= E:
+        return
+    n8 = H // 8
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < H
+    mask_w = offs_w < n8
+    qw = qw_ptr + expert * I * n8
+    qz = qz_ptr + expert * (I // G) * n8
+    sc = s_ptr + expert * (I // G) * H
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(pid_k * BLOCK_K, I, split_k * BLOCK_K):
+        a = tl.load(h_ptr + flat[:, None] * I + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
+        words = tl.load(qw + (k0 + offs_k)[:, None] * n8 + offs_w[None, :], mask=mask_w[None, :], other=0)
+        g = k0 // G
+        zw = tl.load(qz + g * n8 + offs_w, mask=mask_w, other=0)
+        s = tl.load(sc + g * H + offs_n, mask=mask_n, other=0.0)
+        if INTERPRET:
+            a = a.to(tl.float32)
+        acc = tl.dot(a, _dequant_tile(words, zw, s, a, BLOCK_N, INTERPRET), acc)
+    w = tl.load(tw_ptr + flat, mask=valid, other=0.0).to(tl.float32)
+    acc = acc * w[:, None]
+    if ATOMIC:
+        # Few programs would otherwise stream a long K each (Mixtral decode: I = 14336).
+        tl.atomic_add(out_ptr + (flat // TOPK)[:, None] * H + offs_n[None, :], acc,
+                      mask=valid[:, None] & mask_n[None, :], sem="relaxed")
+    else:
+        tl.store(out_ptr + flat[:, None] * H + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def moe_align_kernel(
+    ids_ptr, sorted_ptr, bexp_ptr,
+    n, E, max_blocks,
+    BLOCK_M: tl.constexpr,
+    E_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    # One program: the torch version of moe_align in one launch instead of about thirty small
+    # kernels, which at decode sizes cost more than the sort itself. Chunks of CHUNK assignments
+    # against all experts at once ([CHUNK, E_PAD] one-hot): counts, then stable ranks.
+    experts = tl.arange(0, E_PAD)
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for c0 in range(0, n, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32)
+        hit = ((ids[:, None] == experts[None, :]) & (experts < E)[None, :]).to(tl.int32)
+        counts += tl.sum(hit, axis=0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, axis=0)
+    row_start = (block_end - blocks) * BLOCK_M
+    total = max_blocks * BLOCK_M
+    for p0 in range(0, total, CHUNK):
+        offs = p0 + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + offs, tl.zeros((CHUNK,), dtype=tl.int32) + n, mask=offs < total)
+    end_real = tl.where(experts < E, block_end, 2**30)
+    for b0 in range(0, max_blocks, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        ex = tl.sum((end_real[None, :] <= b[:, None]).to(tl.int32), axis=1)
+        tl.store(bexp_ptr + b, ex, mask=b < max_blocks)
+    tl.debug_barrier()  # the padding fill above lands before the rows below overwrite it
+    running = tl.zeros((E_PAD,), dtype=tl.int32)
+    for c0 in range(0, n, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32)
+        hit = ((ids[:, None] == experts[None, :]) & (experts < E)[None, :]).to(tl.int32)
+        before = tl.cumsum(hit, axis=0) - hit
+        dest = tl.sum((before + running[None, :] + row_start[None, :]) * hit, axis=1)
+        # An id outside [0, E) hits no expert: its row is dropped rather than written anywhere.
+        tl.store(sorted_ptr + dest, offs, mask=(offs < n) & (tl.sum(hit, axis=1) > 0))
+        running += tl.sum(hit, axis=0)
+
+
+@triton.jit
+def topk_route_kernel(
+    logits_ptr, bias_ptr, w_ptr, ids_ptr,
+    E, stride_l, scale,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RENORM: tl.constexpr,
+):
+    # router_logits [T, E] -> topk_weights [T, K] fp32 · topk_ids [T, K]; one program per token.
+    # Routing in torch is four or five kernels (softmax, topk, sum, divide) per layer per step.
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_PAD)
+    mask = offs < E
+    x = tl.load(logits_ptr + row * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    if SOFTMAX:
+        p = tl.exp(x - tl.max(x, axis=0))
+        p = p / tl.sum(p, axis=0)
+    else:
+        p = tl.sigmoid(x)
+    choice = p
+    if HAS_BIAS:  # the bias only chooses; the weights stay the unbiased scores
+        choice += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    choice = tl.where(mask, choice, float("-inf"))
+    ks = tl.arange(0, K_PAD)
+    wv = tl.zeros((K_PAD,), dtype=tl.float32)
+    iv = tl.zeros((K_PAD,), dtype=tl.int32)
+    for j in tl.static_range(K):
+        best = tl.max(choice, axis=0)
+        idx = tl.min(tl.where(choice == best, offs, E_PAD), axis=0)  # the lowest index among ties
+        wv = tl.where(ks == j, tl.sum(tl.where(offs == idx, p, 0.0), axis=0), wv)
+        iv = tl.where(ks == j, idx, iv)
+        choice = tl.where(offs == idx, float("-inf"), choice)
+    if RENORM:
+        wv = wv / tl.maximum(tl.sum(wv, axis=0), 1e-20)
+    tl.store(w_ptr + row * K + ks, wv * scale, mask=ks < K)
+    tl.store(ids_ptr + row * K + ks, iv, mask=ks < K)
+
+
+# --- launch ---
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 1  # w2 only: > 1 adds fp32 partials atomically into the output
+
+    def label(self) -> str:
+        split = f"s{self.split_k}" if self.split_k > 1 else ""
+        return f"n{self.block_n}k{self.block_k}w{self.num_warps}p{self.num_stages}{split}"
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    block_m: int  # rows per block; sorted mode only (one assignment per block otherwise)
+    naive: bool  # one assignment per block, no sort
+    w13: KernelConfig
+    w2: KernelConfig
+
+    def label(self) -> str:
+        mode = "naive" if self.naive else f"m{self.block_m}"
+        return f"{mode} w13 {self.w13.label()} w2 {self.w2.label()}"
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _block_k(g: int, k: int, most: int = 128) -> int:
+    for bk in (128, 64, 32, 16):
+        if bk <= most and g % bk == 0 and k % bk == 0:
+            return bk
+    return 0
+
+
+def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort the flat assignments by expert into blocks of block_m rows, each block one expert.
+
+    Returns sorted_ids [max_blocks * block_m] int32 (flat index per row, n = T * k marks padding)
+    and block_expert [max_blocks] int32 (num_experts marks an unused block). Sizes depend only on
+    n, E and block_m, never on the routing, so the whole thing captures in a CUDA graph.
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    n = flat.numel()
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    blocks = (counts + block_m - 1) // block_m
+    block_end = blocks.cumsum(0)
+    max_blocks = max_blocks_for(n, num_experts, block_m)
+    order = torch.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[sorted_e]
+    dest = (block_end - blocks)[sorted_e] * block_m + rank
+    sorted_ids = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    block_expert = torch.searchsorted(block_end, torch.arange(max_blocks, device=dev), right=True)
+    return sorted_ids, block_expert.to(torch.int32)
+
+
+# Above this many assignments the one-program kernel's serial chunks cost more than the torch ops.
+ALIGN_KERNEL_MAX = 4096
+
+
+def max_blocks_for(n: int, num_experts: int, block_m: int) -> int:
+    # sum_e ceil(c_e / bm) <= #non-empty experts + floor(n / bm)
+    return min(num_experts, n) + n // block_m
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_align_torch's result (same sizes, same stable order), in one launch for small batches."""
+    n = topk_ids.numel()
+    if n > ALIGN_KERNEL_MAX:
+        return moe_align_torch(topk_ids, num_experts, block_m)
+    max_blocks = max_blocks_for(n, num_experts, block_m)
+    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=topk_ids.device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=topk_ids.device)
+    e_pad = max(16, triton.next_power_of_2(num_experts))
+    moe_align_kernel[(1,)](
+        topk_ids.reshape(-1), sorted_ids, block_expert, n, num_experts, max_blocks,
+        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=max(16, 8192 // e_pad), num_warps=8,
+    )
+    return sorted_ids, block_expert
+
+
+def use_naive(t: int, topk: int, num_experts: int) -> bool:
+    # One token's k experts are distinct, so one assignment per block reads each expert once; with
+    # more assignments than about E / 4, experts repeat and sorting saves the re-reads.
+    return t == 1 or t * topk <= num_experts // 4
+
+
+def heuristic_config(t: int, topk: int, e: int, h: int, i: int, g13: int, g2: int, sms: int) -> MoeConfig:
+    n = t * topk
+    naive = use_naive(t, topk, e)
+    per_expert = n / min(e, n)
+    bm = 16 if naive or per_expert <= 8 else 32 if per_expert <= 32 else 64
+    blocks = n if naive else max_blocks_for(n, e, bm)
+    interp = _interpreting()
+
+    def kernel(cols: int, g: int, k: int, w2: bool) -> KernelConfig:
+        # Memory-bound at small M: enough programs to cover the SMs twice beats wide tiles, down to
+        # 64 columns (32 bytes of packed weights per row, one DRAM sector); the tuner may go below.
+        if interp:  # fewest programs: the interpreter's cost is per program and per op
+            return KernelConfig(min(128, triton.next_power_of_2(cols)), _block_k(g, k), 4, 1)
+        bn = 128 if blocks * triton.cdiv(cols, 128) >= 2 * sms else 64
+        # Register budget (ptxas for sm_90, 3 stages): w13 dequantizes two [BK, BN] tiles per step;
+        # past 16 x 64 (w13) or 16 x 128 (w2) a 128-deep K step spills, and 32+ rows by 128
+        # columns spill on 4 warps.
+        bk = _block_k(g, k, 128 if bm == 16 and (bn == 64 or w2) else 64)
+        warps = 8 if bm >= 32 and bn == 128 else 4
+        programs, split = blocks * triton.cdiv(cols, bn), 1
+        # Split K until the programs cover the SMs twice, each split keeping 4+ K tiles.
+        while w2 and programs * split < 2 * sms and k // (bk * split * 2) >= 4:
+            split *= 2
+        return KernelConfig(bn, bk, warps, 3, split)
+
+    return MoeConfig(bm, naive, kernel(i, g13, h, False), kernel(h, g2, i, True))
+
+
+def _variants(base: KernelConfig, bm: int) -> list[KernelConfig]:
+    """Tile widths and warp counts around base (its K step, stages and split kept)."""
+    out = [base]
+    for bn in (32, 64, 128):
+        for warps in (4, 8) if bm >= 32 else (4,):
+            out.append(replace(base, block_n=bn, num_warps=warps))
+    return list(dict.fromkeys(out))
+
+
+def _launch(cfg: MoeConfig, x, topk_ids, topk_weights, w13, w2, g13, g2, act):
+    t, h = x.shape
+    topk = topk_ids.shape[1]
+    e = w13[0].shape[0]
+    i = w2[0].shape[1]
+    n = t * topk
+    ids = topk_ids.reshape(-1)
+    if cfg.naive:
+        sorted_ids, bexp, blocks, bm = ids, ids, n, 16
+    else:
+        bm = cfg.block_m
+        sorted_ids, bexp = moe_align(topk_ids, e, bm)
+        blocks = bexp.numel()
+    hbuf = torch.empty((n, i), dtype=x.dtype, device=x.device)
+    interp = _interpreting()
+    moe_w13_kernel[(blocks, triton.cdiv(i, cfg.w13.block_n))](
+        x, ids, sorted_ids, bexp, *w13, hbuf,
+        n, e, h, i, g13, topk, x.stride(0),
+        ACT=ACTS[act], NAIVE=cfg.naive, BLOCK_M=bm, BLOCK_N=cfg.w13.block_n, BLOCK_K=cfg.w13.block_k,
+        INTERPRET=interp, num_warps=cfg.w13.num_warps, num_stages=cfg.w13.num_stages,
+    )
+    split = cfg.w2.split_k
+    if split > 1:
+        out = torch.zeros((t, h), dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty((n, h), dtype=x.dtype, device=x.device)
+    moe_w2_kernel[(blocks, triton.cdiv(h, cfg.w2.block_n), split)](
+        hbuf, ids, sorted_ids, bexp, topk_weights.reshape(-1), *w2, out,
+        n, e, h, i, g2, topk, split,
+        NAIVE=cfg.naive, BLOCK_M=bm, BLOCK_N=cfg.w2.block_n, BLOCK_K=cfg.w2.block_k, ATOMIC=split > 1,
+        INTERPRET=interp, num_warps=cfg.w2.num_warps, num_stages=cfg.w2.num_stages,
+    )
+    if split > 1:
+        return out.to(x.dtype)
+    if topk == 1:
+        return out
+    return out.view(t, topk, h).sum(dim=1)
+
+
+_TUNED: dict[tuple, MoeConfig] = {}
+
+
+def _time(cfg: MoeConfig, args) -> float:
+    try:
+        return triton.testing.do_bench(lambda: _launch(cfg, *args), warmup=2, rep=10, return_mode="median")
+    except Exception as err:  # a config the compiler rejects on this GPU (e.g. shared memory)
+        logger.debug("moe config %s failed: %s", cfg.label(), err)
+        return float("inf")
+
+
+def _tune(key, base: MoeConfig, args) -> MoeConfig:
+    """Coordinate descent from the heuristic: the w13 tile, the w2 tile, w2's K split, then the
+    block rows (13 timings, 21 with 32+ row blocks, where the full product would be hundreds)."""
+    best, best_ms = base, _time(base, args)
+    for field in ("w13", "w2"):
+        for kc in _variants(getattr(best, field), best.block_m):
+            cfg = replace(best, **{field: kc})
+            if cfg != best and (ms := _time(cfg, args)) < best_ms:
+                best, best_ms = cfg, ms
+        # One more stage in flight, then shorter K steps (more loads per byte of smem).
+        for change in ({"num_stages": 4}, {"block_k": getattr(best, field).block_k // 2}):
+            cfg = replace(best, **{field: replace(getattr(best, field), **change)})
+            if getattr(cfg, field).block_k >= 32 and cfg != best and (ms := _time(cfg, args)) < best_ms:
+                best, best_ms = cfg, ms
+    kc = best.w2
+    for split in (1, 2, 4, 8):
+        if split != kc.split_k and (ms := _time(replace(best, w2=replace(kc, split_k=split)), args)) < best_ms:
+            best, best_ms = replace(best, w2=replace(kc, split_k=split)), ms
+    if not best.naive:
+        for bm in (best.block_m // 2, best.block_m * 2):
+            if 16 <= bm <= 64 and (ms := _time(replace(best, block_m=bm), args)) < best_ms:
+                best, best_ms = replace(best, block_m=bm), ms
+    logger.info("moe_w4 %s -> %s (%.1f us)", key, best.label(), best_ms * 1e3)
+    return best
+
+
+def choose_config(x, topk_ids, w13, w2, g13: int, g2: int, args) -> MoeConfig:
+    t, h = x.shape
+    topk = topk_ids.shape[1]
+    e, i = w13[0].shape[0], w2[0].shape[1]
+    if _interpreting() or x.device.type != "cuda":
+        return heuristic_config(t, topk, e, h, i, g13, g2, sms=4)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    bucket = 1 << max(0, (t - 1).bit_length())
+    key = (x.device, bucket, topk, e, h, i, g13, g2, x.dtype, use_naive(t, topk, e))
+    cfg = _TUNED.get(key)
+    if cfg is not None:
+        return cfg
+    if os.environ.get("FASTAWQ_TRITON_TUNE", "1") == "0" or torch.cuda.is_current_stream_capturing():
+        return heuristic_config(t, topk, e, h, i, g13, g2, sms)
+    _TUNED[key] = _tune(key, heuristic_config(t, topk, e, h, i, g13, g2, sms), args)
+    return _TUNED[key]
+
+
+# x [T, H] fp16/bf16 · topk_ids [T, k] int · topk_weights [T, k]
+# w13_qweight [E, H, 2I // 8] · w13_scales [E, H // G, 2I] · w13_qzeros [E, H // G, 2I // 8]
+# w2_qweight [E, I, H // 8] · w2_scales [E, I // G, H] · w2_qzeros [E, I // G, H // 8]  ->  [T, H]
+def moe_w4(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros,
+           group_size: int, act: str = "silu", *, config: MoeConfig | None = None) -> torch.Tensor:
+    t, h = x.shape
+    i = w2_qweight.shape[1]
+    g13 = h if group_size == -1 else group_size
+    g2 = i if group_size == -1 else group_size
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    # The kernels index everything else as dense arrays (no-ops when they already are).
+    topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
+    w13 = (w13_qweight.contiguous(), w13_scales.contiguous(), w13_qzeros.contiguous())
+    w2 = (w2_qweight.contiguous(), w2_scales.contiguous(), w2_qzeros.contiguous())
+    if t == 0:
+        return x.new_empty((0, h))
+    args = (x, topk_ids, topk_weights, w13, w2, g13, g2, act)
+    cfg = config or choose_config(x, topk_ids, w13, w2, g13, g2, args)
+    return _launch(cfg, *args)
+
+
+def moe_w4_fits(h: int, i: int, group_size: int, act: str) -> str | None:
+    g13 = h if group_size == -1 else group_size
+    g2 = i if group_size == -1 else group_size
+    if i % 8:
+        return f"intermediate size I={i} must be a multiple of 8 for the Triton MoE kernels"
+    if not _block_k(g13, h) or not _block_k(g2, i):
+        return f"group_size={group_size}, H={h} and I={i} must be multiples of 16 for the Triton MoE kernels"
+    if act not in ACTS:
+        return f"no Triton activation {act!r}; choose one of {tuple(ACTS)}"
+    return None
+
+
+# router_logits [T, E]  ->  topk_weights [T, k] fp32 · topk_ids [T, k] int64
+def topk_route(router_logits, k: int, renormalize: bool = True, scoring: str = "softmax", *,
+               correction_bias=None, scale: float = 1.0):
+    t, e = router_logits.shape
+    if router_logits.stride(-1) != 1:
+        router_logits = router_logits.contiguous()
+    weights = torch.empty((t, k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((t, k), dtype=torch.int64, device=router_logits.device)
+    if t == 0:
+        return weights, ids
+    bias = correction_bias.contiguous() if correction_bias is not None else weights
+    topk_route_kernel[(t,)](
+        router_logits, bias, weights, ids, e, router_logits.stride(0), float(scale),
+        K=k, K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(e), SOFTMAX=scoring == "softmax",
+        HAS_BIAS=correction_bias is not None, RENORM=renormalize, num_warps=4 if e <= 256 else 8,
+    )
+    return weights, ids
+
+
+def topk_route_fits(e: int, num_groups: int, scoring: str) -> str | None:
+    if num_groups > 1:
+        return "group-limited routing (num_groups > 1) has no Triton kernel"
+    if scoring not in ("softmax", "sigmoid"):
+        return f"scoring {scoring!r} has no Triton kernel"
+    if e > 4096:
+        return f"{e} experts exceed the one-program Triton router (4096)"
+    return None
