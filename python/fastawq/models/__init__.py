@@ -6,8 +6,12 @@ import importlib
 
 from fastawq.models.base import Architecture, ScaleGroup, get_submodule, set_submodule
 
-_FILES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "opt", "gpt_neox",
-          "multimodal")
+_FILES = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "opt", "gpt_neox",
+    "glm", "olmo", "granite", "starcoder2", "cohere", "falcon", "stablelm", "phi", "gptj", "bloom", "mpt",
+    "exaone", "gpt_bigcode", "minicpm3", "seed_oss", "hunyuan", "helium", "ernie", "smollm3", "arcee",
+    "multimodal",
+)
 
 REGISTRY: dict[str, Architecture] = {}
 for _f in _FILES:

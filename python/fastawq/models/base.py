@@ -53,14 +53,20 @@ class Architecture:
     final_norm_path: str = "model.norm"
     lm_head_path: str = "lm_head"
     rotary_path: str | None = "model.rotary_emb"
-    # From one decoder layer: the norms whose outputs feed attention and the MLP.
+    # From one decoder layer: the norms whose outputs feed attention and the MLP (None: no norm
+    # with a weight in front, as in post-norm layers; `parallel`: one norm feeds both).
     attn: str = "self_attn"
     mlp: str = "mlp"
-    attn_norm: str = "input_layernorm"
-    mlp_norm: str = "post_attention_layernorm"
-    # From the attention module / the MLP; one name when the checkpoint already fuses them
-    # (Phi-3's qkv_proj is q, k, v stacked along N; its gate_up_proj is gate, then up).
+    attn_norm: str | None = "input_layernorm"
+    mlp_norm: str | None = "post_attention_layernorm"
+    parallel: bool = False
+    # From the attention module / the MLP: the linears reading the attention norm's output (one
+    # name when the checkpoint fuses them: Phi-3's qkv_proj is q, k, v stacked along N, its
+    # gate_up_proj gate, then up; two for latent attention: q_a_proj, kv_a_proj_with_mqa).
     qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+    # A fused qkv's rows: "stacked" [q | k | v] (v is the last rows) or "interleaved" per head or
+    # per group (GPT-NeoX, Bloom, Falcon): then v's rows are scattered and take no scale.
+    qkv_layout: str = "stacked"
     o_proj: str = "o_proj"
     qk_norm: tuple[str, str] | None = None  # per-head norms after q/k (Qwen3), fused into rope
     gate_up: tuple[str, ...] = ("gate_proj", "up_proj")
@@ -76,21 +82,23 @@ class Architecture:
     # Why the fused engine cannot serve this family; None when it can (subject to the config
     # checks in modules/fused.py: sliding window, partial rotary, activation).
     fused_blocker: str | None = None
-    family: str = ""
+    family: str = ""  # the README's model table groups types by it
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if self.norm not in NORM_FORMS:
             raise ValueError(f"{self.name}: norm={self.norm!r}; expected one of {NORM_FORMS}")
-        if len(self.qkv) not in (1, 3) or len(self.gate_up) not in (1, 2):
-            raise ValueError(f"{self.name}: qkv={self.qkv} needs 1 or 3 names, gate_up={self.gate_up} 1 or 2")
+        if self.qkv_layout not in ("stacked", "interleaved"):
+            raise ValueError(f"{self.name}: qkv_layout={self.qkv_layout!r}; expected 'stacked' or 'interleaved'")
+        if not 1 <= len(self.qkv) <= 3 or len(self.gate_up) not in (1, 2):
+            raise ValueError(f"{self.name}: qkv={self.qkv} needs 1 to 3 names, gate_up={self.gate_up} 1 or 2")
 
     @property
     def fusable(self) -> bool:
         return self.fused_blocker is None
 
     def scale_groups(self, layer: nn.Module, config: object) -> list[ScaleGroup]:
-        return self.groups(layer, config) if self.groups is not None else llama_like_groups(self, layer)
+        return self.groups(layer, config) if self.groups is not None else standard_groups(self, layer)
 
     # Full names inside one decoder layer (an empty `attn` / `mlp` means the layer itself).
     def attn_linears(self) -> list[str]:
@@ -117,27 +125,66 @@ def set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
     setattr(get_submodule(root, parent) if parent else root, name, module)
 
 
-def llama_like_groups(arch: Architecture, layer: nn.Module) -> list[ScaleGroup]:
-    """Llama's layout, read from the record: attention norm -> q/k/v, v -> o, MLP norm -> gate/up,
-    up -> down. A fused qkv / gate_up takes the scale on its last rows (v, up)."""
+def standard_groups(
+    arch: Architecture, layer: nn.Module, *, parallel: bool | None = None,
+    attn_norm: str | None = "", mlp_norm: str | None = "",
+) -> list[ScaleGroup]:
+    """The scale groups that follow from the record (keywords override it for one config):
+    attention norm -> q/k/v, v -> o, MLP norm -> gate/up (one group with q/k/v when parallel),
+    then up -> down (gated) or activation -> down (act_path). A fused qkv / gate_up takes the scale
+    on its last rows (v, up). With no norm in front, a group is only clipped and rounded."""
+    parallel = arch.parallel if parallel is None else parallel
+    attn_norm = arch.attn_norm if attn_norm == "" else attn_norm
+    mlp_norm = arch.mlp_norm if mlp_norm == "" else mlp_norm
     kind = "gemma_norm" if arch.norm_offset == 1.0 else "norm"
+
+    def group(linears: list[str], norm: str | None) -> ScaleGroup:
+        return ScaleGroup(linears, norm, kind) if norm is not None else ScaleGroup(linears)
+
     attn = get_submodule(layer, arch.attn) if arch.attn else layer
     mlp = get_submodule(layer, arch.mlp) if arch.mlp else layer
-    groups = [ScaleGroup(arch.attn_linears(), arch.attn_norm, kind)]
+    if parallel:
+        groups = [group(arch.attn_linears() + arch.mlp_linears(), attn_norm)]
+    else:
+        groups = [group(arch.attn_linears(), attn_norm)]
     v = get_submodule(attn, arch.qkv[-1])
     o = get_submodule(attn, arch.o_proj)
     # v -> o only when v's output is o's whole input (no grouped-query head sharing); fused,
-    # v is the last third of qkv exactly when q, k and v have one size.
+    # v is the last third of a stacked qkv exactly when q, k and v have one size.
     if len(arch.qkv) == 3:
         v_to_o = v.weight.shape == o.weight.shape
+    elif len(arch.qkv) == 1:
+        v_to_o = arch.qkv_layout == "stacked" and v.weight.shape[0] == 3 * o.weight.shape[1]
     else:
-        v_to_o = v.weight.shape[0] == 3 * o.weight.shape[1]
+        v_to_o = False
     if v_to_o:
         groups.append(ScaleGroup([_join(arch.attn, arch.o_proj)], _join(arch.attn, arch.qkv[-1]), "linear"))
-    groups.append(ScaleGroup(arch.mlp_linears(), arch.mlp_norm, kind))
+    if not parallel:
+        groups.append(group(arch.mlp_linears(), mlp_norm))
     up = get_submodule(mlp, arch.gate_up[-1])
     down = get_submodule(mlp, arch.down_proj)
-    up_rows = up.weight.shape[0] if len(arch.gate_up) == 2 else up.weight.shape[0] / 2
-    if up_rows == down.weight.shape[1]:
-        groups.append(ScaleGroup([_join(arch.mlp, arch.down_proj)], _join(arch.mlp, arch.gate_up[-1]), "linear"))
+    if arch.gated_mlp:
+        up_rows = up.weight.shape[0] if len(arch.gate_up) == 2 else up.weight.shape[0] / 2
+        if up_rows == down.weight.shape[1]:
+            groups.append(ScaleGroup([_join(arch.mlp, arch.down_proj)], _join(arch.mlp, arch.gate_up[-1]), "linear"))
+    elif arch.act_path is not None:
+        # The activation does not commute with a scale: a ScaledActivation divides its output.
+        groups.append(ScaleGroup([_join(arch.mlp, arch.down_proj)], arch.act_path, "act"))
     return groups
+
+
+def mla_groups(arch: Architecture, layer: nn.Module) -> list[ScaleGroup]:
+    """Multi-head latent attention (MiniCPM3, DeepSeek-V2/V3): the attention norm feeds the two
+    down-projections (or q_proj without a q latent), each latent norm feeds its up-projection;
+    v is interleaved with k inside kv_b_proj's rows, so o takes no scale. The MLP follows the
+    record (standard_groups)."""
+    kind = "gemma_norm" if arch.norm_offset == 1.0 else "norm"
+    a = arch.attn
+    attn = get_submodule(layer, a)
+    q_in = "q_a_proj" if getattr(attn, "q_a_proj", None) is not None else "q_proj"
+    groups = [ScaleGroup([_join(a, q_in), _join(a, "kv_a_proj_with_mqa")], arch.attn_norm, kind)]
+    if q_in == "q_a_proj":
+        groups.append(ScaleGroup([_join(a, "q_b_proj")], _join(a, "q_a_layernorm"), kind))
+    groups.append(ScaleGroup([_join(a, "kv_b_proj")], _join(a, "kv_a_layernorm"), kind))
+    mlp = [g for g in standard_groups(arch, layer) if not any(n.startswith(f"{a}.") for n in g.linears)]
+    return groups + mlp

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 # Clipping is skipped for the linears whose outputs enter softmax(QK^T): their error there is
 # not what an output-MSE measures (AutoAWQ's rule).
-_NO_CLIP = ("q_", "k_", "query", "key", "Wqkv")
+_NO_CLIP = ("q_", "k_", "query", "key", "Wqkv", "c_attn")
 
 
 @dataclass
