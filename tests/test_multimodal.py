@@ -232,7 +232,7 @@ def test_fused_engine(quantized):
     with torch.no_grad():
         ref_logits = loaded.model(**inputs).logits
     ref = loaded.model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    fused = fuse_model(copy.deepcopy(loaded.model), max_seq_len=64, batch_size=1, kernels="torch")
+    fused = fuse_model(copy.deepcopy(loaded.model), max_seq_len=64, batch_size=1, backend="torch")
     with torch.no_grad():
         logits = fused(**inputs).logits
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
