@@ -92,7 +92,9 @@ class WQLinear(nn.Module):
         # version of the buffers (a .to(), a load or an in-place edit makes a new plan).
         key = (
             x.device, x.dtype, x.shape[-1], self.backend,
-            *((t.data_ptr(), t._version) for t in (self.qweight, self.scales, self.qzeros, self.bias) if t is not None),
+            # Offload hooks load the buffers per call, as inference tensors: they have no version.
+            *((t.data_ptr(), -1 if t.is_inference() else t._version)
+              for t in (self.qweight, self.scales, self.qzeros, self.bias) if t is not None),
         )
         if self._plan_key != key:
             self._plan = ops.awq_gemm_plan(
