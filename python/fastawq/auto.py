@@ -152,6 +152,16 @@ class AutoAWQForCausalLM:
         return AWQModel(model, tokenizer=tok)
 
     @classmethod
+    def quantize_streaming(cls, src_dir: str | os.PathLike, out_dir: str | os.PathLike, tokenizer: Any = None,
+                           quant_config: dict | QuantConfig | None = None, calib_data: Any = None,
+                           **kwargs: Any) -> Any:
+        """Quantize the model folder `src_dir` into `out_dir` one decoder layer at a time, resuming
+        a killed run (fastawq.quantize.stream.quantize_streaming has the options)."""
+        from fastawq.quantize.stream import quantize_streaming
+
+        return quantize_streaming(src_dir, out_dir, tokenizer, quant_config, calib_data, **kwargs)
+
+    @classmethod
     def from_quantized(
         cls,
         quant_path: str | os.PathLike,

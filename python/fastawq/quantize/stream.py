@@ -94,6 +94,11 @@ class SourceCheckpoint:
         except Exception as e:
             raise ValueError(f"cannot read tensor {name!r} from {self.path / f} (truncated?): {e}") from None
 
+    def release(self) -> None:
+        """Unmap the shards: pages of a memory-mapped file count in the process's resident size
+        while mapped, so keeping every shard open would make RSS grow to the whole model."""
+        self._handles.clear()
+
     def nbytes_of(self, name: str) -> int:
         """Stored size of one tensor, read from the header only."""
         sl = self._handle(name).get_slice(name)
@@ -196,7 +201,7 @@ def _apply_max_memory(q: AwqQuantizer, max_memory: dict | None, act_bytes: int, 
             break
     if budget is not None and q.device.type != "cpu":
         # The loss of a batch holds ~4 fp32 [candidates, N, K] temporaries.
-        q.gpu_batch_elems = max(1 << 20, min(q.gpu_batch_elems, (budget - 3 * layer_bytes) // 16))
+        q.gpu_batch_elems = max(1 << 20, min(q.gpu_batch_elems, (budget - 3 * layer_bytes) // 24))
         if act_bytes * 2 + 3 * layer_bytes > budget // 2:
             q.offload = True
         log.info("max_memory %s: candidate batch %d elements, activations %s", _gib(budget),
@@ -293,6 +298,7 @@ def quantize_streaming(
     _load_module(model, "", src, skip=(arch.layers_path + ".",), optional=_tied_keys(model))
     if _tied_keys(model):
         model.tie_weights()
+    src.release()
 
     if quantizer_cls is None:
         quantizer_cls = dist.DistributedAwqQuantizer if world > 1 else AwqQuantizer
@@ -335,6 +341,7 @@ def quantize_streaming(
         for i in bar:
             t = time.perf_counter()
             _load_module(layers[i], f"{arch.layers_path}.{i}.", src)
+            src.release()
             inps = q.quantize_layer(i, layers[i], inps, kwargs[i])
             if rank == 0:
                 sd = layers[i].state_dict()
