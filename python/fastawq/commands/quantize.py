@@ -105,6 +105,10 @@ def _run_streaming(args, device) -> int:
     from fastawq.quantize.distributed import rank_world
 
     rank, world = rank_world()
+    if world > 1:
+        import torch.distributed
+
+        torch.distributed.destroy_process_group()
     if rank == 0:
         print(format_table(["model", "bits", "group", "calib", "device", "processes", "time (s)", "saved to"], [[
             args.model, args.w_bit, args.group_size, f"{args.max_calib_samples}x{args.max_calib_seq_len}",

@@ -16,7 +16,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -54,23 +54,14 @@ _DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", t
            torch.bool: "BOOL"}
 
 
-def concat_safetensors(sources: list[Path], dest: Path) -> dict[str, str]:
-    """Write the tensors of several safetensors files into one, a tensor at a time (peak memory is
-    the largest tensor, not the shard). Returns {tensor name: dest file name}."""
-    from safetensors import safe_open
-
-    layout: list[tuple[Path, str, torch.dtype, list[int], int]] = []
-    for src in sources:
-        with safe_open(str(src), framework="pt", device="cpu") as h:
-            for k in h.keys():
-                sl = h.get_slice(k)
-                shape = list(sl.get_shape())
-                dtype = _dtype_of(sl.get_dtype())
-                layout.append((src, k, dtype, shape, _nbytes(shape, dtype)))
+def write_safetensors(dest: Path, entries: list[tuple[str, torch.dtype, list[int], Callable[[], torch.Tensor]]]) -> None:
+    """A safetensors file written a tensor at a time, atomically: `entries` give each tensor's name,
+    dtype, shape and a function producing it, so peak memory is one tensor, not the file."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for _, k, dtype, shape, n in layout:
-        header[k] = {"dtype": _DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + n]}
+    for k, dtype, shape, _ in entries:
+        n = _nbytes(shape, dtype)
+        header[k] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format allows space padding; aligned data reads faster
@@ -78,16 +69,40 @@ def concat_safetensors(sources: list[Path], dest: Path) -> dict[str, str]:
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for src in sources:
-            with safe_open(str(src), framework="pt", device="cpu") as h:
-                for s, k, _, _, _ in layout:
-                    if s == src:
-                        t = h.get_tensor(k).contiguous()
-                        f.write(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        for k, dtype, shape, get in entries:
+            t = get().detach().to("cpu").contiguous()
+            if t.dtype != dtype or list(t.shape) != list(shape):
+                raise ValueError(f"tensor {k}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
+            if t.numel():
+                f.write(t.view(-1).view(torch.uint8).numpy().tobytes())
+            del t
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, dest)
-    return {k: dest.name for _, k, _, _, _ in layout}
+
+
+def concat_safetensors(sources: list[Path], dest: Path) -> dict[str, str]:
+    """Write the tensors of several safetensors files into one. Returns {tensor name: dest file name}."""
+    from safetensors import safe_open
+
+    entries = []
+    for src in sources:
+        with safe_open(str(src), framework="pt", device="cpu") as h:
+            for k in h.keys():
+                sl = h.get_slice(k)
+                entries.append((k, _dtype_of(sl.get_dtype()), list(sl.get_shape()), _reader(src, k)))
+    write_safetensors(dest, entries)
+    return {k: dest.name for k, _, _, _ in entries}
+
+
+def _reader(src: Path, name: str) -> Callable[[], torch.Tensor]:
+    def get() -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(src), framework="pt", device="cpu") as h:
+            return h.get_tensor(name)
+
+    return get
 
 
 def _dtype_of(code: str) -> torch.dtype:
@@ -169,7 +184,9 @@ class Journal:
         return self.work / f"hidden-L{layer:05d}-r{rank}.safetensors"
 
     def save_hidden(self, layer: int, rank: int, chunks: list[torch.Tensor]) -> None:
-        save_tensors(self.hidden_path(layer, rank), {f"x{j}": x for j, x in enumerate(chunks)})
+        # One chunk at a time through host memory: these are [samples, seq, hidden] activations.
+        write_safetensors(self.hidden_path(layer, rank),
+                          [(f"x{j}", x.dtype, list(x.shape), lambda x=x: x) for j, x in enumerate(chunks)])
 
     def load_hidden(self, layer: int, rank: int, device: torch.device) -> list[torch.Tensor]:
         from safetensors.torch import load_file
