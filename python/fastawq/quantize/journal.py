@@ -233,9 +233,11 @@ class ShardWriter:
         self.pieces: list[dict[str, Any]] = list(state.get("pieces", []))  # {"file", "bytes"}
         self.shards: list[dict[str, Any]] = list(state.get("shards", []))  # {"file", "tensors", "bytes"}
         self.next_piece = int(state.get("next_piece", 0))
+        self.tail_written = bool(state.get("tail_written", False))  # the tensors outside the layers
 
     def state(self) -> dict[str, Any]:
-        return {"pieces": self.pieces, "shards": self.shards, "next_piece": self.next_piece}
+        return {"pieces": self.pieces, "shards": self.shards, "next_piece": self.next_piece,
+                "tail_written": self.tail_written}
 
     def add(self, tensors: dict[str, torch.Tensor]) -> None:
         """Write a piece (not yet recorded: the caller saves the journal with state())."""

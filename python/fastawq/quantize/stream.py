@@ -363,10 +363,12 @@ def quantize_streaming(
         bar.close()
 
     if rank == 0:
-        writer.add(_outer_state(model, arch.layers_path))
-        writer.roll(len(writer.pieces))
-        journal.writer_state = writer.state()
-        journal.save()
+        if not writer.tail_written:  # a run killed inside this block must not add them twice
+            writer.add(_outer_state(model, arch.layers_path))
+            writer.roll(len(writer.pieces))
+            writer.tail_written = True
+            journal.writer_state = writer.state()
+            journal.save()
         _remove_pieces(journal)
         writer.finish()
         _save_metadata(out, config, cfg, tokenizer, src.path)
