@@ -280,6 +280,7 @@ def quantize_streaming(
         raise ValueError(f"streaming writes packed 4-bit checkpoints; w_bit={cfg.w_bit} cannot be packed")
     src = SourceCheckpoint(src_dir)
     out = Path(out_dir)
+    device = dist.init_from_env(device)  # under torchrun: join the group (a no-op when already joined)
     rank, world = dist.rank_world()
     config = AutoConfig.from_pretrained(str(src.path), trust_remote_code=trust_remote_code)
     if getattr(config, "quantization_config", None) is not None:
