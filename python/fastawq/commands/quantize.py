@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def run(args) -> int:
@@ -12,9 +13,6 @@ def run(args) -> int:
 
     from fastawq.auto import AutoAWQForCausalLM
     from fastawq.eval import format_table
-
-    from pathlib import Path
-
     from fastawq.quantize import distributed
 
     if args.gpus > 1 and "WORLD_SIZE" not in os.environ:
