@@ -220,6 +220,16 @@ class AutoAWQForCausalLM:
         return AWQModel(model, tokenizer=tok, processor=processor)
 
     @classmethod
+    def quantize_streaming(cls, src_dir: str | os.PathLike, out_dir: str | os.PathLike, tokenizer: Any = None,
+                           quant_config: dict | QuantConfig | None = None, calib_data: Any = None,
+                           **kwargs: Any) -> Any:
+        """Quantize the model folder `src_dir` into `out_dir` one decoder layer at a time, resuming
+        a killed run (fastawq.quantize.stream.quantize_streaming has the options)."""
+        from fastawq.quantize.stream import quantize_streaming
+
+        return quantize_streaming(src_dir, out_dir, tokenizer, quant_config, calib_data, **kwargs)
+
+    @classmethod
     def from_quantized(
         cls,
         quant_path: str | os.PathLike,
@@ -237,6 +247,8 @@ class AutoAWQForCausalLM:
         backend: str | None = None,
         cpu_lm_head_bits: int | None = None,
         verify: str | None = None,
+        max_memory: dict | None = None,
+        offload_folder: str | os.PathLike | None = None,
         **kwargs: Any,
     ) -> AWQModel:
         """Load an AWQ checkpoint (fastawq's or AutoAWQ's) ready for generate().
@@ -258,7 +270,14 @@ class AutoAWQForCausalLM:
             log.info("use_exllama* ignored: fastawq's own kernels serve every backend")
         if kwargs:
             log.warning("ignoring from_quantized arguments fastawq does not use: %s", sorted(kwargs))
-        device = _device_of("cpu" if use_ipex else device_map)
+        from fastawq.dispatch import main_device, spans_devices
+
+        # Several devices (or CPU + disk): accelerate's dispatch places whole decoder layers.
+        spread = not use_ipex and spans_devices(device_map, max_memory, offload_folder)
+        if spread and fuse_layers:
+            raise ValueError("fuse_layers=True needs the whole model on one device; drop device_map/max_memory/offload_folder")
+        fuse_layers = False if spread else fuse_layers
+        device = _device_of("cpu" if use_ipex else (main_device(device_map) if spread else device_map))
         if use_ipex:
             log.info("use_ipex=True: fastawq's own CPU kernels serve it (IPEX is not used); the packed "
                      "layers become inference-only CPUInt4Linear modules")
@@ -270,7 +289,12 @@ class AutoAWQForCausalLM:
                                    trust_remote_code=trust_remote_code, verify=verify)
         if device.type == "cpu" and dtype is not None:
             _cast_float_params(model, dtype)
-        model.to(device)
+        if spread:
+            from fastawq.dispatch import dispatch
+
+            dispatch(model, device_map, max_memory, None if offload_folder is None else str(offload_folder))
+        else:
+            model.to(device)
         if backend is not None:
             from fastawq.modules import WQLinear
 

@@ -1,7 +1,11 @@
 """`fastawq quantize MODEL OUT`: AWQ-quantize a Hugging Face model folder into an AWQ checkpoint."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 
 def run(args) -> int:
@@ -9,10 +13,9 @@ def run(args) -> int:
 
     from fastawq.auto import AutoAWQForCausalLM
     from fastawq.eval import format_table
+    from fastawq.quantize import distributed
 
-    from pathlib import Path
-
-    from fastawq.checkpoint import check_not_source, check_local_path
+    from fastawq.checkpoint import check_local_path, check_not_source, parse_size
 
     out = Path(args.out)
     # Checked before the (long) quantization: the source exists, the output is not the source,
@@ -22,12 +25,17 @@ def run(args) -> int:
         check_not_source(out, src)
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"{out} is a file, not a folder")
+    parse_size(args.shard_size)
+    if args.gpus > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch(args)
+    device = distributed.init_from_env(args.device)
+    if args.stream is None:
+        args.stream = _should_stream(args.model) or distributed.rank_world()[1] > 1
+    if args.stream:
+        return _run_streaming(args, device)
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise FileExistsError(f"{out} is not empty; pass --overwrite to replace its checkpoint")
-    from fastawq.checkpoint import parse_size
-
-    parse_size(args.shard_size)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoAWQForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     qc = {"w_bit": args.w_bit, "q_group_size": args.group_size, "zero_point": args.zero_point,
           "fallback_group_size": args.fallback_group_size}
@@ -65,7 +73,79 @@ def add_parser(sub) -> None:
     p.add_argument("--shard-size", default="5GB")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--stream", action=_BoolAction, default=None,
+                   help="read and write one decoder layer at a time (default: when the model would not fit in RAM)")
+    p.add_argument("--no-resume", dest="resume", action="store_false",
+                   help="streaming: discard a partial run in OUT instead of continuing it")
+    p.add_argument("--gpus", type=int, default=1, help="processes to spread the search over (starts torchrun)")
+    p.add_argument("--max-memory", nargs="*", default=None, metavar="DEV=SIZE",
+                   help="streaming: budgets such as cuda:0=6GiB cpu=6GiB")
     p.set_defaults(func=run)
+
+
+def _should_stream(model: str) -> bool:
+    """Stream when the float weights would take more than half of the available RAM."""
+    size = sum(p.stat().st_size for p in Path(model).glob("*.safetensors"))
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    except (OSError, StopIteration):
+        return False
+    return size > avail // 2
+
+
+def _run_streaming(args, device) -> int:
+    from fastawq.eval import format_table
+    from fastawq.quantize.stream import quantize_streaming
+
+    qc = {"w_bit": args.w_bit, "q_group_size": args.group_size, "zero_point": args.zero_point,
+          "fallback_group_size": args.fallback_group_size}
+    if args.modules_to_not_convert:
+        qc["modules_to_not_convert"] = args.modules_to_not_convert
+    max_memory = None
+    if args.max_memory:
+        max_memory = dict(kv.split("=", 1) for kv in args.max_memory)
+    t = time.perf_counter()
+    quantize_streaming(args.model, args.out, None, qc, args.calib, max_calib_samples=args.max_calib_samples,
+                       max_calib_seq_len=args.max_calib_seq_len, text_column=args.text_column,
+                       apply_clip=not args.no_clip, device=device, shard_size=args.shard_size,
+                       max_memory=max_memory, resume=args.resume, overwrite=args.overwrite,
+                       trust_remote_code=args.trust_remote_code)
+    from fastawq.quantize.distributed import rank_world
+
+    rank, world = rank_world()
+    if world > 1:
+        import torch.distributed
+
+        torch.distributed.destroy_process_group()
+    if rank == 0:
+        print(format_table(["model", "bits", "group", "calib", "device", "processes", "time (s)", "saved to"], [[
+            args.model, args.w_bit, args.group_size, f"{args.max_calib_samples}x{args.max_calib_seq_len}",
+            device or "cpu", world, round(time.perf_counter() - t, 1), args.out]]))
+    return 0
+
+
+def _launch(args) -> int:
+    """Re-run this command under torchrun with one process per GPU."""
+    argv = [args.model, args.out, "--w-bit", str(args.w_bit), "--group-size", str(args.group_size),
+            "--zero-point", str(args.zero_point), "--max-calib-samples", str(args.max_calib_samples),
+            "--max-calib-seq-len", str(args.max_calib_seq_len), "--text-column", args.text_column,
+            "--shard-size", str(args.shard_size), "--stream"]
+    for flag, value in (("--fallback-group-size", args.fallback_group_size), ("--calib", args.calib),
+                        ("--device", args.device)):
+        if value is not None:
+            argv += [flag, str(value)]
+    for flag, on in (("--no-clip", args.no_clip), ("--overwrite", args.overwrite), ("--no-resume", not args.resume),
+                     ("--trust-remote-code", args.trust_remote_code)):
+        if on:
+            argv.append(flag)
+    if args.modules_to_not_convert:
+        argv += ["--modules-to-not-convert", *args.modules_to_not_convert]
+    if args.max_memory:
+        argv += ["--max-memory", *args.max_memory]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
+           "-m", "fastawq", "quantize", *argv]
+    return subprocess.call(cmd)
 
 
 import argparse  # noqa: E402

@@ -13,6 +13,7 @@ rounding is reference.pseudo_quantize itself (in place), the same grid packing u
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
@@ -146,87 +147,108 @@ class AwqQuantizer:
     # ------------------------------------------------------------------ driver
     @torch.no_grad()
     def quantize(self) -> nn.Module:
-        # TF32 for the fp32 statistics and loss products on GPUs: the loss ranks candidates, and
-        # 10 mantissa bits do not change a ranking that fp16 activations already limit.
-        prev = torch.get_float32_matmul_precision()
-        if self.device.type == "cuda":
-            torch.set_float32_matmul_precision("high")
-        try:
+        with search_precision(self.device):
             return self._quantize()
-        finally:
-            torch.set_float32_matmul_precision(prev)
 
     def _quantize(self) -> nn.Module:
         layers = get_submodule(self.model, self.arch.layers_path)
         t0 = time.perf_counter()
         inps, kwargs = self._capture_inputs(layers)
         self._tick("capture", t0)
-        from fastawq.quantize import moe  # here, not at the top: quantize/moe.py imports this module
-
-        moe_spec = moe.prepare(self)
+        self.moe_spec()
         for i in tqdm(range(len(layers)), desc="AWQ", unit="layer"):
-            name = f"{self.layers_prefix}.{i}"
-            layer = layers[i]
-            # Unfuses the layer's experts before anything moves it: the search sees per-expert linears.
-            mx = moe.MoELayerSearch(self, layer, name, moe_spec) if moe_spec and moe_spec.block_of(layer) else None
-            orig_device = next(layer.parameters()).device
-            orig_dtype = next(layer.parameters()).dtype
-            # The search folds scales into full-precision weights; on CPU the layer's forward may
-            # run on a bf16 copy (twice the matmul speed where the CPU has bf16 instructions).
-            compute_dtype = torch.float32 if self.upcast else orig_dtype
-            layer.to(self.device, compute_dtype)
-            fwd = layer
-            if self.forward_dtype != compute_dtype:
-                fwd = copy.deepcopy(layer).to(self.forward_dtype)
-            groups = self._resolve_groups(layer, name)
-            if mx:  # the experts' search owns their linears
-                groups = mx.unclaimed(groups)
-            t = time.perf_counter()
-            stats, inps = self._run_layer(fwd, name, groups, inps, kwargs[i], mx.hooks if mx else None)
-            del fwd
-            self._tick("forward", t)
-            t = time.perf_counter()
-            for g in groups:
-                consumers = [n for n in g.linears if not self.config.skips(f"{name}.{n}")]
-                if g.kind == "none" or not consumers:
-                    continue
-                s = self.search_best_scale(layer, name, g, consumers, stats[g.linears[0]])
-                apply_scale(layer, g, s)
-                stats[g.linears[0]].rescale(s)
-            if mx:
-                mx.search_scales()
-            self._tick("scale", t)
-            t = time.perf_counter()
-            if self.apply_clip:
-                for g in groups:
-                    for lin_name in g.linears:
-                        full = f"{name}.{lin_name}"
-                        if self.config.skips(full) or any(p in lin_name for p in _NO_CLIP):
-                            continue
-                        lin = layer.get_submodule(lin_name)
-                        max_val = self.search_best_clip(lin, full, stats[g.linears[0]])
-                        w = lin.weight.data.float()
-                        n, k = w.shape
-                        g_sz = k // max_val.shape[1]
-                        w = w.view(n, -1, g_sz).clamp(-max_val.unsqueeze(-1), max_val.unsqueeze(-1)).view(n, k)
-                        lin.weight.data = w.to(lin.weight.dtype)
-                if mx:
-                    mx.clip()
-            self._tick("clip", t)
-            t = time.perf_counter()
-            layer.to(dtype=orig_dtype)
-            if mx:
-                mx.finish(pack=not self.export_compatible and self.config.packable)
-            if not self.export_compatible:
-                finalize_layer(layer, name, self.config)
-            layer.to(orig_device)
-            self._tick("pack", t)
-            del stats
+            inps = self.quantize_layer(i, layers[i], inps, kwargs[i])
         log.info("AWQ done in %.1fs (%s)", sum(self.timings.values()),
                  ", ".join(f"{k} {v:.1f}s" for k, v in self.timings.items()))
         self.model.fastawq_quant_config = self.config
         self.model.fastawq_packed = not self.export_compatible and self.config.packable
         return self.model
+
+    def quantize_layer(self, i: int, layer: nn.Module, inps: list[torch.Tensor], kwargs: dict) -> list[torch.Tensor]:
+        """Search, clip and pack decoder layer `i` in place; returns the next layer's inputs (the
+        streaming and distributed drivers call this one layer at a time)."""
+        from fastawq.quantize import moe  # here, not at the top: quantize/moe.py imports this module
+
+        name = f"{self.layers_prefix}.{i}"
+        spec = self.moe_spec()
+        # Unfuses the layer's experts before anything moves it: the search sees per-expert linears.
+        mx = moe.MoELayerSearch(self, layer, name, spec) if spec and spec.block_of(layer) else None
+        orig_device = next(layer.parameters()).device
+        orig_dtype = next(layer.parameters()).dtype
+        # The search folds scales into full-precision weights; on CPU the layer's forward may
+        # run on a bf16 copy (twice the matmul speed where the CPU has bf16 instructions).
+        compute_dtype = torch.float32 if self.upcast else orig_dtype
+        layer.to(self.device, compute_dtype)
+        fwd = layer
+        if self.forward_dtype != compute_dtype:
+            fwd = copy.deepcopy(layer).to(self.forward_dtype)
+        groups = self._resolve_groups(layer, name)
+        if mx:  # the experts' search owns their linears
+            groups = mx.unclaimed(groups)
+        t = time.perf_counter()
+        stats, inps = self._run_layer(fwd, name, groups, inps, kwargs, mx.hooks if mx else None)
+        del fwd
+        self.reduce_stats(stats)
+        self._tick("forward", t)
+        t = time.perf_counter()
+        self.scale_layer(layer, name, groups, stats)
+        if mx:
+            mx.search_scales()
+        self._tick("scale", t)
+        t = time.perf_counter()
+        if self.apply_clip:
+            self.clip_layer(layer, name, groups, stats)
+            if mx:
+                mx.clip()
+        self._tick("clip", t)
+        t = time.perf_counter()
+        layer.to(dtype=orig_dtype)
+        if mx:
+            mx.finish(pack=not self.export_compatible and self.config.packable)
+        if not self.export_compatible:
+            finalize_layer(layer, name, self.config)
+        layer.to(orig_device)
+        self._tick("pack", t)
+        return inps
+
+    def moe_spec(self):
+        """The model's mixture-of-experts layout (None for a dense model), found once; finding it
+        lists the routers in modules_to_not_convert."""
+        if not hasattr(self, "_moe_spec"):
+            from fastawq.quantize import moe
+
+            self._moe_spec = moe.prepare(self)
+        return self._moe_spec
+
+    def reduce_stats(self, stats: dict[str, "InputStats"]) -> None:
+        """Hook: combine the statistics of calibration samples spread over processes."""
+
+    def scale_groups(self, name: str, groups: list[ScaleGroup]) -> list[tuple[ScaleGroup, list[str]]]:
+        """The groups whose scale is searched, each with its quantized linears."""
+        out = []
+        for g in groups:
+            consumers = [n for n in g.linears if not self.config.skips(f"{name}.{n}")]
+            if g.kind != "none" and consumers:
+                out.append((g, consumers))
+        return out
+
+    def scale_layer(self, layer: nn.Module, name: str, groups: list[ScaleGroup], stats: dict) -> None:
+        for g, consumers in self.scale_groups(name, groups):
+            s = self.search_best_scale(layer, name, g, consumers, stats[g.linears[0]])
+            apply_scale(layer, g, s)
+            stats[g.linears[0]].rescale(s)
+
+    def clip_targets(self, name: str, groups: list[ScaleGroup]) -> list[tuple[str, str]]:
+        """(linear, name of the group's first linear whose statistics it uses) pairs to clip."""
+        return [
+            (lin_name, g.linears[0]) for g in groups for lin_name in g.linears
+            if not self.config.skips(f"{name}.{lin_name}") and not any(p in lin_name for p in _NO_CLIP)
+        ]
+
+    def clip_layer(self, layer: nn.Module, name: str, groups: list[ScaleGroup], stats: dict) -> None:
+        for lin_name, key in self.clip_targets(name, groups):
+            lin = layer.get_submodule(lin_name)
+            apply_clip(lin, self.search_best_clip(lin, f"{name}.{lin_name}", stats[key]))
 
     def _tick(self, what: str, t0: float) -> None:
         self.timings[what] = self.timings.get(what, 0.0) + time.perf_counter() - t0
@@ -434,6 +456,29 @@ class AwqQuantizer:
                 best_err = torch.where(better, err[j], best_err)
                 best_max = torch.where(better, mx[j, :, :, 0], best_max)
         return best_max
+
+
+# max_val [N, K // G]: clamp each group of the linear's weight to +-max_val
+@torch.no_grad()
+def apply_clip(lin: nn.Linear, max_val: torch.Tensor) -> None:
+    w = lin.weight.data.float()
+    n, k = w.shape
+    g_sz = k // max_val.shape[1]
+    w = w.view(n, -1, g_sz).clamp(-max_val.unsqueeze(-1), max_val.unsqueeze(-1)).view(n, k)
+    lin.weight.data = w.to(lin.weight.dtype)
+
+
+@contextlib.contextmanager
+def search_precision(device: torch.device):
+    """TF32 for the fp32 statistics and loss products on GPUs: the loss ranks candidates, and
+    10 mantissa bits do not change a ranking that fp16 activations already limit."""
+    prev = torch.get_float32_matmul_precision()
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(prev)
 
 
 def _cpu_forward_dtype() -> torch.dtype:

@@ -23,19 +23,16 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from functools import partial
+
 import torch
 from torch import nn
 
 from fastawq.models.moe import MoESpec, moe_spec_of, router_names, unfuse_experts
+from fastawq.reference import pseudo_quantize
 
-try:  # the search's in-place rounding: reference.pseudo_quantize's twin in awq.py, or itself in place
-    from fastawq.quantize.awq import fake_quantize_ as _round_
-except ImportError:
-    from functools import partial
-
-    from fastawq.reference import pseudo_quantize
-
-    _round_ = partial(pseudo_quantize, inplace=True)
+# The search's in-place rounding: the reference's own, in place (one rounding function).
+_round_ = partial(pseudo_quantize, inplace=True)
 
 if TYPE_CHECKING:
     from fastawq.quantize.awq import AwqQuantizer

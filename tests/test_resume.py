@@ -1,0 +1,136 @@
+"""Resume: a streaming run killed (SIGKILL) at a random layer, rerun, equals an uninterrupted run."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastawq.quantize.journal import WORK_DIR, Journal, ResumeError
+from fastawq.quantize.stream import FAULT_ENV, quantize_streaming
+from test_stream import QC, assert_same_tensors, calib, save_float_model
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = 4
+
+
+def _cli(src: Path, out: Path, calib_file: Path, *extra: str, fault: int | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    env.pop(FAULT_ENV, None)
+    if fault is not None:
+        env[FAULT_ENV] = str(fault)
+    cmd = [sys.executable, "-m", "fastawq", "quantize", str(src), str(out), "--stream", "--group-size", "32",
+           "--calib", str(calib_file), "--max-calib-samples", "8", "--max-calib-seq-len", "32",
+           "--shard-size", "30KB", "--device", "cpu", *extra]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    d = tmp_path_factory.mktemp("resume")
+    src = save_float_model(d / "src", layers=LAYERS)
+    # The CLI calibrates on text: a character-level tokenizer within the tiny model's vocabulary.
+    _save_tokenizer(src)
+    text = d / "calib.txt"
+    words = [" ".join(random.Random(i).choice("abcdefgh") * 3 for _ in range(60)) for i in range(20)]
+    text.write_text("\n\n".join(words))
+    ref = d / "ref"
+    r = _cli(src, ref, text)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return d, src, text, ref
+
+
+def _save_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(["<unk>"] + [chr(ord("a") + j) for j in range(26)] + [" "])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(str(path))
+
+
+def test_killed_run_resumes_to_identical_checkpoint(job):
+    d, src, text, ref = job
+    out = d / "killed"
+    kill_at = random.Random(os.getpid()).randrange(LAYERS)
+    r = _cli(src, out, text, fault=kill_at)
+    assert r.returncode == -signal.SIGKILL, (r.returncode, r.stderr[-2000:])
+    assert (out / WORK_DIR / "journal.json").exists()
+    r = _cli(src, out, text)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"{kill_at} layer(s) already done" in r.stderr
+    assert_same_tensors(ref, out)
+    assert not (out / WORK_DIR).exists()
+
+
+def test_twice_killed_run_resumes(job):
+    d, src, text, ref = job
+    out = d / "killed2"
+    assert _cli(src, out, text, fault=1).returncode == -signal.SIGKILL
+    assert _cli(src, out, text, fault=2).returncode == -signal.SIGKILL
+    r = _cli(src, out, text)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "2 layer(s) already done" in r.stderr
+    assert_same_tensors(ref, out)
+
+
+def test_changed_config_refuses_to_mix(job):
+    d, src, text, ref = job
+    out = d / "changed"
+    assert _cli(src, out, text, fault=1).returncode == -signal.SIGKILL
+    r = _cli(src, out, text, "--group-size", "64")
+    assert r.returncode != 0
+    assert "cannot be resumed" in r.stderr and "group_size changed" in r.stderr and "--no-resume" in r.stderr
+    # The refused run left the partial work alone; --no-resume starts over and finishes.
+    assert (out / WORK_DIR / "journal.json").exists()
+    r = _cli(src, out, text, "--no-resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_same_tensors(ref, out)
+
+
+def test_changed_source_or_calibration_refuses(tmp_path):
+    src = save_float_model(tmp_path / "src", layers=2)
+    ids = calib()
+    out = tmp_path / "out"
+    journal = Journal(out, {"source": {"config.json": {"size": 1}}, "calibration": {"sha256": "x"}})
+    journal.start()
+    with pytest.raises(ResumeError, match=r"source\.config\.json") as e:
+        quantize_streaming(src, out, None, QC, ids, max_calib_seq_len=32)
+    assert "calibration.sha256 changed" in str(e.value)
+    # resume=False discards a foreign partial run instead of refusing it.
+    out2 = tmp_path / "out2"
+    Journal(out2, {}).start()
+    quantize_streaming(src, out2, None, QC, ids, max_calib_seq_len=32, resume=False)
+    assert not (out2 / WORK_DIR).exists() and (out2 / "model.safetensors").exists()
+
+
+def test_shard_writer_gathers_pieces_losslessly(tmp_path):
+    from safetensors.torch import load_file
+
+    from fastawq.quantize.journal import ShardWriter
+
+    work = tmp_path / WORK_DIR
+    work.mkdir()
+    w = ShardWriter(tmp_path, work, shard_size=100)
+    gen = torch.Generator().manual_seed(0)
+    pieces = [{f"p{i}.a": torch.randn(4, 5, generator=gen).half(), f"p{i}.q": torch.randint(0, 9, (3,), dtype=torch.int32),
+               f"p{i}.s": torch.randn((), generator=gen).bfloat16()} for i in range(3)]
+    for p in pieces:
+        w.add(p)
+        if w.full():
+            for f in w.roll():
+                f.unlink()
+    w.roll(len(w.pieces))
+    weight_map = w.finish()
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(files) > 1 and sorted(set(weight_map.values())) == files
+    for p in pieces:
+        for k, v in p.items():
+            t = load_file(str(tmp_path / weight_map[k]))[k]
+            assert t.dtype == v.dtype and torch.equal(t, v), k
