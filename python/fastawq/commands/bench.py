@@ -10,6 +10,7 @@ import argparse
 import gc
 import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -76,6 +77,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _resident_gib() -> float | None:
+    """The process's resident memory on the CPU (weights, cache, activations, and the runtime)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
@@ -113,6 +123,8 @@ def run_round(model: torch.nn.Module, mode: str, batch: int, prefill_len: int, d
         row.decode_tps = batch * decode_len / (t2 - t1)
         if device.type == "cuda":
             row.memory_gib = torch.cuda.max_memory_allocated(device) / 2**30
+        else:
+            row.memory_gib = _resident_gib()
     except Exception as e:  # an OOM (or a too-long round) is a row, and the run goes on
         if _is_oom(e):
             row.note = "OOM"
@@ -128,16 +140,16 @@ def run_round(model: torch.nn.Module, mode: str, batch: int, prefill_len: int, d
     return row
 
 
-def format_table(rows: list[Row]) -> str:
+def format_table(rows: list[Row], memory: str = "Memory (VRAM)") -> str:
     head = ["Mode", "Batch Size", "Prefill Length", "Decode Length", "Prefill tokens/s",
-            "Decode tokens/s", "Memory (VRAM)"]
+            "Decode tokens/s", memory]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r.note:
             cells = [r.note, r.note, r.note]
         else:
             cells = [f"{r.prefill_tps:,.1f}", f"{r.decode_tps:,.1f}",
-                     f"{r.memory_gib:.2f} GiB" if r.memory_gib is not None else "n/a (CPU)"]
+                     f"{r.memory_gib:.2f} GiB" if r.memory_gib is not None else "n/a"]
         lines.append("| " + " | ".join([r.mode, str(r.batch), str(r.prefill_len), str(r.decode_len), *cells]) + " |")
     return "\n".join(lines)
 
@@ -188,7 +200,7 @@ def main(args: argparse.Namespace) -> int:
     name = args.shape or args.model
     dev = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU"
     print(f"\n{name} on {dev}, batch {args.batch_size}, {str(dtype).removeprefix('torch.')}\n")
-    print(format_table(rows))
+    print(format_table(rows, "Memory (VRAM)" if device.startswith("cuda") else "Memory (process RSS)"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": name, "device": dev, "rows": [asdict(r) for r in rows]}, f, indent=1)
