@@ -19,6 +19,7 @@ breakdown of where each model spends its decode time.
 from __future__ import annotations
 
 import argparse
+import copy
 import glob
 import itertools
 import os
@@ -31,6 +32,7 @@ import torch
 
 from fastawq import cpu, ops, reference
 from fastawq.modules import cpu_linear
+from fastawq.modules.fused import fuse_model
 from fastawq.modules.qlinear import WQLinear
 
 
@@ -269,7 +271,7 @@ def decode_breakdown(model, ids: torch.Tensor, steps: int) -> None:
 
 
 def bench_model(gguf: str | None, group_size: int, prompt_tokens: int, new_tokens: int, repeats: int,
-                profile: bool) -> None:
+                profile: bool, fused_only: bool = False) -> None:
     path = find_gguf(gguf)
     tok, model = load_fp32(path)
     ids = prompt_ids(tok, prompt_tokens)
@@ -293,14 +295,24 @@ def bench_model(gguf: str | None, group_size: int, prompt_tokens: int, new_token
 
     def variant(name, mdl):
         gen = run(name, mdl)
-        if profile:
+        if profile and not hasattr(mdl, "fastawq_runtime"):  # the hooks need the unfused modules
             decode_breakdown(mdl, ids, 16)
         return gen
 
     gen_fp32 = variant("fp32 (transformers)", model)
     n_q = quantize_linears(model, group_size)
     print(f"(replaced {n_q} Linear layers by WQLinear g{group_size}, RTN; lm_head / embeddings unchanged)")
-    gens = {"WQLinear": variant("4-bit WQLinear (dispatch), fp32 act", model)}
+    gens = {}
+    # The fused engine (fused_cpu.CPUDecodeStep on the CPU): what from_quantized(fuse_layers=True) gives.
+    for bits in (8, None):
+        fused = fuse_model(copy.deepcopy(model), prompt_tokens + new_tokens + 8, 1, cpu_lm_head_bits=bits)
+        label = "8-bit" if bits else "fp32"
+        gens[f"fused, {label} head"] = variant(f"4-bit fused CPU engine, {label} lm_head", fused)
+        del fused
+    if fused_only:
+        _report(results, gens, gen_fp32, tok, new_tokens)
+        return
+    gens["WQLinear"] = variant("4-bit WQLinear (dispatch), fp32 act", model)
     # Same kernel, without ops.awq_gemm's per-call validation and dispatch (~30 us x 210 calls).
     cpu_linear.convert_model(model)
     gens["CPUInt4Linear"] = variant("4-bit CPUInt4Linear, fp32 act", model)
@@ -319,17 +331,22 @@ def bench_model(gguf: str | None, group_size: int, prompt_tokens: int, new_token
     gens["bf16 act"] = variant("4-bit CPUInt4Linear, bf16 act + bf16 head", model)
     cpu_linear.convert_model(model, lm_head_bits=8)
     gens["bf16 act, 8-bit head"] = variant("4-bit CPUInt4Linear, bf16 act + 8-bit head", model)
+    _report(results, gens, gen_fp32, tok, new_tokens)
+
+
+def _report(results: dict, gens: dict, gen_fp32: torch.Tensor, tok, new_tokens: int) -> None:
     base = results["fp32 (transformers)"][1]
     for name, (_, dec, _) in results.items():
         print(f"  {name:44s} {base / dec:5.2f}x fp32 decode tokens/s")
     for name, gen in gens.items():
         diff = (gen[0] != gen_fp32[0]).nonzero()
         first = int(diff[0]) if len(diff) else new_tokens
-        same = "same" if torch.equal(gen, gens["WQLinear"]) else "different"
+        ref = next(iter(gens.values()))
+        same = "same" if torch.equal(gen, ref) else "different"
         print(f"  {name:20s} greedy tokens: equal the fp32 model's for the first {first} of {new_tokens}; "
-              f"{same} as WQLinear's")
+              f"{same} as the first 4-bit variant's")
     print("  fp32 text:", repr(tok.decode(gen_fp32[0][:24])))
-    print("  4-bit text:", repr(tok.decode(gens["CPUInt4Linear"][0][:24])))
+    print("  4-bit text:", repr(tok.decode(next(iter(gens.values()))[0][:24])))
 
 
 class BF16Linear(torch.nn.Module):
@@ -389,6 +406,7 @@ def main() -> None:
     mod.add_argument("--new-tokens", type=int, default=64)
     mod.add_argument("--repeats", type=int, default=3)
     mod.add_argument("--profile", action="store_true")
+    mod.add_argument("--fused-only", action="store_true", help="only fp32 and the fused engine")
     pp = sub.add_parser("ppl")
     pp.add_argument("--gguf", default=None)
     pp.add_argument("--group-size", type=int, default=64)
@@ -412,7 +430,8 @@ def main() -> None:
     elif args.what == "ppl":
         bench_ppl(args.gguf, args.group_size, args.windows, args.seq_len)
     else:
-        bench_model(args.gguf, args.group_size, args.prompt_tokens, args.new_tokens, args.repeats, args.profile)
+        bench_model(args.gguf, args.group_size, args.prompt_tokens, args.new_tokens, args.repeats, args.profile,
+                    args.fused_only)
 
 
 if __name__ == "__main__":

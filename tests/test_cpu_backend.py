@@ -134,8 +134,8 @@ def test_fp16_activations(kernel):
 
 def test_dispatch_picks_cpu_for_cpu_tensors(kernel, monkeypatch):
     calls = []
-    real = cpu_backend.awq_gemm
-    monkeypatch.setattr(cpu_backend, "awq_gemm", lambda *a: calls.append(1) or real(*a))
+    real = cpu_backend.bind_gemm  # the plan binds the CPU backend's repacked weight
+    monkeypatch.setattr(cpu_backend, "bind_gemm", lambda *a: calls.append(1) or real(*a))
     monkeypatch.delenv("FASTAWQ_BACKEND", raising=False)
     qweight, scales, qzeros = random_awq(256, 64, 64)
     x = random_input((2, 3, 256), dtype=torch.float32)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -53,6 +54,9 @@ _KERNEL_GROUPS = (128, 64, 32)
 _N_ALIGN = 16
 
 _cache: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# id(qweight) -> (weakref, FastPacked, (scales, qzeros), versions): the per-call shortcut to a
+# fastawq repack (a WeakIdKeyDictionary lookup alone costs microseconds).
+_fast_ids: dict = {}
 
 
 def kernel_available() -> str | None:
@@ -263,16 +267,50 @@ def prepare(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, g
         log.debug("CPU int4 repack invalidated for qweight %s", tuple(qweight.shape))
     entry = repack(qweight, scales, qzeros, g, kernel)
     _cache[qweight] = entry
+    if entry.kernel == FASTAWQ:
+        _remember_fast(qweight, scales, qzeros, entry)
+    else:
+        _fast_ids.pop(id(qweight), None)
     return entry
 
 
 def clear_cache() -> None:
     """Drop every cached repack (they are also dropped when their qweight is freed)."""
     _cache.clear()
+    _fast_ids.clear()
 
 
 def cache_size() -> int:
     return len(_cache)
+
+
+def _fast_hit(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
+              group_size: int, bias: torch.Tensor | None) -> FastPacked | None:
+    """The cached fastawq repack when it serves this call as is (None: take the checked path)."""
+    hit = _fast_ids.get(id(qweight))
+    if hit is None:
+        return None
+    ref, entry, tensors, versions = hit
+    if (ref() is not qweight or x2d.dtype not in _FAST_X or x2d.dim() != 2 or x2d.shape[1] != entry.k
+            or x2d.device.type != "cpu" or group_size != entry.group
+            or (bias is not None and bias.shape != (entry.n,)) or "FASTAWQ_CPU_KERNEL" in os.environ):
+        return None
+    # Same objects (so same inference-ness) and no in-place write since the repack; an inference
+    # tensor keeps no counter (its slot holds None) and is keyed on identity alone.
+    if tensors[0] is not scales or tensors[1] is not qzeros:
+        return None
+    for t, v in zip((qweight, scales, qzeros), versions):
+        if v is not None and t._version != v:
+            return None
+    return entry
+
+
+def _remember_fast(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, entry: FastPacked) -> None:
+    key = id(qweight)
+    versions = tuple(None if t.is_inference() else t._version for t in (qweight, scales, qzeros))
+    # The callback fires when qweight dies, before its id can be reused.
+    ref = weakref.ref(qweight, lambda _, key=key: _fast_ids.pop(key, None))
+    _fast_ids[key] = (ref, entry, (scales, qzeros), versions)
 
 
 # x [M, K] · qweight [K, N // 8] int32 · scales [K // G, N] · qzeros [K // G, N // 8] int32 · bias [N]  ->  [M, N] (x's dtype)
@@ -285,27 +323,55 @@ def awq_gemm(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = x @ dequantize(qweight, scales, qzeros) + bias on the kernel `kernel_for` picks."""
-    # Decode calls this ~200 times per token (WQLinear's cached plan): when this weight's repack
-    # for fastawq's kernel is cached and still valid, and nothing forces another kernel, go
-    # straight to it (saves the kernel choice, ~5 us a call).
-    entry = _cache.get(qweight)
-    if (entry is not None and entry.kernel == FASTAWQ and x2d.dtype in _FAST_X and x2d.dim() == 2
-            and x2d.shape[1] == entry.k and x2d.device.type == "cpu" and group_size == entry.group
-            and (bias is None or bias.shape == (entry.n,)) and os.environ.get("FASTAWQ_CPU_KERNEL") is None
-            and entry.signature == _signature(qweight, scales, qzeros, entry.group)):
+    # A cache hit on fastawq's kernel skips the kernel choice (~5 us a call, ~200 calls a token).
+    entry = _fast_hit(x2d, qweight, scales, qzeros, group_size, bias)
+    if entry is not None:
         return torch.ops.fastawq.awq_cpu_gemm(x2d, entry.w, entry.scales, entry.zeros16, entry.group, entry.n, bias)
     if x2d.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K], got {tuple(x2d.shape)}")
     kernel, why = kernel_for(x2d.dtype, qweight, group_size, x_device=x2d.device)
     if kernel is None:
         raise ValueError(f"CPU int4 kernel cannot run x {tuple(x2d.shape)} {x2d.dtype}: {why}")
-    # Decode calls this ~200 times per token: a cache hit checks only what can differ per call.
     p = prepare(qweight, scales, qzeros, group_size, kernel)  # validates the weight when it (re)packs
     if x2d.shape[1] != p.k:
         raise ValueError(f"x {tuple(x2d.shape)} has K={x2d.shape[1]} but qweight {tuple(qweight.shape)} has K={p.k}")
     if bias is not None and tuple(bias.shape) != (p.n,):
         raise ValueError(f"bias {tuple(bias.shape)} must have shape ({p.n},) to match qweight {tuple(qweight.shape)}")
     return mm(x2d, p, bias)
+
+
+# x [..., K] · qweight [K, N // 8] int32 · scales [K // G, N] · qzeros [K // G, N // 8] int32 · bias [N]  ->  [..., N] or None
+def cached_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
+                group_size: int, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """ops.awq_gemm's shortcut: the product when this weight's fastawq repack is cached and valid
+    and the call needs nothing else (bias in x's dtype, M > 0); None otherwise."""
+    if x.dim() < 1 or (bias is not None and bias.dtype != x.dtype):
+        return None
+    x2d = x.reshape(-1, x.shape[-1])
+    if x2d.shape[0] == 0:
+        return None
+    entry = _fast_hit(x2d, qweight, scales, qzeros, group_size, bias)
+    if entry is None:
+        return None
+    out = torch.ops.fastawq.awq_cpu_gemm(x2d, entry.w, entry.scales, entry.zeros16, entry.group, entry.n, bias)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], entry.n)
+
+
+# x [M, K] · qweight [K, N // 8] int32 · scales [K // G, N] · qzeros [K // G, N // 8] int32 · bias [N]
+def bind_gemm(x_dtype: torch.dtype, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
+              group_size: int, bias: torch.Tensor | None):
+    """x2d -> awq_gemm(x2d, ...) for activations of x_dtype, with the repack done now: the
+    caller (a cached plan) re-binds when the tensors change, so a call is one kernel call."""
+    kernel, why = kernel_for(x_dtype, qweight, group_size)
+    if kernel is None:
+        raise ValueError(f"CPU int4 kernel cannot run {x_dtype} activations: {why}")
+    p = prepare(qweight, scales, qzeros, group_size, kernel)
+    b = None if bias is None else bias.detach().to(torch.float32).contiguous()
+    if p.kernel == FASTAWQ and x_dtype in _FAST_X:
+        gemm, w, s, z, g, n = torch.ops.fastawq.awq_cpu_gemm, p.w, p.scales, p.zeros16, p.group, p.n
+        return lambda x2d: gemm(x2d, w, s, z, g, n, b)
+    bias_x = None if bias is None else bias.detach().to(x_dtype)
+    return lambda x2d: mm(x2d, p, bias_x)
 
 
 def mm(x2d: torch.Tensor, p: FastPacked | PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:

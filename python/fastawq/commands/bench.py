@@ -10,6 +10,7 @@ import argparse
 import gc
 import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -76,6 +77,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _resident_gib() -> float | None:
+    """The process's resident memory on the CPU (weights, cache, activations, and the runtime)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
@@ -113,6 +123,8 @@ def run_round(model: torch.nn.Module, mode: str, batch: int, prefill_len: int, d
         row.decode_tps = batch * decode_len / (t2 - t1)
         if device.type == "cuda":
             row.memory_gib = torch.cuda.max_memory_allocated(device) / 2**30
+        else:
+            row.memory_gib = _resident_gib()
     except Exception as e:  # an OOM (or a too-long round) is a row, and the run goes on
         if _is_oom(e):
             row.note = "OOM"
@@ -129,6 +141,7 @@ def run_round(model: torch.nn.Module, mode: str, batch: int, prefill_len: int, d
 
 
 def format_table(rows: list[Row]) -> str:
+    # The memory column keeps AutoAWQ's name; on the CPU it holds the process's resident memory.
     head = ["Mode", "Batch Size", "Prefill Length", "Decode Length", "Prefill tokens/s",
             "Decode tokens/s", "Memory (VRAM)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -137,7 +150,7 @@ def format_table(rows: list[Row]) -> str:
             cells = [r.note, r.note, r.note]
         else:
             cells = [f"{r.prefill_tps:,.1f}", f"{r.decode_tps:,.1f}",
-                     f"{r.memory_gib:.2f} GiB" if r.memory_gib is not None else "n/a (CPU)"]
+                     f"{r.memory_gib:.2f} GiB" if r.memory_gib is not None else "n/a"]
         lines.append("| " + " | ".join([r.mode, str(r.batch), str(r.prefill_len), str(r.decode_len), *cells]) + " |")
     return "\n".join(lines)
 

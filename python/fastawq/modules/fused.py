@@ -220,6 +220,7 @@ class FusedRuntime:
         self.batch = 0
         self._graphs: dict[int, _DecodeGraph] = {}
         self._workspaces: tuple = ()
+        self.cpu_step = None  # fused_cpu.CPUDecodeStep where it serves the model (set by fuse_model)
 
     @property
     def device(self) -> torch.device:
@@ -305,6 +306,8 @@ class FusedRuntime:
                 self._workspaces = _external_workspaces()
             g.graph.replay()
             logits = g.logits.clone()  # the static output is overwritten by the next replay
+        elif self.cpu_step is not None:
+            logits = self.cpu_step(ids, pos)
         else:
             positions = torch.full((b, 1), pos, dtype=torch.int32, device=self.device)
             lens = torch.full((b,), pos + 1, dtype=torch.int32, device=self.device)
@@ -380,6 +383,7 @@ def fuse_model(
     backend: str | None = None,
     prefill_chunk: int | None = 1024,
     kernels: str | None = None,
+    cpu_lm_head_bits: int | None = 8,
 ) -> nn.Module:
     """Swap each decoder layer of a W4 (WQLinear) Llama-like causal LM for fused modules, in place.
 
@@ -388,7 +392,8 @@ def fuse_model(
     `model(input_ids)` runs a fresh prefill, `model.generate(...)` runs fastawq.generate, and
     `model.fastawq_runtime` exposes prefill/decode steps. `backend` (cuda | triton | cpu | torch,
     None: dispatch decides) is forced on every op of the fused model, its WQLinear layers included;
-    `kernels` is its deprecated former name."""
+    `kernels` is its deprecated former name. On the CPU, decode runs fused_cpu.CPUDecodeStep where
+    it can, with an 8-bit lm_head unless `cpu_lm_head_bits=None`."""
     if kernels is not None:
         if backend is not None and backend != kernels:
             raise ValueError(f"backend={backend!r} and its deprecated alias kernels={kernels!r} disagree")
@@ -420,6 +425,14 @@ def fuse_model(
             if isinstance(module, WQLinear):
                 module.set_backend(backend)
     runtime = FusedRuntime(model, cfg, use_cuda_graphs=use_cuda_graphs, backend=backend, prefill_chunk=prefill_chunk)
+    if device.type == "cpu" and backend in (None, "cpu"):
+        from fastawq.modules import fused_cpu
+
+        why = fused_cpu.why_not(runtime)
+        if why is None:
+            runtime.cpu_step = fused_cpu.CPUDecodeStep(runtime, cpu_lm_head_bits)
+        else:
+            log.info("fused CPU decode step not used (%s): decoding through the generic ops", why)
     object.__setattr__(model, "fastawq_runtime", runtime)
     model.forward = types.MethodType(_fused_forward, model)
     model.generate = types.MethodType(_fused_generate, model)

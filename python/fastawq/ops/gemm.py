@@ -6,6 +6,7 @@ Every op takes the AWQ "GEMM" layout (see reference.py) and accepts ``backend=``
 """
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -69,6 +70,11 @@ def awq_gemm(
     backend: str | None = None,
 ) -> torch.Tensor:
     """y = x @ dequantize(qweight, scales, qzeros) + bias, accumulated in fp32, in x's dtype."""
+    if backend is None and x.device.type == "cpu" and "FASTAWQ_BACKEND" not in os.environ:
+        # A weight already repacked for the CPU kernel skips planning (~100 us a call).
+        out = _cpu().cached_gemm(x, qweight, scales, qzeros, group_size, bias)
+        if out is not None:
+            return out
     return awq_gemm_plan(x, qweight, scales, qzeros, group_size, bias, backend=backend)(x)
 
 
@@ -147,7 +153,9 @@ def _bind_gemm(
     if be == "cuda":
         scales_x = scales if scales.dtype == dtype else scales.to(dtype)
         return lambda x2: torch.ops.fastawq.awq_gemm(x2.contiguous(), qweight, scales_x, qzeros, g, bias, kernel)
-    impl = (_triton() if be == "triton" else _cpu()).awq_gemm
+    if be == "cpu":  # repacked now: a call is one kernel call
+        return _cpu().bind_gemm(dtype, qweight, scales, qzeros, g, bias)
+    impl = _triton().awq_gemm
     return lambda x2: impl(x2, qweight, scales, qzeros, g, bias)
 
 
