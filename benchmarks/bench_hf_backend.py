@@ -121,8 +121,33 @@ def _diagnose(model, vocab: int) -> None:
 
     backends = sorted({getattr(getattr(m, "_plan", None), "backend", "none") for m in model.modules()
                        if isinstance(m, WQLinear)})
+    rot = next((m for n, m in model.named_modules() if n.endswith("rotary_emb")), None)
+    print(f"  attn_implementation {getattr(model.config, '_attn_implementation', None)!r}, "
+          f"inv_freq {getattr(getattr(rot, 'inv_freq', None), 'dtype', None)}, dtype {model.dtype}")
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, *a, **kw):
+        if len(seen) < 1:
+            seen.append((tuple(q.shape), q.stride(), k.stride(), q.dtype, None if attn_mask is None else
+                         (tuple(attn_mask.shape), attn_mask.dtype), kw.get("is_causal"), kw.get("enable_gqa")))
+        return sdpa(q, k, v, attn_mask, *a, **kw)
     step = stepper_for(model)
     tok = step.prefill(torch.randint(0, vocab, (1, 16), device=step.device)).argmax(-1)
+    torch.nn.functional.scaled_dot_product_attention = spy
+    try:
+        tok = step.decode(tok).argmax(-1)
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+    print(f"  first decode SDPA call (q shape, q/k strides, dtype, mask, is_causal, enable_gqa): {seen}")
+    for cudnn in (False, True):
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(16):
+            tok = step.decode(tok).argmax(-1)
+        torch.cuda.synchronize()
+        print(f"  cudnn SDPA {'on ' if cudnn else 'off'}: {(time.perf_counter() - t) / 16 * 1e3:.2f} ms per decode step")
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for _ in range(3):
             tok = step.decode(tok).argmax(-1)
