@@ -106,6 +106,13 @@ def test_cli_and_clear_errors(scaled_dir, tmp_path):
     out = tmp_path / "m.gguf"
     assert cli_main(["export-gguf", str(scaled_dir / "scaled"), str(out), "--type", "q8_0"]) == 0
     assert out.stat().st_size > 0
+    # An existing file is replaced only when asked.
+    before = out.read_bytes()
+    with pytest.raises(FileExistsError, match="overwrite"):
+        export_gguf(scaled_dir / "scaled", out, "f16")
+    assert out.read_bytes() == before
+    assert cli_main(["export-gguf", str(scaled_dir / "scaled"), str(out), "--type", "f16", "--overwrite"]) == 0
+    assert out.read_bytes() != before
     with pytest.raises(ValueError, match="gguf_type"):
         export_gguf(scaled_dir / "scaled", tmp_path / "x.gguf", "q3_k")
     bad = tmp_path / "opt"

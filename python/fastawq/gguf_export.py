@@ -166,9 +166,10 @@ def _add_tokenizer(writer: Any, src: Path, vocab_size: int, pre: str | None) -> 
 # ---------------------------------------------------------------- the writer
 def export_gguf(
     src: str | os.PathLike, out: str | os.PathLike, gguf_type: str = "f16", *, embed_type: str | None = None,
-    tokenizer_pre: str | None = None,
+    tokenizer_pre: str | None = None, overwrite: bool = False,
 ) -> Path:
-    """Write the Hugging Face llama-family folder `src` (float safetensors) as the GGUF file `out`.
+    """Write the Hugging Face llama-family folder `src` (float safetensors) as the GGUF file `out`
+    (an existing `out` only with overwrite=True; the file is written beside it and renamed in).
 
     gguf_type applies to the decoder's linear weights; norms stay F32; the embedding (and an untied
     output head) use `embed_type`, by default Q8_0 for 4-bit types (as llama.cpp's own files keep
@@ -183,6 +184,8 @@ def export_gguf(
     if embed_type not in GGUF_TYPES:
         raise ValueError(f"embed_type must be one of {GGUF_TYPES}, got {embed_type!r}")
     src, out = Path(src), Path(out)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; pass overwrite=True (CLI: --overwrite) to replace it")
     config, tensors = _read_folder(src)
     rope = config.get("rope_scaling") or {}
     if rope and rope.get("rope_type", rope.get("type", "default")) != "default":

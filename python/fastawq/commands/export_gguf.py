@@ -6,7 +6,8 @@ from __future__ import annotations
 def run(args) -> int:
     from fastawq.gguf_export import export_gguf
 
-    out = export_gguf(args.model_dir, args.out, args.type, embed_type=args.embed_type, tokenizer_pre=args.tokenizer_pre)
+    out = export_gguf(args.model_dir, args.out, args.type, embed_type=args.embed_type, tokenizer_pre=args.tokenizer_pre,
+                      overwrite=args.overwrite)
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, {args.type.upper()})")
     return 0
 
@@ -22,4 +23,5 @@ def add_parser(sub) -> None:
                    help="embedding / untied head (default q8_0 for 4-bit types, else --type)")
     p.add_argument("--tokenizer-pre", default=None,
                    help="llama.cpp's pre-tokenizer name, e.g. smollm or llama-bpe (default: 'default')")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.set_defaults(func=run)
