@@ -1,4 +1,5 @@
-"""Triton W4A16 kernels on the AWQ "GEMM" layout: dequantize, and a GEMM for every M.
+"""Triton W4A16 kernels: dequantize, and a GEMM for every M, on the AWQ "GEMM" layout and on the
+packed layout of fastawq/ops/repack.py (the GEMM's PACKED variant, packed_dequantize_kernel).
 
 The GEMM unpacks 4-bit weights in registers and feeds tl.dot with fp32 accumulation. Small M is
 memory-bound: one row cannot fill 132 SMs from N tiles alone, so K is split across programs; the
@@ -26,6 +27,53 @@ def _unpack_cols(words, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _packed_rows(k0, BLOCK_K: tl.constexpr):
+    """K rows of a packed-layout tile in the order _packed_tile yields them: (j, r, kb) with j the
+    word of a lane's 16 bytes, r the nibble parity and kb the 8-row batch (row 8kb + 2j + r)."""
+    i = tl.arange(0, BLOCK_K)
+    return k0 + 8 * (i % (BLOCK_K // 8)) + i // (BLOCK_K // 8)
+
+
+@triton.jit
+def _packed_tile(w_ptr, k0, K, N, pid_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """wpacked [K/8, N] -> the [BLOCK_K, BLOCK_N] nibbles of rows _packed_rows(k0), columns in order.
+
+    Word (kb, 4*c4 + j) holds rows 8kb + 2j (even nibbles) and 8kb + 2j + 1 (odd) of columns
+    4c4 .. 4c4+3 (byte c). Loading the words as [j, kb, c4] puts each output column's nibble at a
+    fixed shift, so the rows come out permuted (the activations are loaded in the same order)
+    instead of the nibbles being moved between words."""
+    KB: tl.constexpr = BLOCK_K // 8
+    C4: tl.constexpr = BLOCK_N // 4
+    j = tl.arange(0, 4)
+    kb = tl.arange(0, KB)
+    c4 = pid_n * C4 + tl.arange(0, C4)
+    ptrs = w_ptr + (k0 // 8 + kb)[None, :, None] * N + (4 * c4)[None, None, :] + j[:, None, None]
+    mask = ((k0 // 8 + kb) < K // 8)[None, :, None] & (c4 < N // 4)[None, None, :]
+    words = tl.load(ptrs, mask=mask, other=0)  # [4, KB, C4]
+    shifts = 4 * tl.arange(0, 2)[:, None] + 8 * tl.arange(0, 4)[None, :]  # [r, c]
+    q = (words[:, None, :, :, None] >> shifts[None, :, None, None, :]) & 0xF  # [j, r, kb, c4, c]
+    return tl.reshape(q, (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def _dequant(q, z, s, a, INTERPRET: tl.constexpr):
+    """(q - z) * s as the dot's B operand: [BK, BN] nibbles, [BN] zeros (ints or exact floats), [BN] scales."""
+    if INTERPRET:
+        # The interpreter's bf16 conversions and bf16 tl.dot are wrong: stay in fp32 there.
+        return (q.to(tl.float32) - z[None, :].to(tl.float32)) * s[None, :].to(tl.float32)
+    # int4 -> half through the exponent field: (MAGIC | q) is OFFSET + q exactly, and OFFSET + z
+    # likewise, so their difference is the exact small integer q - z; one rounding in the multiply
+    # by s, as in a dequantized weight matrix of x's dtype.
+    if a.dtype == tl.float16:
+        qh = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        zh = z.to(tl.float16) + 1024.0
+    else:
+        qh = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        zh = z.to(tl.bfloat16) + 128.0
+    return (qh - zh[None, :]) * s[None, :].to(a.dtype)
+
+
+@triton.jit
 def awq_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, qz_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr,
     M, N, K, G, split_k,
@@ -37,8 +85,10 @@ def awq_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     INTERPRET: tl.constexpr = False,
+    PACKED: tl.constexpr = False,
 ):
-    # x [M, K] · qweight [K, N // 8] · scales [K // G, N] · qzeros [K // G, N // 8] -> out [M, N]
+    # AWQ:    x [M, K] · qweight [K, N // 8] · scales [K // G, N] · qzeros [K // G, N // 8] -> out [M, N]
+    # PACKED: x [M, K] · wpacked [K // 8, N] (qw_ptr) · szpacked [K // G, 2N] (s_ptr; qz_ptr unused)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -64,28 +114,24 @@ def awq_gemm_kernel(
     # BLOCK_K divides G, so each K tile lies inside one quantization group.
     for t in range(pid_k, K // BLOCK_K, split_k):
         k0 = t * BLOCK_K
-        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
-        words = tl.load(qw_ptr + (k0 + offs_k)[:, None] * n8 + offs_w[None, :], mask=mask_w[None, :], other=0)
         g = k0 // G
-        zw = tl.load(qz_ptr + g * n8 + offs_w, mask=mask_w, other=0)
-        s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0)
-        q = _unpack_cols(words, BLOCK_N)
-        z = tl.reshape(_unpack_cols(zw[None, :], BLOCK_N), (BLOCK_N,))
+        if PACKED:
+            a = tl.load(x_ptr + offs_m[:, None] * stride_xm + _packed_rows(k0, BLOCK_K)[None, :],
+                        mask=mask_m[:, None], other=0.0)
+            q = _packed_tile(qw_ptr, k0, K, N, pid_n, BLOCK_N, BLOCK_K)
+            s = tl.load(s_ptr + g * 2 * N + 2 * offs_n, mask=mask_n, other=0.0)
+            z = tl.load(s_ptr + g * 2 * N + 2 * offs_n + 1, mask=mask_n, other=0.0)
+        else:
+            a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
+            words = tl.load(qw_ptr + (k0 + offs_k)[:, None] * n8 + offs_w[None, :], mask=mask_w[None, :], other=0)
+            zw = tl.load(qz_ptr + g * n8 + offs_w, mask=mask_w, other=0)
+            s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0)
+            q = _unpack_cols(words, BLOCK_N)
+            z = tl.reshape(_unpack_cols(zw[None, :], BLOCK_N), (BLOCK_N,))
+        b = _dequant(q, z, s, a, INTERPRET)
         if INTERPRET:
-            # The interpreter's bf16 conversions and bf16 tl.dot are wrong: stay in fp32 there.
-            b = (q - z[None, :]).to(tl.float32) * s[None, :].to(tl.float32)
             acc = tl.dot(a.to(tl.float32), b, acc)
         else:
-            # int4 -> half through the exponent field: (MAGIC | q) is OFFSET + q exactly, and
-            # OFFSET + z likewise, so their difference is the exact small integer q - z; one
-            # rounding in the multiply by s, as in a dequantized weight matrix of x's dtype.
-            if a.dtype == tl.float16:
-                qh = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-                zh = (z | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-            else:
-                qh = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-                zh = (z | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            b = (qh - zh[None, :]) * s[None, :].to(a.dtype)
             acc = tl.dot(a, b, acc)
 
     tile = pid_m * num_pid_n + pid_n
@@ -199,3 +245,25 @@ def awq_dequantize_kernel(
     w = (q - z).to(tl.float32) * s.to(tl.float32)
     tl.store(out_ptr + offs_k[:, None] * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty),
              mask=mask_k[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def packed_dequantize_kernel(
+    w_ptr, sz_ptr, out_ptr,
+    K, N, G,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # wpacked [K // 8, N] int32 · szpacked [K // G, 2N] -> out [K, N]; G is any multiple of 8
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    k0 = pid_k * BLOCK_K
+    rows = _packed_rows(k0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < K)[:, None] & (offs_n < N)[None, :]
+    q = _packed_tile(w_ptr, k0, K, N, pid_n, BLOCK_N, BLOCK_K)
+    sz = sz_ptr + (rows // G)[:, None] * 2 * N + 2 * offs_n[None, :]
+    s = tl.load(sz, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(sz + 1, mask=mask, other=0.0).to(tl.float32)
+    w = (q.to(tl.float32) - z) * s
+    tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)

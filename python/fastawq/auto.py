@@ -249,9 +249,14 @@ class AutoAWQForCausalLM:
         verify: str | None = None,
         max_memory: dict | None = None,
         offload_folder: str | os.PathLike | None = None,
+        layout: str = "awq",
         **kwargs: Any,
     ) -> AWQModel:
         """Load an AWQ checkpoint (fastawq's or AutoAWQ's) ready for generate().
+
+        layout: how the quantized layers hold their weights in memory: "awq" (the checkpoint's
+        layout), "packed" (repacked at load for the decode kernel, exactly; see WQLinear.set_layout)
+        or "auto" (the faster on this device, backend.preferred_layout). Saving always writes AWQ GEMM.
 
         On the CPU, `use_ipex=True` makes the packed layers inference-only modules that call the
         CPU kernel directly, and `cpu_lm_head_bits=8` (with it) also runs the float lm_head as an
@@ -263,6 +268,12 @@ class AutoAWQForCausalLM:
 
         if not safetensors:
             raise ValueError("fastawq reads only safetensors checkpoints")
+        from fastawq.modules.qlinear import LAYOUTS, set_layout
+
+        if layout not in (*LAYOUTS, "auto"):
+            raise ValueError(f"layout must be one of {LAYOUTS} or 'auto', got {layout!r}")
+        if use_ipex and layout == "packed":
+            raise ValueError("use_ipex=True makes CPU modules of the AWQ layout; layout='packed' serves CUDA devices")
         from fastawq.hub import resolve
 
         quant_path = resolve(quant_path, kwargs.pop("revision", None), trust_remote_code=trust_remote_code)
@@ -322,6 +333,9 @@ class AutoAWQForCausalLM:
                 if not auto_fuse:
                     raise
                 log.info("not fusing layers: %s", e)
+        if layout != "awq" and not use_ipex:
+            # After fusing: the fused engine concatenates the layers' AWQ tensors, then they convert.
+            set_layout(model, layout)
         if use_ipex and backend is None and not fuse_layers:
             # AutoAWQ's IPEX path makes inference-only CPU modules; so does this one: each packed
             # layer holds only its repacked weight and calls the kernel directly (no per-call
