@@ -209,10 +209,10 @@ def test_auto_layout_follows_the_backend_choice():
     assert layer.layout == backend.preferred_layout(torch.device("cpu")) == "awq"
 
 
-def test_saved_checkpoint_is_identical_from_either_layout(tmp_path):
-    from safetensors.torch import load_file
-
-    from fastawq.auto import AutoAWQForCausalLM, AWQModel
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A tiny quantized Llama saved from the AWQ layout and again after converting to packed."""
+    from fastawq.auto import AWQModel
     from fastawq.quantize import QuantConfig, quantize
     from test_models import calib_ids, tiny_model
 
@@ -222,16 +222,45 @@ def test_saved_checkpoint_is_identical_from_either_layout(tmp_path):
     ids = calib_ids(1, 8)
     with torch.no_grad():
         want = model(ids).logits
-    AWQModel(model, qc).save_quantized(tmp_path / "awq")
+    root = tmp_path_factory.mktemp("packed_layout")
+    AWQModel(model, qc).save_quantized(root / "awq")
     assert set_layout(model, "packed") > 0
-    AWQModel(model, qc).save_quantized(tmp_path / "packed")
-    a, b = load_file(tmp_path / "awq" / "model.safetensors"), load_file(tmp_path / "packed" / "model.safetensors")
+    AWQModel(model, qc).save_quantized(root / "packed")
+    return root, ids, want
+
+
+def test_saved_checkpoint_is_identical_from_either_layout(tiny_checkpoint):
+    from safetensors.torch import load_file
+
+    from fastawq.auto import AutoAWQForCausalLM
+
+    root, ids, want = tiny_checkpoint
+    a, b = load_file(root / "awq" / "model.safetensors"), load_file(root / "packed" / "model.safetensors")
     assert list(a) == list(b) and all(torch.equal(_bits(a)[k], _bits(b)[k]) for k in a)
-    assert (tmp_path / "awq" / "model.safetensors").read_bytes() == (tmp_path / "packed" / "model.safetensors").read_bytes()
-    loaded = AutoAWQForCausalLM.from_quantized(tmp_path / "packed", device_map="cpu", layout="packed",
+    assert (root / "awq" / "model.safetensors").read_bytes() == (root / "packed" / "model.safetensors").read_bytes()
+    loaded = AutoAWQForCausalLM.from_quantized(root / "packed", device_map="cpu", layout="packed",
                                               torch_dtype=torch.float16)
     assert all(m.layout == "packed" for m in loaded.model.modules() if isinstance(m, WQLinear))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits.float(), want.float(), rtol=2e-2, atol=2e-2)
     with pytest.raises(ValueError, match="layout must be one of"):
-        AutoAWQForCausalLM.from_quantized(tmp_path / "packed", device_map="cpu", layout="marlin")
+        AutoAWQForCausalLM.from_quantized(root / "packed", device_map="cpu", layout="marlin")
+
+
+def test_fused_engine_serves_the_packed_layout(tiny_checkpoint):
+    # The engine fuses q/k/v and gate/up by concatenating AWQ tensors; the layout converts after.
+    from fastawq.auto import AutoAWQForCausalLM
+
+    root, ids, _ = tiny_checkpoint
+    ids = ids.to(DEVICE)
+    runs = {}
+    for layout in ("awq", "packed"):
+        model = AutoAWQForCausalLM.from_quantized(root / "awq", device_map=DEVICE, fuse_layers=True, layout=layout)
+        layers = [m for m in model.model.modules() if isinstance(m, WQLinear)]
+        assert layers and all(m.layout == layout for m in layers)
+        with torch.no_grad():
+            logits = model(ids).logits.float()
+        tokens = model.generate(ids, max_new_tokens=6, do_sample=False)  # decode at M = 1 (CUDA graphs on GPUs)
+        runs[layout] = (logits, tokens)
+    torch.testing.assert_close(runs["packed"][0], runs["awq"][0], rtol=2e-2, atol=2e-2)
+    assert runs["packed"][1].shape == runs["awq"][1].shape

@@ -66,10 +66,10 @@ def _dequant(q, z, s, a, INTERPRET: tl.constexpr):
     # by s, as in a dequantized weight matrix of x's dtype.
     if a.dtype == tl.float16:
         qh = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-        zh = z.to(tl.float16) + 1024.0
+        zh = (z.to(tl.float32) + 1024.0).to(tl.float16)
     else:
         qh = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        zh = z.to(tl.bfloat16) + 128.0
+        zh = (z.to(tl.float32) + 128.0).to(tl.bfloat16)
     return (qh - zh[None, :]) * s[None, :].to(a.dtype)
 
 
