@@ -206,9 +206,13 @@ def awq_gemm(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     k, n, g = check_awq_shapes(qweight, scales, qzeros, group_size)
-    if x.shape[-1] != k:
-        raise ValueError(f"x {tuple(x.shape)} has K={x.shape[-1]} but qweight {tuple(qweight.shape)} has K={k}")
+    _check_x(x, k, f"qweight {tuple(qweight.shape)}")
     return _matmul_fp32(x, _dequantize_fp32(qweight, scales, qzeros, g), bias)
+
+
+def _check_x(x: torch.Tensor, k: int, weight: str) -> None:
+    if x.shape[-1] != k:
+        raise ValueError(f"x {tuple(x.shape)} has K={x.shape[-1]} but {weight} has K={k}")
 
 
 def _matmul_fp32(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -261,8 +265,7 @@ def packed_gemm(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     k, n, g = check_packed_shapes(wpacked, szpacked, n, group_size)
-    if x.shape[-1] != k:
-        raise ValueError(f"x {tuple(x.shape)} has K={x.shape[-1]} but wpacked {tuple(wpacked.shape)} has K={k}")
+    _check_x(x, k, f"wpacked {tuple(wpacked.shape)}")
     return _matmul_fp32(x, _dequantize_packed_fp32(wpacked, szpacked, n, g), bias)
 
 

@@ -96,12 +96,7 @@ def awq_gemm_plan(
     backend.size_buckets).
     """
     k, n, g = reference.check_awq_shapes(qweight, scales, qzeros, group_size)
-    if x.dim() < 1 or x.shape[-1] != k:
-        raise ValueError(f"x {tuple(x.shape)} must end in K={k} to match qweight {tuple(qweight.shape)}")
-    if not x.is_floating_point():
-        raise TypeError(f"x must be floating point, got {x.dtype}")
-    if bias is not None and tuple(bias.shape) != (n,):
-        raise ValueError(f"bias {tuple(bias.shape)} must have shape ({n},) to match qweight {tuple(qweight.shape)}")
+    check_activations(x, bias, k, n, f"qweight {tuple(qweight.shape)}")
     device = _check_same_device(x=x, qweight=qweight, scales=scales, qzeros=qzeros, bias=bias)
     probe = x.reshape(-1, k)[:1] if x.numel() else x.new_empty((1, k))
     return plan_by_buckets(
@@ -111,6 +106,16 @@ def awq_gemm_plan(
                                           backend_mod.cuda_gemm_kernel(bound)),
         variant=lambda be, bound: backend_mod.cuda_gemm_kernel(bound) if be == "cuda" else None,
     )
+
+
+def check_activations(x: torch.Tensor, bias: torch.Tensor | None, k: int, n: int, weight: str) -> None:
+    """x [..., K] floating point and bias [N] for a W4 weight described by `weight` (for the message)."""
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(f"x {tuple(x.shape)} must end in K={k} to match {weight}")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be floating point, got {x.dtype}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias {tuple(bias.shape)} must have shape ({n},) to match {weight}")
 
 
 def plan_by_buckets(

@@ -23,7 +23,7 @@ from fastawq import _ext, reference
 from fastawq.backend import select_backend
 from fastawq.ops._common import HALF, call_op, check_same_device
 from fastawq.ops._common import triton_module as _triton
-from fastawq.ops.gemm import plan_by_buckets
+from fastawq.ops.gemm import check_activations, plan_by_buckets
 
 MAX_M = 8  # the kernel's largest batch
 
@@ -167,12 +167,7 @@ def packed_gemm_plan(
     """packed_gemm validated once and bound per M bucket, as awq_gemm_plan: on CUDA the compiled
     awq_gemv_packed up to backend.PACKED_GEMV_MAX_M rows, the Triton GEMM on the packed layout above."""
     k, n, g = reference.check_packed_shapes(wpacked, szpacked, n, group_size)
-    if x.dim() < 1 or x.shape[-1] != k:
-        raise ValueError(f"x {tuple(x.shape)} must end in K={k} to match wpacked {tuple(wpacked.shape)}")
-    if not x.is_floating_point():
-        raise TypeError(f"x must be floating point, got {x.dtype}")
-    if bias is not None and tuple(bias.shape) != (n,):
-        raise ValueError(f"bias {tuple(bias.shape)} must have shape ({n},) to match N={n}")
+    check_activations(x, bias, k, n, f"wpacked {tuple(wpacked.shape)} (N={n})")
     device = check_same_device(x=x, wpacked=wpacked, szpacked=szpacked, bias=bias)
     probe = x.reshape(-1, k)[:1] if x.numel() else x.new_empty((1, k))
     return plan_by_buckets(
