@@ -254,7 +254,8 @@ def _tune(key, x, wts: W4, g, bias, out, candidates):
             continue
         if ms < best_ms:
             best, best_ms = cfg, ms
-    logger.info("%s %s -> %s (%.1f us)", "packed_gemm" if wts.packed else "awq_gemm", key, getattr(best, "label", lambda: best)(), best_ms * 1e3)
+    logger.info("%s %s -> %s (%.1f us)", "packed_gemm" if wts.packed else "awq_gemm", key,
+                getattr(best, "label", lambda: best)(), best_ms * 1e3)
     return best
 
 

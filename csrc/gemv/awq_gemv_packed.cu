@@ -40,7 +40,8 @@ __device__ __forceinline__ void load_batch(uint4 (&w)[kLoads], const uint4* __re
                                            bool col_ok, uint64_t policy) {
 #pragma unroll
   for (int u = 0; u < kLoads; ++u) {
-    w[u] = col_ok ? gemv::load_stream(wp + static_cast<int64_t>(b * kLoads + u) * n4 + c4, policy) : make_uint4(0, 0, 0, 0);
+    w[u] = col_ok ? gemv::load_stream(wp + static_cast<int64_t>(b * kLoads + u) * n4 + c4, policy)
+                  : make_uint4(0, 0, 0, 0);
   }
 }
 

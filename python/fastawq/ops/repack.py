@@ -115,7 +115,7 @@ def _packed_gemm_fits(be: str, x2: torch.Tensor, wpacked, szpacked, n: int, k: i
             return f"awq_gemv_packed takes M <= {MAX_M}, the triton backend serves larger M"
         if g % 32 or k % 32:
             return f"awq_gemv_packed needs group_size and K multiples of 32, got group_size={g}, K={k}"
-        if wpacked.data_ptr() % 16 or szpacked.data_ptr() % 16 or not (wpacked.is_contiguous() and szpacked.is_contiguous()):
+        if any(t.data_ptr() % 16 or not t.is_contiguous() for t in (wpacked, szpacked)):
             return "awq_gemv_packed needs contiguous, 16-byte aligned wpacked and szpacked"
         return None
     if be == "triton":
