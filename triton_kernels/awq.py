@@ -27,50 +27,61 @@ def _unpack_cols(words, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _packed_rows(k0, BLOCK_K: tl.constexpr):
-    """K rows of a packed-layout tile in the order _packed_tile yields them: (j, r, kb) with j the
-    word of a lane's 16 bytes, r the nibble parity and kb the 8-row batch (row 8kb + 2j + r)."""
-    i = tl.arange(0, BLOCK_K)
-    return k0 + 8 * (i % (BLOCK_K // 8)) + i // (BLOCK_K // 8)
+def _word_nibbles(w):
+    """[KB, C4] words -> [KB, C4, r, c_lo, c_hi]: nibble r of byte c = 2 c_hi + c_lo (bits 8c + 4r)."""
+    t0 = tl.join(w & 0xF, (w >> 4) & 0xF)
+    t1 = tl.join((w >> 8) & 0xF, (w >> 12) & 0xF)
+    t2 = tl.join((w >> 16) & 0xF, (w >> 20) & 0xF)
+    t3 = tl.join((w >> 24) & 0xF, (w >> 28) & 0xF)
+    return tl.join(tl.join(t0, t1), tl.join(t2, t3))
 
 
 @triton.jit
 def _packed_tile(w_ptr, k0, K, N, pid_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """wpacked [K/8, N] -> the [BLOCK_K, BLOCK_N] nibbles of rows _packed_rows(k0), columns in order.
+    """wpacked [K/8, N] -> the [BLOCK_K, BLOCK_N] nibbles of rows k0 .. k0 + BLOCK_K, columns of tile pid_n.
 
-    Word (kb, 4*c4 + j) holds rows 8kb + 2j (even nibbles) and 8kb + 2j + 1 (odd) of columns
-    4c4 .. 4c4+3 (byte c). Loading the words as [j, kb, c4] puts each output column's nibble at a
-    fixed shift, so the rows come out permuted (the activations are loaded in the same order)
-    instead of the nibbles being moved between words."""
+    Word (kb, 4 c4 + j) holds rows 8kb + 2j (even nibbles) and 8kb + 2j + 1 (odd) of columns
+    4c4 .. 4c4+3 (byte c). A thread loads the 4 words of one (kb, c4) (16 bytes) and expands them
+    with joins, so its 8 rows x 4 columns stay in its own registers: the final permutation moves
+    no data between threads, and the dequantized tile is stored to shared memory in vectors."""
     KB: tl.constexpr = BLOCK_K // 8
     C4: tl.constexpr = BLOCK_N // 4
-    j = tl.arange(0, 4)
-    kb = tl.arange(0, KB)
+    kb = k0 // 8 + tl.arange(0, KB)
     c4 = pid_n * C4 + tl.arange(0, C4)
-    ptrs = w_ptr + (k0 // 8 + kb)[None, :, None] * N + (4 * c4)[None, None, :] + j[:, None, None]
-    mask = ((k0 // 8 + kb) < K // 8)[None, :, None] & (c4 < N // 4)[None, None, :]
-    words = tl.load(ptrs, mask=mask, other=0)  # [4, KB, C4]
-    shifts = 4 * tl.arange(0, 2)[:, None] + 8 * tl.arange(0, 4)[None, :]  # [r, c]
-    q = (words[:, None, :, :, None] >> shifts[None, :, None, None, :]) & 0xF  # [j, r, kb, c4, c]
-    return tl.reshape(q, (BLOCK_K, BLOCK_N))
+    ptrs = w_ptr + kb[:, None, None] * N + (4 * c4)[None, :, None] + tl.arange(0, 4)[None, None, :]
+    mask = (kb < K // 8)[:, None, None] & (c4 < N // 4)[None, :, None]
+    words = tl.load(ptrs, mask=mask, other=0)  # [kb, c4, j]: as in memory
+    w_even, w_odd = tl.split(tl.reshape(words, (KB, C4, 2, 2)))  # j = 2 j_hi + j_lo: j_lo = 0, 1
+    w0, w2 = tl.split(w_even)
+    w1, w3 = tl.split(w_odd)
+    t = tl.join(tl.join(_word_nibbles(w0), _word_nibbles(w1)), tl.join(_word_nibbles(w2), _word_nibbles(w3)))
+    # [kb, c4, r, c_lo, c_hi, j_lo, j_hi] -> [kb, j_hi, j_lo, r | c4, c_hi, c_lo]: row 8kb + 2j + r, column 4c4 + c
+    return tl.reshape(tl.permute(t, (0, 6, 5, 2, 1, 4, 3)), (BLOCK_K, BLOCK_N))
 
 
 @triton.jit
 def _dequant(q, z, s, a, INTERPRET: tl.constexpr):
-    """(q - z) * s as the dot's B operand: [BK, BN] nibbles, [BN] zeros (ints or exact floats), [BN] scales."""
+    """(q - z) * s in a's dtype (fp32 under the interpreter): nibbles q, zeros z (ints or exact
+    floats) and scales s, already broadcastable against q."""
     if INTERPRET:
         # The interpreter's bf16 conversions and bf16 tl.dot are wrong: stay in fp32 there.
-        return (q.to(tl.float32) - z[None, :].to(tl.float32)) * s[None, :].to(tl.float32)
+        return (q.to(tl.float32) - z.to(tl.float32)) * s.to(tl.float32)
     # int4 -> half through the exponent field: (MAGIC | q) is OFFSET + q exactly, and OFFSET + z
     # likewise, so their difference is the exact small integer q - z; one rounding in the multiply
     # by s, as in a dequantized weight matrix of x's dtype.
     if a.dtype == tl.float16:
         qh = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-        zh = (z.to(tl.float32) + 1024.0).to(tl.float16)
+        if z.dtype == tl.int32:
+            zh = (z | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        else:
+            zh = (z.to(tl.float32) + 1024.0).to(tl.float16)
     else:
         qh = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        zh = (z.to(tl.float32) + 128.0).to(tl.bfloat16)
-    return (qh - zh[None, :]) * s[None, :].to(a.dtype)
+        if z.dtype == tl.int32:
+            zh = (z | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        else:
+            zh = (z.to(tl.float32) + 128.0).to(tl.bfloat16)
+    return (qh - zh) * s.to(a.dtype)
 
 
 @triton.jit
@@ -116,19 +127,19 @@ def awq_gemm_kernel(
         k0 = t * BLOCK_K
         g = k0 // G
         if PACKED:
-            a = tl.load(x_ptr + offs_m[:, None] * stride_xm + _packed_rows(k0, BLOCK_K)[None, :],
-                        mask=mask_m[:, None], other=0.0)
+            a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
             q = _packed_tile(qw_ptr, k0, K, N, pid_n, BLOCK_N, BLOCK_K)
-            s = tl.load(s_ptr + g * 2 * N + 2 * offs_n, mask=mask_n, other=0.0)
-            z = tl.load(s_ptr + g * 2 * N + 2 * offs_n + 1, mask=mask_n, other=0.0)
+            # (scale, zero) pairs: one contiguous [BLOCK_N, 2] load, split in registers.
+            sz = tl.load(s_ptr + g * 2 * N + 2 * offs_n[:, None] + tl.arange(0, 2)[None, :], mask=mask_n[:, None],
+                         other=0.0)
+            s, z = tl.split(sz)
+            b = _dequant(q, z[None, :], s[None, :], a, INTERPRET)
         else:
             a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
             words = tl.load(qw_ptr + (k0 + offs_k)[:, None] * n8 + offs_w[None, :], mask=mask_w[None, :], other=0)
             zw = tl.load(qz_ptr + g * n8 + offs_w, mask=mask_w, other=0)
             s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0)
-            q = _unpack_cols(words, BLOCK_N)
-            z = tl.reshape(_unpack_cols(zw[None, :], BLOCK_N), (BLOCK_N,))
-        b = _dequant(q, z, s, a, INTERPRET)
+            b = _dequant(_unpack_cols(words, BLOCK_N), _unpack_cols(zw[None, :], BLOCK_N), s[None, :], a, INTERPRET)
         if INTERPRET:
             acc = tl.dot(a.to(tl.float32), b, acc)
         else:
@@ -258,7 +269,7 @@ def packed_dequantize_kernel(
     pid_k = tl.program_id(0)
     pid_n = tl.program_id(1)
     k0 = pid_k * BLOCK_K
-    rows = _packed_rows(k0, BLOCK_K)
+    rows = k0 + tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < K)[:, None] & (offs_n < N)[None, :]
     q = _packed_tile(w_ptr, k0, K, N, pid_n, BLOCK_N, BLOCK_K)
