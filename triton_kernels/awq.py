@@ -273,8 +273,7 @@ def packed_dequantize_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < K)[:, None] & (offs_n < N)[None, :]
     q = _packed_tile(w_ptr, k0, K, N, pid_n, BLOCK_N, BLOCK_K)
-    sz = sz_ptr + (rows // G)[:, None] * 2 * N + 2 * offs_n[None, :]
-    s = tl.load(sz, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(sz + 1, mask=mask, other=0.0).to(tl.float32)
+    sz = sz_ptr + (rows // G)[:, None, None] * 2 * N + 2 * offs_n[None, :, None] + tl.arange(0, 2)[None, None, :]
+    s, z = tl.split(tl.load(sz, mask=mask[:, :, None], other=0.0).to(tl.float32))
     w = (q.to(tl.float32) - z) * s
     tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
