@@ -264,3 +264,10 @@ def test_fused_engine_serves_the_packed_layout(tiny_checkpoint):
         runs[layout] = (logits, tokens)
     torch.testing.assert_close(runs["packed"][0], runs["awq"][0], rtol=2e-2, atol=2e-2)
     assert runs["packed"][1].shape == runs["awq"][1].shape
+
+
+def test_bench_runs_the_packed_layout():
+    from fastawq.commands import bench
+
+    rows = bench.bench(None, "tiny", ["w4", "fused"], [8], 1, "cpu", dtype=torch.float32, layout="packed")
+    assert [r.mode for r in rows] == ["w4", "fused"] and all(r.decode_tps and r.decode_tps > 0 for r in rows)
