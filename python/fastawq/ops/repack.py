@@ -141,14 +141,8 @@ def _bind_packed(be: str, dtype: torch.dtype, wpacked, szpacked, n: int, g: int,
 
 # x [..., K] · wpacked [K // 8, N] int32 · szpacked [K // G, 2N] · bias [N]  ->  [..., N] (x's dtype)
 def packed_gemm(
-    x: torch.Tensor,
-    wpacked: torch.Tensor,
-    szpacked: torch.Tensor,
-    n: int,
-    group_size: int,
-    bias: torch.Tensor | None = None,
-    *,
-    backend: str | None = None,
+    x: torch.Tensor, wpacked: torch.Tensor, szpacked: torch.Tensor, n: int, group_size: int,
+    bias: torch.Tensor | None = None, *, backend: str | None = None,
 ) -> torch.Tensor:
     """y = x @ W + bias for W in the packed layout; the same numbers as awq_gemm on its AWQ tensors."""
     return packed_gemm_plan(x, wpacked, szpacked, n, group_size, bias, backend=backend)(x)
