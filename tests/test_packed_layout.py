@@ -100,6 +100,14 @@ def test_dequantize_is_exact(group_size, dtype):
             assert torch.equal(out.view(torch.int16), expect.view(torch.int16)), be
 
 
+@pytest.mark.parametrize("k,n,g", [(64, 24, 8), (200, 40, 40), (96, 264, 96)])
+def test_dequantize_takes_any_group_multiple_of_8(k, n, g):
+    # Groups that 32 does not divide take the kernel's 8-row tiles.
+    qw, s, qz, wp, sz = _packed(k, n, g, seed=k)
+    out = _poisoned(lambda: ops.packed_dequantize(wp, sz, n, g, backend="triton"))
+    assert torch.equal(out, reference.dequantize(qw, s, qz, g))
+
+
 @pytest.mark.parametrize("be", ["torch", "triton"])
 def test_opcheck(be):
     k, n, g = 256, 136, 64

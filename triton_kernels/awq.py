@@ -265,7 +265,7 @@ def packed_dequantize_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    # wpacked [K // 8, N] int32 · szpacked [K // G, 2N] -> out [K, N]; G is any multiple of 8
+    # wpacked [K // 8, N] int32 · szpacked [K // G, 2N] -> out [K, N]; BLOCK_K divides G (a tile is in one group)
     pid_k = tl.program_id(0)
     pid_n = tl.program_id(1)
     k0 = pid_k * BLOCK_K
@@ -273,7 +273,7 @@ def packed_dequantize_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < K)[:, None] & (offs_n < N)[None, :]
     q = _packed_tile(w_ptr, k0, K, N, pid_n, BLOCK_N, BLOCK_K)
-    sz = sz_ptr + (rows // G)[:, None, None] * 2 * N + 2 * offs_n[None, :, None] + tl.arange(0, 2)[None, None, :]
-    s, z = tl.split(tl.load(sz, mask=mask[:, :, None], other=0.0).to(tl.float32))
-    w = (q.to(tl.float32) - z) * s
+    sz = sz_ptr + (k0 // G) * 2 * N + 2 * offs_n[:, None] + tl.arange(0, 2)[None, :]
+    s, z = tl.split(tl.load(sz, mask=(offs_n < N)[:, None], other=0.0).to(tl.float32))
+    w = (q.to(tl.float32) - z[None, :]) * s[None, :]
     tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)

@@ -332,7 +332,8 @@ def packed_dequantize(wpacked, szpacked, n: int, group_size: int, *, dtype=None)
     wpacked, szpacked = wpacked.contiguous(), szpacked.contiguous()
     k = wpacked.shape[0] * 8
     out = torch.empty((k, n), dtype=dtype or szpacked.dtype, device=wpacked.device)
-    block_k, block_n = (32, 128) if _interpreting() else (32, 256)
+    # A tile lies in one group: G is a multiple of 8 (of the packed layout), often of 32.
+    block_k, block_n = (32 if group_size % 32 == 0 else 8), (128 if _interpreting() else 256)
     grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
     packed_dequantize_kernel[grid](wpacked, szpacked, out, k, n, group_size, BLOCK_K=block_k, BLOCK_N=block_n,
                                    num_warps=4)
