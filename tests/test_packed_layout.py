@@ -211,10 +211,17 @@ def test_packed_layer_names_the_missing_awq_tensor():
     assert "layout=packed" in repr(layer)
 
 
-def test_auto_layout_follows_the_backend_choice():
+def test_auto_layout_follows_the_backend_choice(monkeypatch):
     layer = _layer(device="cpu")
     layer.set_layout("auto")
     assert layer.layout == backend.preferred_layout(torch.device("cpu")) == "awq"
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(backend._ext, "has_op", lambda name: True)
+    # Packed where it was measured to win: the fused engine's decode at batch <= 4.
+    assert [backend.preferred_layout(cuda, b) for b in (1, 4, 5, None)] == ["packed", "packed", "awq", "awq"]
+    assert backend.preferred_layout(torch.device("cpu"), 1) == "awq"
+    monkeypatch.setattr(backend._ext, "has_op", lambda name: name != "awq_gemv_packed")
+    assert backend.preferred_layout(cuda, 1) == "awq"
 
 
 @pytest.fixture(scope="module")

@@ -249,14 +249,15 @@ class AutoAWQForCausalLM:
         verify: str | None = None,
         max_memory: dict | None = None,
         offload_folder: str | os.PathLike | None = None,
-        layout: str = "awq",
+        layout: str = "auto",
         **kwargs: Any,
     ) -> AWQModel:
         """Load an AWQ checkpoint (fastawq's or AutoAWQ's) ready for generate().
 
         layout: how the quantized layers hold their weights in memory: "awq" (the checkpoint's
         layout), "packed" (repacked at load for the decode kernel, exactly; see WQLinear.set_layout)
-        or "auto" (the faster on this device, backend.preferred_layout). Saving always writes AWQ GEMM.
+        or "auto" (backend.preferred_layout: packed for the fused engine on a GPU at batch_size
+        <= 4, else awq). Saving always writes AWQ GEMM.
 
         On the CPU, `use_ipex=True` makes the packed layers inference-only modules that call the
         CPU kernel directly, and `cpu_lm_head_bits=8` (with it) also runs the float lm_head as an
@@ -333,6 +334,12 @@ class AutoAWQForCausalLM:
                 if not auto_fuse:
                     raise
                 log.info("not fusing layers: %s", e)
+                fuse_layers = False
+        if layout == "auto":
+            from fastawq.backend import preferred_layout
+
+            # A forced backend keeps the checkpoint's layout (its kernels may not read the packed one).
+            layout = "awq" if backend is not None else preferred_layout(device, batch_size if fuse_layers else None)
         if layout != "awq" and not use_ipex:
             # After fusing: the fused engine concatenates the layers' AWQ tensors, then they convert.
             set_layout(model, layout)

@@ -55,9 +55,13 @@ _CUDA_PREFERENCE: dict[str, list[tuple[int | None, tuple[str, ...]]]] = {
     ],
     "packed_gemm": [(PACKED_GEMV_MAX_M, ("cuda", "triton", "torch")), (None, ("triton", "torch"))],
 }
-# Whether WQLinear's layout "auto" picks the packed layout on CUDA devices: only once the GPU
-# benchmark (benchmarks/gemm_table.py --layouts awq,packed) shows it at least as fast at every M.
+# Where layout "auto" picks the packed layout on CUDA devices (with the compiled awq_gemv_packed).
+# Everywhere only once the GPU benchmark (benchmarks/gemm_table.py --layouts awq,packed) shows it
+# at least as fast at every M; meanwhile for the fused engine serving at most PACKED_GEMV_MAX_M
+# sequences, whose decode steps are all M <= 4 (H200: 1.97 / 1.51 / 1.14x cuBLAS at M = 1 / 2 / 4
+# against the AWQ layout's 1.72 / 1.39 / 0.95x, RESULTS.md).
 PACKED_LAYOUT_BY_DEFAULT = False
+PACKED_LAYOUT_FOR_FUSED_DECODE = True
 
 
 def cuda_gemm_kernel(m: int | None) -> str:
@@ -77,11 +81,13 @@ def _cuda_order(op: str, m: int | None) -> tuple[str, ...]:
     return ("cuda", "triton", "torch")
 
 
-def preferred_layout(device: torch.device) -> str:
-    """The W4 weight layout that WQLinear's layout "auto" picks on `device`: "packed" or "awq"."""
-    if PACKED_LAYOUT_BY_DEFAULT and device.type == "cuda" and _ext.has_op(COMPILED_OPS["packed_gemm"]):
-        return "packed"
-    return "awq"
+def preferred_layout(device: torch.device, fused_batch: int | None = None) -> str:
+    """The W4 weight layout that layout "auto" picks on `device`: "packed" or "awq". fused_batch:
+    the batch size of the fused engine the layers will serve (None: not fused)."""
+    if device.type != "cuda" or not _ext.has_op(COMPILED_OPS["packed_gemm"]):
+        return "awq"
+    fused_decode = fused_batch is not None and fused_batch <= PACKED_GEMV_MAX_M
+    return "packed" if PACKED_LAYOUT_BY_DEFAULT or (PACKED_LAYOUT_FOR_FUSED_DECODE and fused_decode) else "awq"
 
 
 def tensor_version(t: torch.Tensor) -> int:
