@@ -34,10 +34,13 @@ def _check_repackable(k: int, n: int, g: int) -> None:
 
 
 def _nibbles_to_words(nib: torch.Tensor) -> torch.Tensor:
-    """[..., 8] ints in [0, 15] (nibble i at bits 4i) -> [...] int32 words."""
-    shifts = torch.arange(0, 32, 4, device=nib.device, dtype=torch.int64)
-    word = (nib.to(torch.int64) << shifts).sum(dim=-1)
-    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+    """[..., 8] int32 in [0, 15] (nibble i at bits 4i) -> [...] int32 words, in int32 throughout
+    (a load-time repack of a large layer on the GPU should not hold 8-byte temporaries)."""
+    top = nib[..., 7]
+    word = (top - 16 * (top >= 8).to(torch.int32)) << 28  # the sign nibble, without overflow
+    for i in range(7):
+        word |= nib[..., i] << (4 * i)
+    return word
 
 
 def _words_to_nibbles(words: torch.Tensor) -> torch.Tensor:
