@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from fastawq.models.base import Architecture, GroupsFn
 
 CALLS = ("topk", "dense")
 LAYOUTS = ("out_in", "in_out")
@@ -226,18 +229,19 @@ def router_names(model: nn.Module, layers_path: str, spec: MoESpec) -> list[str]
 BLOCKER = "mixture-of-experts blocks are not fused (the per-expert modules or WQExperts serve them)"
 
 
-def moe_architecture(name: str, family: str, spec: MoESpec, *, groups=None, **fields_):
+def moe_architecture(
+    name: str, family: str, spec: MoESpec, *, groups: GroupsFn | None = None, **fields_: object
+) -> Architecture:
     """The Architecture record of the MoE family `name` (also its model_type), whose MoE blocks
     the fused engine does not serve. `groups` defaults to Llama attention's groups plus the
     feed-forward groups of `spec` (attention_groups + mlp_groups)."""
     from fastawq.models.base import Architecture
 
-    if groups is None:
-        def groups(layer, config):
-            return attention_groups(layer) + mlp_groups(layer, spec)
+    def llama_attention_and_moe(layer: nn.Module, config: object) -> list:
+        return attention_groups(layer) + mlp_groups(layer, spec)
 
-    return Architecture(name=name, model_types=(name,), family=family, groups=groups, fused_blocker=BLOCKER,
-                        **fields_)
+    return Architecture(name=name, model_types=(name,), family=family, groups=groups or llama_attention_and_moe,
+                        fused_blocker=BLOCKER, **fields_)
 
 
 # ---------------------------------------------------------------- scale groups
