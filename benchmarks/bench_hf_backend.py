@@ -11,8 +11,10 @@ H200), and the plan cache is shared by the process, so whichever model meets a l
 for both. Each cuDNN setting therefore starts with one untimed round per model, in load order
 (every KV length of the timed rounds gets planned; the first model's "first round" speed is the
 cold one, and includes the planning); then --reps timed rounds per model, the order alternating
-(A B, B A, ...), and the median. `torch.backends.cuda` is put
-back as it was at the end.
+(A B, B A, ...), and the median. Settings: cuDNN SDPA "on" and "off" (torch's process-wide flag,
+attention "sdpa"), and "off per call" (flag on, the unfused models on
+fastawq.integrations.transformers.SDPA_NO_CUDNN, which turns cuDNN off only inside attention).
+The flag and the attention implementation are put back at the end.
 
     python benchmarks/bench_hf_backend.py --shape llama-3-8b --layers 8 --reps 7 --out DIR
     python benchmarks/bench_hf_backend.py --shape tiny --device cpu --reps 3     (a CPU smoke run)
@@ -33,6 +35,12 @@ import torch
 UNFUSED_FQ = "from_quantized (unfused)"
 UNFUSED_HF = "transformers from_pretrained"
 FUSED = "from_quantized (fused + graphs)"
+# setting -> (torch's process-wide cuDNN SDPA flag, the unfused models' attention implementation)
+SETTINGS = {
+    "on": (True, "sdpa"),
+    "off": (False, "sdpa"),
+    "off per call": (True, "no-cudnn"),  # fastawq.integrations.transformers.SDPA_NO_CUDNN
+}
 
 
 def main() -> int:
@@ -43,6 +51,8 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--reps", type=int, default=7, help="timed rounds per model and cuDNN setting (median)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--settings", nargs="*", choices=list(SETTINGS), default=None,
+                    help="cuDNN SDPA settings to time (default: all on CUDA, none on the CPU)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--diagnose", action="store_true",
                     help="afterwards, per model: attention implementation, rotary dtype, W4 plan backends, top kernels")
@@ -59,6 +69,7 @@ def main() -> int:
     from fastawq import shapes
     from fastawq.auto import AutoAWQForCausalLM
     from fastawq.checkpoint import save_quantized
+    from fastawq.integrations import transformers as fit
     from fastawq.quantize.config import QuantConfig
 
     cls, kwargs, g = shapes.SHAPES[args.shape]
@@ -95,36 +106,44 @@ def main() -> int:
         print(f"{label}: load {load_s[label]:.1f} s, linears {kinds}, "
               f"attn_implementation {getattr(m.config, '_attn_implementation', None)!r}", flush=True)
 
-    settings = [True, False] if args.device == "cuda" else [None]
+    settings = args.settings or (list(SETTINGS) if args.device == "cuda" else ["n/a"])
     saved = torch.backends.cuda.cudnn_sdp_enabled()
+    attention = fit.register_attention()
     plans = _count_plans()
     results, rebuilt = [], 0
     try:
-        for cudnn in settings:
-            if cudnn is not None:
-                torch.backends.cuda.enable_cudnn_sdp(cudnn)
-            rows, built = _time_setting(models, cudnn, args, vocab, plans)
+        for setting in settings:
+            cudnn, impl = SETTINGS.get(setting, (saved, "sdpa"))
+            torch.backends.cuda.enable_cudnn_sdp(cudnn)
+            for label in (UNFUSED_FQ, UNFUSED_HF):
+                models[label].set_attn_implementation(attention if impl == "no-cudnn" else impl)
+            rows, built = _time_setting(models, setting, args, vocab, plans)
             results += rows
             rebuilt += built
     finally:
         torch.backends.cuda.enable_cudnn_sdp(saved)
+        for label in (UNFUSED_FQ, UNFUSED_HF):
+            models[label].set_attn_implementation("sdpa")
 
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (noisy when the machine is shared)"
     print(f"\n{name} on {where}, {str(dtype).removeprefix('torch.')}, batch 1, prefill {args.prefill} + decode "
           f"{args.decode} tokens, median of {args.reps} rounds per row, order alternating "
           f"(save {save_s:.1f} s; W4 plans built while timing: {rebuilt})\n")
     print(_table(results))
+    print()
     ratios = {}
-    for cudnn in settings:
-        fq, hf = (next(r for r in results if r["model"] == m and r["cudnn_sdpa"] == cudnn) for m in (UNFUSED_FQ, UNFUSED_HF))
-        ratios[_setting(cudnn)] = hf["decode_tps"] / fq["decode_tps"]
-        print(f"transformers / from_quantized, unfused decode, cuDNN SDPA {_setting(cudnn)}: "
-              f"{ratios[_setting(cudnn)]:.3f}x (target within 5 %: {abs(ratios[_setting(cudnn)] - 1) <= 0.05})")
+    for setting in settings:
+        fq, hf = (_row(results, m, setting) for m in (UNFUSED_FQ, UNFUSED_HF))
+        ratios[setting] = hf["decode_tps"] / fq["decode_tps"]
+        print(f"transformers / from_quantized, unfused decode, cuDNN SDPA {setting}: {ratios[setting]:.3f}x "
+              f"(target within 5 %: {abs(ratios[setting] - 1) <= 0.05})")
     for label in (UNFUSED_FQ, UNFUSED_HF):
-        on, off = (next((r for r in results if r["model"] == label and r["cudnn_sdpa"] is c), None) for c in (True, False))
-        if on and off:
-            print(f"{label}: decode with cuDNN SDPA off / on, warm {off['decode_tps'] / on['decode_tps']:.3f}x, "
-                  f"first round {off['cold_decode_tps'] / on['cold_decode_tps']:.3f}x")
+        for setting in [s for s in settings if s != "on" and "on" in settings]:
+            on, other = _row(results, label, "on"), _row(results, label, setting)
+            # Only the model timed first meets the KV lengths cold under "on".
+            cold = (f", first round (cold with cuDNN) {other['cold_decode_tps'] / on['cold_decode_tps']:.3f}x"
+                    if label == UNFUSED_FQ else "")
+            print(f"{label}: decode with cuDNN SDPA {setting} / on: warm {other['decode_tps'] / on['decode_tps']:.3f}x{cold}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_hf_backend.json"), "w") as f:
         json.dump({"shape": name, "device": where, "reps": args.reps, "rows": results, "load_s": load_s,
@@ -136,7 +155,7 @@ def main() -> int:
     return 0
 
 
-def _time_setting(models: dict, cudnn: bool | None, args, vocab: int, plans) -> tuple[list[dict], int]:
+def _time_setting(models: dict, setting: str, args, vocab: int, plans) -> tuple[list[dict], int]:
     """One untimed first round per model, then args.reps rounds each, order alternating.
     Returns the rows and how many W4 plans were built during the timed rounds (0 expected)."""
     from fastawq.commands.bench import run_round
@@ -159,22 +178,22 @@ def _time_setting(models: dict, cudnn: bool | None, args, vocab: int, plans) -> 
     built = plans() - before
     out = []
     for label in labels:
-        out.append({"model": label, "cudnn_sdpa": cudnn, "cold_decode_tps": cold[label],
+        out.append({"model": label, "cudnn_sdpa": setting, "cold_decode_tps": cold[label],
                     "prefill_tps": statistics.median(prefill[label]), "decode_tps": statistics.median(decode[label]),
                     "decode_tps_min": min(decode[label]), "decode_tps_max": max(decode[label])})
-        print(f"cuDNN SDPA {_setting(cudnn)}, {label}: decode tok/s {[round(x, 1) for x in decode[label]]}", flush=True)
+        print(f"cuDNN SDPA {setting}, {label}: decode tok/s {[round(x, 1) for x in decode[label]]}", flush=True)
     return out, built
 
 
-def _setting(cudnn: bool | None) -> str:
-    return "n/a" if cudnn is None else ("on" if cudnn else "off")
+def _row(rows: list[dict], model: str, setting: str) -> dict:
+    return next(r for r in rows if r["model"] == model and r["cudnn_sdpa"] == setting)
 
 
 def _table(rows: list[dict]) -> str:
     head = ["model", "cuDNN SDPA", "prefill tok/s", "decode tok/s (median)", "decode min–max", "first round decode tok/s"]
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     for r in rows:
-        lines.append(f"| {r['model']} | {_setting(r['cudnn_sdpa'])} | {r['prefill_tps']:,.1f} | {r['decode_tps']:,.1f} | "
+        lines.append(f"| {r['model']} | {r['cudnn_sdpa']} | {r['prefill_tps']:,.1f} | {r['decode_tps']:,.1f} | "
                      f"{r['decode_tps_min']:,.1f}–{r['decode_tps_max']:,.1f} | {r['cold_decode_tps']:,.1f} |")
     return "\n".join(lines)
 

@@ -139,3 +139,60 @@ def test_import_fastawq_registers_lazily():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "fastawq.integrations.hf_quantizer"
+
+
+def _spy_sdpa(monkeypatch):
+    """Records, per call of transformers' sdpa attention, whether cuDNN SDPA was enabled."""
+    from transformers.integrations import sdpa_attention
+
+    seen, real = [], sdpa_attention.sdpa_attention_forward
+
+    def spy(*a, **kw):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", spy)
+    return seen
+
+
+def test_sdpa_without_cudnn_gives_sdpa_logits(awq_dir, monkeypatch):
+    # Padded batch: the 2-D mask must reach the attention as transformers' sdpa mask does.
+    ids = calib_ids(2, 12, seed=5)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    model = AutoAWQForCausalLM.from_quantized(awq_dir, device_map="cpu", torch_dtype=torch.float32).model
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+        assert fit.use_sdpa_without_cudnn(model)
+        assert model.config._attn_implementation == fit.SDPA_NO_CUDNN
+        assert not fit.use_sdpa_without_cudnn(model)  # already switched: nothing to do
+        seen = _spy_sdpa(monkeypatch)
+        out = model(ids, attention_mask=mask).logits
+    assert len(seen) == model.config.num_hidden_layers
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@requires_cuda
+def test_sdpa_without_cudnn_on_gpu(awq_dir, monkeypatch):
+    ids = calib_ids(2, 12, seed=5).cuda()
+    model = AutoAWQForCausalLM.from_quantized(awq_dir, device_map="cuda", torch_dtype=torch.float16,
+                                              fuse_layers=False).model
+    saved = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+
+    def prefill_and_step():  # a prefill, then one decode step against its KV cache
+        out = model(ids[:, :-1], use_cache=True)
+        return out.logits, model(ids[:, -1:], past_key_values=out.past_key_values, use_cache=True).logits
+
+    try:
+        with torch.no_grad():
+            ref = prefill_and_step()
+            assert fit.use_sdpa_without_cudnn(model)
+            seen = _spy_sdpa(monkeypatch)
+            out = prefill_and_step()
+        assert len(seen) == 2 * model.config.num_hidden_layers and not any(seen), "cuDNN SDPA off inside attention"
+        assert torch.backends.cuda.cudnn_sdp_enabled(), "and back on after it"
+        for o, r in zip(out, ref):
+            torch.testing.assert_close(o, r, rtol=2e-3, atol=2e-3)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(saved)
