@@ -13,6 +13,7 @@ import transformers
 
 from conftest import requires_cuda
 from fastawq.auto import AutoAWQForCausalLM, AWQModel
+from fastawq.generate import HFStepper
 from fastawq.integrations import transformers as fit
 from fastawq.modules import WQLinear
 from fastawq.quantize import QuantConfig, pack_model, quantize
@@ -181,8 +182,8 @@ def test_sdpa_without_cudnn_on_gpu(awq_dir, monkeypatch):
     torch.backends.cuda.enable_cudnn_sdp(True)
 
     def prefill_and_step():  # a prefill, then one decode step against its KV cache
-        out = model(ids[:, :-1], use_cache=True)
-        return out.logits, model(ids[:, -1:], past_key_values=out.past_key_values, use_cache=True).logits
+        step = HFStepper(model)
+        return step.prefill(ids[:, :-1]), step.decode(ids[:, -1])
 
     try:
         with torch.no_grad():
