@@ -175,24 +175,25 @@ def test_sdpa_without_cudnn_gives_sdpa_logits(awq_dir, monkeypatch):
 
 @requires_cuda
 def test_sdpa_without_cudnn_on_gpu(awq_dir, monkeypatch):
+    """from_quantized's unfused GPU model attends without cuDNN (no plan per KV length)."""
     ids = calib_ids(2, 12, seed=5).cuda()
     model = AutoAWQForCausalLM.from_quantized(awq_dir, device_map="cuda", torch_dtype=torch.float16,
                                               fuse_layers=False).model
-    saved = torch.backends.cuda.cudnn_sdp_enabled()
-    torch.backends.cuda.enable_cudnn_sdp(True)
+    assert model.config._attn_implementation == fit.SDPA_NO_CUDNN
 
     def prefill_and_step():  # a prefill, then one decode step against its KV cache
         step = HFStepper(model)
         return step.prefill(ids[:, :-1]), step.decode(ids[:, -1])
 
+    saved = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
     try:
-        with torch.no_grad():
-            ref = prefill_and_step()
-            assert fit.use_sdpa_without_cudnn(model)
-            seen = _spy_sdpa(monkeypatch)
-            out = prefill_and_step()
+        seen = _spy_sdpa(monkeypatch)
+        out = prefill_and_step()
         assert len(seen) == 2 * model.config.num_hidden_layers and not any(seen), "cuDNN SDPA off inside attention"
         assert torch.backends.cuda.cudnn_sdp_enabled(), "and back on after it"
+        model.set_attn_implementation("sdpa")
+        ref = prefill_and_step()
         for o, r in zip(out, ref):
             torch.testing.assert_close(o, r, rtol=2e-3, atol=2e-3)
     finally:
