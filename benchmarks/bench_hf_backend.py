@@ -14,7 +14,7 @@ cold one, and includes the planning); then --reps timed rounds per model, the or
 (A B, B A, ...), and the median. Settings: cuDNN SDPA "on" and "off" (torch's process-wide flag,
 attention "sdpa"), and "off per call" (flag on, the unfused models on
 fastawq.integrations.transformers.SDPA_NO_CUDNN, which turns cuDNN off only inside attention).
-The flag and the attention implementation are put back at the end.
+The flag and each model's attention implementation are put back at the end.
 
     python benchmarks/bench_hf_backend.py --shape llama-3-8b --layers 8 --reps 7 --out DIR
     python benchmarks/bench_hf_backend.py --shape tiny --device cpu --reps 3     (a CPU smoke run)
@@ -109,6 +109,7 @@ def main() -> int:
     settings = args.settings or (list(SETTINGS) if args.device == "cuda" else ["n/a"])
     saved = torch.backends.cuda.cudnn_sdp_enabled()
     attention = fit.register_attention()
+    loaded = {label: models[label].config._attn_implementation for label in (UNFUSED_FQ, UNFUSED_HF)}
     plans = _count_plans()
     results, rebuilt = [], 0
     try:
@@ -122,8 +123,8 @@ def main() -> int:
             rebuilt += built
     finally:
         torch.backends.cuda.enable_cudnn_sdp(saved)
-        for label in (UNFUSED_FQ, UNFUSED_HF):
-            models[label].set_attn_implementation("sdpa")
+        for label, impl in loaded.items():
+            models[label].set_attn_implementation(impl)
 
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (noisy when the machine is shared)"
     print(f"\n{name} on {where}, {str(dtype).removeprefix('torch.')}, batch 1, prefill {args.prefill} + decode "
