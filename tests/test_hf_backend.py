@@ -56,6 +56,23 @@ def test_transformers_load_matches_from_quantized(awq_dir, registered):
         assert torch.equal(hf.generate(ids[:1], **greedy), ref.generate(ids[:1], **greedy))
 
 
+
+def test_both_loaders_build_the_same_model(awq_dir, registered):
+    """Decode speed may differ only by the process's state, not by the model each loader builds."""
+    hf = _hf(awq_dir, dtype=torch.float32)
+    fq = AutoAWQForCausalLM.from_quantized(awq_dir, device_map="cpu", torch_dtype=torch.float32).model
+    assert {n: type(m) for n, m in hf.named_modules()} == {n: type(m) for n, m in fq.named_modules()}
+    assert hf.config._attn_implementation == fq.config._attn_implementation == "sdpa"
+    assert hf.generation_config.to_diff_dict() == fq.generation_config.to_diff_dict()
+    tensors = [dict(list(m.named_parameters()) + list(m.named_buffers())) for m in (hf, fq)]
+    assert tensors[0].keys() == tensors[1].keys()
+    for name, a in tensors[0].items():
+        b = tensors[1][name]
+        assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride()), name
+        assert torch.equal(a, b), name
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    assert fq.lm_head.weight is fq.model.embed_tokens.weight
+
 def test_activation_scales_load(registered, tmp_path):
     """GPT-NeoX checkpoints carry AWQ's `mlp.act.scales`: the backend gives them a ScaledActivation."""
     model = tiny_model("gpt_neox")
