@@ -26,8 +26,6 @@ import logging
 import os
 import sys
 
-import torch  # fastawq.quantize, imported first by `import fastawq`, has loaded it already
-
 log = logging.getLogger(__name__)
 
 _REGISTRY = "transformers.quantizers.auto"
@@ -122,6 +120,8 @@ SDPA_NO_CUDNN = "fastawq_sdpa_no_cudnn"
 
 
 def _sdpa_no_cudnn(module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001 - transformers' protocol
+    import torch  # not at the top: `import fastawq` imports this module and must not load torch
+
     sdpa = _sdpa_forward()
     if not query.is_cuda or not torch.backends.cuda.cudnn_sdp_enabled():
         return sdpa(module, query, key, value, attention_mask, **kwargs)
