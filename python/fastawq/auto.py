@@ -322,6 +322,12 @@ class AutoAWQForCausalLM:
                 if not auto_fuse:
                     raise
                 log.info("not fusing layers: %s", e)
+                fuse_layers = False
+        if device.type == "cuda" and not fuse_layers:
+            # Unfused decode meets a new KV length every step, and cuDNN's SDPA plans each one.
+            from fastawq.integrations.transformers import use_sdpa_without_cudnn
+
+            use_sdpa_without_cudnn(model)
         if use_ipex and backend is None and not fuse_layers:
             # AutoAWQ's IPEX path makes inference-only CPU modules; so does this one: each packed
             # layer holds only its repacked weight and calls the kernel directly (no per-call
