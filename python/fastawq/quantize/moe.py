@@ -241,6 +241,14 @@ class MoELayerSearch:
             lin = getattr(self.expert(e), n)
             lin.weight.data = w[e].to(lin.weight.dtype)
 
+    def _scale_each(self, idx: int, fn) -> None:
+        """weight = fn(e, fp32 weight) for one linear of every expert, one expert at a time (a
+        stacked fp32 copy of all experts is 15 GB for DeepSeek-V3)."""
+        n = self.spec.proj_names[idx]
+        for e in range(self.num_experts):
+            lin = getattr(self.expert(e), n)
+            lin.weight.data = fn(e, lin.weight.detach().float()).to(lin.weight.dtype)
+
     def _gsize(self, idx: int, k: int) -> int:
         return self.q._group_size(f"{self.name}.{self.bp}.0.{self.spec.proj_names[idx]}", k)
 
@@ -306,7 +314,13 @@ class MoELayerSearch:
         q, n = self.q, self.n_all
         x_mean = self.st["abs_all"] / n
         sig_all = self.st["gram_all"] / n
-        gu = torch.cat([self._stack(0), self._stack(1)], dim=1)  # [E, 2I, H]
+        gate0 = self.expert(0).linears()[0].weight
+        i_dim = gate0.shape[0]
+        gu = torch.empty(self.num_experts, 2 * i_dim, gate0.shape[1], device=gate0.device)  # [E, 2I, H] fp32
+        for e in range(self.num_experts):  # filled in place: no stacked copies besides it
+            gate, up, _ = self.expert(e).linears()
+            gu[e, :i_dim] = gate.weight.detach()
+            gu[e, i_dim:] = up.weight.detach()
         g = self._gsize(0, gu.shape[2])
         shared = [self.layer.get_submodule(s).weight.detach().float() for s in self.shared]
         sh = torch.cat(shared)[None] if shared else None
@@ -371,15 +385,15 @@ class MoELayerSearch:
         for path in self.shared + self.floats:
             m = self.layer.get_submodule(path)
             m.weight.data = (m.weight.float() * s.to(m.weight.device)).to(m.weight.dtype)
-        self._unstack(0, self._stack(0) * s)
-        self._unstack(1, self._stack(1) * s)
+        self._scale_each(0, lambda e, w: w * s)
+        self._scale_each(1, lambda e, w: w * s)
 
     # s [E, I] fp32
     @torch.no_grad()
     def fold_down_scales(self, s: torch.Tensor) -> None:
         """Expert e's up_proj rows divide by s[e], its down_proj columns multiply."""
-        self._unstack(1, self._stack(1) / s[:, :, None])
-        self._unstack(2, self._stack(2) * s[:, None, :])
+        self._scale_each(1, lambda e, w: w / s[e][:, None])
+        self._scale_each(2, lambda e, w: w * s[e][None, :])
 
     def _search_down_scales(self) -> None:
         q = self.q
@@ -494,9 +508,10 @@ def _maybe_submodule(root: nn.Module, path: str) -> nn.Module | None:
 
 
 def _clamp(w: torch.Tensor, mx: torch.Tensor) -> torch.Tensor:
+    """w clamped to ±mx per group, in place."""
     e, n, k = w.shape
     m = mx.unsqueeze(-1)
-    return w.view(e, n, mx.shape[2], -1).clamp(-m, m).view(e, n, k)
+    return w.view(e, n, mx.shape[2], -1).clamp_(-m, m).view(e, n, k)
 
 
 def _loss_split(q: "AwqQuantizer", n: int, k: int, c_all: int) -> tuple[int, int]:
