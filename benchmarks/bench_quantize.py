@@ -4,6 +4,7 @@
     python benchmarks/bench_quantize.py --shape smollm2-135m --device cpu  # the 2-core CPU target: <= 10 min
     python benchmarks/bench_quantize.py --shape llama-3-8b --layers 8      # part of the model, extrapolated
     python benchmarks/bench_quantize.py --shape qwen3-30b-a3b              # MoE: <= 4 min (mixtral-8x7b: <= 6)
+    python benchmarks/bench_quantize.py --shape deepseek-v3-moe --layers 1  # one DeepSeek-V3 MoE layer
 
 The shapes are fastawq.shapes' (random weights with spread-out routing for MoE), built in place on
 the device. 128 x 512 random calibration tokens by default (AutoAWQ's defaults). Prints a table of
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import subprocess
@@ -23,17 +25,30 @@ import time
 import torch
 
 
+# Shapes only this benchmark builds, as fastawq.shapes spells them. DeepSeek-V3 without its three
+# dense first layers: every layer is an MoE layer (E=256, H=7168), so `--layers 1` times one and
+# the projection to 61 layers is an upper bound.
+EXTRA_SHAPES = {
+    "deepseek-v3-moe": ("DeepseekV3Config", dict(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+        num_attention_heads=128, num_key_value_heads=128, max_position_embeddings=4096, rope_theta=10000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
+        n_group=8, topk_group=4, first_k_dense_replace=0, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
+        qk_nope_head_dim=128, v_head_dim=128, routed_scaling_factor=2.5, norm_topk_prob=True), 128),
+}
+
+
 def build(shape: str, layers: int | None, device: torch.device, dtype: torch.dtype):
-    """The named shape of fastawq.shapes in full precision (`layers` decoder layers), built on the
-    meta device and filled in place on `device`: no fp32 copy, no CPU round trip."""
+    """The named shape (fastawq.shapes or EXTRA_SHAPES) in full precision, `layers` decoder layers,
+    built on the meta device and filled in place on `device`: no fp32 copy, no CPU round trip."""
     from fastawq import shapes
 
-    cls_name, kw, g = shapes.SHAPES[shape]
+    cls_name, kw, g = shapes.SHAPES[shape] if shape in shapes.SHAPES else EXTRA_SHAPES[shape]
     full = kw["num_hidden_layers"]
     name = shape
-    if layers and layers != full:
-        name = f"{shape}@{layers}"
-        shapes.SHAPES[name] = (cls_name, dict(kw, num_hidden_layers=layers), g)
+    if shape not in shapes.SHAPES or (layers and layers != full):
+        name = f"{shape}@{layers or full}"
+        shapes.SHAPES[name] = (cls_name, dict(kw, num_hidden_layers=layers or full), g)
     try:
         model = shapes.build_random_model(name, quantized=False, device=device, dtype=dtype)
     finally:
@@ -48,7 +63,7 @@ def main() -> None:
     from fastawq.shapes import SHAPES
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-3-8b")
+    ap.add_argument("--shape", choices=sorted([*SHAPES, *EXTRA_SHAPES]), default="llama-3-8b")
     ap.add_argument("--layers", type=int, default=None, help="build only this many layers and extrapolate")
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--seq-len", type=int, default=512)
@@ -58,6 +73,8 @@ def main() -> None:
     ap.add_argument("--model-device", default=None, help="where the model waits between layers (default: --device)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("fastawq.quantize.moe").setLevel(logging.INFO)  # cold experts, chunked Grams
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.float16 if device.type == "cuda" else torch.float32

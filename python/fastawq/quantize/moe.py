@@ -176,7 +176,7 @@ class MoELayerSearch:
         chunk = max(ec, budget // per // ec * ec)
         if not getattr(self.q, "_moe_chunk_logged", False):
             self.q._moe_chunk_logged = True
-            log.info("%s: the per-expert input Grams [%d, %d, %d] fp32 take %.1f GiB, over the %.1f GiB budget "
+            log.info("%s: the per-expert input Grams [%d, %d, %d] fp32 take %.3g GiB, over the %.3g GiB budget "
                      "(%s): built %d experts at a time from the routed tokens", self.name, self.num_experts, h, h,
                      self.num_experts * per / 2**30, budget / 2**30, GRAM_BUDGET_ENV, chunk)
         return chunk
