@@ -48,8 +48,12 @@ def test_rebuilt_input_grams_equal_the_hooks(arch):
     assert torch.equal(got, ref)
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "llama4_text"])
-def test_chunked_grams_quantize_to_the_same_model(arch, monkeypatch, caplog):
+def test_chunked_grams_quantize_to_the_same_model(arch, device, monkeypatch, caplog):
     """A Gram budget of 3 experts forces the chunked path (chunks of 3 experts, the last one
     short): the quantized weights equal those of the one-pass search bit for bit."""
     model = tiny_moe(arch, seed=13)
@@ -58,12 +62,13 @@ def test_chunked_grams_quantize_to_the_same_model(arch, monkeypatch, caplog):
     # One (expert, candidate) loss batch per expert, so 3 experts are a whole number of batches.
     fused = moe_spec_of(model).block_of(model.model.layers[MOE_LAYER[arch]]).experts
     i_dim = fused.down_proj.shape[-1 if arch != "llama4_text" else 1]
-    monkeypatch.setattr(AwqQuantizer, "cpu_batch_elems", 2 * i_dim * h * (AwqQuantizer.n_grid + 1))
+    for budget in ("cpu_batch_elems", "gpu_batch_elems"):
+        monkeypatch.setattr(AwqQuantizer, budget, 2 * i_dim * h * (AwqQuantizer.n_grid + 1))
     monkeypatch.delenv(GRAM_BUDGET_ENV, raising=False)
 
     def run(m):
         quantize(m, None, QuantConfig(w_bit=4, q_group_size=32), calib=ids_(4, 32, 1), max_calib_samples=4,
-                 max_calib_seq_len=32, export_compatible=True)
+                 max_calib_seq_len=32, export_compatible=True, device=device)
 
     run(model)
     monkeypatch.setattr(MoELayerSearch, "gram_budget", 3 * h * h * 4)
