@@ -42,8 +42,7 @@ def test_rebuilt_input_grams_equal_the_hooks(arch):
     e_all = ref.shape[0]
     assert len(rebuilt.calls) == 3 and "gram_in" not in rebuilt.st
     assert torch.equal(rebuilt.st["n_in"], one_pass.st["n_in"]) and (one_pass.st["n_in"] > 0).sum() >= 2
-    routes = rebuilt._routes()
-    got = torch.cat([rebuilt._gram_in_of(routes, e0, min(e_all, e0 + 3), ref.device) for e0 in range(0, e_all, 3)])
+    got = torch.cat([rebuilt._gram_in_of(e0, min(e_all, e0 + 3), ref.device) for e0 in range(0, e_all, 3)])
     assert got.abs().sum() > 0
     assert torch.equal(got, ref)
 
@@ -74,7 +73,7 @@ def test_chunked_grams_quantize_to_the_same_model(arch, device, monkeypatch, cap
     monkeypatch.setattr(MoELayerSearch, "gram_budget", 3 * h * h * 4)
     calls = []
     orig = MoELayerSearch._gram_in_of
-    monkeypatch.setattr(MoELayerSearch, "_gram_in_of", lambda self, r, e0, e1, d: calls.append((e0, e1)) or orig(self, r, e0, e1, d))
+    monkeypatch.setattr(MoELayerSearch, "_gram_in_of", lambda self, e0, e1, d: calls.append((e0, e1)) or orig(self, e0, e1, d))
     with caplog.at_level(logging.INFO, logger="fastawq.quantize.moe"):
         run(chunked)
     e_all = fused.down_proj.shape[0]

@@ -16,7 +16,7 @@ expert's down_proj gets its own up -> down scale from its own tokens, all expert
 
 The per-expert input Grams take E * H^2 * 4 bytes (2.1 GB for Qwen3-30B-A3B, 52 GB for DeepSeek-V3).
 Beyond `MoELayerSearch.gram_budget` they are never all held: the forward records each call's
-expert input and routing, and the search rebuilds the Grams a chunk of experts at a time from the
+routed rows (top-k: the routing over the block input, which is kept anyway), and the search rebuilds the Grams a chunk of experts at a time from the
 same rows in the same order (bit-identical to the one-pass statistics), keeping only their
 diagonal blocks for the clip.
 
@@ -80,9 +80,9 @@ class MoELayerSearch:
         self.shared = [f"{p}.{spec.shared}.gate_proj", f"{p}.{spec.shared}.up_proj"] if spec.shared else []
         self.floats = [f"{p}.{n}" for n in spec.float_consumers()]
         self.x_chunks: list[torch.Tensor] = []
-        # Chunked Grams only: each experts call's input and routing, and the Grams' diagonal blocks.
+        # Chunked Grams only: each experts call's rows (see _calls_hook), the Grams' diagonal blocks.
         self.gram_chunk = self._gram_chunk()
-        self.calls: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.calls: list[tuple[torch.Tensor, torch.Tensor | None, list[int]]] = []
         self.blocks_in: dict[int, torch.Tensor] = {}
         self.st: dict[str, torch.Tensor] = {}
         self.n_all = 0
@@ -139,11 +139,26 @@ class MoELayerSearch:
         self.n_all += xf.shape[0]
 
     def _calls_hook(self, mod, args, kwargs):
-        x = args[0] if args else kwargs["hidden_states"]
-        idx = None
+        """Record a call of the experts as (source, token ids or None, per-expert offsets): expert
+        e's rows, in the order ExpertList.forward hands them over, are source[tok[o[e]:o[e+1]]]
+        (top-k: the input, a view of the block's; a stable sort by expert keeps torch.where's
+        token-ascending order) or source[o[e]:o[e+1]] (dense: only the routed rows are kept, not
+        the E x T pre-scaled input)."""
+        x = args[0].detach() if args else kwargs["hidden_states"].detach()
+        e_all = self.num_experts
         if getattr(mod, "call", "topk") == "topk":
             idx = args[1] if len(args) > 1 else kwargs["top_k_index"]
-        self.calls.append((x.detach(), None if idx is None else idx.detach()))
+            flat = idx.reshape(-1)
+            key = torch.where((flat >= 0) & (flat < e_all), flat, e_all)  # dropped slots last
+            counts = torch.bincount(key, minlength=e_all + 1)[:e_all]
+            src, tok = x, torch.argsort(key, stable=True) // idx.shape[-1]
+        else:
+            xs = x.view(e_all, -1, x.shape[-1])
+            keep = xs.abs().amax(dim=-1) > 0  # an unrouted token is a zero row, which the experts skip
+            counts = keep.sum(dim=1)
+            src, tok = xs[keep], None
+        offsets = [0] + torch.cumsum(counts, 0).tolist()
+        self.calls.append((src, tok, offsets))
 
     def _expert_hook(self, e: int, which: str):
         def hook(_mod, args, _out):
@@ -181,41 +196,19 @@ class MoELayerSearch:
                      self.num_experts * per / 2**30, budget / 2**30, GRAM_BUDGET_ENV, chunk)
         return chunk
 
-    def _routes(self) -> list[tuple[torch.Tensor, torch.Tensor | None, list[int]]]:
-        """Per recorded call: its input, the rows of every expert in the order ExpertList.forward
-        hands them over (top-k: token ascending; a stable sort by expert gives that order), and
-        each expert's offset into them (top-k) or None (dense: rows found per expert)."""
-        out = []
-        e_all = self.num_experts
-        for x, idx in self.calls:
-            if idx is None:
-                out.append((x, None, []))
-                continue
-            flat = idx.reshape(-1)
-            key = torch.where((flat >= 0) & (flat < e_all), flat, e_all)  # dropped slots last
-            order = torch.argsort(key, stable=True)
-            counts = torch.bincount(key, minlength=e_all + 1).tolist()
-            offsets = [0]
-            for c in counts:
-                offsets.append(offsets[-1] + c)
-            out.append((x, order // idx.shape[-1], offsets))
-        return out
-
     # -> [e1 - e0, H, H] fp32
-    def _gram_in_of(self, routes: list, e0: int, e1: int, dev) -> torch.Tensor:
-        """The input Grams of experts e0..e1-1, the same sums the forward hooks would make."""
-        k = routes[0][0].shape[-1]
+    def _gram_in_of(self, e0: int, e1: int, dev) -> torch.Tensor:
+        """The input Grams of experts e0..e1-1 from the recorded calls: the same sums, in the same
+        order, that the forward hooks would make."""
+        k = self.calls[0][0].shape[-1]
         gram = torch.zeros(e1 - e0, k, k, device=dev)
-        for x, tok, off in routes:
-            xs = x.view(self.num_experts, -1, k) if tok is None else None
+        for src, tok, off in self.calls:
             for e in range(e0, e1):
-                if tok is None:
-                    rows = xs[e, torch.nonzero(xs[e].abs().amax(dim=-1) > 0).flatten()]
-                else:
-                    rows = x[tok[off[e] : off[e + 1]]]
-                if rows.shape[0]:
-                    xf = rows.to(dev).float()
-                    gram[e - e0].addmm_(xf.t(), xf)
+                if off[e] == off[e + 1]:
+                    continue
+                rows = src[off[e] : off[e + 1]] if tok is None else src[tok[off[e] : off[e + 1]]]
+                xf = rows.to(dev).float()
+                gram[e - e0].addmm_(xf.t(), xf)
         return gram
 
     def _keep_blocks(self, gram: torch.Tensor, e0: int) -> None:
@@ -361,11 +354,10 @@ class MoELayerSearch:
         n, e_all = self.n_all, gu.shape[0]
         if not self.gram_chunk:
             return _batched_loss(self.q, gu, self.st["gram_in"] / n, cand[None].expand(e_all, -1, -1), g)
-        routes = self._routes()
         parts = []
         for e0 in range(0, e_all, self.gram_chunk):
             e1 = min(e_all, e0 + self.gram_chunk)
-            gram = self._gram_in_of(routes, e0, e1, gu.device)
+            gram = self._gram_in_of(e0, e1, gu.device)
             self._keep_blocks(gram, e0)
             parts.append(_batched_loss(self.q, gu[e0:e1], gram.div_(n), cand[None].expand(e1 - e0, -1, -1), g))
             del gram
