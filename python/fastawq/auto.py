@@ -335,6 +335,11 @@ class AutoAWQForCausalLM:
                     raise
                 log.info("not fusing layers: %s", e)
                 fuse_layers = False
+        if device.type == "cuda" and not fuse_layers:
+            # Unfused decode meets a new KV length every step, and cuDNN's SDPA plans each one.
+            from fastawq.integrations.transformers import use_sdpa_without_cudnn
+
+            use_sdpa_without_cudnn(model)
         if layout == "auto":
             from fastawq.backend import preferred_layout
 
