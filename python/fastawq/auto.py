@@ -288,6 +288,9 @@ class AutoAWQForCausalLM:
         spread = not use_ipex and spans_devices(device_map, max_memory, offload_folder)
         if spread and fuse_layers:
             raise ValueError("fuse_layers=True needs the whole model on one device; drop device_map/max_memory/offload_folder")
+        if spread and layout == "packed":
+            raise ValueError("layout='packed' needs the whole model on one device (dispatched layers move and "
+                             "offload the checkpoint's AWQ tensors); drop device_map/max_memory/offload_folder")
         fuse_layers = False if spread else fuse_layers
         device = _device_of("cpu" if use_ipex else (main_device(device_map) if spread else device_map))
         if use_ipex:
