@@ -2,12 +2,15 @@
 
 The output folder gets a work folder `.fastawq-work/` holding:
 - `journal.json`: the job's fingerprint (source checkpoint, quant config, calibration data), the
-  number of finished decoder layers, and the shard writer's state (which files hold which tensors);
-- `piece-NNNNN.safetensors`: finished layers not yet gathered into an output shard;
-- `hidden-LNNNNN-rR.safetensors`: the activations entering the first unfinished layer, per rank.
+  number of decoder layers a resume skips, and the shard writer's state (which files hold which
+  tensors);
+- `piece-NNNNN.safetensors`: the tensors outside the decoder layers, then the finished layers,
+  not yet gathered into an output shard;
+- `hidden-LNNNNN-rR.safetensors`: the activations entering layer `layers_done`, per rank.
 Every file is written to a temporary name and renamed, and the journal is rewritten only after
-the files it names exist, so a kill at any instant leaves a consistent state. The work folder is
-removed when the checkpoint is complete.
+the files it names exist, so a kill at any instant leaves a consistent state: pieces the journal
+does not name (layers finished after its last checkpoint) are written again by the resumed run.
+The work folder is removed when the checkpoint is complete.
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from fastawq.quantize.source import SAFETENSORS_DTYPES, read_header, read_tensor
 
 WORK_DIR = ".fastawq-work"
 JOURNAL = "journal.json"
@@ -39,19 +44,8 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """safetensors file written atomically (temporary name, fsync, rename)."""
-    from safetensors.torch import save_file
-
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
-           torch.int32: "I32", torch.int64: "I64", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL"}
+    """safetensors file written atomically (temporary name, fsync, rename), a tensor at a time."""
+    write_safetensors(path, [(k, v.dtype, list(v.shape), lambda v=v: v) for k, v in tensors.items()])
 
 
 def write_safetensors(dest: Path, entries: list[tuple[str, torch.dtype, list[int], Callable[[], torch.Tensor]]]) -> None:
@@ -61,7 +55,7 @@ def write_safetensors(dest: Path, entries: list[tuple[str, torch.dtype, list[int
     offset = 0
     for k, dtype, shape, _ in entries:
         n = _nbytes(shape, dtype)
-        header[k] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        header[k] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format allows space padding; aligned data reads faster
@@ -74,7 +68,7 @@ def write_safetensors(dest: Path, entries: list[tuple[str, torch.dtype, list[int
             if t.dtype != dtype or list(t.shape) != list(shape):
                 raise ValueError(f"tensor {k}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
             if t.numel():
-                f.write(t.view(-1).view(torch.uint8).numpy().tobytes())
+                f.write(memoryview(t.view(-1).view(torch.uint8).numpy()))  # no bytes copy of the tensor
             del t
         f.flush()
         os.fsync(f.fileno())
@@ -82,34 +76,26 @@ def write_safetensors(dest: Path, entries: list[tuple[str, torch.dtype, list[int
 
 
 def concat_safetensors(sources: list[Path], dest: Path) -> dict[str, str]:
-    """Write the tensors of several safetensors files into one. Returns {tensor name: dest file name}."""
-    from safetensors import safe_open
-
+    """Write the tensors of several safetensors files into one. Returns {tensor name: dest file name}.
+    Read with plain reads, a tensor at a time: peak memory is one tensor."""
     entries = []
     for src in sources:
-        with safe_open(str(src), framework="pt", device="cpu") as h:
-            for k in h.keys():
-                sl = h.get_slice(k)
-                entries.append((k, _dtype_of(sl.get_dtype()), list(sl.get_shape()), _reader(src, k)))
+        for k, e in read_header(src).items():
+            entries.append((k, e.dtype, e.shape, lambda e=e, k=k: read_tensor(e, k)))
     write_safetensors(dest, entries)
     return {k: dest.name for k, _, _, _ in entries}
 
 
-def _reader(src: Path, name: str) -> Callable[[], torch.Tensor]:
-    def get() -> torch.Tensor:
-        from safetensors import safe_open
-
-        with safe_open(str(src), framework="pt", device="cpu") as h:
-            return h.get_tensor(name)
-
-    return get
-
-
-def _dtype_of(code: str) -> torch.dtype:
-    for dt, c in _DTYPES.items():
-        if c == code:
-            return dt
-    raise ValueError(f"unsupported safetensors dtype {code}")
+def _link(src: Path, dest: Path) -> bool:
+    """A lone piece becomes a shard by a second name (no copy); the piece's own name goes when the
+    journal records the shard, so a kill in between still finds the piece. False where the
+    filesystem has no hard links (the caller copies)."""
+    dest.unlink(missing_ok=True)
+    try:
+        os.link(src, dest)
+    except OSError:
+        return False
+    return True
 
 
 def _nbytes(shape: list[int], dtype: torch.dtype) -> int:
@@ -189,14 +175,12 @@ class Journal:
                           [(f"x{j}", x.dtype, list(x.shape), lambda x=x: x) for j, x in enumerate(chunks)])
 
     def load_hidden(self, layer: int, rank: int, device: torch.device) -> list[torch.Tensor]:
-        from safetensors.torch import load_file
-
         p = self.hidden_path(layer, rank)
         if not p.exists():
             raise ResumeError(f"{p} is missing: the activations entering layer {layer} were not saved; "
                               f"delete {self.work} to start over")
-        d = load_file(str(p))
-        return [d[f"x{j}"].to(device) for j in range(len(d))]
+        entries = read_header(p)
+        return [read_tensor(entries[f"x{j}"], f"x{j}").to(device) for j in range(len(entries))]
 
     def drop_hidden_before(self, layer: int) -> None:
         for p in self.work.glob("hidden-L*-r*.safetensors"):
@@ -241,26 +225,40 @@ class ShardWriter:
 
     def add(self, tensors: dict[str, torch.Tensor]) -> None:
         """Write a piece (not yet recorded: the caller saves the journal with state())."""
+        self.add_entries([(k, v.dtype, list(v.shape), lambda v=v: v) for k, v in tensors.items()])
+
+    def add_entries(self, entries: list[tuple[str, torch.dtype, list[int], Callable[[], torch.Tensor]]]) -> None:
+        """add() of tensors produced one at a time while the piece is written (write_safetensors)."""
         name = f"piece-{self.next_piece:05d}.safetensors"
-        save_tensors(self.work / name, tensors)
+        write_safetensors(self.work / name, entries)
         self.next_piece += 1
-        self.pieces.append({"file": name, "bytes": sum(t.numel() * t.element_size() for t in tensors.values())})
+        self.pieces.append({"file": name, "bytes": sum(_nbytes(shape, dt) for _, dt, shape, _ in entries)})
 
     def full(self) -> bool:
-        """Would the pieces, minus the last, already fill a shard? Then gather them."""
+        """Do the pieces, minus the last, already fill a shard? Then gather them."""
         return len(self.pieces) > 1 and sum(p["bytes"] for p in self.pieces) > self.shard_size
 
     def roll(self, upto: int | None = None) -> list[Path]:
-        """Gather the first `upto` pieces (default: all but the last) into a shard; returns the piece
-        files the caller deletes once the journal records the shard."""
-        upto = len(self.pieces) - 1 if upto is None else upto
+        """Gather the first `upto` pieces into a shard (default: the longest run of pieces that fits
+        the shard size, at least one, never the last); returns the piece files the caller deletes
+        once the journal records the shard."""
+        if upto is None:
+            upto, size = 0, 0
+            while upto < len(self.pieces) - 1 and (upto == 0 or size + self.pieces[upto]["bytes"] <= self.shard_size):
+                size += self.pieces[upto]["bytes"]
+                upto += 1
         if upto <= 0:
             return []
         take, self.pieces = self.pieces[:upto], self.pieces[upto:]
         name = f"shard-{len(self.shards):05d}.safetensors"
-        names = concat_safetensors([self.work / p["file"] for p in take], self.work / name)
+        sources = [self.work / p["file"] for p in take]
+        dest = self.work / name
+        if len(sources) == 1 and _link(sources[0], dest):
+            names = {k: name for k in read_header(dest)}
+        else:
+            names = concat_safetensors(sources, dest)
         self.shards.append({"file": name, "tensors": sorted(names), "bytes": sum(p["bytes"] for p in take)})
-        return [self.work / p["file"] for p in take]
+        return sources
 
     def finish(self) -> dict[str, str]:
         """Move the shards to their final names in the output folder; write the index when there is
