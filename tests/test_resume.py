@@ -1,8 +1,10 @@
 """Resume: a streaming run killed (SIGKILL) at a random layer, rerun, equals an uninterrupted run."""
 from __future__ import annotations
 
+import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -64,9 +66,18 @@ def test_killed_run_resumes_to_identical_checkpoint(job):
     assert (out / WORK_DIR / "journal.json").exists()
     r = _cli(src, out, text)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"{kill_at} layer(s) already done" in r.stderr
+    assert min(kill_at, 1) <= _layers_done(r.stderr) <= kill_at
     assert_same_tensors(ref, out)
     assert not (out / WORK_DIR).exists()
+
+
+def _layers_done(log: str) -> int:
+    """The resumed run's count of skipped layers. Checkpoints are taken after layer 0 and then as
+    often as their writes hide behind the search (almost always every layer for this tiny model,
+    but a slow fsync may skip one), so a kill at layer k resumes after 1..k layers."""
+    m = re.search(r"(\d+) layer\(s\) already done", log)
+    assert m, log[-2000:]
+    return int(m.group(1))
 
 
 def test_twice_killed_run_resumes(job):
@@ -76,7 +87,7 @@ def test_twice_killed_run_resumes(job):
     assert _cli(src, out, text, fault=2).returncode == -signal.SIGKILL
     r = _cli(src, out, text)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "2 layer(s) already done" in r.stderr
+    assert 1 <= _layers_done(r.stderr) <= 2
     assert_same_tensors(ref, out)
 
 
@@ -134,3 +145,34 @@ def test_shard_writer_gathers_pieces_losslessly(tmp_path):
         for k, v in p.items():
             t = load_file(str(tmp_path / weight_map[k]))[k]
             assert t.dtype == v.dtype and torch.equal(t, v), k
+
+
+_KILLED_CHILD = """
+import sys, torch
+from fastawq.quantize.stream import quantize_streaming
+ids = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(1))
+quantize_streaming(sys.argv[1], sys.argv[2], None, {"q_group_size": 32}, ids, max_calib_seq_len=32,
+                   checkpoint_every=int(sys.argv[3]), shard_size="30KB")
+"""
+
+
+def test_kill_between_checkpoints_redoes_the_layers_after_the_last_one(job):
+    """With a checkpoint every 3 layers, a kill at layer 2 leaves layers 0-2 written but only the
+    start recorded: the resumed run redoes them and still equals an uninterrupted run."""
+    d, src, _, _ = job
+    ref = quantize_streaming(src, d / "ref_every", None, QC, calib(), max_calib_seq_len=32, shard_size="30KB")
+    out = d / "every3"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), **{FAULT_ENV: "2"})
+    r = subprocess.run([sys.executable, "-c", _KILLED_CHILD, str(src), str(out), "3"], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == -signal.SIGKILL, (r.returncode, r.stderr[-2000:])
+    state = json.loads((out / WORK_DIR / "journal.json").read_text())
+    named = {p["file"] for p in state["writer"]["pieces"]}
+    written = {p.name for p in (out / WORK_DIR).glob("piece-*.safetensors")}
+    assert state["layers_done"] == 0 and len(written - named) == 3, (state, written)
+    env.pop(FAULT_ENV)
+    r = subprocess.run([sys.executable, "-c", _KILLED_CHILD, str(src), str(out), "3"], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_same_tensors(ref, out)
+    assert not (out / WORK_DIR).exists()

@@ -120,6 +120,12 @@ def _trim_heap() -> None:
         pass
 
 
+def _tick(timings: dict[str, float], what: str, t0: float) -> float:
+    dt = time.perf_counter() - t0
+    timings[what] = timings.get(what, 0.0) + dt
+    return dt
+
+
 def _fault(i: int) -> None:
     if os.environ.get(FAULT_ENV) == str(i):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -180,6 +186,7 @@ def quantize_streaming(
     from fastawq.quantize import distributed as dist
 
     t_start = time.perf_counter()
+    timings: dict[str, float] = {}
     cfg = QuantConfig.from_dict(quant_config)
     opts = SearchOptions.of("quantize_streaming", options)
     if not cfg.packable:
@@ -243,26 +250,34 @@ def quantize_streaming(
     def finish(i: int, sd: dict[str, torch.Tensor] | None, hidden: list[torch.Tensor] | None, commit: bool) -> None:
         """Layer i's output: its piece, then (at a checkpoint) the activations entering layer
         i + 1 and the journal entry that makes both count."""
+        t = time.perf_counter()
         if sd is not None:
             writer.add(sd)
+        _tick(timings, "w_pieces", t)
         _fault(i)
         if hidden is not None:
             t = time.perf_counter()
             journal.save_hidden(i + 1, rank, hidden)
-            finisher.hidden_seconds = time.perf_counter() - t
+            finisher.hidden_seconds = _tick(timings, "w_checkpoints", t)
         if commit:
             dist.barrier()
             if rank == 0:
+                t = time.perf_counter()
                 journal.layers_done = i + 1
                 _commit(journal, writer)
                 journal.drop_hidden_before(i + 1)
+                _tick(timings, "w_journal_and_shards", t)
 
     reader = LayerReader(src, n_layers, lambda j: expected_tensors(layers[j], f"{lp}.{j}."), prefetch)
     finisher = _Finisher(background=world == 1)
     try:
         with search_precision(q.device):
+            t = time.perf_counter()
             inps, kwargs = q._capture_inputs(layers)
+            _tick(timings, "capture", t)
+            t = time.perf_counter()
             _write_outer(model, lp, src, writer, journal)
+            _tick(timings, "outer_tensors", t)
             if start:
                 inps = journal.load_hidden(start, rank, torch.device("cpu") if q.offload else q.device)
                 inps = [x.to(q.forward_dtype) for x in inps]
@@ -272,7 +287,10 @@ def quantize_streaming(
             for i in bar:
                 t = time.perf_counter()
                 load_module(layers[i], f"{lp}.{i}.", reader.take(i))
+                t_search = time.perf_counter()
+                _tick(timings, "read_wait", t)
                 inps = q.quantize_layer(i, layers[i], inps, kwargs[i])
+                _tick(timings, "search", t_search)
                 sd = {f"{lp}.{i}.{k}": v for k, v in layers[i].state_dict().items()} if rank == 0 else None
                 layers[i].to("meta")  # the piece writer holds the packed tensors until they are on disk
                 since += time.perf_counter() - t
@@ -284,7 +302,9 @@ def quantize_streaming(
                 else:
                     # Twice the last write's time: the write overlaps the next layers' search.
                     commit = since >= 2 * finisher.hidden_seconds
+                t_wait = time.perf_counter()
                 finisher.submit(finish, i, sd, inps if commit and resume and not last else None, commit)
+                _tick(timings, "write_wait", t_wait)
                 del sd
                 if commit:
                     since = 0.0
@@ -297,8 +317,11 @@ def quantize_streaming(
             bar.close()
     finally:
         reader.close()
+        t = time.perf_counter()
         finisher.close()
+        _tick(timings, "write_wait", t)
 
+    t = time.perf_counter()
     if rank == 0:
         if writer.pieces:
             writer.roll(len(writer.pieces))
@@ -309,8 +332,10 @@ def quantize_streaming(
         _save_metadata(out, config, cfg, tokenizer, src.path)
         shutil.rmtree(journal.work, ignore_errors=True)
         write_manifest(out)  # last: the folder now loads as one checked checkpoint
-        log.info("streamed %d layers to %s in %.1fs (%s)", n_layers, out, time.perf_counter() - t_start,
-                 ", ".join(f"{k} {v:.1f}s" for k, v in q.timings.items()))
+        _tick(timings, "final_shards_and_manifest", t)
+        timings.update({f"search_{k}": v for k, v in q.timings.items()})
+        log.info("streamed %d layers to %s in %.1fs; seconds (w_ = on the writer thread): %s", n_layers, out,
+                 time.perf_counter() - t_start, json.dumps({k: round(v, 2) for k, v in timings.items()}))
     dist.barrier()
     return out
 
