@@ -189,3 +189,21 @@ def test_unknown_search_option_is_named(reference_run, tmp_path):
     src, ids, _ = reference_run
     with pytest.raises(TypeError, match="max_calib_tokens"):
         quantize_streaming(src, tmp_path / "o", None, QC, ids, max_calib_tokens=32)
+
+
+def test_gpu_budget_keeps_8b_activations_on_the_device():
+    """Llama-3-8B under max_memory cuda 6 GiB: 128 x 512 fp16 activations (0.5 GiB, inputs and
+    outputs of a layer at once) fit beside a 0.41 GiB layer, so they must not travel to the CPU
+    and back every layer; the candidate batch shrinks by what they hold. No GPU is touched."""
+    from types import SimpleNamespace
+
+    from fastawq.quantize.stream import _apply_max_memory
+
+    act, layer = 128 * 512 * 4096 * 2, 436_207_616
+    q = SimpleNamespace(device=torch.device("cuda", 0), gpu_batch_elems=1 << 28, offload=False)
+    _apply_max_memory(q, {"cuda:0": "6GiB", "cpu": "6GiB"}, act, layer)
+    assert not q.offload
+    assert q.gpu_batch_elems == (6 * 2**30 - 3 * layer - 2 * act) // 24
+    q = SimpleNamespace(device=torch.device("cuda", 0), gpu_batch_elems=1 << 28, offload=False)
+    _apply_max_memory(q, {0: "3GiB"}, act, layer)
+    assert q.offload and q.gpu_batch_elems == (3 * 2**30 - 3 * layer) // 24
