@@ -120,6 +120,12 @@ def _trim_heap() -> None:
         pass
 
 
+def _timed(timings: dict[str, float], what: str, fn: Callable[[], None]) -> None:
+    t = time.perf_counter()
+    fn()
+    _tick(timings, what, t)
+
+
 def _tick(timings: dict[str, float], what: str, t0: float) -> float:
     dt = time.perf_counter() - t0
     timings[what] = timings.get(what, 0.0) + dt
@@ -275,9 +281,9 @@ def quantize_streaming(
             t = time.perf_counter()
             inps, kwargs = q._capture_inputs(layers)
             _tick(timings, "capture", t)
-            t = time.perf_counter()
-            _write_outer(model, lp, src, writer, journal)
-            _tick(timings, "outer_tensors", t)
+            outer = _release_outer(model, lp, src, writer, journal)
+            if outer is not None:  # written while the first layer is searched
+                finisher.submit(_timed, timings, "w_outer_tensors", outer)
             if start:
                 inps = journal.load_hidden(start, rank, torch.device("cpu") if q.offload else q.device)
                 inps = [x.to(q.forward_dtype) for x in inps]
@@ -386,33 +392,38 @@ def _load_outer(model: nn.Module, layers_path: str, src: SourceCheckpoint) -> No
         model.tie_weights()
 
 
-def _write_outer(model: nn.Module, layers_path: str, src: SourceCheckpoint, writer: ShardWriter | None,
-                 journal: Journal) -> None:
-    """Write the tensors outside the decoder layers as the first piece (tied ones once, as
-    save_quantized writes them), then free them: from here on, RAM holds layers only."""
+def _release_outer(model: nn.Module, layers_path: str, src: SourceCheckpoint, writer: ShardWriter | None,
+                   journal: Journal) -> Callable[[], None] | None:
+    """Free the tensors outside the decoder layers (from here on, RAM holds layers only) and return
+    the job that writes them as the first piece, tied ones once as save_quantized writes them,
+    read again from the source a tensor at a time (None when nothing is left to write)."""
     from fastawq.checkpoint import untied
 
     state = {k: t for k, t in untied(model.state_dict()).items() if not k.startswith(layers_path + ".")}
+    entries = []
     if writer is not None and not writer.tail_written:
-        entries = []
         for k, t in state.items():
             shape, dt = tuple(t.shape), t.dtype
-            if k in src.weight_map:  # read again, a tensor at a time, after the model has let go
+            if k in src.weight_map:
                 get = lambda k=k, shape=shape, dt=dt: src.read({k: (shape, dt)})[k]  # noqa: E731
             elif t.device.type == "meta":
                 raise ValueError(f"{src.path}: checkpoint lacks tensor {k!r}")
             else:  # a persistent buffer the model computes
                 get = lambda t=t: t  # noqa: E731
             entries.append((k, dt, list(shape), get))
-        state = t = None  # the model's last references go in _free_outer
-        _free_outer(model, layers_path)
+    state = t = None  # the model's last references go in _free_outer
+    _free_outer(model, layers_path)
+    _trim_heap()
+    if not entries:
+        return None
+
+    def job() -> None:
         writer.add_entries(entries)
         writer.tail_written = True
         journal.writer_state = writer.state()
         journal.save()
-    state = None
-    _free_outer(model, layers_path)
-    _trim_heap()
+
+    return job
 
 
 def _free_outer(model: nn.Module, layers_path: str) -> None:
