@@ -1,6 +1,7 @@
 """Resume: a streaming run killed (SIGKILL) at a random layer, rerun, equals an uninterrupted run."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import random
@@ -176,3 +177,26 @@ def test_kill_between_checkpoints_redoes_the_layers_after_the_last_one(job):
     assert r.returncode == 0, r.stderr[-3000:]
     assert_same_tensors(ref, out)
     assert not (out / WORK_DIR).exists()
+
+
+def test_run_killed_while_finishing_the_folder_resumes(tmp_path, monkeypatch):
+    """Every layer recorded, the shards already moved to their final names, then a crash before
+    the config is written: the rerun has no activations to load and must only finish the folder
+    (it raised ResumeError: the activations entering layer n were never saved)."""
+    stream = importlib.import_module("fastawq.quantize.stream")  # fastawq.quantize is also a function name
+
+    src = save_float_model(tmp_path / "src", layers=2)
+    ids = calib()
+    ref = quantize_streaming(src, tmp_path / "ref", None, QC, ids, max_calib_seq_len=32)
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(stream, "_save_metadata", crash)
+        with pytest.raises(KeyboardInterrupt):
+            quantize_streaming(src, tmp_path / "out", None, QC, ids, max_calib_seq_len=32)
+    assert json.loads((tmp_path / "out" / WORK_DIR / "journal.json").read_text())["layers_done"] == 2
+    out = quantize_streaming(src, tmp_path / "out", None, QC, ids, max_calib_seq_len=32)
+    assert_same_tensors(ref, out)
+    assert (out / "config.json").exists() and not (out / WORK_DIR).exists()

@@ -284,7 +284,7 @@ def quantize_streaming(
             outer = _release_outer(model, lp, src, writer, journal)
             if outer is not None:  # written while the first layer is searched
                 finisher.submit(_timed, timings, "w_outer_tensors", outer)
-            if start:
+            if start and start < n_layers:  # (a run killed while finishing the folder has none to load)
                 inps = journal.load_hidden(start, rank, torch.device("cpu") if q.offload else q.device)
                 inps = [x.to(q.forward_dtype) for x in inps]
             bar = tqdm(range(start, n_layers), desc="AWQ (streaming)", unit="layer", initial=start,
