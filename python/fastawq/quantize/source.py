@@ -24,7 +24,8 @@ _MAX_HEADER = 100 * 1024 * 1024
 SAFETENSORS_DTYPES = {
     torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64", torch.int32: "I32",
     torch.int64: "I64", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.uint16: "U16", torch.uint32: "U32",
+    torch.uint64: "U64",
 }
 
 
@@ -70,7 +71,7 @@ def read_header(path: Path) -> dict[str, _Entry]:
         numel = 1
         for s in shape:
             numel *= s
-        if end - begin != numel * dtype.itemsize or begin < 0:
+        if end - begin != numel * dtype.itemsize or begin < 0 or end < begin:
             raise ValueError(f"{path}: tensor {name!r} {info['dtype']} {shape} spans bytes [{begin}, {end}), "
                              f"which does not match its shape")
         if base + end > size:
