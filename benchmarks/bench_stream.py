@@ -9,7 +9,7 @@
 `stream` = quantize_streaming with max_memory {"cuda:0": "6GiB", "cpu": "6GiB"}, and
 `in_memory` = from_pretrained + quantize + save_quantized, unconstrained. The stream line
 carries the streaming's own split of its time (`stream_seconds`: capture, outer tensors, waits
-on the reader and the writer, search, and the writer thread's pieces / checkpoints / shards).
+on the reader and the writer, search, and the writer thread's layers / checkpoints / journal).
 (b) builds a Llama-3-70B-shaped skeleton on the meta device and generates each layer's weights on
 the GPU from a seed (no disk), running the full AWQ search (scales + clipping + packing) per layer.
 Every step prints one JSON line; the last line of each part is its summary.

@@ -122,30 +122,33 @@ def test_changed_source_or_calibration_refuses(tmp_path):
     assert not (out2 / WORK_DIR).exists() and (out2 / "model.safetensors").exists()
 
 
-def test_shard_writer_gathers_pieces_losslessly(tmp_path):
+def test_shard_writer_appends_in_place_and_cuts_back_on_resume(tmp_path):
     from safetensors.torch import load_file
 
     from fastawq.quantize.journal import ShardWriter
 
     work = tmp_path / WORK_DIR
     work.mkdir()
-    w = ShardWriter(tmp_path, work, shard_size=100)
     gen = torch.Generator().manual_seed(0)
-    pieces = [{f"p{i}.a": torch.randn(4, 5, generator=gen).half(), f"p{i}.q": torch.randint(0, 9, (3,), dtype=torch.int32),
-               f"p{i}.s": torch.randn((), generator=gen).bfloat16()} for i in range(3)]
-    for p in pieces:
+    parts = [{f"p{i}.a": torch.randn(4, 5, generator=gen).half(), f"p{i}.q": torch.randint(0, 9, (3,), dtype=torch.int32),
+              f"p{i}.s": torch.randn((), generator=gen).bfloat16()} for i in range(5)]
+    w = ShardWriter(tmp_path, work, shard_size=100)
+    for p in parts[:3]:
         w.add(p)
-        if w.full():
-            for f in w.roll():
-                f.unlink()
-    w.roll(len(w.pieces))
+    committed = w.commit_state()
+    w.add(parts[3])  # appended, never recorded: a kill here loses it
+    w = ShardWriter(tmp_path, work, shard_size=100, state=committed)
+    for p in parts[3:]:
+        w.add(p)
     weight_map = w.finish()
     files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
     assert len(files) > 1 and sorted(set(weight_map.values())) == files
-    for p in pieces:
+    assert sorted(weight_map) == sorted(k for p in parts for k in p)
+    for p in parts:
         for k, v in p.items():
             t = load_file(str(tmp_path / weight_map[k]))[k]
             assert t.dtype == v.dtype and torch.equal(t, v), k
+    assert not list(work.glob("*.safetensors"))
 
 
 _KILLED_CHILD = """
@@ -158,8 +161,8 @@ quantize_streaming(sys.argv[1], sys.argv[2], None, {"q_group_size": 32}, ids, ma
 
 
 def test_kill_between_checkpoints_redoes_the_layers_after_the_last_one(job):
-    """With a checkpoint every 3 layers, a kill at layer 2 leaves layers 0-2 written but only the
-    start recorded: the resumed run redoes them and still equals an uninterrupted run."""
+    """With a checkpoint every 3 layers, a kill at layer 2 leaves layers 0-2 appended but only the
+    start recorded: the resumed run cuts them off, redoes them and still equals an uninterrupted run."""
     d, src, _, _ = job
     ref = quantize_streaming(src, d / "ref_every", None, QC, calib(), max_calib_seq_len=32, shard_size="30KB")
     out = d / "every3"
@@ -168,9 +171,13 @@ def test_kill_between_checkpoints_redoes_the_layers_after_the_last_one(job):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == -signal.SIGKILL, (r.returncode, r.stderr[-2000:])
     state = json.loads((out / WORK_DIR / "journal.json").read_text())
-    named = {p["file"] for p in state["writer"]["pieces"]}
-    written = {p.name for p in (out / WORK_DIR).glob("piece-*.safetensors")}
-    assert state["layers_done"] == 0 and len(written - named) == 3, (state, written)
+    op = state["writer"]["open"]
+    files = {p.name: p.stat().st_size for p in (out / WORK_DIR).glob("shard-*.safetensors")}
+    counted = {sh["file"] for sh in state["writer"]["shards"]} | {op["file"]}
+    # Layers 0-2 were appended (to the open shard or past it) but the journal counts the outer tensors only.
+    assert state["layers_done"] == 0 and not state["writer"]["shards"], state
+    assert set(files) - counted or files[op["file"]] > 8 + op["reserve"] + op["bytes"], (state, files)
+    assert not any(".layers." in k for k in op["entries"]), op["entries"]
     env.pop(FAULT_ENV)
     r = subprocess.run([sys.executable, "-c", _KILLED_CHILD, str(src), str(out), "3"], env=env,
                        capture_output=True, text=True, timeout=600)

@@ -2,14 +2,15 @@
 
 The output folder gets a work folder `.fastawq-work/` holding:
 - `journal.json`: the job's fingerprint (source checkpoint, quant config, calibration data), the
-  number of decoder layers a resume skips, and the shard writer's state (which files hold which
-  tensors);
-- `piece-NNNNN.safetensors`: the tensors outside the decoder layers, then the finished layers,
-  not yet gathered into an output shard;
+  number of decoder layers a resume skips, and the shard writer's state (which shard holds which
+  tensors, and how many bytes of the open shard count);
+- `shard-NNNNN.safetensors`: the output shards, the tensors outside the decoder layers first,
+  then the finished layers appended as they come;
 - `hidden-LNNNNN-rR.safetensors`: the activations entering layer `layers_done`, per rank.
-Every file is written to a temporary name and renamed, and the journal is rewritten only after
-the files it names exist, so a kill at any instant leaves a consistent state: pieces the journal
-does not name (layers finished after its last checkpoint) are written again by the resumed run.
+Files are written to a temporary name and renamed, or (the open shard) appended and synced, and
+the journal is rewritten only after the bytes it counts are on disk, so a kill at any instant
+leaves a consistent state: bytes the journal does not count (layers finished after its last
+checkpoint) are cut off and written again by the resumed run.
 The work folder is removed when the checkpoint is complete.
 """
 from __future__ import annotations
@@ -43,11 +44,6 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """safetensors file written atomically (temporary name, fsync, rename), a tensor at a time."""
-    write_safetensors(path, [(k, v.dtype, list(v.shape), lambda v=v: v) for k, v in tensors.items()])
-
-
 def write_safetensors(dest: Path, entries: list[tuple[str, torch.dtype, list[int], Callable[[], torch.Tensor]]]) -> None:
     """A safetensors file written a tensor at a time, atomically: `entries` give each tensor's name,
     dtype, shape and a function producing it, so peak memory is one tensor, not the file."""
@@ -73,29 +69,6 @@ def write_safetensors(dest: Path, entries: list[tuple[str, torch.dtype, list[int
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, dest)
-
-
-def concat_safetensors(sources: list[Path], dest: Path) -> dict[str, str]:
-    """Write the tensors of several safetensors files into one. Returns {tensor name: dest file name}.
-    Read with plain reads, a tensor at a time: peak memory is one tensor."""
-    entries = []
-    for src in sources:
-        for k, e in read_header(src).items():
-            entries.append((k, e.dtype, e.shape, lambda e=e, k=k: read_tensor(e, k)))
-    write_safetensors(dest, entries)
-    return {k: dest.name for k, _, _, _ in entries}
-
-
-def _link(src: Path, dest: Path) -> bool:
-    """A lone piece becomes a shard by a second name (no copy); the piece's own name goes when the
-    journal records the shard, so a kill in between still finds the piece. False where the
-    filesystem has no hard links (the caller copies)."""
-    dest.unlink(missing_ok=True)
-    try:
-        os.link(src, dest)
-    except OSError:
-        return False
-    return True
 
 
 def _nbytes(shape: list[int], dtype: torch.dtype) -> int:
@@ -205,64 +178,111 @@ def _short(v: Any) -> str:
 
 
 class ShardWriter:
-    """Output shards written as the layers finish: each finished layer becomes a piece file; when
-    the pieces would pass `shard_size` they are gathered into the next shard. Shards get their
-    final names (model-XXXXX-of-YYYYY.safetensors, or model.safetensors alone) in finish()."""
+    """Output shards written in place as the layers finish, never copied: tensors are appended to
+    the open shard behind a header space reserved at its start, and the shard is closed (its
+    header written into that space) when the next tensors would pass `shard_size` or the space.
+    The journal records the open shard's committed length (commit_state); a resumed run cuts the
+    file back to it and appends again. Shards get their final names (model-XXXXX-of-YYYYY
+    .safetensors, or model.safetensors alone) in finish()."""
 
     def __init__(self, out_dir: Path, work: Path, shard_size: int, state: dict[str, Any] | None = None):
         self.out_dir = Path(out_dir)
         self.work = Path(work)
         self.shard_size = shard_size
         state = state or {}
-        self.pieces: list[dict[str, Any]] = list(state.get("pieces", []))  # {"file", "bytes"}
-        self.shards: list[dict[str, Any]] = list(state.get("shards", []))  # {"file", "tensors", "bytes"}
-        self.next_piece = int(state.get("next_piece", 0))
+        self.shards: list[dict[str, Any]] = list(state.get("shards", []))  # closed: {"file", "tensors", "bytes"}
+        # {"file", "reserve", "bytes", "header_bound", "entries": {name: [dtype code, shape, begin, end]}}
+        self.open: dict[str, Any] | None = state.get("open")
         self.tail_written = bool(state.get("tail_written", False))  # the tensors outside the layers
+        if self.open is not None:
+            path = self.work / self.open["file"]
+            end = 8 + self.open["reserve"] + self.open["bytes"]
+            if not path.exists() or path.stat().st_size < end:
+                raise ResumeError(f"{path} is shorter than the {end} bytes the journal recorded; delete "
+                                  f"{self.work} to start over")
+            os.truncate(path, end)  # what was appended after the last commit is written again
 
     def state(self) -> dict[str, Any]:
-        return {"pieces": self.pieces, "shards": self.shards, "next_piece": self.next_piece,
-                "tail_written": self.tail_written}
+        op = None if self.open is None else dict(self.open, entries=dict(self.open["entries"]))
+        return {"shards": list(self.shards), "open": op, "tail_written": self.tail_written}
+
+    def commit_state(self) -> dict[str, Any]:
+        """The state to record, once the open shard's bytes are on disk."""
+        if self.open is not None:
+            fd = os.open(self.work / self.open["file"], os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        return self.state()
 
     def add(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Write a piece (not yet recorded: the caller saves the journal with state())."""
+        """Append tensors (not yet recorded: the caller saves the journal with commit_state())."""
         self.add_entries([(k, v.dtype, list(v.shape), lambda v=v: v) for k, v in tensors.items()])
 
     def add_entries(self, entries: list[tuple[str, torch.dtype, list[int], Callable[[], torch.Tensor]]]) -> None:
-        """add() of tensors produced one at a time while the piece is written (write_safetensors)."""
-        name = f"piece-{self.next_piece:05d}.safetensors"
-        write_safetensors(self.work / name, entries)
-        self.next_piece += 1
-        self.pieces.append({"file": name, "bytes": sum(_nbytes(shape, dt) for _, dt, shape, _ in entries)})
+        """add() of tensors produced one at a time while they are written (peak memory: one)."""
+        size = sum(_nbytes(shape, dt) for _, dt, shape, _ in entries)
+        bound = sum(_entry_bound(k, dt, shape) for k, dt, shape, _ in entries)
+        op = self.open
+        if op is not None and op["entries"] and (op["bytes"] + size > self.shard_size
+                                                 or op["header_bound"] + bound > op["reserve"]):
+            self._close()
+        if self.open is None:
+            self._start(bound)
+        op = self.open
+        with open(self.work / op["file"], "r+b") as f:
+            f.seek(8 + op["reserve"] + op["bytes"])
+            for k, dtype, shape, get in entries:
+                t = get().detach().to("cpu").contiguous()
+                if t.dtype != dtype or list(t.shape) != list(shape):
+                    raise ValueError(f"tensor {k}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
+                n = t.numel() * t.element_size()
+                if n:
+                    f.write(memoryview(t.view(-1).view(torch.uint8).numpy()))
+                op["entries"][k] = [SAFETENSORS_DTYPES[dtype], list(shape), op["bytes"], op["bytes"] + n]
+                op["bytes"] += n
+                del t
+        op["header_bound"] += bound
 
-    def full(self) -> bool:
-        """Do the pieces, minus the last, already fill a shard? Then gather them."""
-        return len(self.pieces) > 1 and sum(p["bytes"] for p in self.pieces) > self.shard_size
-
-    def roll(self, upto: int | None = None) -> list[Path]:
-        """Gather the first `upto` pieces into a shard (default: the longest run of pieces that fits
-        the shard size, at least one, never the last); returns the piece files the caller deletes
-        once the journal records the shard."""
-        if upto is None:
-            upto, size = 0, 0
-            while upto < len(self.pieces) - 1 and (upto == 0 or size + self.pieces[upto]["bytes"] <= self.shard_size):
-                size += self.pieces[upto]["bytes"]
-                upto += 1
-        if upto <= 0:
-            return []
-        take, self.pieces = self.pieces[:upto], self.pieces[upto:]
+    def _start(self, bound: int) -> None:
+        # A 5 GB shard of packed linears holds ~1000 tensors (~150 header bytes each); many small
+        # experts hold more, hence the reserve grows with the shard size.
+        reserve = max(1 << 20, self.shard_size // 2000, bound + 4096)
+        reserve += -reserve % 8  # aligned data reads faster
         name = f"shard-{len(self.shards):05d}.safetensors"
-        sources = [self.work / p["file"] for p in take]
-        dest = self.work / name
-        if len(sources) == 1 and _link(sources[0], dest):
-            names = {k: name for k in read_header(dest)}
-        else:
-            names = concat_safetensors(sources, dest)
-        self.shards.append({"file": name, "tensors": sorted(names), "bytes": sum(p["bytes"] for p in take)})
-        return sources
+        with open(self.work / name, "wb") as f:
+            f.truncate(8 + reserve)
+        self.open = {"file": name, "reserve": reserve, "bytes": 0, "header_bound": len(_HEADER_META), "entries": {}}
+
+    def _close(self) -> None:
+        """Write the open shard's header into its reserved space; the shard is then complete."""
+        op, self.open = self.open, None
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        for k, (code, shape, begin, end) in op["entries"].items():
+            header[k] = {"dtype": code, "shape": shape, "data_offsets": [begin, end]}
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        if len(blob) > op["reserve"]:  # cannot happen: header_bound bounds it
+            raise RuntimeError(f"header of {op['file']} ({len(blob)} bytes) overflows its reserve {op['reserve']}")
+        path = self.work / op["file"]
+        with open(path, "r+b") as f:
+            f.write(struct.pack("<Q", op["reserve"]))
+            f.write(blob + b" " * (op["reserve"] - len(blob)))
+            f.flush()
+            os.fsync(f.fileno())
+        self.shards.append({"file": op["file"], "tensors": sorted(op["entries"]), "bytes": op["bytes"]})
+
+    def close_open(self) -> None:
+        if self.open is not None and self.open["entries"]:
+            self._close()
+        elif self.open is not None:
+            (self.work / self.open["file"]).unlink(missing_ok=True)
+            self.open = None
 
     def finish(self) -> dict[str, str]:
-        """Move the shards to their final names in the output folder; write the index when there is
-        more than one. Returns the weight map."""
+        """Close the open shard, move the shards to their final names in the output folder; write
+        the index when there is more than one. Returns the weight map."""
+        self.close_open()
         n = len(self.shards)
         weight_map: dict[str, str] = {}
         for i, sh in enumerate(self.shards):
@@ -278,3 +298,12 @@ class ShardWriter:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             atomic_write_bytes(self.out_dir / "model.safetensors.index.json", json.dumps(index, indent=2).encode())
         return weight_map
+
+
+_HEADER_META = json.dumps({"__metadata__": {"format": "pt"}}, separators=(",", ":")).encode()
+
+
+def _entry_bound(name: str, dtype: torch.dtype, shape: list[int]) -> int:
+    """An upper bound of the header bytes one tensor takes (its offsets written with 16 digits)."""
+    e = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [10**15, 10**15]}
+    return len(json.dumps({name: e}, separators=(",", ":")).encode()) + 2

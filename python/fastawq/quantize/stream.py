@@ -4,7 +4,8 @@ The float checkpoint is read tensor by tensor from its safetensors shards (sourc
 is a skeleton on the meta device, and only the embeddings (for the calibration capture) and the
 layer being searched are ever materialised; the next layer's tensors are read in a background
 thread meanwhile. The tensors outside the layers are written to the output first and freed; each
-finished layer is written at once (journal.ShardWriter), on a second background thread that also
+finished layer is appended to its output shard at once (journal.ShardWriter: nothing is copied
+later), on a second background thread that also
 checkpoints the activations entering the next layer, so a killed run resumes bit-identically from
 the last checkpoint. Checkpoints are taken as often as their writes hide behind the search.
 
@@ -259,7 +260,7 @@ def quantize_streaming(
         t = time.perf_counter()
         if sd is not None:
             writer.add(sd)
-        _tick(timings, "w_pieces", t)
+        _tick(timings, "w_layers", t)
         _fault(i)
         if hidden is not None:
             t = time.perf_counter()
@@ -272,7 +273,7 @@ def quantize_streaming(
                 journal.layers_done = i + 1
                 _commit(journal, writer)
                 journal.drop_hidden_before(i + 1)
-                _tick(timings, "w_journal_and_shards", t)
+                _tick(timings, "w_journal", t)
 
     reader = LayerReader(src, n_layers, lambda j: expected_tensors(layers[j], f"{lp}.{j}."), prefetch)
     finisher = _Finisher(background=world == 1)
@@ -329,16 +330,14 @@ def quantize_streaming(
 
     t = time.perf_counter()
     if rank == 0:
-        if writer.pieces:
-            writer.roll(len(writer.pieces))
-            journal.writer_state = writer.state()
-            journal.save()
-        _remove_pieces(journal)
+        writer.close_open()
+        journal.writer_state = writer.state()
+        journal.save()
         writer.finish()
         _save_metadata(out, config, cfg, tokenizer, src.path)
         shutil.rmtree(journal.work, ignore_errors=True)
         write_manifest(out)  # last: the folder now loads as one checked checkpoint
-        _tick(timings, "final_shards_and_manifest", t)
+        _tick(timings, "final_header_and_manifest", t)
         timings.update({f"search_{k}": v for k, v in q.timings.items()})
         log.info("streamed %d layers to %s in %.1fs; seconds (w_ = on the writer thread): %s", n_layers, out,
                  time.perf_counter() - t_start, json.dumps({k: round(v, 2) for k, v in timings.items()}))
@@ -420,7 +419,7 @@ def _release_outer(model: nn.Module, layers_path: str, src: SourceCheckpoint, wr
     def job() -> None:
         writer.add_entries(entries)
         writer.tail_written = True
-        journal.writer_state = writer.state()
+        journal.writer_state = writer.commit_state()
         journal.save()
 
     return job
@@ -436,23 +435,9 @@ def _free_outer(model: nn.Module, layers_path: str) -> None:
 
 
 def _commit(journal: Journal, writer: ShardWriter) -> None:
-    """Record the finished layer, then gather pieces into a shard when they fill one."""
-    journal.writer_state = writer.state()
+    """Record the finished layers: the shard bytes reach the disk before the journal counts them."""
+    journal.writer_state = writer.commit_state()
     journal.save()
-    if writer.full():
-        writer.roll()
-        journal.writer_state = writer.state()
-        journal.save()
-        _remove_pieces(journal)
-
-
-def _remove_pieces(journal: Journal) -> None:
-    """Piece files the journal no longer names (gathered into a shard, or left by a killed run)."""
-    keep = {p["file"] for p in journal.writer_state.get("pieces", [])}
-    keep |= {s["file"] for s in journal.writer_state.get("shards", [])}
-    for p in journal.work.glob("piece-*.safetensors"):
-        if p.name not in keep:
-            p.unlink(missing_ok=True)
 
 
 def _save_metadata(out: Path, config: Any, cfg: QuantConfig, tokenizer: Any, src: Path) -> None:
