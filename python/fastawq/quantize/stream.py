@@ -307,8 +307,9 @@ def quantize_streaming(
                 elif checkpoint_every:
                     commit = (i + 1 - start) % checkpoint_every == 0
                 else:
-                    # Twice the last write's time: the write overlaps the next layers' search.
-                    commit = since >= 2 * finisher.hidden_seconds
+                    # The write (timed last time) overlaps the next layers' search, and takes at most
+                    # a quarter of the writer thread's time: the layers' own bytes need the rest.
+                    commit = since >= 4 * finisher.hidden_seconds
                 t_wait = time.perf_counter()
                 finisher.submit(finish, i, sd, inps if commit and resume and not last else None, commit)
                 _tick(timings, "write_wait", t_wait)
