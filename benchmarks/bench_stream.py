@@ -1,13 +1,15 @@
 """Large-model quantization on one GPU: streaming from disk under a memory budget, and the 70B search.
 
     python benchmarks/bench_stream.py                  # both parts (H200: about 8 minutes)
-    python benchmarks/bench_stream.py --part 8b        # (a) Llama-3-8B shape from disk, 6 GiB budgets
+    python benchmarks/bench_stream.py --part 8b        # (a) Llama-3-8B shape from disk, 6 GiB budgets (~4 min)
     python benchmarks/bench_stream.py --part 70b --layers 10   # (b) 10 of 80 layers timed, extrapolated
 
 (a) writes random fp16 Llama-3-8B-shaped weights once as safetensors shards (--dir, default
 /tmp/fastawq_bench_8b), then runs, each in its own process so peak RSS is that run's:
 `stream` = quantize_streaming with max_memory {"cuda:0": "6GiB", "cpu": "6GiB"}, and
-`in_memory` = from_pretrained + quantize + save_quantized, unconstrained.
+`in_memory` = from_pretrained + quantize + save_quantized, unconstrained. The stream line
+carries the streaming's own split of its time (`stream_seconds`: capture, outer tensors, waits
+on the reader and the writer, search, and the writer thread's layers / checkpoints / journal).
 (b) builds a Llama-3-70B-shaped skeleton on the meta device and generates each layer's weights on
 the GPU from a seed (no disk), running the full AWQ search (scales + clipping + packing) per layer.
 Every step prints one JSON line; the last line of each part is its summary.
@@ -18,6 +20,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -99,16 +102,26 @@ def _calib(n: int, seq: int) -> torch.Tensor:
 
 def child(mode: str, src: str, out: str, n: int, seq: int) -> None:
     """One measured run (its own process)."""
-    import shutil
-
     shutil.rmtree(out, ignore_errors=True)
     torch.cuda.reset_peak_memory_stats()
     ids = _calib(n, seq)
     qc = {"w_bit": 4, "q_group_size": 128, "zero_point": True}
     t = time.perf_counter()
+    split = {}
     if mode == "stream":
+        import logging
+
         from fastawq.quantize.stream import quantize_streaming
 
+        class Keep(logging.Handler):
+            def emit(self, record):
+                msg = record.getMessage()
+                if msg.startswith("streamed "):
+                    split.update(json.loads(msg[msg.index("{"):]))
+
+        lg = logging.getLogger("fastawq.quantize.stream")
+        lg.setLevel(logging.INFO)
+        lg.addHandler(Keep())
         quantize_streaming(src, out, None, qc, ids, max_calib_samples=n, max_calib_seq_len=seq, device="cuda",
                            max_memory={"cuda:0": "6GiB", "cpu": "6GiB"})
     else:
@@ -119,7 +132,7 @@ def child(mode: str, src: str, out: str, n: int, seq: int) -> None:
         m.save_quantized(out)
     emit(step=mode, seconds=round(time.perf_counter() - t, 1),
          peak_rss_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
-         peak_gpu_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+         peak_gpu_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), **({"stream_seconds": split} if split else {}))
 
 
 def part_8b(args) -> None:
@@ -128,14 +141,22 @@ def part_8b(args) -> None:
     res = {}
     for mode in ("stream", "in_memory"):
         out = f"{args.dir}_{mode}"
-        r = subprocess.run([sys.executable, __file__, "--child", mode, "--dir", str(d), "--out", out,
-                            "--n", str(args.n), "--seq", str(args.seq)], capture_output=True, text=True)
+        try:
+            r = subprocess.run([sys.executable, __file__, "--child", mode, "--dir", str(d), "--out", out,
+                                "--n", str(args.n), "--seq", str(args.seq)], capture_output=True, text=True,
+                               timeout=args.child_timeout)
+        except subprocess.TimeoutExpired as e:
+            tail = (e.stderr or b"")[-2000:]
+            emit(step=mode, error=f"killed after {args.child_timeout} s",
+                 stderr=tail.decode(errors="replace") if isinstance(tail, bytes) else tail)
+            continue
         lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
         if r.returncode != 0 or not lines:
             emit(step=mode, error=r.stderr[-2000:])
             continue
         print(lines[-1], flush=True)
         res[mode] = json.loads(lines[-1])
+        shutil.rmtree(out, ignore_errors=True)  # 6 GB each: the disk of a 1-GPU machine is 64 GiB
     if len(res) == 2:
         s, m = res["stream"], res["in_memory"]
         emit(part="8b", stream_s=s["seconds"], in_memory_s=m["seconds"], ratio=round(s["seconds"] / m["seconds"], 2),
@@ -184,6 +205,7 @@ def main() -> None:
                     help="70B: time this many layers and extrapolate to 80 (default with --part all: 12)")
     ap.add_argument("--n", type=int, default=128, help="calibration samples")
     ap.add_argument("--seq", type=int, default=512, help="calibration sequence length")
+    ap.add_argument("--child-timeout", type=int, default=200, help="seconds each measured run may take")
     ap.add_argument("--child", choices=["stream", "in_memory"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

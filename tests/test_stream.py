@@ -151,3 +151,59 @@ def test_streaming_peak_rss_stays_below_the_model_size(tmp_path):
     # Measured on the CPU machine: 0 bytes, the 20-layer run peaks no higher than the 1-layer warm-up.
     assert delta < model_bytes / 2, (delta / 2**20, model_bytes / 2**20)
     assert delta < 8 * layer_bytes, (delta / 2**20, layer_bytes / 2**20)
+
+
+def test_prefetch_on_and_off_are_bit_identical(reference_run, tmp_path):
+    """The next layer read in a background thread (and the layer output written by another) must
+    change nothing: same tensors as with both inline and as the in-memory run."""
+    src, ids, ref = reference_run
+    on = quantize_streaming(src, tmp_path / "on", None, QC, ids, max_calib_seq_len=32, prefetch=True)
+    off = quantize_streaming(src, tmp_path / "off", None, QC, ids, max_calib_seq_len=32, prefetch=False,
+                             checkpoint_every=2)
+    assert_same_tensors(ref, on)
+    assert_same_tensors(ref, off)
+
+
+def test_source_reader_reads_every_dtype_and_names_a_truncated_file(tmp_path):
+    from safetensors.torch import save_file
+
+    from fastawq.quantize.source import SourceCheckpoint
+
+    gen = torch.Generator().manual_seed(3)
+    tensors = {"a": torch.randn(5, 7, generator=gen).half(), "b": torch.randn(3, generator=gen).bfloat16(),
+               "c": torch.randint(-9, 9, (2, 2, 2), generator=gen, dtype=torch.int32),
+               "d": torch.randn((), generator=gen), "e": torch.empty(0, 4)}
+    (tmp_path / "config.json").write_text("{}")
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    src = SourceCheckpoint(tmp_path)
+    for k, v in tensors.items():
+        got = src.get(k)
+        assert got.dtype == v.dtype and got.shape == v.shape and torch.equal(got, v), k
+    data = (tmp_path / "m.safetensors").read_bytes()
+    (tmp_path / "m.safetensors").write_bytes(data[:-8])
+    with pytest.raises(ValueError, match=r"m\.safetensors.*truncated"):
+        SourceCheckpoint(tmp_path).get("a")
+
+
+def test_unknown_search_option_is_named(reference_run, tmp_path):
+    src, ids, _ = reference_run
+    with pytest.raises(TypeError, match="max_calib_tokens"):
+        quantize_streaming(src, tmp_path / "o", None, QC, ids, max_calib_tokens=32)
+
+
+def test_gpu_budget_keeps_8b_activations_on_the_device():
+    """Llama-3-8B under max_memory cuda 6 GiB: 128 x 512 fp16 activations (0.5 GiB, inputs and
+    outputs of a layer at once) fit beside a 0.41 GiB layer, so they must not travel to the CPU
+    and back every layer; the candidate batch shrinks by what they hold. No GPU is touched."""
+    from types import SimpleNamespace
+
+    from fastawq.quantize.stream import _apply_max_memory
+
+    act, layer = 128 * 512 * 4096 * 2, 436_207_616
+    q = SimpleNamespace(device=torch.device("cuda", 0), gpu_batch_elems=1 << 28, offload=False)
+    _apply_max_memory(q, {"cuda:0": "6GiB", "cpu": "6GiB"}, act, layer)
+    assert not q.offload
+    assert q.gpu_batch_elems == (6 * 2**30 - 3 * layer - 2 * act) // 24
+    q = SimpleNamespace(device=torch.device("cuda", 0), gpu_batch_elems=1 << 28, offload=False)
+    _apply_max_memory(q, {0: "3GiB"}, act, layer)
+    assert q.offload and q.gpu_batch_elems == (3 * 2**30 - 3 * layer) // 24

@@ -145,18 +145,25 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
-def _state_dict_for_save(model: nn.Module) -> dict[str, torch.Tensor]:
-    sd = model.state_dict()
+def untied(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state without the repeats of tied weights (lm_head = embed_tokens): each storage is saved
+    once, under its first name, as transformers does. Meta tensors have no storage to share and are
+    all kept (the streaming writer plans the names of tensors it has not read yet)."""
     out: dict[str, torch.Tensor] = {}
     seen: set[tuple] = set()
     for k, t in sd.items():
-        # Tied weights (lm_head = embed_tokens) are saved once, as transformers does.
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
-        if key in seen:
+        if t.device.type == "meta":
+            out[k] = t
             continue
-        seen.add(key)
-        out[k] = t.detach().to("cpu").contiguous()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        if key not in seen:
+            seen.add(key)
+            out[k] = t
     return out
+
+
+def _state_dict_for_save(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: t.detach().to("cpu").contiguous() for k, t in untied(model.state_dict()).items()}
 
 
 def _plan_shards(sd: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:

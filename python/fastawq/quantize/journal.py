@@ -2,12 +2,16 @@
 
 The output folder gets a work folder `.fastawq-work/` holding:
 - `journal.json`: the job's fingerprint (source checkpoint, quant config, calibration data), the
-  number of finished decoder layers, and the shard writer's state (which files hold which tensors);
-- `piece-NNNNN.safetensors`: finished layers not yet gathered into an output shard;
-- `hidden-LNNNNN-rR.safetensors`: the activations entering the first unfinished layer, per rank.
-Every file is written to a temporary name and renamed, and the journal is rewritten only after
-the files it names exist, so a kill at any instant leaves a consistent state. The work folder is
-removed when the checkpoint is complete.
+  number of decoder layers a resume skips, and the shard writer's state (which shard holds which
+  tensors, and how many bytes of the open shard count);
+- `shard-NNNNN.safetensors`: the output shards, the tensors outside the decoder layers first,
+  then the finished layers appended as they come;
+- `hidden-LNNNNN-rR.safetensors`: the activations entering layer `layers_done`, per rank.
+Files are written to a temporary name and renamed, or (the open shard) appended and synced, and
+the journal is rewritten only after the bytes it counts are on disk, so a kill at any instant
+leaves a consistent state: bytes the journal does not count (layers finished after its last
+checkpoint) are cut off and written again by the resumed run.
+The work folder is removed when the checkpoint is complete.
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from fastawq.quantize.source import SAFETENSORS_DTYPES, read_header, read_tensor
 
 WORK_DIR = ".fastawq-work"
 JOURNAL = "journal.json"
@@ -38,22 +44,6 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """safetensors file written atomically (temporary name, fsync, rename)."""
-    from safetensors.torch import save_file
-
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
-           torch.int32: "I32", torch.int64: "I64", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL"}
-
-
 def write_safetensors(dest: Path, entries: list[tuple[str, torch.dtype, list[int], Callable[[], torch.Tensor]]]) -> None:
     """A safetensors file written a tensor at a time, atomically: `entries` give each tensor's name,
     dtype, shape and a function producing it, so peak memory is one tensor, not the file."""
@@ -61,7 +51,7 @@ def write_safetensors(dest: Path, entries: list[tuple[str, torch.dtype, list[int
     offset = 0
     for k, dtype, shape, _ in entries:
         n = _nbytes(shape, dtype)
-        header[k] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        header[k] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format allows space padding; aligned data reads faster
@@ -74,42 +64,11 @@ def write_safetensors(dest: Path, entries: list[tuple[str, torch.dtype, list[int
             if t.dtype != dtype or list(t.shape) != list(shape):
                 raise ValueError(f"tensor {k}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
             if t.numel():
-                f.write(t.view(-1).view(torch.uint8).numpy().tobytes())
+                f.write(memoryview(t.view(-1).view(torch.uint8).numpy()))  # no bytes copy of the tensor
             del t
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, dest)
-
-
-def concat_safetensors(sources: list[Path], dest: Path) -> dict[str, str]:
-    """Write the tensors of several safetensors files into one. Returns {tensor name: dest file name}."""
-    from safetensors import safe_open
-
-    entries = []
-    for src in sources:
-        with safe_open(str(src), framework="pt", device="cpu") as h:
-            for k in h.keys():
-                sl = h.get_slice(k)
-                entries.append((k, _dtype_of(sl.get_dtype()), list(sl.get_shape()), _reader(src, k)))
-    write_safetensors(dest, entries)
-    return {k: dest.name for k, _, _, _ in entries}
-
-
-def _reader(src: Path, name: str) -> Callable[[], torch.Tensor]:
-    def get() -> torch.Tensor:
-        from safetensors import safe_open
-
-        with safe_open(str(src), framework="pt", device="cpu") as h:
-            return h.get_tensor(name)
-
-    return get
-
-
-def _dtype_of(code: str) -> torch.dtype:
-    for dt, c in _DTYPES.items():
-        if c == code:
-            return dt
-    raise ValueError(f"unsupported safetensors dtype {code}")
 
 
 def _nbytes(shape: list[int], dtype: torch.dtype) -> int:
@@ -189,14 +148,12 @@ class Journal:
                           [(f"x{j}", x.dtype, list(x.shape), lambda x=x: x) for j, x in enumerate(chunks)])
 
     def load_hidden(self, layer: int, rank: int, device: torch.device) -> list[torch.Tensor]:
-        from safetensors.torch import load_file
-
         p = self.hidden_path(layer, rank)
         if not p.exists():
             raise ResumeError(f"{p} is missing: the activations entering layer {layer} were not saved; "
                               f"delete {self.work} to start over")
-        d = load_file(str(p))
-        return [d[f"x{j}"].to(device) for j in range(len(d))]
+        entries = read_header(p)
+        return [read_tensor(entries[f"x{j}"], f"x{j}").to(device) for j in range(len(entries))]
 
     def drop_hidden_before(self, layer: int) -> None:
         for p in self.work.glob("hidden-L*-r*.safetensors"):
@@ -221,50 +178,111 @@ def _short(v: Any) -> str:
 
 
 class ShardWriter:
-    """Output shards written as the layers finish: each finished layer becomes a piece file; when
-    the pieces would pass `shard_size` they are gathered into the next shard. Shards get their
-    final names (model-XXXXX-of-YYYYY.safetensors, or model.safetensors alone) in finish()."""
+    """Output shards written in place as the layers finish, never copied: tensors are appended to
+    the open shard behind a header space reserved at its start, and the shard is closed (its
+    header written into that space) when the next tensors would pass `shard_size` or the space.
+    The journal records the open shard's committed length (commit_state); a resumed run cuts the
+    file back to it and appends again. Shards get their final names (model-XXXXX-of-YYYYY
+    .safetensors, or model.safetensors alone) in finish()."""
 
     def __init__(self, out_dir: Path, work: Path, shard_size: int, state: dict[str, Any] | None = None):
         self.out_dir = Path(out_dir)
         self.work = Path(work)
         self.shard_size = shard_size
         state = state or {}
-        self.pieces: list[dict[str, Any]] = list(state.get("pieces", []))  # {"file", "bytes"}
-        self.shards: list[dict[str, Any]] = list(state.get("shards", []))  # {"file", "tensors", "bytes"}
-        self.next_piece = int(state.get("next_piece", 0))
+        self.shards: list[dict[str, Any]] = list(state.get("shards", []))  # closed: {"file", "tensors", "bytes"}
+        # {"file", "reserve", "bytes", "header_bound", "entries": {name: [dtype code, shape, begin, end]}}
+        self.open: dict[str, Any] | None = state.get("open")
         self.tail_written = bool(state.get("tail_written", False))  # the tensors outside the layers
+        if self.open is not None:
+            path = self.work / self.open["file"]
+            end = 8 + self.open["reserve"] + self.open["bytes"]
+            if not path.exists() or path.stat().st_size < end:
+                raise ResumeError(f"{path} is shorter than the {end} bytes the journal recorded; delete "
+                                  f"{self.work} to start over")
+            os.truncate(path, end)  # what was appended after the last commit is written again
 
     def state(self) -> dict[str, Any]:
-        return {"pieces": self.pieces, "shards": self.shards, "next_piece": self.next_piece,
-                "tail_written": self.tail_written}
+        op = None if self.open is None else dict(self.open, entries=dict(self.open["entries"]))
+        return {"shards": list(self.shards), "open": op, "tail_written": self.tail_written}
+
+    def commit_state(self) -> dict[str, Any]:
+        """The state to record, once the open shard's bytes are on disk."""
+        if self.open is not None:
+            fd = os.open(self.work / self.open["file"], os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        return self.state()
 
     def add(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Write a piece (not yet recorded: the caller saves the journal with state())."""
-        name = f"piece-{self.next_piece:05d}.safetensors"
-        save_tensors(self.work / name, tensors)
-        self.next_piece += 1
-        self.pieces.append({"file": name, "bytes": sum(t.numel() * t.element_size() for t in tensors.values())})
+        """Append tensors (not yet recorded: the caller saves the journal with commit_state())."""
+        self.add_entries([(k, v.dtype, list(v.shape), lambda v=v: v) for k, v in tensors.items()])
 
-    def full(self) -> bool:
-        """Would the pieces, minus the last, already fill a shard? Then gather them."""
-        return len(self.pieces) > 1 and sum(p["bytes"] for p in self.pieces) > self.shard_size
+    def add_entries(self, entries: list[tuple[str, torch.dtype, list[int], Callable[[], torch.Tensor]]]) -> None:
+        """add() of tensors produced one at a time while they are written (peak memory: one)."""
+        size = sum(_nbytes(shape, dt) for _, dt, shape, _ in entries)
+        bound = sum(_entry_bound(k, dt, shape) for k, dt, shape, _ in entries)
+        op = self.open
+        if op is not None and op["entries"] and (op["bytes"] + size > self.shard_size
+                                                 or op["header_bound"] + bound > op["reserve"]):
+            self._close()
+        if self.open is None:
+            self._start(bound)
+        op = self.open
+        with open(self.work / op["file"], "r+b") as f:
+            f.seek(8 + op["reserve"] + op["bytes"])
+            for k, dtype, shape, get in entries:
+                t = get().detach().to("cpu").contiguous()
+                if t.dtype != dtype or list(t.shape) != list(shape):
+                    raise ValueError(f"tensor {k}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
+                n = t.numel() * t.element_size()
+                if n:
+                    f.write(memoryview(t.view(-1).view(torch.uint8).numpy()))
+                op["entries"][k] = [SAFETENSORS_DTYPES[dtype], list(shape), op["bytes"], op["bytes"] + n]
+                op["bytes"] += n
+                del t
+        op["header_bound"] += bound
 
-    def roll(self, upto: int | None = None) -> list[Path]:
-        """Gather the first `upto` pieces (default: all but the last) into a shard; returns the piece
-        files the caller deletes once the journal records the shard."""
-        upto = len(self.pieces) - 1 if upto is None else upto
-        if upto <= 0:
-            return []
-        take, self.pieces = self.pieces[:upto], self.pieces[upto:]
+    def _start(self, bound: int) -> None:
+        # A 5 GB shard of packed linears holds ~1000 tensors (~150 header bytes each); many small
+        # experts hold more, hence the reserve grows with the shard size.
+        reserve = max(1 << 20, self.shard_size // 2000, bound + 4096)
+        reserve += -reserve % 8  # aligned data reads faster
         name = f"shard-{len(self.shards):05d}.safetensors"
-        names = concat_safetensors([self.work / p["file"] for p in take], self.work / name)
-        self.shards.append({"file": name, "tensors": sorted(names), "bytes": sum(p["bytes"] for p in take)})
-        return [self.work / p["file"] for p in take]
+        with open(self.work / name, "wb") as f:
+            f.truncate(8 + reserve)
+        self.open = {"file": name, "reserve": reserve, "bytes": 0, "header_bound": len(_HEADER_META), "entries": {}}
+
+    def _close(self) -> None:
+        """Write the open shard's header into its reserved space; the shard is then complete."""
+        op, self.open = self.open, None
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        for k, (code, shape, begin, end) in op["entries"].items():
+            header[k] = {"dtype": code, "shape": shape, "data_offsets": [begin, end]}
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        if len(blob) > op["reserve"]:  # cannot happen: header_bound bounds it
+            raise RuntimeError(f"header of {op['file']} ({len(blob)} bytes) overflows its reserve {op['reserve']}")
+        path = self.work / op["file"]
+        with open(path, "r+b") as f:
+            f.write(struct.pack("<Q", op["reserve"]))
+            f.write(blob + b" " * (op["reserve"] - len(blob)))
+            f.flush()
+            os.fsync(f.fileno())
+        self.shards.append({"file": op["file"], "tensors": sorted(op["entries"]), "bytes": op["bytes"]})
+
+    def close_open(self) -> None:
+        if self.open is not None and self.open["entries"]:
+            self._close()
+        elif self.open is not None:
+            (self.work / self.open["file"]).unlink(missing_ok=True)
+            self.open = None
 
     def finish(self) -> dict[str, str]:
-        """Move the shards to their final names in the output folder; write the index when there is
-        more than one. Returns the weight map."""
+        """Close the open shard, move the shards to their final names in the output folder; write
+        the index when there is more than one. Returns the weight map."""
+        self.close_open()
         n = len(self.shards)
         weight_map: dict[str, str] = {}
         for i, sh in enumerate(self.shards):
@@ -280,3 +298,12 @@ class ShardWriter:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             atomic_write_bytes(self.out_dir / "model.safetensors.index.json", json.dumps(index, indent=2).encode())
         return weight_map
+
+
+_HEADER_META = json.dumps({"__metadata__": {"format": "pt"}}, separators=(",", ":")).encode()
+
+
+def _entry_bound(name: str, dtype: torch.dtype, shape: list[int]) -> int:
+    """An upper bound of the header bytes one tensor takes (its offsets written with 16 digits)."""
+    e = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [10**15, 10**15]}
+    return len(json.dumps({name: e}, separators=(",", ":")).encode()) + 2
