@@ -1,8 +1,9 @@
 """AWQ quality out of domain: calibrate on fastawq's default set, evaluate on text it never saw.
 
-    nice -n 10 python benchmarks/quality_ood.py [--calib-samples 128] [--variant NAME:KEY=VAL,...]
+    nice -n 10 python benchmarks/quality_ood.py [--model smollm2|gemma3-270m] [--calib-samples 128] [--variant NAME:KEY=VAL,...]
 
-SmolLM2-135M-Instruct (fastawq.data.smollm2_path), 4-bit g64 with zero points, fp32 on CPU.
+SmolLM2-135M-Instruct (fastawq.data.smollm2_path; Llama) or Gemma 3 270M (fastawq.data.gemma3_270m_path;
+every window scored after a BOS token, as Gemma expects), 4-bit g64 with zero points, fp32 on CPU.
 Evaluation sets (16 disjoint windows of 512 tokens each by default):
   brown-genres  Brown-corpus genres that calibration never used (fastawq.data.BROWN_HELDOUT_GENRES)
   brown-files   other files of the calibration genres (never in calibration)
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -39,6 +41,25 @@ SETS = {
     "brown-files": lambda: data.brown_heldout_text("files"),
     "python-docs": lambda: data.python_docs_heldout_text(),
 }
+
+# name -> (label, loader, prepend BOS to each evaluation window)
+MODELS = {
+    "smollm2": ("SmolLM2-135M-Instruct", data.smollm2_path, False),
+    "gemma3-270m": ("Gemma 3 270M", data.gemma3_270m_path, True),
+}
+
+
+class WithBos(torch.nn.Module):
+    """`model` with a BOS token before every window it scores (the BOS's own logits dropped):
+    Gemma without one scores Brown text at about 3x the perplexity."""
+
+    def __init__(self, model, bos_token_id: int):
+        super().__init__()
+        self.model, self.bos = model, bos_token_id
+
+    def forward(self, ids):
+        out = self.model(torch.cat([ids.new_full((ids.shape[0], 1), self.bos), ids], dim=1))
+        return SimpleNamespace(logits=out.logits[:, 1:])
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
@@ -93,6 +114,7 @@ def gguf_compare(args, fp_dir: Path, scaled_dir: Path, fp, ppl, t0: float) -> in
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=list(MODELS), default="smollm2")
     ap.add_argument("--calib-samples", type=int, default=128)
     ap.add_argument("--calib-seq-len", type=int, default=512)
     ap.add_argument("--windows", type=int, default=16)
@@ -112,7 +134,8 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
-    path = data.smollm2_path()
+    label, loader, bos = MODELS[args.model]
+    path = loader()
     tok = AutoTokenizer.from_pretrained(str(path))
     fp = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, use_safetensors=True).eval()
     tokens = args.windows * args.seq_len
@@ -123,6 +146,7 @@ def main() -> int:
             raise SystemExit(f"evaluation set {s} has only {ids[s].numel()} tokens, {tokens} needed")
 
     def ppl(m) -> dict:
+        m = WithBos(m, tok.bos_token_id) if bos else m
         return {s: perplexity(m, tok, ids[s], args.seq_len, progress=False) for s in args.sets}
 
     if args.gguf_scaled is not None:
@@ -164,7 +188,7 @@ def main() -> int:
     except OSError:
         commit = "?"
     print(format_table(["model", "options"] + args.sets, rows))
-    print(f"SmolLM2-135M-Instruct 4-bit g{args.group_size}; calibration {args.calib_samples} x {args.calib_seq_len} "
+    print(f"{label} 4-bit g{args.group_size}; calibration {args.calib_samples} x {args.calib_seq_len} "
           f"tokens; eval {args.windows} x {args.seq_len} tokens per set; commit {commit}; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {cpu_name()}; "
           f"quantize {', '.join(f'{k} {v:.0f}s' for k, v in timing.items())}; total {time.perf_counter() - t0:.0f}s")
