@@ -160,20 +160,26 @@ def test_language_model_packed_vision_kept_full_precision(quantized):
     assert f"model.{vision}" in skip and vision in skip
 
 
+def assert_matches_pseudo(original, pseudo, loaded, inputs, what) -> None:
+    """The packed model's logits are the pseudo-quantized float model's, up to the fp16 rounding of
+    the packed scales (a fifth of the quantization error itself)."""
+    with torch.no_grad():
+        fp = original(**inputs).logits
+        ref = pseudo(**inputs).logits
+        out = loaded(**inputs).logits
+    assert torch.isfinite(out).all()
+    quant_err = (ref - fp).abs().max().item()
+    err = (out - ref).abs().max().item()
+    assert quant_err > 0
+    assert err <= 0.2 * quant_err + 1e-4, (what, err, quant_err)
+
+
 def test_logits_equal_pseudo_quantized(quantized):
     """Text-only and with an image: the packed model computes what the pseudo-quantized float
-    model computes, up to the fp16 rounding of the packed scales."""
+    model computes."""
     family, original, pseudo, loaded, _ = quantized
     for inputs in ({"input_ids": text_ids(2, 16, seed=7)}, image_inputs(family)):
-        with torch.no_grad():
-            fp = original(**inputs).logits
-            ref = pseudo(**inputs).logits
-            out = loaded(**inputs).logits
-        assert torch.isfinite(out).all()
-        quant_err = (ref - fp).abs().max().item()
-        err = (out - ref).abs().max().item()
-        assert quant_err > 0
-        assert err <= 0.2 * quant_err + 1e-4, (family, err, quant_err)
+        assert_matches_pseudo(original, pseudo, loaded, inputs, family)
 
 
 def test_generate_with_image(quantized):
@@ -448,15 +454,7 @@ def test_processor_inputs_match_pseudo_quantized(quantized):
         if family == "llava_next":
             tiles.add(inputs["pixel_values"].shape[1])
         assert (inputs["input_ids"] == IMG).sum() > 1
-        with torch.no_grad():
-            fp = original(**inputs).logits
-            ref = pseudo(**inputs).logits
-            out = loaded(**inputs).logits
-        assert torch.isfinite(out).all()
-        quant_err = (ref - fp).abs().max().item()
-        err = (out - ref).abs().max().item()
-        assert quant_err > 0
-        assert err <= 0.2 * quant_err + 1e-4, (family, size, err, quant_err)
+        assert_matches_pseudo(original, pseudo, loaded, inputs, (family, size))
         n = inputs["input_ids"].shape[1]
         got = loaded.generate(**inputs, max_new_tokens=3, do_sample=False, pad_token_id=0)
         want = pseudo.generate(**inputs, max_new_tokens=1, do_sample=False, pad_token_id=0)
