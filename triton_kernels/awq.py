@@ -30,12 +30,8 @@ def awq_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, qz_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr,
     M, N, K, G, split_k,
     stride_xm, stride_om,
-    HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     INTERPRET: tl.constexpr = False,
 ):
     # x [M, K] · qweight [K, N // 8] · scales [K // G, N] · qzeros [K // G, N // 8] -> out [M, N]
@@ -125,10 +121,8 @@ def _store_split_k(acc, offs_m, offs_n, M, N, pid_k, tile, bias_ptr, out_ptr, ws
 def awq_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, qz_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr,
     N, K, G, split_k,
-    HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
     DEFER: tl.constexpr = False,
 ):
     # x [1, K] · qweight [K, N // 8] -> out [1, N]. No tensor cores: one row, memory-bound.
@@ -177,8 +171,7 @@ def awq_gemv_kernel(
 def awq_dequantize_kernel(
     qw_ptr, s_ptr, qz_ptr, out_ptr,
     K, N, G,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # qweight [K, N // 8] · scales [K // G, N] · qzeros [K // G, N // 8] -> out [K, N]
     pid_k = tl.program_id(0)

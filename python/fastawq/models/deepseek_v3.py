@@ -23,5 +23,4 @@ def _groups(layer, config) -> list[ScaleGroup]:
     return groups + mlp_groups(layer, MOE)
 
 
-ARCH = moe_architecture(name="deepseek_v3", model_types=("deepseek_v3",), layers_path="model.layers", groups=_groups,
-                        optional={"family": "DeepSeek"})
+ARCH = moe_architecture("deepseek_v3", "DeepSeek", MOE, groups=_groups)

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from fastawq.models.base import Architecture, GroupsFn
 
 CALLS = ("topk", "dense")
 LAYOUTS = ("out_in", "in_out")
@@ -226,17 +229,19 @@ def router_names(model: nn.Module, layers_path: str, spec: MoESpec) -> list[str]
 BLOCKER = "mixture-of-experts blocks are not fused (the per-expert modules or WQExperts serve them)"
 
 
-def moe_architecture(*, optional: dict | None = None, **fields_):
-    """An Architecture record for an MoE family. `optional` holds fields the record may not have
-    in every version of models/base.py (the fused engine's blocker, the MLP's path): each is set
-    where the record has it."""
-    from dataclasses import fields
-
+def moe_architecture(
+    name: str, family: str, spec: MoESpec, *, groups: GroupsFn | None = None, **fields_: object
+) -> Architecture:
+    """The Architecture record of the MoE family `name` (also its model_type), whose MoE blocks
+    the fused engine does not serve. `groups` defaults to Llama attention's groups plus the
+    feed-forward groups of `spec` (attention_groups + mlp_groups)."""
     from fastawq.models.base import Architecture
 
-    have = {f.name for f in fields(Architecture)}
-    extra = {"fused_blocker": BLOCKER, **(optional or {})}
-    return Architecture(**fields_, **{k: v for k, v in extra.items() if k in have})
+    def llama_attention_and_moe(layer: nn.Module, config: object) -> list:
+        return attention_groups(layer) + mlp_groups(layer, spec)
+
+    return Architecture(name=name, model_types=(name,), family=family, groups=groups or llama_attention_and_moe,
+                        fused_blocker=BLOCKER, **fields_)
 
 
 # ---------------------------------------------------------------- scale groups
