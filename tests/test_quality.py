@@ -33,7 +33,8 @@ def real_model(request):
     name = request.param
     label, loader, bos, calib, eval_tokens = MODELS[name]
     if name == "gemma3-270m" and os.environ.get("FASTAWQ_QUALITY_GEMMA") != "1":
-        pytest.skip("Gemma 3 270M quality test: set FASTAWQ_QUALITY_GEMMA=1 (100 s of CPU, minutes of wall time on a loaded machine)")
+        pytest.skip("Gemma 3 270M quality test: set FASTAWQ_QUALITY_GEMMA=1 "
+                    "(100 s of CPU, minutes of wall time on a loaded machine)")
     try:
         path = loader()
     except Exception as e:  # no network and no cached copy: nothing to measure on
