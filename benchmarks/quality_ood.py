@@ -1,6 +1,7 @@
 """AWQ quality out of domain: calibrate on fastawq's default set, evaluate on text it never saw.
 
-    nice -n 10 python benchmarks/quality_ood.py [--model smollm2|gemma3-270m] [--calib-samples 128] [--variant NAME:KEY=VAL,...]
+    nice -n 10 python benchmarks/quality_ood.py [--model smollm2|gemma3-270m] [--calib-samples 128]
+        [--variant NAME:KEY=VAL,...]
 
 SmolLM2-135M-Instruct (fastawq.data.smollm2_path; Llama) or Gemma 3 270M (fastawq.data.gemma3_270m_path;
 every window scored after a BOS token, as Gemma expects), 4-bit g64 with zero points, fp32 on CPU.
