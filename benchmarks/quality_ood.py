@@ -74,6 +74,16 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "?"
+    return out.stdout.strip() + (" (modified)" if dirty else "") if out.returncode == 0 else "?"
+
+
 def gguf_compare(args, fp_dir: Path, scaled_dir: Path, fp, ppl, t0: float) -> int:
     import tempfile
 
@@ -122,6 +132,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
+    commit = _commit()  # the tree the run started from (a long run may outlive HEAD)
     label, loader, bos = MODELS[args.model]
     path = loader()
     tok = AutoTokenizer.from_pretrained(str(path))
@@ -171,11 +182,6 @@ def main() -> int:
             r, f, a = results["rtn"][s], results["fp"][s], results[name][s]
             cells.append(f"{a:.3f} ({(r - a) / (r - f) * 100:.0f} %)")
         rows.append(cells)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip()
-    except OSError:
-        commit = "?"
     print(format_table(["model", "options"] + args.sets, rows))
     print(f"{label} 4-bit g{args.group_size}; calibration {args.calib_samples} x {args.calib_seq_len} "
           f"tokens; eval {args.windows} x {args.seq_len} tokens per set; commit {commit}; "

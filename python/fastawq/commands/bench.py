@@ -43,10 +43,11 @@ def lengths_for(max_len: int, rounds: int | None) -> list[int]:
 
 def build_model(mode: str, model: str | None, shape: str | None, device: str, max_seq_len: int,
                 batch_size: int, gemm_backend: str | None = None, prefill_chunk: int | None = 1024,
-                dtype: torch.dtype = torch.float16) -> torch.nn.Module:
-    """The model for one mode, from a named random shape or a checkpoint directory."""
+                dtype: torch.dtype = torch.float16, layout: str = "awq") -> torch.nn.Module:
+    """The model for one mode, from a named random shape or a checkpoint directory; its W4 layers
+    in `layout` (WQLinear.set_layout: "awq" or "packed")."""
     from fastawq.modules.fused import fuse_model
-    from fastawq.modules.qlinear import WQLinear
+    from fastawq.modules.qlinear import WQLinear, set_layout
 
     if shape is not None:
         from fastawq.shapes import build_random_model
@@ -69,6 +70,8 @@ def build_model(mode: str, model: str | None, shape: str | None, device: str, ma
                 mod.backend = gemm_backend
     if mode.startswith("fused"):
         fuse_model(m, max_seq_len, batch_size, use_cuda_graphs=mode == "fused-graphs", prefill_chunk=prefill_chunk)
+    if layout != "awq":
+        set_layout(m, layout)  # after fusing, which concatenates AWQ tensors
     return m
 
 
@@ -158,7 +161,7 @@ def format_table(rows: list[Row]) -> str:
 def bench(model: str | None, shape: str | None, modes: list[str], lengths: list[int], batch: int,
           device: str, max_seq_len: int | None = None, max_decode: int | None = None,
           gemm_backend: str | None = None, prefill_chunk: int | None = 1024,
-          dtype: torch.dtype = torch.float16) -> list[Row]:
+          dtype: torch.dtype = torch.float16, layout: str = "awq") -> list[Row]:
     """Run every mode over every length; each mode's model is freed before the next is built."""
     rows: list[Row] = []
     for mode in modes:
@@ -168,7 +171,7 @@ def bench(model: str | None, shape: str | None, modes: list[str], lengths: list[
             log.warning("CUDA graphs need a GPU: fused-graphs runs eagerly on %s", device)
         msl = max_seq_len or 2 * max(lengths)
         try:
-            m = build_model(mode, model, shape, device, msl, batch, gemm_backend, prefill_chunk, dtype)
+            m = build_model(mode, model, shape, device, msl, batch, gemm_backend, prefill_chunk, dtype, layout)
         except Exception as e:
             if not _is_oom(e):
                 raise
@@ -197,7 +200,7 @@ def main(args: argparse.Namespace) -> int:
     # (the int4 kernel itself computes in bf16, see fastawq.cpu).
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float16 if device.startswith("cuda") else torch.float32)
     rows = bench(args.model, args.shape, modes, lengths, args.batch_size, device, args.max_seq_len,
-                 args.max_decode, args.gemm_backend, args.prefill_chunk or None, dtype)
+                 args.max_decode, args.gemm_backend, args.prefill_chunk or None, dtype, args.layout)
     name = args.shape or args.model
     dev = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU"
     print(f"\n{name} on {dev}, batch {args.batch_size}, {str(dtype).removeprefix('torch.')}\n")
@@ -227,6 +230,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="activations and unquantized weights (default: float16 on GPU, float32 on CPU)")
     p.add_argument("--gemm-backend", default=None, help="force the W4 GEMM backend (cuda|triton|cpu|torch)")
     p.add_argument("--prefill-chunk", type=int, default=1024, help="fused prefill chunk (0: one pass)")
+    p.add_argument("--layout", choices=("awq", "packed", "auto"), default="awq",
+                   help="how the W4 layers hold their weights (WQLinear.set_layout)")
     p.add_argument("--json", help="also write the rows as JSON here")
     p.set_defaults(func=main)
     return p
