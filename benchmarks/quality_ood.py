@@ -1,8 +1,10 @@
 """AWQ quality out of domain: calibrate on fastawq's default set, evaluate on text it never saw.
 
-    nice -n 10 python benchmarks/quality_ood.py [--calib-samples 128] [--variant NAME:KEY=VAL,...]
+    nice -n 10 python benchmarks/quality_ood.py [--model smollm2|gemma3-270m] [--calib-samples 128]
+        [--variant NAME:KEY=VAL,...]
 
-SmolLM2-135M-Instruct (fastawq.data.smollm2_path), 4-bit g64 with zero points, fp32 on CPU.
+SmolLM2-135M-Instruct (fastawq.data.smollm2_path; Llama) or Gemma 3 270M (fastawq.data.gemma3_270m_path;
+every window scored after a BOS token, as Gemma expects), 4-bit g64 with zero points, fp32 on CPU.
 Evaluation sets (16 disjoint windows of 512 tokens each by default):
   brown-genres  Brown-corpus genres that calibration never used (fastawq.data.BROWN_HELDOUT_GENRES)
   brown-files   other files of the calibration genres (never in calibration)
@@ -38,6 +40,13 @@ SETS = {
     "brown-genres": lambda: data.brown_heldout_text("genres"),
     "brown-files": lambda: data.brown_heldout_text("files"),
     "python-docs": lambda: data.python_docs_heldout_text(),
+}
+
+# name -> (label, loader, feed each evaluation window after a BOS token: Gemma without one scores
+# Brown text at about 3x the perplexity)
+MODELS = {
+    "smollm2": ("SmolLM2-135M-Instruct", data.smollm2_path, False),
+    "gemma3-270m": ("Gemma 3 270M", data.gemma3_270m_path, True),
 }
 
 
@@ -103,6 +112,7 @@ def gguf_compare(args, fp_dir: Path, scaled_dir: Path, fp, ppl, t0: float) -> in
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=list(MODELS), default="smollm2")
     ap.add_argument("--calib-samples", type=int, default=128)
     ap.add_argument("--calib-seq-len", type=int, default=512)
     ap.add_argument("--windows", type=int, default=16)
@@ -123,7 +133,8 @@ def main() -> int:
 
     t0 = time.perf_counter()
     commit = _commit()  # the tree the run started from (a long run may outlive HEAD)
-    path = data.smollm2_path()
+    label, loader, bos = MODELS[args.model]
+    path = loader()
     tok = AutoTokenizer.from_pretrained(str(path))
     fp = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, use_safetensors=True).eval()
     tokens = args.windows * args.seq_len
@@ -133,8 +144,10 @@ def main() -> int:
         if ids[s].numel() < tokens:
             raise SystemExit(f"evaluation set {s} has only {ids[s].numel()} tokens, {tokens} needed")
 
+    bos_id = tok.bos_token_id if bos else None
+
     def ppl(m) -> dict:
-        return {s: perplexity(m, tok, ids[s], args.seq_len, progress=False) for s in args.sets}
+        return {s: perplexity(m, tok, ids[s], args.seq_len, progress=False, bos_token_id=bos_id) for s in args.sets}
 
     if args.gguf_scaled is not None:
         return gguf_compare(args, path, args.gguf_scaled, fp, ppl, t0)
@@ -170,7 +183,7 @@ def main() -> int:
             cells.append(f"{a:.3f} ({(r - a) / (r - f) * 100:.0f} %)")
         rows.append(cells)
     print(format_table(["model", "options"] + args.sets, rows))
-    print(f"SmolLM2-135M-Instruct 4-bit g{args.group_size}; calibration {args.calib_samples} x {args.calib_seq_len} "
+    print(f"{label} 4-bit g{args.group_size}; calibration {args.calib_samples} x {args.calib_seq_len} "
           f"tokens; eval {args.windows} x {args.seq_len} tokens per set; commit {commit}; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {cpu_name()}; "
           f"quantize {', '.join(f'{k} {v:.0f}s' for k, v in timing.items())}; total {time.perf_counter() - t0:.0f}s")

