@@ -23,5 +23,9 @@ def _groups(layer, config) -> list[ScaleGroup]:
     return groups + mlp_groups(layer, MOE)
 
 
-ARCH = moe_architecture(name="deepseek_v3", model_types=("deepseek_v3",), layers_path="model.layers", groups=_groups,
-                        optional={"family": "DeepSeek"})
+ARCH = moe_architecture(
+    name="deepseek_v3", model_types=("deepseek_v3",), layers_path="model.layers", groups=_groups,
+    fused_blocker="multi-head latent attention and group-limited sigmoid routing are not fused "
+                  "(WQExperts serves its experts unfused)",
+    optional={"family": "DeepSeek"},
+)

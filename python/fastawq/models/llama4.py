@@ -12,4 +12,6 @@ ARCH = moe_architecture(
     model_types=("llama4_text",),
     layers_path="model.layers",
     groups=lambda layer, config: attention_groups(layer) + mlp_groups(layer, MOE),
+    fused_blocker="chunked attention, rope-less layers, L2 q/k norms and experts fed router-scaled "
+                  "rows are not fused",
 )

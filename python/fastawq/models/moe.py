@@ -40,6 +40,11 @@ class MoESpec:
     norm: str = "post_attention_layernorm"
     # The block's name in checkpoints when transformers renames it (Mixtral: block_sparse_moe -> mlp).
     checkpoint_block: str | None = None
+    # Routing as the fused engine runs it (softmax over the router logits, top-k): the config
+    # attributes giving k and whether the k weights are renormalised to sum to 1 (a config
+    # without the flag renormalises: Mixtral's router always does).
+    top_k_attr: str = "num_experts_per_tok"
+    renorm_attr: str = "norm_topk_prob"
 
     def __post_init__(self) -> None:
         if self.call not in CALLS or self.layout not in LAYOUTS:
@@ -50,6 +55,10 @@ class MoESpec:
         interleaved ones)."""
         block = getattr(layer, self.block, None)
         return block if block is not None and hasattr(block, self.experts) else None
+
+    def routing(self, config: object) -> tuple[int, bool]:
+        """(k, renormalize) of the softmax top-k router for this config."""
+        return int(getattr(config, self.top_k_attr)), bool(getattr(config, self.renorm_attr, True))
 
     def float_consumers(self) -> list[str]:
         """Full-precision modules (relative to the block) that read the experts' input."""
@@ -223,20 +232,17 @@ def router_names(model: nn.Module, layers_path: str, spec: MoESpec) -> list[str]
 
 
 # ---------------------------------------------------------------- records
-BLOCKER = "mixture-of-experts blocks are not fused (the per-expert modules or WQExperts serve them)"
-
-
 def moe_architecture(*, optional: dict | None = None, **fields_):
     """An Architecture record for an MoE family. `optional` holds fields the record may not have
-    in every version of models/base.py (the fused engine's blocker, the MLP's path): each is set
-    where the record has it."""
+    in every version of models/base.py (the MLP's path, the family): each is set where the record
+    has it. The fused engine serves the MoE blocks (modules/fused.py FusedMoE) unless the record
+    sets a fused_blocker."""
     from dataclasses import fields
 
     from fastawq.models.base import Architecture
 
     have = {f.name for f in fields(Architecture)}
-    extra = {"fused_blocker": BLOCKER, **(optional or {})}
-    return Architecture(**fields_, **{k: v for k, v in extra.items() if k in have})
+    return Architecture(**fields_, **{k: v for k, v in (optional or {}).items() if k in have})
 
 
 # ---------------------------------------------------------------- scale groups
