@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -44,7 +45,7 @@ def routing(kind: str, t: int, e: int, k: int, device=DEVICE, seed: int = 0):
 
 def torch_same_dtype_error(x, ids, w, weights, g, act) -> float:
     ref = reference.moe_w4(x, ids, w, *weights, g, act).float()
-    return (ops_moe.moe_w4(x, ids, w, *weights, g, act, backend="torch").float() - ref).abs().max().item()
+    return (reference.moe_w4(x, ids, w, *weights, g, act, dtype=x.dtype).float() - ref).abs().max().item()
 
 
 def check(out, x, ids, w, weights, g, act="silu", factor=4.0):
@@ -116,35 +117,43 @@ def test_moe_other_activations(act):
     check(ops_moe.moe_w4(x, ids, w, *weights, g, act, backend="triton"), x, ids, w, weights, g, act)
 
 
+def _kc(bn, bk, split=1):
+    from fastawq.triton_kernels.moe import KernelConfig
+
+    return KernelConfig(bn, bk, 4, 3, split_k=split)
+
+
+# (T, k, routing, naive, block_m, w13 tile, w2 tile): per-assignment blocks (decode) and sorted
+# blocks (batches); column tiles that split I = 96 and H = 64 unevenly; K split in w13 (gate/up
+# sums added atomically, act * mul in w2's load), in w2, in both. Every config the tuner may pick
+# must give the same sums.
+CONFIGS = [
+    (6, 2, "random", True, 16, None, _kc(64, 16)),
+    (6, 2, "random", False, 32, None, None),
+    (6, 2, "random", True, 16, None, _kc(32, 16, 3)),
+    (6, 2, "random", False, 16, _kc(64, 16), _kc(32, 16, 3)),
+    (6, 2, "random", True, 16, _kc(64, 16, 2), None),
+    (6, 2, "random", False, 16, _kc(32, 16, 4), _kc(64, 16, 2)),
+    (1, 2, "random", True, 16, _kc(128, 16, 3), _kc(64, 32, 2)),
+    # k = 3 with repeated experts: one block holds two rows of the same token, whose atomic adds
+    # hit the same addresses in one instruction.
+    (5, 3, "few_experts", False, 16, None, _kc(64, 16, 2)),
+    (5, 3, "few_experts", False, 16, _kc(64, 16, 2), _kc(64, 16, 2)),
+]
+
+
 @needs_triton
-def test_block_modes_and_tiles_agree_with_reference():
-    # Per-assignment blocks (decode) and sorted blocks (batches), with column tiles that split
-    # I = 96 and H = 64 unevenly: every config the tuner may pick must give the same sums.
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("t,k,route,naive,bm,w13,w2", CONFIGS)
+def test_kernel_configs_agree_with_reference(t, k, route, naive, bm, w13, w2, dtype):
     from fastawq.triton_kernels import moe as tmoe
 
-    e, h, i, g, k, t = 8, 64, 96, 32, 2, 6
-    weights = random_moe(e, h, i, g, seed=12)
-    x = random_input((t, h), DEVICE, torch.float16, seed=13)
-    ids, w = routing("random", t, e, k, seed=14)
+    e, h, i, g = 8, 64, 96, 32
+    weights = random_moe(e, h, i, g, dtype, seed=12)
+    x = random_input((t, h), DEVICE, dtype, seed=13)
+    ids, w = routing(route, t, e, k, seed=14)
     base = tmoe.heuristic_config(t, k, e, h, i, g, g, sms=4)
-    narrow, split = tmoe.KernelConfig(64, 16, 4, 3), tmoe.KernelConfig(32, 16, 4, 3, split_k=3)
-    for naive, bm, w13, w2 in ((True, 16, base.w13, narrow), (False, 32, base.w13, base.w2),
-                               (True, 16, base.w13, split), (False, 16, narrow, split)):
-        check(tmoe.moe_w4(x, ids, w, *weights, g, config=tmoe.MoeConfig(bm, naive, w13, w2)), x, ids, w, weights, g)
-
-
-@needs_triton
-def test_split_k_adds_rows_of_one_token_in_one_block():
-    # With k = 3 and repeated experts, one block holds two rows of the same token: their atomic
-    # adds hit the same addresses in one instruction.
-    from fastawq.triton_kernels import moe as tmoe
-
-    e, h, i, g, k, t = 6, 64, 64, 32, 3, 5
-    weights = random_moe(e, h, i, g, seed=15)
-    x = random_input((t, h), DEVICE, torch.float16, seed=16)
-    ids, w = routing("few_experts", t, e, k, seed=17)
-    base = tmoe.heuristic_config(t, k, e, h, i, g, g, sms=4)
-    cfg = tmoe.MoeConfig(16, False, base.w13, tmoe.KernelConfig(64, 16, 4, 3, split_k=2))
+    cfg = tmoe.MoeConfig(bm, naive, w13 or base.w13, w2 or base.w2)
     check(tmoe.moe_w4(x, ids, w, *weights, g, config=cfg), x, ids, w, weights, g)
 
 
@@ -326,8 +335,6 @@ def test_topk_route_group_limit_stays_in_torch():
 @pytest.mark.parametrize("t", [1, 16, 200])
 def test_every_tuning_candidate_is_correct(t):
     # The tuner may pick any variant it times (tiles, warps, stages, K splits, block rows).
-    from dataclasses import replace
-
     from fastawq.triton_kernels import moe as tmoe
 
     e, h, i, g, k = 8, 1024, 4096, 128, 2
@@ -339,6 +346,7 @@ def test_every_tuning_candidate_is_correct(t):
     configs += [replace(base, w13=kc) for kc in tmoe._variants(base.w13, base.block_m)]
     configs += [replace(base, w2=kc) for kc in tmoe._variants(base.w2, base.block_m)]
     configs += [replace(base, w2=replace(base.w2, split_k=s)) for s in (1, 2, 4, 8)]
+    configs += [replace(base, w13=replace(base.w13, split_k=s)) for s in (1, 2, 4, 8)]
     configs += [replace(base, w13=replace(base.w13, block_k=base.w13.block_k // 2, num_stages=4)),
                 replace(base, w2=replace(base.w2, block_k=base.w2.block_k // 2, num_stages=4))]
     configs += [replace(base, block_m=bm) for bm in (16, 32, 64) if not base.naive]
@@ -356,25 +364,32 @@ def _compile_for_sm90(fn, sig: dict, constexprs: dict, **options):
     return triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_heuristic_kernels(t: int) -> None:
-    """Build the Qwen3-30B-A3B shape's MoE kernels for sm_90 with the configs the heuristic picks."""
+def compile_heuristic_kernels(t: int, split13: int | None = None) -> None:
+    """Build the Qwen3-30B-A3B shape's MoE kernels for sm_90 with the configs the heuristic picks
+    (w13's K split forced to split13 when given: its atomic path and w2's gate/up input)."""
     from fastawq.triton_kernels import moe as tmoe
 
     cfg = tmoe.heuristic_config(t, 8, 128, 2048, 768, 128, 128, sms=132)
+    if split13 is not None:
+        cfg = replace(cfg, w13=replace(cfg.w13, split_k=split13))
+    gate_up = cfg.w13.split_k > 1
     ptrs = {"ids_ptr": "*i64", "sorted_ptr": "*i32", "bexp_ptr": "*i32", "qw_ptr": "*i32", "s_ptr": "*fp16",
             "qz_ptr": "*i32"}
     dims = {"E": "i32", "H": "i32", "I": "i32", "G": "i32", "TOPK": "i32"}
     common = {"NAIVE": cfg.naive, "BLOCK_M": cfg.block_m, "INTERPRET": False}
+    h_ptr = "*fp32" if gate_up else "*fp16"
     _compile_for_sm90(
-        tmoe.moe_w13_kernel, {"x_ptr": "*fp16", **ptrs, "h_ptr": "*fp16", "n_assign": "i32", **dims, "stride_xm": "i32"},
-        {"ACT": 0, **common, "BLOCK_N": cfg.w13.block_n, "BLOCK_K": cfg.w13.block_k},
+        tmoe.moe_w13_kernel, {"x_ptr": "*fp16", **ptrs, "h_ptr": h_ptr, "n_assign": "i32", **dims, "stride_xm": "i32",
+                              "split_k": "i32"},
+        {"ACT": 0, **common, "BLOCK_N": cfg.w13.block_n, "BLOCK_K": cfg.w13.block_k, "ATOMIC": gate_up},
         num_warps=cfg.w13.num_warps, num_stages=cfg.w13.num_stages)
     _compile_for_sm90(
-        tmoe.moe_w2_kernel, {"h_ptr": "*fp16", "ids_ptr": "*i64", "sorted_ptr": "*i32", "bexp_ptr": "*i32",
+        tmoe.moe_w2_kernel, {"h_ptr": h_ptr, "ids_ptr": "*i64", "sorted_ptr": "*i32", "bexp_ptr": "*i32",
                              "tw_ptr": "*fp32", "qw_ptr": "*i32", "s_ptr": "*fp16", "qz_ptr": "*i32",
                              "out_ptr": "*fp32" if cfg.w2.split_k > 1 else "*fp16", "n_assign": "i32", **dims,
                              "split_k": "i32"},
-        {**common, "BLOCK_N": cfg.w2.block_n, "BLOCK_K": cfg.w2.block_k, "ATOMIC": cfg.w2.split_k > 1},
+        {**common, "BLOCK_N": cfg.w2.block_n, "BLOCK_K": cfg.w2.block_k, "ATOMIC": cfg.w2.split_k > 1,
+         "GATE_UP": gate_up, "ACT": 0, "BF16": False},
         num_warps=cfg.w2.num_warps, num_stages=cfg.w2.num_stages)
     if not cfg.naive:
         _compile_for_sm90(tmoe.moe_align_kernel, {"ids_ptr": "*i64", "sorted_ptr": "*i32", "bexp_ptr": "*i32",
@@ -391,7 +406,7 @@ def test_heuristic_configs_compile_for_sm90():
     import sys
 
     here = pathlib.Path(__file__).resolve().parent
-    code = f"import sys; sys.path.insert(0, {str(here)!r}); import test_moe_op as t; [t.compile_heuristic_kernels(n) for n in (1, 16, 256)]"
+    code = f"import sys; sys.path.insert(0, {str(here)!r}); import test_moe_op as t; [t.compile_heuristic_kernels(n, s) for n in (1, 16, 256) for s in (None, 1, 2)]"
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -26,6 +26,29 @@ def _unpack_cols(words, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def dequant_tile(words, zw, s, a, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    """[BK, BN // 8] packed words, [BN // 8] zero words and [BN] scales of one group -> the
+    [BK, BN] weight tile for tl.dot with `a` (in a's dtype; fp32 under the interpreter)."""
+    q = _unpack_cols(words, BLOCK_N)
+    z = tl.reshape(_unpack_cols(zw[None, :], BLOCK_N), (BLOCK_N,))
+    if INTERPRET:
+        # The interpreter's bf16 conversions and bf16 tl.dot are wrong: stay in fp32 there.
+        b = (q - z[None, :]).to(tl.float32) * s[None, :].to(tl.float32)
+    else:
+        # int4 -> half through the exponent field: (MAGIC | q) is OFFSET + q exactly, and
+        # OFFSET + z likewise, so their difference is the exact small integer q - z; one
+        # rounding in the multiply by s, as in a dequantized weight matrix of x's dtype.
+        if a.dtype == tl.float16:
+            qh = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+            zh = (z | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        else:
+            qh = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            zh = (z | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        b = (qh - zh[None, :]) * s[None, :].to(a.dtype)
+    return b
+
+
+@triton.jit
 def awq_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, qz_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr,
     M, N, K, G, split_k,
@@ -69,24 +92,10 @@ def awq_gemm_kernel(
         g = k0 // G
         zw = tl.load(qz_ptr + g * n8 + offs_w, mask=mask_w, other=0)
         s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0)
-        q = _unpack_cols(words, BLOCK_N)
-        z = tl.reshape(_unpack_cols(zw[None, :], BLOCK_N), (BLOCK_N,))
+        b = dequant_tile(words, zw, s, a, BLOCK_N, INTERPRET)
         if INTERPRET:
-            # The interpreter's bf16 conversions and bf16 tl.dot are wrong: stay in fp32 there.
-            b = (q - z[None, :]).to(tl.float32) * s[None, :].to(tl.float32)
-            acc = tl.dot(a.to(tl.float32), b, acc)
-        else:
-            # int4 -> half through the exponent field: (MAGIC | q) is OFFSET + q exactly, and
-            # OFFSET + z likewise, so their difference is the exact small integer q - z; one
-            # rounding in the multiply by s, as in a dequantized weight matrix of x's dtype.
-            if a.dtype == tl.float16:
-                qh = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-                zh = (z | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-            else:
-                qh = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-                zh = (z | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            b = (qh - zh[None, :]) * s[None, :].to(a.dtype)
-            acc = tl.dot(a, b, acc)
+            a = a.to(tl.float32)
+        acc = tl.dot(a, b, acc)
 
     tile = pid_m * num_pid_n + pid_n
     _store_split_k(acc, offs_m, offs_n, M, N, pid_k, tile, bias_ptr, out_ptr, ws_ptr, lock_ptr, stride_om,

@@ -9,8 +9,10 @@ instead of once per token. Two ways to form blocks:
 - one assignment per block (decode with few assignments per expert): no sort at all, and each
   block reads one expert's weights, exactly what the assignment needs.
 w13 computes gate and up tiles side by side and writes act(gate) * up; w2 scales each row by its
-routing weight and writes it at its flat index, then the k rows of a token are summed; or, where
-few programs would each stream a long K, w2 splits K and adds into an fp32 [T, H] atomically.
+routing weight and writes it at its flat index, then the k rows of a token are summed. Where few
+programs would each stream a long K, either splits K: w13 adds its gate and up partial sums into a
+zeroed fp32 [T * k, 2I] atomically (w2 then applies act(gate) * up as it loads them), w2 adds into
+an fp32 [T, H] atomically.
 """
 from __future__ import annotations
 
@@ -22,31 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .awq import _unpack_cols
+from .awq import dequant_tile
 
 logger = logging.getLogger(__name__)
 
 ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
-
-
-@triton.jit
-def _dequant_tile(words, zw, s, a, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
-    """[BK, BN // 8] words, [BN // 8] zero words and [BN] scales of one group -> [BK, BN] for tl.dot with a."""
-    q = _unpack_cols(words, BLOCK_N)
-    z = tl.reshape(_unpack_cols(zw[None, :], BLOCK_N), (BLOCK_N,))
-    if INTERPRET:
-        # The interpreter's bf16 conversions and bf16 tl.dot are wrong: stay in fp32 there.
-        b = (q - z[None, :]).to(tl.float32) * s[None, :].to(tl.float32)
-    else:
-        # int4 -> half through the exponent field, as in awq.py: q - z is exact, one rounding in * s.
-        if a.dtype == tl.float16:
-            qh = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-            zh = (z | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-        else:
-            qh = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            zh = (z | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        b = (qh - zh[None, :]) * s[None, :].to(a.dtype)
-    return b
 
 
 @triton.jit
@@ -80,18 +62,21 @@ def _act(g, ACT: tl.constexpr):
 @triton.jit
 def moe_w13_kernel(
     x_ptr, ids_ptr, sorted_ptr, bexp_ptr, qw_ptr, s_ptr, qz_ptr, h_ptr,
-    n_assign, E, H, I, G, TOPK, stride_xm,
+    n_assign, E, H, I, G, TOPK, stride_xm, split_k,
     ACT: tl.constexpr,
     NAIVE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ATOMIC: tl.constexpr = False,
     INTERPRET: tl.constexpr = False,
 ):
     # x [T, H] · w13 qweight [E, H, 2I // 8] · scales [E, H // G, 2I] · qzeros [E, H // G, 2I // 8]
-    # -> h [T * k, I] = act(x w_gate) * (x w_up) for each row's expert
+    # -> h [T * k, I] = act(x w_gate) * (x w_up) for each row's expert, or with ATOMIC, the K split
+    # over program_id(2) and both sums added into a zeroed fp32 h [T * k, 2I] (gate | up).
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     expert, flat, valid = _block_rows(pid_b, ids_ptr, sorted_ptr, bexp_ptr, n_assign, BLOCK_M, NAIVE)
     if expert >= E:  # a padding block past the last expert's
         return
@@ -109,7 +94,7 @@ def moe_w13_kernel(
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # BLOCK_K divides G, so each K tile lies inside one quantization group.
-    for k0 in range(0, H, BLOCK_K):
+    for k0 in range(pid_k * BLOCK_K, H, split_k * BLOCK_K):
         a = tl.load(x_ptr + tok[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
         w_ptrs = qw + (k0 + offs_k)[:, None] * n8 + offs_w[None, :]
         wg = tl.load(w_ptrs, mask=mask_w[None, :], other=0)
@@ -121,11 +106,17 @@ def moe_w13_kernel(
         su = tl.load(sc + g * 2 * I + I + offs_n, mask=mask_n, other=0.0)
         if INTERPRET:
             a = a.to(tl.float32)
-        acc_g = tl.dot(a, _dequant_tile(wg, zg, sg, a, BLOCK_N, INTERPRET), acc_g)
-        acc_u = tl.dot(a, _dequant_tile(wu, zu, su, a, BLOCK_N, INTERPRET), acc_u)
-    hval = _act(acc_g, ACT) * acc_u
-    tl.store(h_ptr + flat[:, None] * I + offs_n[None, :], hval.to(h_ptr.dtype.element_ty),
-             mask=valid[:, None] & mask_n[None, :])
+        acc_g = tl.dot(a, dequant_tile(wg, zg, sg, a, BLOCK_N, INTERPRET), acc_g)
+        acc_u = tl.dot(a, dequant_tile(wu, zu, su, a, BLOCK_N, INTERPRET), acc_u)
+    mask = valid[:, None] & mask_n[None, :]
+    if ATOMIC:
+        # Few programs would otherwise stream a long K each (Mixtral decode: H = 4096 for two rows).
+        gu = h_ptr + flat[:, None] * (2 * I) + offs_n[None, :]
+        tl.atomic_add(gu, acc_g, mask=mask, sem="relaxed")
+        tl.atomic_add(gu + I, acc_u, mask=mask, sem="relaxed")
+    else:
+        hval = _act(acc_g, ACT) * acc_u
+        tl.store(h_ptr + flat[:, None] * I + offs_n[None, :], hval.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -137,11 +128,16 @@ def moe_w2_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ATOMIC: tl.constexpr,
+    GATE_UP: tl.constexpr = False,
+    ACT: tl.constexpr = 0,
+    BF16: tl.constexpr = False,
     INTERPRET: tl.constexpr = False,
 ):
     # h [T * k, I] · w2 qweight [E, I, H // 8] · scales [E, I // G, H] · qzeros [E, I // G, H // 8]
     # -> out [T * k, H] = topk_weight * (h w2) for each row's expert, or with ATOMIC, added into
     # a zeroed fp32 out [T, H] (the sum over k done here, and K split over program_id(2)).
+    # GATE_UP: h is w13's fp32 [T * k, 2I] (gate | up) sums; act(gate) * up is formed here, rounded
+    # to the activations' dtype (bf16 with BF16) as w13 would have stored it.
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -159,14 +155,21 @@ def moe_w2_kernel(
     sc = s_ptr + expert * (I // G) * H
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(pid_k * BLOCK_K, I, split_k * BLOCK_K):
-        a = tl.load(h_ptr + flat[:, None] * I + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
+        if GATE_UP:
+            gu = h_ptr + flat[:, None] * (2 * I) + (k0 + offs_k)[None, :]
+            g = tl.load(gu, mask=valid[:, None], other=0.0)
+            u = tl.load(gu + I, mask=valid[:, None], other=0.0)
+            a = _act(g, ACT) * u
+            a = a.to(tl.bfloat16) if BF16 else a.to(tl.float16)
+        else:
+            a = tl.load(h_ptr + flat[:, None] * I + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
         words = tl.load(qw + (k0 + offs_k)[:, None] * n8 + offs_w[None, :], mask=mask_w[None, :], other=0)
         g = k0 // G
         zw = tl.load(qz + g * n8 + offs_w, mask=mask_w, other=0)
         s = tl.load(sc + g * H + offs_n, mask=mask_n, other=0.0)
         if INTERPRET:
             a = a.to(tl.float32)
-        acc = tl.dot(a, _dequant_tile(words, zw, s, a, BLOCK_N, INTERPRET), acc)
+        acc = tl.dot(a, dequant_tile(words, zw, s, a, BLOCK_N, INTERPRET), acc)
     w = tl.load(tw_ptr + flat, mask=valid, other=0.0).to(tl.float32)
     acc = acc * w[:, None]
     if ATOMIC:
@@ -271,7 +274,7 @@ class KernelConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
-    split_k: int = 1  # w2 only: > 1 adds fp32 partials atomically into the output
+    split_k: int = 1  # > 1: K split over programs, fp32 partials added atomically (module doc)
 
     def label(self) -> str:
         split = f"s{self.split_k}" if self.split_k > 1 else ""
@@ -377,7 +380,7 @@ def heuristic_config(t: int, topk: int, e: int, h: int, i: int, g13: int, g2: in
         warps = 8 if bm >= 32 and bn == 128 else 4
         programs, split = blocks * triton.cdiv(cols, bn), 1
         # Split K until the programs cover the SMs twice, each split keeping 4+ K tiles.
-        while w2 and programs * split < 2 * sms and k // (bk * split * 2) >= 4:
+        while programs * split < 2 * sms and k // (bk * split * 2) >= 4:
             split *= 2
         return KernelConfig(bn, bk, warps, 3, split)
 
@@ -388,7 +391,7 @@ def _variants(base: KernelConfig, bm: int) -> list[KernelConfig]:
     """Tile widths and warp counts around base (its K step, stages and split kept)."""
     out = [base]
     for bn in (32, 64, 128):
-        for warps in (4, 8) if bm >= 32 else (4,):
+        for warps in (4, 8):
             out.append(replace(base, block_n=bn, num_warps=warps))
     return list(dict.fromkeys(out))
 
@@ -406,23 +409,24 @@ def _launch(cfg: MoeConfig, x, topk_ids, topk_weights, w13, w2, g13, g2, act):
         bm = cfg.block_m
         sorted_ids, bexp = moe_align(topk_ids, e, bm)
         blocks = bexp.numel()
-    hbuf = torch.empty((n, i), dtype=x.dtype, device=x.device)
+    split13, split = cfg.w13.split_k, cfg.w2.split_k
+    # The fp32 buffers the atomic adds land in, zeroed by one memset.
+    size = n * 2 * i * (split13 > 1) + t * h * (split > 1)
+    acc = torch.zeros(size, dtype=torch.float32, device=x.device) if size else None
+    hbuf = acc[:n * 2 * i].view(n, 2 * i) if split13 > 1 else torch.empty((n, i), dtype=x.dtype, device=x.device)
+    out = acc[acc.numel() - t * h:].view(t, h) if split > 1 else torch.empty((n, h), dtype=x.dtype, device=x.device)
     interp = _interpreting()
-    moe_w13_kernel[(blocks, triton.cdiv(i, cfg.w13.block_n))](
+    moe_w13_kernel[(blocks, triton.cdiv(i, cfg.w13.block_n), split13)](
         x, ids, sorted_ids, bexp, *w13, hbuf,
-        n, e, h, i, g13, topk, x.stride(0),
+        n, e, h, i, g13, topk, x.stride(0), split13,
         ACT=ACTS[act], NAIVE=cfg.naive, BLOCK_M=bm, BLOCK_N=cfg.w13.block_n, BLOCK_K=cfg.w13.block_k,
-        INTERPRET=interp, num_warps=cfg.w13.num_warps, num_stages=cfg.w13.num_stages,
+        ATOMIC=split13 > 1, INTERPRET=interp, num_warps=cfg.w13.num_warps, num_stages=cfg.w13.num_stages,
     )
-    split = cfg.w2.split_k
-    if split > 1:
-        out = torch.zeros((t, h), dtype=torch.float32, device=x.device)
-    else:
-        out = torch.empty((n, h), dtype=x.dtype, device=x.device)
     moe_w2_kernel[(blocks, triton.cdiv(h, cfg.w2.block_n), split)](
         hbuf, ids, sorted_ids, bexp, topk_weights.reshape(-1), *w2, out,
         n, e, h, i, g2, topk, split,
         NAIVE=cfg.naive, BLOCK_M=bm, BLOCK_N=cfg.w2.block_n, BLOCK_K=cfg.w2.block_k, ATOMIC=split > 1,
+        GATE_UP=split13 > 1, ACT=ACTS[act], BF16=x.dtype == torch.bfloat16,
         INTERPRET=interp, num_warps=cfg.w2.num_warps, num_stages=cfg.w2.num_stages,
     )
     if split > 1:
@@ -444,8 +448,8 @@ def _time(cfg: MoeConfig, args) -> float:
 
 
 def _tune(key, base: MoeConfig, args) -> MoeConfig:
-    """Coordinate descent from the heuristic: the w13 tile, the w2 tile, w2's K split, then the
-    block rows (13 timings, 21 with 32+ row blocks, where the full product would be hundreds)."""
+    """Coordinate descent from the heuristic: the w13 tile, the w2 tile, each one's K split, then
+    the block rows (about 25 timings, where the full product would be hundreds)."""
     best, best_ms = base, _time(base, args)
     for field in ("w13", "w2"):
         for kc in _variants(getattr(best, field), best.block_m):
@@ -457,10 +461,12 @@ def _tune(key, base: MoeConfig, args) -> MoeConfig:
             cfg = replace(best, **{field: replace(getattr(best, field), **change)})
             if getattr(cfg, field).block_k >= 32 and cfg != best and (ms := _time(cfg, args)) < best_ms:
                 best, best_ms = cfg, ms
-    kc = best.w2
-    for split in (1, 2, 4, 8):
-        if split != kc.split_k and (ms := _time(replace(best, w2=replace(kc, split_k=split)), args)) < best_ms:
-            best, best_ms = replace(best, w2=replace(kc, split_k=split)), ms
+    for field in ("w13", "w2"):
+        kc = getattr(best, field)
+        for split in (1, 2, 4, 8):
+            cfg = replace(best, **{field: replace(kc, split_k=split)})
+            if split != kc.split_k and (ms := _time(cfg, args)) < best_ms:
+                best, best_ms = cfg, ms
     if not best.naive:
         for bm in (best.block_m // 2, best.block_m * 2):
             if 16 <= bm <= 64 and (ms := _time(replace(best, block_m=bm), args)) < best_ms:
