@@ -16,6 +16,8 @@ from fastawq.models.moe import moe_spec_of, router_names, unfuse_model, use_fast
 from fastawq.modules.fused import FusedMLP, FusedMoE, fuse_model
 from fastawq.quantize import QuantConfig, pack_model
 
+from test_moe_models import tiny_moe
+
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -42,18 +44,7 @@ def tiny_w4_moe(arch: str, experts: str = "grouped", seed: int = 0, device: str 
                 dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """A tiny model of `arch` with RTN-packed W4 (g32) decoder linears and experts, served by
     WQExperts ("grouped") or by per-expert WQLinear ("list")."""
-    cls_name, kwargs = CONFIGS[arch]
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls_name)(**kwargs),
-                                                          dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.uniform_(0.5, 1.5)  # norms away from 1, so a missing norm weight shows
-            elif p.dim() == 3:
-                p.normal_(0, 0.2)  # transformers leaves fused experts near zero
-            elif name.endswith(("gate.weight", "shared_expert_gate.weight")):
-                p.normal_(0, 0.5)  # spread the routing: ties between experts are rare
+    model = tiny_moe(arch, seed, CONFIGS)
     arch_rec, spec = architecture_of(model), moe_spec_of(model)
     unfuse_model(model, arch_rec.layers_path, spec)
     keep = router_names(model, arch_rec.layers_path, spec)  # routers and shared-expert gates
@@ -126,8 +117,6 @@ def test_fusing_needs_packed_experts():
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "llama4_text"])
 def test_unfused_moe_families_are_refused_with_the_reason(arch):
-    from test_moe_models import tiny_moe
-
     model = tiny_moe(arch)
     spec = architecture_of(model)
     assert spec.fused_blocker

@@ -41,8 +41,9 @@ CONFIGS = {
 ARCHS = list(CONFIGS)
 
 
-def tiny_moe(arch: str, seed: int = 0) -> torch.nn.Module:
-    cls_name, kwargs = CONFIGS[arch]
+def tiny_moe(arch: str, seed: int = 0, configs: dict | None = None) -> torch.nn.Module:
+    """A float32 model of CONFIGS[arch] (or configs[arch]) with random norms, experts and routers."""
+    cls_name, kwargs = (configs or CONFIGS)[arch]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls_name)(**kwargs),
                                                           dtype=torch.float32).eval()
