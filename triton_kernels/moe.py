@@ -60,6 +60,18 @@ def _act(g, ACT: tl.constexpr):
 
 
 @triton.jit
+def _weight_tile(qw, qz, sc, k0, offs_k, offs_w, offs_n, mask_w, mask_n, n8, ncols, G, a,
+                 BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    """Rows k0.. of one expert's packed matrix (n8 words and ncols scales a row), dequantized to the
+    [BLOCK_K, BLOCK_N] tile tl.dot takes with `a`. BLOCK_K divides G: one group per tile."""
+    words = tl.load(qw + (k0 + offs_k)[:, None] * n8 + offs_w[None, :], mask=mask_w[None, :], other=0)
+    g = k0 // G
+    zw = tl.load(qz + g * n8 + offs_w, mask=mask_w, other=0)
+    s = tl.load(sc + g * ncols + offs_n, mask=mask_n, other=0.0)
+    return dequant_tile(words, zw, s, a, BLOCK_N, INTERPRET)
+
+
+@triton.jit
 def moe_w13_kernel(
     x_ptr, ids_ptr, sorted_ptr, bexp_ptr, qw_ptr, s_ptr, qz_ptr, h_ptr,
     n_assign, E, H, I, G, TOPK, stride_xm, split_k,
@@ -93,21 +105,16 @@ def moe_w13_kernel(
     sc = s_ptr + expert * (H // G) * (2 * I)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # BLOCK_K divides G, so each K tile lies inside one quantization group.
     for k0 in range(pid_k * BLOCK_K, H, split_k * BLOCK_K):
         a = tl.load(x_ptr + tok[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
-        w_ptrs = qw + (k0 + offs_k)[:, None] * n8 + offs_w[None, :]
-        wg = tl.load(w_ptrs, mask=mask_w[None, :], other=0)
-        wu = tl.load(w_ptrs + i8, mask=mask_w[None, :], other=0)
-        g = k0 // G
-        zg = tl.load(qz + g * n8 + offs_w, mask=mask_w, other=0)
-        zu = tl.load(qz + g * n8 + i8 + offs_w, mask=mask_w, other=0)
-        sg = tl.load(sc + g * 2 * I + offs_n, mask=mask_n, other=0.0)
-        su = tl.load(sc + g * 2 * I + I + offs_n, mask=mask_n, other=0.0)
         if INTERPRET:
             a = a.to(tl.float32)
-        acc_g = tl.dot(a, dequant_tile(wg, zg, sg, a, BLOCK_N, INTERPRET), acc_g)
-        acc_u = tl.dot(a, dequant_tile(wu, zu, su, a, BLOCK_N, INTERPRET), acc_u)
+        # The up columns start I // 8 words (I scales) after the gate columns of the same row.
+        bg = _weight_tile(qw, qz, sc, k0, offs_k, offs_w, offs_n, mask_w, mask_n, n8, 2 * I, G, a, BLOCK_N, INTERPRET)
+        bu = _weight_tile(qw + i8, qz + i8, sc + I, k0, offs_k, offs_w, offs_n, mask_w, mask_n, n8, 2 * I, G, a,
+                          BLOCK_N, INTERPRET)
+        acc_g = tl.dot(a, bg, acc_g)
+        acc_u = tl.dot(a, bu, acc_u)
     mask = valid[:, None] & mask_n[None, :]
     if ATOMIC:
         # Few programs would otherwise stream a long K each (Mixtral decode: H = 4096 for two rows).
@@ -157,19 +164,16 @@ def moe_w2_kernel(
     for k0 in range(pid_k * BLOCK_K, I, split_k * BLOCK_K):
         if GATE_UP:
             gu = h_ptr + flat[:, None] * (2 * I) + (k0 + offs_k)[None, :]
-            g = tl.load(gu, mask=valid[:, None], other=0.0)
-            u = tl.load(gu + I, mask=valid[:, None], other=0.0)
-            a = _act(g, ACT) * u
+            gate = tl.load(gu, mask=valid[:, None], other=0.0)
+            up = tl.load(gu + I, mask=valid[:, None], other=0.0)
+            a = _act(gate, ACT) * up
             a = a.to(tl.bfloat16) if BF16 else a.to(tl.float16)
         else:
             a = tl.load(h_ptr + flat[:, None] * I + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
-        words = tl.load(qw + (k0 + offs_k)[:, None] * n8 + offs_w[None, :], mask=mask_w[None, :], other=0)
-        g = k0 // G
-        zw = tl.load(qz + g * n8 + offs_w, mask=mask_w, other=0)
-        s = tl.load(sc + g * H + offs_n, mask=mask_n, other=0.0)
         if INTERPRET:
             a = a.to(tl.float32)
-        acc = tl.dot(a, dequant_tile(words, zw, s, a, BLOCK_N, INTERPRET), acc)
+        b = _weight_tile(qw, qz, sc, k0, offs_k, offs_w, offs_n, mask_w, mask_n, n8, H, G, a, BLOCK_N, INTERPRET)
+        acc = tl.dot(a, b, acc)
     w = tl.load(tw_ptr + flat, mask=valid, other=0.0).to(tl.float32)
     acc = acc * w[:, None]
     if ATOMIC:
