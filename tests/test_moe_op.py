@@ -135,6 +135,7 @@ CONFIGS = [
     (6, 2, "random", True, 16, _kc(64, 16, 2), None),
     (6, 2, "random", False, 16, _kc(32, 16, 4), _kc(64, 16, 2)),
     (1, 2, "random", True, 16, _kc(128, 16, 3), _kc(64, 32, 2)),
+    (6, 2, "random", False, 16, _kc(256, 16, 2), _kc(256, 32)),  # wider than I and H: masked columns
     # k = 3 with repeated experts: one block holds two rows of the same token, whose atomic adds
     # hit the same addresses in one instruction.
     (5, 3, "few_experts", False, 16, None, _kc(64, 16, 2)),
@@ -364,14 +365,18 @@ def _compile_for_sm90(fn, sig: dict, constexprs: dict, **options):
     return triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_heuristic_kernels(t: int, split13: int | None = None) -> None:
+def compile_heuristic_kernels(t: int, split13: int | None = None, wide: bool = False) -> None:
     """Build the Qwen3-30B-A3B shape's MoE kernels for sm_90 with the configs the heuristic picks
-    (w13's K split forced to split13 when given: its atomic path and w2's gate/up input)."""
+    (w13's K split forced to split13 when given: its atomic path and w2's gate/up input; with
+    wide, the tuner's 256-column tiles)."""
     from fastawq.triton_kernels import moe as tmoe
 
     cfg = tmoe.heuristic_config(t, 8, 128, 2048, 768, 128, 128, sms=132)
     if split13 is not None:
         cfg = replace(cfg, w13=replace(cfg.w13, split_k=split13))
+    if wide:
+        cfg = replace(cfg, **{f: replace(getattr(cfg, f), block_n=256, block_k=min(getattr(cfg, f).block_k, 32),
+                                         num_warps=8) for f in ("w13", "w2")})
     gate_up = cfg.w13.split_k > 1
     ptrs = {"ids_ptr": "*i64", "sorted_ptr": "*i32", "bexp_ptr": "*i32", "qw_ptr": "*i32", "s_ptr": "*fp16",
             "qz_ptr": "*i32"}
@@ -406,7 +411,25 @@ def test_heuristic_configs_compile_for_sm90():
     import sys
 
     here = pathlib.Path(__file__).resolve().parent
-    code = f"import sys; sys.path.insert(0, {str(here)!r}); import test_moe_op as t; [t.compile_heuristic_kernels(n, s) for n in (1, 16, 256) for s in (None, 1, 2)]"
+    code = f"import sys; sys.path.insert(0, {str(here)!r}); import test_moe_op as t; [t.compile_heuristic_kernels(n, s) for n in (1, 16, 256) for s in (None, 1, 2)]; t.compile_heuristic_kernels(1, 4, wide=True)"
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_tuner_finds_a_wide_tile_that_only_wins_with_a_k_split(monkeypatch):
+    # A synthetic cost where a 256-column w13 tile is slower than the heuristic's unless K is split
+    # 4 ways: one pass of tiles-then-splits misses it, the second pass finds it.
+    from fastawq.triton_kernels import moe as tmoe
+
+    base = tmoe.heuristic_config(1, 8, 128, 2048, 768, 128, 128, sms=132)
+
+    def cost(cfg, args):
+        w13 = cfg.w13
+        if w13.block_n == 256:
+            return 1.0 if w13.split_k == 4 else 9.0
+        return 5.0 - 0.1 * (w13.split_k == 4)
+
+    monkeypatch.setattr(tmoe, "_time", cost)
+    best = tmoe._tune("key", base, None)
+    assert (best.w13.block_n, best.w13.split_k) == (256, 4) and best.w13.block_k <= 32

@@ -392,11 +392,13 @@ def heuristic_config(t: int, topk: int, e: int, h: int, i: int, g13: int, g2: in
 
 
 def _variants(base: KernelConfig, bm: int) -> list[KernelConfig]:
-    """Tile widths and warp counts around base (its K step, stages and split kept)."""
+    """Tile widths and warp counts around base (its stages and split kept; its K step too, but
+    for 256-column tiles, which take 32 K rows at most to stay in registers)."""
     out = [base]
-    for bn in (32, 64, 128):
+    for bn in (32, 64, 128, 256):
         for warps in (4, 8):
-            out.append(replace(base, block_n=bn, num_warps=warps))
+            bk = base.block_k if bn <= 128 else min(base.block_k, 32)
+            out.append(replace(base, block_n=bn, block_k=bk, num_warps=warps))
     return list(dict.fromkeys(out))
 
 
@@ -452,30 +454,34 @@ def _time(cfg: MoeConfig, args) -> float:
 
 
 def _tune(key, base: MoeConfig, args) -> MoeConfig:
-    """Coordinate descent from the heuristic: the w13 tile, the w2 tile, each one's K split, then
-    the block rows (about 25 timings, where the full product would be hundreds)."""
-    best, best_ms = base, _time(base, args)
-    for field in ("w13", "w2"):
-        for kc in _variants(getattr(best, field), best.block_m):
-            cfg = replace(best, **{field: kc})
-            if cfg != best and (ms := _time(cfg, args)) < best_ms:
-                best, best_ms = cfg, ms
-        # One more stage in flight, then shorter K steps (more loads per byte of smem).
-        for change in ({"num_stages": 4}, {"block_k": getattr(best, field).block_k // 2}):
-            cfg = replace(best, **{field: replace(getattr(best, field), **change)})
-            if getattr(cfg, field).block_k >= 32 and cfg != best and (ms := _time(cfg, args)) < best_ms:
-                best, best_ms = cfg, ms
-    for field in ("w13", "w2"):
-        kc = getattr(best, field)
-        for split in (1, 2, 4, 8):
-            cfg = replace(best, **{field: replace(kc, split_k=split)})
-            if split != kc.split_k and (ms := _time(cfg, args)) < best_ms:
-                best, best_ms = cfg, ms
+    """Coordinate descent from the heuristic, twice over (a wide tile may only win once K is split,
+    and the reverse): each projection's tile, then each one's K split; then the block rows. About
+    60 distinct timings, where the full product would be thousands."""
+    timed: dict[MoeConfig, float] = {}
+
+    def time_once(cfg: MoeConfig) -> float:
+        if cfg not in timed:
+            timed[cfg] = _time(cfg, args)
+        return timed[cfg]
+
+    best = base
+    for _ in range(2):
+        for field in ("w13", "w2"):
+            cands = [replace(best, **{field: kc}) for kc in _variants(getattr(best, field), best.block_m)]
+            best = min([best, *cands], key=time_once)
+            # One more stage in flight, then shorter K steps (more loads per byte of smem).
+            for change in ({"num_stages": 4}, {"block_k": getattr(best, field).block_k // 2}):
+                cfg = replace(best, **{field: replace(getattr(best, field), **change)})
+                if getattr(cfg, field).block_k >= 16:
+                    best = min(best, cfg, key=time_once)
+        for field in ("w13", "w2"):
+            kc = getattr(best, field)
+            best = min([best, *(replace(best, **{field: replace(kc, split_k=s)}) for s in (1, 2, 4, 8))],
+                       key=time_once)
     if not best.naive:
-        for bm in (best.block_m // 2, best.block_m * 2):
-            if 16 <= bm <= 64 and (ms := _time(replace(best, block_m=bm), args)) < best_ms:
-                best, best_ms = replace(best, block_m=bm), ms
-    logger.info("moe_w4 %s -> %s (%.1f us)", key, best.label(), best_ms * 1e3)
+        best = min([best, *(replace(best, block_m=bm) for bm in (best.block_m // 2, best.block_m * 2)
+                            if 16 <= bm <= 64)], key=time_once)
+    logger.info("moe_w4 %s -> %s (%.1f us)", key, best.label(), timed[best] * 1e3)
     return best
 
 
