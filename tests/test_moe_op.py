@@ -43,6 +43,14 @@ def routing(kind: str, t: int, e: int, k: int, device=DEVICE, seed: int = 0):
     return ids.to(device), weights.to(device)
 
 
+def moe_case(e: int, h: int, i: int, g: int, k: int, t: int, seed: int, dtype=torch.float16, load: str = "random"):
+    """Random stacked experts, input x [T, H] and a routing: (weights, x, topk_ids, topk_weights)."""
+    weights = random_moe(e, h, i, g, dtype, seed=seed)
+    x = random_input((t, h), DEVICE, dtype, seed=seed + 1)
+    ids, w = routing(load, t, e, k, seed=seed + 2)
+    return weights, x, ids, w
+
+
 def torch_same_dtype_error(x, ids, w, weights, g, act) -> float:
     ref = reference.moe_w4(x, ids, w, *weights, g, act).float()
     return (reference.moe_w4(x, ids, w, *weights, g, act, dtype=x.dtype).float() - ref).abs().max().item()
@@ -150,9 +158,7 @@ def test_kernel_configs_agree_with_reference(t, k, route, naive, bm, w13, w2, dt
     from fastawq.triton_kernels import moe as tmoe
 
     e, h, i, g = 8, 64, 96, 32
-    weights = random_moe(e, h, i, g, dtype, seed=12)
-    x = random_input((t, h), DEVICE, dtype, seed=13)
-    ids, w = routing(route, t, e, k, seed=14)
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, 12, dtype, route)
     base = tmoe.heuristic_config(t, k, e, h, i, g, g, sms=4)
     cfg = tmoe.MoeConfig(bm, naive, w13 or base.w13, w2 or base.w2)
     check(tmoe.moe_w4(x, ids, w, *weights, g, config=cfg), x, ids, w, weights, g)
@@ -260,9 +266,7 @@ def test_opcheck(backend):
 @pytest.mark.parametrize("t", [1, 16, 256])
 def test_moe_qwen3_shape_under_cuda_graph(t):
     e, h, i, g, k = 128, 2048, 768, 128, 8
-    weights = random_moe(e, h, i, g, seed=30)
-    x = random_input((t, h), "cuda", torch.float16, seed=31)
-    ids, w = routing("random", t, e, k, seed=32)
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, 30)
     ops_moe.moe_w4(x, ids, w, *weights, g, backend="triton")  # tune and compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -339,9 +343,7 @@ def test_every_tuning_candidate_is_correct(t):
     from fastawq.triton_kernels import moe as tmoe
 
     e, h, i, g, k = 8, 1024, 4096, 128, 2
-    weights = random_moe(e, h, i, g, seed=60)
-    x = random_input((t, h), "cuda", torch.float16, seed=61)
-    ids, w = routing("random", t, e, k, seed=62)
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, 60)
     base = tmoe.heuristic_config(t, k, e, h, i, g, g, torch.cuda.get_device_properties(0).multi_processor_count)
     configs = [base]
     configs += [replace(base, w13=kc) for kc in tmoe._variants(base.w13, base.block_m)]
