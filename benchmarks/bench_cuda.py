@@ -17,7 +17,7 @@ import math
 import torch
 
 from fastawq import _ext, reference
-from timing import time_graph, w4_bytes
+from timing import geomean, print_table, time_graph, w4_bytes
 
 KERNELS = ("auto", "gemv", "gemv_staged", "mma", "dequant_cublas")
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
@@ -59,10 +59,6 @@ def bench_shape(k: int, n: int, ms: list[int], g: int, keep: set[str] | None = N
     return rows
 
 
-def geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,16,64,256,1024,4096")
@@ -82,11 +78,10 @@ def main() -> None:
             raise SystemExit(f"--variants: unknown {sorted(keep - set(KERNELS))}; expected {KERNELS}")
         rows += bench_shape(k, n, ms, args.group, keep)
         torch.cuda.empty_cache()
-    print(f"{'K':>6} {'N':>6} {'M':>5} {'variant':>14} {'us':>9} {'cuBLAS':>9} {'x':>6} {'GB/s':>7} "
-          f"{'floor us':>8} {'TFLOP/s':>7} {'relerr':>8}")
-    for r in rows:
-        print(f"{r['k']:>6} {r['n']:>6} {r['m']:>5} {r['variant']:>14} {r['us']:>9.2f} {r['cublas_us']:>9.2f} "
-              f"{r['speedup']:>6.2f} {r['gbps']:>7.0f} {r['roofline_us']:>8.2f} {r['tflops']:>7.1f} {r['rel_err']:>8.1e}")
+    print_table(rows, [("K", "k", 6, ""), ("N", "n", 6, ""), ("M", "m", 5, ""), ("variant", "variant", 14, ""),
+                       ("us", "us", 9, ".2f"), ("cuBLAS", "cublas_us", 9, ".2f"), ("x", "speedup", 6, ".2f"),
+                       ("GB/s", "gbps", 7, ".0f"), ("floor us", "roofline_us", 8, ".2f"),
+                       ("TFLOP/s", "tflops", 7, ".1f"), ("relerr", "rel_err", 8, ".1e")])
     print("\ngeomean speed-up over cuBLAS fp16 (4 Llama-3-8B shapes), by variant and M:")
     print(f"{'variant':>12} " + " ".join(f"{m:>6}" for m in ms))
     for v in sorted({r["variant"] for r in rows}):

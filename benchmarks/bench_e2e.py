@@ -30,9 +30,10 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total  # parameters() counts tied embeddings once
 
 
-def profile_decode(shape: str, max_seq_len: int, ctx: int, steps: int = 20, num_layers: int | None = None) -> dict:
+def profile_decode(shape: str, max_seq_len: int, ctx: int, steps: int = 20, layout: str = "awq",
+                   num_layers: int | None = None) -> dict:
     """GPU kernel time vs wall time of `steps` graph-replayed decode steps at context `ctx`."""
-    m = bench.build_model("fused-graphs", None, shape, "cuda", max_seq_len, 1, num_layers=num_layers)
+    m = bench.build_model("fused-graphs", None, shape, "cuda", max_seq_len, 1, layout=layout, num_layers=num_layers)
     rt = m.fastawq_runtime
     ids = torch.randint(0, m.config.vocab_size, (1, ctx), device="cuda")
     tok = rt.prefill(ids)[:, -1].argmax(-1)
@@ -74,13 +75,13 @@ def main() -> int:
     ap.add_argument("--graph-lengths", default="64,512,2048")
     ap.add_argument("--other-len", type=int, default=2048, help="prefill length of the other modes")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--layout", choices=("awq", "packed"), default="awq", help="W4 weight layout (WQLinear.set_layout)")
+    ap.add_argument("--modes", default="fused-graphs,fp16,fused,w4", help="comma list, run in this order")
     ap.add_argument("--layers", type=int, default=None,
                     help="build this many decoder layers; rows add a full-depth estimate (commands/bench.py)")
     ap.add_argument("--batches", default="1", help="comma list of batch sizes for the fused-graphs rows")
-    ap.add_argument("--modes", default="fused-graphs,fp16,fused,w4", help="which of the plan's modes to run")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    modes = set(args.modes.split(","))
     t_start = time.time()
     plan = [
         ("fused-graphs", [int(x) for x in args.graph_lengths.split(",")], None),
@@ -88,7 +89,7 @@ def main() -> int:
         ("fused", [args.other_len], 64),
         ("w4", [args.other_len], 32),
     ]
-    plan = [p for p in plan if p[0] in modes]
+    plan = [p for p in plan if p[0] in args.modes.split(",")]
     rows: list[bench.Row] = []
     for mode, lengths, max_decode in plan:
         if time.time() - t_start > args.budget:
@@ -96,14 +97,15 @@ def main() -> int:
             continue
         t = time.time()
         new = bench.bench(None, args.shape, [mode], lengths, batches if mode == "fused-graphs" else 1, args.device,
-                          max_seq_len=args.max_seq_len, max_decode=max_decode, num_layers=args.layers)
+                          max_seq_len=args.max_seq_len, max_decode=max_decode, layout=args.layout,
+                          num_layers=args.layers)
         rows += new
         print(f"{mode} done in {time.time() - t:.0f}s", flush=True)
         print(bench.format_table(new), flush=True)
     prof = None
     if args.device.startswith("cuda") and time.time() - t_start < args.budget + 30:
         try:
-            prof = profile_decode(args.shape, args.max_seq_len, 512, num_layers=args.layers)
+            prof = profile_decode(args.shape, args.max_seq_len, 512, layout=args.layout, num_layers=args.layers)
         except Exception as e:  # the table matters more than the profile
             print(f"profile failed: {type(e).__name__}: {e}")
     commit = os.environ.get("FASTAWQ_COMMIT") or subprocess.run(
@@ -112,7 +114,7 @@ def main() -> int:
     meta = {
         "shape": args.shape, "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU", "torch": torch.__version__,
         "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "max_seq_len": args.max_seq_len, "layers": args.layers,
+        "max_seq_len": args.max_seq_len, "layout": args.layout, "layers": args.layers,
     }
     try:
         import triton

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import time_graph, w4_bytes  # noqa: E402
+from timing import geomean, print_table, time_graph, w4_bytes  # noqa: E402
 
 from fastawq import _ext, reference  # noqa: E402
 from fastawq.ops.repack import awq_gemv_repack  # noqa: E402
@@ -58,10 +57,6 @@ def bench_shape(k: int, n: int, g: int, ms: list[int], dtype: torch.dtype) -> li
     return rows
 
 
-def geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ms", default="1,2,4,8")
@@ -79,11 +74,9 @@ def main() -> None:
     for dtype in dtypes:
         for k, n in SHAPES:
             rows += bench_shape(k, n, args.group, ms, dtype)
-    print(f"{'dtype':>8} {'K':>6} {'N':>6} {'M':>3} {'variant':>12} {'us':>8} {'cuBLAS':>8} {'x':>6} {'GB/s':>6} "
-          f"{'relerr':>8}")
-    for r in rows:
-        print(f"{r['dtype']:>8} {r['k']:>6} {r['n']:>6} {r['m']:>3} {r['variant']:>12} {r['us']:>8.2f} "
-              f"{r['cublas_us']:>8.2f} {r['speedup']:>6.2f} {r['gbps']:>6.0f} {r['packed_rel_err']:>8.1e}")
+    print_table(rows, [("dtype", "dtype", 8, ""), ("K", "k", 6, ""), ("N", "n", 6, ""), ("M", "m", 3, ""),
+                       ("variant", "variant", 12, ""), ("us", "us", 8, ".2f"), ("cuBLAS", "cublas_us", 8, ".2f"),
+                       ("x", "speedup", 6, ".2f"), ("GB/s", "gbps", 6, ".0f"), ("relerr", "packed_rel_err", 8, ".1e")])
     print("\ngeomean speed-up over cuBLAS (same dtype), 4 Llama-3-8B shapes; packed / best current:")
     print(f"{'dtype':>8} {'variant':>12} " + " ".join(f"{'M=' + str(m):>6}" for m in ms))
     summary = {}

@@ -65,6 +65,16 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "?"
+    return out.stdout.strip() + (" (modified)" if dirty else "") if out.returncode == 0 else "?"
+
+
 def gguf_compare(args, fp_dir: Path, scaled_dir: Path, fp, ppl, t0: float) -> int:
     import tempfile
 
@@ -112,6 +122,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
+    commit = _commit()  # the tree the run started from (a long run may outlive HEAD)
     path = data.smollm2_path()
     tok = AutoTokenizer.from_pretrained(str(path))
     fp = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, use_safetensors=True).eval()
@@ -158,11 +169,6 @@ def main() -> int:
             r, f, a = results["rtn"][s], results["fp"][s], results[name][s]
             cells.append(f"{a:.3f} ({(r - a) / (r - f) * 100:.0f} %)")
         rows.append(cells)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip()
-    except OSError:
-        commit = "?"
     print(format_table(["model", "options"] + args.sets, rows))
     print(f"SmolLM2-135M-Instruct 4-bit g{args.group_size}; calibration {args.calib_samples} x {args.calib_seq_len} "
           f"tokens; eval {args.windows} x {args.seq_len} tokens per set; commit {commit}; "

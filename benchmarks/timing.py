@@ -1,6 +1,7 @@
 """Shared GPU timing for the benchmark scripts (run them from the repository root)."""
 from __future__ import annotations
 
+import math
 import statistics
 
 import torch
@@ -40,3 +41,14 @@ def time_graph(fn, reps: int, replays: int = 10) -> float:
         times.append(start.elapsed_time(end) * 1e3 / reps)
     del graph
     return statistics.median(times)
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str, int, str]]) -> None:
+    """A header line, then a line per row; each column is (header, row key, width, format spec)."""
+    print(" ".join(f"{head:>{width}}" for head, _, width, _ in columns))
+    for r in rows:
+        print(" ".join(f"{r[key]:>{width}{spec}}" for _, key, width, spec in columns))

@@ -37,6 +37,24 @@ def random_awq(k: int, n: int, group_size: int, device="cpu", dtype=torch.float1
     )
 
 
+def exact_awq_problem(k: int, n: int, group_size: int, rows: int, scale_dtype, x_dtype, seed: int = 11):
+    """(x, qweight, scales, qzeros, g) whose product is exact in every precision involved.
+
+    Scales in {1/4, 1/8} and 8 nonzeros of x in {-1, 1} per row keep every partial sum a multiple
+    of 1/8 below 2^10, so a kernel must equal the oracle bit for bit: any nibble-order,
+    zero-point or tail error shows."""
+    gen = torch.Generator().manual_seed(seed)
+    g = reference.resolve_group_size(group_size, k)
+    q = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)
+    z = torch.randint(0, 16, (k // g, n), generator=gen, dtype=torch.int32)
+    s = (2.0 ** -torch.randint(2, 4, (k // g, n), generator=gen)).to(scale_dtype)
+    x = torch.zeros(rows, k)
+    for row in range(rows):
+        cols = torch.randperm(k, generator=gen)[:8]
+        x[row, cols] = torch.randint(0, 2, (8,), generator=gen).float() * 2 - 1
+    return x.to(x_dtype), reference.pack_int4(q), s, reference.pack_int4(z), g
+
+
 def random_input(shape, device="cpu", dtype=torch.float16, seed: int = 1):
     gen = torch.Generator(device="cpu").manual_seed(seed)
     return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)

@@ -16,7 +16,7 @@ import torch
 from fastawq import backend, ops, reference
 from fastawq import cpu as cpu_backend
 from fastawq.modules import WQLinear, cpu_linear
-from conftest import random_awq, random_input, same_dtype_error
+from conftest import exact_awq_problem, random_awq, random_input, same_dtype_error
 
 KERNELS = [
     name for name, why in ((cpu_backend.FASTAWQ, cpu_backend.fast_kernel_available()),
@@ -96,20 +96,7 @@ def test_groups_wider_than_the_kernel_are_split(int4_kernel, k, group_size):
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_repack_is_exact(kernel, group_size, scale_dtype, x_dtype):
-    # Scales in {1/4, 1/8} and 8 nonzeros of x in {-1, 1} per row keep every output a multiple of
-    # 1/8 below 32: exact in bf16, so any difference is a repack error (nibble order, zeros).
-    k, n = 256, 80
-    gen = torch.Generator().manual_seed(11)
-    g = reference.resolve_group_size(group_size, k)
-    q = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)
-    z = torch.randint(0, 16, (k // g, n), generator=gen, dtype=torch.int32)
-    s = (2.0 ** -torch.randint(2, 4, (k // g, n), generator=gen)).to(scale_dtype)
-    qweight, qzeros = reference.pack_int4(q), reference.pack_int4(z)
-    x = torch.zeros(6, k)
-    for row in range(6):
-        cols = torch.randperm(k, generator=gen)[:8]
-        x[row, cols] = torch.randint(0, 2, (8,), generator=gen).float() * 2 - 1
-    x = x.to(x_dtype)
+    x, qweight, s, qzeros, g = exact_awq_problem(256, 80, group_size, 6, scale_dtype, x_dtype)
     out = cpu_backend.awq_gemm(x, qweight, s, qzeros, g)
     ref = reference.awq_gemm(x, qweight, s, qzeros, g)
     assert torch.equal(out, ref), f"max diff {(out.float() - ref.float()).abs().max().item()}"
@@ -270,21 +257,25 @@ def test_repack_is_cached_and_invalidated_by_writes(kernel):
     assert cpu_backend.cache_size() == 0
 
 
-def test_tiny_llama_wqlinear_matches_torch_backend(kernel):
+def _tiny_w4_llama(seed: int):
+    """A 2-layer random Llama whose decoder linears are WQLinear (groups of 32)."""
     transformers = pytest.importorskip("transformers")
-    from fastawq.modules.qlinear import WQLinear
-
     config = transformers.LlamaConfig(
         vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).eval()
     for layer in model.model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if isinstance(child, torch.nn.Linear):
                     setattr(parent, name, WQLinear.from_linear(child, 32))
+    return model
+
+
+def test_tiny_llama_wqlinear_matches_torch_backend(kernel):
+    model = _tiny_w4_llama(seed=0)
     qlayers = [mod for mod in model.modules() if isinstance(mod, WQLinear)]
     assert len(qlayers) == 14
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(3))
@@ -302,20 +293,7 @@ def test_tiny_llama_wqlinear_matches_torch_backend(kernel):
 
 
 def test_convert_model_gives_the_same_logits_as_dispatch(kernel):
-    transformers = pytest.importorskip("transformers")
-    from fastawq.modules.qlinear import WQLinear
-
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )
-    torch.manual_seed(1)
-    model = transformers.LlamaForCausalLM(config).eval()
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, torch.nn.Linear):
-                    setattr(parent, name, WQLinear.from_linear(child, 32))
+    model = _tiny_w4_llama(seed=1)
     # One layer no kernel takes (group size 12) must stay a WQLinear.
     model.model.layers[0].mlp.extra = WQLinear.from_linear(torch.nn.Linear(48, 24), 12)
     ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(4))

@@ -10,7 +10,7 @@ import torch
 
 from fastawq import cpu as cpu_backend
 from fastawq import reference
-from conftest import random_awq, random_input, same_dtype_error
+from conftest import exact_awq_problem, random_awq, random_input, same_dtype_error
 
 pytestmark = pytest.mark.skipif(
     cpu_backend.fast_kernel_available() is not None, reason=f"{cpu_backend.fast_kernel_available()}"
@@ -37,7 +37,7 @@ def _poison_allocator(m: int, n: int) -> None:
 def _check(out, x, qweight, scales, qzeros, g, bias=None, factor: float = 2.0) -> None:
     """Error against the fp32 oracle within `factor` x that of plain torch in x's dtype (fp32:
     dequantize then matmul; bf16: a bf16 matmul), plus a few fp32 ulps of the output's size."""
-    n = qweight.shape[1] * 8
+    n = s.shape[1]
     assert out.dtype == x.dtype and out.shape == (x.shape[0], n)
     assert torch.isfinite(out).all(), "output has NaN/inf (unwritten?)"
     ref = reference.awq_gemm(x.float(), qweight, scales, qzeros, g, None if bias is None else bias.float())
@@ -68,20 +68,8 @@ def test_gemm_matches_reference(shape, group_size, m, dtype, with_bias):
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_repack_and_kernel_are_exact(scale_dtype, dtype):
-    # Scales in {1/4, 1/8} and 8 nonzeros of x in {-1, 1} per row keep every partial sum a
-    # multiple of 1/8 below 2^10: exact in every precision involved, so the kernel must equal
-    # the oracle bit for bit (any nibble-order, zero-point or tail error shows).
-    k, n, g = 256, 200, 64
-    gen = torch.Generator().manual_seed(11)
-    q = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)
-    zq = torch.randint(0, 16, (k // g, n), generator=gen, dtype=torch.int32)
-    s = (2.0 ** -torch.randint(2, 4, (k // g, n), generator=gen)).to(scale_dtype)
-    qweight, qzeros = reference.pack_int4(q), reference.pack_int4(zq)
-    x = torch.zeros(5, k)
-    for row in range(5):
-        cols = torch.randperm(k, generator=gen)[:8]
-        x[row, cols] = torch.randint(0, 2, (8,), generator=gen).float() * 2 - 1
-    x = x.to(dtype)
+    x, qweight, s, qzeros, g = exact_awq_problem(256, 200, 64, 5, scale_dtype, dtype)
+    n = s.shape[1]
     w, sc, z = torch.ops.fastawq.awq_cpu_repack(qweight, s, qzeros, g)
     ref = reference.awq_gemm(x, qweight, s, qzeros, g)
     for isa in _isas_for(dtype):

@@ -51,3 +51,6 @@ def test_bad_device_maps_are_named(checkpoint):
     with pytest.raises(ValueError, match="fuse_layers"):
         AutoAWQForCausalLM.from_quantized(str(checkpoint), device_map={"model": "cpu", "lm_head": "disk"},
                                           offload_folder="x", fuse_layers=True)
+    with pytest.raises(ValueError, match="layout='packed' needs the whole model on one device"):
+        AutoAWQForCausalLM.from_quantized(str(checkpoint), device_map={"model": "cpu", "lm_head": "disk"},
+                                          offload_folder="x", layout="packed")

@@ -11,7 +11,8 @@ import torch
 
 from conftest import LLAMA3_8B_SHAPES, assert_close_to_reference, random_awq, random_input
 from fastawq import _ext, reference
-from fastawq.ops.repack import awq_gemv_packed, awq_gemv_repack, awq_gemv_unpack
+from fastawq.ops import packed_gemm
+from fastawq.ops.repack import awq_gemv_repack, awq_gemv_unpack
 
 HAS_KERNEL = torch.cuda.is_available() and _ext.has_op("awq_gemv_packed")
 requires_kernel = pytest.mark.skipif(not HAS_KERNEL, reason="needs CUDA and fastawq._C with awq_gemv_packed")
@@ -82,7 +83,7 @@ def test_cpu_fallback_matches_reference(dtype):
     wp, sz = awq_gemv_repack(qw, s, qz, g)
     x = random_input((2, k), dtype=dtype)
     bias = random_input((n,), dtype=dtype, seed=2)
-    assert_close_to_reference(awq_gemv_packed(x, wp, sz, n, g, bias), x, qw, s, qz, g, bias)
+    assert_close_to_reference(packed_gemm(x, wp, sz, n, g, bias), x, qw, s, qz, g, bias)
 
 
 def test_repack_rejects_bad_shapes():

@@ -13,6 +13,7 @@ import transformers
 
 from conftest import requires_cuda
 from fastawq.auto import AutoAWQForCausalLM, AWQModel
+from fastawq.generate import HFStepper
 from fastawq.integrations import transformers as fit
 from fastawq.modules import WQLinear
 from fastawq.quantize import QuantConfig, pack_model, quantize
@@ -54,6 +55,23 @@ def test_transformers_load_matches_from_quantized(awq_dir, registered):
         greedy = dict(max_new_tokens=6, do_sample=False)
         assert torch.equal(hf.generate(ids[:1], **greedy), ref.generate(ids[:1], **greedy))
 
+
+
+def test_both_loaders_build_the_same_model(awq_dir, registered):
+    """Decode speed may differ only by the process's state, not by the model each loader builds."""
+    hf = _hf(awq_dir, dtype=torch.float32)
+    fq = AutoAWQForCausalLM.from_quantized(awq_dir, device_map="cpu", torch_dtype=torch.float32).model
+    assert {n: type(m) for n, m in hf.named_modules()} == {n: type(m) for n, m in fq.named_modules()}
+    assert hf.config._attn_implementation == fq.config._attn_implementation == "sdpa"
+    assert hf.generation_config.to_diff_dict() == fq.generation_config.to_diff_dict()
+    tensors = [dict(list(m.named_parameters()) + list(m.named_buffers())) for m in (hf, fq)]
+    assert tensors[0].keys() == tensors[1].keys()
+    for name, a in tensors[0].items():
+        b = tensors[1][name]
+        assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride()), name
+        assert torch.equal(a, b), name
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    assert fq.lm_head.weight is fq.model.embed_tokens.weight
 
 def test_activation_scales_load(registered, tmp_path):
     """GPT-NeoX checkpoints carry AWQ's `mlp.act.scales`: the backend gives them a ScaledActivation."""
@@ -139,3 +157,61 @@ def test_import_fastawq_registers_lazily():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "fastawq.integrations.hf_quantizer"
+
+
+def _spy_sdpa(monkeypatch):
+    """Records, per call of transformers' sdpa attention, whether cuDNN SDPA was enabled."""
+    from transformers.integrations import sdpa_attention
+
+    seen, real = [], sdpa_attention.sdpa_attention_forward
+
+    def spy(*a, **kw):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", spy)
+    return seen
+
+
+def test_sdpa_without_cudnn_gives_sdpa_logits(awq_dir, monkeypatch):
+    # Padded batch: the 2-D mask must reach the attention as transformers' sdpa mask does.
+    ids = calib_ids(2, 12, seed=5)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    model = AutoAWQForCausalLM.from_quantized(awq_dir, device_map="cpu", torch_dtype=torch.float32).model
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+        assert fit.use_sdpa_without_cudnn(model)
+        assert model.config._attn_implementation == fit.SDPA_NO_CUDNN
+        assert not fit.use_sdpa_without_cudnn(model)  # already switched: nothing to do
+        seen = _spy_sdpa(monkeypatch)
+        out = model(ids, attention_mask=mask).logits
+    assert len(seen) == model.config.num_hidden_layers
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@requires_cuda
+def test_sdpa_without_cudnn_on_gpu(awq_dir, monkeypatch):
+    """from_quantized's unfused GPU model attends without cuDNN (no plan per KV length)."""
+    ids = calib_ids(2, 12, seed=5).cuda()
+    model = AutoAWQForCausalLM.from_quantized(awq_dir, device_map="cuda", torch_dtype=torch.float16,
+                                              fuse_layers=False).model
+    assert model.config._attn_implementation == fit.SDPA_NO_CUDNN
+
+    def prefill_and_step():  # a prefill, then one decode step against its KV cache
+        step = HFStepper(model)
+        return step.prefill(ids[:, :-1]), step.decode(ids[:, -1])
+
+    saved = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        seen = _spy_sdpa(monkeypatch)
+        out = prefill_and_step()
+        assert len(seen) == 2 * model.config.num_hidden_layers and not any(seen), "cuDNN SDPA off inside attention"
+        assert torch.backends.cuda.cudnn_sdp_enabled(), "and back on after it"
+        model.set_attn_implementation("sdpa")
+        ref = prefill_and_step()
+        for o, r in zip(out, ref):
+            torch.testing.assert_close(o, r, rtol=2e-3, atol=2e-3)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(saved)

@@ -1,4 +1,5 @@
-"""Triton W4A16 kernels on the AWQ "GEMM" layout: dequantize, and a GEMM for every M.
+"""Triton W4A16 kernels: dequantize, and a GEMM for every M, on the AWQ "GEMM" layout and on the
+packed layout of fastawq/ops/repack.py (the GEMM's PACKED variant, packed_dequantize_kernel).
 
 The GEMM unpacks 4-bit weights in registers and feeds tl.dot with fp32 accumulation. Small M is
 memory-bound: one row cannot fill 132 SMs from N tiles alone, so K is split across programs; the
@@ -26,26 +27,61 @@ def _unpack_cols(words, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def dequant_tile(words, zw, s, a, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
-    """[BK, BN // 8] packed words, [BN // 8] zero words and [BN] scales of one group -> the
-    [BK, BN] weight tile for tl.dot with `a` (in a's dtype; fp32 under the interpreter)."""
-    q = _unpack_cols(words, BLOCK_N)
-    z = tl.reshape(_unpack_cols(zw[None, :], BLOCK_N), (BLOCK_N,))
+def _word_nibbles(w):
+    """[KB, C4] words -> [KB, C4, r, c_lo, c_hi]: nibble r of byte c = 2 c_hi + c_lo (bits 8c + 4r)."""
+    t0 = tl.join(w & 0xF, (w >> 4) & 0xF)
+    t1 = tl.join((w >> 8) & 0xF, (w >> 12) & 0xF)
+    t2 = tl.join((w >> 16) & 0xF, (w >> 20) & 0xF)
+    t3 = tl.join((w >> 24) & 0xF, (w >> 28) & 0xF)
+    return tl.join(tl.join(t0, t1), tl.join(t2, t3))
+
+
+@triton.jit
+def _packed_tile(w_ptr, k0, K, N, pid_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """wpacked [K/8, N] -> the [BLOCK_K, BLOCK_N] nibbles of rows k0 .. k0 + BLOCK_K, columns of tile pid_n.
+
+    Word (kb, 4 c4 + j) holds rows 8kb + 2j (even nibbles) and 8kb + 2j + 1 (odd) of columns
+    4c4 .. 4c4+3 (byte c). A thread loads the 4 words of one (kb, c4) (16 bytes) and expands them
+    with joins, so its 8 rows x 4 columns stay in its own registers: the final permutation moves
+    no data between threads, and the dequantized tile is stored to shared memory in vectors."""
+    KB: tl.constexpr = BLOCK_K // 8
+    C4: tl.constexpr = BLOCK_N // 4
+    kb = k0 // 8 + tl.arange(0, KB)
+    c4 = pid_n * C4 + tl.arange(0, C4)
+    ptrs = w_ptr + kb[:, None, None] * N + (4 * c4)[None, :, None] + tl.arange(0, 4)[None, None, :]
+    mask = (kb < K // 8)[:, None, None] & (c4 < N // 4)[None, :, None]
+    words = tl.load(ptrs, mask=mask, other=0)  # [kb, c4, j]: as in memory
+    w_even, w_odd = tl.split(tl.reshape(words, (KB, C4, 2, 2)))  # j = 2 j_hi + j_lo: j_lo = 0, 1
+    w0, w2 = tl.split(w_even)
+    w1, w3 = tl.split(w_odd)
+    t = tl.join(tl.join(_word_nibbles(w0), _word_nibbles(w1)), tl.join(_word_nibbles(w2), _word_nibbles(w3)))
+    # [kb, c4, r, c_lo, c_hi, j_lo, j_hi] -> [kb, j_hi, j_lo, r | c4, c_hi, c_lo]: row 8kb + 2j + r, column 4c4 + c
+    return tl.reshape(tl.permute(t, (0, 6, 5, 2, 1, 4, 3)), (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def _dequant(q, z, s, a, INTERPRET: tl.constexpr):
+    """(q - z) * s in a's dtype (fp32 under the interpreter): nibbles q, zeros z (ints or exact
+    floats) and scales s, already broadcastable against q."""
     if INTERPRET:
         # The interpreter's bf16 conversions and bf16 tl.dot are wrong: stay in fp32 there.
-        b = (q - z[None, :]).to(tl.float32) * s[None, :].to(tl.float32)
-    else:
-        # int4 -> half through the exponent field: (MAGIC | q) is OFFSET + q exactly, and
-        # OFFSET + z likewise, so their difference is the exact small integer q - z; one
-        # rounding in the multiply by s, as in a dequantized weight matrix of x's dtype.
-        if a.dtype == tl.float16:
-            qh = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        return (q.to(tl.float32) - z.to(tl.float32)) * s.to(tl.float32)
+    # int4 -> half through the exponent field: (MAGIC | q) is OFFSET + q exactly, and OFFSET + z
+    # likewise, so their difference is the exact small integer q - z; one rounding in the multiply
+    # by s, as in a dequantized weight matrix of x's dtype.
+    if a.dtype == tl.float16:
+        qh = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        if z.dtype == tl.int32:
             zh = (z | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
         else:
-            qh = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            zh = (z.to(tl.float32) + 1024.0).to(tl.float16)
+    else:
+        qh = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        if z.dtype == tl.int32:
             zh = (z | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        b = (qh - zh[None, :]) * s[None, :].to(a.dtype)
-    return b
+        else:
+            zh = (z.to(tl.float32) + 128.0).to(tl.bfloat16)
+    return (qh - zh) * s.to(a.dtype)
 
 
 @triton.jit
@@ -53,15 +89,13 @@ def awq_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, qz_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr,
     M, N, K, G, split_k,
     stride_xm, stride_om,
-    HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     INTERPRET: tl.constexpr = False,
+    PACKED: tl.constexpr = False,
 ):
-    # x [M, K] · qweight [K, N // 8] · scales [K // G, N] · qzeros [K // G, N // 8] -> out [M, N]
+    # AWQ:    x [M, K] · qweight [K, N // 8] · scales [K // G, N] · qzeros [K // G, N // 8] -> out [M, N]
+    # PACKED: x [M, K] · wpacked [K // 8, N] (qw_ptr) · szpacked [K // G, 2N] (s_ptr; qz_ptr unused)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -87,15 +121,25 @@ def awq_gemm_kernel(
     # BLOCK_K divides G, so each K tile lies inside one quantization group.
     for t in range(pid_k, K // BLOCK_K, split_k):
         k0 = t * BLOCK_K
-        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
-        words = tl.load(qw_ptr + (k0 + offs_k)[:, None] * n8 + offs_w[None, :], mask=mask_w[None, :], other=0)
         g = k0 // G
-        zw = tl.load(qz_ptr + g * n8 + offs_w, mask=mask_w, other=0)
-        s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0)
-        b = dequant_tile(words, zw, s, a, BLOCK_N, INTERPRET)
+        if PACKED:
+            a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
+            q = _packed_tile(qw_ptr, k0, K, N, pid_n, BLOCK_N, BLOCK_K)
+            # (scale, zero) pairs: one contiguous [BLOCK_N, 2] load, split in registers.
+            sz = tl.load(s_ptr + g * 2 * N + 2 * offs_n[:, None] + tl.arange(0, 2)[None, :], mask=mask_n[:, None],
+                         other=0.0)
+            s, z = tl.split(sz)
+            b = _dequant(q, z[None, :], s[None, :], a, INTERPRET)
+        else:
+            a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
+            words = tl.load(qw_ptr + (k0 + offs_k)[:, None] * n8 + offs_w[None, :], mask=mask_w[None, :], other=0)
+            zw = tl.load(qz_ptr + g * n8 + offs_w, mask=mask_w, other=0)
+            s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0)
+            b = _dequant(_unpack_cols(words, BLOCK_N), _unpack_cols(zw[None, :], BLOCK_N), s[None, :], a, INTERPRET)
         if INTERPRET:
-            a = a.to(tl.float32)
-        acc = tl.dot(a, b, acc)
+            acc = tl.dot(a.to(tl.float32), b, acc)
+        else:
+            acc = tl.dot(a, b, acc)
 
     tile = pid_m * num_pid_n + pid_n
     _store_split_k(acc, offs_m, offs_n, M, N, pid_k, tile, bias_ptr, out_ptr, ws_ptr, lock_ptr, stride_om,
@@ -134,10 +178,8 @@ def _store_split_k(acc, offs_m, offs_n, M, N, pid_k, tile, bias_ptr, out_ptr, ws
 def awq_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, qz_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr,
     N, K, G, split_k,
-    HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
     DEFER: tl.constexpr = False,
 ):
     # x [1, K] · qweight [K, N // 8] -> out [1, N]. No tensor cores: one row, memory-bound.
@@ -186,8 +228,7 @@ def awq_gemv_kernel(
 def awq_dequantize_kernel(
     qw_ptr, s_ptr, qz_ptr, out_ptr,
     K, N, G,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # qweight [K, N // 8] · scales [K // G, N] · qzeros [K // G, N // 8] -> out [K, N]
     pid_k = tl.program_id(0)
@@ -208,3 +249,24 @@ def awq_dequantize_kernel(
     w = (q - z).to(tl.float32) * s.to(tl.float32)
     tl.store(out_ptr + offs_k[:, None] * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty),
              mask=mask_k[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def packed_dequantize_kernel(
+    w_ptr, sz_ptr, out_ptr,
+    K, N, G,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # wpacked [K // 8, N] int32 · szpacked [K // G, 2N] -> out [K, N]; BLOCK_K divides G (a tile is in one group)
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    k0 = pid_k * BLOCK_K
+    rows = k0 + tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < K)[:, None] & (offs_n < N)[None, :]
+    q = _packed_tile(w_ptr, k0, K, N, pid_n, BLOCK_N, BLOCK_K)
+    sz = sz_ptr + (k0 // G) * 2 * N + 2 * offs_n[:, None] + tl.arange(0, 2)[None, :]
+    s, z = tl.split(tl.load(sz, mask=(offs_n < N)[:, None], other=0.0).to(tl.float32))
+    w = (q.to(tl.float32) - z[None, :]) * s[None, :]
+    tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)

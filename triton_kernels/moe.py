@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .awq import dequant_tile
+from .awq import _dequant, _unpack_cols
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def _weight_tile(qw, qz, sc, k0, offs_k, offs_w, offs_n, mask_w, mask_n, n8, nco
     g = k0 // G
     zw = tl.load(qz + g * n8 + offs_w, mask=mask_w, other=0)
     s = tl.load(sc + g * ncols + offs_n, mask=mask_n, other=0.0)
-    return dequant_tile(words, zw, s, a, BLOCK_N, INTERPRET)
+    return _dequant(_unpack_cols(words, BLOCK_N), _unpack_cols(zw[None, :], BLOCK_N), s[None, :], a, INTERPRET)
 
 
 @triton.jit

@@ -37,30 +37,31 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// D[16x8] += A[16x16] (row) * B[16x8] (col), fp32 accumulators. The fp16 and bf16 instructions
+// differ only in the PTX type of A and B (AB), which must be spliced into the asm string literal.
+#define FASTAWQ_MMA_M16N8K16(AB)                                                                          \
+  __device__ __forceinline__ static void run(float(&d)[4], const uint32_t(&a)[4], uint32_t b0,            \
+                                             uint32_t b1) {                                               \
+    asm volatile(                                                                                         \
+        "mma.sync.aligned.m16n8k16.row.col.f32." AB "." AB ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, " \
+        "{%0,%1,%2,%3};\n"                                                                                \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                                  \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                                 \
+  }
+
 template <typename T>
 struct Mma;
 
-// D[16x8] += A[16x16] (row) * B[16x8] (col), fp32 accumulators.
 template <>
 struct Mma<__half> {
-  __device__ __forceinline__ static void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
+  FASTAWQ_MMA_M16N8K16("f16")
 };
 
 template <>
 struct Mma<__nv_bfloat16> {
-  __device__ __forceinline__ static void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
+  FASTAWQ_MMA_M16N8K16("bf16")
 };
+
+#undef FASTAWQ_MMA_M16N8K16
 
 }  // namespace fastawq

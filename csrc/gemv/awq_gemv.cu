@@ -22,6 +22,7 @@
 #include "common/dtype.cuh"
 #include "common/launch.h"
 #include "common/ptx.cuh"
+#include "gemv/gemv_common.cuh"
 
 namespace fastawq {
 namespace {
@@ -36,9 +37,8 @@ template <>
 struct Words<4> {
   uint32_t v[4];
   __device__ __forceinline__ void load(const uint32_t* p, uint64_t policy) {
-    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;\n"
-                 : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
-                 : "l"(p), "l"(policy));
+    const uint4 w = gemv::load_stream(p, policy);
+    v[0] = w.x, v[1] = w.y, v[2] = w.z, v[3] = w.w;
   }
 };
 // f[c] = 0.5 + q_c / 256 for the 8 nibbles of an AWQ word, in real column order c = 0..7.
@@ -134,14 +134,21 @@ __device__ __forceinline__ void consume_batch(const Words<WPT> (&w)[kLoads], con
 }
 
 // Sum a block's partials of its column tile: the 4 row lanes of a column lane through shuffles,
-// the warps through shared memory (red). Then write the output, or with split K add into the
-// zeroed fp32 workspace and let the last block of the tile convert and re-zero it.
-template <typename T, int M, int kCols, int kTileCols>
-__device__ __forceinline__ void finish_tile(float (&y)[M][kCols], float (&red)[kWarps][M][kTileCols],
-                                            int* is_last_flag, const T* __restrict__ bias, T* __restrict__ out,
-                                            float* __restrict__ ws, int* __restrict__ counters, int n, int col0) {
-  using Tr = HalfTraits<T>;
-  int& is_last = *is_last_flag;
+// the warps through shared memory (red, summed and written by gemv::store_tile).
+template <int M, int WPT>
+struct TileShared {
+  static constexpr int kCols = WPT * 8;             // output columns per lane
+  static constexpr int kTileCols = 8 * kCols;       // 8 column lanes
+  float red[kWarps][M][kTileCols];
+  int is_last;
+};
+
+template <typename T, int M, int WPT>
+__device__ __forceinline__ void finish_tile(float (&y)[M][WPT * 8], TileShared<M, WPT>& sh, const T* __restrict__ bias,
+                                            T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
+                                            int n, int col0) {
+  constexpr int kCols = WPT * 8;
+  auto& red = sh.red;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, cl = lane & 7, rl = lane >> 3;
 #pragma unroll
   for (int mm = 0; mm < M; ++mm) {
@@ -162,53 +169,20 @@ __device__ __forceinline__ void finish_tile(float (&y)[M][kCols], float (&red)[k
   }
   __syncthreads();
 
-  const bool split = gridDim.y > 1;
-  for (int e = threadIdx.x; e < M * kTileCols; e += kGemvThreads) {
-    const int mm = e / kTileCols, tc = e % kTileCols, col = col0 + tc;
-    if (col >= n) continue;
-    float v = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) v += red[w][mm][tc];
-    if (split) {
-      atomicAdd(ws + static_cast<int64_t>(mm) * n + col, v);
-    } else {
-      const float b = bias != nullptr ? Tr::to_float(bias[col]) : 0.f;
-      out[static_cast<int64_t>(mm) * n + col] = Tr::from_float(fmaf(256.f, v, b));
-    }
-  }
-  if (!split) return;
-
-  // Split K: the last block of this column tile to arrive converts the sums and re-zeroes them.
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const int prev = atomicAdd(counters + blockIdx.x, 1);
-    is_last = prev == static_cast<int>(gridDim.y) - 1;
-    if (is_last) counters[blockIdx.x] = 0;
-  }
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  for (int e = threadIdx.x; e < M * kTileCols; e += kGemvThreads) {
-    const int mm = e / kTileCols, tc = e % kTileCols, col = col0 + tc;
-    if (col >= n) continue;
-    float* p = ws + static_cast<int64_t>(mm) * n + col;
-    const float v = __ldcg(p);
-    __stcg(p, 0.f);
-    const float b = bias != nullptr ? Tr::to_float(bias[col]) : 0.f;
-    out[static_cast<int64_t>(mm) * n + col] = Tr::from_float(fmaf(256.f, v, b));
-  }
+  gemv::store_tile<T, M, kGemvThreads, kWarps, TileShared<M, WPT>::kTileCols>(red, sh.is_last, bias, out, ws, counters,
+                                                                              n, col0);
 }
 
 // A lane's place: its warp, row lane, column words (8 column lanes of WPT words per tile), and
-// the end of its block's chunk range.
+// the end of its block's chunk range; its sums start at zero.
 struct LanePlace {
   int lane, warp, rl, n8, tile_word0, word0;
   bool col_ok;
   int c_end;
 };
-template <int WPT>
-__device__ __forceinline__ LanePlace place_lane(int n, int k, int chunk_rows, int chunks_per_block) {
+template <int M, int WPT>
+__device__ __forceinline__ LanePlace place_lane(int n, int k, int chunk_rows, int chunks_per_block,
+                                                float (&y)[M][WPT * 8], float (&acc)[M][WPT * 8], float (&xs)[M]) {
   LanePlace p;
   p.lane = threadIdx.x & 31, p.warp = threadIdx.x >> 5, p.rl = p.lane >> 3;
   p.n8 = n >> 3;
@@ -216,17 +190,13 @@ __device__ __forceinline__ LanePlace place_lane(int n, int k, int chunk_rows, in
   p.word0 = p.tile_word0 + (p.lane & 7) * WPT;
   p.col_ok = p.word0 < p.n8;  // the host guarantees n8 % WPT == 0: all WPT words or none
   p.c_end = min((blockIdx.y + 1) * chunks_per_block, (k + chunk_rows - 1) / chunk_rows);
-  return p;
-}
-
-template <int M, int kCols>
-__device__ __forceinline__ void zero_sums(float (&y)[M][kCols], float (&acc)[M][kCols], float (&xs)[M]) {
 #pragma unroll
   for (int mm = 0; mm < M; ++mm) {
     xs[mm] = 0.f;
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) y[mm][c] = acc[mm][c] = 0.f;
+    for (int c = 0; c < WPT * 8; ++c) y[mm][c] = acc[mm][c] = 0.f;
   }
+  return p;
 }
 
 // A warp's walk over its chunks (chunk, chunk + kWarps, ...) in 32-row batches.
@@ -246,18 +216,11 @@ __global__ void __launch_bounds__(kGemvThreads) awq_gemv_kernel(
     const T* __restrict__ x, const uint32_t* __restrict__ qweight, const T* __restrict__ scales,
     const uint32_t* __restrict__ qzeros, const T* __restrict__ bias, T* __restrict__ out, float* __restrict__ ws,
     int* __restrict__ counters, int n, int k, int group_size, int chunk_rows, int chunks_per_block) {
-  using Tr = HalfTraits<T>;
-  constexpr int kCols = WPT * 8;          // output columns per lane
-  constexpr int kTileWords = 8 * WPT;     // 8 column lanes
-  constexpr int kTileCols = kTileWords * 8;
-  __shared__ float red[kWarps][M][kTileCols];
-  __shared__ int is_last;
-
+  __shared__ TileShared<M, WPT> sh;
+  float y[M][WPT * 8], acc[M][WPT * 8], xs[M];
   const auto [lane, warp, rl, n8, tile_word0, word0, col_ok, c_end] =
-      place_lane<WPT>(n, k, chunk_rows, chunks_per_block);
+      place_lane<M, WPT>(n, k, chunk_rows, chunks_per_block, y, acc, xs);
   const uint64_t policy = evict_first_policy();
-  float y[M][kCols], acc[M][kCols], xs[M];
-  zero_sums(y, acc, xs);
 
   // The warp walks its chunks (chunk, chunk + 4, ...) in 32-row batches; k % 32 == 0 (host
   // check), so a batch is all in range and inside one group (group_size % 32 == 0).
@@ -274,7 +237,7 @@ __global__ void __launch_bounds__(kGemvThreads) awq_gemv_kernel(
     }
   }
 
-  finish_tile<T, M, kCols, kTileCols>(y, red, &is_last, bias, out, ws, counters, n, tile_word0 * 8);
+  finish_tile<T, M, WPT>(y, sh, bias, out, ws, counters, n, tile_word0 * 8);
 }
 
 // cp.async-staged kernel: each lane streams its batches through S shared-memory stages of its own
@@ -310,20 +273,13 @@ __global__ void __launch_bounds__(kGemvThreads, M == 1 ? 4 : 1) awq_gemv_async_k
     int* __restrict__ counters, int n, int k, int group_size, int chunk_rows, int chunks_per_block) {
   using Tr = HalfTraits<T>;
   constexpr int WPT = kGemvWordsPerLane;
-  constexpr int kCols = WPT * 8;
-  constexpr int kTileWords = 8 * WPT;
-  constexpr int kTileCols = kTileWords * 8;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  auto* stages = reinterpret_cast<AsyncStage<M, S>*>(smem_raw);  // [warp][S]
-  __shared__ float red[kWarps][M][kTileCols];
-  __shared__ int is_last;
-
+  __shared__ TileShared<M, WPT> sh;
+  float y[M][WPT * 8], acc[M][WPT * 8], xs[M];
   const auto [lane, warp, rl, n8, tile_word0, word0, col_ok, c_end] =
-      place_lane<WPT>(n, k, chunk_rows, chunks_per_block);
+      place_lane<M, WPT>(n, k, chunk_rows, chunks_per_block, y, acc, xs);
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  AsyncStage<M, S>* my = reinterpret_cast<AsyncStage<M, S>*>(smem_raw) + warp * S;  // [warp][S]
   const uint64_t policy = evict_first_policy();
-  float y[M][kCols], acc[M][kCols], xs[M];
-  zero_sums(y, acc, xs);
-  AsyncStage<M, S>* my = stages + warp * S;
 
   Cursor cur, ahead;
   cur.start(blockIdx.y * chunks_per_block + warp, chunk_rows, k);
@@ -364,7 +320,7 @@ __global__ void __launch_bounds__(kGemvThreads, M == 1 ? 4 : 1) awq_gemv_async_k
   }
   cp_async_wait<0>();
 
-  finish_tile<T, M, kCols, kTileCols>(y, red, &is_last, bias, out, ws, counters, n, tile_word0 * 8);
+  finish_tile<T, M, WPT>(y, sh, bias, out, ws, counters, n, tile_word0 * 8);
 }
 
 template <typename T, int M>

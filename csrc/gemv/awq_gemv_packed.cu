@@ -20,6 +20,7 @@
 #include "common/dtype.cuh"
 #include "common/ptx.cuh"
 #include "gemv/awq_gemv_packed.h"
+#include "gemv/gemv_common.cuh"
 
 namespace fastawq {
 namespace {
@@ -34,30 +35,14 @@ __device__ __forceinline__ float2 to_float2(uint32_t v, __nv_bfloat16) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
 }
 
-__device__ __forceinline__ uint4 load_stream(const uint4* p, uint64_t policy) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p), "l"(policy));
-  return v;
-}
-
 // The 4 loads of batch b of a lane: 8-row blocks 4b .. 4b+3 at the lane's column chunk.
 __device__ __forceinline__ void load_batch(uint4 (&w)[kLoads], const uint4* __restrict__ wp, int b, int n4, int c4,
                                            bool col_ok, uint64_t policy) {
 #pragma unroll
   for (int u = 0; u < kLoads; ++u) {
-    w[u] = col_ok ? load_stream(wp + static_cast<int64_t>(b * kLoads + u) * n4 + c4, policy) : make_uint4(0, 0, 0, 0);
+    w[u] = col_ok ? gemv::load_stream(wp + static_cast<int64_t>(b * kLoads + u) * n4 + c4, policy)
+                  : make_uint4(0, 0, 0, 0);
   }
-}
-
-// f[c] = 0.5 + q / 256 for the 4 bytes (columns) of a masked word.
-__device__ __forceinline__ void decode4(uint32_t v, float (&f)[4]) {
-  constexpr uint32_t kHalf = 0x3F000000u;  // 0.5f; selector 0x7c44 puts byte c in bits 16..19
-  f[0] = __uint_as_float(__byte_perm(v, kHalf, 0x7044));
-  f[1] = __uint_as_float(__byte_perm(v, kHalf, 0x7144));
-  f[2] = __uint_as_float(__byte_perm(v, kHalf, 0x7244));
-  f[3] = __uint_as_float(__byte_perm(v, kHalf, 0x7344));
 }
 
 // acc += x * f over one batch (rows row0 .. row0+31), xs += x.
@@ -75,8 +60,8 @@ __device__ __forceinline__ void consume(const uint4 (&w)[kLoads], const T* __res
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       float flo[4], fhi[4];
-      decode4(words[j] & 0x0F0F0F0Fu, flo);         // row 8u + 2j
-      decode4((words[j] >> 4) & 0x0F0F0F0Fu, fhi);  // row 8u + 2j + 1
+      gemv::decode_bytes(words[j] & 0x0F0F0F0Fu, flo);         // row 8u + 2j, byte c = column c
+      gemv::decode_bytes((words[j] >> 4) & 0x0F0F0F0Fu, fhi);  // row 8u + 2j + 1
 #pragma unroll
       for (int mm = 0; mm < M; ++mm) {
         const uint32_t pair = j == 0 ? xr[mm].x : j == 1 ? xr[mm].y : j == 2 ? xr[mm].z : xr[mm].w;
@@ -158,43 +143,8 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
   }
   __syncthreads();
 
-  const int col0 = blockIdx.x * kPackedTileCols;
-  const bool split = gridDim.y > 1;
-  for (int e = threadIdx.x; e < M * kPackedTileCols; e += kPackedThreads) {
-    const int mm = e / kPackedTileCols, tc = e % kPackedTileCols, col = col0 + tc;
-    if (col >= n) continue;
-    float v = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) v += red[w][mm][tc];
-    if (split) {
-      atomicAdd(ws + static_cast<int64_t>(mm) * n + col, v);
-    } else {
-      const float bv = bias != nullptr ? Tr::to_float(bias[col]) : 0.f;
-      out[static_cast<int64_t>(mm) * n + col] = Tr::from_float(fmaf(256.f, v, bv));
-    }
-  }
-  if (!split) return;
-
-  // Split K: the last block of this column tile to arrive converts the sums and re-zeroes them.
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const int prev = atomicAdd(counters + blockIdx.x, 1);
-    is_last = prev == static_cast<int>(gridDim.y) - 1;
-    if (is_last) counters[blockIdx.x] = 0;
-  }
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  for (int e = threadIdx.x; e < M * kPackedTileCols; e += kPackedThreads) {
-    const int mm = e / kPackedTileCols, tc = e % kPackedTileCols, col = col0 + tc;
-    if (col >= n) continue;
-    float* p = ws + static_cast<int64_t>(mm) * n + col;
-    const float v = __ldcg(p);
-    __stcg(p, 0.f);
-    const float bv = bias != nullptr ? Tr::to_float(bias[col]) : 0.f;
-    out[static_cast<int64_t>(mm) * n + col] = Tr::from_float(fmaf(256.f, v, bv));
-  }
+  gemv::store_tile<T, M, kPackedThreads, kWarps, kPackedTileCols>(red, is_last, bias, out, ws, counters, n,
+                                                                  blockIdx.x * kPackedTileCols);
 }
 
 template <typename T, int M>

@@ -249,9 +249,15 @@ class AutoAWQForCausalLM:
         verify: str | None = None,
         max_memory: dict | None = None,
         offload_folder: str | os.PathLike | None = None,
+        layout: str = "auto",
         **kwargs: Any,
     ) -> AWQModel:
         """Load an AWQ checkpoint (fastawq's or AutoAWQ's) ready for generate().
+
+        layout: how the quantized layers hold their weights in memory: "awq" (the checkpoint's
+        layout), "packed" (repacked at load for the decode kernel, exactly; see WQLinear.set_layout)
+        or "auto" (backend.preferred_layout: packed for the fused engine on a GPU at batch_size
+        <= 4, else awq). Saving always writes AWQ GEMM.
 
         On the CPU, `use_ipex=True` makes the packed layers inference-only modules that call the
         CPU kernel directly, and `cpu_lm_head_bits=8` (with it) also runs the float lm_head as an
@@ -263,6 +269,12 @@ class AutoAWQForCausalLM:
 
         if not safetensors:
             raise ValueError("fastawq reads only safetensors checkpoints")
+        from fastawq.modules.qlinear import LAYOUTS, set_layout
+
+        if layout not in (*LAYOUTS, "auto"):
+            raise ValueError(f"layout must be one of {LAYOUTS} or 'auto', got {layout!r}")
+        if use_ipex and layout == "packed":
+            raise ValueError("use_ipex=True makes CPU modules of the AWQ layout; layout='packed' serves CUDA devices")
         from fastawq.hub import resolve
 
         quant_path = resolve(quant_path, kwargs.pop("revision", None), trust_remote_code=trust_remote_code)
@@ -276,6 +288,9 @@ class AutoAWQForCausalLM:
         spread = not use_ipex and spans_devices(device_map, max_memory, offload_folder)
         if spread and fuse_layers:
             raise ValueError("fuse_layers=True needs the whole model on one device; drop device_map/max_memory/offload_folder")
+        if spread and layout == "packed":
+            raise ValueError("layout='packed' needs the whole model on one device (dispatched layers move and "
+                             "offload the checkpoint's AWQ tensors); drop device_map/max_memory/offload_folder")
         fuse_layers = False if spread else fuse_layers
         device = _device_of("cpu" if use_ipex else (main_device(device_map) if spread else device_map))
         if use_ipex:
@@ -322,6 +337,20 @@ class AutoAWQForCausalLM:
                 if not auto_fuse:
                     raise
                 log.info("not fusing layers: %s", e)
+                fuse_layers = False
+        if device.type == "cuda" and not fuse_layers:
+            # Unfused decode meets a new KV length every step, and cuDNN's SDPA plans each one.
+            from fastawq.integrations.transformers import use_sdpa_without_cudnn
+
+            use_sdpa_without_cudnn(model)
+        if layout == "auto":
+            from fastawq.backend import preferred_layout
+
+            # A forced backend keeps the checkpoint's layout (its kernels may not read the packed one).
+            layout = "awq" if backend is not None else preferred_layout(device, batch_size if fuse_layers else None)
+        if layout != "awq" and not use_ipex:
+            # After fusing: the fused engine concatenates the layers' AWQ tensors, then they convert.
+            set_layout(model, layout)
         if use_ipex and backend is None and not fuse_layers:
             # AutoAWQ's IPEX path makes inference-only CPU modules; so does this one: each packed
             # layer holds only its repacked weight and calls the kernel directly (no per-call

@@ -44,12 +44,24 @@ CUDA_GEMV_MAX_M = 2
 # the plain GEMV at M=1, the staged one (activations staged in shared memory) at M=2; above
 # that "auto" (the tensor-core kernel when it fits, else dequantize + cuBLAS).
 CUDA_GEMM_KERNEL_BY_M = {1: "gemv", 2: "gemv_staged"}
+# packed_gemm (the packed layout of ops/repack.py): its compiled kernel, awq_gemv_packed, takes
+# M <= 8 and beats the AWQ-layout kernels up to M = 4 (RESULTS.md, H200); the Triton GEMM on the
+# packed layout serves above.
+PACKED_GEMV_MAX_M = 4
 _CUDA_PREFERENCE: dict[str, list[tuple[int | None, tuple[str, ...]]]] = {
     "awq_gemm": [
         *((m, ("cuda", "triton", "torch")) for m in sorted(CUDA_GEMM_KERNEL_BY_M)),
         (None, ("triton", "cuda", "torch")),
     ],
+    "packed_gemm": [(PACKED_GEMV_MAX_M, ("cuda", "triton", "torch")), (None, ("triton", "torch"))],
 }
+# Where layout "auto" picks the packed layout on CUDA devices (with the compiled awq_gemv_packed).
+# Everywhere only once the GPU benchmark (benchmarks/gemm_table.py --layouts awq,packed) shows it
+# at least as fast at every M; meanwhile for the fused engine serving at most PACKED_GEMV_MAX_M
+# sequences, whose decode steps are all M <= 4 (H200: 1.97 / 1.51 / 1.14x cuBLAS at M = 1 / 2 / 4
+# against the AWQ layout's 1.72 / 1.39 / 0.95x, RESULTS.md).
+PACKED_LAYOUT_BY_DEFAULT = False
+PACKED_LAYOUT_FOR_FUSED_DECODE = True
 
 
 def cuda_gemm_kernel(m: int | None) -> str:
@@ -67,6 +79,15 @@ def _cuda_order(op: str, m: int | None) -> tuple[str, ...]:
         if bound is None or (m is not None and m <= bound):
             return order
     return ("cuda", "triton", "torch")
+
+
+def preferred_layout(device: torch.device, fused_batch: int | None = None) -> str:
+    """The W4 weight layout that layout "auto" picks on `device`: "packed" or "awq". fused_batch:
+    the batch size of the fused engine the layers will serve (None: not fused)."""
+    if device.type != "cuda" or not _ext.has_op(COMPILED_OPS["packed_gemm"]):
+        return "awq"
+    fused_decode = fused_batch is not None and fused_batch <= PACKED_GEMV_MAX_M
+    return "packed" if PACKED_LAYOUT_BY_DEFAULT or (PACKED_LAYOUT_FOR_FUSED_DECODE and fused_decode) else "awq"
 
 
 def tensor_version(t: torch.Tensor) -> int:
@@ -113,8 +134,8 @@ def _why_not(backend: str, op: str, device: torch.device, shapes_ok) -> str | No
             return _ext.status()["reason"]
         # torch.ops.fastawq also holds the Python custom ops of ops/layer.py (same namespace):
         # only the ops _C itself implements count as compiled.
-        if op not in COMPILED_OPS or not _ext.has_op(op):
-            return f"the compiled extension has no op {op!r}"
+        if op not in COMPILED_OPS or not _ext.has_op(COMPILED_OPS[op]):
+            return f"the compiled extension has no op {COMPILED_OPS.get(op, op)!r}"
         if not _ext.supports_device(device):
             cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
             return f"the compiled kernels were built for {_ext.built_archs()}, this GPU is sm {cap}"
@@ -136,8 +157,12 @@ def _why_not(backend: str, op: str, device: torch.device, shapes_ok) -> str | No
     return f"unknown backend {backend!r}; choose one of {BACKENDS}"
 
 
-# Ops fastawq._C implements on CUDA devices (the schemas in csrc/registration.cpp).
-COMPILED_OPS = frozenset({"awq_gemm", "awq_dequantize", "decode_attention"})
+# Ops fastawq._C implements on CUDA devices, by op name: the name of its compiled op (the schemas
+# in csrc/registration.cpp).
+COMPILED_OPS = {
+    "awq_gemm": "awq_gemm", "awq_dequantize": "awq_dequantize", "decode_attention": "decode_attention",
+    "packed_gemm": "awq_gemv_packed",
+}
 
 
 def has_cpu_kernel(op: str) -> bool:

@@ -19,7 +19,7 @@ from torch import nn
 
 from fastawq.models import UnsupportedModelError, architecture_of, get_architecture
 from fastawq.models.base import set_submodule
-from fastawq.quantize.awq import AwqQuantizer, _Catcher, _tensors, _to, _tuple_outputs
+from fastawq.quantize.awq import AwqQuantizer, search_kwargs
 from fastawq.quantize.config import QuantConfig
 
 log = logging.getLogger(__name__)
@@ -253,46 +253,16 @@ class PairQuantizer(AwqQuantizer):
         super().__init__(model, quant_config, torch.zeros(len(batches), 1, dtype=torch.long), **kwargs)
         self.batches = batches
 
-    def _capture_inputs(self, layers: nn.ModuleList):
-        real = layers
-        store: dict = {"kwargs": {}, "tuples": _tuple_outputs()}
-        set_submodule(self.model, self.arch.layers_path,
-                      nn.ModuleList([_Catcher(layer, i, store) for i, layer in enumerate(real)]))
-        # Everything but the decoder layers (stubbed out above) visits the accelerator for the capture.
-        devices = {n: t.device for n, t in _tensors(self.model)}
-        base = self.model.base_model
-        inps, captured = [], []
-        try:
-            base.to(self.device)
-            float_dtype = next(p.dtype for p in base.parameters() if p.is_floating_point())
-            for batch in self.batches:
-                store["kwargs"] = {}
-                inputs = {k: v.to(self.device, float_dtype) if v.is_floating_point() else v.to(self.device)
-                          for k, v in batch.items()}
-                base(**inputs, use_cache=False)
-                inps.append(store["x"])
-                captured.append(store["kwargs"])
-        finally:
-            set_submodule(self.model, self.arch.layers_path, real)
-            for n, t in _tensors(self.model):
-                if n in devices and t.device != devices[n]:
-                    t.data = t.data.to(devices[n])
-        dtype = self.forward_dtype if self.upcast else inps[0].dtype
-        self.forward_dtype = dtype
-        inps = [x.to(dtype) for x in inps]
-        per_layer = []
-        for i in range(len(real)):
-            chunks = _PerChunk()
-            for kw in captured:
-                kw = dict(kw[i])
-                for key in ("past_key_values", "past_key_value", "cache", "layer_past"):
-                    if key in kw:
-                        kw[key] = None
-                if "use_cache" in kw:
-                    kw["use_cache"] = False
-                chunks.append({k: _to(v, self.device, dtype) for k, v in kw.items()})
-            per_layer.append(chunks)
-        return inps, per_layer
+    per_chunk_kwargs = True
+
+    def _calibration_batches(self):
+        float_dtype = next(p.dtype for p in self.model.base_model.parameters() if p.is_floating_point())
+        for batch in self.batches:
+            yield {k: v.to(self.device, float_dtype) if v.is_floating_point() else v.to(self.device)
+                   for k, v in batch.items()}
+
+    def _layer_kwargs(self, per_chunk: list[dict], dtype: torch.dtype) -> _PerChunk:
+        return _PerChunk(search_kwargs(kw, self.device, dtype) for kw in per_chunk)
 
     def _run_layer(self, layer, name, groups, inps, kwargs, extra_hooks=None):
         if not isinstance(kwargs, _PerChunk):

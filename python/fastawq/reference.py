@@ -206,13 +206,67 @@ def awq_gemm(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     k, n, g = check_awq_shapes(qweight, scales, qzeros, group_size)
+    _check_x(x, k, f"qweight {tuple(qweight.shape)}")
+    return _matmul_fp32(x, _dequantize_fp32(qweight, scales, qzeros, g), bias)
+
+
+def _check_x(x: torch.Tensor, k: int, weight: str) -> None:
     if x.shape[-1] != k:
-        raise ValueError(f"x {tuple(x.shape)} has K={x.shape[-1]} but qweight {tuple(qweight.shape)} has K={k}")
-    w = _dequantize_fp32(qweight, scales, qzeros, g)
+        raise ValueError(f"x {tuple(x.shape)} has K={x.shape[-1]} but {weight} has K={k}")
+
+
+def _matmul_fp32(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    k, n = w.shape
     out = x.reshape(-1, k).to(torch.float32) @ w
     if bias is not None:
         out = out + bias.to(torch.float32)
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+# --- the packed layout (fastawq/ops/repack.py writes it from the AWQ layout, exactly) ---
+#   wpacked  [K/8, N] int32: q[k, n] is nibble 2 * (n % 4) + k % 2 of word (k // 8, 4 * (n // 4) + (k % 8) // 2)
+#   szpacked [K/G, 2N]: scale of (group, n) at column 2n, its zero point (an exact integer) at 2n + 1
+
+
+def check_packed_shapes(wpacked: torch.Tensor, szpacked: torch.Tensor, n: int, group_size: int) -> tuple[int, int, int]:
+    """Validate a packed-layout weight of N output columns; return (K, N, G)."""
+    if wpacked.dtype != torch.int32 or wpacked.dim() != 2 or wpacked.shape[1] != n or n % PACK != 0:
+        raise ValueError(f"wpacked must be int32 [K/8, N={n}] with N a multiple of 8, got {wpacked.dtype} "
+                         f"{tuple(wpacked.shape)}")
+    k = wpacked.shape[0] * PACK
+    g = resolve_group_size(group_size, k)
+    if k % g != 0 or g % PACK != 0 or szpacked.dim() != 2 or tuple(szpacked.shape) != (k // g, 2 * n):
+        raise ValueError(f"szpacked must be [K/G, 2N] = [{k // g if k % g == 0 else '?'}, {2 * n}] for K={k}, N={n}, "
+                         f"group_size={g} (a multiple of 8 dividing K), got {tuple(szpacked.shape)}")
+    if szpacked.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"szpacked must be fp16, bf16 or fp32, got {szpacked.dtype}")
+    return k, n, g
+
+
+def _dequantize_packed_fp32(wpacked: torch.Tensor, szpacked: torch.Tensor, n: int, g: int) -> torch.Tensor:
+    k = wpacked.shape[0] * PACK
+    rows = torch.arange(k, device=wpacked.device)[:, None]
+    cols = torch.arange(n, device=wpacked.device)[None, :]
+    words = wpacked[rows // 8, 4 * (cols // 4) + (rows % 8) // 2]
+    q = ((words >> (4 * (2 * (cols % 4) + rows % 2))) & 0xF).to(torch.float32)
+    sz = szpacked.to(torch.float32).view(k // g, n, 2).repeat_interleave(g, dim=0)
+    return (q - sz[..., 1]) * sz[..., 0]
+
+
+# wpacked [K // 8, N] int32 · szpacked [K // G, 2N]  ->  w [K, N] (szpacked's dtype)
+def dequantize_packed(wpacked: torch.Tensor, szpacked: torch.Tensor, n: int, group_size: int) -> torch.Tensor:
+    _, _, g = check_packed_shapes(wpacked, szpacked, n, group_size)
+    return _dequantize_packed_fp32(wpacked, szpacked, n, g).to(szpacked.dtype)
+
+
+# x [..., K] · wpacked [K // 8, N] int32 · szpacked [K // G, 2N] · bias [N]  ->  [..., N] (x's dtype)
+def packed_gemm(
+    x: torch.Tensor, wpacked: torch.Tensor, szpacked: torch.Tensor, n: int, group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    k, n, g = check_packed_shapes(wpacked, szpacked, n, group_size)
+    _check_x(x, k, f"wpacked {tuple(wpacked.shape)}")
+    return _matmul_fp32(x, _dequantize_packed_fp32(wpacked, szpacked, n, g), bias)
 
 
 # --- fused-layer ops ---

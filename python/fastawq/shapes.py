@@ -17,47 +17,32 @@ log = logging.getLogger(__name__)
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
 
+# The config fields every shape sets, in the order of the rows below.
+_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+           "num_key_value_heads", "max_position_embeddings", "rope_theta", "rms_norm_eps", "tie_word_embeddings")
+
+
+def _shape(cls_name: str, values: tuple, group_size: int, **extra) -> tuple[str, dict, int]:
+    return cls_name, {**dict(zip(_FIELDS, values, strict=True)), **extra}, group_size
+
+
 # name -> (config class name, config kwargs, W4 group size)
 SHAPES: dict[str, tuple[str, dict, int]] = {
-    "llama-3-8b": ("LlamaConfig", dict(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
-        rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE, rms_norm_eps=1e-5, tie_word_embeddings=False,
-    ), 128),
-    "llama-2-7b": ("LlamaConfig", dict(
-        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
-        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-    ), 128),
-    "qwen2.5-7b": ("Qwen2Config", dict(
-        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
-        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    ), 128),
+    # values: vocab, hidden, intermediate, layers, heads, KV heads, max positions, rope theta, norm eps, tied
+    "llama-3-8b": _shape("LlamaConfig", (128256, 4096, 14336, 32, 32, 8, 131072, 500000.0, 1e-5, False), 128,
+                         rope_scaling=_LLAMA3_ROPE),
+    "llama-2-7b": _shape("LlamaConfig", (32000, 4096, 11008, 32, 32, 32, 4096, 10000.0, 1e-5, False), 128),
+    "qwen2.5-7b": _shape("Qwen2Config", (152064, 3584, 18944, 28, 28, 4, 32768, 1000000.0, 1e-6, False), 128),
     # Hidden 576 is not a multiple of 128: this shape is quantized with groups of 64.
-    "smollm2-135m": ("LlamaConfig", dict(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-        rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
-    ), 64),
+    "smollm2-135m": _shape("LlamaConfig", (49152, 576, 1536, 30, 9, 3, 8192, 100000.0, 1e-5, True), 64),
     # Mixture-of-experts shapes: 128 experts of 768, top-8 / 8 experts of 14336, top-2.
-    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(
-        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-        num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960, rope_theta=1000000.0,
-        rms_norm_eps=1e-6, tie_word_embeddings=False,
-    ), 128),
-    "mixtral-8x7b": ("MixtralConfig", dict(
-        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-    ), 128),
+    "qwen3-30b-a3b": _shape("Qwen3MoeConfig", (151936, 2048, 6144, 48, 32, 4, 40960, 1000000.0, 1e-6, False), 128,
+                            moe_intermediate_size=768, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                            norm_topk_prob=True),
+    "mixtral-8x7b": _shape("MixtralConfig", (32000, 4096, 14336, 32, 32, 8, 32768, 1000000.0, 1e-5, False), 128,
+                           num_local_experts=8, num_experts_per_tok=2),
     # For tests and CPU smoke runs.
-    "tiny": ("LlamaConfig", dict(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-    ), 64),
+    "tiny": _shape("LlamaConfig", (512, 128, 256, 2, 4, 2, 2048, 10000.0, 1e-5, False), 64),
 }
 
 

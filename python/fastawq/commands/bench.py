@@ -52,10 +52,12 @@ def lengths_for(max_len: int, rounds: int | None) -> list[int]:
 
 def build_model(mode: str, model: str | None, shape: str | None, device: str, max_seq_len: int,
                 batch_size: int, gemm_backend: str | None = None, prefill_chunk: int | None = 1024,
-                dtype: torch.dtype = torch.float16, num_layers: int | None = None) -> torch.nn.Module:
-    """The model for one mode, from a named random shape or a checkpoint directory."""
+                dtype: torch.dtype = torch.float16, layout: str = "awq",
+                num_layers: int | None = None) -> torch.nn.Module:
+    """The model for one mode, from a named random shape (num_layers: that many decoder layers)
+    or a checkpoint directory; its W4 layers in `layout` (WQLinear.set_layout: "awq" or "packed")."""
     from fastawq.modules.fused import fuse_model
-    from fastawq.modules.qlinear import WQLinear
+    from fastawq.modules.qlinear import WQLinear, set_layout
 
     if shape is not None:
         from fastawq.shapes import build_random_model
@@ -80,6 +82,8 @@ def build_model(mode: str, model: str | None, shape: str | None, device: str, ma
                 mod.backend = gemm_backend
     if mode.startswith("fused"):
         fuse_model(m, max_seq_len, batch_size, use_cuda_graphs=mode == "fused-graphs", prefill_chunk=prefill_chunk)
+    if layout != "awq":
+        set_layout(m, layout)  # after fusing, which concatenates AWQ tensors
     return m
 
 
@@ -220,7 +224,7 @@ def format_table(rows: list[Row]) -> str:
 def bench(model: str | None, shape: str | None, modes: list[str], lengths: list[int], batch: int | list[int],
           device: str, max_seq_len: int | None = None, max_decode: int | None = None,
           gemm_backend: str | None = None, prefill_chunk: int | None = 1024,
-          dtype: torch.dtype = torch.float16, num_layers: int | None = None) -> list[Row]:
+          dtype: torch.dtype = torch.float16, layout: str = "awq", num_layers: int | None = None) -> list[Row]:
     """Run every mode over every batch size and length; each mode's model (its fused cache sized for
     the largest batch) is built once and freed before the next is built."""
     rows: list[Row] = []
@@ -238,7 +242,7 @@ def bench(model: str | None, shape: str | None, modes: list[str], lengths: list[
         msl = max_seq_len or 2 * max(lengths)
         try:
             m = build_model(mode, model, shape, device, msl, max(batches), gemm_backend, prefill_chunk, dtype,
-                            num_layers)
+                            layout, num_layers)
         except Exception as e:
             if not _is_oom(e):
                 raise
@@ -269,7 +273,7 @@ def main(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float16 if device.startswith("cuda") else torch.float32)
     batches = [int(x) for x in str(args.batch_size).split(",")]
     rows = bench(args.model, args.shape, modes, lengths, batches, device, args.max_seq_len,
-                 args.max_decode, args.gemm_backend, args.prefill_chunk or None, dtype, args.layers)
+                 args.max_decode, args.gemm_backend, args.prefill_chunk or None, dtype, args.layout, args.layers)
     name = args.shape or args.model
     if any(r.full_layers for r in rows):
         name += (f" ({args.layers} layers measured; full-depth estimate = embedding + final norm + lm_head "
@@ -302,6 +306,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="activations and unquantized weights (default: float16 on GPU, float32 on CPU)")
     p.add_argument("--gemm-backend", default=None, help="force the W4 GEMM backend (cuda|triton|cpu|torch)")
     p.add_argument("--prefill-chunk", type=int, default=1024, help="fused prefill chunk (0: one pass)")
+    p.add_argument("--layout", choices=("awq", "packed", "auto"), default="awq",
+                   help="how the W4 layers hold their weights (WQLinear.set_layout)")
     p.add_argument("--layers", type=int, default=None,
                    help="with --shape: build only this many decoder layers and also report a full-depth estimate")
     p.add_argument("--json", help="also write the rows as JSON here")

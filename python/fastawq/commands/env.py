@@ -9,7 +9,8 @@ import fastawq
 from fastawq import _ext, backend
 
 # Every op of fastawq.ops that dispatches (prefill attention is plain SDPA).
-OPS = ("awq_gemm", "awq_dequantize", "add_rms_norm", "act_mul", "rope_kv_cache", "decode_attention")
+OPS = ("awq_gemm", "awq_dequantize", "packed_gemm", "packed_dequantize", "add_rms_norm", "act_mul", "rope_kv_cache",
+       "decode_attention")
 
 
 def collect() -> list[tuple[str, str]]:

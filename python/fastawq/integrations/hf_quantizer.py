@@ -130,6 +130,11 @@ class FastAwqHfQuantizer(HfQuantizer):
                 wrap_activation(layer, arch.act_path, shapes[key][0][0])
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
+        # Same attention as from_quantized's unfused GPU model: sdpa without cuDNN's per-KV-length
+        # plans (integrations/transformers.py says why).
+        if any(p.is_cuda for p in model.parameters()):
+            from fastawq.integrations.transformers import use_sdpa_without_cudnn
+            use_sdpa_without_cudnn(model)
         fmt = _format(self.quantization_config)
         if fmt == "gemm":
             return model

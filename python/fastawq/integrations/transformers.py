@@ -12,6 +12,9 @@ works. Registration is skipped when GPTQModel is installed (transformers' own ro
 and fastawq leaves it alone) unless `register(force=True)` is called, and never happens at import
 with FASTAWQ_TRANSFORMERS_BACKEND=0.
 
+SDPA_NO_CUDNN (bottom of this file) is transformers' sdpa attention without cuDNN's per-KV-length
+planning; `use_sdpa_without_cudnn(model)` switches a loaded model to it.
+
 Why the mapping is written directly: transformers' public `register_quantizer("awq")` refuses a
 name that is already taken, and "awq" is built in; `unregister()` puts the original back.
 """
@@ -105,3 +108,66 @@ def register_on_import() -> None:
             log.warning("fastawq could not register as transformers' AWQ backend: %s", e)
     elif not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _RegisterAfterImport())
+
+
+# ---------------------------------------------------------------------------- attention
+# cuDNN's SDPA backend, which torch picked for fp16 decode attention on the H200
+# (benchmarks/RESULTS.md), builds an execution plan for every new KV length (about 17 ms each on an H200, cached per process): an unfused
+# decode meets a new length every step, so a first generate() of N tokens pays about N plans.
+# Flash / memory-efficient SDPA have no per-shape plan. SDPA_NO_CUDNN is transformers' own sdpa
+# attention with the cuDNN backend off for the duration of the call only (CUDA inputs only).
+SDPA_NO_CUDNN = "fastawq_sdpa_no_cudnn"
+
+
+def _sdpa_no_cudnn(module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001 - transformers' protocol
+    import torch  # not at the top: `import fastawq` imports this module and must not load torch
+
+    sdpa = _sdpa_forward()
+    if not query.is_cuda or not torch.backends.cuda.cudnn_sdp_enabled():
+        return sdpa(module, query, key, value, attention_mask, **kwargs)
+    if torch.compiler.is_compiling():
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            return sdpa(module, query, key, value, attention_mask, **kwargs)
+    # The flag is process-wide (another thread's SDPA during this call also skips cuDNN): set and
+    # restored around this one call, cheaper than sdpa_kernel's context manager at one call per
+    # layer per decoded token.
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        return sdpa(module, query, key, value, attention_mask, **kwargs)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+
+
+_sdpa_module = None
+
+
+def _sdpa_forward():
+    # The module is imported once; its attribute is read per call, so a patched one is honoured.
+    global _sdpa_module
+    if _sdpa_module is None:
+        from transformers.integrations import sdpa_attention
+
+        _sdpa_module = sdpa_attention
+    return _sdpa_module.sdpa_attention_forward
+
+
+def register_attention() -> str:
+    """Register SDPA_NO_CUDNN with transformers (an added name; "sdpa" itself is untouched), so
+    `from_pretrained(..., attn_implementation=SDPA_NO_CUDNN)` and set_attn_implementation take it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(SDPA_NO_CUDNN, _sdpa_no_cudnn)
+    AttentionMaskInterface.register(SDPA_NO_CUDNN, sdpa_mask)
+    return SDPA_NO_CUDNN
+
+
+def use_sdpa_without_cudnn(model) -> bool:  # noqa: ANN001 - a transformers PreTrainedModel
+    """Switch a model that uses transformers' "sdpa" attention to SDPA_NO_CUDNN (same masks, same
+    math, no cuDNN plans). Returns whether it switched (False: another implementation is set)."""
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    model.set_attn_implementation(register_attention())
+    return model.config._attn_implementation == SDPA_NO_CUDNN

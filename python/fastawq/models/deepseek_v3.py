@@ -24,8 +24,7 @@ def _groups(layer, config) -> list[ScaleGroup]:
 
 
 ARCH = moe_architecture(
-    name="deepseek_v3", model_types=("deepseek_v3",), layers_path="model.layers", groups=_groups,
+    "deepseek_v3", "DeepSeek", MOE, groups=_groups,
     fused_blocker="multi-head latent attention and group-limited sigmoid routing are not fused "
                   "(WQExperts serves its experts unfused)",
-    optional={"family": "DeepSeek"},
 )

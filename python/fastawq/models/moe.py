@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from fastawq.models.base import Architecture, GroupsFn
 
 CALLS = ("topk", "dense")
 LAYOUTS = ("out_in", "in_out")
@@ -232,17 +235,19 @@ def router_names(model: nn.Module, layers_path: str, spec: MoESpec) -> list[str]
 
 
 # ---------------------------------------------------------------- records
-def moe_architecture(*, optional: dict | None = None, **fields_):
-    """An Architecture record for an MoE family. `optional` holds fields the record may not have
-    in every version of models/base.py (the MLP's path, the family): each is set where the record
-    has it. The fused engine serves the MoE blocks (modules/fused.py FusedMoE) unless the record
-    sets a fused_blocker."""
-    from dataclasses import fields
-
+def moe_architecture(
+    name: str, family: str, spec: MoESpec, *, groups: GroupsFn | None = None, **fields_: object
+) -> Architecture:
+    """The Architecture record of the MoE family `name` (also its model_type). The fused engine
+    serves its MoE blocks (modules/fused.py FusedMoE) unless fields_ sets a fused_blocker. `groups` defaults to Llama attention's groups plus the
+    feed-forward groups of `spec` (attention_groups + mlp_groups)."""
     from fastawq.models.base import Architecture
 
-    have = {f.name for f in fields(Architecture)}
-    return Architecture(**fields_, **{k: v for k, v in (optional or {}).items() if k in have})
+    def llama_attention_and_moe(layer: nn.Module, config: object) -> list:
+        return attention_groups(layer) + mlp_groups(layer, spec)
+
+    return Architecture(name=name, model_types=(name,), family=family, groups=groups or llama_attention_and_moe,
+                        **fields_)
 
 
 # ---------------------------------------------------------------- scale groups

@@ -5,13 +5,19 @@ import torch
 from torch import nn
 
 from fastawq import ops, reference
-from fastawq.backend import tensor_version
+from fastawq.backend import preferred_layout, tensor_version
+
+LAYOUTS = ("awq", "packed")
+_AWQ_TENSORS = ("qweight", "qzeros", "scales")
 
 
 class WQLinear(nn.Module):
     """4-bit linear in the AWQ "GEMM" layout, named and shaped as AutoAWQ's WQLinear_GEMM.
 
-    qweight [K, N // 8] int32 · qzeros [K // G, N // 8] int32 · scales [K // G, N] · bias [N]
+    layout "awq":    qweight [K, N // 8] int32 · qzeros [K // G, N // 8] int32 · scales [K // G, N] · bias [N]
+    layout "packed": wpacked [K // 8, N] int32 · szpacked [K // G, 2N] · bias [N] (ops/repack.py; the
+                     same weight, converted exactly in place by set_layout: one copy is held)
+    state_dict() always holds the AWQ tensors, bit for bit, whatever the layout.
     """
 
     def __init__(
@@ -39,6 +45,7 @@ class WQLinear(nn.Module):
         self.group_size = g
         # Forces one backend for this layer (cuda | triton | cpu | torch); None lets dispatch decide.
         self.backend: str | None = None
+        self.layout = "awq"
         self._plan = None
         self._plan_key = None
         groups = in_features // g
@@ -93,17 +100,82 @@ class WQLinear(nn.Module):
         self.backend = backend
         self._plan, self._plan_key = None, None
 
+    def set_layout(self, layout: str) -> None:
+        """Convert the weight in place to `layout` ("awq", "packed", or "auto": the faster one on
+        this device, backend.preferred_layout). Exact both ways; the old layout's tensors are freed."""
+        if layout == "auto":
+            layout = preferred_layout(self._buffers["wpacked" if self.layout == "packed" else "qweight"].device)
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS} or 'auto', got {layout!r}")
+        if layout == self.layout:
+            return
+        if layout == "packed":
+            wpacked, szpacked = ops.awq_gemv_repack(self.qweight, self.scales, self.qzeros, self.group_size)
+            for name in _AWQ_TENSORS:
+                del self._buffers[name]
+            self.register_buffer("wpacked", wpacked)
+            self.register_buffer("szpacked", szpacked)
+        else:
+            tensors = self._awq_tensors()
+            del self._buffers["wpacked"], self._buffers["szpacked"]
+            for name, t in zip(_AWQ_TENSORS, tensors):
+                self.register_buffer(name, t)
+            if "bias" in self._buffers:  # the original order, so state_dict() lists what it did
+                self._buffers["bias"] = self._buffers.pop("bias")
+        self.layout = layout
+        self._plan, self._plan_key = None, None
+
+    def _awq_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(qweight, qzeros, scales), exact, in either layout (computed when packed)."""
+        if self.layout == "awq":
+            return self.qweight, self.qzeros, self.scales
+        qweight, scales, qzeros = ops.awq_gemv_unpack(self.wpacked, self.szpacked, self.out_features, self.group_size)
+        return qweight, qzeros, scales
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self.layout == "awq":
+            return super()._save_to_state_dict(destination, prefix, keep_vars)
+        # The checkpoint format is AWQ GEMM whatever the layout held in memory.
+        for name, t in zip(_AWQ_TENSORS, self._awq_tensors()):
+            destination[prefix + name] = t
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if self.layout == "awq":
+            return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        # Load the AWQ tensors, then repack them: the packed layout is never read from disk.
+        self.set_layout("awq")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.set_layout("packed")
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in _AWQ_TENSORS and self.__dict__.get("layout") == "packed":
+                raise AttributeError(
+                    f"this WQLinear holds the packed layout (wpacked, szpacked), not {name}: call "
+                    f"set_layout('awq') first, or read state_dict()"
+                ) from None
+            raise
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The validated, dispatched call is cached per activation device/dtype and per identity and
         # version of the buffers (a .to(), a load or an in-place edit makes a new plan).
         key = (
-            x.device, x.dtype, x.shape[-1], self.backend,
-            *((t.data_ptr(), tensor_version(t)) for t in (self.qweight, self.scales, self.qzeros, self.bias) if t is not None),
+            x.device, x.dtype, x.shape[-1], self.backend, self.layout,
+            *((t.data_ptr(), tensor_version(t)) for t in self._buffers.values() if t is not None),
         )
         if self._plan_key != key:
-            self._plan = ops.awq_gemm_plan(
-                x, self.qweight, self.scales, self.qzeros, self.group_size, self.bias, backend=self.backend
-            )
+            if self.layout == "packed":
+                self._plan = ops.packed_gemm_plan(
+                    x, self.wpacked, self.szpacked, self.out_features, self.group_size, self.bias, backend=self.backend
+                )
+            else:
+                self._plan = ops.awq_gemm_plan(
+                    x, self.qweight, self.scales, self.qzeros, self.group_size, self.bias, backend=self.backend
+                )
             self._plan_key = key
         return self._plan(x)
 
@@ -111,7 +183,18 @@ class WQLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, w_bit={self.w_bit}, group_size={self.group_size}"
+            + (", layout=packed" if self.layout == "packed" else "")
         )
+
+
+def set_layout(model: nn.Module, layout: str) -> int:
+    """Convert every WQLinear of `model` to `layout` ("awq", "packed" or "auto"), in place; returns
+    how many there are. For an engine that fuses layers (concatenating AWQ tensors), call it after
+    fusing: the fused WQLinear modules are converted like the others."""
+    layers = [m for m in model.modules() if isinstance(m, WQLinear)]
+    for m in layers:
+        m.set_layout(layout)
+    return len(layers)
 
 
 WQLinear_GEMM = WQLinear  # AutoAWQ's name

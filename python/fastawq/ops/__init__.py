@@ -8,7 +8,7 @@ impl sits beside it. The torch backend of every op is its reference in reference
   gemm.py   awq_gemm, awq_gemm_plan, awq_dequantize
   layer.py  add_rms_norm, act_mul, rope_kv_cache, decode_attention, prefill_attention
   moe.py    moe_w4, moe_w4_plan, topk_route (mixture-of-experts blocks)
-  repack.py the gemv_packed layout (exact, both ways) and its compiled decode op
+  repack.py the packed layout (exact repack, both ways), packed_gemm, packed_gemm_plan, packed_dequantize
 """
 from fastawq.ops.gemm import awq_dequantize, awq_gemm, awq_gemm_plan, cuda_gemm_declines
 from fastawq.ops.layer import (
@@ -22,7 +22,7 @@ from fastawq.ops.layer import (
     rope_kv_cache,
 )
 from fastawq.ops.moe import moe_w4, moe_w4_plan, topk_route
-from fastawq.ops import repack  # noqa: F401  (gemv_packed's layout and the fake of its compiled op)
+from fastawq.ops.repack import awq_gemv_repack, awq_gemv_unpack, packed_dequantize, packed_gemm, packed_gemm_plan
 
 __all__ = [
     "ACTIVATIONS",
@@ -31,6 +31,8 @@ __all__ = [
     "awq_dequantize",
     "awq_gemm",
     "awq_gemm_plan",
+    "awq_gemv_repack",
+    "awq_gemv_unpack",
     "moe_w4",
     "moe_w4_plan",
     "topk_route",
@@ -38,6 +40,9 @@ __all__ = [
     "cuda_gemm_declines",
     "decode_attention",
     "decode_attention_backend",
+    "packed_dequantize",
+    "packed_gemm",
+    "packed_gemm_plan",
     "prefill_attention",
     "rope_kv_cache",
 ]

@@ -23,3 +23,9 @@ def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
         where = ", ".join(f"{k} on {t.device}" for k, t in present.items())
         raise ValueError(f"all tensors must be on one device, got {where}")
     return next(iter(devices))
+
+
+def call_op(op, impl, *args):
+    """The schema'd op under torch.compile; its impl directly in eager mode, where the
+    dispatcher's round trip into Python would cost more than a decode step's norm itself."""
+    return op(*args) if torch.compiler.is_compiling() else impl(*args)

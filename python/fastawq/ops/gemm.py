@@ -96,31 +96,49 @@ def awq_gemm_plan(
     backend.size_buckets).
     """
     k, n, g = reference.check_awq_shapes(qweight, scales, qzeros, group_size)
+    check_activations(x, bias, k, n, f"qweight {tuple(qweight.shape)}")
+    device = _check_same_device(x=x, qweight=qweight, scales=scales, qzeros=qzeros, bias=bias)
+    probe = x.reshape(-1, k)[:1] if x.numel() else x.new_empty((1, k))
+    return plan_by_buckets(
+        "awq_gemm", device, k, n, backend,
+        fits=lambda be, rows: _gemm_fits(be, probe, qweight, n, k, g, rows),
+        bind=lambda be, bound: _bind_gemm(be, x.dtype, qweight, scales, qzeros, g, bias,
+                                          backend_mod.cuda_gemm_kernel(bound)),
+        variant=lambda be, bound: backend_mod.cuda_gemm_kernel(bound) if be == "cuda" else None,
+    )
+
+
+def check_activations(x: torch.Tensor, bias: torch.Tensor | None, k: int, n: int, weight: str) -> None:
+    """x [..., K] floating point and bias [N] for a W4 weight described by `weight` (for the message)."""
     if x.dim() < 1 or x.shape[-1] != k:
-        raise ValueError(f"x {tuple(x.shape)} must end in K={k} to match qweight {tuple(qweight.shape)}")
+        raise ValueError(f"x {tuple(x.shape)} must end in K={k} to match {weight}")
     if not x.is_floating_point():
         raise TypeError(f"x must be floating point, got {x.dtype}")
     if bias is not None and tuple(bias.shape) != (n,):
-        raise ValueError(f"bias {tuple(bias.shape)} must have shape ({n},) to match qweight {tuple(qweight.shape)}")
-    device = _check_same_device(x=x, qweight=qweight, scales=scales, qzeros=qzeros, bias=bias)
+        raise ValueError(f"bias {tuple(bias.shape)} must have shape ({n},) to match {weight}")
+
+
+def plan_by_buckets(
+    op: str, device: torch.device, k: int, n: int, backend: str | None, *,
+    fits: Callable[[str, int | None], str | None],
+    bind: Callable[[str, int | None], Callable[[torch.Tensor], torch.Tensor]],
+    variant: Callable[[str, int | None], object] = lambda be, bound: None,
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The plan of a W4 GEMM op: one backend per M bucket of backend.size_buckets(op).
+
+    fits(backend, bound) says why a backend declines the bucket (None: it takes it); bind(backend,
+    bound) makes the bucket's [M, K] -> [M, N] function; variant names what a backend runs per bucket
+    (the compiled kernel), so buckets that run the same thing collapse into one binding."""
     # The choice depends on the call's M only through the measured size buckets (backend.py), so
     # a plan binds one kernel per bucket and picks by M with one comparison.
-    probe = x.reshape(-1, k)[:1] if x.numel() else x.new_empty((1, k))
-    bounds = backend_mod.size_buckets("awq_gemm") if device.type == "cuda" else [None]
+    bounds = backend_mod.size_buckets(op) if device.type == "cuda" else [None]
     chosen = [
-        select_backend(
-            "awq_gemm", device, backend=backend, m=bound,
-            shapes_ok=lambda b, rows=bound: _gemm_fits(b, probe, qweight, n, k, g, rows),
-        )
+        select_backend(op, device, backend=backend, m=bound, shapes_ok=lambda b, rows=bound: fits(b, rows))
         for bound in bounds
     ]
-    # One binding when every bucket runs the same thing (the compiled op names a kernel per bucket).
-    if len({(be, backend_mod.cuda_gemm_kernel(b) if be == "cuda" else None) for b, be in zip(bounds, chosen)}) == 1:
+    if len({(be, variant(be, b)) for b, be in zip(bounds, chosen)}) == 1:
         bounds, chosen = [None], chosen[:1]
-    buckets = [
-        (bound, be, _bind_gemm(be, x.dtype, qweight, scales, qzeros, g, bias, backend_mod.cuda_gemm_kernel(bound)))
-        for bound, be in zip(bounds, chosen)
-    ]
+    buckets = [(bound, be, bind(be, bound)) for bound, be in zip(bounds, chosen)]
 
     if len(buckets) == 1:
         kernel = buckets[0][2]

@@ -16,15 +16,10 @@ import torch.nn.functional as F
 from fastawq import _ext, reference
 from fastawq.backend import select_backend
 from fastawq.ops._common import HALF, check_same_device
+from fastawq.ops._common import call_op as _call
 from fastawq.ops._common import triton_module as _triton
 
 ACTIVATIONS = reference.ACTIVATIONS
-
-
-def _call(op, impl, *args):
-    """The schema'd op under torch.compile; its impl directly in eager mode, where the
-    dispatcher's round trip into Python would cost more than a decode step's norm itself."""
-    return op(*args) if torch.compiler.is_compiling() else impl(*args)
 
 
 # --- add + RMSNorm ---------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Load-time repack of AWQ "GEMM" weights for the decode kernel ``awq_gemv_packed``, its exact
-inverse, and the op's entry with the fake impl of the compiled kernel.
+"""The packed W4 layout: the exact load-time repack of AWQ "GEMM" weights and its inverse, and the
+ops on it: ``packed_gemm`` (compiled ``awq_gemv_packed`` for decode, Triton above, torch reference)
+and ``packed_dequantize``, with their schemas and fake impls.
 
 Layout (csrc/gemv/awq_gemv_packed.h describes the same bytes from the kernel's side):
 
@@ -14,23 +15,32 @@ Pure torch ops, so the repack runs on the weights' own device (CPU or GPU).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from fastawq import _ext, reference
+from fastawq.backend import select_backend
+from fastawq.ops._common import HALF, call_op, check_same_device
+from fastawq.ops._common import triton_module as _triton
+from fastawq.ops.gemm import check_activations, plan_by_buckets
 
 MAX_M = 8  # the kernel's largest batch
 
 
 def _check_repackable(k: int, n: int, g: int) -> None:
-    if k % 8 != 0 or n % 8 != 0:
-        raise ValueError(f"awq_gemv_repack: needs K and N multiples of 8, got K={k}, N={n}, group_size={g}")
+    if k % 8 != 0 or n % 8 != 0 or g % 8 != 0:
+        raise ValueError(f"awq_gemv_repack: needs K, N and group_size multiples of 8, got K={k}, N={n}, group_size={g}")
 
 
 def _nibbles_to_words(nib: torch.Tensor) -> torch.Tensor:
-    """[..., 8] ints in [0, 15] (nibble i at bits 4i) -> [...] int32 words."""
-    shifts = torch.arange(0, 32, 4, device=nib.device, dtype=torch.int64)
-    word = (nib.to(torch.int64) << shifts).sum(dim=-1)
-    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+    """[..., 8] int32 in [0, 15] (nibble i at bits 4i) -> [...] int32 words, in int32 throughout
+    (a load-time repack of a large layer on the GPU should not hold 8-byte temporaries)."""
+    top = nib[..., 7]
+    word = (top - 16 * (top >= 8).to(torch.int32)) << 28  # the sign nibble, without overflow
+    for i in range(7):
+        word |= nib[..., i] << (4 * i)
+    return word
 
 
 def _words_to_nibbles(words: torch.Tensor) -> torch.Tensor:
@@ -58,14 +68,7 @@ def awq_gemv_unpack(
     wpacked: torch.Tensor, szpacked: torch.Tensor, n: int, group_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The exact inverse of ``awq_gemv_repack``: ``(qweight, scales, qzeros)`` in AWQ GEMM layout."""
-    if wpacked.dtype != torch.int32 or wpacked.dim() != 2 or wpacked.shape[1] != n or n % 8 != 0:
-        raise ValueError(f"awq_gemv_unpack: wpacked must be int32 [K/8, N={n}], got {wpacked.dtype} "
-                         f"{tuple(wpacked.shape)}")
-    k = wpacked.shape[0] * 8
-    g = group_size
-    if g <= 0 or k % g != 0 or tuple(szpacked.shape) != (k // g, 2 * n):
-        raise ValueError(f"awq_gemv_unpack: szpacked must be [K/G, 2N] = [{k // g if g > 0 else '?'}, {2 * n}] "
-                         f"for K={k}, N={n}, group_size={g}, got {tuple(szpacked.shape)}")
+    k, n, g = reference.check_packed_shapes(wpacked, szpacked, n, group_size)
     nib = _words_to_nibbles(wpacked.view(k // 8, n // 4, 4)).view(k // 8, n // 4, 4, 4, 2)
     q = nib.permute(0, 2, 4, 1, 3).reshape(k, n)  # [kb, c4, j, c, r] -> [kb, j, r, c4, c]
     qweight = reference.pack_int4(q)
@@ -75,20 +78,140 @@ def awq_gemv_unpack(
     return qweight, scales, qzeros
 
 
-def awq_gemv_packed(
+# --- packed_gemm: x @ W on the packed layout --------------------------------------------------
+
+
+def _packed_gemm_impl(
+    x: torch.Tensor, wpacked: torch.Tensor, szpacked: torch.Tensor, n: int, group_size: int,
+    bias: torch.Tensor | None, backend: str,
+) -> torch.Tensor:
+    if backend == "triton":
+        return _triton().packed_gemm(x, wpacked, szpacked, n, group_size, bias)
+    return reference.packed_gemm(x, wpacked, szpacked, n, group_size, bias)
+
+
+# The Triton and torch backends as one schema'd op (the compiled one is fastawq::awq_gemv_packed).
+_packed_gemm_op = torch.library.custom_op("fastawq::packed_gemm", _packed_gemm_impl, mutates_args=())
+
+
+def _check_packed_call(x, wpacked, szpacked, n: int) -> None:
+    torch._check(x.dim() == 2, lambda: f"x {tuple(x.shape)} must be [M, K]")
+    torch._check(wpacked.dtype == torch.int32, lambda: f"wpacked is {wpacked.dtype}, not int32")
+    torch._check(
+        wpacked.shape[0] * 8 == x.shape[1] and wpacked.shape[1] == n,
+        lambda: f"wpacked {tuple(wpacked.shape)} must be [K/8, N={n}] for x {tuple(x.shape)}",
+    )
+    torch._check(szpacked.shape[1] == 2 * n, lambda: f"szpacked {tuple(szpacked.shape)} must be [K/G, 2N={2 * n}]")
+
+
+@_packed_gemm_op.register_fake
+def _(x, wpacked, szpacked, n, group_size, bias, backend):
+    _check_packed_call(x, wpacked, szpacked, n)
+    return x.new_empty((x.shape[0], n))
+
+
+def _packed_gemm_fits(be: str, x2: torch.Tensor, wpacked, szpacked, n: int, k: int, g: int, rows) -> str | None:
+    if be in ("cuda", "triton") and x2.dtype not in HALF:
+        return f"x is {x2.dtype}; the {be} kernels take fp16 or bf16 activations"
+    if be == "cuda":
+        if rows is None or rows > MAX_M:
+            return f"awq_gemv_packed takes M <= {MAX_M}, the triton backend serves larger M"
+        if g % 32 or k % 32:
+            return f"awq_gemv_packed needs group_size and K multiples of 32, got group_size={g}, K={k}"
+        if any(t.data_ptr() % 16 or not t.is_contiguous() for t in (wpacked, szpacked)):
+            return "awq_gemv_packed needs contiguous, 16-byte aligned wpacked and szpacked"
+        return None
+    if be == "triton":
+        return _triton().packed_gemm_fits(x2, wpacked, g)
+    return None
+
+
+def _bind_packed(be: str, dtype: torch.dtype, wpacked, szpacked, n: int, g: int, bias):
+    if be != "torch":
+        # The kernels read the bias and the (scale, zero) pairs in x's dtype.
+        bias = bias.to(dtype) if bias is not None and bias.dtype != dtype else bias
+        szpacked = szpacked.to(dtype) if szpacked.dtype != dtype else szpacked
+    if be == "cuda":
+        op = torch.ops.fastawq.awq_gemv_packed
+
+        def run(x2):
+            x2 = x2.contiguous()
+            return op(x2 if x2.data_ptr() % 16 == 0 else x2.clone(), wpacked, szpacked, n, g, bias)
+
+        return run
+    return lambda x2: call_op(_packed_gemm_op, _packed_gemm_impl, x2, wpacked, szpacked, n, g, bias, be)
+
+
+# x [..., K] · wpacked [K // 8, N] int32 · szpacked [K // G, 2N] · bias [N]  ->  [..., N] (x's dtype)
+def packed_gemm(
+    x: torch.Tensor, wpacked: torch.Tensor, szpacked: torch.Tensor, n: int, group_size: int,
+    bias: torch.Tensor | None = None, *, backend: str | None = None,
+) -> torch.Tensor:
+    """y = x @ W + bias for W in the packed layout; the same numbers as awq_gemm on its AWQ tensors."""
+    return packed_gemm_plan(x, wpacked, szpacked, n, group_size, bias, backend=backend)(x)
+
+
+def packed_gemm_plan(
     x: torch.Tensor,
     wpacked: torch.Tensor,
     szpacked: torch.Tensor,
     n: int,
     group_size: int,
     bias: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """packed_gemm validated once and bound per M bucket, as awq_gemm_plan: on CUDA the compiled
+    awq_gemv_packed up to backend.PACKED_GEMV_MAX_M rows, the Triton GEMM on the packed layout above."""
+    k, n, g = reference.check_packed_shapes(wpacked, szpacked, n, group_size)
+    check_activations(x, bias, k, n, f"wpacked {tuple(wpacked.shape)} (N={n})")
+    device = check_same_device(x=x, wpacked=wpacked, szpacked=szpacked, bias=bias)
+    probe = x.reshape(-1, k)[:1] if x.numel() else x.new_empty((1, k))
+    return plan_by_buckets(
+        "packed_gemm", device, k, n, backend,
+        fits=lambda be, rows: _packed_gemm_fits(be, probe, wpacked, szpacked, n, k, g, rows),
+        bind=lambda be, bound: _bind_packed(be, x.dtype, wpacked, szpacked, n, g, bias),
+    )
+
+
+# --- packed_dequantize ------------------------------------------------------------------------
+
+
+def _packed_dequantize_impl(
+    wpacked: torch.Tensor, szpacked: torch.Tensor, n: int, group_size: int, backend: str
 ) -> torch.Tensor:
-    """``x [M <= 8, K] @ W`` from the repacked operands: the compiled kernel on CUDA, else the
-    reference through the inverse repack (for tests and CPU fallbacks; it is not fast)."""
-    if x.is_cuda and _ext.has_op("awq_gemv_packed"):
-        return torch.ops.fastawq.awq_gemv_packed(x, wpacked, szpacked, n, group_size, bias)
-    qweight, scales, qzeros = awq_gemv_unpack(wpacked, szpacked, n, group_size)
-    return reference.awq_gemm(x, qweight, scales, qzeros, group_size, bias)
+    if backend == "triton":
+        return _triton().packed_dequantize(wpacked, szpacked, n, group_size)
+    return reference.dequantize_packed(wpacked, szpacked, n, group_size)
+
+
+_packed_dequantize_op = torch.library.custom_op(
+    "fastawq::packed_dequantize", _packed_dequantize_impl, mutates_args=()
+)
+
+
+@_packed_dequantize_op.register_fake
+def _(wpacked, szpacked, n, group_size, backend):
+    torch._check(wpacked.dtype == torch.int32, lambda: f"wpacked is {wpacked.dtype}, not int32")
+    torch._check(wpacked.shape[1] == n, lambda: f"wpacked {tuple(wpacked.shape)} must be [K/8, N={n}]")
+    torch._check(szpacked.shape[1] == 2 * n, lambda: f"szpacked {tuple(szpacked.shape)} must be [K/G, 2N={2 * n}]")
+    return szpacked.new_empty((wpacked.shape[0] * 8, n))
+
+
+# wpacked [K // 8, N] int32 · szpacked [K // G, 2N]  ->  w [K, N] (szpacked's dtype), bit-exact
+def packed_dequantize(
+    wpacked: torch.Tensor, szpacked: torch.Tensor, n: int, group_size: int, *, backend: str | None = None
+) -> torch.Tensor:
+    _, n, g = reference.check_packed_shapes(wpacked, szpacked, n, group_size)
+    device = check_same_device(wpacked=wpacked, szpacked=szpacked)
+
+    def fits(be: str) -> str | None:
+        if be == "triton" and szpacked.dtype not in HALF:
+            return f"szpacked is {szpacked.dtype}; the Triton kernel produces fp16 or bf16"
+        return None
+
+    be = select_backend("packed_dequantize", device, backend=backend, shapes_ok=fits)
+    return call_op(_packed_dequantize_op, _packed_dequantize_impl, wpacked, szpacked, n, g, be)
 
 
 def _register_fakes() -> None:
@@ -97,16 +220,8 @@ def _register_fakes() -> None:
 
         @torch.library.register_fake("fastawq::awq_gemv_packed")
         def _(x, wpacked, szpacked, n, group_size, bias):
-            torch._check(x.dim() == 2, lambda: f"x {tuple(x.shape)} must be [M, K]")
+            _check_packed_call(x, wpacked, szpacked, n)
             torch._check(x.shape[0] <= MAX_M, lambda: f"awq_gemv_packed takes M <= {MAX_M}, got x {tuple(x.shape)}")
-            torch._check(wpacked.dtype == torch.int32, lambda: f"wpacked is {wpacked.dtype}, not int32")
-            torch._check(
-                wpacked.shape[0] * 8 == x.shape[1] and wpacked.shape[1] == n,
-                lambda: f"wpacked {tuple(wpacked.shape)} must be [K/8, N={n}] for x {tuple(x.shape)}",
-            )
-            torch._check(
-                szpacked.shape[1] == 2 * n, lambda: f"szpacked {tuple(szpacked.shape)} must be [K/G, 2N={2 * n}]"
-            )
             return x.new_empty((x.shape[0], n))
 
 

@@ -18,7 +18,7 @@ import copy
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -65,6 +65,18 @@ def _tuple_outputs() -> bool:
     from importlib.metadata import version
 
     return int(version("transformers").split(".")[0]) < 5
+
+
+def search_kwargs(kwargs: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    """A layer's captured keyword arguments, on `device` in `dtype`, with the KV cache off: the
+    search runs each layer on its own, many times."""
+    kw = dict(kwargs)
+    for key in ("past_key_values", "past_key_value", "cache", "layer_past"):
+        if key in kw:
+            kw[key] = None
+    if "use_cache" in kw:
+        kw["use_cache"] = False
+    return {k: _to(v, device, dtype) for k, v in kw.items()}
 
 
 class _Catcher(nn.Module):
@@ -254,9 +266,18 @@ class AwqQuantizer:
         self.timings[what] = self.timings.get(what, 0.0) + time.perf_counter() - t0
 
     # ------------------------------------------------------------------ capture
-    def _capture_inputs(self, layers: nn.ModuleList) -> tuple[list[torch.Tensor], list[dict]]:
-        """Run the model's embedding on every chunk of samples, decoder layers stubbed out:
-        layer 0's inputs, and the keyword arguments each layer receives."""
+    # Text chunks differ only in their rows: every chunk is searched with the first one's masks and
+    # positions, and only those are kept. A subclass whose chunks differ (image+text pairs) keeps all.
+    per_chunk_kwargs: bool = False
+
+    def _calibration_batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The keyword arguments of the model's base, one calibration chunk each."""
+        for start in range(0, self.samples.shape[0], self.chunk):
+            yield {"input_ids": self.samples[start : start + self.chunk].to(self.device)}
+
+    def _capture_inputs(self, layers: nn.ModuleList) -> tuple[list[torch.Tensor], list[Any]]:
+        """Run the model's embedding on every calibration chunk, decoder layers stubbed out:
+        layer 0's inputs, and the keyword arguments each layer receives (see _layer_kwargs)."""
         real = layers
         store: dict = {"kwargs": {}, "tuples": _tuple_outputs()}
         set_submodule(self.model, self.arch.layers_path,
@@ -264,14 +285,17 @@ class AwqQuantizer:
         # Everything but the decoder layers visits the accelerator for the capture.
         devices = {n: t.device for n, t in _tensors(self.model)}
         base = self.model.base_model
-        base.to(self.device)
         inps: list[torch.Tensor] = []
+        captured: list[dict] = []
         try:
-            for start in range(0, self.samples.shape[0], self.chunk):
-                ids = self.samples[start : start + self.chunk].to(self.device)
-                base(input_ids=ids, use_cache=False)
+            base.to(self.device)
+            for inputs in self._calibration_batches():
+                store["kwargs"] = {}
+                base(**inputs, use_cache=False)
                 x = store["x"]
                 inps.append(x.to("cpu") if self.offload else x)
+                if self.per_chunk_kwargs or not captured:
+                    captured.append(store["kwargs"])
         finally:
             set_submodule(self.model, self.arch.layers_path, real)
             for n, t in _tensors(self.model):
@@ -280,16 +304,11 @@ class AwqQuantizer:
         compute_dtype = self.forward_dtype if self.upcast else inps[0].dtype
         self.forward_dtype = compute_dtype
         inps = [x.to(compute_dtype) for x in inps]
-        per_layer = []
-        for i in range(len(real)):
-            kwargs = dict(store["kwargs"][i])
-            for key in ("past_key_values", "past_key_value", "cache", "layer_past"):
-                if key in kwargs:
-                    kwargs[key] = None
-            if "use_cache" in kwargs:
-                kwargs["use_cache"] = False
-            per_layer.append({k: _to(v, self.device, compute_dtype) for k, v in kwargs.items()})
-        return inps, per_layer
+        return inps, [self._layer_kwargs([kw[i] for kw in captured], compute_dtype) for i in range(len(real))]
+
+    def _layer_kwargs(self, per_chunk: list[dict], dtype: torch.dtype) -> Any:
+        """One layer's keyword arguments for the search, from those captured (one dict per kept chunk)."""
+        return search_kwargs(per_chunk[0], self.device, dtype)
 
     # ------------------------------------------------------------------ one layer
     def _resolve_groups(self, layer: nn.Module, name: str) -> list[ScaleGroup]:

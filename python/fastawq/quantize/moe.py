@@ -14,6 +14,12 @@ W * s so the folded norm's output x / s routes exactly as before. The search ran
 (each expert's output error on its own tokens), batched over experts and candidates. Each
 expert's down_proj gets its own up -> down scale from its own tokens, all experts at once.
 
+The per-expert input Grams take E * H^2 * 4 bytes (2.1 GB for Qwen3-30B-A3B, 52 GB for DeepSeek-V3).
+Beyond `MoELayerSearch.gram_budget` they are never all held: the forward records each call's
+routed rows (top-k: the routing over the block input, which is kept anyway), and the search rebuilds the Grams a chunk of experts at a time from the
+same rows in the same order (bit-identical to the one-pass statistics), keeping only their
+diagonal blocks for the clip.
+
 An expert with fewer than `MIN_TOKENS` routed tokens (a cold expert) takes its clipping and
 down_proj statistics from every calibration token run through it densely, so it is quantized as
 an expert would be that saw the whole set; the log says how many there were.
@@ -21,6 +27,7 @@ an expert would be that saw the whole set; the log says how many there were.
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING
 
 from functools import partial
@@ -41,6 +48,8 @@ log = logging.getLogger(__name__)
 
 # Below this many routed calibration tokens an expert's own statistics are too thin to clip by.
 MIN_TOKENS = 16
+# Overrides MoELayerSearch.gram_budget (GiB, a float).
+GRAM_BUDGET_ENV = "FASTAWQ_MOE_GRAM_BUDGET_GB"
 
 
 def prepare(q: "AwqQuantizer") -> MoESpec | None:
@@ -59,6 +68,9 @@ class MoELayerSearch:
     """The MoE part of one decoder layer: unfuses its experts, collects their statistics during
     the layer's forward, then searches and folds the scales and clips, batched over experts."""
 
+    # Bytes the per-expert input Grams may take at once (GRAM_BUDGET_ENV overrides).
+    gram_budget: int = 8 << 30
+
     def __init__(self, q: "AwqQuantizer", layer: nn.Module, name: str, spec: MoESpec):
         self.q, self.layer, self.name, self.spec = q, layer, name, spec
         block = spec.block_of(layer)
@@ -68,6 +80,10 @@ class MoELayerSearch:
         self.shared = [f"{p}.{spec.shared}.gate_proj", f"{p}.{spec.shared}.up_proj"] if spec.shared else []
         self.floats = [f"{p}.{n}" for n in spec.float_consumers()]
         self.x_chunks: list[torch.Tensor] = []
+        # Chunked Grams only: each experts call's rows (see _calls_hook), the Grams' diagonal blocks.
+        self.gram_chunk = self._gram_chunk()
+        self.calls: list[tuple[torch.Tensor, torch.Tensor | None, list[int]]] = []
+        self.blocks_in: dict[int, torch.Tensor] = {}
         self.st: dict[str, torch.Tensor] = {}
         self.n_all = 0
         # Routers may be kept in fp32 (DeepSeek's weight and score-correction bias): the layer's
@@ -97,6 +113,8 @@ class MoELayerSearch:
     def hooks(self, fwd: nn.Module) -> list:
         """Register the statistics hooks on `fwd` (the layer or its forward copy)."""
         handles = [fwd.get_submodule(self.spec.block).register_forward_pre_hook(self._block_hook)]
+        if self.gram_chunk:
+            handles.append(fwd.get_submodule(self.bp).register_forward_pre_hook(self._calls_hook, with_kwargs=True))
         gname, _, dname = self.spec.proj_names
         for e in range(self.num_experts):
             ex = fwd.get_submodule(f"{self.bp}.{e}")
@@ -120,16 +138,89 @@ class MoELayerSearch:
         self._acc("gram_all", (k, k), xf.device).addmm_(xf.t(), xf)
         self.n_all += xf.shape[0]
 
+    def _calls_hook(self, mod, args, kwargs):
+        """Record a call of the experts as (source, token ids or None, per-expert offsets): expert
+        e's rows, in the order ExpertList.forward hands them over, are source[tok[o[e]:o[e+1]]]
+        (top-k: the input, a view of the block's; a stable sort by expert keeps torch.where's
+        token-ascending order) or source[o[e]:o[e+1]] (dense: only the routed rows are kept, not
+        the E x T pre-scaled input)."""
+        x = args[0].detach() if args else kwargs["hidden_states"].detach()
+        e_all = self.num_experts
+        if getattr(mod, "call", "topk") == "topk":
+            idx = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            flat = idx.reshape(-1)
+            key = torch.where((flat >= 0) & (flat < e_all), flat, e_all)  # dropped slots last
+            counts = torch.bincount(key, minlength=e_all + 1)[:e_all]
+            src, tok = x, torch.argsort(key, stable=True) // idx.shape[-1]
+        else:
+            xs = x.view(e_all, -1, x.shape[-1])
+            keep = xs.abs().amax(dim=-1) > 0  # an unrouted token is a zero row, which the experts skip
+            counts = keep.sum(dim=1)
+            src, tok = xs[keep], None
+        offsets = [0] + torch.cumsum(counts, 0).tolist()
+        self.calls.append((src, tok, offsets))
+
     def _expert_hook(self, e: int, which: str):
         def hook(_mod, args, _out):
-            xf = args[0].reshape(-1, args[0].shape[-1]).float()
-            k = xf.shape[1]
+            x = args[0]
+            k = x.shape[-1]
+            self._acc(f"n_{which}", (self.num_experts,), x.device)[e] += x.numel() // k
+            if which == "in" and self.gram_chunk:
+                return  # the search rebuilds this Gram from the recorded calls
+            xf = x.reshape(-1, k).float()
             self._acc(f"gram_{which}", (self.num_experts, k, k), xf.device)[e].addmm_(xf.t(), xf)
-            self._acc(f"n_{which}", (self.num_experts,), xf.device)[e] += xf.shape[0]
             if which == "mid":
                 self._acc("abs_mid", (self.num_experts, k), xf.device)[e] += xf.abs().sum(0)
 
         return hook
+
+    # ------------------------------------------------------------------ chunked input Grams
+    def _gram_chunk(self) -> int | None:
+        """Experts whose input Grams are built at once, or None when all E fit the budget (then
+        the forward's hooks accumulate them). A multiple of _batched_loss's expert batch, so the
+        loss runs the same products on the same slices as with all Grams at hand."""
+        if self.q is None:
+            return None
+        i_dim, h = self.expert(0).linears()[0].weight.shape
+        per = h * h * 4
+        env = os.environ.get(GRAM_BUDGET_ENV)
+        budget = int(float(env) * 2**30) if env else self.gram_budget
+        if self.num_experts * per <= budget:
+            return None
+        ec, _ = _loss_split(self.q, 2 * i_dim, h, self.q.n_grid + 1)
+        chunk = max(ec, budget // per // ec * ec)
+        if not getattr(self.q, "_moe_chunk_logged", False):
+            self.q._moe_chunk_logged = True
+            log.info("%s: the per-expert input Grams [%d, %d, %d] fp32 take %.3g GiB, over the %.3g GiB budget "
+                     "(%s): built %d experts at a time from the routed tokens", self.name, self.num_experts, h, h,
+                     self.num_experts * per / 2**30, budget / 2**30, GRAM_BUDGET_ENV, chunk)
+        return chunk
+
+    # -> [e1 - e0, H, H] fp32
+    def _gram_in_of(self, e0: int, e1: int, dev) -> torch.Tensor:
+        """The input Grams of experts e0..e1-1 from the recorded calls: the same sums, in the same
+        order, that the forward hooks would make."""
+        k = self.calls[0][0].shape[-1]
+        gram = torch.zeros(e1 - e0, k, k, device=dev)
+        for src, tok, off in self.calls:
+            for e in range(e0, e1):
+                if off[e] == off[e + 1]:
+                    continue
+                rows = src[off[e] : off[e + 1]] if tok is None else src[tok[off[e] : off[e + 1]]]
+                xf = rows.to(dev).float()
+                gram[e - e0].addmm_(xf.t(), xf)
+        return gram
+
+    def _keep_blocks(self, gram: torch.Tensor, e0: int) -> None:
+        """Keep the diagonal blocks of experts e0.. input Grams that the gate/up clip reads."""
+        if not self.q.apply_clip:
+            return
+        k = gram.shape[-1]
+        for idx in (0, 1):
+            g = self._gsize(idx, k)
+            if g not in self.blocks_in:
+                self.blocks_in[g] = torch.empty(self.num_experts, k // g, g, g, device=gram.device)
+            self.blocks_in[g][e0 : e0 + gram.shape[0]] = _diag_blocks(gram, g)
 
     # ------------------------------------------------------------------ weights
     def _stack(self, idx: int) -> torch.Tensor:
@@ -142,6 +233,14 @@ class MoELayerSearch:
         for e in range(self.num_experts):
             lin = getattr(self.expert(e), n)
             lin.weight.data = w[e].to(lin.weight.dtype)
+
+    def _scale_each(self, idx: int, fn) -> None:
+        """weight = fn(e, fp32 weight) for one linear of every expert, one expert at a time (a
+        stacked fp32 copy of all experts is 15 GB for DeepSeek-V3)."""
+        n = self.spec.proj_names[idx]
+        for e in range(self.num_experts):
+            lin = getattr(self.expert(e), n)
+            lin.weight.data = fn(e, lin.weight.detach().float()).to(lin.weight.dtype)
 
     def _gsize(self, idx: int, k: int) -> int:
         return self.q._group_size(f"{self.name}.{self.bp}.0.{self.spec.proj_names[idx]}", k)
@@ -192,23 +291,30 @@ class MoELayerSearch:
         dev = self.st["gram_all"].device
         widths = {"in": self.st["gram_all"].shape[0], "mid": self.expert(0).linears()[0].weight.shape[0]}
         for which, k in widths.items():
-            if f"gram_{which}" not in self.st:  # no expert saw a token: every expert is cold
-                self.st[f"gram_{which}"] = torch.zeros(self.num_experts, k, k, device=dev)
+            if f"n_{which}" not in self.st:  # no expert saw a token: every expert is cold
                 self.st[f"n_{which}"] = torch.zeros(self.num_experts, device=dev)
+                if not (which == "in" and self.gram_chunk):
+                    self.st[f"gram_{which}"] = torch.zeros(self.num_experts, k, k, device=dev)
         if "abs_mid" not in self.st:
             self.st["abs_mid"] = torch.zeros(self.num_experts, widths["mid"], device=dev)
         self.cold = self._dense_stats_for_cold()
         self.x_chunks = []
         self._search_input_scale()
+        self.calls = []
         self._search_down_scales()
 
     def _search_input_scale(self) -> None:
         q, n = self.q, self.n_all
         x_mean = self.st["abs_all"] / n
         sig_all = self.st["gram_all"] / n
-        gu = torch.cat([self._stack(0), self._stack(1)], dim=1)  # [E, 2I, H]
+        gate0 = self.expert(0).linears()[0].weight
+        i_dim = gate0.shape[0]
+        gu = torch.empty(self.num_experts, 2 * i_dim, gate0.shape[1], device=gate0.device)  # [E, 2I, H] fp32
+        for e in range(self.num_experts):  # filled in place: no stacked copies besides it
+            gate, up, _ = self.expert(e).linears()
+            gu[e, :i_dim] = gate.weight.detach()
+            gu[e, i_dim:] = up.weight.detach()
         g = self._gsize(0, gu.shape[2])
-        sig_e = self.st["gram_in"] / n  # each expert's error weighs by its share of the tokens
         shared = [self.layer.get_submodule(s).weight.detach().float() for s in self.shared]
         sh = torch.cat(shared)[None] if shared else None
         sh_g = q._group_size(f"{self.name}.{self.shared[0]}", sh.shape[2]) if shared else g
@@ -225,17 +331,37 @@ class MoELayerSearch:
         ratios = torch.arange(q.n_grid, device=x_mean.device, dtype=torch.float32) / q.n_grid
         cand = q.compute_scales(x_mean, w_mean, ratios)
         cand = torch.cat([cand, torch.ones_like(cand[:1])])
-        loss = _batched_loss(q, gu, sig_e, cand[None].expand(gu.shape[0], -1, -1), g).sum(0)
+        loss = self._expert_losses(gu, cand, g).sum(0)
         if sh is not None:
             loss += _batched_loss(q, sh, sig_all[None], cand[None], sh_g).sum(0)
         if not torch.isfinite(loss).any():
             raise FloatingPointError(f"AWQ scale search for the experts of {self.name} produced no finite loss")
         s = cand[int(torch.nan_to_num(loss, nan=float("inf")).argmin())]
+        del gu, cand, loss
         self.fold_input_scale(s)
         ss = s[:, None] * s[None, :]
         self.st["gram_all"] /= ss
-        self.st["gram_in"] /= ss
+        if "gram_in" in self.st:
+            self.st["gram_in"] /= ss
+        for g, blk in self.blocks_in.items():
+            blk /= _diag_blocks(ss[None], g)
         self.st["abs_all"] /= s
+
+    # gu [E, 2I, H] fp32 · cand [C, H]  ->  [E, C]
+    def _expert_losses(self, gu: torch.Tensor, cand: torch.Tensor, g: int) -> torch.Tensor:
+        """Each expert's output error on its own tokens per candidate; each expert's error weighs
+        by its share of the tokens (its Gram over all n tokens)."""
+        n, e_all = self.n_all, gu.shape[0]
+        if not self.gram_chunk:
+            return _batched_loss(self.q, gu, self.st["gram_in"] / n, cand[None].expand(e_all, -1, -1), g)
+        parts = []
+        for e0 in range(0, e_all, self.gram_chunk):
+            e1 = min(e_all, e0 + self.gram_chunk)
+            gram = self._gram_in_of(e0, e1, gu.device)
+            self._keep_blocks(gram, e0)
+            parts.append(_batched_loss(self.q, gu[e0:e1], gram.div_(n), cand[None].expand(e1 - e0, -1, -1), g))
+            del gram
+        return torch.cat(parts)
 
     # s [H] fp32
     @torch.no_grad()
@@ -251,15 +377,15 @@ class MoELayerSearch:
         for path in self.shared + self.floats:
             m = self.layer.get_submodule(path)
             m.weight.data = (m.weight.float() * s.to(m.weight.device)).to(m.weight.dtype)
-        self._unstack(0, self._stack(0) * s)
-        self._unstack(1, self._stack(1) * s)
+        self._scale_each(0, lambda e, w: w * s)
+        self._scale_each(1, lambda e, w: w * s)
 
     # s [E, I] fp32
     @torch.no_grad()
     def fold_down_scales(self, s: torch.Tensor) -> None:
         """Expert e's up_proj rows divide by s[e], its down_proj columns multiply."""
-        self._unstack(1, self._stack(1) / s[:, :, None])
-        self._unstack(2, self._stack(2) * s[:, None, :])
+        self._scale_each(1, lambda e, w: w / s[e][:, None])
+        self._scale_each(2, lambda e, w: w * s[e][None, :])
 
     def _search_down_scales(self) -> None:
         q = self.q
@@ -290,24 +416,33 @@ class MoELayerSearch:
     def clip(self) -> None:
         n = self.n_all
         sig_all = self.st["gram_all"] / n
-        cold = self.cold.to(sig_all.device)
-        cnt_in = self.st["n_in"].clamp(min=1)[:, None, None]
-        sig_in = torch.where(cold[:, None, None], sig_all[None], self.st["gram_in"] / cnt_in)
-        sig_mid = self.st["gram_mid"] / self.st["n_mid"].clamp(min=1)[:, None, None]
-        for idx, sig in ((0, sig_in), (1, sig_in), (2, sig_mid)):
+        cold = self.cold.to(sig_all.device)[:, None, None, None]
+        cnt_in = self.st["n_in"].clamp(min=1)[:, None, None, None]
+        cnt_mid = self.st["n_mid"].clamp(min=1)[:, None, None, None]
+        for idx in (0, 1, 2):
             if self.q.config.skips(f"{self.name}.{self.bp}.0.{self.spec.proj_names[idx]}"):
                 continue  # kept in full precision: clipping would only lose accuracy
             w = self._stack(idx)
-            mx = _batched_clip(self.q, w, sig, self._gsize(idx, w.shape[2]))
+            g = self._gsize(idx, w.shape[2])
+            # Only the Grams' diagonal g x g blocks weigh a group's rounding error.
+            if idx == 2:
+                blocks = _diag_blocks(self.st["gram_mid"], g) / cnt_mid
+            else:
+                own = self.blocks_in[g] if self.gram_chunk else _diag_blocks(self.st["gram_in"], g)
+                blocks = torch.where(cold, _diag_blocks(sig_all[None], g), own / cnt_in)
+            mx = _batched_clip(self.q, w, blocks, g)
+            del blocks
             self._unstack(idx, _clamp(w, mx))
         for path in self.shared:
             if self.q.config.skips(f"{self.name}.{path}"):
                 continue
             lin = self.layer.get_submodule(path)
             w = lin.weight.detach().float()[None]
-            mx = _batched_clip(self.q, w, sig_all[None], self.q._group_size(f"{self.name}.{path}", w.shape[2]))
+            g = self.q._group_size(f"{self.name}.{path}", w.shape[2])
+            mx = _batched_clip(self.q, w, _diag_blocks(sig_all[None], g), g)
             lin.weight.data = _clamp(w, mx)[0].to(lin.weight.dtype)
         self.st = {}
+        self.blocks_in = {}
 
 
     # ------------------------------------------------------------------ end of the layer
@@ -365,9 +500,26 @@ def _maybe_submodule(root: nn.Module, path: str) -> nn.Module | None:
 
 
 def _clamp(w: torch.Tensor, mx: torch.Tensor) -> torch.Tensor:
+    """w clamped to ±mx per group, in place."""
     e, n, k = w.shape
     m = mx.unsqueeze(-1)
-    return w.view(e, n, mx.shape[2], -1).clamp(-m, m).view(e, n, k)
+    return w.view(e, n, mx.shape[2], -1).clamp_(-m, m).view(e, n, k)
+
+
+def _loss_split(q: "AwqQuantizer", n: int, k: int, c_all: int) -> tuple[int, int]:
+    """(experts, candidates) per batch of _batched_loss for [N, K] weights, within the
+    quantizer's batch budget (experts capped by E by the caller)."""
+    per = q._batch(n * k)  # (expert, candidate) pairs per batch
+    if per >= c_all:
+        return max(1, per // c_all), c_all
+    return 1, per
+
+
+# sigma [E, K, K]  ->  its diagonal g x g blocks [E, K // g, g, g] (a copy)
+def _diag_blocks(sigma: torch.Tensor, g: int) -> torch.Tensor:
+    e_all, k, _ = sigma.shape
+    ng = k // g
+    return sigma.view(e_all, ng, g, ng, g).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).contiguous()
 
 
 # w [E, N, K] fp32 · sigma [E, K, K] · s [E, C, K]  ->  loss [E, C]
@@ -377,9 +529,8 @@ def _batched_loss(q: "AwqQuantizer", w: torch.Tensor, sigma: torch.Tensor, s: to
     e_all, n, k = w.shape
     c_all = s.shape[1]
     loss = torch.zeros(e_all, c_all, device=w.device)
-    per = q._batch(n * k)  # (expert, candidate) pairs per batch
-    ec = max(1, min(e_all, per // c_all)) if per >= c_all else 1
-    cc = c_all if per >= c_all else per
+    ec, cc = _loss_split(q, n, k, c_all)
+    ec = min(ec, e_all)
     for e0 in range(0, e_all, ec):
         we = w[e0 : e0 + ec, None]
         for c0 in range(0, c_all, cc):
@@ -391,13 +542,12 @@ def _batched_loss(q: "AwqQuantizer", w: torch.Tensor, sigma: torch.Tensor, s: to
     return loss
 
 
-# w [E, N, K] fp32 · sigma [E, K, K]  ->  max |w| per group [E, N, K // g]
-def _batched_clip(q: "AwqQuantizer", w: torch.Tensor, sigma: torch.Tensor, g: int) -> torch.Tensor:
+# w [E, N, K] fp32 · blocks [E, K // g, g, g] (S's diagonal blocks)  ->  max |w| per group [E, N, K // g]
+def _batched_clip(q: "AwqQuantizer", w: torch.Tensor, blocks: torch.Tensor, g: int) -> torch.Tensor:
     """AwqQuantizer.search_best_clip for every expert at once: per group, the shrink of max |w|
     whose rounding error, weighed by the group's diagonal block of S, is least."""
     e_all, n, k = w.shape
     ng = k // g
-    blocks = sigma.view(-1, ng, g, ng, g).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)  # [E, ng, g, g]
     wg = w.view(e_all, n, ng, g)
     org_max = wg.abs().amax(dim=-1)
     steps = int(q.max_shrink * q.n_grid)

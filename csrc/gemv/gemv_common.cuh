@@ -1,0 +1,82 @@
+// What the two decode kernels of this folder share (awq_gemv.cu on the AWQ layout, awq_gemv_packed.cu
+// on the repacked one): the streaming 16-byte weight load, the exact nibble decode, and the tail that
+// sums a column tile over its warps and writes it, directly or through the split-K workspace.
+#pragma once
+
+#include <cstdint>
+
+#include "common/dtype.cuh"
+
+namespace fastawq {
+namespace gemv {
+
+// Weights are read once per call: skip L1 and let L2 evict them first, so activations and
+// partial sums keep their place.
+__device__ __forceinline__ uint4 load_stream(const void* p, uint64_t policy) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p), "l"(policy));
+  return v;
+}
+
+// f[c] = 0.5 + b_c / 256 for the 4 bytes b_c (each < 16) of a masked word: the byte permute
+// drops byte c into bits 16..19 of 0.5f (0x3F000000), one instruction and exact.
+__device__ __forceinline__ void decode_bytes(uint32_t v, float (&f)[4]) {
+  constexpr uint32_t kHalf = 0x3F000000u;
+  f[0] = __uint_as_float(__byte_perm(v, kHalf, 0x7044));
+  f[1] = __uint_as_float(__byte_perm(v, kHalf, 0x7144));
+  f[2] = __uint_as_float(__byte_perm(v, kHalf, 0x7244));
+  f[3] = __uint_as_float(__byte_perm(v, kHalf, 0x7344));
+}
+
+// red[w][m][c] holds warp w's sums (in units of 1/256, see decode_bytes) for column col0 + c; the
+// caller has filled it and synchronised the block. Sum the warps and write out = 256 * sum + bias,
+// or with split K (gridDim.y > 1) add into the zeroed fp32 workspace [M, n]: the last block of the
+// column tile to arrive converts the sums and zeroes them again (graph-safe, no extra launch).
+template <typename T, int M, int kThreads, int kWarps, int kTileCols>
+__device__ __forceinline__ void store_tile(const float (&red)[kWarps][M][kTileCols], int& is_last,
+                                           const T* __restrict__ bias, T* __restrict__ out, float* __restrict__ ws,
+                                           int* __restrict__ counters, int n, int col0) {
+  using Tr = HalfTraits<T>;
+  const auto write = [&](int mm, int col, float v) {
+    const float b = bias != nullptr ? Tr::to_float(bias[col]) : 0.f;
+    out[static_cast<int64_t>(mm) * n + col] = Tr::from_float(fmaf(256.f, v, b));
+  };
+  const bool split = gridDim.y > 1;
+  for (int e = threadIdx.x; e < M * kTileCols; e += kThreads) {
+    const int mm = e / kTileCols, tc = e % kTileCols, col = col0 + tc;
+    if (col >= n) continue;
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) v += red[w][mm][tc];
+    if (split) {
+      atomicAdd(ws + static_cast<int64_t>(mm) * n + col, v);
+    } else {
+      write(mm, col, v);
+    }
+  }
+  if (!split) return;
+
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int prev = atomicAdd(counters + blockIdx.x, 1);
+    is_last = prev == static_cast<int>(gridDim.y) - 1;
+    if (is_last) counters[blockIdx.x] = 0;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for (int e = threadIdx.x; e < M * kTileCols; e += kThreads) {
+    const int mm = e / kTileCols, col = col0 + e % kTileCols;
+    if (col >= n) continue;
+    float* p = ws + static_cast<int64_t>(mm) * n + col;
+    const float v = __ldcg(p);
+    __stcg(p, 0.f);
+    write(mm, col, v);
+  }
+}
+
+}  // namespace gemv
+}  // namespace fastawq
