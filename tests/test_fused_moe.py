@@ -82,9 +82,15 @@ def _match_over_decode(arch: str, experts: str, backend: str | None, steps: int,
 @pytest.mark.parametrize("experts", ["grouped", "list"])
 @pytest.mark.parametrize("arch", FUSED)
 def test_fused_moe_matches_unfused_cpu(arch, experts):
-    # fp32 on the CPU: the same packed weights through the same torch math; only summation
-    # orders differ (a wrong router, shared-expert gate or cache slot is an O(1) error).
-    _match_over_decode(arch, experts, None, 6)
+    # fp32 on the CPU: the same packed weights, fp32 math on both sides, so only summation orders
+    # differ (a wrong router, shared-expert gate or cache slot is an O(1) error). One exception:
+    # without fastawq._C, an unfused per-expert WQLinear runs torch's int4 CPU kernel, which
+    # computes in bf16, while the fused engine stacks the experts into WQExperts (fp32 reference
+    # math): then the experts differ by bf16 rounding (~7e-3 seen).
+    from fastawq import cpu
+
+    bf16_experts = experts == "list" and cpu.fast_kernel_available() is not None
+    _match_over_decode(arch, experts, None, 6, tol=3e-2 if bf16_experts else 1e-4)
 
 
 @pytest.mark.parametrize("arch", FUSED)
