@@ -353,6 +353,8 @@ def test_every_tuning_candidate_is_correct(t):
     configs += [replace(base, w13=replace(base.w13, block_k=base.w13.block_k // 2, num_stages=4)),
                 replace(base, w2=replace(base.w2, block_k=base.w2.block_k // 2, num_stages=4))]
     configs += [replace(base, block_m=bm) for bm in (16, 32, 64) if not base.naive]
+    if tmoe.use_naive(t, k, e):
+        configs += tmoe._gemv_variants(tmoe.gemv_config(t, k, h, i, g, g, 132))
     for cfg in dict.fromkeys(configs):
         check(tmoe.moe_w4(x, ids, w, *weights, g, config=cfg), x, ids, w, weights, g)
 
@@ -398,6 +400,15 @@ def compile_heuristic_kernels(t: int, split13: int | None = None, wide: bool = F
         {**common, "BLOCK_N": cfg.w2.block_n, "BLOCK_K": cfg.w2.block_k, "ATOMIC": cfg.w2.split_k > 1,
          "GATE_UP": gate_up, "ACT": 0, "BF16": False},
         num_warps=cfg.w2.num_warps, num_stages=cfg.w2.num_stages)
+    gemv = tmoe.gemv_config(t, 8, 2048, 768, 128, 128, sms=132)
+    for w13, kc in ((True, gemv.w13), (False, gemv.w2)):
+        _compile_for_sm90(
+            tmoe.moe_gemv_kernel, {"a_ptr": "*fp16" if w13 else "*fp32", "ids_ptr": "*i64", "tw_ptr": "*fp32",
+                                   "qw_ptr": "*i32", "s_ptr": "*fp16", "qz_ptr": "*i32", "out_ptr": "*fp32",
+                                   "E": "i32", "K": "i32", "N": "i32", "G": "i32", "TOPK": "i32",
+                                   "stride_am": "i32", "split_k": "i32"},
+            {"W13": w13, "ACT": 0, "BLOCK_W": kc.block_n // 8, "BLOCK_K": kc.block_k},
+            num_warps=kc.num_warps, num_stages=kc.num_stages)
     if not cfg.naive:
         _compile_for_sm90(tmoe.moe_align_kernel, {"ids_ptr": "*i64", "sorted_ptr": "*i32", "bexp_ptr": "*i32",
                                                   "n": "i32", "E": "i32", "max_blocks": "i32"},
@@ -417,6 +428,25 @@ def test_heuristic_configs_compile_for_sm90():
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("t,k,g,w13,w2", [
+    (1, 2, 32, None, None),
+    (2, 3, 32, _kc(128, 16, 3), _kc(512, 16)),  # uneven K splits, a tile wider than H
+    (1, 2, -1, _kc(256, 32, 2), _kc(128, 32, 5)),  # one group over each K
+    (3, 2, 32, _kc(256, 32, 64), None),  # more splits than K tiles: idle programs
+])
+def test_gemv_decode_configs_agree_with_reference(t, k, g, w13, w2, dtype):
+    # The CUDA-core decode path: one program per (assignment, words of a row, K split), fp32 atomics.
+    from fastawq.triton_kernels import moe as tmoe
+
+    e, h, i = 8, 64, 96
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, 40, dtype)
+    base = tmoe.gemv_config(t, k, h, i, h if g == -1 else g, i if g == -1 else g, sms=4)
+    cfg = replace(base, w13=w13 or base.w13, w2=w2 or base.w2)
+    check(tmoe.moe_w4(x, ids, w, *weights, g, config=cfg), x, ids, w, weights, g)
 
 
 def test_tuner_finds_a_wide_tile_that_only_wins_with_a_k_split(monkeypatch):

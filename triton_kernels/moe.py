@@ -13,6 +13,9 @@ routing weight and writes it at its flat index, then the k rows of a token are s
 programs would each stream a long K, either splits K: w13 adds its gate and up partial sums into a
 zeroed fp32 [T * k, 2I] atomically (w2 then applies act(gate) * up as it loads them), w2 adds into
 an fp32 [T, H] atomically.
+Decode (each expert one or two assignments) has a third form without tl.dot: moe_gemv_kernel, one
+program per (assignment, run of words of a row, K split) on CUDA cores, reading 128 contiguous
+bytes of each weight row, fp32 atomics into zeroed outputs; the tuner also times the tl.dot form.
 """
 from __future__ import annotations
 
@@ -186,6 +189,69 @@ def moe_w2_kernel(
 
 
 @triton.jit
+def _gemv_step(acc, xk, qw, qz, sc, k0, offs_k, offs_w, mask_w, col, n8, N, G):
+    """acc [BW, 8] += the K tile k0.. of one expert's packed matrix times xk [BK] (fp32), on the
+    nibbles where they lie (word w, nibble i = column col[w, i]). BLOCK_K divides G, so the group's
+    scale and zero apply after the K sum: sum_k (q - z) s x_k = s (sum_k q x_k - z sum_k x_k)."""
+    nib = tl.arange(0, 8)
+    words = tl.load(qw + (k0 + offs_k)[:, None] * n8 + offs_w[None, :], mask=mask_w[None, :], other=0)
+    nibbles = (words[:, :, None] >> (nib * 4)[None, None, :]) & 0xF
+    # int -> fp32 through the exponent field (2^23 + q, exact), cheaper than a conversion.
+    qf = (nibbles | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    g = k0 // G
+    zw = tl.load(qz + g * n8 + offs_w, mask=mask_w, other=0)
+    z = ((zw[:, None] >> (nib * 4)[None, :]) & 0xF).to(tl.float32)
+    s = tl.load(sc + g * N + col, mask=mask_w[:, None], other=0.0).to(tl.float32)
+    return acc + s * (tl.sum(qf * xk[:, None, None], axis=0) - z * tl.sum(xk, axis=0))
+
+
+@triton.jit
+def moe_gemv_kernel(
+    a_ptr, ids_ptr, tw_ptr, qw_ptr, s_ptr, qz_ptr, out_ptr,
+    E, K, N, G, TOPK, stride_am, split_k,
+    W13: tl.constexpr,
+    ACT: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # Decode (a few assignments): one program per (assignment, BLOCK_W words of a row, K split),
+    # CUDA cores, fp32 partial sums added atomically into zeroed fp32 outputs. No sort, no tl.dot,
+    # and each program reads contiguous runs of BLOCK_W words of every row of its expert.
+    # W13: x [T, H] · w13 [E, H, 2I // 8] -> gu [T * k, 2I] fp32 (gate | up), K = H, N = 2I.
+    # else: gu -> act(gate) * up [T * k, I] · w2 [E, I, H // 8], times the routing weight, summed
+    #       into out [T, H] fp32, K = I, N = H.
+    f = tl.program_id(0)
+    pid_w = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    expert = tl.load(ids_ptr + f).to(tl.int64)
+    if expert >= E:
+        return
+    n8 = N // 8
+    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    nib = tl.arange(0, 8)
+    col = offs_w[:, None] * 8 + ((nib % 4) * 2 + nib // 4)[None, :]  # [BW, 8] output columns
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_w = offs_w < n8
+    qw = qw_ptr + expert * K * n8
+    qz = qz_ptr + expert * (K // G) * n8
+    sc = s_ptr + expert * (K // G) * N
+    acc = tl.zeros((BLOCK_W, 8), dtype=tl.float32)
+    for t in range(pid_k, K // BLOCK_K, split_k):
+        k0 = t * BLOCK_K
+        if W13:
+            xk = tl.load(a_ptr + (f // TOPK) * stride_am + k0 + offs_k).to(tl.float32)
+        else:
+            gate = tl.load(a_ptr + f * 2 * K + k0 + offs_k)
+            xk = _act(gate, ACT) * tl.load(a_ptr + f * 2 * K + K + k0 + offs_k)
+        acc = _gemv_step(acc, xk, qw, qz, sc, k0, offs_k, offs_w, mask_w, col, n8, N, G)
+    if W13:
+        tl.atomic_add(out_ptr + f * N + col, acc, mask=mask_w[:, None], sem="relaxed")
+    else:
+        w = tl.load(tw_ptr + f).to(tl.float32)
+        tl.atomic_add(out_ptr + (f // TOPK) * N + col, acc * w, mask=mask_w[:, None], sem="relaxed")
+
+
+@triton.jit
 def moe_align_kernel(
     ids_ptr, sorted_ptr, bexp_ptr,
     n, E, max_blocks,
@@ -291,9 +357,10 @@ class MoeConfig:
     naive: bool  # one assignment per block, no sort
     w13: KernelConfig
     w2: KernelConfig
+    gemv: bool = False  # naive mode on CUDA cores (moe_gemv_kernel); block_n = 8 x words per program
 
     def label(self) -> str:
-        mode = "naive" if self.naive else f"m{self.block_m}"
+        mode = "gemv" if self.gemv else "naive" if self.naive else f"m{self.block_m}"
         return f"{mode} w13 {self.w13.label()} w2 {self.w2.label()}"
 
 
@@ -391,11 +458,42 @@ def heuristic_config(t: int, topk: int, e: int, h: int, i: int, g13: int, g2: in
     return MoeConfig(bm, naive, kernel(i, g13, h, False), kernel(h, g2, i, True))
 
 
+def gemv_config(t: int, topk: int, h: int, i: int, g13: int, g2: int, sms: int) -> MoeConfig:
+    """The decode config on CUDA cores: 256-column programs (32 words, 128 contiguous bytes of
+    every row), K split until about four programs per SM."""
+    n = t * topk
+
+    def kernel(cols: int, g: int, k: int) -> KernelConfig:
+        bk = _block_k(g, k, 32)
+        programs = n * triton.cdiv(cols, 256)
+        split = max(1, min(k // bk // 2, triton.cdiv(4 * sms, programs)))
+        return KernelConfig(256, bk, 4, 1, split)
+
+    return MoeConfig(16, True, kernel(2 * i, g13, h), kernel(h, g2, i), gemv=True)
+
+
+def default_config(t: int, topk: int, e: int, h: int, i: int, g13: int, g2: int, sms: int) -> MoeConfig:
+    """Untuned: CUDA cores where each expert gets one or two assignments (decode), else tl.dot."""
+    if use_naive(t, topk, e):
+        return gemv_config(t, topk, h, i, g13, g2, sms)
+    return heuristic_config(t, topk, e, h, i, g13, g2, sms)
+
+
+def _gemv_variants(base: MoeConfig) -> list[MoeConfig]:
+    out = [base]
+    for field in ("w13", "w2"):
+        kc = getattr(base, field)
+        for change in ({"block_n": 128}, {"block_n": 512}, {"num_warps": 8}, {"split_k": max(1, kc.split_k // 2)},
+                       {"split_k": kc.split_k * 2}, {"block_k": 16}):
+            out.append(replace(base, **{field: replace(kc, **change)}))
+    return list(dict.fromkeys(out))
+
+
 def _variants(base: KernelConfig, bm: int) -> list[KernelConfig]:
     """Tile widths and warp counts around base (its stages and split kept; its K step too, but
     for 256-column tiles, which take 32 K rows at most to stay in registers)."""
     out = [base]
-    for bn in (32, 64, 128, 256):
+    for bn in (64, 128, 256):
         for warps in (4, 8):
             bk = base.block_k if bn <= 128 else min(base.block_k, 32)
             out.append(replace(base, block_n=bn, block_k=bk, num_warps=warps))
@@ -409,6 +507,8 @@ def _launch(cfg: MoeConfig, x, topk_ids, topk_weights, w13, w2, g13, g2, act):
     i = w2[0].shape[1]
     n = t * topk
     ids = topk_ids.reshape(-1)
+    if cfg.gemv:
+        return _launch_gemv(cfg, x, ids, topk_weights.reshape(-1), w13, w2, g13, g2, act, topk)
     if cfg.naive:
         sorted_ids, bexp, blocks, bm = ids, ids, n, 16
     else:
@@ -442,6 +542,23 @@ def _launch(cfg: MoeConfig, x, topk_ids, topk_weights, w13, w2, g13, g2, act):
     return out.view(t, topk, h).sum(dim=1)
 
 
+def _launch_gemv(cfg: MoeConfig, x, ids, tw, w13, w2, g13, g2, act, topk):
+    t, h = x.shape
+    e, i = w13[0].shape[0], w2[0].shape[1]
+    n = ids.numel()
+    # gate/up sums and the output, fp32, zeroed by one memset.
+    acc = torch.zeros(n * 2 * i + t * h, dtype=torch.float32, device=x.device)
+    gu, out = acc[:n * 2 * i].view(n, 2 * i), acc[n * 2 * i:].view(t, h)
+    for w, kc, a, dst, k, cols, g, stride in ((w13, cfg.w13, x, gu, h, 2 * i, g13, x.stride(0)),
+                                              (w2, cfg.w2, gu, out, i, h, g2, 0)):
+        bw = kc.block_n // 8
+        moe_gemv_kernel[(n, triton.cdiv(cols // 8, bw), kc.split_k)](
+            a, ids, tw, *w, dst, e, k, cols, g, topk, stride, kc.split_k,
+            W13=dst is gu, ACT=ACTS[act], BLOCK_W=bw, BLOCK_K=kc.block_k, num_warps=kc.num_warps,
+        )
+    return out.to(x.dtype)
+
+
 _TUNED: dict[tuple, MoeConfig] = {}
 
 
@@ -456,7 +573,7 @@ def _time(cfg: MoeConfig, args) -> float:
 def _tune(key, base: MoeConfig, args) -> MoeConfig:
     """Coordinate descent from the heuristic, twice over (a wide tile may only win once K is split,
     and the reverse): each projection's tile, then each one's K split; then the block rows. About
-    60 distinct timings, where the full product would be thousands."""
+    50 distinct timings, where the full product would be thousands."""
     timed: dict[MoeConfig, float] = {}
 
     def time_once(cfg: MoeConfig) -> float:
@@ -485,12 +602,28 @@ def _tune(key, base: MoeConfig, args) -> MoeConfig:
     return best
 
 
+def _tune_gemv(key, base: MoeConfig, dot: MoeConfig, args) -> MoeConfig:
+    """Decode: two steps of single-field changes around the CUDA-core config, against the tl.dot
+    heuristic's config (about 25 timings)."""
+    timed: dict[MoeConfig, float] = {}
+
+    def time_once(cfg: MoeConfig) -> float:
+        if cfg not in timed:
+            timed[cfg] = _time(cfg, args)
+        return timed[cfg]
+
+    best = min(_gemv_variants(base), key=time_once)
+    best = min([*_gemv_variants(best), dot], key=time_once)
+    logger.info("moe_w4 %s -> %s (%.1f us)", key, best.label(), timed[best] * 1e3)
+    return best
+
+
 def choose_config(x, topk_ids, w13, w2, g13: int, g2: int, args) -> MoeConfig:
     t, h = x.shape
     topk = topk_ids.shape[1]
     e, i = w13[0].shape[0], w2[0].shape[1]
     if _interpreting() or x.device.type != "cuda":
-        return heuristic_config(t, topk, e, h, i, g13, g2, sms=4)
+        return default_config(t, topk, e, h, i, g13, g2, sms=4)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     bucket = 1 << max(0, (t - 1).bit_length())
     key = (x.device, bucket, topk, e, h, i, g13, g2, x.dtype, use_naive(t, topk, e))
@@ -498,8 +631,12 @@ def choose_config(x, topk_ids, w13, w2, g13: int, g2: int, args) -> MoeConfig:
     if cfg is not None:
         return cfg
     if os.environ.get("FASTAWQ_TRITON_TUNE", "1") == "0" or torch.cuda.is_current_stream_capturing():
-        return heuristic_config(t, topk, e, h, i, g13, g2, sms)
-    _TUNED[key] = _tune(key, heuristic_config(t, topk, e, h, i, g13, g2, sms), args)
+        return default_config(t, topk, e, h, i, g13, g2, sms)
+    if use_naive(t, topk, e):
+        _TUNED[key] = _tune_gemv(key, gemv_config(t, topk, h, i, g13, g2, sms),
+                                 heuristic_config(t, topk, e, h, i, g13, g2, sms), args)
+    else:
+        _TUNED[key] = _tune(key, heuristic_config(t, topk, e, h, i, g13, g2, sms), args)
     return _TUNED[key]
 
 
