@@ -306,13 +306,13 @@ def test_tuner_descends_to_the_fastest_tiles(monkeypatch):
     from fastawq.triton_kernels import moe as tmoe
 
     def cost(cfg, args):
-        return (abs(cfg.w13.block_n - 32) + abs(cfg.w2.block_n - 128) + 10 * (cfg.w2.num_stages != 4)
-                + abs(cfg.block_m - 64) + (cfg.w13.block_k != 64))
+        return (abs(cfg.w13.block_n - 256) + abs(cfg.w2.block_n - 128) + 10 * (cfg.w2.num_stages != 4)
+                + abs(cfg.block_m - 64) + (cfg.w13.block_k != 32))
 
     monkeypatch.setattr(tmoe, "_time", cost)
     base = tmoe.MoeConfig(32, False, tmoe.KernelConfig(64, 128), tmoe.KernelConfig(64, 128))
     best = tmoe._tune("key", base, None)
-    assert (best.w13.block_n, best.w13.block_k, best.w2.block_n, best.w2.num_stages, best.block_m) == (32, 64, 128, 4, 64)
+    assert (best.w13.block_n, best.w13.block_k, best.w2.block_n, best.w2.num_stages, best.block_m) == (256, 32, 128, 4, 64)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
