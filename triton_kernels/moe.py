@@ -636,7 +636,14 @@ def choose_config(x, topk_ids, w13, w2, g13: int, g2: int, args) -> MoeConfig:
         _TUNED[key] = _tune_gemv(key, gemv_config(t, topk, h, i, g13, g2, sms),
                                  heuristic_config(t, topk, e, h, i, g13, g2, sms), args)
     else:
-        _TUNED[key] = _tune(key, heuristic_config(t, topk, e, h, i, g13, g2, sms), args)
+        best = _tune(key, heuristic_config(t, topk, e, h, i, g13, g2, sms), args)
+        if t * topk <= 2 * e:
+            # Two or fewer assignments per expert on average (Qwen3 batched decode): reading an
+            # expert once per assignment on CUDA cores may beat one tl.dot block per expert.
+            gemv = gemv_config(t, topk, h, i, g13, g2, sms)
+            if _time(gemv, args) < _time(best, args):
+                best = gemv
+        _TUNED[key] = best
     return _TUNED[key]
 
 
