@@ -6,6 +6,8 @@ lengths; then a profile of fused decode steps (kernel time vs. wall time, top ke
 Writes e2e.json and e2e.md to --out.
 
     python benchmarks/bench_e2e.py --out $OUT --budget 200
+    # mixture of experts: 8 of 48 layers measured, full depth estimated; batch 1 and 16
+    python benchmarks/bench_e2e.py --shape qwen3-30b-a3b --layers 8 --batches 1,16 --modes fused-graphs
 """
 from __future__ import annotations
 
@@ -28,9 +30,10 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total  # parameters() counts tied embeddings once
 
 
-def profile_decode(shape: str, max_seq_len: int, ctx: int, steps: int = 20, layout: str = "awq") -> dict:
+def profile_decode(shape: str, max_seq_len: int, ctx: int, steps: int = 20, layout: str = "awq",
+                   num_layers: int | None = None) -> dict:
     """GPU kernel time vs wall time of `steps` graph-replayed decode steps at context `ctx`."""
-    m = bench.build_model("fused-graphs", None, shape, "cuda", max_seq_len, 1, layout=layout)
+    m = bench.build_model("fused-graphs", None, shape, "cuda", max_seq_len, 1, layout=layout, num_layers=num_layers)
     rt = m.fastawq_runtime
     ids = torch.randint(0, m.config.vocab_size, (1, ctx), device="cuda")
     tok = rt.prefill(ids)[:, -1].argmax(-1)
@@ -53,10 +56,11 @@ def profile_decode(shape: str, max_seq_len: int, ctx: int, steps: int = 20, layo
     total_us = sum(kernels.values())
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
     wb = weight_bytes(m)
+    m_layers = m.config.num_hidden_layers
     del m, rt
     torch.cuda.empty_cache()
     return {
-        "ctx": ctx, "steps": steps, "wall_ms_per_token": 1e3 * wall / steps,
+        "ctx": ctx, "steps": steps, "layers": m_layers, "wall_ms_per_token": 1e3 * wall / steps,
         "kernel_ms_per_token": total_us / 1e3 / steps, "weight_gb": wb / 1e9,
         "top_kernels_us_per_token": [(k[:90], v / steps) for k, v in top],
     }
@@ -73,7 +77,11 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--layout", choices=("awq", "packed"), default="awq", help="W4 weight layout (WQLinear.set_layout)")
     ap.add_argument("--modes", default="fused-graphs,fp16,fused,w4", help="comma list, run in this order")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="build this many decoder layers; rows add a full-depth estimate (commands/bench.py)")
+    ap.add_argument("--batches", default="1", help="comma list of batch sizes for the fused-graphs rows")
     args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
     t_start = time.time()
     plan = [
         ("fused-graphs", [int(x) for x in args.graph_lengths.split(",")], None),
@@ -88,14 +96,16 @@ def main() -> int:
             print(f"skip {mode}: past the {args.budget:.0f}s budget", flush=True)
             continue
         t = time.time()
-        rows += bench.bench(None, args.shape, [mode], lengths, 1, args.device, max_seq_len=args.max_seq_len,
-                            max_decode=max_decode, layout=args.layout)
+        new = bench.bench(None, args.shape, [mode], lengths, batches if mode == "fused-graphs" else 1, args.device,
+                          max_seq_len=args.max_seq_len, max_decode=max_decode, layout=args.layout,
+                          num_layers=args.layers)
+        rows += new
         print(f"{mode} done in {time.time() - t:.0f}s", flush=True)
-        print(bench.format_table(rows[-len(lengths):]), flush=True)
+        print(bench.format_table(new), flush=True)
     prof = None
     if args.device.startswith("cuda") and time.time() - t_start < args.budget + 30:
         try:
-            prof = profile_decode(args.shape, args.max_seq_len, 512, layout=args.layout)
+            prof = profile_decode(args.shape, args.max_seq_len, 512, layout=args.layout, num_layers=args.layers)
         except Exception as e:  # the table matters more than the profile
             print(f"profile failed: {type(e).__name__}: {e}")
     commit = os.environ.get("FASTAWQ_COMMIT") or subprocess.run(
@@ -104,7 +114,7 @@ def main() -> int:
     meta = {
         "shape": args.shape, "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU", "torch": torch.__version__,
         "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "max_seq_len": args.max_seq_len, "layout": args.layout,
+        "max_seq_len": args.max_seq_len, "layout": args.layout, "layers": args.layers,
     }
     try:
         import triton
@@ -113,14 +123,14 @@ def main() -> int:
     except ImportError:
         pass
     table = bench.format_table(rows)
-    fp16 = {r.prefill_len: r.prefill_tps for r in rows if r.mode == "fp16" and r.prefill_tps}
-    fused = {r.prefill_len: r.prefill_tps for r in rows if r.mode == "fused-graphs" and r.prefill_tps}
+    fp16 = {r.prefill_len: r.prefill_tps for r in rows if r.mode == "fp16" and r.prefill_tps and r.batch == 1}
+    fused = {r.prefill_len: r.prefill_tps for r in rows if r.mode == "fused-graphs" and r.prefill_tps and r.batch == 1}
     lines = [json.dumps(meta), "", table, ""]
     for n in sorted(set(fp16) & set(fused)):
         lines.append(f"prefill {n}: fused W4 / fp16 = {fused[n] / fp16[n]:.2f}x")
     if prof:
         lines.append(
-            f"decode profile at ctx {prof['ctx']}: wall {prof['wall_ms_per_token']:.3f} ms/token, GPU kernels "
+            f"decode profile at ctx {prof['ctx']} ({prof['layers']} layers): wall {prof['wall_ms_per_token']:.3f} ms/token, GPU kernels "
             f"{prof['kernel_ms_per_token']:.3f} ms/token, weights {prof['weight_gb']:.2f} GB"
         )
         for name, us in prof["top_kernels_us_per_token"]:

@@ -72,3 +72,40 @@ def test_random_w4_model_is_packed_and_finite():
     with torch.inference_mode():
         logits = model(torch.randint(0, 512, (1, 12))).logits
     assert torch.isfinite(logits).all() and logits.float().std() > 0
+
+
+def _small_moe_shape(monkeypatch, layers: int = 4) -> str:
+    cls_name, kw, _ = SHAPES["qwen3-30b-a3b"]
+    small = dict(kw, vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                 num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+                 num_experts_per_tok=2)
+    monkeypatch.setitem(SHAPES, "moe-small", (cls_name, small, 64))
+    return "moe-small"
+
+
+def test_bench_moe_shape_with_fewer_layers_reports_measured_and_estimated(monkeypatch, capsys):
+    """A random MoE shape through the fused engine, built with 2 of its 4 layers: the table labels
+    the measured columns and adds full-depth estimates, which are slower than the measurement."""
+    from fastawq.modules.fused import FusedMoE
+
+    name = _small_moe_shape(monkeypatch)
+    m = bench.build_model("fused", None, name, "cpu", 32, 1, dtype=torch.float32, num_layers=2)
+    assert len(m.model.layers) == 2 and all(isinstance(f.mlp, FusedMoE) for f in m.model.layers)
+    del m
+    args = _parse(["bench", "--shape", name, "--mode", "fused", "--lengths", "8", "--max-seq-len", "32",
+                   "--device", "cpu", "--layers", "2"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    for col in ("Decode tokens/s (2 layers, measured)", "Decode tokens/s (4 layers, estimated)",
+                "Prefill tokens/s (4 layers, estimated)", "2 layers measured"):
+        assert col in out, col
+    rows = bench.bench(None, name, ["fused"], [8], 1, "cpu", max_seq_len=32, dtype=torch.float32, num_layers=2)
+    r = rows[0]
+    assert (r.layers, r.full_layers) == (2, 4)
+    assert 0 < r.decode_tps_full < r.decode_tps and 0 < r.prefill_tps_full < r.prefill_tps
+
+
+def test_full_depth_scales_only_the_layers():
+    # 10 ms measured with 8 layers, 2 ms of it the head: 2 + 8 * 48 / 8 = 50 ms at 48 layers.
+    assert bench.full_depth(0.010, 0.002, 8, 48) == pytest.approx(0.050)
+    assert bench.full_depth(0.001, 0.002, 8, 48) == pytest.approx(0.002)  # noise below the head

@@ -41,8 +41,9 @@ CONFIGS = {
 ARCHS = list(CONFIGS)
 
 
-def tiny_moe(arch: str, seed: int = 0) -> torch.nn.Module:
-    cls_name, kwargs = CONFIGS[arch]
+def tiny_moe(arch: str, seed: int = 0, configs: dict | None = None) -> torch.nn.Module:
+    """A float32 model of CONFIGS[arch] (or configs[arch]) with random norms, experts and routers."""
+    cls_name, kwargs = (configs or CONFIGS)[arch]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls_name)(**kwargs),
                                                           dtype=torch.float32).eval()
@@ -171,9 +172,13 @@ def test_fused_and_per_expert_forms_quantize_alike():
     fused = tiny_moe("mixtral", seed=2)
     per_expert = copy.deepcopy(fused)
     unfuse_all(per_expert)
-    qc = QuantConfig(w_bit=4, q_group_size=32)
-    a = _quantize_pseudo_pack(fused, qc)
-    b = _quantize_pseudo_pack(per_expert, QuantConfig(w_bit=4, q_group_size=32))
+    _assert_quantize_alike(fused, per_expert)
+
+
+def _assert_quantize_alike(model_a, model_b) -> None:
+    """Both forms, AWQ-quantized on the same calibration, give bit-identical pseudo-quantized logits."""
+    a = _quantize_pseudo_pack(model_a, QuantConfig(w_bit=4, q_group_size=32))
+    b = _quantize_pseudo_pack(model_b, QuantConfig(w_bit=4, q_group_size=32))
     ids = ids_(1, 10, 8)
     with torch.no_grad():
         torch.testing.assert_close(a(ids).logits, b(ids).logits, rtol=0, atol=0)
@@ -197,12 +202,7 @@ def test_module_list_of_expert_mlps_quantizes_like_the_fused_form():
                 m.up_proj.weight.copy_(f.gate_up_proj[e, i:])
                 m.down_proj.weight.copy_(f.down_proj[e])
             layer.mlp.experts = mlps
-    qc = QuantConfig(w_bit=4, q_group_size=32)
-    a = _quantize_pseudo_pack(fused, qc)
-    b = _quantize_pseudo_pack(listed, QuantConfig(w_bit=4, q_group_size=32))
-    ids = ids_(1, 10, 8)
-    with torch.no_grad():
-        torch.testing.assert_close(a(ids).logits, b(ids).logits, rtol=0, atol=0)
+    _assert_quantize_alike(fused, listed)
 
 
 def test_expert_without_calibration_tokens_is_quantized(caplog):

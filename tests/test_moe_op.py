@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -42,9 +43,17 @@ def routing(kind: str, t: int, e: int, k: int, device=DEVICE, seed: int = 0):
     return ids.to(device), weights.to(device)
 
 
+def moe_case(e: int, h: int, i: int, g: int, k: int, t: int, seed: int, dtype=torch.float16, load: str = "random"):
+    """Random stacked experts, input x [T, H] and a routing: (weights, x, topk_ids, topk_weights)."""
+    weights = random_moe(e, h, i, g, dtype, seed=seed)
+    x = random_input((t, h), DEVICE, dtype, seed=seed + 1)
+    ids, w = routing(load, t, e, k, seed=seed + 2)
+    return weights, x, ids, w
+
+
 def torch_same_dtype_error(x, ids, w, weights, g, act) -> float:
     ref = reference.moe_w4(x, ids, w, *weights, g, act).float()
-    return (ops_moe.moe_w4(x, ids, w, *weights, g, act, backend="torch").float() - ref).abs().max().item()
+    return (reference.moe_w4(x, ids, w, *weights, g, act, dtype=x.dtype).float() - ref).abs().max().item()
 
 
 def check(out, x, ids, w, weights, g, act="silu", factor=4.0):
@@ -116,35 +125,42 @@ def test_moe_other_activations(act):
     check(ops_moe.moe_w4(x, ids, w, *weights, g, act, backend="triton"), x, ids, w, weights, g, act)
 
 
+def _kc(bn, bk, split=1):
+    from fastawq.triton_kernels.moe import KernelConfig
+
+    return KernelConfig(bn, bk, 4, 3, split_k=split)
+
+
+# (T, k, routing, naive, block_m, w13 tile, w2 tile): per-assignment blocks (decode) and sorted
+# blocks (batches); column tiles that split I = 96 and H = 64 unevenly; K split in w13 (gate/up
+# sums added atomically, act * mul in w2's load), in w2, in both. Every config the tuner may pick
+# must give the same sums.
+CONFIGS = [
+    (6, 2, "random", True, 16, None, _kc(64, 16)),
+    (6, 2, "random", False, 32, None, None),
+    (6, 2, "random", True, 16, None, _kc(32, 16, 3)),
+    (6, 2, "random", False, 16, _kc(64, 16), _kc(32, 16, 3)),
+    (6, 2, "random", True, 16, _kc(64, 16, 2), None),
+    (6, 2, "random", False, 16, _kc(32, 16, 4), _kc(64, 16, 2)),
+    (1, 2, "random", True, 16, _kc(128, 16, 3), _kc(64, 32, 2)),
+    (6, 2, "random", False, 16, _kc(256, 16, 2), _kc(256, 32)),  # wider than I and H: masked columns
+    # k = 3 with repeated experts: one block holds two rows of the same token, whose atomic adds
+    # hit the same addresses in one instruction.
+    (5, 3, "few_experts", False, 16, None, _kc(64, 16, 2)),
+    (5, 3, "few_experts", False, 16, _kc(64, 16, 2), _kc(64, 16, 2)),
+]
+
+
 @needs_triton
-def test_block_modes_and_tiles_agree_with_reference():
-    # Per-assignment blocks (decode) and sorted blocks (batches), with column tiles that split
-    # I = 96 and H = 64 unevenly: every config the tuner may pick must give the same sums.
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("t,k,route,naive,bm,w13,w2", CONFIGS)
+def test_kernel_configs_agree_with_reference(t, k, route, naive, bm, w13, w2, dtype):
     from fastawq.triton_kernels import moe as tmoe
 
-    e, h, i, g, k, t = 8, 64, 96, 32, 2, 6
-    weights = random_moe(e, h, i, g, seed=12)
-    x = random_input((t, h), DEVICE, torch.float16, seed=13)
-    ids, w = routing("random", t, e, k, seed=14)
+    e, h, i, g = 8, 64, 96, 32
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, 12, dtype, route)
     base = tmoe.heuristic_config(t, k, e, h, i, g, g, sms=4)
-    narrow, split = tmoe.KernelConfig(64, 16, 4, 3), tmoe.KernelConfig(32, 16, 4, 3, split_k=3)
-    for naive, bm, w13, w2 in ((True, 16, base.w13, narrow), (False, 32, base.w13, base.w2),
-                               (True, 16, base.w13, split), (False, 16, narrow, split)):
-        check(tmoe.moe_w4(x, ids, w, *weights, g, config=tmoe.MoeConfig(bm, naive, w13, w2)), x, ids, w, weights, g)
-
-
-@needs_triton
-def test_split_k_adds_rows_of_one_token_in_one_block():
-    # With k = 3 and repeated experts, one block holds two rows of the same token: their atomic
-    # adds hit the same addresses in one instruction.
-    from fastawq.triton_kernels import moe as tmoe
-
-    e, h, i, g, k, t = 6, 64, 64, 32, 3, 5
-    weights = random_moe(e, h, i, g, seed=15)
-    x = random_input((t, h), DEVICE, torch.float16, seed=16)
-    ids, w = routing("few_experts", t, e, k, seed=17)
-    base = tmoe.heuristic_config(t, k, e, h, i, g, g, sms=4)
-    cfg = tmoe.MoeConfig(16, False, base.w13, tmoe.KernelConfig(64, 16, 4, 3, split_k=2))
+    cfg = tmoe.MoeConfig(bm, naive, w13 or base.w13, w2 or base.w2)
     check(tmoe.moe_w4(x, ids, w, *weights, g, config=cfg), x, ids, w, weights, g)
 
 
@@ -250,9 +266,7 @@ def test_opcheck(backend):
 @pytest.mark.parametrize("t", [1, 16, 256])
 def test_moe_qwen3_shape_under_cuda_graph(t):
     e, h, i, g, k = 128, 2048, 768, 128, 8
-    weights = random_moe(e, h, i, g, seed=30)
-    x = random_input((t, h), "cuda", torch.float16, seed=31)
-    ids, w = routing("random", t, e, k, seed=32)
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, 30)
     ops_moe.moe_w4(x, ids, w, *weights, g, backend="triton")  # tune and compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -292,13 +306,13 @@ def test_tuner_descends_to_the_fastest_tiles(monkeypatch):
     from fastawq.triton_kernels import moe as tmoe
 
     def cost(cfg, args):
-        return (abs(cfg.w13.block_n - 32) + abs(cfg.w2.block_n - 128) + 10 * (cfg.w2.num_stages != 4)
-                + abs(cfg.block_m - 64) + (cfg.w13.block_k != 64))
+        return (abs(cfg.w13.block_n - 256) + abs(cfg.w2.block_n - 128) + 10 * (cfg.w2.num_stages != 4)
+                + abs(cfg.block_m - 64) + (cfg.w13.block_k != 32))
 
     monkeypatch.setattr(tmoe, "_time", cost)
     base = tmoe.MoeConfig(32, False, tmoe.KernelConfig(64, 128), tmoe.KernelConfig(64, 128))
     best = tmoe._tune("key", base, None)
-    assert (best.w13.block_n, best.w13.block_k, best.w2.block_n, best.w2.num_stages, best.block_m) == (32, 64, 128, 4, 64)
+    assert (best.w13.block_n, best.w13.block_k, best.w2.block_n, best.w2.num_stages, best.block_m) == (256, 32, 128, 4, 64)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -326,22 +340,21 @@ def test_topk_route_group_limit_stays_in_torch():
 @pytest.mark.parametrize("t", [1, 16, 200])
 def test_every_tuning_candidate_is_correct(t):
     # The tuner may pick any variant it times (tiles, warps, stages, K splits, block rows).
-    from dataclasses import replace
-
     from fastawq.triton_kernels import moe as tmoe
 
     e, h, i, g, k = 8, 1024, 4096, 128, 2
-    weights = random_moe(e, h, i, g, seed=60)
-    x = random_input((t, h), "cuda", torch.float16, seed=61)
-    ids, w = routing("random", t, e, k, seed=62)
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, 60)
     base = tmoe.heuristic_config(t, k, e, h, i, g, g, torch.cuda.get_device_properties(0).multi_processor_count)
     configs = [base]
     configs += [replace(base, w13=kc) for kc in tmoe._variants(base.w13, base.block_m)]
     configs += [replace(base, w2=kc) for kc in tmoe._variants(base.w2, base.block_m)]
     configs += [replace(base, w2=replace(base.w2, split_k=s)) for s in (1, 2, 4, 8)]
+    configs += [replace(base, w13=replace(base.w13, split_k=s)) for s in (1, 2, 4, 8)]
     configs += [replace(base, w13=replace(base.w13, block_k=base.w13.block_k // 2, num_stages=4)),
                 replace(base, w2=replace(base.w2, block_k=base.w2.block_k // 2, num_stages=4))]
     configs += [replace(base, block_m=bm) for bm in (16, 32, 64) if not base.naive]
+    if tmoe.use_naive(t, k, e):
+        configs += tmoe._gemv_variants(tmoe.gemv_config(t, k, h, i, g, g, 132))
     for cfg in dict.fromkeys(configs):
         check(tmoe.moe_w4(x, ids, w, *weights, g, config=cfg), x, ids, w, weights, g)
 
@@ -356,26 +369,46 @@ def _compile_for_sm90(fn, sig: dict, constexprs: dict, **options):
     return triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_heuristic_kernels(t: int) -> None:
-    """Build the Qwen3-30B-A3B shape's MoE kernels for sm_90 with the configs the heuristic picks."""
+def compile_heuristic_kernels(t: int, split13: int | None = None, wide: bool = False) -> None:
+    """Build the Qwen3-30B-A3B shape's MoE kernels for sm_90 with the configs the heuristic picks
+    (w13's K split forced to split13 when given: its atomic path and w2's gate/up input; with
+    wide, the tuner's 256-column tiles)."""
     from fastawq.triton_kernels import moe as tmoe
 
     cfg = tmoe.heuristic_config(t, 8, 128, 2048, 768, 128, 128, sms=132)
+    if split13 is not None:
+        cfg = replace(cfg, w13=replace(cfg.w13, split_k=split13))
+    if wide:
+        cfg = replace(cfg, **{f: replace(getattr(cfg, f), block_n=256, block_k=min(getattr(cfg, f).block_k, 32),
+                                         num_warps=8) for f in ("w13", "w2")})
+    gate_up = cfg.w13.split_k > 1
     ptrs = {"ids_ptr": "*i64", "sorted_ptr": "*i32", "bexp_ptr": "*i32", "qw_ptr": "*i32", "s_ptr": "*fp16",
             "qz_ptr": "*i32"}
     dims = {"E": "i32", "H": "i32", "I": "i32", "G": "i32", "TOPK": "i32"}
     common = {"NAIVE": cfg.naive, "BLOCK_M": cfg.block_m, "INTERPRET": False}
+    h_ptr = "*fp32" if gate_up else "*fp16"
     _compile_for_sm90(
-        tmoe.moe_w13_kernel, {"x_ptr": "*fp16", **ptrs, "h_ptr": "*fp16", "n_assign": "i32", **dims, "stride_xm": "i32"},
-        {"ACT": 0, **common, "BLOCK_N": cfg.w13.block_n, "BLOCK_K": cfg.w13.block_k},
+        tmoe.moe_w13_kernel, {"x_ptr": "*fp16", **ptrs, "h_ptr": h_ptr, "n_assign": "i32", **dims, "stride_xm": "i32",
+                              "split_k": "i32"},
+        {"ACT": 0, **common, "BLOCK_N": cfg.w13.block_n, "BLOCK_K": cfg.w13.block_k, "ATOMIC": gate_up},
         num_warps=cfg.w13.num_warps, num_stages=cfg.w13.num_stages)
     _compile_for_sm90(
-        tmoe.moe_w2_kernel, {"h_ptr": "*fp16", "ids_ptr": "*i64", "sorted_ptr": "*i32", "bexp_ptr": "*i32",
+        tmoe.moe_w2_kernel, {"h_ptr": h_ptr, "ids_ptr": "*i64", "sorted_ptr": "*i32", "bexp_ptr": "*i32",
                              "tw_ptr": "*fp32", "qw_ptr": "*i32", "s_ptr": "*fp16", "qz_ptr": "*i32",
                              "out_ptr": "*fp32" if cfg.w2.split_k > 1 else "*fp16", "n_assign": "i32", **dims,
                              "split_k": "i32"},
-        {**common, "BLOCK_N": cfg.w2.block_n, "BLOCK_K": cfg.w2.block_k, "ATOMIC": cfg.w2.split_k > 1},
+        {**common, "BLOCK_N": cfg.w2.block_n, "BLOCK_K": cfg.w2.block_k, "ATOMIC": cfg.w2.split_k > 1,
+         "GATE_UP": gate_up, "ACT": 0, "BF16": False},
         num_warps=cfg.w2.num_warps, num_stages=cfg.w2.num_stages)
+    gemv = tmoe.gemv_config(t, 8, 2048, 768, 128, 128, sms=132)
+    for w13, kc in ((True, gemv.w13), (False, gemv.w2)):
+        _compile_for_sm90(
+            tmoe.moe_gemv_kernel, {"a_ptr": "*fp16" if w13 else "*fp32", "ids_ptr": "*i64", "tw_ptr": "*fp32",
+                                   "qw_ptr": "*i32", "s_ptr": "*fp16", "qz_ptr": "*i32", "out_ptr": "*fp32",
+                                   "E": "i32", "K": "i32", "N": "i32", "G": "i32", "TOPK": "i32",
+                                   "stride_am": "i32", "split_k": "i32"},
+            {"W13": w13, "ACT": 0, "BLOCK_W": kc.block_n // 8, "BLOCK_K": kc.block_k},
+            num_warps=kc.num_warps, num_stages=kc.num_stages)
     if not cfg.naive:
         _compile_for_sm90(tmoe.moe_align_kernel, {"ids_ptr": "*i64", "sorted_ptr": "*i32", "bexp_ptr": "*i32",
                                                   "n": "i32", "E": "i32", "max_blocks": "i32"},
@@ -391,7 +424,44 @@ def test_heuristic_configs_compile_for_sm90():
     import sys
 
     here = pathlib.Path(__file__).resolve().parent
-    code = f"import sys; sys.path.insert(0, {str(here)!r}); import test_moe_op as t; [t.compile_heuristic_kernels(n) for n in (1, 16, 256)]"
+    code = f"import sys; sys.path.insert(0, {str(here)!r}); import test_moe_op as t; [t.compile_heuristic_kernels(n, s) for n in (1, 16, 256) for s in (None, 1, 2)]; t.compile_heuristic_kernels(1, 4, wide=True)"
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("t,k,g,w13,w2", [
+    (1, 2, 32, None, None),
+    (2, 3, 32, _kc(128, 16, 3), _kc(512, 16)),  # uneven K splits, a tile wider than H
+    (1, 2, -1, _kc(256, 32, 2), _kc(128, 32, 5)),  # one group over each K
+    (3, 2, 32, _kc(256, 32, 64), None),  # more splits than K tiles: idle programs
+])
+def test_gemv_decode_configs_agree_with_reference(t, k, g, w13, w2, dtype):
+    # The CUDA-core decode path: one program per (assignment, words of a row, K split), fp32 atomics.
+    from fastawq.triton_kernels import moe as tmoe
+
+    e, h, i = 8, 64, 96
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, 40, dtype)
+    base = tmoe.gemv_config(t, k, h, i, h if g == -1 else g, i if g == -1 else g, sms=4)
+    cfg = replace(base, w13=w13 or base.w13, w2=w2 or base.w2)
+    check(tmoe.moe_w4(x, ids, w, *weights, g, config=cfg), x, ids, w, weights, g)
+
+
+def test_tuner_finds_a_wide_tile_that_only_wins_with_a_k_split(monkeypatch):
+    # A synthetic cost where a 256-column w13 tile is slower than the heuristic's unless K is split
+    # 4 ways: one pass of tiles-then-splits misses it, the second pass finds it.
+    from fastawq.triton_kernels import moe as tmoe
+
+    base = tmoe.heuristic_config(1, 8, 128, 2048, 768, 128, 128, sms=132)
+
+    def cost(cfg, args):
+        w13 = cfg.w13
+        if w13.block_n == 256:
+            return 1.0 if w13.split_k == 4 else 9.0
+        return 5.0 - 0.1 * (w13.split_k == 4)
+
+    monkeypatch.setattr(tmoe, "_time", cost)
+    best = tmoe._tune("key", base, None)
+    assert (best.w13.block_n, best.w13.split_k) == (256, 4) and best.w13.block_k <= 32

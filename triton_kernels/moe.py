@@ -9,8 +9,13 @@ instead of once per token. Two ways to form blocks:
 - one assignment per block (decode with few assignments per expert): no sort at all, and each
   block reads one expert's weights, exactly what the assignment needs.
 w13 computes gate and up tiles side by side and writes act(gate) * up; w2 scales each row by its
-routing weight and writes it at its flat index, then the k rows of a token are summed; or, where
-few programs would each stream a long K, w2 splits K and adds into an fp32 [T, H] atomically.
+routing weight and writes it at its flat index, then the k rows of a token are summed. Where few
+programs would each stream a long K, either splits K: w13 adds its gate and up partial sums into a
+zeroed fp32 [T * k, 2I] atomically (w2 then applies act(gate) * up as it loads them), w2 adds into
+an fp32 [T, H] atomically.
+Decode (each expert one or two assignments) has a third form without tl.dot: moe_gemv_kernel, one
+program per (assignment, run of words of a row, K split) on CUDA cores, reading 128 contiguous
+bytes of each weight row, fp32 atomics into zeroed outputs; the tuner also times the tl.dot form.
 """
 from __future__ import annotations
 
@@ -22,31 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .awq import _unpack_cols
+from .awq import _dequant, _unpack_cols
 
 logger = logging.getLogger(__name__)
 
 ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
-
-
-@triton.jit
-def _dequant_tile(words, zw, s, a, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
-    """[BK, BN // 8] words, [BN // 8] zero words and [BN] scales of one group -> [BK, BN] for tl.dot with a."""
-    q = _unpack_cols(words, BLOCK_N)
-    z = tl.reshape(_unpack_cols(zw[None, :], BLOCK_N), (BLOCK_N,))
-    if INTERPRET:
-        # The interpreter's bf16 conversions and bf16 tl.dot are wrong: stay in fp32 there.
-        b = (q - z[None, :]).to(tl.float32) * s[None, :].to(tl.float32)
-    else:
-        # int4 -> half through the exponent field, as in awq.py: q - z is exact, one rounding in * s.
-        if a.dtype == tl.float16:
-            qh = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-            zh = (z | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-        else:
-            qh = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            zh = (z | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        b = (qh - zh[None, :]) * s[None, :].to(a.dtype)
-    return b
 
 
 @triton.jit
@@ -78,20 +63,35 @@ def _act(g, ACT: tl.constexpr):
 
 
 @triton.jit
+def _weight_tile(qw, qz, sc, k0, offs_k, offs_w, offs_n, mask_w, mask_n, n8, ncols, G, a,
+                 BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    """Rows k0.. of one expert's packed matrix (n8 words and ncols scales a row), dequantized to the
+    [BLOCK_K, BLOCK_N] tile tl.dot takes with `a`. BLOCK_K divides G: one group per tile."""
+    words = tl.load(qw + (k0 + offs_k)[:, None] * n8 + offs_w[None, :], mask=mask_w[None, :], other=0)
+    g = k0 // G
+    zw = tl.load(qz + g * n8 + offs_w, mask=mask_w, other=0)
+    s = tl.load(sc + g * ncols + offs_n, mask=mask_n, other=0.0)
+    return _dequant(_unpack_cols(words, BLOCK_N), _unpack_cols(zw[None, :], BLOCK_N), s[None, :], a, INTERPRET)
+
+
+@triton.jit
 def moe_w13_kernel(
     x_ptr, ids_ptr, sorted_ptr, bexp_ptr, qw_ptr, s_ptr, qz_ptr, h_ptr,
-    n_assign, E, H, I, G, TOPK, stride_xm,
+    n_assign, E, H, I, G, TOPK, stride_xm, split_k,
     ACT: tl.constexpr,
     NAIVE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ATOMIC: tl.constexpr = False,
     INTERPRET: tl.constexpr = False,
 ):
     # x [T, H] · w13 qweight [E, H, 2I // 8] · scales [E, H // G, 2I] · qzeros [E, H // G, 2I // 8]
-    # -> h [T * k, I] = act(x w_gate) * (x w_up) for each row's expert
+    # -> h [T * k, I] = act(x w_gate) * (x w_up) for each row's expert, or with ATOMIC, the K split
+    # over program_id(2) and both sums added into a zeroed fp32 h [T * k, 2I] (gate | up).
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     expert, flat, valid = _block_rows(pid_b, ids_ptr, sorted_ptr, bexp_ptr, n_assign, BLOCK_M, NAIVE)
     if expert >= E:  # a padding block past the last expert's
         return
@@ -108,24 +108,25 @@ def moe_w13_kernel(
     sc = s_ptr + expert * (H // G) * (2 * I)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # BLOCK_K divides G, so each K tile lies inside one quantization group.
-    for k0 in range(0, H, BLOCK_K):
+    for k0 in range(pid_k * BLOCK_K, H, split_k * BLOCK_K):
         a = tl.load(x_ptr + tok[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
-        w_ptrs = qw + (k0 + offs_k)[:, None] * n8 + offs_w[None, :]
-        wg = tl.load(w_ptrs, mask=mask_w[None, :], other=0)
-        wu = tl.load(w_ptrs + i8, mask=mask_w[None, :], other=0)
-        g = k0 // G
-        zg = tl.load(qz + g * n8 + offs_w, mask=mask_w, other=0)
-        zu = tl.load(qz + g * n8 + i8 + offs_w, mask=mask_w, other=0)
-        sg = tl.load(sc + g * 2 * I + offs_n, mask=mask_n, other=0.0)
-        su = tl.load(sc + g * 2 * I + I + offs_n, mask=mask_n, other=0.0)
         if INTERPRET:
             a = a.to(tl.float32)
-        acc_g = tl.dot(a, _dequant_tile(wg, zg, sg, a, BLOCK_N, INTERPRET), acc_g)
-        acc_u = tl.dot(a, _dequant_tile(wu, zu, su, a, BLOCK_N, INTERPRET), acc_u)
-    hval = _act(acc_g, ACT) * acc_u
-    tl.store(h_ptr + flat[:, None] * I + offs_n[None, :], hval.to(h_ptr.dtype.element_ty),
-             mask=valid[:, None] & mask_n[None, :])
+        # The up columns start I // 8 words (I scales) after the gate columns of the same row.
+        bg = _weight_tile(qw, qz, sc, k0, offs_k, offs_w, offs_n, mask_w, mask_n, n8, 2 * I, G, a, BLOCK_N, INTERPRET)
+        bu = _weight_tile(qw + i8, qz + i8, sc + I, k0, offs_k, offs_w, offs_n, mask_w, mask_n, n8, 2 * I, G, a,
+                          BLOCK_N, INTERPRET)
+        acc_g = tl.dot(a, bg, acc_g)
+        acc_u = tl.dot(a, bu, acc_u)
+    mask = valid[:, None] & mask_n[None, :]
+    if ATOMIC:
+        # Few programs would otherwise stream a long K each (Mixtral decode: H = 4096 for two rows).
+        gu = h_ptr + flat[:, None] * (2 * I) + offs_n[None, :]
+        tl.atomic_add(gu, acc_g, mask=mask, sem="relaxed")
+        tl.atomic_add(gu + I, acc_u, mask=mask, sem="relaxed")
+    else:
+        hval = _act(acc_g, ACT) * acc_u
+        tl.store(h_ptr + flat[:, None] * I + offs_n[None, :], hval.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -137,11 +138,16 @@ def moe_w2_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ATOMIC: tl.constexpr,
+    GATE_UP: tl.constexpr = False,
+    ACT: tl.constexpr = 0,
+    BF16: tl.constexpr = False,
     INTERPRET: tl.constexpr = False,
 ):
     # h [T * k, I] · w2 qweight [E, I, H // 8] · scales [E, I // G, H] · qzeros [E, I // G, H // 8]
     # -> out [T * k, H] = topk_weight * (h w2) for each row's expert, or with ATOMIC, added into
     # a zeroed fp32 out [T, H] (the sum over k done here, and K split over program_id(2)).
+    # GATE_UP: h is w13's fp32 [T * k, 2I] (gate | up) sums; act(gate) * up is formed here, rounded
+    # to the activations' dtype (bf16 with BF16) as w13 would have stored it.
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -159,14 +165,18 @@ def moe_w2_kernel(
     sc = s_ptr + expert * (I // G) * H
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(pid_k * BLOCK_K, I, split_k * BLOCK_K):
-        a = tl.load(h_ptr + flat[:, None] * I + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
-        words = tl.load(qw + (k0 + offs_k)[:, None] * n8 + offs_w[None, :], mask=mask_w[None, :], other=0)
-        g = k0 // G
-        zw = tl.load(qz + g * n8 + offs_w, mask=mask_w, other=0)
-        s = tl.load(sc + g * H + offs_n, mask=mask_n, other=0.0)
+        if GATE_UP:
+            gu = h_ptr + flat[:, None] * (2 * I) + (k0 + offs_k)[None, :]
+            gate = tl.load(gu, mask=valid[:, None], other=0.0)
+            up = tl.load(gu + I, mask=valid[:, None], other=0.0)
+            a = _act(gate, ACT) * up
+            a = a.to(tl.bfloat16) if BF16 else a.to(tl.float16)
+        else:
+            a = tl.load(h_ptr + flat[:, None] * I + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
         if INTERPRET:
             a = a.to(tl.float32)
-        acc = tl.dot(a, _dequant_tile(words, zw, s, a, BLOCK_N, INTERPRET), acc)
+        b = _weight_tile(qw, qz, sc, k0, offs_k, offs_w, offs_n, mask_w, mask_n, n8, H, G, a, BLOCK_N, INTERPRET)
+        acc = tl.dot(a, b, acc)
     w = tl.load(tw_ptr + flat, mask=valid, other=0.0).to(tl.float32)
     acc = acc * w[:, None]
     if ATOMIC:
@@ -176,6 +186,69 @@ def moe_w2_kernel(
     else:
         tl.store(out_ptr + flat[:, None] * H + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _gemv_step(acc, xk, qw, qz, sc, k0, offs_k, offs_w, mask_w, col, n8, N, G):
+    """acc [BW, 8] += the K tile k0.. of one expert's packed matrix times xk [BK] (fp32), on the
+    nibbles where they lie (word w, nibble i = column col[w, i]). BLOCK_K divides G, so the group's
+    scale and zero apply after the K sum: sum_k (q - z) s x_k = s (sum_k q x_k - z sum_k x_k)."""
+    nib = tl.arange(0, 8)
+    words = tl.load(qw + (k0 + offs_k)[:, None] * n8 + offs_w[None, :], mask=mask_w[None, :], other=0)
+    nibbles = (words[:, :, None] >> (nib * 4)[None, None, :]) & 0xF
+    # int -> fp32 through the exponent field (2^23 + q, exact), cheaper than a conversion.
+    qf = (nibbles | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    g = k0 // G
+    zw = tl.load(qz + g * n8 + offs_w, mask=mask_w, other=0)
+    z = ((zw[:, None] >> (nib * 4)[None, :]) & 0xF).to(tl.float32)
+    s = tl.load(sc + g * N + col, mask=mask_w[:, None], other=0.0).to(tl.float32)
+    return acc + s * (tl.sum(qf * xk[:, None, None], axis=0) - z * tl.sum(xk, axis=0))
+
+
+@triton.jit
+def moe_gemv_kernel(
+    a_ptr, ids_ptr, tw_ptr, qw_ptr, s_ptr, qz_ptr, out_ptr,
+    E, K, N, G, TOPK, stride_am, split_k,
+    W13: tl.constexpr,
+    ACT: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # Decode (a few assignments): one program per (assignment, BLOCK_W words of a row, K split),
+    # CUDA cores, fp32 partial sums added atomically into zeroed fp32 outputs. No sort, no tl.dot,
+    # and each program reads contiguous runs of BLOCK_W words of every row of its expert.
+    # W13: x [T, H] · w13 [E, H, 2I // 8] -> gu [T * k, 2I] fp32 (gate | up), K = H, N = 2I.
+    # else: gu -> act(gate) * up [T * k, I] · w2 [E, I, H // 8], times the routing weight, summed
+    #       into out [T, H] fp32, K = I, N = H.
+    f = tl.program_id(0)
+    pid_w = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    expert = tl.load(ids_ptr + f).to(tl.int64)
+    if expert >= E:
+        return
+    n8 = N // 8
+    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    nib = tl.arange(0, 8)
+    col = offs_w[:, None] * 8 + ((nib % 4) * 2 + nib // 4)[None, :]  # [BW, 8] output columns
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_w = offs_w < n8
+    qw = qw_ptr + expert * K * n8
+    qz = qz_ptr + expert * (K // G) * n8
+    sc = s_ptr + expert * (K // G) * N
+    acc = tl.zeros((BLOCK_W, 8), dtype=tl.float32)
+    for t in range(pid_k, K // BLOCK_K, split_k):
+        k0 = t * BLOCK_K
+        if W13:
+            xk = tl.load(a_ptr + (f // TOPK) * stride_am + k0 + offs_k).to(tl.float32)
+        else:
+            gate = tl.load(a_ptr + f * 2 * K + k0 + offs_k)
+            xk = _act(gate, ACT) * tl.load(a_ptr + f * 2 * K + K + k0 + offs_k)
+        acc = _gemv_step(acc, xk, qw, qz, sc, k0, offs_k, offs_w, mask_w, col, n8, N, G)
+    if W13:
+        tl.atomic_add(out_ptr + f * N + col, acc, mask=mask_w[:, None], sem="relaxed")
+    else:
+        w = tl.load(tw_ptr + f).to(tl.float32)
+        tl.atomic_add(out_ptr + (f // TOPK) * N + col, acc * w, mask=mask_w[:, None], sem="relaxed")
 
 
 @triton.jit
@@ -271,7 +344,7 @@ class KernelConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
-    split_k: int = 1  # w2 only: > 1 adds fp32 partials atomically into the output
+    split_k: int = 1  # > 1: K split over programs, fp32 partials added atomically (module doc)
 
     def label(self) -> str:
         split = f"s{self.split_k}" if self.split_k > 1 else ""
@@ -284,9 +357,10 @@ class MoeConfig:
     naive: bool  # one assignment per block, no sort
     w13: KernelConfig
     w2: KernelConfig
+    gemv: bool = False  # naive mode on CUDA cores (moe_gemv_kernel); block_n = 8 x words per program
 
     def label(self) -> str:
-        mode = "naive" if self.naive else f"m{self.block_m}"
+        mode = "gemv" if self.gemv else "naive" if self.naive else f"m{self.block_m}"
         return f"{mode} w13 {self.w13.label()} w2 {self.w2.label()}"
 
 
@@ -377,19 +451,52 @@ def heuristic_config(t: int, topk: int, e: int, h: int, i: int, g13: int, g2: in
         warps = 8 if bm >= 32 and bn == 128 else 4
         programs, split = blocks * triton.cdiv(cols, bn), 1
         # Split K until the programs cover the SMs twice, each split keeping 4+ K tiles.
-        while w2 and programs * split < 2 * sms and k // (bk * split * 2) >= 4:
+        while programs * split < 2 * sms and k // (bk * split * 2) >= 4:
             split *= 2
         return KernelConfig(bn, bk, warps, 3, split)
 
     return MoeConfig(bm, naive, kernel(i, g13, h, False), kernel(h, g2, i, True))
 
 
-def _variants(base: KernelConfig, bm: int) -> list[KernelConfig]:
-    """Tile widths and warp counts around base (its K step, stages and split kept)."""
+def gemv_config(t: int, topk: int, h: int, i: int, g13: int, g2: int, sms: int) -> MoeConfig:
+    """The decode config on CUDA cores: 256-column programs (32 words, 128 contiguous bytes of
+    every row), K split until about four programs per SM."""
+    n = t * topk
+
+    def kernel(cols: int, g: int, k: int) -> KernelConfig:
+        bk = _block_k(g, k, 32)
+        programs = n * triton.cdiv(cols, 256)
+        split = max(1, min(k // bk // 2, triton.cdiv(4 * sms, programs)))
+        return KernelConfig(256, bk, 4, 1, split)
+
+    return MoeConfig(16, True, kernel(2 * i, g13, h), kernel(h, g2, i), gemv=True)
+
+
+def default_config(t: int, topk: int, e: int, h: int, i: int, g13: int, g2: int, sms: int) -> MoeConfig:
+    """Untuned: CUDA cores where each expert gets one or two assignments (decode), else tl.dot."""
+    if use_naive(t, topk, e):
+        return gemv_config(t, topk, h, i, g13, g2, sms)
+    return heuristic_config(t, topk, e, h, i, g13, g2, sms)
+
+
+def _gemv_variants(base: MoeConfig) -> list[MoeConfig]:
     out = [base]
-    for bn in (32, 64, 128):
-        for warps in (4, 8) if bm >= 32 else (4,):
-            out.append(replace(base, block_n=bn, num_warps=warps))
+    for field in ("w13", "w2"):
+        kc = getattr(base, field)
+        for change in ({"block_n": 128}, {"block_n": 512}, {"num_warps": 8}, {"split_k": max(1, kc.split_k // 2)},
+                       {"split_k": kc.split_k * 2}, {"block_k": 16}):
+            out.append(replace(base, **{field: replace(kc, **change)}))
+    return list(dict.fromkeys(out))
+
+
+def _variants(base: KernelConfig, bm: int) -> list[KernelConfig]:
+    """Tile widths and warp counts around base (its stages and split kept; its K step too, but
+    for 256-column tiles, which take 32 K rows at most to stay in registers)."""
+    out = [base]
+    for bn in (64, 128, 256):
+        for warps in (4, 8):
+            bk = base.block_k if bn <= 128 else min(base.block_k, 32)
+            out.append(replace(base, block_n=bn, block_k=bk, num_warps=warps))
     return list(dict.fromkeys(out))
 
 
@@ -400,29 +507,32 @@ def _launch(cfg: MoeConfig, x, topk_ids, topk_weights, w13, w2, g13, g2, act):
     i = w2[0].shape[1]
     n = t * topk
     ids = topk_ids.reshape(-1)
+    if cfg.gemv:
+        return _launch_gemv(cfg, x, ids, topk_weights.reshape(-1), w13, w2, g13, g2, act, topk)
     if cfg.naive:
         sorted_ids, bexp, blocks, bm = ids, ids, n, 16
     else:
         bm = cfg.block_m
         sorted_ids, bexp = moe_align(topk_ids, e, bm)
         blocks = bexp.numel()
-    hbuf = torch.empty((n, i), dtype=x.dtype, device=x.device)
+    split13, split = cfg.w13.split_k, cfg.w2.split_k
+    # The fp32 buffers the atomic adds land in, zeroed by one memset.
+    size = n * 2 * i * (split13 > 1) + t * h * (split > 1)
+    acc = torch.zeros(size, dtype=torch.float32, device=x.device) if size else None
+    hbuf = acc[:n * 2 * i].view(n, 2 * i) if split13 > 1 else torch.empty((n, i), dtype=x.dtype, device=x.device)
+    out = acc[acc.numel() - t * h:].view(t, h) if split > 1 else torch.empty((n, h), dtype=x.dtype, device=x.device)
     interp = _interpreting()
-    moe_w13_kernel[(blocks, triton.cdiv(i, cfg.w13.block_n))](
+    moe_w13_kernel[(blocks, triton.cdiv(i, cfg.w13.block_n), split13)](
         x, ids, sorted_ids, bexp, *w13, hbuf,
-        n, e, h, i, g13, topk, x.stride(0),
+        n, e, h, i, g13, topk, x.stride(0), split13,
         ACT=ACTS[act], NAIVE=cfg.naive, BLOCK_M=bm, BLOCK_N=cfg.w13.block_n, BLOCK_K=cfg.w13.block_k,
-        INTERPRET=interp, num_warps=cfg.w13.num_warps, num_stages=cfg.w13.num_stages,
+        ATOMIC=split13 > 1, INTERPRET=interp, num_warps=cfg.w13.num_warps, num_stages=cfg.w13.num_stages,
     )
-    split = cfg.w2.split_k
-    if split > 1:
-        out = torch.zeros((t, h), dtype=torch.float32, device=x.device)
-    else:
-        out = torch.empty((n, h), dtype=x.dtype, device=x.device)
     moe_w2_kernel[(blocks, triton.cdiv(h, cfg.w2.block_n), split)](
         hbuf, ids, sorted_ids, bexp, topk_weights.reshape(-1), *w2, out,
         n, e, h, i, g2, topk, split,
         NAIVE=cfg.naive, BLOCK_M=bm, BLOCK_N=cfg.w2.block_n, BLOCK_K=cfg.w2.block_k, ATOMIC=split > 1,
+        GATE_UP=split13 > 1, ACT=ACTS[act], BF16=x.dtype == torch.bfloat16,
         INTERPRET=interp, num_warps=cfg.w2.num_warps, num_stages=cfg.w2.num_stages,
     )
     if split > 1:
@@ -430,6 +540,23 @@ def _launch(cfg: MoeConfig, x, topk_ids, topk_weights, w13, w2, g13, g2, act):
     if topk == 1:
         return out
     return out.view(t, topk, h).sum(dim=1)
+
+
+def _launch_gemv(cfg: MoeConfig, x, ids, tw, w13, w2, g13, g2, act, topk):
+    t, h = x.shape
+    e, i = w13[0].shape[0], w2[0].shape[1]
+    n = ids.numel()
+    # gate/up sums and the output, fp32, zeroed by one memset.
+    acc = torch.zeros(n * 2 * i + t * h, dtype=torch.float32, device=x.device)
+    gu, out = acc[:n * 2 * i].view(n, 2 * i), acc[n * 2 * i:].view(t, h)
+    for w, kc, a, dst, k, cols, g, stride in ((w13, cfg.w13, x, gu, h, 2 * i, g13, x.stride(0)),
+                                              (w2, cfg.w2, gu, out, i, h, g2, 0)):
+        bw = kc.block_n // 8
+        moe_gemv_kernel[(n, triton.cdiv(cols // 8, bw), kc.split_k)](
+            a, ids, tw, *w, dst, e, k, cols, g, topk, stride, kc.split_k,
+            W13=dst is gu, ACT=ACTS[act], BLOCK_W=bw, BLOCK_K=kc.block_k, num_warps=kc.num_warps,
+        )
+    return out.to(x.dtype)
 
 
 _TUNED: dict[tuple, MoeConfig] = {}
@@ -444,28 +571,50 @@ def _time(cfg: MoeConfig, args) -> float:
 
 
 def _tune(key, base: MoeConfig, args) -> MoeConfig:
-    """Coordinate descent from the heuristic: the w13 tile, the w2 tile, w2's K split, then the
-    block rows (13 timings, 21 with 32+ row blocks, where the full product would be hundreds)."""
-    best, best_ms = base, _time(base, args)
-    for field in ("w13", "w2"):
-        for kc in _variants(getattr(best, field), best.block_m):
-            cfg = replace(best, **{field: kc})
-            if cfg != best and (ms := _time(cfg, args)) < best_ms:
-                best, best_ms = cfg, ms
-        # One more stage in flight, then shorter K steps (more loads per byte of smem).
-        for change in ({"num_stages": 4}, {"block_k": getattr(best, field).block_k // 2}):
-            cfg = replace(best, **{field: replace(getattr(best, field), **change)})
-            if getattr(cfg, field).block_k >= 32 and cfg != best and (ms := _time(cfg, args)) < best_ms:
-                best, best_ms = cfg, ms
-    kc = best.w2
-    for split in (1, 2, 4, 8):
-        if split != kc.split_k and (ms := _time(replace(best, w2=replace(kc, split_k=split)), args)) < best_ms:
-            best, best_ms = replace(best, w2=replace(kc, split_k=split)), ms
+    """Coordinate descent from the heuristic, twice over (a wide tile may only win once K is split,
+    and the reverse): each projection's tile, then each one's K split; then the block rows. About
+    50 distinct timings, where the full product would be thousands."""
+    timed: dict[MoeConfig, float] = {}
+
+    def time_once(cfg: MoeConfig) -> float:
+        if cfg not in timed:
+            timed[cfg] = _time(cfg, args)
+        return timed[cfg]
+
+    best = base
+    for _ in range(2):
+        for field in ("w13", "w2"):
+            cands = [replace(best, **{field: kc}) for kc in _variants(getattr(best, field), best.block_m)]
+            best = min([best, *cands], key=time_once)
+            # One more stage in flight, then shorter K steps (more loads per byte of smem).
+            for change in ({"num_stages": 4}, {"block_k": getattr(best, field).block_k // 2}):
+                cfg = replace(best, **{field: replace(getattr(best, field), **change)})
+                if getattr(cfg, field).block_k >= 16:
+                    best = min(best, cfg, key=time_once)
+        for field in ("w13", "w2"):
+            kc = getattr(best, field)
+            best = min([best, *(replace(best, **{field: replace(kc, split_k=s)}) for s in (1, 2, 4, 8))],
+                       key=time_once)
     if not best.naive:
-        for bm in (best.block_m // 2, best.block_m * 2):
-            if 16 <= bm <= 64 and (ms := _time(replace(best, block_m=bm), args)) < best_ms:
-                best, best_ms = replace(best, block_m=bm), ms
-    logger.info("moe_w4 %s -> %s (%.1f us)", key, best.label(), best_ms * 1e3)
+        best = min([best, *(replace(best, block_m=bm) for bm in (best.block_m // 2, best.block_m * 2)
+                            if 16 <= bm <= 64)], key=time_once)
+    logger.info("moe_w4 %s -> %s (%.1f us)", key, best.label(), timed[best] * 1e3)
+    return best
+
+
+def _tune_gemv(key, base: MoeConfig, dot: MoeConfig, args) -> MoeConfig:
+    """Decode: two steps of single-field changes around the CUDA-core config, against the tl.dot
+    heuristic's config (about 25 timings)."""
+    timed: dict[MoeConfig, float] = {}
+
+    def time_once(cfg: MoeConfig) -> float:
+        if cfg not in timed:
+            timed[cfg] = _time(cfg, args)
+        return timed[cfg]
+
+    best = min(_gemv_variants(base), key=time_once)
+    best = min([*_gemv_variants(best), dot], key=time_once)
+    logger.info("moe_w4 %s -> %s (%.1f us)", key, best.label(), timed[best] * 1e3)
     return best
 
 
@@ -474,7 +623,7 @@ def choose_config(x, topk_ids, w13, w2, g13: int, g2: int, args) -> MoeConfig:
     topk = topk_ids.shape[1]
     e, i = w13[0].shape[0], w2[0].shape[1]
     if _interpreting() or x.device.type != "cuda":
-        return heuristic_config(t, topk, e, h, i, g13, g2, sms=4)
+        return default_config(t, topk, e, h, i, g13, g2, sms=4)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     bucket = 1 << max(0, (t - 1).bit_length())
     key = (x.device, bucket, topk, e, h, i, g13, g2, x.dtype, use_naive(t, topk, e))
@@ -482,8 +631,19 @@ def choose_config(x, topk_ids, w13, w2, g13: int, g2: int, args) -> MoeConfig:
     if cfg is not None:
         return cfg
     if os.environ.get("FASTAWQ_TRITON_TUNE", "1") == "0" or torch.cuda.is_current_stream_capturing():
-        return heuristic_config(t, topk, e, h, i, g13, g2, sms)
-    _TUNED[key] = _tune(key, heuristic_config(t, topk, e, h, i, g13, g2, sms), args)
+        return default_config(t, topk, e, h, i, g13, g2, sms)
+    if use_naive(t, topk, e):
+        _TUNED[key] = _tune_gemv(key, gemv_config(t, topk, h, i, g13, g2, sms),
+                                 heuristic_config(t, topk, e, h, i, g13, g2, sms), args)
+    else:
+        best = _tune(key, heuristic_config(t, topk, e, h, i, g13, g2, sms), args)
+        if t * topk <= 2 * e:
+            # Two or fewer assignments per expert on average (Qwen3 batched decode): reading an
+            # expert once per assignment on CUDA cores may beat one tl.dot block per expert.
+            gemv = gemv_config(t, topk, h, i, g13, g2, sms)
+            if _time(gemv, args) < _time(best, args):
+                best = gemv
+        _TUNED[key] = best
     return _TUNED[key]
 
 

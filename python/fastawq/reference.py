@@ -403,18 +403,21 @@ def moe_w4(
     w2_qzeros: torch.Tensor,
     group_size: int,
     act: str = "silu",
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """sum_j w_j * down_e(act(gate_e(x)) * up_e(x)) with e = topk_ids[t, j], all in fp32."""
+    """sum_j w_j * down_e(act(gate_e(x)) * up_e(x)) with e = topk_ids[t, j], in fp32 (the oracle),
+    or with dtype=x.dtype what a dequantize-then-matmul layer of that dtype computes (weights
+    dequantized in fp32 and rounded once; tests size kernel tolerances from its error)."""
     t, h = x.shape
     out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
-    xf = x.to(torch.float32)
+    xf = x.to(dtype)
     for e in topk_ids.unique().tolist():
         tok, slot = (topk_ids == e).nonzero(as_tuple=True)
-        w13 = dequantize(w13_qweight[e], w13_scales[e].float(), w13_qzeros[e], group_size)
-        w2 = dequantize(w2_qweight[e], w2_scales[e].float(), w2_qzeros[e], group_size)
+        w13 = dequantize(w13_qweight[e], w13_scales[e].float(), w13_qzeros[e], group_size).to(dtype)
+        w2 = dequantize(w2_qweight[e], w2_scales[e].float(), w2_qzeros[e], group_size).to(dtype)
         gate, up = (xf[tok] @ w13).chunk(2, dim=-1)
         y = (moe_act(gate, act) * up) @ w2
-        out.index_add_(0, tok, y * topk_weights[tok, slot].to(torch.float32)[:, None])
+        out.index_add_(0, tok, y.float() * topk_weights[tok, slot].to(torch.float32)[:, None])
     return out.to(x.dtype)
 
 

@@ -46,13 +46,17 @@ SHAPES: dict[str, tuple[str, dict, int]] = {
 }
 
 
-def shape_config(name: str):
-    """The transformers config of a named shape."""
+def shape_config(name: str, num_layers: int | None = None):
+    """The transformers config of a named shape (with num_layers decoder layers if given)."""
     import transformers
 
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; known: {sorted(SHAPES)}")
     cls_name, kwargs, _ = SHAPES[name]
+    if num_layers is not None:
+        if num_layers < 1:
+            raise ValueError(f"num_layers={num_layers} must be positive")
+        kwargs = dict(kwargs, num_hidden_layers=num_layers)
     cfg = getattr(transformers, cls_name)(**kwargs)
     if hasattr(cfg, "use_sliding_window"):
         cfg.use_sliding_window = False
@@ -109,18 +113,20 @@ def build_random_model(
     dtype: torch.dtype = torch.float16,
     group_size: int | None = None,
     seed: int = 0,
+    num_layers: int | None = None,
 ) -> nn.Module:
     """A transformers causal LM of the named shape with random weights on `device`.
 
     quantized=True: decoder linears are WQLinear (W4, group size of the shape unless given),
     generated directly in packed form; embeddings, norms and lm_head stay in `dtype`.
-    quantized=False: the plain fp16 model (the baseline)."""
+    quantized=False: the plain fp16 model (the baseline). num_layers: fewer decoder layers than the
+    shape has (a quick benchmark whose per-layer time is scaled to full depth)."""
     from transformers import AutoModelForCausalLM
 
     from fastawq.models import get_architecture
     from fastawq.models.moe import moe_spec_of, unfuse_model
 
-    cfg = shape_config(name)
+    cfg = shape_config(name, num_layers)
     g = group_size or SHAPES[name][2]
     device = torch.device(device)
     with torch.device("meta"):

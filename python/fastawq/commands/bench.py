@@ -3,6 +3,11 @@
 For each length L (32, 64, ... up to --max-len) it prefills L tokens and then decodes L more
 (greedy), in one of four modes: fp16 (transformers), w4 (unfused W4, transformers' cache),
 fused (fused W4 layers, eager) and fused-graphs (fused W4, CUDA-graph decode).
+
+With --shape NAME --layers N a random model of N decoder layers (fewer than the shape's full
+depth D) is measured, and each row also gives a full-depth estimate, labelled as such: the head
+of a step (embedding, final norm, lm_head: timed apart) plus the rest of the measured step time
+scaled by D / N.
 """
 from __future__ import annotations
 
@@ -31,6 +36,10 @@ class Row:
     decode_tps: float | None = None
     memory_gib: float | None = None
     note: str = ""
+    layers: int | None = None  # decoder layers measured
+    full_layers: int | None = None  # the shape's depth, when more than measured
+    prefill_tps_full: float | None = None  # estimates at full depth (see the module doc)
+    decode_tps_full: float | None = None
 
 
 def lengths_for(max_len: int, rounds: int | None) -> list[int]:
@@ -43,16 +52,19 @@ def lengths_for(max_len: int, rounds: int | None) -> list[int]:
 
 def build_model(mode: str, model: str | None, shape: str | None, device: str, max_seq_len: int,
                 batch_size: int, gemm_backend: str | None = None, prefill_chunk: int | None = 1024,
-                dtype: torch.dtype = torch.float16, layout: str = "awq") -> torch.nn.Module:
-    """The model for one mode, from a named random shape or a checkpoint directory; its W4 layers
-    in `layout` (WQLinear.set_layout: "awq" or "packed")."""
+                dtype: torch.dtype = torch.float16, layout: str = "awq",
+                num_layers: int | None = None) -> torch.nn.Module:
+    """The model for one mode, from a named random shape (num_layers: that many decoder layers)
+    or a checkpoint directory; its W4 layers in `layout` (WQLinear.set_layout: "awq" or "packed")."""
     from fastawq.modules.fused import fuse_model
     from fastawq.modules.qlinear import WQLinear, set_layout
 
     if shape is not None:
         from fastawq.shapes import build_random_model
 
-        m = build_random_model(shape, quantized=mode != "fp16", device=device, dtype=dtype)
+        m = build_random_model(shape, quantized=mode != "fp16", device=device, dtype=dtype, num_layers=num_layers)
+    elif num_layers is not None:
+        raise ValueError("--layers applies to a random --shape model, not a checkpoint")
     elif mode == "fp16":
         from transformers import AutoModelForCausalLM
 
@@ -93,14 +105,50 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
+def head_seconds(model: torch.nn.Module, batch: int, device: torch.device, reps: int = 50) -> float:
+    """Seconds of one step's head for `batch` tokens: embedding, final norm and lm_head (the part
+    of a step that does not grow with depth), CUDA-graph replayed on a GPU like a decode step."""
+    from fastawq.models import architecture_of
+    from fastawq.models.base import get_submodule
+
+    arch = architecture_of(model)
+    embed, norm, head = (get_submodule(model, p) for p in (arch.embed_path, arch.final_norm_path, arch.lm_head_path))
+    ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+
+    def run() -> torch.Tensor:
+        return head(norm(embed(ids)))
+
+    with torch.inference_mode():
+        fn = run
+        if device.type == "cuda":
+            run()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run()
+            fn = graph.replay
+        fn()
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        _sync(device)
+    return (time.perf_counter() - t0) / reps
+
+
+def full_depth(seconds: float, head: float, layers: int, full_layers: int) -> float:
+    """A step's time at full depth from one measured with `layers` layers and its head time."""
+    return head + max(seconds - head, 0.0) * full_layers / layers
+
+
 def run_round(model: torch.nn.Module, mode: str, batch: int, prefill_len: int, decode_len: int,
-              vocab: int, warmup: bool = True) -> Row:
-    """Prefill prefill_len tokens, then greedy-decode decode_len; time each phase separately."""
+              vocab: int, warmup: bool = True, full_layers: int | None = None) -> Row:
+    """Prefill prefill_len tokens, then greedy-decode decode_len; time each phase separately.
+    With full_layers above the model's depth, also estimate both at full depth."""
     from fastawq.generate import stepper_for
 
     step = stepper_for(model)
     device = step.device
-    row = Row(mode, batch, prefill_len, decode_len)
+    row = Row(mode, batch, prefill_len, decode_len, layers=getattr(model.config, "num_hidden_layers", None))
     gen = torch.Generator(device="cpu").manual_seed(prefill_len)
     ids = torch.randint(0, vocab, (batch, prefill_len), generator=gen).to(device)
     try:
@@ -124,6 +172,11 @@ def run_round(model: torch.nn.Module, mode: str, batch: int, prefill_len: int, d
         t2 = time.perf_counter()
         row.prefill_tps = batch * prefill_len / (t1 - t0)
         row.decode_tps = batch * decode_len / (t2 - t1)
+        if full_layers and row.layers and full_layers > row.layers:
+            head = head_seconds(model, batch, device)
+            row.full_layers = full_layers
+            row.prefill_tps_full = batch * prefill_len / full_depth(t1 - t0, head, row.layers, full_layers)
+            row.decode_tps_full = batch / full_depth((t2 - t1) / decode_len, head, row.layers, full_layers)
         if device.type == "cuda":
             row.memory_gib = torch.cuda.max_memory_allocated(device) / 2**30
         else:
@@ -147,23 +200,40 @@ def format_table(rows: list[Row]) -> str:
     # The memory column keeps AutoAWQ's name; on the CPU it holds the process's resident memory.
     head = ["Mode", "Batch Size", "Prefill Length", "Decode Length", "Prefill tokens/s",
             "Decode tokens/s", "Memory (VRAM)"]
+    scaled = [r for r in rows if r.full_layers]
+    if scaled:
+        # Measured on fewer layers than the shape has: say so in the header, add the estimates.
+        head[4:6] = [f"Prefill tokens/s ({scaled[0].layers} layers, measured)",
+                     f"Decode tokens/s ({scaled[0].layers} layers, measured)"]
+        head[6:6] = [f"Prefill tokens/s ({scaled[0].full_layers} layers, estimated)",
+                     f"Decode tokens/s ({scaled[0].full_layers} layers, estimated)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r.note:
-            cells = [r.note, r.note, r.note]
+            cells = [r.note] * (len(head) - 4)
         else:
-            cells = [f"{r.prefill_tps:,.1f}", f"{r.decode_tps:,.1f}",
-                     f"{r.memory_gib:.2f} GiB" if r.memory_gib is not None else "n/a"]
+            cells = [f"{r.prefill_tps:,.1f}", f"{r.decode_tps:,.1f}"]
+            if scaled:
+                cells += [f"{r.prefill_tps_full:,.1f}" if r.prefill_tps_full else "n/a",
+                          f"{r.decode_tps_full:,.1f}" if r.decode_tps_full else "n/a"]
+            cells.append(f"{r.memory_gib:.2f} GiB" if r.memory_gib is not None else "n/a")
         lines.append("| " + " | ".join([r.mode, str(r.batch), str(r.prefill_len), str(r.decode_len), *cells]) + " |")
     return "\n".join(lines)
 
 
-def bench(model: str | None, shape: str | None, modes: list[str], lengths: list[int], batch: int,
+def bench(model: str | None, shape: str | None, modes: list[str], lengths: list[int], batch: int | list[int],
           device: str, max_seq_len: int | None = None, max_decode: int | None = None,
           gemm_backend: str | None = None, prefill_chunk: int | None = 1024,
-          dtype: torch.dtype = torch.float16, layout: str = "awq") -> list[Row]:
-    """Run every mode over every length; each mode's model is freed before the next is built."""
+          dtype: torch.dtype = torch.float16, layout: str = "awq", num_layers: int | None = None) -> list[Row]:
+    """Run every mode over every batch size and length; each mode's model (its fused cache sized for
+    the largest batch) is built once and freed before the next is built."""
     rows: list[Row] = []
+    batches = [batch] if isinstance(batch, int) else list(batch)
+    full_layers = None
+    if shape is not None and num_layers is not None:
+        from fastawq.shapes import shape_config
+
+        full_layers = shape_config(shape).num_hidden_layers
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
@@ -171,18 +241,20 @@ def bench(model: str | None, shape: str | None, modes: list[str], lengths: list[
             log.warning("CUDA graphs need a GPU: fused-graphs runs eagerly on %s", device)
         msl = max_seq_len or 2 * max(lengths)
         try:
-            m = build_model(mode, model, shape, device, msl, batch, gemm_backend, prefill_chunk, dtype, layout)
+            m = build_model(mode, model, shape, device, msl, max(batches), gemm_backend, prefill_chunk, dtype,
+                            layout, num_layers)
         except Exception as e:
             if not _is_oom(e):
                 raise
-            rows += [Row(mode, batch, n, n, note="OOM") for n in lengths]
+            rows += [Row(mode, b, n, n, note="OOM") for b in batches for n in lengths]
             continue
         vocab = m.config.vocab_size
-        for n in lengths:
-            d = min(n, max_decode) if max_decode else n
-            row = run_round(m, mode, batch, n, d, vocab)
-            log.info("%s", row)
-            rows.append(row)
+        for b in batches:
+            for n in lengths:
+                d = min(n, max_decode) if max_decode else n
+                row = run_round(m, mode, b, n, d, vocab, full_layers=full_layers)
+                log.info("%s", row)
+                rows.append(row)
         del m
         gc.collect()
         if device.startswith("cuda"):
@@ -199,9 +271,13 @@ def main(args: argparse.Namespace) -> int:
     # On CPU, fp16 runs as scalar loops on x86 and bf16 slows the small ops: fp32 activations
     # (the int4 kernel itself computes in bf16, see fastawq.cpu).
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float16 if device.startswith("cuda") else torch.float32)
-    rows = bench(args.model, args.shape, modes, lengths, args.batch_size, device, args.max_seq_len,
-                 args.max_decode, args.gemm_backend, args.prefill_chunk or None, dtype, args.layout)
+    batches = [int(x) for x in str(args.batch_size).split(",")]
+    rows = bench(args.model, args.shape, modes, lengths, batches, device, args.max_seq_len,
+                 args.max_decode, args.gemm_backend, args.prefill_chunk or None, dtype, args.layout, args.layers)
     name = args.shape or args.model
+    if any(r.full_layers for r in rows):
+        name += (f" ({args.layers} layers measured; full-depth estimate = embedding + final norm + lm_head "
+                 f"timed apart + the rest x {rows[0].full_layers}/{args.layers})")
     dev = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU"
     print(f"\n{name} on {dev}, batch {args.batch_size}, {str(dtype).removeprefix('torch.')}\n")
     print(format_table(rows))
@@ -219,7 +295,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("model", nargs="?", help="quantized checkpoint directory (or fp16 model for --mode fp16)")
     p.add_argument("--shape", choices=sorted(SHAPES), help="random-weight model of a named shape instead of MODEL")
     p.add_argument("--mode", default="fused-graphs", help=f"comma list of {', '.join(MODES)}")
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--batch-size", default="1", help="batch size, or a comma list of them (one model for all)")
     p.add_argument("--max-len", type=int, default=4096, help="longest prefill (= decode) length")
     p.add_argument("--rounds", type=int, default=None, help="number of lengths 32, 64, ... to run")
     p.add_argument("--lengths", help="explicit comma list of lengths (overrides --max-len/--rounds)")
@@ -232,6 +308,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--prefill-chunk", type=int, default=1024, help="fused prefill chunk (0: one pass)")
     p.add_argument("--layout", choices=("awq", "packed", "auto"), default="awq",
                    help="how the W4 layers hold their weights (WQLinear.set_layout)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="with --shape: build only this many decoder layers and also report a full-depth estimate")
     p.add_argument("--json", help="also write the rows as JSON here")
     p.set_defaults(func=main)
     return p

@@ -23,4 +23,8 @@ def _groups(layer, config) -> list[ScaleGroup]:
     return groups + mlp_groups(layer, MOE)
 
 
-ARCH = moe_architecture("deepseek_v3", "DeepSeek", MOE, groups=_groups)
+ARCH = moe_architecture(
+    "deepseek_v3", "DeepSeek", MOE, groups=_groups,
+    fused_blocker="multi-head latent attention and group-limited sigmoid routing are not fused "
+                  "(WQExperts serves its experts unfused)",
+)

@@ -6,4 +6,7 @@ from fastawq.models.moe import MoESpec, moe_architecture
 
 MOE = MoESpec(block="feed_forward", router="router", layout="in_out", call="dense", shared="shared_expert")
 
-ARCH = moe_architecture("llama4_text", "Llama", MOE, mlp="feed_forward")
+ARCH = moe_architecture(
+    "llama4_text", "Llama", MOE, mlp="feed_forward",
+    fused_blocker="chunked attention, rope-less layers, L2 q/k norms and experts fed router-scaled rows are not fused",
+)

@@ -43,6 +43,11 @@ class MoESpec:
     norm: str = "post_attention_layernorm"
     # The block's name in checkpoints when transformers renames it (Mixtral: block_sparse_moe -> mlp).
     checkpoint_block: str | None = None
+    # Routing as the fused engine runs it (softmax over the router logits, top-k): the config
+    # attributes giving k and whether the k weights are renormalised to sum to 1 (a config
+    # without the flag renormalises: Mixtral's router always does).
+    top_k_attr: str = "num_experts_per_tok"
+    renorm_attr: str = "norm_topk_prob"
 
     def __post_init__(self) -> None:
         if self.call not in CALLS or self.layout not in LAYOUTS:
@@ -53,6 +58,10 @@ class MoESpec:
         interleaved ones)."""
         block = getattr(layer, self.block, None)
         return block if block is not None and hasattr(block, self.experts) else None
+
+    def routing(self, config: object) -> tuple[int, bool]:
+        """(k, renormalize) of the softmax top-k router for this config."""
+        return int(getattr(config, self.top_k_attr)), bool(getattr(config, self.renorm_attr, True))
 
     def float_consumers(self) -> list[str]:
         """Full-precision modules (relative to the block) that read the experts' input."""
@@ -226,14 +235,11 @@ def router_names(model: nn.Module, layers_path: str, spec: MoESpec) -> list[str]
 
 
 # ---------------------------------------------------------------- records
-BLOCKER = "mixture-of-experts blocks are not fused (the per-expert modules or WQExperts serve them)"
-
-
 def moe_architecture(
     name: str, family: str, spec: MoESpec, *, groups: GroupsFn | None = None, **fields_: object
 ) -> Architecture:
-    """The Architecture record of the MoE family `name` (also its model_type), whose MoE blocks
-    the fused engine does not serve. `groups` defaults to Llama attention's groups plus the
+    """The Architecture record of the MoE family `name` (also its model_type). The fused engine
+    serves its MoE blocks (modules/fused.py FusedMoE) unless fields_ sets a fused_blocker. `groups` defaults to Llama attention's groups plus the
     feed-forward groups of `spec` (attention_groups + mlp_groups)."""
     from fastawq.models.base import Architecture
 
@@ -241,7 +247,7 @@ def moe_architecture(
         return attention_groups(layer) + mlp_groups(layer, spec)
 
     return Architecture(name=name, model_types=(name,), family=family, groups=groups or llama_attention_and_moe,
-                        fused_blocker=BLOCKER, **fields_)
+                        **fields_)
 
 
 # ---------------------------------------------------------------- scale groups

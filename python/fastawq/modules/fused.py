@@ -26,6 +26,8 @@ from torch import nn
 from fastawq import ops
 from fastawq.models import Architecture, architecture_of
 from fastawq.models.base import get_submodule, set_submodule
+from fastawq.models.moe import ExpertList, MoESpec, moe_spec_of
+from fastawq.modules.moe import WQExperts
 from fastawq.modules.qlinear import WQLinear
 
 log = logging.getLogger(__name__)
@@ -122,23 +124,79 @@ class FusedAttention(nn.Module):
 
 
 class FusedMLP(nn.Module):
-    def __init__(self, mlp: nn.Module, act: str, arch: Architecture):
+    """gate/up in one GEMM, act * mul fused, then down (a dense MLP or an MoE's shared expert)."""
+
+    def __init__(self, mlp: nn.Module, act: str, gate_up: tuple[str, ...] = ("gate_proj", "up_proj"),
+                 down: str = "down_proj"):
         super().__init__()
-        self.gate_up_proj = concat_wqlinear([get_submodule(mlp, n) for n in arch.gate_up])
-        self.down_proj = get_submodule(mlp, arch.down_proj)
+        self.gate_up_proj = concat_wqlinear([get_submodule(mlp, n) for n in gate_up])
+        self.down_proj = get_submodule(mlp, down)
         self.act = act
 
     def forward(self, x: torch.Tensor, backend: str | None) -> torch.Tensor:
         return self.down_proj(ops.act_mul(self.gate_up_proj(x), self.act, backend=backend))
 
 
+def _wq_experts(experts: nn.Module, where: str) -> WQExperts:
+    """The block's experts as the grouped-GEMM module (stacked from per-expert WQLinear if needed)."""
+    if isinstance(experts, WQExperts):
+        return experts
+    if isinstance(experts, ExpertList):
+        triples = [e.linears() for e in experts]
+        if all(isinstance(m, WQLinear) for t in triples for m in t):
+            act = experts[0].act_fn
+            if isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation":
+                return WQExperts.from_experts(triples, proj_names=experts[0].names)
+            raise NotImplementedError(f"{where}: experts with activation {type(act).__name__} are not fused (SiLU only)")
+    raise TypeError(f"{where} is {type(experts).__name__}, not packed W4 experts: quantize the model before fusing")
+
+
+class FusedMoE(nn.Module):
+    """A mixture-of-experts block: the router in full precision, top-k routing, the routed experts
+    in one grouped W4 op (WQExperts -> ops.moe_w4), and the shared expert with its sigmoid gate
+    where the architecture has one. Every step has shapes fixed by the token count and no host
+    sync, so a decode step captures in a CUDA graph."""
+
+    def __init__(self, block: nn.Module, spec: MoESpec, config: object, act: str, where: str):
+        super().__init__()
+        self.router_weight = get_submodule(block, spec.router).weight  # [E, H], never quantized
+        self.experts = _wq_experts(get_submodule(block, spec.experts), f"{where}.{spec.experts}")
+        self.top_k, self.renormalize = spec.routing(config)
+        if not 1 <= self.top_k <= self.experts.num_experts:
+            raise ValueError(f"{where}: top-k {self.top_k} for {self.experts.num_experts} experts")
+        self.shared = None
+        if spec.shared is not None:
+            self.shared = FusedMLP(get_submodule(block, spec.shared), act)
+        self.shared_gate_weight = get_submodule(block, spec.shared_gate).weight if spec.shared_gate else None  # [1, H]
+
+    def set_backend(self, backend: str | None) -> None:
+        self.experts.backend = backend
+
+    # x [B, L, H] -> [B, L, H]
+    def forward(self, x: torch.Tensor, backend: str | None) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        logits = nn.functional.linear(h.to(self.router_weight.dtype), self.router_weight)
+        weights, ids = ops.topk_route(logits, self.top_k, self.renormalize, backend=backend)
+        out = self.experts(h, ids, weights)
+        if self.shared is not None:
+            s = self.shared(h, backend)
+            if self.shared_gate_weight is not None:
+                s = torch.sigmoid(nn.functional.linear(h, self.shared_gate_weight.to(h.dtype))) * s
+            out = out + s
+        return out.reshape(x.shape)
+
+
 class FusedDecoderLayer(nn.Module):
     def __init__(self, layer: nn.Module, cfg: FusedConfig, dtype: torch.dtype, device: torch.device,
-                 arch: Architecture):
+                 arch: Architecture, moe: MoESpec | None = None, config: object = None, where: str = "layer"):
         super().__init__()
         self.cfg = cfg
         self.self_attn = FusedAttention(get_submodule(layer, arch.attn), cfg, dtype, device, arch)
-        self.mlp = FusedMLP(get_submodule(layer, arch.mlp), cfg.act, arch)
+        block = moe.block_of(layer) if moe is not None else None
+        if block is not None:
+            self.mlp = FusedMoE(block, moe, config, cfg.act, f"{where}.{moe.block}")
+        else:
+            self.mlp = FusedMLP(get_submodule(layer, arch.mlp), cfg.act, arch.gate_up, arch.down_proj)
         self.input_layernorm = get_submodule(layer, arch.attn_norm)
         self.post_attention_layernorm = get_submodule(layer, arch.mlp_norm)
 
@@ -331,8 +389,9 @@ def _fused_config(model: nn.Module, max_seq_len: int, batch_size: int) -> tuple[
         )
     if max_seq_len < 1 or batch_size < 1:
         raise ValueError(f"max_seq_len={max_seq_len} and batch_size={batch_size} must be positive")
-    window = getattr(cfg, "sliding_window", None)
-    if window is not None and max_seq_len > window:
+    # Qwen2-MoE's config says 0 (and Qwen's use_sliding_window=False) for no window.
+    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) is not False else None
+    if window and max_seq_len > window:
         raise NotImplementedError(
             f"{mt} uses sliding-window attention of {window} tokens; fused layers support "
             f"max_seq_len <= {window}, got {max_seq_len}"
@@ -409,9 +468,10 @@ def fuse_model(
             if not isinstance(get_submodule(get_submodule(layer, arch.attn), name), WQLinear):
                 raise TypeError(f"layer {i} {arch.attn}.{name} is not a WQLinear: quantize the model before fusing")
     cos, sin = _rope_tables(model, max_seq_len, device)
+    moe = moe_spec_of(model)
     fused = []
     for i in range(len(layers)):
-        f = FusedDecoderLayer(layers[i], cfg, dtype, device, arch)
+        f = FusedDecoderLayer(layers[i], cfg, dtype, device, arch, moe, model.config, f"{arch.layers_path}.{i}")
         # One table shared by all layers (plain attributes, not buffers: the fused model's device
         # is fixed at fuse time, like its cache).
         f.self_attn.rope_cos, f.self_attn.rope_sin = cos, sin
@@ -422,13 +482,14 @@ def fuse_model(
         raise ValueError(f"prefill_chunk={prefill_chunk} must be positive or None")
     if backend is not None:
         for module in model.modules():
-            if isinstance(module, WQLinear):
+            if isinstance(module, (WQLinear, FusedMoE)):
                 module.set_backend(backend)
     runtime = FusedRuntime(model, cfg, use_cuda_graphs=use_cuda_graphs, backend=backend, prefill_chunk=prefill_chunk)
     if device.type == "cpu" and backend in (None, "cpu"):
         from fastawq.modules import fused_cpu
 
-        why = fused_cpu.why_not(runtime)
+        moe_layers = sum(isinstance(f.mlp, FusedMoE) for f in fused)
+        why = f"{moe_layers} mixture-of-experts blocks" if moe_layers else fused_cpu.why_not(runtime)
         if why is None:
             runtime.cpu_step = fused_cpu.CPUDecodeStep(runtime, cpu_lm_head_bits)
         else:

@@ -1,9 +1,8 @@
 """The W4A16 mixture-of-experts op: validation, backend dispatch, the torch path and the custom op.
 
 moe_w4 runs the routed experts of a SwiGLU-style MoE layer on the AWQ GEMM layout stacked per
-expert (see reference.moe_w4): Triton on GPUs (a grouped GEMM, tokens sorted by expert), torch
-elsewhere (a loop over the experts that received tokens). It is registered as
-``torch.ops.fastawq.moe_w4`` with a fake impl, so it traces under torch.compile. topk_route
+expert: Triton on GPUs (a grouped GEMM, tokens sorted by expert), elsewhere reference.moe_w4 (a
+loop over the experts that received tokens, in fp32). It is registered as ``torch.ops.fastawq.moe_w4`` with a fake impl, so it traces under torch.compile. topk_route
 turns router logits into (topk_weights, topk_ids), in one Triton launch on GPUs.
 """
 from __future__ import annotations
@@ -166,30 +165,13 @@ def _run(be: str, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros
                                 w2_qweight, w2_scales, w2_qzeros, group_size, act)
     if be != "torch":
         raise ValueError(f"no {be!r} implementation of moe_w4")
-    return moe_w4_torch(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros,
-                        w2_qweight, w2_scales, w2_qzeros, group_size, act)
-
-
-def moe_w4_torch(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros,
-                 group_size: int, act: str = "silu") -> torch.Tensor:
-    """The reference math in x's dtype: per expert that has tokens, dequantize, gather, two matmuls."""
-    t, h = x.shape
     e = w13_qweight.shape[0]
-    out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
-    if t == 0:
-        return out.to(x.dtype)
-    lo, hi = int(topk_ids.min()), int(topk_ids.max())
-    if lo < 0 or hi >= e:
-        raise ValueError(f"topk_ids must lie in [0, {e}) for {e} experts, got values in [{lo}, {hi}]")
-    for ex in topk_ids.unique().tolist():
-        tok, slot = (topk_ids == ex).nonzero(as_tuple=True)
-        # Dequantized in fp32 and rounded once to x's dtype: what a dequantize-then-matmul layer holds.
-        w13 = reference.dequantize(w13_qweight[ex], w13_scales[ex].float(), w13_qzeros[ex], group_size).to(x.dtype)
-        w2 = reference.dequantize(w2_qweight[ex], w2_scales[ex].float(), w2_qzeros[ex], group_size).to(x.dtype)
-        gate, up = (x[tok] @ w13).chunk(2, dim=-1)
-        y = (reference.moe_act(gate, act) * up) @ w2
-        out.index_add_(0, tok, y.float() * topk_weights[tok, slot].float()[:, None])
-    return out.to(x.dtype)
+    if topk_ids.numel():  # the torch path syncs anyway (it loops over the experts hit): check the ids
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < 0 or hi >= e:
+            raise ValueError(f"topk_ids must lie in [0, {e}) for {e} experts, got values in [{lo}, {hi}]")
+    return reference.moe_w4(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros,
+                            w2_qweight, w2_scales, w2_qzeros, group_size, act)
 
 
 # router_logits [T, E]  ->  topk_weights [T, k] fp32 · topk_ids [T, k] int64
