@@ -196,11 +196,16 @@ def timed_generate(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, fl
         def end(self):
             pass
 
+    # The fused engine's generate() has no min_new_tokens: an empty stop list makes it run the
+    # full length too (otherwise an early EOS would shorten its decode and inflate its tokens/s).
+    length = {"eos_token_id": []} if hasattr(model, "fastawq_runtime") else {"min_new_tokens": new_tokens}
     t0 = CLOCK()
     with torch.inference_mode():
-        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             streamer=Stamp(), pad_token_id=0)
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, streamer=Stamp(), pad_token_id=0,
+                             **length)
     # stamps[0]: prompt echoed; stamps[1]: first new token (after prefill); stamps[-1]: last token
+    if len(stamps) != new_tokens + 1:
+        raise RuntimeError(f"{type(model).__name__} generated {len(stamps) - 1} tokens, not {new_tokens}")
     prefill = stamps[1] - t0
     decode = stamps[-1] - stamps[1]
     return prefill, decode, out[:, ids.shape[1]:]
