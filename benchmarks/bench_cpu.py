@@ -393,6 +393,14 @@ def bench_ppl(gguf: str | None, group_size: int, windows: int, seq_len: int) -> 
         model.lm_head = head
         cpu_linear.convert_model(model, lm_head_bits=bits)
         ppl(f"4-bit RTN g{group_size} decoder, {bits}-bit head g64")
+    if "avx2_int8" in cpu.fast_kernel_isas():
+        # The fused engine's default head (8-bit) with the kernel's int8 activations everywhere.
+        model.lm_head = head
+        cpu_linear.convert_model(model, lm_head_bits=8)
+        for mod in model.modules():
+            if isinstance(mod, (cpu_linear.CPUInt4Linear, cpu_linear.CPUInt8Linear)):
+                mod.isa = cpu.act_isa("int8")
+        ppl(f"4-bit RTN g{group_size} decoder, 8-bit head g64, int8 activations")
 
 
 def main() -> None:

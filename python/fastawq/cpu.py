@@ -93,6 +93,32 @@ def fast_kernel_isas() -> list[str]:
     return list(torch.ops.fastawq.awq_cpu_isas()) if fast_kernel_available() is None else []
 
 
+# Activation modes of fastawq's kernel (FASTAWQ_CPU_ACT, or the `act` argument of the CPU modules):
+#   exact: x as given (fp32 or bf16), products exact, fp32 accumulation;
+#   int8:  x quantized per 32 rows of K to int8 (one fp32 scale each) and multiplied by the
+#          nibbles with integer dot products (AVX2 vpmaddubsw): half the instructions per weight,
+#          at the cost of the activations' rounding (benchmarks/CPU_RESULTS.md);
+#   auto:  int8 where the CPU has AVX2 but no AVX-512 (there the exact kernel is instruction-
+#          bound and int8 is ~2x faster), else exact (the AVX-512 kernels already stream the
+#          weights near memory speed, so int8 would cost accuracy for nothing).
+ACT_MODES = ("exact", "int8", "auto")
+DEFAULT_ACT = "exact"
+
+
+def act_isa(mode: str | None = None) -> str:
+    """awq_cpu_gemm's `isa` argument for activation mode `mode` (default: FASTAWQ_CPU_ACT, else
+    DEFAULT_ACT): "auto" (the exact kernel) or "int8"."""
+    mode = (mode or os.environ.get("FASTAWQ_CPU_ACT", "").strip() or DEFAULT_ACT).lower()
+    if mode not in ACT_MODES:
+        raise ValueError(f"CPU activation mode {mode!r} (FASTAWQ_CPU_ACT?): expected one of {ACT_MODES}")
+    isas = fast_kernel_isas()
+    if mode == "auto":
+        mode = "int8" if "avx2_int8" in isas and "avx512" not in isas else "exact"
+    if mode == "int8" and "avx2_int8" not in isas:
+        raise ValueError(f"CPU activation mode int8 needs fastawq's AVX2 kernel; this CPU / build runs {isas}")
+    return "int8" if mode == "int8" else "auto"
+
+
 def _fp32_exact() -> bool:
     return os.environ.get("FASTAWQ_CPU_FP32", "").lower() == "exact"
 

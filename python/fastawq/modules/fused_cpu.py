@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 _ACTS = {"silu": F.silu, "gelu_pytorch_tanh": lambda t: F.gelu(t, approximate="tanh"), "gelu": F.gelu}
 
 
-def _packed(lin: nn.Module) -> tuple | None:
-    """(w, scales, zeros16, group, n, bias fp32): awq_cpu_gemm's arguments after x, or None."""
+def _packed(lin: nn.Module, isa: str = "auto") -> tuple | None:
+    """(w, scales, zeros16, group, n, bias fp32, isa): awq_cpu_gemm's arguments after x, or None."""
     if not isinstance(lin, WQLinear):
         return None
     g = lin.group_size
@@ -40,7 +40,7 @@ def _packed(lin: nn.Module) -> tuple | None:
         return None
     p = cpu.prepare(lin.qweight, lin.scales, lin.qzeros, g, cpu.FASTAWQ)
     bias = None if lin.bias is None else lin.bias.detach().to(torch.float32).contiguous()
-    return (p.w, p.scales, p.zeros16, p.group, p.n, bias)
+    return (p.w, p.scales, p.zeros16, p.group, p.n, bias, isa)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -75,11 +75,13 @@ def why_not(runtime) -> str | None:
 class CPUDecodeStep:
     """logits [B, 1, V] = step(ids [B, 1], pos) for a fused runtime on the CPU (rows share pos)."""
 
-    def __init__(self, runtime, lm_head_bits: int | None = 8):
+    def __init__(self, runtime, lm_head_bits: int | None = 8, act: str | None = None):
         why = why_not(runtime)
         if why is not None:
             raise ValueError(f"the CPU decode step cannot serve this model: {why}")
         c = runtime.cfg
+        # The kernel's activation mode (cpu.act_isa: FASTAWQ_CPU_ACT, else exact).
+        isa = self.isa = cpu.act_isa(act)
         self.runtime = runtime
         self.cfg = c
         self.layers = []
@@ -91,7 +93,8 @@ class CPUDecodeStep:
             self.layers.append((
                 _norm_weight(layer.input_layernorm.weight, c.norm_offset),
                 _norm_weight(layer.post_attention_layernorm.weight, c.norm_offset),
-                _packed(attn.qkv_proj), _packed(attn.o_proj), _packed(mlp.gate_up_proj), _packed(mlp.down_proj),
+                _packed(attn.qkv_proj, isa), _packed(attn.o_proj, isa), _packed(mlp.gate_up_proj, isa),
+                _packed(mlp.down_proj, isa),
                 attn.k_cache, attn.v_cache, qn, kn,
             ))
         attn0 = runtime.layers[0].self_attn
@@ -102,7 +105,7 @@ class CPUDecodeStep:
         self.final_norm = _norm_weight(runtime.final_norm.weight, c.norm_offset)
         head = runtime.lm_head
         if lm_head_bits == 8 and type(head) is nn.Linear:
-            runtime.lm_head = head = CPUInt8Linear.from_linear(head, 64)
+            runtime.lm_head = head = CPUInt8Linear.from_linear(head, 64, act)
             log.info("CPU fused engine: 8-bit lm_head (group 64) in place of the float one")
         elif lm_head_bits not in (8, None):
             raise ValueError(f"lm_head_bits must be 8 or None, got {lm_head_bits}")
