@@ -113,6 +113,17 @@ class CPUDecodeStep:
         self.embed = runtime.embed
         self.act = _ACTS[c.act]
         self.gemm = torch.ops.fastawq.awq_cpu_gemm.default
+        # One C++ call per layer (awq_cpu_decode_layer) where _C has it and the caches are fp32;
+        # else the torch loop below (an fp16 / bf16 model's cache, or an older _C).
+        self.layer_args = None
+        if hasattr(torch.ops.fastawq, "awq_cpu_decode_layer") and all(
+                L[6].dtype == torch.float32 and L[6].is_contiguous() and L[7].is_contiguous() for L in self.layers):
+            self.layer_op = torch.ops.fastawq.awq_cpu_decode_layer.default
+            self.layer_args = []
+            for n1, n2, qkv_p, o_p, gu_p, down_p, kc, vc, qn, kn in self.layers:
+                packs = (qkv_p, o_p, gu_p, down_p)
+                self.layer_args.append((n1, n2, [t for p in packs for t in p[:3]], [p[3] for p in packs],
+                                        [p[4] for p in packs], [p[5] for p in packs], kc, vc, qn, kn))
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
@@ -123,6 +134,13 @@ class CPUDecodeStep:
         cos, sin = self.cos[pos], self.sin_signed[pos]
         end = pos + 1
         x = self.embed(ids.reshape(b)).to(torch.float32)
+        if self.layer_args is not None:
+            res, x, op, isa = x.contiguous(), None, self.layer_op, self.isa
+            cos, sin = cos.contiguous(), sin.contiguous()
+            for n1, n2, weights, groups, ns, biases, kc, vc, qn, kn in self.layer_args:
+                x = op(res, x, n1, n2, weights, groups, ns, biases, kc, vc, pos, cos, sin, qn, kn, hq, hkv, eps,
+                       c.scale, c.act, isa)
+            return self._head(res.add_(x), b)
         res = None
         for n1, n2, qkv_p, o_p, gu_p, down_p, kc, vc, qn, kn in self.layers:
             res = x if res is None else res.add_(x)
@@ -143,7 +161,10 @@ class CPUDecodeStep:
             gu = gemm(_rms(res, n2, eps), *gu_p)
             inter = gu.shape[1] // 2
             x = gemm(self.act(gu[:, :inter]) * gu[:, inter:], *down_p)
-        h = _rms(res.add_(x), self.final_norm, eps)
+        return self._head(res.add_(x), b)
+
+    def _head(self, res: torch.Tensor, b: int) -> torch.Tensor:
+        h = _rms(res, self.final_norm, self.cfg.eps)
         if isinstance(self.head, nn.Linear):
             h = h.to(self.head.weight.dtype)
         return self.head(h).view(b, 1, -1).to(self.embed.weight.dtype)
