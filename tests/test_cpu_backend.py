@@ -429,7 +429,7 @@ def test_from_quantized_use_ipex_converts_and_heads(tmp_path):
     quantize(model, None, qc, calib=calib_ids(), max_calib_samples=4, max_calib_seq_len=32)
     AWQModel(model, qc).save_quantized(tmp_path)
     ids = calib_ids(1, 10)
-    plain = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu")
+    plain = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", fuse_layers=False)
     lean = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", use_ipex=True)
     head8 = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", use_ipex=True, cpu_lm_head_bits=8)
     assert any(isinstance(m, cpu_linear.CPUInt4Linear) for m in lean.modules())
@@ -439,8 +439,38 @@ def test_from_quantized_use_ipex_converts_and_heads(tmp_path):
         assert torch.equal(lean(ids).logits, ref)
         rel = ((head8(ids).logits - ref).abs().max() / ref.abs().max()).item()
     assert rel < 2e-2, rel
-    with pytest.raises(ValueError, match="cpu_lm_head_bits needs use_ipex=True"):
-        AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", cpu_lm_head_bits=8)
+    with pytest.raises(ValueError, match="cpu_lm_head_bits needs the fused CPU engine"):
+        AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", fuse_layers=False, cpu_lm_head_bits=8)
+
+
+@needs_fast
+def test_from_quantized_fuses_on_the_cpu_by_default(tmp_path):
+    # On the CPU, from_quantized fuses where the engine serves the model (decode through
+    # fused_cpu.CPUDecodeStep with an 8-bit head); fuse_layers=False opts out; the saved
+    # checkpoint is untouched either way.
+    from fastawq.auto import AutoAWQForCausalLM, AWQModel
+    from fastawq.modules.qlinear import WQLinear
+    from fastawq.quantize import QuantConfig, quantize
+    from test_models import calib_ids, tiny_model
+
+    model = tiny_model("llama")
+    qc = QuantConfig(q_group_size=32)
+    quantize(model, None, qc, calib=calib_ids(), max_calib_samples=4, max_calib_seq_len=32)
+    AWQModel(model, qc).save_quantized(tmp_path)
+    saved = sorted((p.name, p.stat().st_size) for p in tmp_path.iterdir())
+    fused = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", max_seq_len=64)
+    plain = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", fuse_layers=False)
+    float_head = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", max_seq_len=64, cpu_lm_head_bits=None)
+    rt = fused.model.fastawq_runtime
+    assert rt.cpu_step is not None and isinstance(rt.lm_head, cpu_linear.CPUInt8Linear)
+    assert not hasattr(plain.model, "fastawq_runtime") and any(isinstance(m, WQLinear) for m in plain.modules())
+    assert float_head.model.fastawq_runtime.lm_head.__class__ is torch.nn.Linear
+    ids = calib_ids(1, 10)
+    out = fused.generate(ids, max_new_tokens=6, do_sample=False)
+    out_float = float_head.generate(ids, max_new_tokens=6, do_sample=False)
+    ref = plain.generate(ids, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    assert out.shape[1] <= ids.shape[1] + 6 and torch.equal(out_float[:, :12], ref[:, :12])
+    assert sorted((p.name, p.stat().st_size) for p in tmp_path.iterdir()) == saved
 
 
 @needs_fast
