@@ -446,8 +446,8 @@ def test_from_quantized_use_ipex_converts_and_heads(tmp_path):
 @needs_fast
 def test_from_quantized_fuses_on_the_cpu_by_default(tmp_path):
     # On the CPU, from_quantized fuses where the engine serves the model (decode through
-    # fused_cpu.CPUDecodeStep with an 8-bit head); fuse_layers=False opts out; the saved
-    # checkpoint is untouched either way.
+    # fused_cpu.CPUDecodeStep, float head as AWQ keeps it; cpu_lm_head_bits=8 for the 8-bit
+    # one); fuse_layers=False opts out; the saved checkpoint is untouched either way.
     from fastawq.auto import AutoAWQForCausalLM, AWQModel
     from fastawq.modules.qlinear import WQLinear
     from fastawq.quantize import QuantConfig, quantize
@@ -460,16 +460,18 @@ def test_from_quantized_fuses_on_the_cpu_by_default(tmp_path):
     saved = sorted((p.name, p.stat().st_size) for p in tmp_path.iterdir())
     fused = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", max_seq_len=64)
     plain = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", fuse_layers=False)
-    float_head = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", max_seq_len=64, cpu_lm_head_bits=None)
+    head8 = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", max_seq_len=64, cpu_lm_head_bits=8)
     rt = fused.model.fastawq_runtime
-    assert rt.cpu_step is not None and isinstance(rt.lm_head, cpu_linear.CPUInt8Linear)
+    assert rt.cpu_step is not None and type(rt.lm_head) is torch.nn.Linear
     assert not hasattr(plain.model, "fastawq_runtime") and any(isinstance(m, WQLinear) for m in plain.modules())
-    assert float_head.model.fastawq_runtime.lm_head.__class__ is torch.nn.Linear
+    assert isinstance(head8.model.fastawq_runtime.lm_head, cpu_linear.CPUInt8Linear)
     ids = calib_ids(1, 10)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
     out = fused.generate(ids, max_new_tokens=6, do_sample=False)
-    out_float = float_head.generate(ids, max_new_tokens=6, do_sample=False)
     ref = plain.generate(ids, max_new_tokens=6, do_sample=False, min_new_tokens=6)
-    assert out.shape[1] <= ids.shape[1] + 6 and torch.equal(out_float[:, :12], ref[:, :12])
+    assert torch.equal(out[:, :12], ref[:, :12])
+    head8.generate(ids, max_new_tokens=6, do_sample=False)
     assert sorted((p.name, p.stat().st_size) for p in tmp_path.iterdir()) == saved
 
 

@@ -245,7 +245,7 @@ class AutoAWQForCausalLM:
         device_map: Any = "auto",
         torch_dtype: Any = None,
         backend: str | None = None,
-        cpu_lm_head_bits: int | None | str = "auto",
+        cpu_lm_head_bits: int | None = None,
         verify: str | None = None,
         max_memory: dict | None = None,
         offload_folder: str | os.PathLike | None = None,
@@ -255,12 +255,11 @@ class AutoAWQForCausalLM:
 
         On the CPU, with fastawq's CPU kernel present and no forced backend, `fuse_layers=None`
         (the default) fuses the layers where the fused engine serves the model type: decode runs
-        fused_cpu.CPUDecodeStep (one C++ call per layer) with an 8-bit lm_head; `fuse_layers=False`
+        fused_cpu.CPUDecodeStep (one C++ call per layer); `fuse_layers=False`
         opts out. `use_ipex=True` instead makes the packed layers inference-only modules that call
-        the CPU kernel directly. `cpu_lm_head_bits`: 8 runs the float lm_head as an 8-bit layer
-        (about +0.15% perplexity on SmolLM2-135M for 1.7x its decode speed, benchmarks/CPU_RESULTS.md;
-        not AWQ's recipe), None keeps it in float; "auto" (default) is 8 in the fused CPU engine
-        and None with use_ipex.
+        the CPU kernel directly. With either, `cpu_lm_head_bits=8` runs the float lm_head as an
+        8-bit layer: about +0.15% perplexity on SmolLM2-135M for about 2x its fused decode speed
+        (benchmarks/CPU_RESULTS.md); it is not AWQ's recipe, so the default (None) keeps it float.
         verify: "full" (default: sizes and sha256 against the checkpoint's manifest), "size" or
         "off"; FASTAWQ_VERIFY sets the default."""
         from fastawq.checkpoint import load_quantized
@@ -316,11 +315,6 @@ class AutoAWQForCausalLM:
                 from fastawq import cpu
 
                 fuse_layers = cpu.fast_kernel_available() is None
-        head_bits = cpu_lm_head_bits
-        if isinstance(head_bits, str):
-            if head_bits != "auto":
-                raise ValueError(f"cpu_lm_head_bits must be 8, 4, None or 'auto', got {head_bits!r}")
-            head_bits = 8 if fuse_layers and device.type == "cpu" else None
         if fuse_layers:
             try:
                 from fastawq.modules.fused import fuse_model
@@ -331,24 +325,22 @@ class AutoAWQForCausalLM:
             if multimodal.is_multimodal(model.config):  # fuses the language model behind the vision tower
                 fuse_model = multimodal.fuse_model
             try:
-                extra = {"cpu_lm_head_bits": head_bits} if device.type == "cpu" else {}
+                extra = {"cpu_lm_head_bits": cpu_lm_head_bits} if device.type == "cpu" else {}
                 model = fuse_model(model, max_seq_len=max_seq_len, batch_size=batch_size, backend=backend, **extra)
             except NotImplementedError as e:
                 if not auto_fuse:
                     raise
                 log.info("not fusing layers: %s", e)
                 fuse_layers = False
-                if cpu_lm_head_bits == "auto":
-                    head_bits = None
         if use_ipex and backend is None and not fuse_layers:
             # AutoAWQ's IPEX path makes inference-only CPU modules; so does this one: each packed
             # layer holds only its repacked weight and calls the kernel directly (no per-call
             # dispatch, ~10 us of a small model's ~20 us per layer call; benchmarks/CPU_RESULTS.md).
             from fastawq.modules.cpu_linear import convert_model
 
-            count = convert_model(model, lm_head_bits=head_bits)
+            count = convert_model(model, lm_head_bits=cpu_lm_head_bits)
             log.info("use_ipex=True: %d packed layers converted for the CPU", count)
-        elif head_bits is not None and not (fuse_layers and device.type == "cpu"):
+        elif cpu_lm_head_bits is not None and not (fuse_layers and device.type == "cpu"):
             raise ValueError("cpu_lm_head_bits needs the fused CPU engine (fuse_layers, the CPU default) or "
                              "use_ipex=True on the CPU, and no forced backend")
         tok = None
