@@ -21,7 +21,7 @@ ISAS = cpu_backend.fast_kernel_isas()
 # (K, N): N straddles the kernel's 64-column block (and AVX2's 32-column halves, 16-lane vectors,
 # the 8-column AWQ word); K spans several groups of every size below.
 SHAPES = [(384, 8), (256, 72), (768, 136), (640, 192)]
-GROUPS = [8, 32, 64, 128, -1]
+GROUPS = [8, 16, 32, 64, 128, -1]
 MS = [1, 3, 16, 17]
 
 
@@ -65,51 +65,42 @@ def _check(out, x, qweight, scales, qzeros, g, bias=None, factor: float = 2.0) -
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
-def test_gemm_matches_reference(shape, group_size, m, dtype, with_bias):
+@pytest.mark.parametrize("act", ["exact", "int8"])
+def test_gemm_matches_reference(shape, group_size, m, dtype, with_bias, act):
+    if act == "int8" and "avx2_int8" not in ISAS:
+        pytest.skip("no AVX2 int8-activation kernel on this CPU / build")
     k, n = shape
     g = reference.resolve_group_size(group_size, k)
     qweight, scales, qzeros = random_awq(k, n, g, seed=k + n + g)
     w, s, z = torch.ops.fastawq.awq_cpu_repack(qweight, scales, qzeros, g)
     x = random_input((m, k), dtype=dtype, seed=m)
     bias = random_input((n,), dtype=dtype, seed=7) if with_bias else None
-    for isa in _isas_for(dtype):
-        _poison_allocator(m, n)
-        out = torch.ops.fastawq.awq_cpu_gemm(x, w, s, z, g, n, bias, isa)
-        _check(out, x, qweight, scales, qzeros, g, bias)
-
-
-needs_int8 = pytest.mark.skipif("avx2_int8" not in ISAS, reason="no AVX2 int8-activation kernel on this CPU / build")
-
-
-@needs_int8
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"K{s[0]}N{s[1]}")
-@pytest.mark.parametrize("group_size", GROUPS + [16])
-@pytest.mark.parametrize("m", MS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
-def test_int8_kernel_matches_reference_on_rounded_x(shape, group_size, m, dtype, with_bias):
+    if act == "exact":
+        for isa in _isas_for(dtype):
+            _poison_allocator(m, n)
+            out = torch.ops.fastawq.awq_cpu_gemm(x, w, s, z, g, n, bias, isa)
+            _check(out, x, qweight, scales, qzeros, g, bias)
+        return
     # The integer dot products are exact: against the fp32 oracle on the int8-rounded x, only
     # the fp32 sums over blocks and the output rounding differ. Against the unrounded x, the
     # error is the activations' rounding (about 0.5% of the output's size on normal x).
-    k, n = shape
-    g = reference.resolve_group_size(group_size, k)
-    qweight, scales, qzeros = random_awq(k, n, g, seed=k + n + g + 1)
-    w, s, z = torch.ops.fastawq.awq_cpu_repack(qweight, scales, qzeros, g)
-    x = random_input((m, k), dtype=dtype, seed=m + 5)
     x[0, : k // 3] *= 30.0  # a block of large activations next to small ones
-    bias = random_input((n,), dtype=dtype, seed=8) if with_bias else None
+    bias32 = None if bias is None else bias.float()
     for isa in ("avx2_int8", "int8"):
         _poison_allocator(m, n)
         out = torch.ops.fastawq.awq_cpu_gemm(x, w, s, z, g, n, bias, isa)
         assert out.dtype == dtype and out.shape == (m, n) and torch.isfinite(out).all()
-        ref = reference.awq_gemm(_int8_rounded(x, g), qweight, scales, qzeros, g, None if bias is None else bias.float())
-        tol = 2e-6 * ref.abs().max().item() * (k / 128) ** 0.5 if dtype == torch.float32 else \
-            4e-3 * ref.abs().max().item()
+        ref = reference.awq_gemm(_int8_rounded(x, g), qweight, scales, qzeros, g, bias32)
+        top = ref.abs().max().item()
+        tol = 2e-6 * top * (k / 128) ** 0.5 if dtype == torch.float32 else 4e-3 * top
         err = (out.float() - ref).abs().max().item()
         assert err <= tol, f"{isa}: max error {err:.4g} > {tol:.4g} against the rounded-x oracle"
-        exact = reference.awq_gemm(x.float(), qweight, scales, qzeros, g, None if bias is None else bias.float())
+        exact = reference.awq_gemm(x.float(), qweight, scales, qzeros, g, bias32)
         rel = float((out.float() - exact).norm() / exact.norm())
         assert rel < 2e-2, f"{isa}: relative error {rel:.3g} against the exact product"
+
+
+needs_int8 = pytest.mark.skipif("avx2_int8" not in ISAS, reason="no AVX2 int8-activation kernel on this CPU / build")
 
 
 @needs_int8

@@ -43,14 +43,7 @@ void gemm_blocks_scalar(const GemmArgs& a, int64_t b0, int64_t b1, int64_t m0, i
           y[c] += a.scales[(nb * groups + g) * kBlockN + c] * (acc[c] - z * xs);
         }
       }
-      for (int64_t c = 0; c < cols; ++c) {
-        const float out = y[c] + (a.bias ? a.bias[n0 + c] : 0.0f);
-        if (a.out_dtype == Dtype::kFloat32) {
-          static_cast<float*>(a.out)[m * a.out_stride + n0 + c] = out;
-        } else {
-          static_cast<uint16_t*>(a.out)[m * a.out_stride + n0 + c] = bf16_bits(out);
-        }
-      }
+      store_row(a, m, n0, cols, y);
     }
   }
 }

@@ -1,6 +1,7 @@
-// AVX2 W4 GEMM for fp32 activations (compiled with -mavx2 -mfma; called only after a run-time
-// CPU check). The AVX-512 kernel's method on 8-lane vectors: a 64-column block is walked as two
-// 32-column halves so that accumulators and weights fit the 16 ymm registers.
+// AVX2 W4 GEMMs (compiled with -mavx2 -mfma; called only after a run-time CPU check): for fp32
+// activations, the AVX-512 kernel's method (awq_cpu_block.h) on 8-lane vectors, a 64-column block
+// walked as two 32-column parts so that accumulators and weights fit the 16 ymm registers; and
+// for int8 activations, integer dot products (below).
 #include "cpu/awq_cpu_kernels.h"
 
 #if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
@@ -8,6 +9,8 @@
 
 #include <algorithm>
 #include <cstring>
+
+#include "cpu/awq_cpu_block.h"
 
 namespace fastawq::cpu {
 namespace {
@@ -25,89 +28,34 @@ inline __m256 dequant(__m256i w) {
   return _mm256_castsi256_ps(t);
 }
 
-template <int MR, int P>
-inline void step(const __m256i (&w)[4], const float* const (&x)[MR], int64_t k0, __m256 (&acc)[MR][4]) {
-  __m256 wf[4];
-  for (int v = 0; v < 4; ++v) wf[v] = dequant<P>(w[v]);
-  for (int r = 0; r < MR; ++r) {
-    const __m256 xb = _mm256_broadcast_ss(x[r] + k0 + kRowOfNibble[P]);
-    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_fmadd_ps(xb, wf[v], acc[r][v]);
+// fp32 x: per K row, one FMA with the dequantised nibble vector (32-column parts, 1-2 rows).
+struct Avx2Fp32 : Avx2Vec {
+  using X = float;
+  template <int MR>
+  static constexpr int kSets = 1;
+  template <int MR>
+  static void octet(const uint32_t* wo, const float* const (&x)[MR], int64_t k0, V (&acc)[1][MR][4]) {
+    __m256i wv[4];
+    for (int v = 0; v < 4; ++v) wv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo + 8 * v));
+    step<MR, 0>(wv, x, k0, acc[0]);
+    step<MR, 1>(wv, x, k0, acc[0]);
+    step<MR, 2>(wv, x, k0, acc[0]);
+    step<MR, 3>(wv, x, k0, acc[0]);
+    step<MR, 4>(wv, x, k0, acc[0]);
+    step<MR, 5>(wv, x, k0, acc[0]);
+    step<MR, 6>(wv, x, k0, acc[0]);
+    step<MR, 7>(wv, x, k0, acc[0]);
   }
-}
-
-// Columns [32 * half, 32 * half + 32) of block nb, rows m0 .. m0 + MR.
-template <int MR>
-void half_block(const GemmArgs& a, int64_t nb, int half, int64_t m0) {
-  const int64_t groups = a.k / a.group, octets = a.group / kStepK;
-  const int c0 = 32 * half;
-  const uint32_t* w = a.w + nb * (a.k / kStepK) * kBlockN + c0;
-  const float* sc = a.scales + nb * groups * kBlockN + c0;
-  const uint8_t* zz = a.zeros16 + nb * groups * kBlockN + c0;
-  const float* x[MR];
-  for (int r = 0; r < MR; ++r) x[r] = static_cast<const float*>(a.x) + (m0 + r) * a.x_stride;
-  alignas(32) float y[MR][32] = {};
-  const __m256 sixteen = _mm256_set1_ps(16.0f);
-
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256 acc[MR][4];
-    for (int r = 0; r < MR; ++r)
-      for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
-    for (int64_t o = g * octets; o < (g + 1) * octets; ++o) {
-      const uint32_t* wo = w + o * kBlockN;
-      const __m256i wv[4] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo)),
-                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo + 8)),
-                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo + 16)),
-                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo + 24))};
-      const int64_t k0 = o * kStepK;
-      step<MR, 0>(wv, x, k0, acc);
-      step<MR, 1>(wv, x, k0, acc);
-      step<MR, 2>(wv, x, k0, acc);
-      step<MR, 3>(wv, x, k0, acc);
-      step<MR, 4>(wv, x, k0, acc);
-      step<MR, 5>(wv, x, k0, acc);
-      step<MR, 6>(wv, x, k0, acc);
-      step<MR, 7>(wv, x, k0, acc);
-    }
-    for (int v = 0; v < 4; ++v) {
-      const __m256 s = _mm256_loadu_ps(sc + g * kBlockN + 8 * v);
-      int64_t z8;
-      std::memcpy(&z8, zz + g * kBlockN + 8 * v, 8);
-      const __m256 z16 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(z8)));
-      for (int r = 0; r < MR; ++r) {
-        const __m256 t = _mm256_fmsub_ps(acc[r][v], sixteen, _mm256_mul_ps(z16, _mm256_set1_ps(a.xsum[(m0 + r) * groups + g])));
-        _mm256_store_ps(y[r] + 8 * v, _mm256_fmadd_ps(s, t, _mm256_load_ps(y[r] + 8 * v)));
-      }
+  template <int MR, int P>
+  static void step(const __m256i (&w)[4], const float* const (&x)[MR], int64_t k0, __m256 (&acc)[MR][4]) {
+    __m256 wf[4];
+    for (int v = 0; v < 4; ++v) wf[v] = dequant<P>(w[v]);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x[r] + k0 + kRowOfNibble[P]);
+      for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_fmadd_ps(xb, wf[v], acc[r][v]);
     }
   }
-
-  const int64_t n0 = nb * kBlockN + c0, cols = std::clamp<int64_t>(a.n - n0, 0, 32);
-  for (int r = 0; r < MR; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
-      const float out = y[r][c] + (a.bias ? a.bias[n0 + c] : 0.0f);
-      if (a.out_dtype == Dtype::kFloat32) {
-        static_cast<float*>(a.out)[(m0 + r) * a.out_stride + n0 + c] = out;
-      } else {
-        static_cast<uint16_t*>(a.out)[(m0 + r) * a.out_stride + n0 + c] = bf16_bits(out);
-      }
-    }
-  }
-}
-
-void gemm_blocks(const GemmArgs& a, int64_t b0, int64_t b1, int64_t m0, int64_t m1) {
-  for (int64_t nb = b0; nb < b1; ++nb) {
-    for (int half = 0; half < 2 && nb * kBlockN + 32 * half < a.n; ++half) {
-      for (int64_t m = m0; m < m1;) {
-        if (m1 - m >= 2) {
-          half_block<2>(a, nb, half, m);
-          m += 2;
-        } else {
-          half_block<1>(a, nb, half, m);
-          m += 1;
-        }
-      }
-    }
-  }
-}
+};
 
 // ---- int8 activations: per octet and 8 columns, two masks, one shift, two vpmaddubsw (u8
 // nibble x s8 activation, pairs summed in int16) and one add, against the fp32 path's 8 x
@@ -166,14 +114,7 @@ void half_block_i8(const GemmArgs& a, int64_t nb, int half, int64_t m) {
   }
 
   const int64_t n0 = nb * kBlockN + c0, cols = std::clamp<int64_t>(a.n - n0, 0, 32);
-  for (int64_t c = 0; c < cols; ++c) {
-    const float out = y[c] + (a.bias ? a.bias[n0 + c] : 0.0f);
-    if (a.out_dtype == Dtype::kFloat32) {
-      static_cast<float*>(a.out)[m * a.out_stride + n0 + c] = out;
-    } else {
-      static_cast<uint16_t*>(a.out)[m * a.out_stride + n0 + c] = bf16_bits(out);
-    }
-  }
+  store_row(a, m, n0, cols, y);
 }
 
 void gemm_blocks_i8(const GemmArgs& a, int64_t b0, int64_t b1, int64_t m0, int64_t m1) {
@@ -192,7 +133,7 @@ BlockKernel kernel_avx2_int8() {
 
 BlockKernel kernel_avx2() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? &gemm_blocks : nullptr;
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? &gemm_blocks<Avx2Fp32> : nullptr;
 }
 
 }  // namespace fastawq::cpu

@@ -80,4 +80,17 @@ inline float bf16_to_float(uint16_t b) {
   return f;
 }
 
+// y[0 .. cols) (+ bias) into row m, columns n0 .. n0 + cols of the output, in its dtype. static:
+// each ISA file keeps its own copy (a shared inline one could be linked from an AVX-512 file).
+static inline void store_row(const GemmArgs& a, int64_t m, int64_t n0, int64_t cols, const float* y) {
+  for (int64_t c = 0; c < cols; ++c) {
+    const float out = y[c] + (a.bias ? a.bias[n0 + c] : 0.0f);
+    if (a.out_dtype == Dtype::kFloat32) {
+      static_cast<float*>(a.out)[m * a.out_stride + n0 + c] = out;
+    } else {
+      static_cast<uint16_t*>(a.out)[m * a.out_stride + n0 + c] = bf16_bits(out);
+    }
+  }
+}
+
 }  // namespace fastawq::cpu

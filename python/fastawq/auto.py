@@ -245,7 +245,7 @@ class AutoAWQForCausalLM:
         device_map: Any = "auto",
         torch_dtype: Any = None,
         backend: str | None = None,
-        cpu_lm_head_bits: int | None = None,
+        cpu_lm_head_bits: int | None | str = "auto",
         verify: str | None = None,
         max_memory: dict | None = None,
         offload_folder: str | os.PathLike | None = None,
@@ -253,19 +253,21 @@ class AutoAWQForCausalLM:
     ) -> AWQModel:
         """Load an AWQ checkpoint (fastawq's or AutoAWQ's) ready for generate().
 
-        On the CPU, with fastawq's CPU kernel present and no forced backend, `fuse_layers=None`
-        (the default) fuses the layers where the fused engine serves the model type: decode runs
-        fused_cpu.CPUDecodeStep (one C++ call per layer); `fuse_layers=False`
-        opts out. `use_ipex=True` instead makes the packed layers inference-only modules that call
-        the CPU kernel directly. With either, `cpu_lm_head_bits=8` runs the float lm_head as an
+        On the CPU, `fuse_layers=True` (or, with `fuse_layers=None`, FASTAWQ_CPU_FUSE=1) fuses the
+        layers where the fused engine serves the model type: decode runs fused_cpu.CPUDecodeStep
+        (one C++ call per layer). `use_ipex=True` instead makes the packed layers inference-only
+        modules that call the CPU kernel directly. `cpu_lm_head_bits=8` runs the float lm_head as an
         8-bit layer: about +0.15% perplexity on SmolLM2-135M for about 2x its fused decode speed
-        (benchmarks/CPU_RESULTS.md); it is not AWQ's recipe, so the default (None) keeps it float.
+        (benchmarks/CPU_RESULTS.md); None keeps it float; "auto" (default) is the fused engine's
+        default (8) when fused on the CPU and None with use_ipex (AWQ's recipe keeps it float).
         verify: "full" (default: sizes and sha256 against the checkpoint's manifest), "size" or
         "off"; FASTAWQ_VERIFY sets the default."""
         from fastawq.checkpoint import load_quantized
 
         if not safetensors:
             raise ValueError("fastawq reads only safetensors checkpoints")
+        if isinstance(cpu_lm_head_bits, str) and cpu_lm_head_bits != "auto":
+            raise ValueError(f"cpu_lm_head_bits must be 8, 4, None or 'auto', got {cpu_lm_head_bits!r}")
         from fastawq.hub import resolve
 
         quant_path = resolve(quant_path, kwargs.pop("revision", None), trust_remote_code=trust_remote_code)
@@ -310,8 +312,9 @@ class AutoAWQForCausalLM:
             import importlib.util
 
             fuse_layers = device.type == "cuda" and importlib.util.find_spec("fastawq.modules.fused") is not None
-            if device.type == "cpu" and not use_ipex and backend is None:
-                # The fused CPU engine (modules/fused_cpu.py) where the model type has one.
+            if device.type == "cpu" and not use_ipex and backend is None and os.environ.get("FASTAWQ_CPU_FUSE") == "1":
+                # The fused CPU engine (modules/fused_cpu.py) where the model type has one: opt-in
+                # for now (an unfused CPU load is what callers of batch > batch_size rely on).
                 from fastawq import cpu
 
                 fuse_layers = cpu.fast_kernel_available() is None
@@ -325,7 +328,7 @@ class AutoAWQForCausalLM:
             if multimodal.is_multimodal(model.config):  # fuses the language model behind the vision tower
                 fuse_model = multimodal.fuse_model
             try:
-                extra = {"cpu_lm_head_bits": cpu_lm_head_bits} if device.type == "cpu" else {}
+                extra = {"cpu_lm_head_bits": cpu_lm_head_bits} if device.type == "cpu" and cpu_lm_head_bits != "auto" else {}
                 model = fuse_model(model, max_seq_len=max_seq_len, batch_size=batch_size, backend=backend, **extra)
             except NotImplementedError as e:
                 if not auto_fuse:
@@ -338,11 +341,11 @@ class AutoAWQForCausalLM:
             # dispatch, ~10 us of a small model's ~20 us per layer call; benchmarks/CPU_RESULTS.md).
             from fastawq.modules.cpu_linear import convert_model
 
-            count = convert_model(model, lm_head_bits=cpu_lm_head_bits)
+            count = convert_model(model, lm_head_bits=None if cpu_lm_head_bits == "auto" else cpu_lm_head_bits)
             log.info("use_ipex=True: %d packed layers converted for the CPU", count)
-        elif cpu_lm_head_bits is not None and not (fuse_layers and device.type == "cpu"):
-            raise ValueError("cpu_lm_head_bits needs the fused CPU engine (fuse_layers, the CPU default) or "
-                             "use_ipex=True on the CPU, and no forced backend")
+        elif cpu_lm_head_bits not in (None, "auto") and not (fuse_layers and device.type == "cpu"):
+            raise ValueError("cpu_lm_head_bits needs the fused CPU engine (fuse_layers=True) or use_ipex=True on "
+                             "the CPU, and no forced backend")
         tok = None
         try:
             from transformers import AutoTokenizer
