@@ -15,45 +15,20 @@
 namespace fastawq::cpu {
 namespace {
 
-template <int P>
-inline __m256 dequant(__m256i w) {
-  constexpr int s = 19 - 4 * P;
-  __m256i t;
-  if constexpr (s >= 0) {
-    t = _mm256_slli_epi32(w, s);
-  } else {
-    t = _mm256_srli_epi32(w, -s);
-  }
-  t = _mm256_or_si256(_mm256_and_si256(t, _mm256_set1_epi32(0x00780000)), _mm256_set1_epi32(0x3f800000));
-  return _mm256_castsi256_ps(t);
-}
-
-// fp32 x: per K row, one FMA with the dequantised nibble vector (32-column parts, 1-2 rows).
-struct Avx2Fp32 : Avx2Vec {
-  using X = float;
-  template <int MR>
-  static constexpr int kSets = 1;
-  template <int MR>
-  static void octet(const uint32_t* wo, const float* const (&x)[MR], int64_t k0, V (&acc)[1][MR][4]) {
-    __m256i wv[4];
-    for (int v = 0; v < 4; ++v) wv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo + 8 * v));
-    step<MR, 0>(wv, x, k0, acc[0]);
-    step<MR, 1>(wv, x, k0, acc[0]);
-    step<MR, 2>(wv, x, k0, acc[0]);
-    step<MR, 3>(wv, x, k0, acc[0]);
-    step<MR, 4>(wv, x, k0, acc[0]);
-    step<MR, 5>(wv, x, k0, acc[0]);
-    step<MR, 6>(wv, x, k0, acc[0]);
-    step<MR, 7>(wv, x, k0, acc[0]);
-  }
-  template <int MR, int P>
-  static void step(const __m256i (&w)[4], const float* const (&x)[MR], int64_t k0, __m256 (&acc)[MR][4]) {
-    __m256 wf[4];
-    for (int v = 0; v < 4; ++v) wf[v] = dequant<P>(w[v]);
-    for (int r = 0; r < MR; ++r) {
-      const __m256 xb = _mm256_broadcast_ss(x[r] + k0 + kRowOfNibble[P]);
-      for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_fmadd_ps(xb, wf[v], acc[r][v]);
+// fp32 x (32-column parts, 1-2 rows): nibble P of every lane moved to bits 19..22 (the top of an
+// fp32 mantissa) and ORed into 1.0.
+struct Avx2Fp32 : Fp32Octet<Avx2Vec, Avx2Fp32> {
+  template <int P>
+  static __m256 dequant(__m256i w) {
+    constexpr int s = 19 - 4 * P;
+    __m256i t;
+    if constexpr (s >= 0) {
+      t = _mm256_slli_epi32(w, s);
+    } else {
+      t = _mm256_srli_epi32(w, -s);
     }
+    t = _mm256_or_si256(_mm256_and_si256(t, _mm256_set1_epi32(0x00780000)), _mm256_set1_epi32(0x3f800000));
+    return _mm256_castsi256_ps(t);
   }
 };
 

@@ -16,21 +16,6 @@
 namespace fastawq::cpu {
 namespace {
 
-// Nibble P of every lane moved to bits 19..22 (the top of an fp32 mantissa) and ORed into 1.0.
-template <int P>
-inline __m512 dequant(__m512i w) {
-  constexpr int s = 19 - 4 * P;
-  __m512i t;
-  if constexpr (s >= 0) {
-    t = _mm512_slli_epi32(w, s);
-  } else {
-    t = _mm512_srli_epi32(w, -s);
-  }
-  // (t & mask) | one: ternary-logic table 0xEA.
-  return _mm512_castsi512_ps(
-      _mm512_ternarylogic_epi32(t, _mm512_set1_epi32(0x00780000), _mm512_set1_epi32(0x3f800000), 0xEA));
-}
-
 inline __m256i to_bf16(__m512 v) {
   const __m512i b = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
@@ -39,32 +24,21 @@ inline __m256i to_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
 
-// fp32 x: per K row, one FMA with the dequantised nibble vector.
-struct Avx512Fp32 : Avx512Vec {
-  using X = float;
-  template <int MR>
-  static constexpr int kSets = 1;
-  template <int MR>
-  static void octet(const uint32_t* wo, const float* const (&x)[MR], int64_t k0, V (&acc)[1][MR][4]) {
-    __m512i wv[4];
-    load_w(wo, wv);
-    step<MR, 0>(wv, x, k0, acc[0]);
-    step<MR, 1>(wv, x, k0, acc[0]);
-    step<MR, 2>(wv, x, k0, acc[0]);
-    step<MR, 3>(wv, x, k0, acc[0]);
-    step<MR, 4>(wv, x, k0, acc[0]);
-    step<MR, 5>(wv, x, k0, acc[0]);
-    step<MR, 6>(wv, x, k0, acc[0]);
-    step<MR, 7>(wv, x, k0, acc[0]);
-  }
-  template <int MR, int P>
-  static void step(const __m512i (&w)[4], const float* const (&x)[MR], int64_t k0, __m512 (&acc)[MR][4]) {
-    __m512 wf[4];
-    for (int v = 0; v < 4; ++v) wf[v] = dequant<P>(w[v]);
-    for (int r = 0; r < MR; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r][k0 + kRowOfNibble[P]]);
-      for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(xb, wf[v], acc[r][v]);
+// fp32 x: nibble P of every lane moved to bits 19..22 (the top of an fp32 mantissa) and ORed
+// into 1.0 by one vpternlogd.
+struct Avx512Fp32 : Fp32Octet<Avx512Vec, Avx512Fp32> {
+  template <int P>
+  static __m512 dequant(__m512i w) {
+    constexpr int s = 19 - 4 * P;
+    __m512i t;
+    if constexpr (s >= 0) {
+      t = _mm512_slli_epi32(w, s);
+    } else {
+      t = _mm512_srli_epi32(w, -s);
     }
+    // (t & mask) | one: ternary-logic table 0xEA.
+    return _mm512_castsi512_ps(
+        _mm512_ternarylogic_epi32(t, _mm512_set1_epi32(0x00780000), _mm512_set1_epi32(0x3f800000), 0xEA));
   }
   static void store(const GemmArgs& a, int64_t row, int64_t n0, int64_t valid, const V (&y)[4]) {
     Avx512Vec::store(a, row, n0, valid, y, &to_bf16);

@@ -44,10 +44,7 @@ struct Avx512Bf16 : Avx512Vec {
   static void octet(const uint32_t* wo, const uint16_t* const (&x)[MR], int64_t k0, V (&acc)[kSets<MR>][MR][4]) {
     __m512i wv[4];
     load_w(wo, wv);
-    step<MR, 0>(wv, x, k0, acc);
-    step<MR, 1>(wv, x, k0, acc);
-    step<MR, 2>(wv, x, k0, acc);
-    step<MR, 3>(wv, x, k0, acc);
+    unroll<kStepK / 2>([&](auto j) { step<MR, decltype(j)::value>(wv, x, k0, acc); });
   }
   template <int MR, int J>
   static void step(const __m512i (&w)[4], const uint16_t* const (&x)[MR], int64_t k0,

@@ -17,6 +17,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 
 #include "cpu/awq_cpu_kernels.h"
 
@@ -27,6 +29,7 @@ namespace {
 // The vector half of an ISA type for the AVX-512 kernels (16 fp32 lanes).
 struct Avx512Vec {
   using V = __m512;
+  using Vi = __m512i;
   static constexpr int kLanes = 16;
   static constexpr int kMaxRows = 4;
   static V zero() { return _mm512_setzero_ps(); }
@@ -65,6 +68,7 @@ struct Avx512Vec {
 // The vector half of an ISA type for the AVX2 kernel (8 fp32 lanes, 32-column parts).
 struct Avx2Vec {
   using V = __m256;
+  using Vi = __m256i;
   static constexpr int kLanes = 8;
   static constexpr int kMaxRows = 2;
   static V zero() { return _mm256_setzero_ps(); }
@@ -79,6 +83,9 @@ struct Avx2Vec {
     std::memcpy(&z8, z, 8);
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(z8)));
   }
+  static void load_w(const uint32_t* wo, Vi (&wv)[4]) {
+    for (int v = 0; v < 4; ++v) wv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo + 8 * v));
+  }
   static void store(const GemmArgs& a, int64_t row, int64_t n0, int64_t valid, const V (&y)[4]) {
     alignas(32) float buf[32];
     for (int v = 0; v < 4; ++v) _mm256_store_ps(buf + 8 * v, y[v]);
@@ -86,6 +93,37 @@ struct Avx2Vec {
   }
 };
 #endif
+
+// f(std::integral_constant<int, 0>{}), ..., f(std::integral_constant<int, N - 1>{}).
+template <int N, class F>
+inline void unroll(F&& f) {
+  [&]<int... P>(std::integer_sequence<int, P...>) { (f(std::integral_constant<int, P>{}), ...); }(
+      std::make_integer_sequence<int, N>{});
+}
+
+// The fp32-activation octet step of the AVX2 and AVX-512 kernels: per K row, the nibble vectors
+// turned into 1 + q/16 by D::dequant<P> (the ISA's own shift-and-mask), one FMA with x[row].
+template <class Vec, class D>
+struct Fp32Octet : Vec {
+  using X = float;
+  using V = typename Vec::V;
+  template <int MR>
+  static constexpr int kSets = 1;
+  template <int MR>
+  static void octet(const uint32_t* wo, const float* const (&x)[MR], int64_t k0, V (&acc)[1][MR][4]) {
+    typename Vec::Vi wv[4];
+    Vec::load_w(wo, wv);
+    unroll<kStepK>([&](auto p) {
+      constexpr int P = decltype(p)::value;
+      V wf[4];
+      for (int v = 0; v < 4; ++v) wf[v] = D::template dequant<P>(wv[v]);
+      for (int r = 0; r < MR; ++r) {
+        const V xb = Vec::set1(x[r][k0 + kRowOfNibble[P]]);
+        for (int v = 0; v < 4; ++v) acc[0][r][v] = Vec::fmadd(xb, wf[v], acc[0][r][v]);
+      }
+    });
+  }
+};
 
 // Columns [c0, c0 + 4 * I::kLanes) of block nb, rows m0 .. m0 + MR.
 template <class I, int MR>
