@@ -3,7 +3,7 @@
     python benchmarks/bench_cpu.py layer [--m 1] [--k 4096] [--n 4096] [--group-size 128]
     python benchmarks/bench_cpu.py model [--gguf PATH] [--group-size 64] [--new-tokens 64]
     python benchmarks/bench_cpu.py ppl [--gguf PATH] [--group-size 64] [--windows 16]
-    python benchmarks/bench_cpu.py summary [--gguf PATH]   # issue 17's figures, one run (~3-5 min quiet)
+    python benchmarks/bench_cpu.py summary [--gguf PATH]   # issue 17's figures, one run (~4-6 min quiet)
 
 Layer: fp32 matmul, bf16 matmul, reference dequant+matmul, fastawq's CPU backend (through the
 public op and straight into the cached kernel), timed round-robin in one run so machine noise
@@ -428,25 +428,36 @@ def cpu_isa_line() -> str:
     shown = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile")
              if f in flags]
     return (f"CPU: {model}, {os.cpu_count()} logical CPUs, flags {' '.join(shown) or '?'}; fastawq kernels "
-            f"{', '.join(cpu.fast_kernel_isas()) or 'absent'}; default activation mode "
-            f"{cpu.act_isa()} (FASTAWQ_CPU_ACT={os.environ.get('FASTAWQ_CPU_ACT', '')!r})")
+            f"{', '.join(cpu.fast_kernel_isas()) or 'absent'}; activation mode "
+            f"{'int8' if cpu.act_isa() == 'int8' else 'exact'} (FASTAWQ_CPU_ACT={os.environ.get('FASTAWQ_CPU_ACT', '')!r})")
 
 
 def bench_summary(gguf: str | None, new_tokens: int, repeats: int) -> None:
-    """The issue-17 figures in one run: SmolLM2 decode (fused engine, 8-bit head) at 1 thread
-    (this thread's CPU time) and 2 threads (wall clock), and the M=1 4096^2 g128 layer at 1 thread
-    (CPU time), each against transformers / torch fp32 in the same run."""
+    """The issue-17 figures in one run: SmolLM2 decode (fused engine, 8-bit and fp32 heads, exact
+    and int8 activations) at 1 thread (this thread's CPU time) and 2 threads (wall clock), and the
+    M=1 4096^2 g128 layer at 1 thread (CPU time), each against transformers / torch fp32 in the
+    same run."""
     global CLOCK
     print(cpu_isa_line())
     rows = []
-    for threads in (1, 2):
+    # The fused engine exact (the default), then with int8 activations where the AVX2 int8
+    # kernel exists (FASTAWQ_CPU_ACT=int8: the lever on CPUs without AVX-512).
+    acts = ["exact"] + (["int8"] if "avx2_int8" in cpu.fast_kernel_isas() else [])
+    before = os.environ.get("FASTAWQ_CPU_ACT")
+    for threads, act in itertools.product((1, 2), acts):
         torch.set_num_threads(threads)
         CLOCK = time.thread_time if threads == 1 else time.perf_counter
+        os.environ["FASTAWQ_CPU_ACT"] = act
         res = bench_model(gguf, 64, 32, new_tokens, repeats, False, fused_only=True)
         base = res["fp32 (transformers)"][1]
         for name, (_, dec, _) in res.items():
-            rows.append((f"SmolLM2 decode, {threads} thread{'s' * (threads > 1)}, {name}",
+            label = name if name.startswith("fp32") else f"{name}, {act} activations"
+            rows.append((f"SmolLM2 decode, {threads} thread{'s' * (threads > 1)}, {label}",
                          f"{(new_tokens - 1) / dec:7.1f} tok/s", f"{base / dec:5.2f}x fp32"))
+    if before is None:
+        os.environ.pop("FASTAWQ_CPU_ACT")
+    else:
+        os.environ["FASTAWQ_CPU_ACT"] = before
     torch.set_num_threads(1)
     CLOCK = time.thread_time
     lay = bench_layer(1, 4096, 4096, 128, 30)
