@@ -3,6 +3,7 @@
     python benchmarks/bench_cpu.py layer [--m 1] [--k 4096] [--n 4096] [--group-size 128]
     python benchmarks/bench_cpu.py model [--gguf PATH] [--group-size 64] [--new-tokens 64]
     python benchmarks/bench_cpu.py ppl [--gguf PATH] [--group-size 64] [--windows 16]
+    python benchmarks/bench_cpu.py summary [--gguf PATH]   # issue 17's figures, one run (~4-6 min quiet)
 
 Layer: fp32 matmul, bf16 matmul, reference dequant+matmul, fastawq's CPU backend (through the
 public op and straight into the cached kernel), timed round-robin in one run so machine noise
@@ -113,6 +114,13 @@ def bench_layer(m: int, k: int, n: int, group_size: int, iters: int) -> None:
         gemm = torch.ops.fastawq.awq_cpu_gemm
         fns["fastawq kernel alone, fp32 x"] = lambda: (lambda p: gemm(x32, p.w, p.scales, p.zeros16, g, n, None))(nextf())
         fns["fastawq kernel alone, bf16 x"] = lambda: (lambda p: gemm(x16, p.w, p.scales, p.zeros16, g, n, None))(nextf())
+        isas = cpu.fast_kernel_isas()
+        if "avx512" in isas:  # what a CPU without AVX-512 runs, on this one
+            fns["fastawq kernel alone, fp32 x, avx2 forced"] = \
+                lambda: (lambda p: gemm(x32, p.w, p.scales, p.zeros16, g, n, None, "avx2"))(nextf())
+        if "avx2_int8" in isas:
+            fns["fastawq kernel alone, int8 x (avx2_int8)"] = \
+                lambda: (lambda p: gemm(x32, p.w, p.scales, p.zeros16, g, n, None, "int8"))(nextf())
     if cpu.TORCH_INT4 in packed:
         aten = torch.ops.aten._weight_int4pack_mm_for_cpu
         nexti = _cycle(packed[cpu.TORCH_INT4])
@@ -138,6 +146,7 @@ def bench_layer(m: int, k: int, n: int, group_size: int, iters: int) -> None:
         kind = "fp32" if name.startswith("fp32") or name.startswith("reference") else "bf16" if name.startswith("bf16") else "int4"
         print(f"{name:48s} {s * 1e3:9.3f} {med * 1e3:9.3f} {flops / s / 1e9:8.1f} {wbytes[kind] / s / 1e9:11.2f} "
               f"{f32 / s:7.2f}x {b16 / s:7.2f}x")
+    return res
 
 
 # ----------------------------------------------------------------------------------------------
@@ -196,11 +205,16 @@ def timed_generate(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, fl
         def end(self):
             pass
 
+    # The fused engine's generate() has no min_new_tokens: an empty stop list makes it run the
+    # full length too (otherwise an early EOS would shorten its decode and inflate its tokens/s).
+    length = {"eos_token_id": []} if hasattr(model, "fastawq_runtime") else {"min_new_tokens": new_tokens}
     t0 = CLOCK()
     with torch.inference_mode():
-        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             streamer=Stamp(), pad_token_id=0)
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, streamer=Stamp(), pad_token_id=0,
+                             **length)
     # stamps[0]: prompt echoed; stamps[1]: first new token (after prefill); stamps[-1]: last token
+    if len(stamps) != new_tokens + 1:
+        raise RuntimeError(f"{type(model).__name__} generated {len(stamps) - 1} tokens, not {new_tokens}")
     prefill = stamps[1] - t0
     decode = stamps[-1] - stamps[1]
     return prefill, decode, out[:, ids.shape[1]:]
@@ -311,7 +325,7 @@ def bench_model(gguf: str | None, group_size: int, prompt_tokens: int, new_token
         del fused
     if fused_only:
         _report(results, gens, gen_fp32, tok, new_tokens)
-        return
+        return results
     gens["WQLinear"] = variant("4-bit WQLinear (dispatch), fp32 act", model)
     # Same kernel, without ops.awq_gemm's per-call validation and dispatch (~30 us x 210 calls).
     cpu_linear.convert_model(model)
@@ -332,6 +346,7 @@ def bench_model(gguf: str | None, group_size: int, prompt_tokens: int, new_token
     cpu_linear.convert_model(model, lm_head_bits=8)
     gens["bf16 act, 8-bit head"] = variant("4-bit CPUInt4Linear, bf16 act + 8-bit head", model)
     _report(results, gens, gen_fp32, tok, new_tokens)
+    return results
 
 
 def _report(results: dict, gens: dict, gen_fp32: torch.Tensor, tok, new_tokens: int) -> None:
@@ -388,6 +403,72 @@ def bench_ppl(gguf: str | None, group_size: int, windows: int, seq_len: int) -> 
         model.lm_head = head
         cpu_linear.convert_model(model, lm_head_bits=bits)
         ppl(f"4-bit RTN g{group_size} decoder, {bits}-bit head g64")
+    if "avx2_int8" in cpu.fast_kernel_isas():
+        # The fused engine's default head (8-bit) with the kernel's int8 activations everywhere.
+        model.lm_head = head
+        cpu_linear.convert_model(model, lm_head_bits=8)
+        for mod in model.modules():
+            if isinstance(mod, (cpu_linear.CPUInt4Linear, cpu_linear.CPUInt8Linear)):
+                mod.isa = cpu.act_isa("int8")
+        ppl(f"4-bit RTN g{group_size} decoder, 8-bit head g64, int8 activations")
+
+
+def cpu_isa_line() -> str:
+    flags = set()
+    model = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+                elif line.startswith("model name") and model == "?":
+                    model = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    shown = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile")
+             if f in flags]
+    return (f"CPU: {model}, {os.cpu_count()} logical CPUs, flags {' '.join(shown) or '?'}; fastawq kernels "
+            f"{', '.join(cpu.fast_kernel_isas()) or 'absent'}; activation mode "
+            f"{'int8' if cpu.act_isa() == 'int8' else 'exact'} (FASTAWQ_CPU_ACT={os.environ.get('FASTAWQ_CPU_ACT', '')!r})")
+
+
+def bench_summary(gguf: str | None, new_tokens: int, repeats: int) -> None:
+    """The issue-17 figures in one run: SmolLM2 decode (fused engine, 8-bit and fp32 heads, exact
+    and int8 activations) at 1 thread (this thread's CPU time) and 2 threads (wall clock), and the
+    M=1 4096^2 g128 layer at 1 thread (CPU time), each against transformers / torch fp32 in the
+    same run."""
+    global CLOCK
+    print(cpu_isa_line())
+    rows = []
+    # The fused engine exact (the default), then with int8 activations where the AVX2 int8
+    # kernel exists (FASTAWQ_CPU_ACT=int8: the lever on CPUs without AVX-512).
+    acts = ["exact"] + (["int8"] if "avx2_int8" in cpu.fast_kernel_isas() else [])
+    before = os.environ.get("FASTAWQ_CPU_ACT")
+    for threads, act in itertools.product((1, 2), acts):
+        torch.set_num_threads(threads)
+        CLOCK = time.thread_time if threads == 1 else time.perf_counter
+        os.environ["FASTAWQ_CPU_ACT"] = act
+        res = bench_model(gguf, 64, 32, new_tokens, repeats, False, fused_only=True)
+        base = res["fp32 (transformers)"][1]
+        for name, (_, dec, _) in res.items():
+            label = name if name.startswith("fp32") else f"{name}, {act} activations"
+            rows.append((f"SmolLM2 decode, {threads} thread{'s' * (threads > 1)}, {label}",
+                         f"{(new_tokens - 1) / dec:7.1f} tok/s", f"{base / dec:5.2f}x fp32"))
+    if before is None:
+        os.environ.pop("FASTAWQ_CPU_ACT")
+    else:
+        os.environ["FASTAWQ_CPU_ACT"] = before
+    torch.set_num_threads(1)
+    CLOCK = time.thread_time
+    lay = bench_layer(1, 4096, 4096, 128, 30)
+    f32 = lay["fp32 matmul (F.linear)"][0]
+    for name, (sec, _) in lay.items():
+        if name.startswith("fastawq") or name.startswith("fp32"):
+            rows.append((f"layer M=1 4096x4096 g128, 1 thread, {name}", f"{sec * 1e3:7.3f} ms", f"{f32 / sec:5.2f}x fp32"))
+    print(f"\nSummary (load average {os.getloadavg()}; 1 thread: CPU time, 2 threads: wall clock)")
+    print(cpu_isa_line())
+    for row in rows:
+        print(f"  {row[0]:86s} {row[1]:>14s} {row[2]:>11s}")
 
 
 def main() -> None:
@@ -407,12 +488,16 @@ def main() -> None:
     mod.add_argument("--repeats", type=int, default=3)
     mod.add_argument("--profile", action="store_true")
     mod.add_argument("--fused-only", action="store_true", help="only fp32 and the fused engine")
+    summ = sub.add_parser("summary", help="issue 17's figures in one run (model 1 and 2 threads, layer)")
+    summ.add_argument("--gguf", default=None)
+    summ.add_argument("--new-tokens", type=int, default=64)
+    summ.add_argument("--repeats", type=int, default=3)
     pp = sub.add_parser("ppl")
     pp.add_argument("--gguf", default=None)
     pp.add_argument("--group-size", type=int, default=64)
     pp.add_argument("--windows", type=int, default=16)
     pp.add_argument("--seq-len", type=int, default=512)
-    for sp in (lay, mod, pp):
+    for sp in (lay, mod, pp, summ):
         sp.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
         sp.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: this thread's CPU time, robust to other load; needs --threads 1")
@@ -425,7 +510,9 @@ def main() -> None:
         global CLOCK
         CLOCK = time.thread_time
     print(f"clock: {args.clock}, threads: {torch.get_num_threads()}, load average: {os.getloadavg()}")
-    if args.what == "layer":
+    if args.what == "summary":
+        bench_summary(args.gguf, args.new_tokens, args.repeats)
+    elif args.what == "layer":
         bench_layer(args.m, args.k, args.n, args.group_size, args.iters)
     elif args.what == "ppl":
         bench_ppl(args.gguf, args.group_size, args.windows, args.seq_len)

@@ -15,6 +15,10 @@ TORCH_LIBRARY(fastawq, m) {
   m.def("awq_cpu_gemm(Tensor x, Tensor w, Tensor scales, Tensor zeros16, int group_size, int n, Tensor? bias, "
         "str isa=\"auto\") -> Tensor");
   m.def("awq_cpu_isas() -> str[]", &fastawq::awq_cpu_isas);
+  m.def("awq_cpu_decode_layer(Tensor(a!) res, Tensor? x, Tensor norm1, Tensor norm2, Tensor[] weights, int[] groups, "
+        "int[] ns, Tensor?[] biases, Tensor(b!) k_cache, Tensor(c!) v_cache, int pos, Tensor cos, Tensor sin_signed, "
+        "Tensor? q_norm, Tensor? k_norm, int num_heads, int num_kv_heads, float eps, float scale, str activation, "
+        "str isa=\"auto\") -> Tensor");
 #ifdef FASTAWQ_WITH_CUDA
   m.def("awq_dequantize(Tensor qweight, Tensor scales, Tensor qzeros, int group_size) -> Tensor");
   m.def("awq_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
@@ -31,6 +35,7 @@ TORCH_LIBRARY(fastawq, m) {
 TORCH_LIBRARY_IMPL(fastawq, CPU, m) {
   m.impl("awq_cpu_repack", &fastawq::awq_cpu_repack);
   m.impl("awq_cpu_gemm", &fastawq::awq_cpu_gemm);
+  m.impl("awq_cpu_decode_layer", &fastawq::awq_cpu_decode_layer);
 }
 
 #ifdef FASTAWQ_WITH_CUDA

@@ -394,18 +394,26 @@ def test_convert_model_lm_head(bits):
         cpu_linear.convert_model(model, lm_head_bits=6)
 
 
-@needs_fast
-def test_from_quantized_use_ipex_converts_and_heads(tmp_path):
-    # AutoAWQ's use_ipex=True lands on this backend: packed layers become CPUInt4Linear (same
-    # logits as dispatch), and cpu_lm_head_bits=8 makes the float head an 8-bit layer.
-    from fastawq.auto import AutoAWQForCausalLM, AWQModel
+def _save_tiny_llama(path) -> None:
+    """A tiny random Llama, AWQ-quantized (group 32) and saved at path."""
+    from fastawq.auto import AWQModel
     from fastawq.quantize import QuantConfig, quantize
     from test_models import calib_ids, tiny_model
 
     model = tiny_model("llama")
     qc = QuantConfig(q_group_size=32)
     quantize(model, None, qc, calib=calib_ids(), max_calib_samples=4, max_calib_seq_len=32)
-    AWQModel(model, qc).save_quantized(tmp_path)
+    AWQModel(model, qc).save_quantized(path)
+
+
+@needs_fast
+def test_from_quantized_use_ipex_converts_and_heads(tmp_path):
+    # AutoAWQ's use_ipex=True lands on this backend: packed layers become CPUInt4Linear (same
+    # logits as dispatch), and cpu_lm_head_bits=8 makes the float head an 8-bit layer.
+    from fastawq.auto import AutoAWQForCausalLM
+    from test_models import calib_ids
+
+    _save_tiny_llama(tmp_path)
     ids = calib_ids(1, 10)
     plain = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu")
     lean = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", use_ipex=True)
@@ -417,8 +425,43 @@ def test_from_quantized_use_ipex_converts_and_heads(tmp_path):
         assert torch.equal(lean(ids).logits, ref)
         rel = ((head8(ids).logits - ref).abs().max() / ref.abs().max()).item()
     assert rel < 2e-2, rel
-    with pytest.raises(ValueError, match="cpu_lm_head_bits needs use_ipex=True"):
+    with pytest.raises(ValueError, match="cpu_lm_head_bits needs the fused CPU engine"):
         AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", cpu_lm_head_bits=8)
+
+
+@needs_fast
+def test_from_quantized_fuses_on_the_cpu(tmp_path, monkeypatch):
+    # fuse_layers=True on the CPU: decode through fused_cpu.CPUDecodeStep with the engine's 8-bit
+    # head (cpu_lm_head_bits=None keeps it float); FASTAWQ_CPU_FUSE=1 makes that the default;
+    # without it a CPU load stays unfused. The saved checkpoint is untouched throughout.
+    from fastawq.auto import AutoAWQForCausalLM
+    from fastawq.modules.qlinear import WQLinear
+    from test_models import calib_ids
+
+    _save_tiny_llama(tmp_path)
+    saved = sorted((p.name, p.stat().st_size) for p in tmp_path.iterdir())
+    monkeypatch.delenv("FASTAWQ_CPU_FUSE", raising=False)
+    plain = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu")
+    head8 = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", max_seq_len=64, fuse_layers=True)
+    fused = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", max_seq_len=64, fuse_layers=True,
+                                              cpu_lm_head_bits=None)
+    monkeypatch.setenv("FASTAWQ_CPU_FUSE", "1")
+    auto = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", max_seq_len=64, cpu_lm_head_bits=None)
+    assert not hasattr(plain.model, "fastawq_runtime") and any(isinstance(m, WQLinear) for m in plain.modules())
+    assert isinstance(head8.model.fastawq_runtime.lm_head, cpu_linear.CPUInt8Linear)
+    for m in (fused, auto):
+        rt = m.model.fastawq_runtime
+        assert rt.cpu_step is not None and type(rt.lm_head) is torch.nn.Linear
+    ids = calib_ids(1, 10)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
+    out = auto.generate(ids, max_new_tokens=6, do_sample=False)
+    ref = plain.generate(ids, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    assert torch.equal(out[:, :12], ref[:, :12])
+    assert head8.generate(ids, max_new_tokens=6, do_sample=False).shape[1] >= 11
+    assert sorted((p.name, p.stat().st_size) for p in tmp_path.iterdir()) == saved
+    with pytest.raises(ValueError, match="cpu_lm_head_bits must be 8, 4, None or 'auto'"):
+        AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", cpu_lm_head_bits="eight")
 
 
 @needs_fast

@@ -1,5 +1,6 @@
 """fastawq's own CPU W4 GEMM (csrc/cpu/, ops fastawq::awq_cpu_repack / awq_cpu_gemm) against
-reference.py, on every instruction set this CPU runs (avx512bf16, avx512, avx2, scalar).
+reference.py, on every instruction set this CPU runs (avx512bf16, avx512, avx2, scalar), and the
+int8-activation kernel (avx2_int8) against reference.py on the same int8-rounded activations.
 
 Skipped when fastawq._C is absent or predates the CPU kernel; CI builds _C, so they run there.
 """
@@ -20,12 +21,24 @@ ISAS = cpu_backend.fast_kernel_isas()
 # (K, N): N straddles the kernel's 64-column block (and AVX2's 32-column halves, 16-lane vectors,
 # the 8-column AWQ word); K spans several groups of every size below.
 SHAPES = [(384, 8), (256, 72), (768, 136), (640, 192)]
-GROUPS = [8, 32, 64, 128, -1]
+GROUPS = [8, 16, 32, 64, 128, -1]
 MS = [1, 3, 16, 17]
 
 
 def _isas_for(dtype: torch.dtype) -> list[str]:
-    return [isa for isa in ISAS if dtype == torch.bfloat16 or isa != "avx512bf16"]
+    """The exact kernels (avx2_int8 rounds the activations: tested on its own below)."""
+    return [isa for isa in ISAS if (dtype == torch.bfloat16 or isa != "avx512bf16") and "int8" not in isa]
+
+
+def _int8_rounded(x: torch.Tensor, g: int) -> torch.Tensor:
+    """x as the int8 kernel sees it: blocks of 32 (16, 8: the largest dividing g) rows of K,
+    scale max|x| / 127, round half to even."""
+    m, k = x.shape
+    block = 32 if g % 32 == 0 else 16 if g % 16 == 0 else 8
+    xb = x.float().reshape(m, k // block, block)
+    scale = xb.abs().amax(-1, keepdim=True) / 127.0
+    q = torch.where(scale > 0, torch.round(xb / scale), torch.zeros_like(xb))
+    return (q * scale).reshape(m, k)
 
 
 def _poison_allocator(m: int, n: int) -> None:
@@ -52,17 +65,59 @@ def _check(out, x, qweight, scales, qzeros, g, bias=None, factor: float = 2.0) -
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
-def test_gemm_matches_reference(shape, group_size, m, dtype, with_bias):
+@pytest.mark.parametrize("act", ["exact", "int8"])
+def test_gemm_matches_reference(shape, group_size, m, dtype, with_bias, act):
+    if act == "int8" and "avx2_int8" not in ISAS:
+        pytest.skip("no AVX2 int8-activation kernel on this CPU / build")
     k, n = shape
     g = reference.resolve_group_size(group_size, k)
     qweight, scales, qzeros = random_awq(k, n, g, seed=k + n + g)
     w, s, z = torch.ops.fastawq.awq_cpu_repack(qweight, scales, qzeros, g)
     x = random_input((m, k), dtype=dtype, seed=m)
     bias = random_input((n,), dtype=dtype, seed=7) if with_bias else None
-    for isa in _isas_for(dtype):
+    if act == "exact":
+        for isa in _isas_for(dtype):
+            _poison_allocator(m, n)
+            out = torch.ops.fastawq.awq_cpu_gemm(x, w, s, z, g, n, bias, isa)
+            _check(out, x, qweight, scales, qzeros, g, bias)
+        return
+    # The integer dot products are exact: against the fp32 oracle on the int8-rounded x, only
+    # the fp32 sums over blocks and the output rounding differ. Against the unrounded x, the
+    # error is the activations' rounding (about 0.5% of the output's size on normal x).
+    x[0, : k // 3] *= 30.0  # a block of large activations next to small ones
+    bias32 = None if bias is None else bias.float()
+    for isa in ("avx2_int8", "int8"):
         _poison_allocator(m, n)
         out = torch.ops.fastawq.awq_cpu_gemm(x, w, s, z, g, n, bias, isa)
-        _check(out, x, qweight, scales, qzeros, g, bias)
+        assert out.dtype == dtype and out.shape == (m, n) and torch.isfinite(out).all()
+        ref = reference.awq_gemm(_int8_rounded(x, g), qweight, scales, qzeros, g, bias32)
+        top = ref.abs().max().item()
+        tol = 2e-6 * top * (k / 128) ** 0.5 if dtype == torch.float32 else 4e-3 * top
+        err = (out.float() - ref).abs().max().item()
+        assert err <= tol, f"{isa}: max error {err:.4g} > {tol:.4g} against the rounded-x oracle"
+        exact = reference.awq_gemm(x.float(), qweight, scales, qzeros, g, bias32)
+        rel = float((out.float() - exact).norm() / exact.norm())
+        assert rel < 2e-2, f"{isa}: relative error {rel:.3g} against the exact product"
+
+
+needs_int8 = pytest.mark.skipif("avx2_int8" not in ISAS, reason="no AVX2 int8-activation kernel on this CPU / build")
+
+
+@needs_int8
+def test_int8_kernel_zero_and_tiny_blocks():
+    # An all-zero block has scale 0 (q = 0, no division by zero); a row of zeros gives the bias.
+    k, n, g = 256, 72, 64
+    qweight, scales, qzeros = random_awq(k, n, g, seed=21)
+    w, s, z = torch.ops.fastawq.awq_cpu_repack(qweight, scales, qzeros, g)
+    x = random_input((3, k), dtype=torch.float32, seed=22)
+    x[0] = 0.0
+    x[1, 32:96] = 0.0
+    x[2, :32] *= 1e-30
+    bias = random_input((n,), dtype=torch.float32, seed=23)
+    out = torch.ops.fastawq.awq_cpu_gemm(x, w, s, z, g, n, bias, "int8")
+    assert torch.equal(out[0], bias)
+    ref = reference.awq_gemm(_int8_rounded(x, g), qweight, scales, qzeros, g, bias)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
@@ -147,7 +202,7 @@ def test_bad_inputs_name_shapes_and_dtypes():
         gemm(x, w, s.half(), z, 32, 64, None)
     with pytest.raises(RuntimeError, match="the avx512bf16 kernel takes bf16 activations"):
         gemm(x, w, s, z, 32, 64, None, "avx512bf16")
-    with pytest.raises(RuntimeError, match="isa must be auto"):
+    with pytest.raises(RuntimeError, match="isa must be auto, avx512bf16, avx512, avx2, scalar, int8 or avx2_int8"):
         gemm(x, w, s, z, 32, 64, None, "sse9")
     with pytest.raises(RuntimeError, match=r"group_size=12 must be a positive multiple of 8 that divides K=128"):
         torch.ops.fastawq.awq_cpu_repack(qweight, scales, qzeros, 12)

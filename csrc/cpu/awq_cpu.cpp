@@ -7,6 +7,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -42,14 +43,7 @@ void gemm_blocks_scalar(const GemmArgs& a, int64_t b0, int64_t b1, int64_t m0, i
           y[c] += a.scales[(nb * groups + g) * kBlockN + c] * (acc[c] - z * xs);
         }
       }
-      for (int64_t c = 0; c < cols; ++c) {
-        const float out = y[c] + (a.bias ? a.bias[n0 + c] : 0.0f);
-        if (a.out_dtype == Dtype::kFloat32) {
-          static_cast<float*>(a.out)[m * a.out_stride + n0 + c] = out;
-        } else {
-          static_cast<uint16_t*>(a.out)[m * a.out_stride + n0 + c] = bf16_bits(out);
-        }
-      }
+      store_row(a, m, n0, cols, y);
     }
   }
 }
@@ -60,6 +54,7 @@ struct Kernels {
   BlockKernel avx512bf16 = kernel_avx512bf16();
   BlockKernel avx512 = kernel_avx512();
   BlockKernel avx2 = kernel_avx2();
+  BlockKernel avx2_int8 = kernel_avx2_int8();
 };
 
 const Kernels& kernels() {
@@ -72,6 +67,10 @@ const Kernels& kernels() {
 BlockKernel choose(const std::string& isa, bool x_bf16, bool& x_fp32) {
   const Kernels& k = kernels();
   x_fp32 = false;
+  if (isa == "int8" || isa == "avx2_int8") {
+    FASTAWQ_CHECK(k.avx2_int8 != nullptr, "awq_cpu_gemm: this CPU (or build) has no int8-activation (AVX2) kernel");
+    return k.avx2_int8;
+  }
   if (isa == "scalar") return &gemm_blocks_scalar;
   if (isa == "avx512bf16" || (isa == "auto" && x_bf16 && k.avx512bf16)) {
     FASTAWQ_CHECK(x_bf16, "awq_cpu_gemm: the avx512bf16 kernel takes bf16 activations");
@@ -86,12 +85,45 @@ BlockKernel choose(const std::string& isa, bool x_bf16, bool& x_fp32) {
     FASTAWQ_CHECK(k.avx2 != nullptr, "awq_cpu_gemm: this CPU (or build) has no AVX2 kernel");
     fp32 = k.avx2;
   } else {
-    FASTAWQ_CHECK(isa == "auto", "awq_cpu_gemm: isa must be auto, avx512bf16, avx512, avx2 or scalar, got ", isa);
+    FASTAWQ_CHECK(isa == "auto", "awq_cpu_gemm: isa must be auto, avx512bf16, avx512, avx2, scalar, int8 or avx2_int8, got ", isa);
     fp32 = k.avx512 ? k.avx512 : k.avx2;
     if (fp32 == nullptr) return &gemm_blocks_scalar;
   }
   x_fp32 = x_bf16;
   return fp32;
+}
+
+// x rows -> int8 per block of `block` rows of K (scale = max|x| / 127, q = round(x / scale),
+// ties to even), row j of each octet at byte kRowOfNibble[j] (GemmArgs); xsum[r, g] = sum over group g of q * scale.
+template <typename Load>
+void quantize_rows(Load load, int64_t m, int64_t k, int64_t g, int64_t block, int8_t* xq, float* xq_scale,
+                   float* xsum) {
+  const int64_t nblk = k / block, per_group = g / block;
+  at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> row(static_cast<size_t>(k));
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t j = 0; j < k; ++j) row[j] = load(r, j);
+      double gsum = 0.0;
+      for (int64_t b = 0; b < nblk; ++b) {
+        float amax = 0.0f;
+        for (int64_t j = b * block; j < (b + 1) * block; ++j) amax = std::max(amax, std::fabs(row[j]));
+        const float scale = amax / 127.0f;
+        int32_t qsum = 0;
+        for (int64_t j = b * block; j < (b + 1) * block; ++j) {
+          const float q = scale > 0.0f ? std::nearbyint(row[j] / scale) : 0.0f;
+          const int8_t qi = static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
+          xq[r * k + (j & ~int64_t{7}) + kRowOfNibble[j & 7]] = qi;
+          qsum += qi;
+        }
+        xq_scale[r * nblk + b] = scale;
+        gsum += static_cast<double>(scale) * qsum;
+        if ((b + 1) % per_group == 0) {
+          xsum[r * (k / g) + b / per_group] = static_cast<float>(gsum);
+          gsum = 0.0;
+        }
+      }
+    }
+  });
 }
 
 void check_cpu(const char* op, const char* name, const at::Tensor& t) {
@@ -108,6 +140,7 @@ std::vector<std::string> awq_cpu_isas() {
   if (k.avx512) out.emplace_back("avx512");
   if (k.avx2) out.emplace_back("avx2");
   out.emplace_back("scalar");
+  if (k.avx2_int8) out.emplace_back("avx2_int8");
   return out;
 }
 
@@ -208,15 +241,34 @@ at::Tensor awq_cpu_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tens
 
   bool widen = false;
   const BlockKernel kernel = choose(isa, x.scalar_type() == at::kBFloat16, widen);
+  const bool int8 = kernel == kernels().avx2_int8;
   at::Tensor xk = widen ? x.to(at::kFloat) : x;
   if (xk.stride(1) != 1 || (m > 1 && xk.stride(0) < k)) xk = xk.contiguous();
   const bool x_bf16 = xk.scalar_type() == at::kBFloat16;
   auto out = at::empty({m, n}, x.options());
   if (m == 0) return out;
 
-  // Per-group sums of x exactly as the kernel reads it (bf16 or fp32), for the zero-point fold.
   std::vector<float> xsum(static_cast<size_t>(m * groups));
-  for (int64_t r = 0; r < m; ++r) {
+  std::vector<int8_t> xq;
+  std::vector<float> xq_scale;
+  const int64_t xq_block = g % 32 == 0 ? 32 : g % 16 == 0 ? 16 : 8;
+  if (int8) {
+    // x quantized once for every column block (and the zero-point fold's group sums of it).
+    xq.resize(static_cast<size_t>(m * k));
+    xq_scale.resize(static_cast<size_t>(m * (k / xq_block)));
+    const int64_t stride = xk.stride(0);
+    if (x_bf16) {
+      const uint16_t* xp = reinterpret_cast<const uint16_t*>(xk.const_data_ptr<at::BFloat16>());
+      quantize_rows([&](int64_t r, int64_t j) { return bf16_to_float(xp[r * stride + j]); }, m, k, g, xq_block,
+                    xq.data(), xq_scale.data(), xsum.data());
+    } else {
+      const float* xp = xk.const_data_ptr<float>();
+      quantize_rows([&](int64_t r, int64_t j) { return xp[r * stride + j]; }, m, k, g, xq_block, xq.data(),
+                    xq_scale.data(), xsum.data());
+    }
+  }
+  // Per-group sums of x exactly as the kernel reads it (bf16 or fp32), for the zero-point fold.
+  for (int64_t r = 0; r < m && !int8; ++r) {
     for (int64_t gi = 0; gi < groups; ++gi) {
       double sum = 0.0;
       if (x_bf16) {
@@ -246,6 +298,11 @@ at::Tensor awq_cpu_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tens
   args.out = out.mutable_data_ptr();
   args.out_stride = n;
   args.out_dtype = x.scalar_type() == at::kBFloat16 ? Dtype::kBFloat16 : Dtype::kFloat32;
+  if (int8) {
+    args.xq = xq.data();
+    args.xq_scale = xq_scale.data();
+    args.xq_block = xq_block;
+  }
   // Enough columns per task to pay for waking a thread (~1-2 us): small layers run inline.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(1, k * kBlockN * m));
   if (widen) {

@@ -14,6 +14,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "cpu/awq_cpu_block.h"
+
 namespace fastawq::cpu {
 namespace {
 
@@ -31,99 +33,38 @@ inline __m512i dequant_pair(__m512i w) {
   return _mm512_ternarylogic_epi32(t, _mm512_set1_epi32(0x00780078), _mm512_set1_epi32(0x3f803f80), 0xEA);
 }
 
-// Two accumulator sets (even and odd pairs) for one or two rows: vdpbf16ps has a latency of
-// several cycles, and 4 chains alone would leave the unit idle.
-template <int MR>
-constexpr int kSets = MR <= 2 ? 2 : 1;
-
-template <int MR, int J>
-inline void step(const __m512i (&w)[4], const uint16_t* const (&x)[MR], int64_t k0,
-                 __m512 (&acc)[kSets<MR>][MR][4]) {
-  __m512i wb[4];
-  for (int v = 0; v < 4; ++v) wb[v] = dequant_pair<J>(w[v]);
-  constexpr int set = J % kSets<MR>;
-  for (int r = 0; r < MR; ++r) {
-    int32_t pair;
-    std::memcpy(&pair, x[r] + k0 + 2 * J, 4);
-    const __m512i xb = _mm512_set1_epi32(pair);
-    for (int v = 0; v < 4; ++v)
-      acc[set][r][v] = _mm512_dpbf16_ps(acc[set][r][v], (__m512bh)wb[v], (__m512bh)xb);
+// bf16 x: per pair of K rows, one vdpbf16ps with the dequantised pair vector. Two accumulator
+// sets (even and odd pairs) for one or two rows: vdpbf16ps has a latency of several cycles, and
+// 4 chains alone would leave the unit idle.
+struct Avx512Bf16 : Avx512Vec {
+  using X = uint16_t;
+  template <int MR>
+  static constexpr int kSets = MR <= 2 ? 2 : 1;
+  template <int MR>
+  static void octet(const uint32_t* wo, const uint16_t* const (&x)[MR], int64_t k0, V (&acc)[kSets<MR>][MR][4]) {
+    __m512i wv[4];
+    load_w(wo, wv);
+    unroll<kStepK / 2>([&](auto j) { step<MR, decltype(j)::value>(wv, x, k0, acc); });
   }
-}
-
-template <int MR>
-void block(const GemmArgs& a, int64_t nb, int64_t m0) {
-  const int64_t groups = a.k / a.group, octets = a.group / kStepK;
-  const uint32_t* w = a.w + nb * (a.k / kStepK) * kBlockN;
-  const float* sc = a.scales + nb * groups * kBlockN;
-  const uint8_t* zz = a.zeros16 + nb * groups * kBlockN;
-  const uint16_t* x[MR];
-  for (int r = 0; r < MR; ++r) x[r] = static_cast<const uint16_t*>(a.x) + (m0 + r) * a.x_stride;
-  __m512 y[MR][4];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < 4; ++v) y[r][v] = _mm512_setzero_ps();
-  const __m512 sixteen = _mm512_set1_ps(16.0f);
-  constexpr int S = kSets<MR>;
-
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512 acc[S][MR][4];
-    for (int s = 0; s < S; ++s)
-      for (int r = 0; r < MR; ++r)
-        for (int v = 0; v < 4; ++v) acc[s][r][v] = _mm512_setzero_ps();
-    for (int64_t o = g * octets; o < (g + 1) * octets; ++o) {
-      const uint32_t* wo = w + o * kBlockN;
-      const __m512i wv[4] = {_mm512_loadu_si512(wo), _mm512_loadu_si512(wo + 16), _mm512_loadu_si512(wo + 32),
-                             _mm512_loadu_si512(wo + 48)};
-      const int64_t k0 = o * kStepK;
-      step<MR, 0>(wv, x, k0, acc);
-      step<MR, 1>(wv, x, k0, acc);
-      step<MR, 2>(wv, x, k0, acc);
-      step<MR, 3>(wv, x, k0, acc);
-    }
-    for (int v = 0; v < 4; ++v) {
-      const __m512 s = _mm512_loadu_ps(sc + g * kBlockN + 16 * v);
-      const __m512 z16 = _mm512_cvtepi32_ps(
-          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zz + g * kBlockN + 16 * v))));
-      for (int r = 0; r < MR; ++r) {
-        __m512 sum = acc[0][r][v];
-        if constexpr (S == 2) sum = _mm512_add_ps(sum, acc[1][r][v]);
-        const __m512 t = _mm512_fmsub_ps(sum, sixteen, _mm512_mul_ps(z16, _mm512_set1_ps(a.xsum[(m0 + r) * groups + g])));
-        y[r][v] = _mm512_fmadd_ps(s, t, y[r][v]);
-      }
-    }
-  }
-
-  const int64_t n0 = nb * kBlockN, valid = std::min<int64_t>(kBlockN, a.n - n0);
-  for (int v = 0; v < 4; ++v) {
-    const int64_t cols = std::clamp<int64_t>(valid - 16 * v, 0, 16);
-    if (cols == 0) break;
-    const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
-    const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n0 + 16 * v) : _mm512_setzero_ps();
+  template <int MR, int J>
+  static void step(const __m512i (&w)[4], const uint16_t* const (&x)[MR], int64_t k0,
+                   __m512 (&acc)[kSets<MR>][MR][4]) {
+    __m512i wb[4];
+    for (int v = 0; v < 4; ++v) wb[v] = dequant_pair<J>(w[v]);
+    constexpr int set = J % kSets<MR>;
     for (int r = 0; r < MR; ++r) {
-      const __m512 out = _mm512_add_ps(y[r][v], bias);
-      if (a.out_dtype == Dtype::kFloat32) {
-        _mm512_mask_storeu_ps(static_cast<float*>(a.out) + (m0 + r) * a.out_stride + n0 + 16 * v, mask, out);
-      } else {
-        // vcvtneps2bf16 rounds to nearest even, as torch does.
-        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.out) + (m0 + r) * a.out_stride + n0 + 16 * v, mask,
-                                 (__m256i)_mm512_cvtneps_pbh(out));
-      }
+      int32_t pair;
+      std::memcpy(&pair, x[r] + k0 + 2 * J, 4);
+      const __m512i xb = _mm512_set1_epi32(pair);
+      for (int v = 0; v < 4; ++v)
+        acc[set][r][v] = _mm512_dpbf16_ps(acc[set][r][v], (__m512bh)wb[v], (__m512bh)xb);
     }
   }
-}
-
-void gemm_blocks(const GemmArgs& a, int64_t b0, int64_t b1, int64_t m0, int64_t m1) {
-  for (int64_t nb = b0; nb < b1; ++nb) {
-    for (int64_t m = m0; m < m1;) {
-      switch (std::min<int64_t>(m1 - m, 4)) {
-        case 4: block<4>(a, nb, m); m += 4; break;
-        case 3: block<3>(a, nb, m); m += 3; break;
-        case 2: block<2>(a, nb, m); m += 2; break;
-        default: block<1>(a, nb, m); m += 1; break;
-      }
-    }
+  static void store(const GemmArgs& a, int64_t row, int64_t n0, int64_t valid, const V (&y)[4]) {
+    // vcvtneps2bf16 rounds to nearest even, as torch does.
+    Avx512Vec::store(a, row, n0, valid, y, [](__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); });
   }
-}
+};
 
 }  // namespace
 
@@ -132,7 +73,7 @@ BlockKernel kernel_avx512bf16() {
   const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
                   __builtin_cpu_supports("fma");
-  return ok ? &gemm_blocks : nullptr;
+  return ok ? &gemm_blocks<Avx512Bf16> : nullptr;
 }
 
 }  // namespace fastawq::cpu

@@ -41,16 +41,28 @@ struct GemmArgs {
   void* out;                     // [M, N] rows out_stride elements apart
   int64_t out_stride;
   Dtype out_dtype;
+  // int8-activation kernels only (else nullptr / 0): x quantized per block of xq_block rows of K
+  // (8, 16 or 32, dividing group) to int8 with one fp32 scale each, x ~= xq * xq_scale. Row r of
+  // each octet of K is stored at byte kRowOfNibble[r] of the octet: bytes 0..3 hold rows
+  // 0, 4, 1, 5, which (w & 0x0f0f0f0f) holds in its four bytes, and bytes 4..7 rows 2, 6, 3, 7,
+  // those of ((w >> 4) & 0x0f0f0f0f). xsum then holds the per-group sums of xq * xq_scale.
+  const int8_t* xq;              // [M, K] contiguous
+  const float* xq_scale;         // [M, K / xq_block]
+  int64_t xq_block;
 };
 
 // Computes blocks [b0, b1) of the output columns for rows [m0, m1).
 using BlockKernel = void (*)(const GemmArgs&, int64_t b0, int64_t b1, int64_t m0, int64_t m1);
 
 // Each returns nullptr when it was not compiled in (non-x86 build) or the CPU lacks its ISA.
-// avx512bf16 takes bf16 x (vdpbf16ps); avx512 and avx2 take fp32 x; scalar takes both.
+// avx512bf16 takes bf16 x (vdpbf16ps); avx512 and avx2 take fp32 x; scalar takes both; avx2_int8
+// takes xq.
 BlockKernel kernel_avx512bf16();
 BlockKernel kernel_avx512();
 BlockKernel kernel_avx2();
+// int8 activations (GemmArgs::xq): vpmaddubsw dots of the nibbles with xq, exact int16/int32
+// sums per block of K, fp32 across blocks. Not exact with respect to x: see awq_cpu_ops.h.
+BlockKernel kernel_avx2_int8();
 void gemm_blocks_scalar(const GemmArgs&, int64_t b0, int64_t b1, int64_t m0, int64_t m1);
 
 // Round-to-nearest-even fp32 -> bf16 bits (NaN stays a quiet NaN), as c10::BFloat16 does.
@@ -66,6 +78,19 @@ inline float bf16_to_float(uint16_t b) {
   float f;
   __builtin_memcpy(&f, &u, 4);
   return f;
+}
+
+// y[0 .. cols) (+ bias) into row m, columns n0 .. n0 + cols of the output, in its dtype. static:
+// each ISA file keeps its own copy (a shared inline one could be linked from an AVX-512 file).
+static inline void store_row(const GemmArgs& a, int64_t m, int64_t n0, int64_t cols, const float* y) {
+  for (int64_t c = 0; c < cols; ++c) {
+    const float out = y[c] + (a.bias ? a.bias[n0 + c] : 0.0f);
+    if (a.out_dtype == Dtype::kFloat32) {
+      static_cast<float*>(a.out)[m * a.out_stride + n0 + c] = out;
+    } else {
+      static_cast<uint16_t*>(a.out)[m * a.out_stride + n0 + c] = bf16_bits(out);
+    }
+  }
 }
 
 }  // namespace fastawq::cpu

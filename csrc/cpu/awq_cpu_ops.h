@@ -7,6 +7,7 @@
 #include <tuple>
 #include <vector>
 
+#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 
 namespace fastawq {
@@ -24,5 +25,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> awq_cpu_repack(const at::Tensor& 
 // isa: "auto" (the best this CPU runs for x's dtype) or one of awq_cpu_isas(), for tests.
 at::Tensor awq_cpu_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros16,
                         int64_t group_size, int64_t n, const std::optional<at::Tensor>& bias, const std::string& isa);
+
+// One decoder layer of a decode step (csrc/cpu/awq_cpu_decode.cpp): res [B, H] fp32 += x, then
+// attention (new K/V row written at `pos` of the fp32 caches [B, S, kv_heads, head_dim]) and the
+// gated MLP; res holds the residual stream after attention, the MLP's output [B, H] is returned
+// (the next layer's x). weights: w, scales, zeros16 of qkv, o, gate_up, down (awq_cpu_repack);
+// groups / ns / biases: theirs. cos / sin_signed: the rope row of `pos` (sin's first half negated).
+at::Tensor awq_cpu_decode_layer(
+    const at::Tensor& res, const std::optional<at::Tensor>& x, const at::Tensor& norm1, const at::Tensor& norm2,
+    const std::vector<at::Tensor>& weights, c10::IntArrayRef groups, c10::IntArrayRef ns,
+    const c10::List<std::optional<at::Tensor>>& biases,
+    const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t pos, const at::Tensor& cos, const at::Tensor& sin_signed,
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+    int64_t num_heads, int64_t num_kv_heads, double eps, double scale, const std::string& activation, const std::string& isa);
 
 }  // namespace fastawq

@@ -245,7 +245,7 @@ class AutoAWQForCausalLM:
         device_map: Any = "auto",
         torch_dtype: Any = None,
         backend: str | None = None,
-        cpu_lm_head_bits: int | None = None,
+        cpu_lm_head_bits: int | None | str = "auto",
         verify: str | None = None,
         max_memory: dict | None = None,
         offload_folder: str | os.PathLike | None = None,
@@ -259,10 +259,13 @@ class AutoAWQForCausalLM:
         or "auto" (backend.preferred_layout: packed for the fused engine on a GPU at batch_size
         <= 4, else awq). Saving always writes AWQ GEMM.
 
-        On the CPU, `use_ipex=True` makes the packed layers inference-only modules that call the
-        CPU kernel directly, and `cpu_lm_head_bits=8` (with it) also runs the float lm_head as an
-        8-bit layer: about +0.15% perplexity on SmolLM2-135M for 1.7x its decode speed
-        (benchmarks/CPU_RESULTS.md); it is not AWQ's recipe, so it is off by default.
+        On the CPU, `fuse_layers=True` (or, with `fuse_layers=None`, FASTAWQ_CPU_FUSE=1) fuses the
+        layers where the fused engine serves the model type: decode runs fused_cpu.CPUDecodeStep
+        (one C++ call per layer). `use_ipex=True` instead makes the packed layers inference-only
+        modules that call the CPU kernel directly. `cpu_lm_head_bits=8` runs the float lm_head as an
+        8-bit layer: about +0.15% perplexity on SmolLM2-135M for about 2x its fused decode speed
+        (benchmarks/CPU_RESULTS.md); None keeps it float; "auto" (default) is the fused engine's
+        default (8) when fused on the CPU and None with use_ipex (AWQ's recipe keeps it float).
         verify: "full" (default: sizes and sha256 against the checkpoint's manifest), "size" or
         "off"; FASTAWQ_VERIFY sets the default."""
         from fastawq.checkpoint import load_quantized
@@ -275,6 +278,8 @@ class AutoAWQForCausalLM:
             raise ValueError(f"layout must be one of {LAYOUTS} or 'auto', got {layout!r}")
         if use_ipex and layout == "packed":
             raise ValueError("use_ipex=True makes CPU modules of the AWQ layout; layout='packed' serves CUDA devices")
+        if isinstance(cpu_lm_head_bits, str) and cpu_lm_head_bits != "auto":
+            raise ValueError(f"cpu_lm_head_bits must be 8, 4, None or 'auto', got {cpu_lm_head_bits!r}")
         from fastawq.hub import resolve
 
         quant_path = resolve(quant_path, kwargs.pop("revision", None), trust_remote_code=trust_remote_code)
@@ -322,6 +327,12 @@ class AutoAWQForCausalLM:
             import importlib.util
 
             fuse_layers = device.type == "cuda" and importlib.util.find_spec("fastawq.modules.fused") is not None
+            if device.type == "cpu" and not use_ipex and backend is None and os.environ.get("FASTAWQ_CPU_FUSE") == "1":
+                # The fused CPU engine (modules/fused_cpu.py) where the model type has one: opt-in
+                # for now (an unfused CPU load is what callers of batch > batch_size rely on).
+                from fastawq import cpu
+
+                fuse_layers = cpu.fast_kernel_available() is None
         if fuse_layers:
             try:
                 from fastawq.modules.fused import fuse_model
@@ -332,7 +343,8 @@ class AutoAWQForCausalLM:
             if multimodal.is_multimodal(model.config):  # fuses the language model behind the vision tower
                 fuse_model = multimodal.fuse_model
             try:
-                model = fuse_model(model, max_seq_len=max_seq_len, batch_size=batch_size, backend=backend)
+                extra = {"cpu_lm_head_bits": cpu_lm_head_bits} if device.type == "cpu" and cpu_lm_head_bits != "auto" else {}
+                model = fuse_model(model, max_seq_len=max_seq_len, batch_size=batch_size, backend=backend, **extra)
             except NotImplementedError as e:
                 if not auto_fuse:
                     raise
@@ -357,10 +369,11 @@ class AutoAWQForCausalLM:
             # dispatch, ~10 us of a small model's ~20 us per layer call; benchmarks/CPU_RESULTS.md).
             from fastawq.modules.cpu_linear import convert_model
 
-            count = convert_model(model, lm_head_bits=cpu_lm_head_bits)
+            count = convert_model(model, lm_head_bits=None if cpu_lm_head_bits == "auto" else cpu_lm_head_bits)
             log.info("use_ipex=True: %d packed layers converted for the CPU", count)
-        elif cpu_lm_head_bits is not None:
-            raise ValueError("cpu_lm_head_bits needs use_ipex=True on the CPU (and no fused layers or forced backend)")
+        elif cpu_lm_head_bits not in (None, "auto") and not (fuse_layers and device.type == "cpu"):
+            raise ValueError("cpu_lm_head_bits needs the fused CPU engine (fuse_layers=True) or use_ipex=True on "
+                             "the CPU, and no forced backend")
         tok = None
         try:
             from transformers import AutoTokenizer

@@ -10,7 +10,8 @@ activations, any N (a multiple of 8, as AWQ packs it), any group size that is a 
 It multiplies the activations by 1 + q/16 (exact in bf16 and fp32) and folds zero point and
 offset into one FMA per group, accumulating in fp32: fp32 activations get fp32 accuracy (an FMA
 chain), bf16 activations that of an fp32-accumulated bf16 matmul (vdpbf16ps where the CPU has
-AVX512-BF16). fp16 activations run as fp32. Measured (benchmarks/CPU_RESULTS.md, M=1, 4096 x 4096,
+AVX512-BF16). fp16 activations run as fp32. Opt-in int8 activations (`act_isa`, FASTAWQ_CPU_ACT)
+use AVX2 integer dot products instead. Measured (benchmarks/CPU_RESULTS.md, M=1, 4096 x 4096,
 g128, 2 threads): 0.27 ms (bf16 x) and 0.31 ms (fp32 x) against 0.44 ms for torch's kernel in
 bf16; one thread 0.35 / 0.57 ms against 0.85 ms. Hence it comes first.
 
@@ -91,6 +92,32 @@ def fast_kernel_available() -> str | None:
 def fast_kernel_isas() -> list[str]:
     """Instruction sets fastawq's CPU kernel runs here, best first (empty without _C)."""
     return list(torch.ops.fastawq.awq_cpu_isas()) if fast_kernel_available() is None else []
+
+
+# Activation modes of fastawq's kernel (FASTAWQ_CPU_ACT, or the `act` argument of the CPU modules):
+#   exact: x as given (fp32 or bf16), products exact, fp32 accumulation;
+#   int8:  x quantized per 32 rows of K to int8 (one fp32 scale each) and multiplied by the
+#          nibbles with integer dot products (AVX2 vpmaddubsw): half the instructions per weight,
+#          at the cost of the activations' rounding (benchmarks/CPU_RESULTS.md);
+#   auto:  int8 where the CPU has AVX2 but no AVX-512 (there the exact kernel is instruction-
+#          bound and int8 is ~2x faster), else exact (the AVX-512 kernels already stream the
+#          weights near memory speed, so int8 would cost accuracy for nothing).
+ACT_MODES = ("exact", "int8", "auto")
+DEFAULT_ACT = "exact"
+
+
+def act_isa(mode: str | None = None) -> str:
+    """awq_cpu_gemm's `isa` argument for activation mode `mode` (default: FASTAWQ_CPU_ACT, else
+    DEFAULT_ACT): "auto" (the exact kernel) or "int8"."""
+    mode = (mode or os.environ.get("FASTAWQ_CPU_ACT", "").strip() or DEFAULT_ACT).lower()
+    if mode not in ACT_MODES:
+        raise ValueError(f"CPU activation mode {mode!r} (FASTAWQ_CPU_ACT?): expected one of {ACT_MODES}")
+    isas = fast_kernel_isas()
+    if mode == "auto":
+        mode = "int8" if "avx2_int8" in isas and "avx512" not in isas else "exact"
+    if mode == "int8" and "avx2_int8" not in isas:
+        raise ValueError(f"CPU activation mode int8 needs fastawq's AVX2 kernel; this CPU / build runs {isas}")
+    return "int8" if mode == "int8" else "auto"
 
 
 def _fp32_exact() -> bool:

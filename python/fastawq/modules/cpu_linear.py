@@ -18,22 +18,24 @@ class CPUInt4Linear(nn.Module):
     state_dict to save) and stays on the CPU; convert a loaded model with `convert_model`.
     """
 
-    def __init__(self, packed: cpu.FastPacked | cpu.PackedInt4, bias: torch.Tensor | None):
+    def __init__(self, packed: cpu.FastPacked | cpu.PackedInt4, bias: torch.Tensor | None, act: str | None = None):
         super().__init__()
         self.packed = packed
         self.in_features, self.out_features = packed.k, packed.n
         self.bias_fp32 = None if bias is None else bias.detach().to(torch.float32)
+        # fastawq's kernel: activation mode (cpu.act_isa); torch's kernel computes in bf16 anyway.
+        self.isa = cpu.act_isa(act) if packed.kernel == cpu.FASTAWQ else "auto"
 
     @classmethod
-    def from_wqlinear(cls, layer: WQLinear, kernel: str | None = None) -> "CPUInt4Linear":
+    def from_wqlinear(cls, layer: WQLinear, kernel: str | None = None, act: str | None = None) -> "CPUInt4Linear":
         """From a WQLinear on the CPU."""
-        return cls(cpu.repack(layer.qweight, layer.scales, layer.qzeros, layer.group_size, kernel), layer.bias)
+        return cls(cpu.repack(layer.qweight, layer.scales, layer.qzeros, layer.group_size, kernel), layer.bias, act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.packed
         x2 = x.reshape(-1, p.k)
         if p.kernel == cpu.FASTAWQ and x2.dtype != torch.float16:
-            out = torch.ops.fastawq.awq_cpu_gemm(x2, p.w, p.scales, p.zeros16, p.group, p.n, self.bias_fp32)
+            out = torch.ops.fastawq.awq_cpu_gemm(x2, p.w, p.scales, p.zeros16, p.group, p.n, self.bias_fp32, self.isa)
         else:
             out = cpu.mm(x2, p, self.bias_fp32)
         return out.view(*x.shape[:-1], p.n)
@@ -52,14 +54,15 @@ class CPUInt8Linear(nn.Module):
     on the lo nibbles (scales s): a 4-bit layer of depth 2K, exact in the kernel's arithmetic.
     """
 
-    def __init__(self, packed: cpu.FastPacked, in_features: int, bias: torch.Tensor | None):
+    def __init__(self, packed: cpu.FastPacked, in_features: int, bias: torch.Tensor | None, act: str | None = None):
         super().__init__()
         self.packed = packed
         self.in_features, self.out_features = in_features, packed.n
         self.bias_fp32 = None if bias is None else bias.detach().to(torch.float32)
+        self.isa = cpu.act_isa(act)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = 64) -> "CPUInt8Linear":
+    def from_linear(cls, linear: nn.Linear, group_size: int = 64, act: str | None = None) -> "CPUInt8Linear":
         why = cpu.fast_kernel_available()
         if why is not None:
             raise RuntimeError(f"CPUInt8Linear needs fastawq's CPU kernel: {why}")
@@ -70,7 +73,7 @@ class CPUInt8Linear(nn.Module):
             z4 = torch.cat([z >> 4, z & 15], dim=1)
             qweight, scales, qzeros = reference.pack_awq(q4, s4, z4, torch.float32)
         g = reference.resolve_group_size(group_size, linear.in_features)
-        return cls(cpu.repack_fast(qweight, scales, qzeros, g), linear.in_features, linear.bias)
+        return cls(cpu.repack_fast(qweight, scales, qzeros, g), linear.in_features, linear.bias, act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.packed
@@ -78,7 +81,7 @@ class CPUInt8Linear(nn.Module):
         if x2.dtype == torch.float16:
             x2 = x2.float()
         out = torch.ops.fastawq.awq_cpu_gemm(torch.cat([x2, x2], dim=1), p.w, p.scales, p.zeros16, p.group, p.n,
-                                              self.bias_fp32)
+                                              self.bias_fp32, self.isa)
         return out.to(x.dtype).view(*x.shape[:-1], p.n)
 
     def extra_repr(self) -> str:
@@ -87,14 +90,15 @@ class CPUInt8Linear(nn.Module):
 
 
 def convert_model(model: nn.Module, kernel: str | None = None, *, lm_head_bits: int | None = None,
-                  lm_head_group_size: int = 64) -> int:
+                  lm_head_group_size: int = 64, act: str | None = None) -> int:
     """Replace every CPU WQLinear that a CPU kernel takes by a CPUInt4Linear; return how many.
 
     Layers no kernel takes stay WQLinear and keep working through dispatch. `lm_head_bits=8`
     also replaces a float `model.lm_head` by a CPUInt8Linear (group `lm_head_group_size`): not
     AWQ's recipe, which keeps it in float, but on the CPU the float head of a small model costs
     as much as all its quantized layers (benchmarks/CPU_RESULTS.md gives speed and perplexity).
-    `lm_head_bits=4` makes it a round-to-nearest CPUInt4Linear instead."""
+    `lm_head_bits=4` makes it a round-to-nearest CPUInt4Linear instead. `act`: the activation
+    mode of fastawq's kernel (cpu.act_isa: exact, int8 or auto; default FASTAWQ_CPU_ACT / exact)."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -103,18 +107,18 @@ def convert_model(model: nn.Module, kernel: str | None = None, *, lm_head_bits: 
             qweight = child.qweight
             chosen = kernel or cpu.weight_kernel(qweight, child.group_size)
             if chosen is not None and cpu.weight_fits(chosen, qweight, child.group_size) is None:
-                setattr(parent, name, CPUInt4Linear.from_wqlinear(child, chosen))
+                setattr(parent, name, CPUInt4Linear.from_wqlinear(child, chosen, act))
                 count += 1
     head = getattr(model, "lm_head", None)
     if lm_head_bits is not None and type(head) is nn.Linear and head.weight.device.type == "cpu":
         if lm_head_bits == 8:
-            model.lm_head = CPUInt8Linear.from_linear(head, lm_head_group_size)
+            model.lm_head = CPUInt8Linear.from_linear(head, lm_head_group_size, act)
         elif lm_head_bits == 4:
             with torch.no_grad():
                 q, s, z = reference.quantize_groupwise(head.weight, lm_head_group_size, 4, True)
                 qw, sc, qz = reference.pack_awq(q, s, z, torch.float32)
             g = reference.resolve_group_size(lm_head_group_size, head.in_features)
-            model.lm_head = CPUInt4Linear(cpu.repack(qw, sc, qz, g, kernel), head.bias)
+            model.lm_head = CPUInt4Linear(cpu.repack(qw, sc, qz, g, kernel), head.bias, act)
         else:
             raise ValueError(f"lm_head_bits must be 4, 8 or None, got {lm_head_bits}")
     return count

@@ -1,5 +1,8 @@
-"""The fused engine's decode step on the CPU: one Python loop over the layers, each a handful of
-torch calls around fastawq's CPU kernel (csrc/cpu/), computing in fp32.
+"""The fused engine's decode step on the CPU: one call per layer of awq_cpu_decode_layer (csrc/cpu/
+awq_cpu_decode.cpp: norms, rope, cache write, attention and the four GEMMs in C++) where the KV
+cache is fp32, else one Python loop over the layers, each a handful of torch calls around
+fastawq's CPU kernel; fp32 either way. `act` (cpu.act_isa: exact by default, or int8) picks the
+kernel's activation mode.
 
 Why a separate step: on the CPU there is no graph replay, so every op call and module hop is paid
 per token. The generic step (fused.py) goes through ops.* dispatch, WQLinear plans and the torch
@@ -31,8 +34,8 @@ log = logging.getLogger(__name__)
 _ACTS = {"silu": F.silu, "gelu_pytorch_tanh": lambda t: F.gelu(t, approximate="tanh"), "gelu": F.gelu}
 
 
-def _packed(lin: nn.Module) -> tuple | None:
-    """(w, scales, zeros16, group, n, bias fp32): awq_cpu_gemm's arguments after x, or None."""
+def _packed(lin: nn.Module, isa: str = "auto") -> tuple | None:
+    """(w, scales, zeros16, group, n, bias fp32, isa): awq_cpu_gemm's arguments after x, or None."""
     if not isinstance(lin, WQLinear):
         return None
     g = lin.group_size
@@ -40,7 +43,7 @@ def _packed(lin: nn.Module) -> tuple | None:
         return None
     p = cpu.prepare(lin.qweight, lin.scales, lin.qzeros, g, cpu.FASTAWQ)
     bias = None if lin.bias is None else lin.bias.detach().to(torch.float32).contiguous()
-    return (p.w, p.scales, p.zeros16, p.group, p.n, bias)
+    return (p.w, p.scales, p.zeros16, p.group, p.n, bias, isa)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -75,11 +78,13 @@ def why_not(runtime) -> str | None:
 class CPUDecodeStep:
     """logits [B, 1, V] = step(ids [B, 1], pos) for a fused runtime on the CPU (rows share pos)."""
 
-    def __init__(self, runtime, lm_head_bits: int | None = 8):
+    def __init__(self, runtime, lm_head_bits: int | None = 8, act: str | None = None):
         why = why_not(runtime)
         if why is not None:
             raise ValueError(f"the CPU decode step cannot serve this model: {why}")
         c = runtime.cfg
+        # The kernel's activation mode (cpu.act_isa: FASTAWQ_CPU_ACT, else exact).
+        isa = self.isa = cpu.act_isa(act)
         self.runtime = runtime
         self.cfg = c
         self.layers = []
@@ -91,7 +96,8 @@ class CPUDecodeStep:
             self.layers.append((
                 _norm_weight(layer.input_layernorm.weight, c.norm_offset),
                 _norm_weight(layer.post_attention_layernorm.weight, c.norm_offset),
-                _packed(attn.qkv_proj), _packed(attn.o_proj), _packed(mlp.gate_up_proj), _packed(mlp.down_proj),
+                _packed(attn.qkv_proj, isa), _packed(attn.o_proj, isa), _packed(mlp.gate_up_proj, isa),
+                _packed(mlp.down_proj, isa),
                 attn.k_cache, attn.v_cache, qn, kn,
             ))
         attn0 = runtime.layers[0].self_attn
@@ -102,7 +108,7 @@ class CPUDecodeStep:
         self.final_norm = _norm_weight(runtime.final_norm.weight, c.norm_offset)
         head = runtime.lm_head
         if lm_head_bits == 8 and type(head) is nn.Linear:
-            runtime.lm_head = head = CPUInt8Linear.from_linear(head, 64)
+            runtime.lm_head = head = CPUInt8Linear.from_linear(head, 64, act)
             log.info("CPU fused engine: 8-bit lm_head (group 64) in place of the float one")
         elif lm_head_bits not in (8, None):
             raise ValueError(f"lm_head_bits must be 8 or None, got {lm_head_bits}")
@@ -110,6 +116,17 @@ class CPUDecodeStep:
         self.embed = runtime.embed
         self.act = _ACTS[c.act]
         self.gemm = torch.ops.fastawq.awq_cpu_gemm.default
+        # One C++ call per layer (awq_cpu_decode_layer) where _C has it and the caches are fp32;
+        # else the torch loop below (an fp16 / bf16 model's cache, or an older _C).
+        self.layer_args = None
+        if hasattr(torch.ops.fastawq, "awq_cpu_decode_layer") and all(
+                L[6].dtype == torch.float32 and L[6].is_contiguous() and L[7].is_contiguous() for L in self.layers):
+            self.layer_op = torch.ops.fastawq.awq_cpu_decode_layer.default
+            self.layer_args = []
+            for n1, n2, qkv_p, o_p, gu_p, down_p, kc, vc, qn, kn in self.layers:
+                packs = (qkv_p, o_p, gu_p, down_p)
+                self.layer_args.append((n1, n2, [t for p in packs for t in p[:3]], [p[3] for p in packs],
+                                        [p[4] for p in packs], [p[5] for p in packs], kc, vc, qn, kn))
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
@@ -120,6 +137,13 @@ class CPUDecodeStep:
         cos, sin = self.cos[pos], self.sin_signed[pos]
         end = pos + 1
         x = self.embed(ids.reshape(b)).to(torch.float32)
+        if self.layer_args is not None:
+            res, x, op, isa = x.contiguous(), None, self.layer_op, self.isa
+            cos, sin = cos.contiguous(), sin.contiguous()
+            for n1, n2, weights, groups, ns, biases, kc, vc, qn, kn in self.layer_args:
+                x = op(res, x, n1, n2, weights, groups, ns, biases, kc, vc, pos, cos, sin, qn, kn, hq, hkv, eps,
+                       c.scale, c.act, isa)
+            return self._head(res.add_(x), b)
         res = None
         for n1, n2, qkv_p, o_p, gu_p, down_p, kc, vc, qn, kn in self.layers:
             res = x if res is None else res.add_(x)
@@ -140,7 +164,10 @@ class CPUDecodeStep:
             gu = gemm(_rms(res, n2, eps), *gu_p)
             inter = gu.shape[1] // 2
             x = gemm(self.act(gu[:, :inter]) * gu[:, inter:], *down_p)
-        h = _rms(res.add_(x), self.final_norm, eps)
+        return self._head(res.add_(x), b)
+
+    def _head(self, res: torch.Tensor, b: int) -> torch.Tensor:
+        h = _rms(res, self.final_norm, self.cfg.eps)
         if isinstance(self.head, nn.Linear):
             h = h.to(self.head.weight.dtype)
         return self.head(h).view(b, 1, -1).to(self.embed.weight.dtype)

@@ -244,5 +244,13 @@ def _register_fakes() -> None:
             torch._check(x.shape[1] == w.shape[1] * 8, lambda: f"x {tuple(x.shape)} vs repacked w {tuple(w.shape)}")
             return x.new_empty((x.shape[0], n))
 
+    if _ext.has_op("awq_cpu_decode_layer"):
+
+        @torch.library.register_fake("fastawq::awq_cpu_decode_layer")
+        def _(res, x, norm1, norm2, weights, groups, ns, biases, k_cache, v_cache, pos, cos, sin_signed, q_norm,
+              k_norm, num_heads, num_kv_heads, eps, scale, activation, isa="auto"):
+            torch._check(res.dim() == 2, lambda: f"res {tuple(res.shape)} must be [B, H]")
+            return torch.empty_like(res)
+
 
 _register_fakes()
