@@ -50,7 +50,7 @@ def _poison_allocator(m: int, n: int) -> None:
 def _check(out, x, qweight, scales, qzeros, g, bias=None, factor: float = 2.0) -> None:
     """Error against the fp32 oracle within `factor` x that of plain torch in x's dtype (fp32:
     dequantize then matmul; bf16: a bf16 matmul), plus a few fp32 ulps of the output's size."""
-    n = s.shape[1]
+    n = scales.shape[1]
     assert out.dtype == x.dtype and out.shape == (x.shape[0], n)
     assert torch.isfinite(out).all(), "output has NaN/inf (unwritten?)"
     ref = reference.awq_gemm(x.float(), qweight, scales, qzeros, g, None if bias is None else bias.float())
@@ -124,7 +124,7 @@ def test_int8_kernel_zero_and_tiny_blocks():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_repack_and_kernel_are_exact(scale_dtype, dtype):
     x, qweight, s, qzeros, g = exact_awq_problem(256, 200, 64, 5, scale_dtype, dtype)
-    n = s.shape[1]
+    n = scales.shape[1]
     w, sc, z = torch.ops.fastawq.awq_cpu_repack(qweight, s, qzeros, g)
     ref = reference.awq_gemm(x, qweight, s, qzeros, g)
     for isa in _isas_for(dtype):
