@@ -11,6 +11,11 @@ if not torch.cuda.is_available():
 # Tests check correctness with the heuristic configs (test_triton checks every tuning candidate);
 # tuning every shape would only cost time.
 os.environ.setdefault("FASTAWQ_TRITON_TUNE", "0")
+# The suite compares CPU outputs with the fp32 oracle and with pseudo-quantized logits at fp32
+# tolerances, so it runs the exact CPU kernels. The default on AVX2-only CPUs (int8 activations)
+# is tested against its own oracle where a test sets FASTAWQ_CPU_ACT or isa= itself
+# (test_cpu_kernel, test_cpu_backend, test_cpu_fused).
+os.environ.setdefault("FASTAWQ_CPU_ACT", "exact")
 
 import pytest  # noqa: E402
 

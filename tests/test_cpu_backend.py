@@ -479,3 +479,45 @@ def test_cached_fast_path_sees_writes_and_bias(monkeypatch):
     _check(cpu_backend.awq_gemm(x, qweight, scales, qzeros, 64, bias), x, qweight, scales, qzeros, 64, bias)
     _check(cpu_backend.awq_gemm(x.half(), qweight, scales, qzeros, 64), x.half(), qweight, scales, qzeros, 64)
     assert cpu_backend.prepare(qweight, scales, qzeros, 64).kernel == "fastawq"
+
+
+@needs_fast
+def test_default_activation_mode_is_int8_only_on_avx2_without_avx512(monkeypatch):
+    monkeypatch.delenv("FASTAWQ_CPU_ACT", raising=False)
+    isas = cpu_backend.fast_kernel_isas()
+    avx2_only = "avx2_int8" in isas and "avx512" not in isas
+    assert cpu_backend.DEFAULT_ACT == "auto"
+    assert cpu_backend.act_isa() == ("int8" if avx2_only else "auto")
+    assert cpu_backend.act_isa("exact") == "auto"
+    monkeypatch.setenv("FASTAWQ_CPU_ACT", "sometimes")
+    with pytest.raises(ValueError, match="expected one of"):
+        cpu_backend.act_isa()
+
+
+@needs_fast
+@pytest.mark.parametrize("mode", ["exact", "auto"] + (["int8"] if "avx2_int8" in cpu_backend.fast_kernel_isas() else []))
+def test_public_op_and_layer_follow_the_activation_mode(mode, monkeypatch):
+    # ops.awq_gemm (first call and cached repack) and a WQLinear's bound plan must run the kernel
+    # in the configured mode: bit-equal to awq_cpu_gemm called with that mode's isa.
+    monkeypatch.delenv("FASTAWQ_CPU_KERNEL", raising=False)
+    monkeypatch.setenv("FASTAWQ_CPU_ACT", mode)
+    k, n, g = 256, 72, 64
+    qweight, scales, qzeros = random_awq(k, n, g, seed=5)
+    x = random_input((3, k), dtype=torch.float32, seed=6)
+    isa = cpu_backend.act_isa()
+    p = cpu_backend.repack_fast(qweight, scales, qzeros, g)
+    want = torch.ops.fastawq.awq_cpu_gemm(x, p.w, p.scales, p.zeros16, g, n, None, isa)
+    first = ops.awq_gemm(x, qweight, scales, qzeros, g)
+    cached = ops.awq_gemm(x, qweight, scales, qzeros, g)
+    assert torch.equal(first, want) and torch.equal(cached, want)
+    layer = WQLinear(k, n, g, bias=False, dtype=scales.dtype)
+    with torch.no_grad():
+        layer.qweight.copy_(qweight)
+        layer.scales.copy_(scales)
+        layer.qzeros.copy_(qzeros)
+    p2 = cpu_backend.repack_fast(layer.qweight, layer.scales, layer.qzeros, g)
+    want2 = torch.ops.fastawq.awq_cpu_gemm(x, p2.w, p2.scales, p2.zeros16, g, n, None, isa)
+    assert torch.equal(layer(x), want2)
+    ref = reference.awq_gemm(x, qweight, scales, qzeros, g)
+    rel = float((first - ref).norm() / ref.norm())
+    assert rel < (2e-2 if isa == "int8" else 1e-6), f"mode {mode} (isa {isa}): relative error {rel:.3g}"

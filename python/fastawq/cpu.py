@@ -10,8 +10,8 @@ activations, any N (a multiple of 8, as AWQ packs it), any group size that is a 
 It multiplies the activations by 1 + q/16 (exact in bf16 and fp32) and folds zero point and
 offset into one FMA per group, accumulating in fp32: fp32 activations get fp32 accuracy (an FMA
 chain), bf16 activations that of an fp32-accumulated bf16 matmul (vdpbf16ps where the CPU has
-AVX512-BF16). fp16 activations run as fp32. Opt-in int8 activations (`act_isa`, FASTAWQ_CPU_ACT)
-use AVX2 integer dot products instead. Measured (benchmarks/CPU_RESULTS.md, M=1, 4096 x 4096,
+AVX512-BF16). fp16 activations run as fp32. On CPUs with AVX2 but no AVX-512 the default activation
+mode (`act_isa`, FASTAWQ_CPU_ACT) rounds x to int8 and uses AVX2 integer dot products instead. Measured (benchmarks/CPU_RESULTS.md, M=1, 4096 x 4096,
 g128, 2 threads): 0.27 ms (bf16 x) and 0.31 ms (fp32 x) against 0.44 ms for torch's kernel in
 bf16; one thread 0.35 / 0.57 ms against 0.85 ms. Hence it comes first.
 
@@ -102,22 +102,32 @@ def fast_kernel_isas() -> list[str]:
 #   auto:  int8 where the CPU has AVX2 but no AVX-512 (there the exact kernel is instruction-
 #          bound and int8 is ~2x faster), else exact (the AVX-512 kernels already stream the
 #          weights near memory speed, so int8 would cost accuracy for nothing).
+# The default is auto: on AVX2-only CPUs the int8 rounding costs +0.2 % perplexity on SmolLM2
+# (under the 0.5 % bar the 8-bit head meets) for twice the speed (benchmarks/CPU_RESULTS.md).
 ACT_MODES = ("exact", "int8", "auto")
-DEFAULT_ACT = "exact"
+DEFAULT_ACT = "auto"
+# (requested mode) -> isa: the CPU and _C do not change within a process, and act_isa sits on
+# the per-call path of the public op.
+_act_memo: dict[str, str] = {}
 
 
 def act_isa(mode: str | None = None) -> str:
     """awq_cpu_gemm's `isa` argument for activation mode `mode` (default: FASTAWQ_CPU_ACT, else
     DEFAULT_ACT): "auto" (the exact kernel) or "int8"."""
     mode = (mode or os.environ.get("FASTAWQ_CPU_ACT", "").strip() or DEFAULT_ACT).lower()
+    isa = _act_memo.get(mode)
+    if isa is not None:
+        return isa
     if mode not in ACT_MODES:
         raise ValueError(f"CPU activation mode {mode!r} (FASTAWQ_CPU_ACT?): expected one of {ACT_MODES}")
     isas = fast_kernel_isas()
+    resolved = mode
     if mode == "auto":
-        mode = "int8" if "avx2_int8" in isas and "avx512" not in isas else "exact"
-    if mode == "int8" and "avx2_int8" not in isas:
+        resolved = "int8" if "avx2_int8" in isas and "avx512" not in isas else "exact"
+    if resolved == "int8" and "avx2_int8" not in isas:
         raise ValueError(f"CPU activation mode int8 needs fastawq's AVX2 kernel; this CPU / build runs {isas}")
-    return "int8" if mode == "int8" else "auto"
+    isa = _act_memo[mode] = "int8" if resolved == "int8" else "auto"
+    return isa
 
 
 def _fp32_exact() -> bool:
@@ -353,7 +363,8 @@ def awq_gemm(
     # A cache hit on fastawq's kernel skips the kernel choice (~5 us a call, ~200 calls a token).
     entry = _fast_hit(x2d, qweight, scales, qzeros, group_size, bias)
     if entry is not None:
-        return torch.ops.fastawq.awq_cpu_gemm(x2d, entry.w, entry.scales, entry.zeros16, entry.group, entry.n, bias)
+        return torch.ops.fastawq.awq_cpu_gemm(x2d, entry.w, entry.scales, entry.zeros16, entry.group, entry.n, bias,
+                                              act_isa())
     if x2d.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K], got {tuple(x2d.shape)}")
     kernel, why = kernel_for(x2d.dtype, qweight, group_size, x_device=x2d.device)
@@ -374,13 +385,14 @@ def cached_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qz
     and the call needs nothing else (bias in x's dtype, M > 0); None otherwise."""
     if x.dim() < 1 or (bias is not None and bias.dtype != x.dtype):
         return None
-    x2d = x.reshape(-1, x.shape[-1])
+    x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # a reshape costs ~3 us
     if x2d.shape[0] == 0:
         return None
     entry = _fast_hit(x2d, qweight, scales, qzeros, group_size, bias)
     if entry is None:
         return None
-    out = torch.ops.fastawq.awq_cpu_gemm(x2d, entry.w, entry.scales, entry.zeros16, entry.group, entry.n, bias)
+    out = torch.ops.fastawq.awq_cpu_gemm(x2d, entry.w, entry.scales, entry.zeros16, entry.group, entry.n, bias,
+                                         act_isa())
     return out if x.dim() == 2 else out.view(*x.shape[:-1], entry.n)
 
 
@@ -395,17 +407,18 @@ def bind_gemm(x_dtype: torch.dtype, qweight: torch.Tensor, scales: torch.Tensor,
     p = prepare(qweight, scales, qzeros, group_size, kernel)
     b = None if bias is None else bias.detach().to(torch.float32).contiguous()
     if p.kernel == FASTAWQ and x_dtype in _FAST_X:
-        gemm, w, s, z, g, n = torch.ops.fastawq.awq_cpu_gemm, p.w, p.scales, p.zeros16, p.group, p.n
-        return lambda x2d: gemm(x2d, w, s, z, g, n, b)
+        gemm, w, s, z, g, n, isa = torch.ops.fastawq.awq_cpu_gemm, p.w, p.scales, p.zeros16, p.group, p.n, act_isa()
+        return lambda x2d: gemm(x2d, w, s, z, g, n, b, isa)
     bias_x = None if bias is None else bias.detach().to(x_dtype)
     return lambda x2d: mm(x2d, p, bias_x)
 
 
 def mm(x2d: torch.Tensor, p: FastPacked | PackedInt4, bias: torch.Tensor | None) -> torch.Tensor:
     if p.kernel == FASTAWQ:
+        isa = act_isa()
         if x2d.dtype == torch.float16:  # no fp16 arithmetic on x86 CPUs: run it as fp32
-            return torch.ops.fastawq.awq_cpu_gemm(x2d.float(), p.w, p.scales, p.zeros16, p.group, p.n, bias).half()
-        return torch.ops.fastawq.awq_cpu_gemm(x2d, p.w, p.scales, p.zeros16, p.group, p.n, bias)
+            return torch.ops.fastawq.awq_cpu_gemm(x2d.float(), p.w, p.scales, p.zeros16, p.group, p.n, bias, isa).half()
+        return torch.ops.fastawq.awq_cpu_gemm(x2d, p.w, p.scales, p.zeros16, p.group, p.n, bias, isa)
     return _int4_mm(x2d, p, bias)
 
 

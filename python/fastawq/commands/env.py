@@ -1,6 +1,7 @@
 """`fastawq env`: versions, the compiled extension's state, and the backend each op would use."""
 from __future__ import annotations
 
+import os
 import platform
 
 import torch
@@ -33,6 +34,12 @@ def collect() -> list[tuple[str, str]]:
 
     why = cpu.fast_kernel_available()
     rows.append(("CPU kernel (fastawq)", ", ".join(cpu.fast_kernel_isas()) if why is None else f"absent: {why}"))
+    if why is None:
+        try:
+            act = "int8 (AVX2 integer dots)" if cpu.act_isa() == "int8" else "exact"
+        except ValueError as e:
+            act = f"invalid: {e}"
+        rows.append(("CPU activation mode", f"{act}; FASTAWQ_CPU_ACT={os.environ.get('FASTAWQ_CPU_ACT', '') or 'auto'}"))
     why = cpu.kernel_available()
     rows.append(("CPU kernel (torch int4)", "present" if why is None else f"absent: {why}"))
     rows.append(("CPU kernel preference", ", ".join(cpu.preference())))

@@ -98,7 +98,8 @@ def convert_model(model: nn.Module, kernel: str | None = None, *, lm_head_bits: 
     AWQ's recipe, which keeps it in float, but on the CPU the float head of a small model costs
     as much as all its quantized layers (benchmarks/CPU_RESULTS.md gives speed and perplexity).
     `lm_head_bits=4` makes it a round-to-nearest CPUInt4Linear instead. `act`: the activation
-    mode of fastawq's kernel (cpu.act_isa: exact, int8 or auto; default FASTAWQ_CPU_ACT / exact)."""
+    mode of fastawq's kernel (cpu.act_isa: exact, int8 or auto; default FASTAWQ_CPU_ACT, else
+    auto: int8 on AVX2-only CPUs)."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

@@ -1,8 +1,8 @@
 """The fused engine's decode step on the CPU: one call per layer of awq_cpu_decode_layer (csrc/cpu/
 awq_cpu_decode.cpp: norms, rope, cache write, attention and the four GEMMs in C++) where the KV
 cache is fp32, else one Python loop over the layers, each a handful of torch calls around
-fastawq's CPU kernel; fp32 either way. `act` (cpu.act_isa: exact by default, or int8) picks the
-kernel's activation mode.
+fastawq's CPU kernel; fp32 either way. `act` picks the kernel's activation mode (cpu.act_isa:
+auto by default, which is int8 on AVX2-only CPUs and exact elsewhere).
 
 Why a separate step: on the CPU there is no graph replay, so every op call and module hop is paid
 per token. The generic step (fused.py) goes through ops.* dispatch, WQLinear plans and the torch
@@ -83,7 +83,7 @@ class CPUDecodeStep:
         if why is not None:
             raise ValueError(f"the CPU decode step cannot serve this model: {why}")
         c = runtime.cfg
-        # The kernel's activation mode (cpu.act_isa: FASTAWQ_CPU_ACT, else exact).
+        # The kernel's activation mode (cpu.act_isa: FASTAWQ_CPU_ACT, else auto).
         isa = self.isa = cpu.act_isa(act)
         self.runtime = runtime
         self.cfg = c
