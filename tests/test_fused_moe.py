@@ -121,7 +121,7 @@ def test_fusing_needs_packed_experts():
         fuse_model(model, 16, 1)
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "llama4_text"])
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3", "llama4_text"])
 def test_unfused_moe_families_are_refused_with_the_reason(arch):
     model = tiny_moe(arch)
     spec = architecture_of(model)

@@ -23,6 +23,11 @@ from fastawq.quantize.scale import apply_scale
 VOCAB = 128
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                max_position_embeddings=256)
+# MLA expands kv_b_proj to every head, so num_key_value_heads = num_attention_heads as in the real
+# configs (fewer breaks transformers' eager attention on the head count).
+_DS2 = dict(_COMMON, num_key_value_heads=4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
+            num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=16)
 CONFIGS = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(_COMMON, head_dim=16, intermediate_size=64, moe_intermediate_size=32,
                                          num_experts=8, num_experts_per_tok=2)),
@@ -34,6 +39,12 @@ CONFIGS = {
                                              n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                                              n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=32,
                                              kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)),
+    # DeepSeek-V2-Lite's form: no q latent (a plain q_proj), greedy softmax top-k, two shared experts.
+    "deepseek_v2": ("DeepseekV2Config", dict(_DS2, n_shared_experts=2, q_lora_rank=None)),
+    # DeepSeek-V2's form: a q latent, scaled routing weights and group-limited softmax top-k (both picks
+    # from the one best of two groups, so most tokens route otherwise than greedy top-k would).
+    "deepseek_v2_q_lora": ("DeepseekV2Config", dict(_DS2, n_shared_experts=1, q_lora_rank=32, n_group=2, topk_group=1,
+                                                    topk_method="group_limited_greedy", routed_scaling_factor=2.0)),
     # Dense layer 0, MoE layer 1 (interleaved), top-1 sigmoid routing, a shared expert.
     "llama4_text": ("Llama4TextConfig", dict(_COMMON, head_dim=16, intermediate_size=32, intermediate_size_mlp=64,
                                              num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2)),
@@ -65,7 +76,7 @@ def unfuse_all(model) -> None:
 
 
 def test_moe_families_registered():
-    assert set(MOE_SPECS) == {"qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "llama4_text"}
+    assert set(MOE_SPECS) == {"qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "llama4_text"}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -129,7 +140,7 @@ def test_moe_quantize_save_load_generate(arch, tmp_path):
 
     spec = moe_spec_of(model)
     ck_block = spec.checkpoint_block or spec.block
-    moe_layer = 0 if arch not in ("deepseek_v3", "llama4_text") else 1
+    moe_layer = next(i for i, layer in enumerate(model.model.layers) if spec.block_of(layer) is not None)
     gate, up, down = spec.proj_names
     with safe_open(str(tmp_path / "q" / "model.safetensors"), "pt") as f:
         keys = set(f.keys())

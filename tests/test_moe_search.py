@@ -15,7 +15,7 @@ from fastawq.quantize.moe import GRAM_BUDGET_ENV, MoELayerSearch
 from test_moe_models import ids_, tiny_moe
 
 # The first MoE layer of each tiny config; llama4_text's experts take dense pre-scaled rows.
-MOE_LAYER = {"qwen3_moe": 0, "mixtral": 0, "deepseek_v3": 1, "llama4_text": 1}
+MOE_LAYER = {"qwen3_moe": 0, "mixtral": 0, "deepseek_v2_q_lora": 1, "deepseek_v3": 1, "llama4_text": 1}
 
 
 @pytest.mark.parametrize("arch", list(MOE_LAYER))

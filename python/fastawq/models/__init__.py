@@ -24,7 +24,7 @@ for _f in _FILES:
 
 # Mixture-of-experts families: a record plus MOE, where the router and experts live (models/moe.py).
 MOE_SPECS: dict[str, MoESpec] = {}
-for _f in ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "llama4"):
+for _f in ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "llama4"):
     _mod = importlib.import_module(f"fastawq.models.{_f}")
     for _t in _mod.ARCH.model_types:
         REGISTRY[_t] = _mod.ARCH

@@ -10,7 +10,7 @@ from fastawq.models.moe import MoESpec, mlp_groups, moe_architecture
 MOE = MoESpec(shared="shared_experts")
 
 
-def _groups(layer, config) -> list[ScaleGroup]:
+def mla_moe_groups(layer, config) -> list[ScaleGroup]:
     attn = layer.self_attn
     if getattr(attn, "q_a_proj", None) is not None:
         groups = [
@@ -24,7 +24,7 @@ def _groups(layer, config) -> list[ScaleGroup]:
 
 
 ARCH = moe_architecture(
-    "deepseek_v3", "DeepSeek", MOE, groups=_groups,
+    "deepseek_v3", "DeepSeek", MOE, groups=mla_moe_groups,
     fused_blocker="multi-head latent attention and group-limited sigmoid routing are not fused "
                   "(WQExperts serves its experts unfused)",
 )
