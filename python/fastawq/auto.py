@@ -28,7 +28,9 @@ class AWQModel(nn.Module):
     def __init__(self, model: nn.Module, quant_config: QuantConfig | None = None, tokenizer: Any = None,
                  processor: Any = None):
         super().__init__()
-        self.model = model
+        from fastawq.multimodal import repair_forward
+
+        self.model = repair_forward(model)
         self.quant_config = quant_config or QuantConfig()
         self.tokenizer = tokenizer
         self.processor = processor  # vision-language models: tokenizer + image processor + chat template
