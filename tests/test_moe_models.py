@@ -76,7 +76,8 @@ def unfuse_all(model) -> None:
 
 
 def test_moe_families_registered():
-    assert set(MOE_SPECS) == {"qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "llama4_text"}
+    # llama4: the vision-language wrapper around llama4_text (models/multimodal.py).
+    assert set(MOE_SPECS) == {"qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "llama4_text", "llama4"}
 
 
 @pytest.mark.parametrize("arch", ARCHS)

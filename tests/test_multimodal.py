@@ -1,11 +1,11 @@
-"""Vision-language models (tiny random configs of Gemma 3, Qwen2.5-VL, Qwen2-VL, Mistral 3, LLaVA and
-LLaVA-NeXT; CPU, float32): only the language model is quantized, the vision tower and projector stay
+"""Vision-language models (tiny random configs of Gemma 3, Qwen2.5-VL, Qwen2-VL, Mistral 3, LLaVA,
+LLaVA-NeXT and Llama 4 (a dense and an MoE text layer); CPU, float32): only the language model is quantized, the vision tower and projector stay
 bit-identical, and the packed checkpoint generates from an image.
 
 Pixel inputs are built directly (input_ids with the image token ids + pixel_values in each
 family's layout), so the core tests need neither Pillow nor torchvision. The processor tests (the
 family's real processor class over a tiny word-level vocabulary and a small image processor, fed
-synthetic images) need Pillow; the Qwen-VL and Mistral 3 (Pixtral) processors also need torchvision
+synthetic images) need Pillow; the Qwen-VL, Mistral 3 (Pixtral) and Llama 4 processors also need torchvision
 and skip without it. LLaVA-NeXT's images are sized so that anyres tiling picks 2-4 tiles."""
 from __future__ import annotations
 
@@ -28,6 +28,13 @@ _TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
 _MROPE = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])  # sections sum to head_dim / 2
 _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=14)
 _PINPOINTS = [[28, 28], [28, 56], [56, 28], [56, 56]]  # LLaVA-NeXT's anyres grids (tiles of 28 px)
+# Llama 4: dense layer 0, MoE layer 1 (top-1 of 4 experts, a shared expert; a router of 4 outputs, which
+# quantize()'s up-front check once refused as unpackable). Its vision MLP's width is
+# 4x its hidden size (the pixel shuffle's 2x2 merge feeds the adapter), so tiles of 56 px give 4 tokens.
+_LLAMA4_TEXT = dict(_TEXT, head_dim=16, intermediate_size=32, intermediate_size_mlp=64, num_local_experts=4,
+                    num_experts_per_tok=1, interleave_moe_layer_step=2)
+_LLAMA4_VISION = dict(_VISION, intermediate_size=128, image_size=56, vision_output_dim=64, projector_input_dim=64,
+                      projector_output_dim=64)
 
 
 def tiny_config(family: str):
@@ -65,17 +72,26 @@ def tiny_config(family: str):
             text_config=dict(_TEXT, model_type="mistral", head_dim=16),
             vision_config=dict(_VISION, model_type="clip_vision_model", image_size=28, projection_dim=32),
             image_token_index=IMG, image_grid_pinpoints=_PINPOINTS)
+    if family == "llama4":
+        return transformers.Llama4Config(text_config=_LLAMA4_TEXT, vision_config=_LLAMA4_VISION,
+                                         image_token_index=IMG, boi_token_index=122, eoi_token_index=123)
     raise KeyError(family)
 
 
 def tiny_vlm(family: str, seed: int = 0) -> torch.nn.Module:
+    from fastawq.multimodal import repair_forward
+
     torch.manual_seed(seed)
     model = transformers.AutoModelForImageTextToText.from_config(tiny_config(family), dtype=torch.float32).eval()
     with torch.no_grad():  # norms at 1 and biases at 0 would hide a wrong scale fold
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
-    return model
+            elif p.dim() == 3 or name.endswith("router.weight"):
+                p.normal_(0, 0.2)  # transformers leaves fused experts and routers near zero
+    # The float reference runs outside AWQModel, which applies this itself (transformers 5.24's
+    # Llama 4 wrapper cannot return its output otherwise).
+    return repair_forward(model)
 
 
 def image_inputs(family: str, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -92,9 +108,9 @@ def image_inputs(family: str, seed: int = 0) -> dict[str, torch.Tensor]:
         if family == "qwen2_vl":  # its mrope reads which tokens are image tokens from this
             out["mm_token_type_ids"] = (ids == IMG).long()
         return out
-    if family == "mistral3":
+    if family in ("mistral3", "llama4"):
         # 56 px: 4x4 patches merged 2x2 into 4 tokens (a single image token trips transformers'
-        # squeeze of the feature batch).
+        # squeeze of the feature batch); Llama 4's pixel shuffle merges them 2x2 the same way.
         pixels = torch.randn(1, 3, 56, 56, generator=g)
     n_img = 4
     if family == "llava_next":
@@ -122,7 +138,11 @@ def vision_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if "language_model" not in k and not k.startswith("lm_head")}
 
 
-FAMILIES = ["gemma3", "qwen2_5_vl", "qwen2_vl", "mistral3", "llava", "llava_next"]
+FAMILIES = ["gemma3", "qwen2_5_vl", "qwen2_vl", "mistral3", "llava", "llava_next", "llama4"]
+# What modules_to_not_convert must name: transformers matches from the start of the name, vLLM a
+# substring of its own name. Llama 4's wrapper has no inner `model`: its names are both at once.
+_FULL_PRECISION = {"qwen2_vl": ["model.visual", "visual"], "qwen2_5_vl": ["model.visual", "visual"],
+                   "llama4": ["vision_model", "multi_modal_projector"]}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -143,11 +163,20 @@ def quantized(request, tmp_path_factory):
 
 
 def test_language_model_packed_vision_kept_full_precision(quantized):
+    """Every linear of the decoder layers is packed (an MoE layer's experts and shared expert
+    included) except the routers; nothing outside the language model is."""
+    from fastawq.models.moe import moe_spec_of
+
     family, original, _, loaded, d = quantized
     arch = architecture_of(loaded.model)
-    layers = loaded.model.get_submodule(arch.layers_path)
-    assert all(isinstance(layer.get_submodule(n), WQLinear) for layer in layers
-               for n in (*arch.attn_linears(), *arch.mlp_linears()))
+    spec = moe_spec_of(loaded.model)
+    routers = {f"{spec.block}.{n}" for n in spec.float_consumers()} if spec else set()
+    for layer in loaded.model.get_submodule(arch.layers_path):
+        lins = {n: m for n, m in layer.named_modules() if isinstance(m, (torch.nn.Linear, WQLinear))}
+        assert {*arch.attn_linears()} <= set(lins)
+        assert all(isinstance(m, WQLinear) != (n in routers) for n, m in lins.items()), lins
+    if spec is not None:
+        assert any(".experts.0." in n and isinstance(m, WQLinear) for n, m in loaded.model.named_modules())
     lm = arch.layers_path.rsplit(".", 2)[0]
     assert not any(isinstance(m, WQLinear) for n, m in loaded.model.named_modules() if not n.startswith(lm))
     ref, got = vision_state(original), vision_state(loaded.model)
@@ -155,9 +184,7 @@ def test_language_model_packed_vision_kept_full_precision(quantized):
     for k in ref:
         assert torch.equal(ref[k], got[k]), k
     skip = json.loads((d / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
-    vision = "visual" if family.startswith("qwen") else "vision_tower"
-    # transformers matches from the start of the name, vLLM matches a substring of its own name.
-    assert f"model.{vision}" in skip and vision in skip
+    assert set(_FULL_PRECISION.get(family, ["model.vision_tower", "vision_tower"])) <= set(skip)
 
 
 def assert_matches_pseudo(original, pseudo, loaded, inputs, what) -> None:
@@ -204,6 +231,9 @@ def test_checkpoint_in_transformers_saved_layout_loads(quantized, tmp_path):
     family, _, _, loaded, d = quantized
     sd = load_file(str(d / "model.safetensors"))
     legacy = revert_weight_conversion(loaded.model, dict(sd))
+    if family == "llama4":  # its module names are the saved ones (language_model.model.layers.N): nothing to rename
+        assert set(legacy) == set(sd)
+        return
     assert set(legacy) != set(sd)
     for f in d.iterdir():
         # No manifest: AutoAWQ and transformers write none (fastawq's would name the old shard).
@@ -224,6 +254,8 @@ def test_transformers_loads_the_checkpoint(quantized):
     if fit.gptqmodel_installed():
         pytest.skip("GPTQModel installed: transformers keeps it as the AWQ backend")
     family, original, _, loaded, d = quantized
+    if family == "llama4":
+        pytest.skip("transformers' AWQ loading keeps MoE experts fused (3-D); only from_quantized unfuses them")
     assert fit.register()
     hf = transformers.AutoModelForImageTextToText.from_pretrained(str(d), dtype=torch.float32).eval()
     assert sum(isinstance(m, WQLinear) for m in hf.modules()) == sum(isinstance(m, WQLinear) for m in loaded.modules())
@@ -236,13 +268,15 @@ def test_transformers_loads_the_checkpoint(quantized):
 
 def test_fused_engine(quantized):
     """LLaVA / LLaVA-NeXT / Mistral 3 (Llama-layout text): the fused language model prefills the merged
-    image+text embeddings and decodes what the unfused packed model decodes. Gemma 3 and
-    Qwen2.5-VL: a clear reason."""
+    image+text embeddings and decodes what the unfused packed model decodes. Gemma 3, Qwen2-VL,
+    Qwen2.5-VL and Llama 4: a clear reason."""
     from fastawq.multimodal import fuse_model
 
     family, _, _, loaded, d = quantized
-    if family in ("gemma3", "qwen2_5_vl", "qwen2_vl"):
-        why = "gemma3_text: the post-attention" if family == "gemma3" else "mrope"
+    blocked = {"gemma3": "gemma3_text: the post-attention", "qwen2_5_vl": "mrope", "qwen2_vl": "mrope",
+               "llama4": "llama4_text: chunked attention"}
+    if family in blocked:
+        why = blocked[family]
         with pytest.raises(NotImplementedError, match=why):
             fuse_model(loaded.model, max_seq_len=64, batch_size=1)
         with pytest.raises(NotImplementedError, match=why):
@@ -305,7 +339,7 @@ def test_record_paths_resolve(family):
         get_submodule(layer, name)
     skip = full_precision_modules(model)
     qc = QuantConfig(modules_to_not_convert=skip)
-    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != arch.lm_head_path]
     assert all(qc.skips(n) != n.startswith(arch.layers_path) for n in names)
     assert any(qc.skips(n) for n in names)
 
@@ -345,6 +379,11 @@ _PROC_TOKENS = {
                "<start_of_image>", False),
     "mistral3": (dict(image_token="[IMG]", image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]"),
                  "[IMG]", True),
+    # The chat template writes <|image|>; the processor expands it to tiles of <|patch|> tokens (the
+    # config's image token) between separators, with <|image|> before the global tile.
+    "llama4": (dict(patch_token="<|patch|>", image_token="<|image|>", start_of_image_token="<|image_start|>",
+                    end_of_image_token="<|image_end|>", tile_x_separator_token="<|tile_x_separator|>",
+                    tile_y_separator_token="<|tile_y_separator|>"), "<|image|>", True),
 }
 _PROC_TOKENS["qwen2_vl"] = _PROC_TOKENS["qwen2_5_vl"] = (
     dict(image_token="<|image_pad|>", video_token="<|video_pad|>", vision_start_token="<|vision_start|>",
@@ -388,6 +427,11 @@ def tiny_processor(family: str):
         ip = transformers.PixtralImageProcessor(size={"longest_edge": 84}, patch_size=14)
         return transformers.PixtralProcessor(image_processor=ip, patch_size=14, spatial_merge_size=2,
                                              **names, **common)
+    if family == "llama4":
+        # Tiles of 56 px, at most 4 of them (plus a global tile when there are several).
+        ip = transformers.Llama4ImageProcessor(size={"height": 56, "width": 56}, max_patches=4)
+        return transformers.Llama4Processor(image_processor=ip, patch_size=14, pixel_shuffle_ratio=0.5, **names,
+                                            **common)
     # Qwen-VL: images resized to multiples of 28 px between 1 and 8 merged tokens.
     px = dict(size={"shortest_edge": 28 * 28, "longest_edge": 8 * 28 * 28}, patch_size=14, merge_size=2,
               temporal_patch_size=2)
@@ -451,13 +495,17 @@ def test_processor_inputs_match_pseudo_quantized(quantized):
     tiles = set()
     for i, size in enumerate(_SIZES):
         inputs = encode_prompt(proc, f"w{i + 3} w{i + 4} w{i + 5}", _image(seed=i, size=size))
+        # Llama 4's image processor normalizes in bfloat16 (as Meta's code does): cast as the CLI does.
+        inputs = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}
         if family == "llava_next":
             tiles.add(inputs["pixel_values"].shape[1])
+        if family == "llama4":  # the tile grid, by its column and row separator tokens
+            tiles.add(tuple((inputs["input_ids"] == IMG + k).sum().item() for k in (4, 5)))
         assert (inputs["input_ids"] == IMG).sum() > 1
         assert_matches_pseudo(original, pseudo, loaded, inputs, (family, size))
         n = inputs["input_ids"].shape[1]
         got = loaded.generate(**inputs, max_new_tokens=3, do_sample=False, pad_token_id=0)
         want = pseudo.generate(**inputs, max_new_tokens=1, do_sample=False, pad_token_id=0)
         assert got.shape == (1, n + 3) and got[0, n] == want[0, n], (family, size)
-    if family == "llava_next":
-        assert len(tiles) > 1, f"anyres tiling picked one grid for every image size: {tiles}"
+    if family in ("llava_next", "llama4"):
+        assert len(tiles) > 1, f"the tiling picked one grid for every image size: {tiles}"

@@ -28,7 +28,9 @@ class AWQModel(nn.Module):
     def __init__(self, model: nn.Module, quant_config: QuantConfig | None = None, tokenizer: Any = None,
                  processor: Any = None):
         super().__init__()
-        self.model = model
+        from fastawq.multimodal import repair_forward
+
+        self.model = repair_forward(model)
         self.quant_config = quant_config or QuantConfig()
         self.tokenizer = tokenizer
         self.processor = processor  # vision-language models: tokenizer + image processor + chat template
@@ -401,14 +403,21 @@ def _check_quantize_args(model: nn.Module, config: QuantConfig, tokenizer: Any, 
     from pathlib import Path, PurePath
 
     from fastawq.checkpoint import looks_local
+    from fastawq.models.moe import moe_spec_of
     from fastawq.quantize.pack import layers_of, target_linears
 
     for name, v in (("max_calib_samples", n_samples), ("max_calib_seq_len", seq_len)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     prefix, layers = layers_of(model)
+    spec = moe_spec_of(model)
+    # Routers (and shared-expert gates) stay full precision: the MoE search adds them to
+    # modules_to_not_convert only once it starts, so they are not checked for packing here
+    # (a router over 4 or 60 experts has out_features no multiple of 8).
+    floats = {f"{prefix}.{i}.{spec.block}.{n}" for i, layer in enumerate(layers) if spec.block_of(layer) is not None
+              for n in spec.float_consumers()} if spec is not None else set()
     targets = [(f"{prefix}.{i}.{n}", m) for i, layer in enumerate(layers)
-               for n, m in target_linears(layer, f"{prefix}.{i}", config)]
+               for n, m in target_linears(layer, f"{prefix}.{i}", config) if f"{prefix}.{i}.{n}" not in floats]
     if not targets:
         raise ValueError(f"modules_to_not_convert={config.modules_to_not_convert} excludes every linear layer: "
                          f"nothing would be quantized")

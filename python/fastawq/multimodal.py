@@ -71,19 +71,25 @@ def check_language_model(model: nn.Module) -> None:
 
 
 def full_precision_modules(model: nn.Module) -> list[str]:
-    """Names for `modules_to_not_convert`: every child of the wrapper's inner model except the
-    language model (vision tower, projector, audio tower), each with and without its prefix:
-    transformers matches from the start of the full name ("model.vision_tower"), vLLM and SGLang
-    match substrings of their own names ("vision_tower", "visual")."""
+    """Names for `modules_to_not_convert`: every module beside the path from the wrapper down to
+    its language model, except the output head (vision tower, projector, audio tower), each with
+    and without its prefix: transformers matches from the start of the full name
+    ("model.vision_tower"), vLLM and SGLang match substrings of their own names ("vision_tower",
+    "visual"). The language model sits at `model.language_model` in most wrappers and at
+    `language_model.model` in Llama 4's (whose head is `language_model.lm_head`)."""
     arch = architecture_of(model)
-    lm_path = arch.layers_path.rsplit(".", 1)[0]
-    inner_path, _, lm_name = lm_path.rpartition(".")
-    inner = model.get_submodule(inner_path) if inner_path else model
+    head = model.get_output_embeddings()
+    path = arch.layers_path.split(".")[:-1]  # from the wrapper down to the language model
     out: list[str] = []
-    for name, child in inner.named_children():
-        if name == lm_name:
-            continue
-        out += [f"{inner_path}.{name}" if inner_path else name, name]
+    for depth, on_path in enumerate(path):
+        prefix = ".".join(path[:depth])
+        parent = model.get_submodule(prefix) if prefix else model
+        for name, child in parent.named_children():
+            if name == on_path or child is head:
+                continue
+            for n in (f"{prefix}.{name}" if prefix else name, name):
+                if n not in out:
+                    out.append(n)
     return out
 
 
@@ -96,6 +102,26 @@ def add_full_precision_modules(model: nn.Module, config: QuantConfig) -> QuantCo
     names += [n for n in full_precision_modules(model) if n not in names]
     config.modules_to_not_convert = names
     return config
+
+
+def _with_image_outputs(module: nn.Module, args: Any, output: Any) -> Any:
+    if not isinstance(output, tuple) and not hasattr(output, "image_outputs"):
+        output.image_outputs = None
+    return output
+
+
+def repair_forward(model: nn.Module) -> nn.Module:
+    """Work around transformers bugs in a wrapper's own forward, on this instance (idempotent; a
+    no-op where transformers is fixed)."""
+    # transformers 5.24's Llama4ForConditionalGeneration.forward copies `image_outputs` from its
+    # language model's MoeCausalLMOutputWithPast, which has no such field: every call that returns
+    # a ModelOutput (generate's included) raises AttributeError. The language model's output gets
+    # the field as None (the wrapper's output then carries no vision-tower features; fastawq reads none).
+    lm = getattr(model, "language_model", None)
+    if getattr(model.config, "model_type", None) == "llama4" and isinstance(lm, nn.Module):
+        if _with_image_outputs not in lm._forward_hooks.values():
+            lm.register_forward_hook(_with_image_outputs)
+    return model
 
 
 def load_processor(path: str | Path, trust_remote_code: bool = False) -> Any:

@@ -29,6 +29,7 @@ for _f in ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "l
     for _t in _mod.ARCH.model_types:
         REGISTRY[_t] = _mod.ARCH
         MOE_SPECS[_t] = _mod.MOE
+MOE_SPECS.update(importlib.import_module("fastawq.models.multimodal").MOE_SPECS)  # Llama 4's vision wrapper
 SUPPORTED_MODEL_TYPES = tuple(sorted(REGISTRY))
 
 
