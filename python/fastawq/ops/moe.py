@@ -204,16 +204,7 @@ def topk_route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.topk_route (softmax or sigmoid scores, optional bias and group limit), in one
     Triton launch on GPUs where there is no group limit."""
-    if router_logits.dim() != 2 or not router_logits.is_floating_point():
-        raise ValueError(f"router_logits must be a 2-D float tensor [T, E], got {router_logits.dtype} "
-                         f"{tuple(router_logits.shape)}")
-    e = router_logits.shape[1]
-    if not 1 <= k <= e:
-        raise ValueError(f"k={k} must lie in [1, {e}] for router_logits {tuple(router_logits.shape)}")
-    if scoring not in ("softmax", "sigmoid"):
-        raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
-    if correction_bias is not None and tuple(correction_bias.shape) != (e,):
-        raise ValueError(f"correction_bias {tuple(correction_bias.shape)} must be [E={e}]")
+    _, e = reference.check_topk_route(router_logits, k, scoring, correction_bias)
 
     def fits(b: str) -> str | None:
         return _triton().topk_route_fits(e, num_groups, scoring) if b == "triton" else None
