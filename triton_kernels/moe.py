@@ -19,6 +19,7 @@ bytes of each weight row, fp32 atomics into zeroed outputs; the tuner also times
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass, replace
@@ -28,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .awq import _dequant, _unpack_cols
+from .launch import _interpreting
 
 logger = logging.getLogger(__name__)
 
@@ -364,10 +366,6 @@ class MoeConfig:
         return f"{mode} w13 {self.w13.label()} w2 {self.w2.label()}"
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _block_k(g: int, k: int, most: int = 128) -> int:
     for bk in (128, 64, 32, 16):
         if bk <= most and g % bk == 0 and k % bk == 0:
@@ -574,13 +572,7 @@ def _tune(key, base: MoeConfig, args) -> MoeConfig:
     """Coordinate descent from the heuristic, twice over (a wide tile may only win once K is split,
     and the reverse): each projection's tile, then each one's K split; then the block rows. About
     50 distinct timings, where the full product would be thousands."""
-    timed: dict[MoeConfig, float] = {}
-
-    def time_once(cfg: MoeConfig) -> float:
-        if cfg not in timed:
-            timed[cfg] = _time(cfg, args)
-        return timed[cfg]
-
+    time_once = functools.cache(lambda cfg: _time(cfg, args))
     best = base
     for _ in range(2):
         for field in ("w13", "w2"):
@@ -598,23 +590,17 @@ def _tune(key, base: MoeConfig, args) -> MoeConfig:
     if not best.naive:
         best = min([best, *(replace(best, block_m=bm) for bm in (best.block_m // 2, best.block_m * 2)
                             if 16 <= bm <= 64)], key=time_once)
-    logger.info("moe_w4 %s -> %s (%.1f us)", key, best.label(), timed[best] * 1e3)
+    logger.info("moe_w4 %s -> %s (%.1f us)", key, best.label(), time_once(best) * 1e3)
     return best
 
 
 def _tune_gemv(key, base: MoeConfig, dot: MoeConfig, args) -> MoeConfig:
     """Decode: two steps of single-field changes around the CUDA-core config, against the tl.dot
     heuristic's config (about 25 timings)."""
-    timed: dict[MoeConfig, float] = {}
-
-    def time_once(cfg: MoeConfig) -> float:
-        if cfg not in timed:
-            timed[cfg] = _time(cfg, args)
-        return timed[cfg]
-
+    time_once = functools.cache(lambda cfg: _time(cfg, args))
     best = min(_gemv_variants(base), key=time_once)
     best = min([*_gemv_variants(best), dot], key=time_once)
-    logger.info("moe_w4 %s -> %s (%.1f us)", key, best.label(), timed[best] * 1e3)
+    logger.info("moe_w4 %s -> %s (%.1f us)", key, best.label(), time_once(best) * 1e3)
     return best
 
 

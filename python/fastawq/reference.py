@@ -421,6 +421,23 @@ def moe_w4(
     return out.to(x.dtype)
 
 
+def check_topk_route(
+    router_logits: torch.Tensor, k: int, scoring: str, correction_bias: torch.Tensor | None
+) -> tuple[int, int]:
+    """Validate topk_route's arguments; return (T, E)."""
+    if router_logits.dim() != 2 or not router_logits.is_floating_point():
+        raise ValueError(f"router_logits must be a 2-D float tensor [T, E], got {router_logits.dtype} "
+                         f"{tuple(router_logits.shape)}")
+    t, e = router_logits.shape
+    if not 1 <= k <= e:
+        raise ValueError(f"k={k} must lie in [1, {e}] for router_logits {tuple(router_logits.shape)}")
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+    if correction_bias is not None and tuple(correction_bias.shape) != (e,):
+        raise ValueError(f"correction_bias {tuple(correction_bias.shape)} must be [E={e}]")
+    return t, e
+
+
 # router_logits [T, E]  ->  topk_weights [T, k] fp32 · topk_ids [T, k] int64
 def topk_route(
     router_logits: torch.Tensor,
@@ -439,16 +456,9 @@ def topk_route(
     num_groups > 1 the experts split into equal groups ranked by the sum of their two best biased
     scores, and only the topk_groups best groups compete.
     """
-    t, e = router_logits.shape
-    if not 1 <= k <= e:
-        raise ValueError(f"k={k} must lie in [1, {e}] for router_logits {tuple(router_logits.shape)}")
+    t, e = check_topk_route(router_logits, k, scoring, correction_bias)
     logits = router_logits.to(torch.float32)
-    if scoring == "softmax":
-        scores = logits.softmax(dim=-1)
-    elif scoring == "sigmoid":
-        scores = logits.sigmoid()
-    else:
-        raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+    scores = logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias.to(torch.float32)
     if num_groups > 1:
         if e % num_groups or not 1 <= topk_groups <= num_groups:

@@ -12,13 +12,9 @@ from typing import Callable
 import torch
 
 from fastawq import reference
-from fastawq.backend import _module, select_backend
-
-_HALF = (torch.float16, torch.bfloat16)
-
-
-def _triton():
-    return _module("fastawq.triton_kernels")
+from fastawq.backend import select_backend
+from fastawq.ops._common import HALF as _HALF
+from fastawq.ops._common import triton_module as _triton
 
 
 # w13_qweight [E, H, 2I // 8] · w13_scales [E, H // G, 2I] · w13_qzeros [E, H // G, 2I // 8]
@@ -113,7 +109,7 @@ def moe_w4(
         # which the tracer would not follow.
         return torch.ops.fastawq.moe_w4(*args, backend or "")
     # Eagerly the op's dispatcher round trip costs more than a decode step's kernels: call direct.
-    return _run(_select(x, h, i, group_size, act, backend), *args)
+    return _moe_w4_impl(*args, _select(x, h, i, group_size, act, backend))
 
 
 def moe_w4_plan(
@@ -141,7 +137,7 @@ def moe_w4_plan(
 
     def run(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         _check_routing(x, topk_ids, topk_weights, h)
-        return _run(be, x, topk_ids, topk_weights, *weights, group_size, act)
+        return _moe_w4_impl(x, topk_ids, topk_weights, *weights, group_size, act, be)
 
     run.backend = be
     return run
@@ -158,13 +154,16 @@ def _select(x: torch.Tensor, h: int, i: int, group_size: int, act: str, backend:
     return select_backend("moe_w4", x.device, backend=backend, shapes_ok=fits, m=x.shape[0])
 
 
-def _run(be: str, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros,
-         group_size: int, act: str) -> torch.Tensor:
-    if be == "triton":
+def _moe_w4_impl(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13_qweight: torch.Tensor,
+                 w13_scales: torch.Tensor, w13_qzeros: torch.Tensor, w2_qweight: torch.Tensor, w2_scales: torch.Tensor,
+                 w2_qzeros: torch.Tensor, group_size: int, act: str, backend: str) -> torch.Tensor:
+    if not backend:  # chosen here, at run time ("" from a traced call)
+        backend = _select(x, x.shape[1], w2_qweight.shape[1], group_size, act, None)
+    if backend == "triton":
         return _triton().moe_w4(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros,
                                 w2_qweight, w2_scales, w2_qzeros, group_size, act)
-    if be != "torch":
-        raise ValueError(f"no {be!r} implementation of moe_w4")
+    if backend != "torch":
+        raise ValueError(f"no {backend!r} implementation of moe_w4")
     e = w13_qweight.shape[0]
     if topk_ids.numel():  # the torch path syncs anyway (it loops over the experts hit): check the ids
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
@@ -172,6 +171,22 @@ def _run(be: str, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros
             raise ValueError(f"topk_ids must lie in [0, {e}) for {e} experts, got values in [{lo}, {hi}]")
     return reference.moe_w4(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros,
                             w2_qweight, w2_scales, w2_qzeros, group_size, act)
+
+
+_moe_w4_op = torch.library.custom_op("fastawq::moe_w4", _moe_w4_impl, mutates_args=())
+
+
+@_moe_w4_op.register_fake
+def _(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros,
+      group_size, act, backend):
+    torch._check(x.dim() == 2, lambda: f"hidden_states must be [T, H], got {tuple(x.shape)}")
+    torch._check(w13_qweight.dim() == 3 and w2_qweight.dim() == 3, lambda: "stacked expert weights must be 3-D")
+    torch._check(x.shape[1] == w13_qweight.shape[1], lambda: f"x {tuple(x.shape)} vs w13 {tuple(w13_qweight.shape)}")
+    torch._check(w2_qweight.shape[2] * 8 == x.shape[1], lambda: f"w2 {tuple(w2_qweight.shape)} vs H={x.shape[1]}")
+    torch._check(w13_qweight.shape[2] * 4 == w2_qweight.shape[1], lambda: "w13's 2I must be twice w2's I")
+    torch._check(topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == x.shape[0],
+                 lambda: f"topk_ids {tuple(topk_ids.shape)} and weights must be [T={x.shape[0]}, k]")
+    return x.new_empty(x.shape)
 
 
 # router_logits [T, E]  ->  topk_weights [T, k] fp32 · topk_ids [T, k] int64
@@ -189,16 +204,7 @@ def topk_route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.topk_route (softmax or sigmoid scores, optional bias and group limit), in one
     Triton launch on GPUs where there is no group limit."""
-    if router_logits.dim() != 2 or not router_logits.is_floating_point():
-        raise ValueError(f"router_logits must be a 2-D float tensor [T, E], got {router_logits.dtype} "
-                         f"{tuple(router_logits.shape)}")
-    e = router_logits.shape[1]
-    if not 1 <= k <= e:
-        raise ValueError(f"k={k} must lie in [1, {e}] for router_logits {tuple(router_logits.shape)}")
-    if scoring not in ("softmax", "sigmoid"):
-        raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
-    if correction_bias is not None and tuple(correction_bias.shape) != (e,):
-        raise ValueError(f"correction_bias {tuple(correction_bias.shape)} must be [E={e}]")
+    _, e = reference.check_topk_route(router_logits, k, scoring, correction_bias)
 
     def fits(b: str) -> str | None:
         return _triton().topk_route_fits(e, num_groups, scoring) if b == "triton" else None
@@ -210,37 +216,3 @@ def topk_route(
                                     scale=scale)
     return reference.topk_route(router_logits, k, renormalize, scoring, num_groups=num_groups,
                                 topk_groups=topk_groups, correction_bias=correction_bias, scale=scale)
-
-
-@torch.library.custom_op("fastawq::moe_w4", mutates_args=())
-def _moe_w4_op(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13_qweight: torch.Tensor,
-    w13_scales: torch.Tensor,
-    w13_qzeros: torch.Tensor,
-    w2_qweight: torch.Tensor,
-    w2_scales: torch.Tensor,
-    w2_qzeros: torch.Tensor,
-    group_size: int,
-    act: str,
-    backend: str,
-) -> torch.Tensor:
-    if not backend:  # chosen here, at run time ("" from a traced call)
-        backend = _select(x, x.shape[1], w2_qweight.shape[1], group_size, act, None)
-    return _run(backend, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros,
-                w2_qweight, w2_scales, w2_qzeros, group_size, act)
-
-
-@_moe_w4_op.register_fake
-def _(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros,
-      group_size, act, backend):
-    torch._check(x.dim() == 2, lambda: f"hidden_states must be [T, H], got {tuple(x.shape)}")
-    torch._check(w13_qweight.dim() == 3 and w2_qweight.dim() == 3, lambda: "stacked expert weights must be 3-D")
-    torch._check(x.shape[1] == w13_qweight.shape[1], lambda: f"x {tuple(x.shape)} vs w13 {tuple(w13_qweight.shape)}")
-    torch._check(w2_qweight.shape[2] * 8 == x.shape[1], lambda: f"w2 {tuple(w2_qweight.shape)} vs H={x.shape[1]}")
-    torch._check(w13_qweight.shape[2] * 4 == w2_qweight.shape[1], lambda: "w13's 2I must be twice w2's I")
-    torch._check(topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == x.shape[0],
-                 lambda: f"topk_ids {tuple(topk_ids.shape)} and weights must be [T={x.shape[0]}, k]")
-    return x.new_empty(x.shape)
