@@ -124,7 +124,7 @@ def test_int8_kernel_zero_and_tiny_blocks():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_repack_and_kernel_are_exact(scale_dtype, dtype):
     x, qweight, s, qzeros, g = exact_awq_problem(256, 200, 64, 5, scale_dtype, dtype)
-    n = scales.shape[1]
+    n = s.shape[1]
     w, sc, z = torch.ops.fastawq.awq_cpu_repack(qweight, s, qzeros, g)
     ref = reference.awq_gemm(x, qweight, s, qzeros, g)
     for isa in _isas_for(dtype):
