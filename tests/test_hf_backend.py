@@ -15,10 +15,13 @@ from conftest import requires_cuda
 from fastawq.auto import AutoAWQForCausalLM, AWQModel
 from fastawq.generate import HFStepper
 from fastawq.integrations import transformers as fit
+from fastawq.models import architecture_of
+from fastawq.models.moe import moe_spec_of, router_names
 from fastawq.modules import WQLinear
 from fastawq.quantize import QuantConfig, pack_model, quantize
 from test_layouts import _rewrite
 from test_models import calib_ids, tiny_model
+from test_moe_models import ids_, tiny_moe
 
 pytestmark = pytest.mark.skipif(fit.gptqmodel_installed(), reason="GPTQModel installed: transformers keeps it")
 
@@ -72,6 +75,75 @@ def test_both_loaders_build_the_same_model(awq_dir, registered):
         assert torch.equal(a, b), name
     assert hf.lm_head.weight is hf.model.embed_tokens.weight
     assert fq.lm_head.weight is fq.model.embed_tokens.weight
+
+def _tensors(model) -> dict[str, torch.Tensor]:
+    return dict(list(model.named_parameters()) + list(model.named_buffers()))
+
+
+def _moe_dir(arch: str, d):
+    """A round-to-nearest packed tiny MoE checkpoint (experts saved one by one, routers in full precision)."""
+    model = tiny_moe(arch)
+    spec, layers = moe_spec_of(model), architecture_of(model).layers_path
+    qc = QuantConfig(q_group_size=32, modules_to_not_convert=router_names(model, layers, spec))
+    pack_model(model, qc)
+    AWQModel(model, qc).save_quantized(d)
+    return d
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "llama4_text"])
+def test_moe_checkpoint_loads_into_unfused_experts(arch, registered, tmp_path):
+    """transformers 5 builds MoE experts fused (3-D); the checkpoint stores them one by one: the backend
+    unfuses them first, every packed tensor lands by name (Mixtral's `block_sparse_moe` included) and
+    the model is from_quantized's, tensor for tensor."""
+    d = _moe_dir(arch, tmp_path)
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
+                                                                 output_loading_info=True)
+    hf.eval()
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    got = _tensors(hf)
+    assert not [n for n, t in got.items() if t.is_meta]
+    fq = AutoAWQForCausalLM.from_quantized(d, device_map="cpu", torch_dtype=torch.float32).model
+    assert {n: type(m) for n, m in hf.named_modules()} == {n: type(m) for n, m in fq.named_modules()}
+    assert any(".experts." in n for n, m in hf.named_modules() if isinstance(m, WQLinear)) or any(
+        type(m).__name__ == "WQExperts" for m in hf.modules())
+    ref = _tensors(fq)
+    assert got.keys() == ref.keys()
+    # Equal to what from_quantized read: no expert left as transformers' initialisation drew it.
+    assert [n for n in ref if not torch.equal(got[n], ref[n])] == []
+    ids = ids_(2, 12, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, fq(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_float_experts_stay_fused(registered, tmp_path):
+    """Experts kept in full precision are saved as per-expert `.weight`s: only packed experts are
+    unfused, so transformers' own converters still merge these into its fused experts."""
+    model = tiny_moe("mixtral")
+    qc = QuantConfig(q_group_size=32, modules_to_not_convert=["experts"])
+    pack_model(model, qc)
+    AWQModel(model, qc).save_quantized(tmp_path)
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32,
+                                                                 output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert type(hf.model.layers[0].mlp.experts).__name__ == "MixtralExperts"
+    fq = AutoAWQForCausalLM.from_quantized(tmp_path, device_map="cpu", torch_dtype=torch.float32).model
+    ids = ids_(2, 12, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(hf.eval()(ids).logits, fq(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_older_layout_loads_repacked(registered, tmp_path):
+    """A gemv Mixtral checkpoint: its per-expert tensors are repacked to gemm, then the experts grouped."""
+    src = _moe_dir("mixtral", tmp_path / "gemm")
+    _rewrite(src, tmp_path / "gemv", "gemv", 32)
+    hf = _hf(tmp_path / "gemv", dtype=torch.float32)
+    assert all(type(m).__name__ != "_LayoutTensors" for m in hf.modules())
+    fq = AutoAWQForCausalLM.from_quantized(src, device_map="cpu", torch_dtype=torch.float32).model
+    assert {n: type(m) for n, m in hf.named_modules()} == {n: type(m) for n, m in fq.named_modules()}
+    ids = ids_(2, 12, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, fq(ids).logits, rtol=1e-5, atol=1e-5)
+
 
 def test_activation_scales_load(registered, tmp_path):
     """GPT-NeoX checkpoints carry AWQ's `mlp.act.scales`: the backend gives them a ScaledActivation."""

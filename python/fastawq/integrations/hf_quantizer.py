@@ -55,6 +55,46 @@ def _checkpoint_shapes(files: Any) -> dict[str, tuple[list[int], str]] | None:
     return out
 
 
+def _moe_of(model: nn.Module) -> tuple[str, Any] | None:
+    """(layers_path, MoESpec) of a mixture-of-experts family, None for dense (or unknown) ones."""
+    from fastawq.models import UnsupportedModelError, architecture_of
+    from fastawq.models.moe import moe_spec_of
+
+    spec = moe_spec_of(model)
+    if spec is None:
+        return None
+    try:
+        return architecture_of(model).layers_path, spec
+    except (UnsupportedModelError, AttributeError):
+        return None
+
+
+def _unfuse_stored_experts(model: nn.Module, shapes: dict | None) -> dict | None:
+    """fastawq (like AutoAWQ and vLLM) saves MoE experts one by one, transformers 5 builds them fused
+    (3-D): unfuse every MoE block whose checkpoint stores its experts that way into weightless
+    per-expert nn.Linear, which the caller's loop then turns into meta WQLinear. Returns `shapes`
+    under the names transformers loads them by (Mixtral's `block_sparse_moe` is `mlp`: transformers'
+    conversion mapping renames every key so, and its expert-merging converters match only
+    `.weight`, so `.qweight / .qzeros / .scales` reach the per-expert modules by name)."""
+    moe_ = _moe_of(model)
+    if moe_ is None:
+        return shapes
+    from fastawq.models import moe
+
+    layers_path, spec = moe_
+    if shapes is None:
+        raise ValueError(f"{model.config.model_type}: MoE experts are unfused to fit the checkpoint's per-expert "
+                         "tensors, read from safetensors headers; the loader was given no safetensors files")
+    _, from_ck = moe.checkpoint_renamer(layers_path, spec)
+    renamed = {from_ck(k): v for k, v in shapes.items()}
+    # Only packed experts: float per-expert `.weight`s (experts kept in full precision) are merged into
+    # the fused parameters by transformers' own converters, which need the fused module in place.
+    packed = [k for k in renamed if k.endswith(".qweight")]
+    n = moe.unfuse_stored_experts(model, layers_path, spec, packed)
+    log.info("unfused the experts of %d MoE block(s) to load the checkpoint's per-expert AWQ tensors", n)
+    return renamed
+
+
 class FastAwqHfQuantizer(HfQuantizer):
     """Loads pre-quantized AWQ "gemm" checkpoints; quantizing is done with fastawq itself."""
 
@@ -78,6 +118,7 @@ class FastAwqHfQuantizer(HfQuantizer):
         if fmt != "gemm" and shapes is None:
             raise ValueError(f"the {fmt} layout is repacked from safetensors files; none were given to the loader")
         skip = self.get_modules_to_not_convert(model, qc.modules_to_not_convert, model._keep_in_fp32_modules, True)
+        shapes = _unfuse_stored_experts(model, shapes)
         count = 0
         for name, mod in list(model.named_modules()):
             if not isinstance(mod, nn.Linear):
@@ -136,8 +177,17 @@ class FastAwqHfQuantizer(HfQuantizer):
             from fastawq.integrations.transformers import use_sdpa_without_cudnn
             use_sdpa_without_cudnn(model)
         fmt = _format(self.quantization_config)
-        if fmt == "gemm":
-            return model
+        if fmt != "gemm":
+            self._repack_layouts(model, fmt)
+        moe_ = _moe_of(model)
+        if moe_ is not None:
+            from fastawq.models.moe import use_fast_experts
+
+            # As from_quantized does: its logits are the reference this load must give.
+            use_fast_experts(model, *moe_)
+        return model
+
+    def _repack_layouts(self, model: nn.Module, fmt: str) -> None:
         layout, g = layouts.get_layout(fmt), self.quantization_config.group_size
         for name, mod in list(model.named_modules()):
             if isinstance(mod, _LayoutTensors):
@@ -154,7 +204,6 @@ class FastAwqHfQuantizer(HfQuantizer):
                 model.set_submodule(name, new.requires_grad_(False))
         # What the model now holds (and save_pretrained would write) is gemm.
         self.quantization_config.format = "gemm"
-        return model
 
     def is_serializable(self) -> bool:
         return True

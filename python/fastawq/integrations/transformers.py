@@ -3,7 +3,8 @@
 transformers 5 loads AWQ only through GPTQModel; without it `AutoModelForCausalLM.from_pretrained`
 of any AWQ checkpoint raises ImportError. `register()` points transformers' "awq" entry at
 fastawq's quantizer (fastawq.integrations.hf_quantizer), which swaps each quantized nn.Linear for
-fastawq's WQLinear before the weights load.
+fastawq's WQLinear before the weights load (mixture-of-experts blocks, fused 3-D in transformers 5, are
+unfused into per-expert linears first, as the checkpoint stores them).
 
 When: `import fastawq` arms a one-shot hook that registers the moment transformers' quantizer
 registry (`transformers.quantizers.auto`) is imported, so fastawq's import stays free of

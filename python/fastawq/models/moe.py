@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 from torch import nn
@@ -307,12 +307,23 @@ def prepare_load(model: nn.Module, layers_path: str, spec: MoESpec, tensors: dic
     for k, (f, h) in tensors.items():
         new = from_ck(k)
         out[new] = (f, h) if new == k else (f, _RenamedHandle(h, k))
+    unfuse_stored_experts(model, layers_path, spec, out)
+    return out
+
+
+def unfuse_stored_experts(model: nn.Module, layers_path: str, spec: MoESpec, names: Iterable[str]) -> int:
+    """Give every MoE block whose experts the checkpoint tensor `names` (in transformers' naming,
+    after checkpoint_renamer's from-checkpoint map) store one by one an ExpertList of weightless
+    linears to load them into. Returns how many blocks were unfused."""
+    names = list(names)
+    n = 0
     for i, layer in enumerate(model.get_submodule(layers_path)):
         block = spec.block_of(layer)
         prefix = f"{layers_path}.{i}.{spec.block}.{spec.experts}.0."
-        if block is not None and any(k.startswith(prefix) for k in out):
+        if block is not None and any(k.startswith(prefix) for k in names):
             unfuse_experts(block, spec, empty=True)
-    return out
+            n += 1
+    return n
 
 
 def _is_silu(act: nn.Module) -> bool:
