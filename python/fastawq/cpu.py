@@ -329,7 +329,7 @@ def _fast_hit(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qz
         return None
     ref, entry, tensors, versions = hit
     if (ref() is not qweight or x2d.dtype not in _FAST_X or x2d.dim() != 2 or x2d.shape[1] != entry.k
-            or x2d.device.type != "cpu" or group_size != entry.group
+            or not x2d.is_cpu or group_size != entry.group
             or (bias is not None and bias.shape != (entry.n,)) or "FASTAWQ_CPU_KERNEL" in os.environ):
         return None
     # Same objects (so same inference-ness) and no in-place write since the repack; an inference

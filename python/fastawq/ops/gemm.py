@@ -70,7 +70,7 @@ def awq_gemm(
     backend: str | None = None,
 ) -> torch.Tensor:
     """y = x @ dequantize(qweight, scales, qzeros) + bias, accumulated in fp32, in x's dtype."""
-    if backend is None and x.device.type == "cpu" and "FASTAWQ_BACKEND" not in os.environ:
+    if backend is None and x.is_cpu and "FASTAWQ_BACKEND" not in os.environ:
         # A weight already repacked for the CPU kernel skips planning (~100 us a call).
         out = _cpu().cached_gemm(x, qweight, scales, qzeros, group_size, bias)
         if out is not None:
