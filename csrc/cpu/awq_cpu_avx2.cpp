@@ -39,9 +39,9 @@ struct Avx2Fp32 : Fp32Octet<Avx2Vec, Avx2Fp32> {
 // int16 sums over a block of up to 32 rows are exact; one vpmaddwd makes them int32 per column,
 // converted to fp32 and scaled by the block's activation scale.
 
-// Octets of K ahead that the weights are prefetched (a 256-byte row each): 16-32 measured best on
-// a 2-core AMD EPYC (AVX2), 1.3x over none (benchmarks/CPU_RESULTS.md).
-constexpr int64_t kPrefetchOctets = 16;
+// Octets of K ahead that the weights are prefetched (a 256-byte row each): 16, 32 and 64 measured
+// alike on a 2-core AMD EPYC (AVX2), about 1.3x over none (benchmarks/CPU_RESULTS.md).
+constexpr int64_t kPrefetchOctets = 32;
 
 // The whole 64-column block of row m, OB octets per activation block, in one pass: the weights are
 // read in memory order (one 256-byte row of the block per octet), eight int16 accumulators stay in
