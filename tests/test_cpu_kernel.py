@@ -213,8 +213,14 @@ def test_bad_inputs_name_shapes_and_dtypes():
 
 
 def test_opcheck():
+    # The compiled ops' fake impls live in fastawq.ops (its import registers them); run alone, this
+    # file imported nothing that imports it and opcheck found no fake impl.
+    import fastawq.ops  # noqa: F401
+
     qweight, scales, qzeros = random_awq(128, 72, 32)
     torch.library.opcheck(torch.ops.fastawq.awq_cpu_repack.default, (qweight, scales, qzeros, 32))
     w, s, z = torch.ops.fastawq.awq_cpu_repack(qweight, scales, qzeros, 32)
     x = random_input((3, 128), dtype=torch.bfloat16)
     torch.library.opcheck(torch.ops.fastawq.awq_cpu_gemm.default, (x, w, s, z, 32, 72, None, "auto"))
+    if "avx2_int8" in ISAS:
+        torch.library.opcheck(torch.ops.fastawq.awq_cpu_gemm.default, (x.float(), w, s, z, 32, 72, None, "int8"))
