@@ -90,6 +90,20 @@ def preferred_layout(device: torch.device, fused_batch: int | None = None) -> st
     return "packed" if PACKED_LAYOUT_BY_DEFAULT or (PACKED_LAYOUT_FOR_FUSED_DECODE and fused_decode) else "awq"
 
 
+# os.environ's look-ups run Python code (key encoding) and cost ~1 us each on this project's CPU;
+# the CPU decode path asks for several switches per call. CPython keeps the POSIX environment as a
+# bytes dict that os.environ's setters update, so a switch reads it directly where it exists.
+_ENV_BYTES = getattr(os.environ, "_data", None) if os.name == "posix" else None
+
+
+def env_switch(name: bytes) -> str | None:
+    """os.environ.get(name.decode()) for the hot path: `name` as bytes, read without encoding."""
+    if _ENV_BYTES is not None:
+        value = _ENV_BYTES.get(name)
+        return None if value is None else value.decode()
+    return os.environ.get(name.decode())
+
+
 def tensor_version(t: torch.Tensor) -> int:
     """t's in-place write counter, for caches keyed on weights; -1 for an inference tensor, which
     keeps none (it can be written in place only inside inference mode: such an edit goes

@@ -37,7 +37,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fastawq import _ext, reference
-from fastawq.backend import tensor_version
+from fastawq.backend import env_switch, tensor_version
 
 log = logging.getLogger(__name__)
 
@@ -114,20 +114,22 @@ _act_memo: dict[str, str] = {}
 def act_isa(mode: str | None = None) -> str:
     """awq_cpu_gemm's `isa` argument for activation mode `mode` (default: FASTAWQ_CPU_ACT, else
     DEFAULT_ACT): "auto" (the exact kernel) or "int8"."""
-    mode = (mode or os.environ.get("FASTAWQ_CPU_ACT", "").strip() or DEFAULT_ACT).lower()
-    isa = _act_memo.get(mode)
-    if isa is not None:
-        return isa
+    raw = mode or env_switch(b"FASTAWQ_CPU_ACT") or DEFAULT_ACT
+    isa = _act_memo.get(raw)
+    if isa is None:
+        isa = _act_memo[raw] = _resolve_act(raw.strip().lower() or DEFAULT_ACT)
+    return isa
+
+
+def _resolve_act(mode: str) -> str:
     if mode not in ACT_MODES:
         raise ValueError(f"CPU activation mode {mode!r} (FASTAWQ_CPU_ACT?): expected one of {ACT_MODES}")
     isas = fast_kernel_isas()
-    resolved = mode
     if mode == "auto":
-        resolved = "int8" if "avx2_int8" in isas and "avx512" not in isas else "exact"
-    if resolved == "int8" and "avx2_int8" not in isas:
+        mode = "int8" if "avx2_int8" in isas and "avx512" not in isas else "exact"
+    if mode == "int8" and "avx2_int8" not in isas:
         raise ValueError(f"CPU activation mode int8 needs fastawq's AVX2 kernel; this CPU / build runs {isas}")
-    isa = _act_memo[mode] = "int8" if resolved == "int8" else "auto"
-    return isa
+    return "int8" if mode == "int8" else "auto"
 
 
 def _fp32_exact() -> bool:
@@ -330,7 +332,7 @@ def _fast_hit(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qz
     ref, entry, tensors, versions = hit
     if (ref() is not qweight or x2d.dtype not in _FAST_X or x2d.dim() != 2 or x2d.shape[1] != entry.k
             or not x2d.is_cpu or group_size != entry.group
-            or (bias is not None and bias.shape != (entry.n,)) or "FASTAWQ_CPU_KERNEL" in os.environ):
+            or (bias is not None and bias.shape != (entry.n,)) or env_switch(b"FASTAWQ_CPU_KERNEL") is not None):
         return None
     # Same objects (so same inference-ness) and no in-place write since the repack; an inference
     # tensor keeps no counter (its slot holds None) and is keyed on identity alone.

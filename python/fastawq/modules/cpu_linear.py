@@ -33,12 +33,13 @@ class CPUInt4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.packed
-        x2 = x.reshape(-1, p.k)
+        flat = x.dim() == 2  # [M, K] as the kernel takes it: no reshapes (a few us each)
+        x2 = x if flat else x.reshape(-1, p.k)
         if p.kernel == cpu.FASTAWQ and x2.dtype != torch.float16:
             out = torch.ops.fastawq.awq_cpu_gemm(x2, p.w, p.scales, p.zeros16, p.group, p.n, self.bias_fp32, self.isa)
         else:
             out = cpu.mm(x2, p, self.bias_fp32)
-        return out.view(*x.shape[:-1], p.n)
+        return out if flat else out.view(*x.shape[:-1], p.n)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -6,7 +6,6 @@ Every op takes the AWQ "GEMM" layout (see reference.py) and accepts ``backend=``
 """
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
@@ -70,7 +69,7 @@ def awq_gemm(
     backend: str | None = None,
 ) -> torch.Tensor:
     """y = x @ dequantize(qweight, scales, qzeros) + bias, accumulated in fp32, in x's dtype."""
-    if backend is None and x.is_cpu and "FASTAWQ_BACKEND" not in os.environ:
+    if backend is None and x.is_cpu and backend_mod.env_switch(b"FASTAWQ_BACKEND") is None:
         # A weight already repacked for the CPU kernel skips planning (~100 us a call).
         out = _cpu().cached_gemm(x, qweight, scales, qzeros, group_size, bias)
         if out is not None:
