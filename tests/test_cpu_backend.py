@@ -521,3 +521,16 @@ def test_public_op_and_layer_follow_the_activation_mode(mode, monkeypatch):
     ref = reference.awq_gemm(x, qweight, scales, qzeros, g)
     rel = float((first - ref).norm() / ref.norm())
     assert rel < (2e-2 if isa == "int8" else 1e-6), f"mode {mode} (isa {isa}): relative error {rel:.3g}"
+
+
+def test_env_switch_follows_os_environ(monkeypatch):
+    # The hot path reads switches without os.environ's key encoding; it must see every change
+    # made through os.environ (monkeypatch, a user's os.environ[...] = ...), set, emptied or removed.
+    monkeypatch.delenv("FASTAWQ_TEST_SWITCH", raising=False)
+    assert backend.env_switch(b"FASTAWQ_TEST_SWITCH") is None
+    monkeypatch.setenv("FASTAWQ_TEST_SWITCH", "int8")
+    assert backend.env_switch(b"FASTAWQ_TEST_SWITCH") == "int8"
+    monkeypatch.setenv("FASTAWQ_TEST_SWITCH", "")
+    assert backend.env_switch(b"FASTAWQ_TEST_SWITCH") == ""
+    monkeypatch.delenv("FASTAWQ_TEST_SWITCH")
+    assert backend.env_switch(b"FASTAWQ_TEST_SWITCH") is None
