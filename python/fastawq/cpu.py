@@ -10,10 +10,11 @@ activations, any N (a multiple of 8, as AWQ packs it), any group size that is a 
 It multiplies the activations by 1 + q/16 (exact in bf16 and fp32) and folds zero point and
 offset into one FMA per group, accumulating in fp32: fp32 activations get fp32 accuracy (an FMA
 chain), bf16 activations that of an fp32-accumulated bf16 matmul (vdpbf16ps where the CPU has
-AVX512-BF16). fp16 activations run as fp32. On CPUs with AVX2 but no AVX-512 the default activation
-mode (`act_isa`, FASTAWQ_CPU_ACT) rounds x to int8 and uses AVX2 integer dot products instead. Measured (benchmarks/CPU_RESULTS.md, M=1, 4096 x 4096,
-g128, 2 threads): 0.27 ms (bf16 x) and 0.31 ms (fp32 x) against 0.44 ms for torch's kernel in
-bf16; one thread 0.35 / 0.57 ms against 0.85 ms. Hence it comes first.
+AVX512-BF16). fp16 activations run as fp32. On CPUs with AVX2 but no AVX-512 the default
+activation mode (`act_isa`, FASTAWQ_CPU_ACT) rounds x to int8 and uses AVX2 integer dot products
+instead. Measured (benchmarks/CPU_RESULTS.md, M=1, 4096 x 4096, g128, 2 threads, AVX-512 CPU):
+0.27 ms (bf16 x) and 0.31 ms (fp32 x) against 0.44 ms for torch's kernel in bf16; one thread
+0.35 / 0.57 ms against 0.85 ms. Hence it comes first.
 
 torch's ``_weight_int4pack_mm_for_cpu`` (the fallback when _C is absent) reads weights as
 ``w = (q - 8) * s + z`` with ``(s, z)`` float pairs per (group, column). AWQ's ``w = (q - z) * s``
