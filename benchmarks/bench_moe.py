@@ -1,4 +1,4 @@
-"""Grouped W4 MoE (fastawq.ops.moe_w4, Triton) vs the same routing in fp16 torch, one run (GPU).
+"""Grouped W4 MoE (fastawq.ops.moe_w4: Triton, or the compiled decode kernel) vs the same routing in fp16 torch (GPU).
 
 Shapes: the routed experts of Qwen3-30B-A3B (E=128, top-8, H=2048, I=768) and Mixtral-8x7B
 (E=8, top-2, H=4096, I=14336), group size 128, T = 1, 16, 256 tokens. Method as gemm_table.py:
@@ -119,7 +119,7 @@ def time_plain(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def run_shape(name: str, ts: list[int], device: str, copies: int, backend: str) -> list[dict]:
+def run_shape(name: str, ts: list[int], device: str, copies: int, backends: list[str]) -> list[dict]:
     e, k, h, i, g = SHAPES[name]
     dtype = torch.float16
     if device == "cuda":
@@ -134,17 +134,6 @@ def run_shape(name: str, ts: list[int], device: str, copies: int, backend: str) 
     for t in ts:
         routes = routings(t, e, k, device, copies, seed=t)
         x = torch.randn(t, h, device=device, dtype=dtype)
-        # Correctness on this exact input before timing it (the fp32 oracle, one routing).
-        ids0, w0 = routes[0]
-        got = ops_moe.moe_w4(x, ids0, w0, *packed, g, backend=backend)
-        ref = reference.moe_w4(x, ids0, w0, *packed, g)
-        relerr = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-
-        def w4(r):
-            ids, w = routes[r % copies]
-            ops_moe.moe_w4(x, ids, w, *packed, g, backend=backend)
-
-        t_w4 = time_graph(w4, copies)
         outs = [torch.empty(t, h, device=device, dtype=dtype) for _ in range(copies)]
         loops = [loop_plan(*rt) for rt in routes]
         t_loop = time_graph(lambda r: torch_loop(x, loops[r % copies], w13, w2, outs[r % copies]), copies)
@@ -156,26 +145,38 @@ def run_shape(name: str, ts: list[int], device: str, copies: int, backend: str) 
         nbytes16 = statistics.mean(moe_bytes(rt[0], h, i, g, False) for rt in routes)
         flops = 2 * t * k * (h * 2 * i + i * h)
         best = min(t_loop, t_bmm)
-        row = {
-            "shape": name, "E": e, "k": k, "H": h, "I": i, "T": t, "relerr": relerr,
-            "w4_us": t_w4, "w4_GBps": nbytes / t_w4 / 1e3, "w4_TFLOPs": flops / t_w4 / 1e6,
-            "loop_us": t_loop, "bmm_us": t_bmm, "fp16_GBps": nbytes16 / best / 1e3,
-            "ratio": best / t_w4,
-        }
-        rows.append(row)
-        print(fmt_row(row), flush=True)
+        ids0, w0 = routes[0]
+        ref = reference.moe_w4(x, ids0, w0, *packed, g)
+        for backend in backends:
+            # Correctness on this exact input before timing it (the fp32 oracle, one routing).
+            got = ops_moe.moe_w4(x, ids0, w0, *packed, g, backend=backend)
+            relerr = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+            def w4(r):
+                ids, w = routes[r % copies]
+                ops_moe.moe_w4(x, ids, w, *packed, g, backend=backend)
+
+            t_w4 = time_graph(w4, copies)
+            row = {
+                "shape": name, "backend": backend, "E": e, "k": k, "H": h, "I": i, "T": t, "relerr": relerr,
+                "w4_us": t_w4, "w4_GBps": nbytes / t_w4 / 1e3, "w4_TFLOPs": flops / t_w4 / 1e6,
+                "loop_us": t_loop, "bmm_us": t_bmm, "fp16_GBps": nbytes16 / best / 1e3,
+                "ratio": best / t_w4,
+            }
+            rows.append(row)
+            print(fmt_row(row), flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
 
 
-HEAD = ("| shape | T | W4 us | W4 GB/s | W4 TFLOP/s | fp16 loop us | fp16 bmm us | fp16 GB/s | speed-up "
+HEAD = ("| shape | W4 backend | T | W4 us | W4 GB/s | W4 TFLOP/s | fp16 loop us | fp16 bmm us | fp16 GB/s | speed-up "
         f"(target {TARGET}x) | rel err |")
 
 
 def fmt_row(r: dict) -> str:
     mark = "✓" if r["ratio"] >= TARGET else "✗"
-    return (f"| {r['shape']} | {r['T']} | {r['w4_us']:.1f} | {r['w4_GBps']:.0f} | {r['w4_TFLOPs']:.1f} | "
+    return (f"| {r['shape']} | {r['backend']} | {r['T']} | {r['w4_us']:.1f} | {r['w4_GBps']:.0f} | {r['w4_TFLOPs']:.1f} | "
             f"{r['loop_us']:.1f} | {r['bmm_us']:.1f} | {r['fp16_GBps']:.0f} | {r['ratio']:.2f}x {mark} | "
             f"{r['relerr']:.1e} |")
 
@@ -186,30 +187,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ts", default=",".join(map(str, TS)))
     ap.add_argument("--shapes", default="qwen3-30b-a3b,mixtral-8x7b")
     ap.add_argument("--dry-run", action="store_true", help="CPU, the tiny shape, torch backend, plain timers")
+    ap.add_argument("--backends", default="triton",
+                    help="W4 backends to time, comma-separated (triton, cuda: the compiled decode kernel)")
     ap.add_argument("--no-tune", action="store_true", help="the Triton heuristic configs, no timing of candidates")
     args = ap.parse_args(argv)
     if args.no_tune:
         os.environ["FASTAWQ_TRITON_TUNE"] = "0"
     ts = [int(v) for v in args.ts.split(",")]
     if args.dry_run:
-        device, shapes, copies, backend = "cpu", ["tiny"], 2, "torch"
+        device, shapes, copies, backends = "cpu", ["tiny"], 2, ["torch"]
     else:
         if not torch.cuda.is_available():
             print("bench_moe.py needs a CUDA GPU (or --dry-run)", file=sys.stderr)
             return 1
-        device, shapes, copies, backend = "cuda", args.shapes.split(","), COPIES, "triton"
+        device, shapes, copies, backends = "cuda", args.shapes.split(","), COPIES, args.backends.split(",")
     for s in shapes:
         if s not in SHAPES:
             print(f"unknown shape {s!r}; choose from {sorted(SHAPES)}", file=sys.stderr)
             return 2
     where = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
-    print(f"# {where} · torch {torch.__version__} · fp16 · W4 backend {backend}")
+    print(f"# {where} · torch {torch.__version__} · fp16 · W4 backends {', '.join(backends)}")
     print(HEAD)
     print("|" + "---|" * (HEAD.count("|") - 1))
     rows = []
     for s in shapes:
-        rows += run_shape(s, ts, device, copies, backend)
-    if backend == "triton":
+        rows += run_shape(s, ts, device, copies, backends)
+    if "triton" in backends:
         from fastawq.triton_kernels import moe as tmoe
 
         print("# Triton MoE configs chosen by the tuner (T bucket, k, E, H, I):")

@@ -33,4 +33,15 @@ void awq_dequantize_into(const at::Tensor& qweight, const at::Tensor& scales, co
 at::Tensor awq_gemv_packed(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n,
                            int64_t group_size, const std::optional<at::Tensor>& bias);
 
+// MoE decode on the CUDA cores (csrc/moe/): x [T, H] fp16|bf16 · topk_ids [T, k] int32|int64 ·
+// topk_weights [T, k] fp32 · stacked AWQ expert weights as fastawq::moe_w4 (scales in x's dtype)
+// -> [T, H] = sum_j w[:, j] * down_e(act(gate_e(x)) * up_e(x)). Ids outside [0, E) add nothing.
+at::Tensor moe_gemv_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                       const at::Tensor& w13_qweight, const at::Tensor& w13_scales, const at::Tensor& w13_qzeros,
+                       const at::Tensor& w2_qweight, const at::Tensor& w2_scales, const at::Tensor& w2_qzeros,
+                       int64_t group_size, const std::string& act);
+
+// "" when moe_gemv_w4 takes E experts of H x I with this group size, else why not (no GPU needed).
+std::string moe_gemv_w4_declines(int64_t num_experts, int64_t hidden, int64_t inter, int64_t group_size);
+
 }  // namespace fastawq

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fastawq import reference
+from fastawq import _ext, reference
 from fastawq.ops import moe as ops_moe
 from fastawq.backend import BackendUnavailableError
 
@@ -16,7 +16,9 @@ from conftest import HAS_CUDA, random_awq, random_input, requires_cuda
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 TRITON_OK = HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(not TRITON_OK, reason="Triton needs CUDA or TRITON_INTERPRET=1")
-BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
+COMPILED_OK = HAS_CUDA and _ext.has_op("moe_gemv_w4")
+needs_compiled = pytest.mark.skipif(not COMPILED_OK, reason="the compiled MoE kernel needs CUDA and fastawq._C")
+BACKENDS = ["torch", pytest.param("triton", marks=needs_triton), pytest.param("cuda", marks=needs_compiled)]
 
 
 def random_moe(e: int, h: int, i: int, g: int, dtype=torch.float16, device=DEVICE, seed: int = 0):
@@ -465,3 +467,97 @@ def test_tuner_finds_a_wide_tile_that_only_wins_with_a_k_split(monkeypatch):
     monkeypatch.setattr(tmoe, "_time", cost)
     best = tmoe._tune("key", base, None)
     assert (best.w13.block_n, best.w13.split_k) == (256, 4) and best.w13.block_k <= 32
+
+
+# --- the compiled MoE decode kernel (csrc/moe/) ---
+
+
+@pytest.mark.skipif(not _ext.has_op("moe_gemv_w4_declines"), reason="needs fastawq._C with CUDA kernels")
+def test_compiled_moe_fit_rules_need_no_gpu():
+    declines = torch.ops.fastawq.moe_gemv_w4_declines
+    assert declines(128, 2048, 768, 128) == "" and declines(8, 4096, 14336, -1) == ""
+    assert "multiples of 32" in declines(8, 4096, 14344, 128)  # I % 32 != 0
+    assert "group_size" in declines(8, 4096, 14336, 48)
+    assert "positive" in declines(0, 4096, 14336, 128)
+
+
+# (E, H, I, G, k, T, load): w13 tiles are 128 gate columns (I = 96 and 160 leave a part tile), w2
+# tiles 256 columns (H = 96, 288 part tiles); H = 4096 splits K over blocks, H = 64 does not.
+COMPILED_CASES = [
+    (8, 96, 160, 32, 2, 1, "random"),
+    (8, 288, 96, 32, 1, 1, "random"),
+    (16, 4096, 96, 128, 4, 1, "random"),
+    (4, 64, 4096, -1, 2, 1, "random"),
+    (8, 256, 128, 64, 8, 1, "random"),
+    (8, 128, 96, 32, 2, 9, "few_experts"),
+    (128, 2048, 768, 128, 8, 2, "random"),
+]
+
+
+@needs_compiled
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", COMPILED_CASES, ids=lambda c: "E{}H{}I{}G{}k{}T{}-{}".format(*c))
+def test_compiled_moe_matches_reference(case, dtype, poisoned_empty):
+    e, h, i, g, k, t, load = case
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=7 * t + k, dtype=dtype, load=load)
+    for _ in range(2):  # the second call finds the workspace and counters the first left zeroed
+        out = ops_moe.moe_w4(x, ids, w, *weights, g, backend="cuda")
+        check(out, x, ids, w, weights, g)
+
+
+@needs_compiled
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh"])
+def test_compiled_moe_other_activations_and_int32_ids(act):
+    e, h, i, g, k, t = 8, 128, 96, 32, 2, 3
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=11)
+    out = ops_moe.moe_w4(x, ids.to(torch.int32), w, *weights, g, act, backend="cuda")
+    check(out, x, ids, w, weights, g, act)
+
+
+@needs_compiled
+def test_compiled_moe_ids_out_of_range_add_nothing():
+    # The kernel cannot check ids without a host sync; an id outside [0, E) contributes zeros and
+    # must leave the split-K counters as it found them (the next call is right).
+    e, h, i, g, k, t = 8, 4096, 96, 128, 4, 2
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=12)
+    bad = ids.clone()
+    bad[0, 1], bad[1, 3] = -1, e
+    out = ops_moe.moe_w4(x, bad, w, *weights, g, backend="cuda")
+    keep = (bad >= 0) & (bad < e)
+    check(out, x, ids.where(keep, 0), w * keep, weights, g)
+    check(ops_moe.moe_w4(x, ids, w, *weights, g, backend="cuda"), x, ids, w, weights, g)
+
+
+@needs_compiled
+def test_compiled_moe_under_cuda_graph_and_by_default_at_one_token():
+    e, h, i, g, k, t = 128, 2048, 768, 128, 8, 1
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, 60)
+    plan = ops_moe.moe_w4_plan(x, *weights, g)
+    assert plan.backend == "cuda/triton"  # compiled at one token, the grouped Triton GEMM above
+    plan(x, ids, w)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = plan(x, ids, w)
+    for seed in range(3):
+        new_ids, new_w = routing("random", t, e, k, seed=70 + seed)
+        ids.copy_(new_ids)
+        w.copy_(new_w)
+        x.copy_(random_input((t, h), "cuda", torch.float16, seed=80 + seed))
+        out.fill_(float("nan"))
+        graph.replay()
+        check(out, x, ids, w, weights, g)
+
+
+@needs_compiled
+def test_compiled_moe_opcheck_and_errors():
+    e, h, i, g, k, t = 4, 64, 64, 32, 2, 3
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=90)
+    torch.library.opcheck(torch.ops.fastawq.moe_gemv_w4.default, (x, ids, w, *weights, g, "silu"))
+    with pytest.raises(RuntimeError, match="scales must have x's dtype"):
+        torch.ops.fastawq.moe_gemv_w4(x.bfloat16(), ids, w, *weights, g, "silu")
+    with pytest.raises(RuntimeError, match="topk_weights must be contiguous fp32"):
+        torch.ops.fastawq.moe_gemv_w4(x, ids, w.half(), *weights, g, "silu")
+    with pytest.raises(RuntimeError, match="inconsistent MoE weights"):
+        torch.ops.fastawq.moe_gemv_w4(x, ids, w, *weights[:3], weights[3][:, :32].contiguous(), *weights[4:], g, "silu")
+    with pytest.raises(BackendUnavailableError, match="scales in x's dtype"):
+        ops_moe.moe_w4(x, ids, w, weights[0], weights[1].bfloat16(), *weights[2:], g, backend="cuda")

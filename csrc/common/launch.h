@@ -66,4 +66,55 @@ struct GemvArgs {
 
 void launch_awq_gemv(const GemvArgs& args, cudaStream_t stream);
 
+// The GEMV grid for `col_tiles` column tiles (of all rows of blocks together) over K = k: enough
+// warp items (chunk_rows rows x one column tile) to fill the SMs at `warps_per_sm` resident
+// warps, 4 warps per block, K split over blocks until the grid is about one wave (within 10 % of
+// the best forced split on every Llama shape: benchmarks/CUDA_NOTES.md).
+struct GemvSplit {
+  int chunk_rows, chunks_per_block, splits;
+};
+inline GemvSplit gemv_split(int64_t col_tiles, int k, int sms, int warps_per_sm) {
+  const int64_t want_warps = int64_t(sms) * warps_per_sm;
+  int chunk_rows = 128;
+  while (chunk_rows > 32 && col_tiles * ((k + chunk_rows - 1) / chunk_rows) < want_warps) chunk_rows /= 2;
+  const int total = (k + chunk_rows - 1) / chunk_rows;
+  const int64_t items = col_tiles * total;
+  const int64_t blocks = want_warps / 4;
+  int cpb = static_cast<int>((items + blocks - 1) / blocks);
+  cpb = cpb < 4 ? 4 : (cpb + 3) / 4 * 4;
+  if (cpb > total) cpb = total;
+  if (cpb < 1) cpb = 1;
+  return {chunk_rows, cpb, (total + cpb - 1) / cpb};
+}
+
+// W4A16 MoE decode (csrc/moe/moe_gemv.cu): the GEMV above with one expert per block, one block
+// row per (token, slot) assignment; two launches (w13 with act(gate) * up, w2 with the weighted
+// sum over slots). Shapes as fastawq::moe_w4 (python/fastawq/ops/moe.py).
+struct MoeGemvArgs {
+  HalfType dtype;
+  const void* x;                  // [T, H], rows x_stride apart
+  int64_t x_stride;
+  const void* ids;                // [T * topk] int32 or int64
+  bool ids_int64;
+  const float* topk_weights;      // [T * topk]
+  const uint32_t* w13_qweight;    // [E, H, 2I/8]
+  const void* w13_scales;         // [E, H/G, 2I]
+  const uint32_t* w13_qzeros;     // [E, H/G, 2I/8]
+  const uint32_t* w2_qweight;     // [E, I, H/8]
+  const void* w2_scales;          // [E, I/G, H]
+  const uint32_t* w2_qzeros;      // [E, I/G, H/8]
+  void* h;                        // [T * topk, I] scratch, x's dtype
+  void* out;                      // [T, H]
+  float* ws13;                    // [T * topk, 2I] zeroed fp32, when splits13 > 1
+  float* ws2;                     // [T, H] zeroed fp32, when topk * splits2 > 1
+  int* counters13;                // zeroed, [T * topk, tiles13]
+  int* counters2;                 // zeroed, [T, tiles2]
+  int n_assign, topk, num_experts, hidden, inter, group13, group2;
+  int act;                        // 0 silu, 1 gelu, 2 gelu (tanh)
+  int tiles13, splits13, chunk13, cpb13;  // w13 grid: 256-column tiles (128 gate + 128 up), K splits,
+  int tiles2, splits2, chunk2, cpb2;      // rows per warp item, warp items per block; w2 likewise
+};
+
+void launch_moe_gemv(const MoeGemvArgs& args, cudaStream_t stream);
+
 }  // namespace fastawq

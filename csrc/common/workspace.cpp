@@ -19,7 +19,7 @@ void* zeroed_workspace(Workspace use, const c10::Device& device, int64_t numel) 
   // Large enough that ordinary shapes never grow it (a grown buffer inside a capture is a new
   // allocation in the graph's pool).
   constexpr int64_t minimum = int64_t{1} << 16;
-  const auto dtype = use == Workspace::kGemvSums ? at::kFloat : at::kInt;
+  const auto dtype = use == Workspace::kGemvSums || use == Workspace::kMoeSums ? at::kFloat : at::kInt;
   static std::mutex mu;
   // Leaked on purpose: destroying the tensors at exit would outlive the CUDA context.
   static auto* buffers = new std::map<std::pair<int, int>, std::vector<at::Tensor>>();

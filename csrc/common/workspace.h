@@ -10,7 +10,14 @@ namespace fastawq {
 
 // One buffer per (use, device): launches that share a use on one device must not overlap on two
 // streams, since they would share counters.
-enum class Workspace : int { kGemmTileCounters = 0, kGemvSums = 1, kAttentionCounters = 2, kCount = 3 };
+enum class Workspace : int {
+  kGemmTileCounters = 0,
+  kGemvSums = 1,
+  kAttentionCounters = 2,
+  kMoeSums = 3,
+  kMoeCounters = 4,
+  kCount = 5
+};
 
 // A zeroed buffer of at least `numel` int32 (counters) or fp32 (sums) elements on `device`,
 // grown on demand. Outgrown buffers stay alive for the process: a captured CUDA graph keeps

@@ -92,26 +92,14 @@ void bind_operands(Args& a, const at::Tensor& x, const at::Tensor& qweight, cons
   a.out = out.data_ptr();
 }
 
-// GEMV grid: enough warp items (chunk_rows rows x one column tile) to fill the SMs at the
-// kernel's occupancy, 4 warps per block, K split over blocks until the grid is about one wave
-// (within 10 % of the best forced split on every Llama shape: benchmarks/CUDA_NOTES.md).
+// GEMV grid: gemv_split (launch.h) at the register kernel's occupancy.
 void run_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& qzeros,
               int64_t g, const at::Tensor* bias, at::Tensor& out, bool staged) {
   const int m = static_cast<int>(x.size(0)), k = static_cast<int>(x.size(1)), n = static_cast<int>(out.size(1));
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int col_tiles = (n + kGemvTileCols - 1) / kGemvTileCols;
   // Resident warps per SM at the register kernel's occupancy (M=1: 127 registers, M=2: ~230).
-  const int warps_per_sm = m == 1 ? 16 : 8;
-  const int64_t want_warps = int64_t(sms) * warps_per_sm;
-  int chunk_rows = 128;
-  while (chunk_rows > 32 && int64_t(col_tiles) * ((k + chunk_rows - 1) / chunk_rows) < want_warps) chunk_rows /= 2;
-  const int total = (k + chunk_rows - 1) / chunk_rows;
-  const int64_t items = int64_t(col_tiles) * total;
-  const int64_t blocks = want_warps / 4;
-  int cpb = static_cast<int>((items + blocks - 1) / blocks);
-  cpb = std::max(4, (cpb + 3) / 4 * 4);
-  cpb = std::max(1, std::min(cpb, total));
-  const int splits = (total + cpb - 1) / cpb;
+  const auto [chunk_rows, cpb, splits] = gemv_split(col_tiles, k, sms, m == 1 ? 16 : 8);
 
   GemvArgs a{};
   bind_operands(a, x, qweight, scales, qzeros, bias, out);

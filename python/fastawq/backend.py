@@ -48,7 +48,11 @@ CUDA_GEMM_KERNEL_BY_M = {1: "gemv", 2: "gemv_staged"}
 # M <= 8 and beats the AWQ-layout kernels up to M = 4 (RESULTS.md, H200); the Triton GEMM on the
 # packed layout serves above.
 PACKED_GEMV_MAX_M = 4
+# moe_w4: the compiled MoE decode kernel (csrc/moe/, one expert per (token, slot) on CUDA cores)
+# serves up to MOE_GEMV_MAX_T tokens; the Triton grouped GEMM above (RESULTS.md, H200).
+MOE_GEMV_MAX_T = 1
 _CUDA_PREFERENCE: dict[str, list[tuple[int | None, tuple[str, ...]]]] = {
+    "moe_w4": [(MOE_GEMV_MAX_T, ("cuda", "triton", "torch")), (None, ("triton", "torch"))],
     "awq_gemm": [
         *((m, ("cuda", "triton", "torch")) for m in sorted(CUDA_GEMM_KERNEL_BY_M)),
         (None, ("triton", "cuda", "torch")),
@@ -175,7 +179,7 @@ def _why_not(backend: str, op: str, device: torch.device, shapes_ok) -> str | No
 # in csrc/registration.cpp).
 COMPILED_OPS = {
     "awq_gemm": "awq_gemm", "awq_dequantize": "awq_dequantize", "decode_attention": "decode_attention",
-    "packed_gemm": "awq_gemv_packed",
+    "packed_gemm": "awq_gemv_packed", "moe_w4": "moe_gemv_w4",
 }
 
 

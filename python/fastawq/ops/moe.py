@@ -12,7 +12,8 @@ from typing import Callable
 import torch
 
 from fastawq import reference
-from fastawq.backend import select_backend
+from fastawq import _ext
+from fastawq.backend import MOE_GEMV_MAX_T, select_backend
 from fastawq.ops._common import HALF as _HALF
 from fastawq.ops._common import triton_module as _triton
 
@@ -109,7 +110,7 @@ def moe_w4(
         # which the tracer would not follow.
         return torch.ops.fastawq.moe_w4(*args, backend or "")
     # Eagerly the op's dispatcher round trip costs more than a decode step's kernels: call direct.
-    return _moe_w4_impl(*args, _select(x, h, i, group_size, act, backend))
+    return _moe_w4_impl(*args, _select(x, h, i, group_size, act, backend, w13_scales.dtype, e))
 
 
 def moe_w4_plan(
@@ -133,32 +134,51 @@ def moe_w4_plan(
     """
     weights = (w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros)
     e, h, i = _check_experts((x,), weights, group_size, act)
-    be = _select(x, h, i, group_size, act, backend)
+    # The automatic choice depends on the token count (backend.MOE_GEMV_MAX_T): one backend for
+    # each side of that bound, bound here.
+    small = _select(x, h, i, group_size, act, backend, w13_scales.dtype, e, m=1)
+    large = _select(x, h, i, group_size, act, backend, w13_scales.dtype, e, m=MOE_GEMV_MAX_T + 1)
 
     def run(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         _check_routing(x, topk_ids, topk_weights, h)
+        be = small if x.shape[0] <= MOE_GEMV_MAX_T else large
         return _moe_w4_impl(x, topk_ids, topk_weights, *weights, group_size, act, be)
 
-    run.backend = be
+    run.backend = small if small == large else f"{small}/{large}"
     return run
 
 
-def _select(x: torch.Tensor, h: int, i: int, group_size: int, act: str, backend: str | None) -> str:
+def _select(x: torch.Tensor, h: int, i: int, group_size: int, act: str, backend: str | None,
+            scales_dtype: torch.dtype | None = None, e: int = 1, m: int | None = None) -> str:
     def fits(b: str) -> str | None:
         if b in ("cuda", "triton") and x.dtype not in _HALF:
             return f"x is {x.dtype}; the {b} MoE kernels take fp16 or bf16 activations"
         if b == "triton":
             return _triton().moe_w4_fits(h, i, group_size, act)
+        if b == "cuda":
+            if scales_dtype is not None and scales_dtype != x.dtype:
+                return f"the compiled MoE kernel takes scales in x's dtype {x.dtype}, got {scales_dtype}"
+            if act not in reference.MOE_ACTS:
+                return f"no compiled activation {act!r}"
+            return torch.ops.fastawq.moe_gemv_w4_declines(e, h, i, group_size) or None
         return None
 
-    return select_backend("moe_w4", x.device, backend=backend, shapes_ok=fits, m=x.shape[0])
+    return select_backend("moe_w4", x.device, backend=backend, shapes_ok=fits, m=x.shape[0] if m is None else m)
 
 
 def _moe_w4_impl(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13_qweight: torch.Tensor,
                  w13_scales: torch.Tensor, w13_qzeros: torch.Tensor, w2_qweight: torch.Tensor, w2_scales: torch.Tensor,
                  w2_qzeros: torch.Tensor, group_size: int, act: str, backend: str) -> torch.Tensor:
     if not backend:  # chosen here, at run time ("" from a traced call)
-        backend = _select(x, x.shape[1], w2_qweight.shape[1], group_size, act, None)
+        backend = _select(x, x.shape[1], w2_qweight.shape[1], group_size, act, None, w13_scales.dtype,
+                          w13_qweight.shape[0])
+    if backend == "cuda":
+        # The kernel takes dense operands and fp32 routing weights (no-ops when they already are).
+        return torch.ops.fastawq.moe_gemv_w4(
+            x if x.stride(-1) == 1 else x.contiguous(), topk_ids.contiguous(),
+            topk_weights.to(torch.float32).contiguous(), w13_qweight.contiguous(), w13_scales.contiguous(),
+            w13_qzeros.contiguous(), w2_qweight.contiguous(), w2_scales.contiguous(), w2_qzeros.contiguous(),
+            group_size, act)
     if backend == "triton":
         return _triton().moe_w4(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros,
                                 w2_qweight, w2_scales, w2_qzeros, group_size, act)
@@ -187,6 +207,25 @@ def _(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight
     torch._check(topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == x.shape[0],
                  lambda: f"topk_ids {tuple(topk_ids.shape)} and weights must be [T={x.shape[0]}, k]")
     return x.new_empty(x.shape)
+
+
+def _register_fakes() -> None:
+    """Output shape of the compiled MoE decode kernel, so it traces and passes opcheck."""
+    if _ext.has_op("moe_gemv_w4"):
+
+        @torch.library.register_fake("fastawq::moe_gemv_w4")
+        def _(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros,
+              group_size, act):
+            torch._check(x.dim() == 2 and w13_qweight.dim() == 3 and w2_qweight.dim() == 3,
+                         lambda: f"x {tuple(x.shape)} must be [T, H], the stacked weights 3-D")
+            torch._check(w2_qweight.shape[2] * 8 == x.shape[1], lambda: f"w2 {tuple(w2_qweight.shape)} vs x {tuple(x.shape)}")
+            torch._check(topk_weights.dtype == torch.float32, lambda: f"topk_weights must be fp32, got {topk_weights.dtype}")
+            torch._check(topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == x.shape[0],
+                         lambda: f"topk_ids {tuple(topk_ids.shape)} and weights must be [T={x.shape[0]}, k]")
+            return x.new_empty(x.shape)
+
+
+_register_fakes()
 
 
 # router_logits [T, E]  ->  topk_weights [T, k] fp32 · topk_ids [T, k] int64

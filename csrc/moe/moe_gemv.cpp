@@ -1,0 +1,135 @@
+// Host entry of fastawq::moe_gemv_w4 (the MoE decode kernels of moe_gemv.cu): validation, whose
+// messages name every shape involved, and the two grids. When it is worth using (how many tokens)
+// is python/fastawq/backend.py's rule; the shape rules are moe_gemv_w4_declines, here.
+#include <string>
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "common/checks.h"
+#include "common/launch.h"
+#include "common/workspace.h"
+#include "ops.h"
+
+namespace fastawq {
+namespace {
+
+constexpr int64_t kMaxDim = int64_t{1} << 30;
+
+int act_code(const std::string& act) {
+  if (act == "silu") return 0;
+  if (act == "gelu") return 1;
+  if (act == "gelu_tanh") return 2;
+  return -1;
+}
+
+std::string weights_str(const at::Tensor& q13, const at::Tensor& s13, const at::Tensor& z13, const at::Tensor& q2,
+                        const at::Tensor& s2, const at::Tensor& z2) {
+  return cat("w13_qweight ", shape_str(q13), ", w13_scales ", shape_str(s13), ", w13_qzeros ", shape_str(z13),
+             ", w2_qweight ", shape_str(q2), ", w2_scales ", shape_str(s2), ", w2_qzeros ", shape_str(z2));
+}
+
+}  // namespace
+
+std::string moe_gemv_w4_declines(int64_t num_experts, int64_t hidden, int64_t inter, int64_t group_size) {
+  if (num_experts <= 0 || hidden <= 0 || inter <= 0) return "E, H and I must be positive";
+  if (hidden > kMaxDim || inter > kMaxDim) return "H or I above 2^30";
+  const int64_t g13 = group_size == -1 ? hidden : group_size, g2 = group_size == -1 ? inter : group_size;
+  if (g13 <= 0 || g2 <= 0) return "group_size must be positive or -1";
+  if (hidden % 32 || inter % 32) return cat("the MoE GEMV needs H and I multiples of 32, got H=", hidden, ", I=", inter);
+  if (g13 % 32 || g2 % 32 || hidden % g13 || inter % g2)
+    return cat("the MoE GEMV needs group_size a multiple of 32 dividing H=", hidden, " and I=", inter, ", got ",
+               group_size);
+  return "";
+}
+
+at::Tensor moe_gemv_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                       const at::Tensor& w13_qweight, const at::Tensor& w13_scales, const at::Tensor& w13_qzeros,
+                       const at::Tensor& w2_qweight, const at::Tensor& w2_scales, const at::Tensor& w2_qzeros,
+                       int64_t group_size, const std::string& act) {
+  const auto shapes = [&] {
+    return cat("x ", shape_str(x), ", topk_ids ", shape_str(topk_ids), ", ",
+               weights_str(w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros));
+  };
+  FASTAWQ_CHECK(x.dim() == 2 && x.stride(1) == 1, "moe_gemv_w4: x must be [T, H] with unit column stride; ", shapes());
+  FASTAWQ_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
+                "moe_gemv_w4: x must be fp16 or bf16, got ", x.scalar_type());
+  const at::Tensor* weights[] = {&w13_qweight, &w13_scales, &w13_qzeros, &w2_qweight, &w2_scales, &w2_qzeros};
+  for (const at::Tensor* w : weights) {
+    FASTAWQ_CHECK(w->dim() == 3 && w->is_contiguous() && w->device() == x.device(),
+                  "moe_gemv_w4: stacked expert weights must be contiguous 3-D tensors on ", x.device(), "; ",
+                  shapes());
+  }
+  FASTAWQ_CHECK(w13_qweight.scalar_type() == at::kInt && w13_qzeros.scalar_type() == at::kInt &&
+                    w2_qweight.scalar_type() == at::kInt && w2_qzeros.scalar_type() == at::kInt,
+                "moe_gemv_w4: qweight and qzeros must be int32; ", shapes());
+  FASTAWQ_CHECK(w13_scales.scalar_type() == x.scalar_type() && w2_scales.scalar_type() == x.scalar_type(),
+                "moe_gemv_w4: scales must have x's dtype ", x.scalar_type(), ", got ", w13_scales.scalar_type(),
+                " and ", w2_scales.scalar_type());
+  const int64_t e = w13_qweight.size(0), h = x.size(1), i = w2_qweight.size(1), t = x.size(0);
+  const std::string why = moe_gemv_w4_declines(e, h, i, group_size);
+  FASTAWQ_CHECK(why.empty(), "moe_gemv_w4: ", why, "; ", shapes());
+  const int64_t g13 = group_size == -1 ? h : group_size, g2 = group_size == -1 ? i : group_size;
+  const bool consistent =
+      w13_qweight.sizes() == c10::IntArrayRef{e, h, 2 * i / 8} && w13_scales.sizes() == c10::IntArrayRef{e, h / g13, 2 * i} &&
+      w13_qzeros.sizes() == c10::IntArrayRef{e, h / g13, 2 * i / 8} && w2_qweight.sizes() == c10::IntArrayRef{e, i, h / 8} &&
+      w2_scales.sizes() == c10::IntArrayRef{e, i / g2, h} && w2_qzeros.sizes() == c10::IntArrayRef{e, i / g2, h / 8};
+  FASTAWQ_CHECK(consistent, "moe_gemv_w4: inconsistent MoE weights for E=", e, ", H=", h, ", I=", i,
+                ", group_size=", group_size, "; ", shapes());
+  FASTAWQ_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == t && topk_ids.is_contiguous() &&
+                    (topk_ids.scalar_type() == at::kInt || topk_ids.scalar_type() == at::kLong) &&
+                    topk_ids.device() == x.device(),
+                "moe_gemv_w4: topk_ids must be contiguous int32/int64 [T=", t, ", k] on ", x.device(), ", got ",
+                topk_ids.scalar_type(), " ", shape_str(topk_ids));
+  FASTAWQ_CHECK(topk_weights.sizes() == topk_ids.sizes() && topk_weights.scalar_type() == at::kFloat &&
+                    topk_weights.is_contiguous() && topk_weights.device() == x.device(),
+                "moe_gemv_w4: topk_weights must be contiguous fp32 shaped like topk_ids ", shape_str(topk_ids),
+                ", got ", topk_weights.scalar_type(), " ", shape_str(topk_weights));
+  const int code = act_code(act);
+  FASTAWQ_CHECK(code >= 0, "moe_gemv_w4: act must be silu, gelu or gelu_tanh, got ", act);
+  const int64_t topk = topk_ids.size(1), n = t * topk;
+  FASTAWQ_CHECK(n < 65536, "moe_gemv_w4: T * k = ", n, " assignments exceed the grid (65535); ", shapes());
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = at::empty({t, h}, x.options());
+  if (n == 0) return out.zero_();
+  at::Tensor hbuf = at::empty({n, i}, x.options());
+
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  MoeGemvArgs a{};
+  a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
+  a.x = x.data_ptr(), a.x_stride = x.stride(0);
+  a.ids = topk_ids.data_ptr(), a.ids_int64 = topk_ids.scalar_type() == at::kLong;
+  a.topk_weights = topk_weights.data_ptr<float>();
+  a.w13_qweight = reinterpret_cast<const uint32_t*>(w13_qweight.data_ptr<int>());
+  a.w13_scales = w13_scales.data_ptr();
+  a.w13_qzeros = reinterpret_cast<const uint32_t*>(w13_qzeros.data_ptr<int>());
+  a.w2_qweight = reinterpret_cast<const uint32_t*>(w2_qweight.data_ptr<int>());
+  a.w2_scales = w2_scales.data_ptr();
+  a.w2_qzeros = reinterpret_cast<const uint32_t*>(w2_qzeros.data_ptr<int>());
+  a.h = hbuf.data_ptr(), a.out = out.data_ptr();
+  a.n_assign = static_cast<int>(n), a.topk = static_cast<int>(topk), a.num_experts = static_cast<int>(e);
+  a.hidden = static_cast<int>(h), a.inter = static_cast<int>(i);
+  a.group13 = static_cast<int>(g13), a.group2 = static_cast<int>(g2), a.act = code;
+  // w13 tiles: 128 gate + 128 up columns; w2 tiles: 256 columns. The grid of each fills the SMs
+  // over all assignments' tiles together (M = 1 occupancy, as the dense GEMV).
+  a.tiles13 = static_cast<int>((i / 8 + 4 * kGemvWordsPerLane - 1) / (4 * kGemvWordsPerLane));
+  a.tiles2 = static_cast<int>((h + kGemvTileCols - 1) / kGemvTileCols);
+  const GemvSplit s13 = gemv_split(int64_t(a.tiles13) * n, static_cast<int>(h), sms, 16);
+  const GemvSplit s2 = gemv_split(int64_t(a.tiles2) * n, static_cast<int>(i), sms, 16);
+  a.chunk13 = s13.chunk_rows, a.cpb13 = s13.chunks_per_block, a.splits13 = s13.splits;
+  a.chunk2 = s2.chunk_rows, a.cpb2 = s2.chunks_per_block, a.splits2 = s2.splits;
+  // One fp32 buffer and one counter buffer, carved per call; the kernels leave them zeroed.
+  const int64_t sums13 = a.splits13 > 1 ? n * 2 * i : 0, sums2 = t * h;
+  float* sums = zeroed_sums(Workspace::kMoeSums, x.device(), sums13 + sums2);
+  a.ws13 = sums, a.ws2 = sums + sums13;
+  int* counters = zeroed_counters(Workspace::kMoeCounters, x.device(), n * a.tiles13 + t * a.tiles2);
+  a.counters13 = counters, a.counters2 = counters + n * a.tiles13;
+  launch_moe_gemv(a, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+}  // namespace fastawq

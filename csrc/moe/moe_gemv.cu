@@ -1,0 +1,228 @@
+// W4A16 mixture-of-experts decode on the CUDA cores: the AWQ-layout GEMV (gemv/awq_gemv_body.cuh)
+// with one expert per block, two launches per MoE layer and no memset or conversion kernel.
+//
+// Rows are (token, slot) assignments f = t * topk + j, each with expert ids[f]. blockIdx.z = f.
+//  w13: x[f / topk] [H] · w13[e] [H, 2I] -> h[f] [I] = act(gate) * up, rounded to x's dtype. A
+//       block's 256-column tile is 128 gate columns and the same 128 up columns (lanes 0..3 and
+//       4..7), so the block that finishes a tile holds both halves of act(gate) * up.
+//  w2:  h[f] [I] · w2[e] [I, H] -> out[t] [H] = sum_j w[f] * (h[f] w2[e]). The k slots of a token
+//       meet in a zeroed fp32 workspace; the last of the token's k * splits blocks to arrive at a
+//       column tile converts it, writes out and zeroes the workspace again (graph-safe).
+// Split K works the same way for w13 (the last of a tile's splits applies the activation). An id
+// outside [0, E) contributes zeros but still arrives, so the counters always return to zero.
+#include <cstdint>
+
+#include "common/dtype.cuh"
+#include "common/launch.h"
+#include "common/ptx.cuh"
+#include "gemv/awq_gemv_body.cuh"
+
+namespace fastawq {
+namespace {
+
+using gemv::consume_batch;
+using gemv::kBatchRows;
+using gemv::kLoads;
+using gemv::kWarps;
+using gemv::load_batch;
+using gemv::Words;
+
+constexpr int WPT = kGemvWordsPerLane;
+constexpr int kLaneCols = WPT * 8;            // output columns per lane
+constexpr int kTileCols = 8 * kLaneCols;      // 256 per block (w13: 128 gate + 128 up)
+
+template <int ACT>
+__device__ __forceinline__ float act_fn(float g) {
+  if constexpr (ACT == 0) return g / (1.f + __expf(-g));                          // silu
+  if constexpr (ACT == 1) return 0.5f * g * (1.f + erff(g * 0.7071067811865476f));  // gelu
+  const float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);              // gelu (tanh)
+  return g / (1.f + __expf(-2.f * u));
+}
+
+struct TileRed {
+  float red[kWarps][kTileCols];
+  int is_last;
+};
+
+// Sum the block's partials of its tile over the 4 row lanes (shuffles) and the 4 warps (shared
+// memory); returns with sh.red filled and the block synchronised.
+__device__ __forceinline__ void reduce_tile(float (&y)[1][kLaneCols], TileRed& sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, cl = lane & 7, rl = lane >> 3;
+#pragma unroll
+  for (int c = 0; c < kLaneCols; ++c) {
+    float v = y[0][c];
+    v += __shfl_xor_sync(0xffffffffu, v, 8);
+    v += __shfl_xor_sync(0xffffffffu, v, 16);
+    y[0][c] = v;
+  }
+  if (rl == 0) {
+#pragma unroll
+    for (int c = 0; c < kLaneCols; ++c) sh.red[warp][cl * kLaneCols + c] = y[0][c];
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ float tile_sum(const TileRed& sh, int tc) {
+  float v = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) v += sh.red[w][tc];
+  return v;
+}
+
+// After every thread's atomics into the workspace: is this block the last of `expected` to
+// arrive at counter c? The last one resets the counter.
+__device__ __forceinline__ bool arrive_last(int* counters, int64_t c, int expected, TileRed& sh) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int prev = atomicAdd(counters + c, 1);
+    sh.is_last = prev == expected - 1;
+    if (sh.is_last) counters[c] = 0;
+  }
+  __syncthreads();
+  if (sh.is_last) __threadfence();
+  return sh.is_last;
+}
+
+// The K loop of one block: its chunks of rows, 32-row batches, as awq_gemv_kernel walks them.
+template <typename T>
+__device__ __forceinline__ void block_gemv(const T* __restrict__ xrow, const uint32_t* __restrict__ qweight,
+                                           const T* __restrict__ scales, const uint32_t* __restrict__ qzeros,
+                                           int n8, int n, int k, int g, int word0, bool col_ok, int chunk_rows,
+                                           int chunks_per_block, float (&y)[1][kLaneCols]) {
+  const int warp = threadIdx.x >> 5, rl = (threadIdx.x & 31) >> 3;
+  float acc[1][kLaneCols], xs[1] = {0.f};
+#pragma unroll
+  for (int c = 0; c < kLaneCols; ++c) y[0][c] = acc[0][c] = 0.f;
+  const uint64_t policy = evict_first_policy();
+  const int c_end = min((blockIdx.y + 1) * chunks_per_block, (k + chunk_rows - 1) / chunk_rows);
+  for (int chunk = blockIdx.y * chunks_per_block + warp; chunk < c_end; chunk += kWarps) {
+    const int row0 = chunk * chunk_rows, row_end = min(row0 + chunk_rows, k);
+#pragma unroll 1
+    for (int base = row0; base < row_end; base += kBatchRows) {
+      Words<WPT> w[kLoads];
+      float xv[1][kLoads];
+      load_batch<T, 1, WPT>(xrow, qweight, k, n8, word0, col_ok, base + rl, policy, w, xv);
+      consume_batch<T, 1, WPT>(w, xv, acc, xs, y, base, row_end, g, col_ok, qzeros, scales, n8, n, word0);
+    }
+  }
+}
+
+template <typename T, typename Id, int ACT>
+__global__ void __launch_bounds__(kGemvThreads) moe_w13_gemv_kernel(MoeGemvArgs a) {
+  using Tr = HalfTraits<T>;
+  __shared__ TileRed sh;
+  const int f = blockIdx.z, tile = blockIdx.x, cl = (threadIdx.x & 31) & 7;
+  const int64_t e = static_cast<int64_t>(static_cast<const Id*>(a.ids)[f]);
+  const bool valid = e >= 0 && e < a.num_experts;
+  const int k = a.hidden, inter = a.inter, n = 2 * inter, n8 = n / 8, g = a.group13;
+  const int gate_word = tile * (4 * WPT) + (cl & 3) * WPT;  // lanes 0..3 gate, 4..7 the same up words
+  const int word0 = (cl >> 2) * (inter / 8) + gate_word;
+  const bool col_ok = valid && gate_word < inter / 8;
+  const int64_t ex = valid ? e : 0;
+  float y[1][kLaneCols];
+  block_gemv<T>(static_cast<const T*>(a.x) + static_cast<int64_t>(f / a.topk) * a.x_stride,
+                a.w13_qweight + ex * k * n8, static_cast<const T*>(a.w13_scales) + ex * (k / g) * n,
+                a.w13_qzeros + ex * (k / g) * n8, n8, n, k, g, word0, col_ok, a.chunk13, a.cpb13, y);
+  reduce_tile(y, sh);
+
+  constexpr int kHalfTile = kTileCols / 2;
+  const int col0 = tile * kHalfTile;
+  T* h = static_cast<T*>(a.h) + static_cast<int64_t>(f) * inter;
+  const auto write = [&](int tc, float gate, float up) {
+    h[col0 + tc] = Tr::from_float(act_fn<ACT>(256.f * gate) * (256.f * up));
+  };
+  if (gridDim.y == 1) {
+    for (int tc = threadIdx.x; tc < kHalfTile; tc += kGemvThreads) {
+      if (col0 + tc < inter) write(tc, tile_sum(sh, tc), tile_sum(sh, kHalfTile + tc));
+    }
+    return;
+  }
+  float* ws = a.ws13 + static_cast<int64_t>(f) * n;
+  for (int tc = threadIdx.x; tc < kHalfTile; tc += kGemvThreads) {
+    if (col0 + tc >= inter) continue;
+    atomicAdd(ws + col0 + tc, tile_sum(sh, tc));
+    atomicAdd(ws + inter + col0 + tc, tile_sum(sh, kHalfTile + tc));
+  }
+  if (!arrive_last(a.counters13, static_cast<int64_t>(f) * gridDim.x + tile, gridDim.y, sh)) return;
+  for (int tc = threadIdx.x; tc < kHalfTile; tc += kGemvThreads) {
+    if (col0 + tc >= inter) continue;
+    float* pg = ws + col0 + tc;
+    float* pu = ws + inter + col0 + tc;
+    const float gate = __ldcg(pg), up = __ldcg(pu);
+    __stcg(pg, 0.f);
+    __stcg(pu, 0.f);
+    write(tc, gate, up);
+  }
+}
+
+template <typename T, typename Id>
+__global__ void __launch_bounds__(kGemvThreads) moe_w2_gemv_kernel(MoeGemvArgs a) {
+  using Tr = HalfTraits<T>;
+  __shared__ TileRed sh;
+  const int f = blockIdx.z, tile = blockIdx.x, cl = (threadIdx.x & 31) & 7;
+  const int64_t e = static_cast<int64_t>(static_cast<const Id*>(a.ids)[f]);
+  const bool valid = e >= 0 && e < a.num_experts;
+  const int k = a.inter, n = a.hidden, n8 = n / 8, g = a.group2;
+  const int word0 = tile * (8 * WPT) + cl * WPT;
+  const bool col_ok = valid && word0 < n8;
+  const int64_t ex = valid ? e : 0;
+  float y[1][kLaneCols];
+  block_gemv<T>(static_cast<const T*>(a.h) + static_cast<int64_t>(f) * k, a.w2_qweight + ex * k * n8,
+                static_cast<const T*>(a.w2_scales) + ex * (k / g) * n, a.w2_qzeros + ex * (k / g) * n8, n8, n, k, g,
+                word0, col_ok, a.chunk2, a.cpb2, y);
+  reduce_tile(y, sh);
+
+  const int col0 = tile * kTileCols, t = f / a.topk;
+  const float rw = valid ? 256.f * a.topk_weights[f] : 0.f;
+  T* out = static_cast<T*>(a.out) + static_cast<int64_t>(t) * n;
+  if (a.topk == 1 && gridDim.y == 1) {
+    for (int tc = threadIdx.x; tc < kTileCols; tc += kGemvThreads) {
+      if (col0 + tc < n) out[col0 + tc] = Tr::from_float(rw * tile_sum(sh, tc));
+    }
+    return;
+  }
+  float* ws = a.ws2 + static_cast<int64_t>(t) * n;
+  for (int tc = threadIdx.x; tc < kTileCols; tc += kGemvThreads) {
+    if (col0 + tc < n) atomicAdd(ws + col0 + tc, rw * tile_sum(sh, tc));
+  }
+  if (!arrive_last(a.counters2, static_cast<int64_t>(t) * gridDim.x + tile, a.topk * gridDim.y, sh)) return;
+  for (int tc = threadIdx.x; tc < kTileCols; tc += kGemvThreads) {
+    if (col0 + tc >= n) continue;
+    float* p = ws + col0 + tc;
+    const float v = __ldcg(p);
+    __stcg(p, 0.f);
+    out[col0 + tc] = Tr::from_float(v);
+  }
+}
+
+template <typename T, typename Id, int ACT>
+void launch_typed(const MoeGemvArgs& a, cudaStream_t stream) {
+  const dim3 grid13(a.tiles13, a.splits13, a.n_assign), grid2(a.tiles2, a.splits2, a.n_assign);
+  moe_w13_gemv_kernel<T, Id, ACT><<<grid13, kGemvThreads, 0, stream>>>(a);
+  moe_w2_gemv_kernel<T, Id><<<grid2, kGemvThreads, 0, stream>>>(a);
+}
+
+template <typename T, typename Id>
+void launch_act(const MoeGemvArgs& a, cudaStream_t stream) {
+  switch (a.act) {
+    case 0: return launch_typed<T, Id, 0>(a, stream);
+    case 1: return launch_typed<T, Id, 1>(a, stream);
+    default: return launch_typed<T, Id, 2>(a, stream);
+  }
+}
+
+template <typename T>
+void launch_ids(const MoeGemvArgs& a, cudaStream_t stream) {
+  if (a.ids_int64) return launch_act<T, int64_t>(a, stream);
+  return launch_act<T, int32_t>(a, stream);
+}
+
+}  // namespace
+
+void launch_moe_gemv(const MoeGemvArgs& a, cudaStream_t stream) {
+  if (a.dtype == HalfType::kHalf) return launch_ids<__half>(a, stream);
+  return launch_ids<__nv_bfloat16>(a, stream);
+}
+
+}  // namespace fastawq
