@@ -529,24 +529,23 @@ def main() -> None:
     lay.add_argument("--group-size", type=int, default=128)
     lay.add_argument("--iters", type=int, default=50)
     mod = sub.add_parser("model")
-    mod.add_argument("--gguf", default=None)
-    mod.add_argument("--group-size", type=int, default=64)
     mod.add_argument("--prompt-tokens", type=int, default=32)
-    mod.add_argument("--new-tokens", type=int, default=64)
-    mod.add_argument("--repeats", type=int, default=3)
     mod.add_argument("--profile", action="store_true")
     mod.add_argument("--fused-only", action="store_true", help="only fp32 and the fused engine")
     summ = sub.add_parser("summary", help="issue 17's figures in one run (model 1 and 2 threads, layer)")
-    summ.add_argument("--gguf", default=None)
-    summ.add_argument("--new-tokens", type=int, default=64)
-    summ.add_argument("--repeats", type=int, default=3)
     pc = sub.add_parser("percall", help="per-call cost of the CPU entry points on a tiny layer")
     pc.add_argument("--iters", type=int, default=20000)
     pp = sub.add_parser("ppl")
-    pp.add_argument("--gguf", default=None)
-    pp.add_argument("--group-size", type=int, default=64)
     pp.add_argument("--windows", type=int, default=16)
     pp.add_argument("--seq-len", type=int, default=512)
+    # The commands that load a real model share these options, with one default each.
+    for sp in (mod, summ, pp):
+        sp.add_argument("--gguf", default=None)
+    for sp in (mod, pp):
+        sp.add_argument("--group-size", type=int, default=64)
+    for sp in (mod, summ):
+        sp.add_argument("--new-tokens", type=int, default=64)
+        sp.add_argument("--repeats", type=int, default=3)
     for sp in (lay, mod, pp, summ, pc):
         sp.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
         sp.add_argument("--clock", choices=("wall", "cpu"), default="wall",
