@@ -1,6 +1,7 @@
 // Host entry of fastawq::moe_gemv_w4 (the MoE decode kernels of moe_gemv.cu): validation, whose
 // messages name every shape involved, and the two grids. When it is worth using (how many tokens)
 // is python/fastawq/backend.py's rule; the shape rules are moe_gemv_w4_declines, here.
+#include <cstdint>
 #include <string>
 
 #include <ATen/ATen.h>
@@ -87,6 +88,10 @@ at::Tensor moe_gemv_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at
                     topk_weights.is_contiguous() && topk_weights.device() == x.device(),
                 "moe_gemv_w4: topk_weights must be contiguous fp32 shaped like topk_ids ", shape_str(topk_ids),
                 ", got ", topk_weights.scalar_type(), " ", shape_str(topk_weights));
+  for (const at::Tensor* w : {&w13_qweight, &w13_scales, &w2_qweight, &w2_scales}) {
+    FASTAWQ_CHECK(reinterpret_cast<uintptr_t>(w->data_ptr()) % 16 == 0,
+                  "moe_gemv_w4: qweight and scales must be 16-byte aligned (a view at an odd offset?); ", shapes());
+  }
   const int code = act_code(act);
   FASTAWQ_CHECK(code >= 0, "moe_gemv_w4: act must be silu, gelu or gelu_tanh, got ", act);
   const int64_t topk = topk_ids.size(1), n = t * topk;
