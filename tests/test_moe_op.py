@@ -481,12 +481,21 @@ def test_compiled_moe_fit_rules_need_no_gpu():
     assert "positive" in declines(0, 4096, 14336, 128)
 
 
+def test_moe_auto_choice_is_sized_by_the_load_per_expert():
+    from fastawq import backend
+
+    assert ops_moe._load(1, 8, 128) == 1 and ops_moe._load(16, 8, 128) == 1  # Qwen3-30B-A3B decode
+    assert ops_moe._load(1, 2, 8) == 1 and ops_moe._load(16, 2, 8) == 4  # Mixtral
+    assert backend._cuda_order("moe_w4", backend.MOE_GEMV_MAX_LOAD)[0] == "cuda"
+    assert backend._cuda_order("moe_w4", backend.MOE_GEMV_MAX_LOAD + 1)[0] == "triton"
+
+
 # (E, H, I, G, k, T, load): w13 tiles are 128 gate columns (I = 96 and 160 leave a part tile), w2
 # tiles 256 columns (H = 96, 288 part tiles); H = 4096 splits K over blocks, H = 64 does not.
 COMPILED_CASES = [
     (8, 96, 160, 32, 2, 1, "random"),
     (8, 288, 96, 32, 1, 1, "random"),
-    (16, 4096, 96, 128, 4, 1, "random"),
+    (16, 4096, 96, 32, 4, 1, "random"),
     (4, 64, 4096, -1, 2, 1, "random"),
     (8, 256, 128, 64, 8, 1, "random"),
     (8, 128, 96, 32, 2, 9, "few_experts"),
@@ -518,7 +527,7 @@ def test_compiled_moe_other_activations_and_int32_ids(act):
 def test_compiled_moe_ids_out_of_range_add_nothing():
     # The kernel cannot check ids without a host sync; an id outside [0, E) contributes zeros and
     # must leave the split-K counters as it found them (the next call is right).
-    e, h, i, g, k, t = 8, 4096, 96, 128, 4, 2
+    e, h, i, g, k, t = 8, 4096, 96, 32, 4, 2
     weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=12)
     bad = ids.clone()
     bad[0, 1], bad[1, 3] = -1, e

@@ -48,11 +48,14 @@ CUDA_GEMM_KERNEL_BY_M = {1: "gemv", 2: "gemv_staged"}
 # M <= 8 and beats the AWQ-layout kernels up to M = 4 (RESULTS.md, H200); the Triton GEMM on the
 # packed layout serves above.
 PACKED_GEMV_MAX_M = 4
-# moe_w4: the compiled MoE decode kernel (csrc/moe/, one expert per (token, slot) on CUDA cores)
-# serves up to MOE_GEMV_MAX_T tokens; the Triton grouped GEMM above (RESULTS.md, H200).
-MOE_GEMV_MAX_T = 1
+# moe_w4 is sized by its load, ceil(T * k / E) assignments per expert, not by T: the compiled MoE
+# decode kernel (csrc/moe/, which reads an expert once per assignment) serves up to
+# MOE_GEMV_MAX_LOAD, the Triton grouped GEMM (each expert once per block of rows) above. H200,
+# RESULTS.md: Qwen3-30B-A3B T=1 19.6 vs 35.5 us, T=16 (load 1) 140 vs 272 us; Mixtral T=1 96 vs
+# 248 us, T=16 (load 4) 1075 vs 934 us.
+MOE_GEMV_MAX_LOAD = 2
 _CUDA_PREFERENCE: dict[str, list[tuple[int | None, tuple[str, ...]]]] = {
-    "moe_w4": [(MOE_GEMV_MAX_T, ("cuda", "triton", "torch")), (None, ("triton", "torch"))],
+    "moe_w4": [(MOE_GEMV_MAX_LOAD, ("cuda", "triton", "torch")), (None, ("triton", "torch"))],
     "awq_gemm": [
         *((m, ("cuda", "triton", "torch")) for m in sorted(CUDA_GEMM_KERNEL_BY_M)),
         (None, ("triton", "cuda", "torch")),

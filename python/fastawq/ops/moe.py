@@ -13,7 +13,7 @@ import torch
 
 from fastawq import reference
 from fastawq import _ext
-from fastawq.backend import MOE_GEMV_MAX_T, select_backend
+from fastawq.backend import MOE_GEMV_MAX_LOAD, select_backend
 from fastawq.ops._common import HALF as _HALF
 from fastawq.ops._common import triton_module as _triton
 
@@ -110,7 +110,8 @@ def moe_w4(
         # which the tracer would not follow.
         return torch.ops.fastawq.moe_w4(*args, backend or "")
     # Eagerly the op's dispatcher round trip costs more than a decode step's kernels: call direct.
-    return _moe_w4_impl(*args, _select(x, h, i, group_size, act, backend, w13_scales.dtype, e))
+    return _moe_w4_impl(*args, _select(x, h, i, group_size, act, backend, w13_scales.dtype, e,
+                                       m=_load(x.shape[0], topk_ids.shape[1], e)))
 
 
 def moe_w4_plan(
@@ -134,18 +135,23 @@ def moe_w4_plan(
     """
     weights = (w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros)
     e, h, i = _check_experts((x,), weights, group_size, act)
-    # The automatic choice depends on the token count (backend.MOE_GEMV_MAX_T): one backend for
-    # each side of that bound, bound here.
+    # The automatic choice depends on the load (assignments per expert, backend.MOE_GEMV_MAX_LOAD):
+    # one backend for each side of that bound, bound here.
     small = _select(x, h, i, group_size, act, backend, w13_scales.dtype, e, m=1)
-    large = _select(x, h, i, group_size, act, backend, w13_scales.dtype, e, m=MOE_GEMV_MAX_T + 1)
+    large = _select(x, h, i, group_size, act, backend, w13_scales.dtype, e, m=MOE_GEMV_MAX_LOAD + 1)
 
     def run(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         _check_routing(x, topk_ids, topk_weights, h)
-        be = small if x.shape[0] <= MOE_GEMV_MAX_T else large
+        be = small if _load(x.shape[0], topk_ids.shape[1], e) <= MOE_GEMV_MAX_LOAD else large
         return _moe_w4_impl(x, topk_ids, topk_weights, *weights, group_size, act, be)
 
     run.backend = small if small == large else f"{small}/{large}"
     return run
+
+
+def _load(t: int, k: int, e: int) -> int:
+    """Assignments per expert, rounded up: what moe_w4's automatic choice is sized by."""
+    return -(-t * k // max(e, 1))
 
 
 def _select(x: torch.Tensor, h: int, i: int, group_size: int, act: str, backend: str | None,
@@ -163,15 +169,16 @@ def _select(x: torch.Tensor, h: int, i: int, group_size: int, act: str, backend:
             return torch.ops.fastawq.moe_gemv_w4_declines(e, h, i, group_size) or None
         return None
 
-    return select_backend("moe_w4", x.device, backend=backend, shapes_ok=fits, m=x.shape[0] if m is None else m)
+    return select_backend("moe_w4", x.device, backend=backend, shapes_ok=fits, m=m)
 
 
 def _moe_w4_impl(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13_qweight: torch.Tensor,
                  w13_scales: torch.Tensor, w13_qzeros: torch.Tensor, w2_qweight: torch.Tensor, w2_scales: torch.Tensor,
                  w2_qzeros: torch.Tensor, group_size: int, act: str, backend: str) -> torch.Tensor:
+    e = w13_qweight.shape[0]
     if not backend:  # chosen here, at run time ("" from a traced call)
-        backend = _select(x, x.shape[1], w2_qweight.shape[1], group_size, act, None, w13_scales.dtype,
-                          w13_qweight.shape[0])
+        backend = _select(x, x.shape[1], w2_qweight.shape[1], group_size, act, None, w13_scales.dtype, e,
+                          m=_load(x.shape[0], topk_ids.shape[1], e))
     if backend == "cuda":
         # The kernel takes dense operands and fp32 routing weights (no-ops when they already are).
         return torch.ops.fastawq.moe_gemv_w4(
@@ -184,7 +191,6 @@ def _moe_w4_impl(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
                                 w2_qweight, w2_scales, w2_qzeros, group_size, act)
     if backend != "torch":
         raise ValueError(f"no {backend!r} implementation of moe_w4")
-    e = w13_qweight.shape[0]
     if topk_ids.numel():  # the torch path syncs anyway (it loops over the experts hit): check the ids
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < 0 or hi >= e:
