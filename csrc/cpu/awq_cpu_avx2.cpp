@@ -47,7 +47,7 @@ constexpr int64_t kPrefetchOctets = 32;
 // pass: per octet of K, the weights of each block are read in memory order (one 256-byte row per
 // block), 8 * S int16 accumulators (the compiler keeps some on the stack when S = 2) and the
 // per-group fp32 sums of each block in an L1 array. Walking two blocks together gives the memory
-// system two weight streams 128 KiB apart instead of one: 0.86-0.90x the time of one block at a
+// system two weight streams 128 KiB apart instead of one: 0.86-0.93x the time of one block at a
 // time on a 2-core AMD EPYC (AVX2), where a plain one-stream read of the weights is no faster than
 // the one-block kernel (benchmarks/CPU_RESULTS.md). Each block's arithmetic, and so its output, is
 // the same as walking it alone. (Two passes of 32 columns, which kept the fp32 sums in registers
