@@ -269,15 +269,22 @@ def test_opcheck(backend):
 def test_moe_qwen3_shape_under_cuda_graph(t):
     e, h, i, g, k = 128, 2048, 768, 128, 8
     weights, x, ids, w = moe_case(e, h, i, g, k, t, 30)
-    ops_moe.moe_w4(x, ids, w, *weights, g, backend="triton")  # tune and compile outside the capture
+    replay_checks(lambda: ops_moe.moe_w4(x, ids, w, *weights, g, backend="triton"), x, ids, w, weights, g, 2, 40)
+
+
+def replay_checks(run, x, ids, w, weights, g, rounds: int, seed: int) -> None:
+    """run() once (tunes and compiles outside the capture), capture it in a CUDA graph, then replay
+    it `rounds` times on new routings and inputs copied into the captured tensors, each checked."""
+    run()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ops_moe.moe_w4(x, ids, w, *weights, g, backend="triton")
-    for seed in range(2):
-        new_ids, new_w = routing("random", t, e, k, seed=40 + seed)
+        out = run()
+    (t, h), e, k = x.shape, weights[0].shape[0], ids.shape[1]
+    for r in range(rounds):
+        new_ids, new_w = routing("random", t, e, k, seed=seed + r)
         ids.copy_(new_ids)
         w.copy_(new_w)
-        x.copy_(random_input((t, h), "cuda", torch.float16, seed=50 + seed))
+        x.copy_(random_input((t, h), "cuda", x.dtype, seed=seed + 10 + r))
         out.fill_(float("nan"))
         graph.replay()
         check(out, x, ids, w, weights, g)
@@ -538,23 +545,12 @@ def test_compiled_moe_ids_out_of_range_add_nothing():
 
 
 @needs_compiled
-def test_compiled_moe_under_cuda_graph_and_by_default_at_one_token():
+def test_compiled_moe_under_cuda_graph_and_by_default_at_low_load():
     e, h, i, g, k, t = 128, 2048, 768, 128, 8, 1
     weights, x, ids, w = moe_case(e, h, i, g, k, t, 60)
     plan = ops_moe.moe_w4_plan(x, *weights, g)
     assert plan.backend == "cuda/triton"  # compiled at one token, the grouped Triton GEMM above
-    plan(x, ids, w)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = plan(x, ids, w)
-    for seed in range(3):
-        new_ids, new_w = routing("random", t, e, k, seed=70 + seed)
-        ids.copy_(new_ids)
-        w.copy_(new_w)
-        x.copy_(random_input((t, h), "cuda", torch.float16, seed=80 + seed))
-        out.fill_(float("nan"))
-        graph.replay()
-        check(out, x, ids, w, weights, g)
+    replay_checks(lambda: plan(x, ids, w), x, ids, w, weights, g, 3, 70)
 
 
 @needs_compiled

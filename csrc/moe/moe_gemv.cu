@@ -84,6 +84,21 @@ __device__ __forceinline__ bool arrive_last(int* counters, int64_t c, int expect
   return sh.is_last;
 }
 
+// The block's assignment f = blockIdx.z and its expert; an id outside [0, E) is not valid and its
+// block reads expert 0's pointers but loads nothing (col_ok false), so it adds zeros and arrives.
+struct Assignment {
+  int f;
+  bool valid;
+  int64_t expert;  // 0 when not valid
+};
+template <typename Id>
+__device__ __forceinline__ Assignment assignment(const MoeGemvArgs& a) {
+  const int f = blockIdx.z;
+  const int64_t e = static_cast<int64_t>(static_cast<const Id*>(a.ids)[f]);
+  const bool valid = e >= 0 && e < a.num_experts;
+  return {f, valid, valid ? e : 0};
+}
+
 // The K loop of one block: its chunks of rows, 32-row batches, as awq_gemv_kernel walks them.
 template <typename T>
 __device__ __forceinline__ void block_gemv(const T* __restrict__ xrow, const uint32_t* __restrict__ qweight,
@@ -112,14 +127,12 @@ template <typename T, typename Id, int ACT>
 __global__ void __launch_bounds__(kGemvThreads) moe_w13_gemv_kernel(MoeGemvArgs a) {
   using Tr = HalfTraits<T>;
   __shared__ TileRed sh;
-  const int f = blockIdx.z, tile = blockIdx.x, cl = (threadIdx.x & 31) & 7;
-  const int64_t e = static_cast<int64_t>(static_cast<const Id*>(a.ids)[f]);
-  const bool valid = e >= 0 && e < a.num_experts;
+  const auto [f, valid, ex] = assignment<Id>(a);
+  const int tile = blockIdx.x, cl = threadIdx.x & 7;
   const int k = a.hidden, inter = a.inter, n = 2 * inter, n8 = n / 8, g = a.group13;
   const int gate_word = tile * (4 * WPT) + (cl & 3) * WPT;  // lanes 0..3 gate, 4..7 the same up words
   const int word0 = (cl >> 2) * (inter / 8) + gate_word;
   const bool col_ok = valid && gate_word < inter / 8;
-  const int64_t ex = valid ? e : 0;
   float y[1][kLaneCols];
   block_gemv<T>(static_cast<const T*>(a.x) + static_cast<int64_t>(f / a.topk) * a.x_stride,
                 a.w13_qweight + ex * k * n8, static_cast<const T*>(a.w13_scales) + ex * (k / g) * n,
@@ -160,13 +173,11 @@ template <typename T, typename Id>
 __global__ void __launch_bounds__(kGemvThreads) moe_w2_gemv_kernel(MoeGemvArgs a) {
   using Tr = HalfTraits<T>;
   __shared__ TileRed sh;
-  const int f = blockIdx.z, tile = blockIdx.x, cl = (threadIdx.x & 31) & 7;
-  const int64_t e = static_cast<int64_t>(static_cast<const Id*>(a.ids)[f]);
-  const bool valid = e >= 0 && e < a.num_experts;
+  const auto [f, valid, ex] = assignment<Id>(a);
+  const int tile = blockIdx.x, cl = threadIdx.x & 7;
   const int k = a.inter, n = a.hidden, n8 = n / 8, g = a.group2;
   const int word0 = tile * (8 * WPT) + cl * WPT;
   const bool col_ok = valid && word0 < n8;
-  const int64_t ex = valid ? e : 0;
   float y[1][kLaneCols];
   block_gemv<T>(static_cast<const T*>(a.h) + static_cast<int64_t>(f) * k, a.w2_qweight + ex * k * n8,
                 static_cast<const T*>(a.w2_scales) + ex * (k / g) * n, a.w2_qzeros + ex * (k / g) * n8, n8, n, k, g,
