@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
-#   stages: build tests gemm gemv attention sanitize profile e2e quantize (default: all but profile)
+#   stages: build tests gemm gemv attention sanitize profile moe e2e quantize (default: all but profile and moe)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
 # (Triton/torch backends only), for quick kernel iterations.
@@ -56,8 +56,10 @@ PY
 fi
 if [[ " $stages " == *" tests "* ]]; then
   step tests
-  python -m pytest -q -x -p no:cacheprovider -p no:logging ${FASTAWQ_SUITE_TESTS:-tests} -m "not slow" 2>&1 \
-    | tee "$OUT/tests.log" | tail -25 || status=1
+  # -v: every test's name and result reach tests.log as they finish, so a call cut short by its
+  # time limit still says which test failed (-q's dots did not).
+  python -m pytest -v -rf -p no:cacheprovider -p no:logging ${FASTAWQ_SUITE_TESTS:-tests} -m "not slow" 2>&1 \
+    | tee "$OUT/tests.log" | grep -E "FAILED|ERROR|[0-9]+ (passed|failed)" | tail -25 || status=1
 fi
 if [[ " $stages " == *" gemm "* ]]; then
   step gemm
@@ -82,6 +84,16 @@ if [[ " $stages " == *" profile "* ]]; then
     --section Occupancy --section WarpStateStats --section LaunchStats python benchmarks/profile_gemv.py \
     > "$OUT/ncu_gemv.txt" 2>&1 || status=1
   grep -E "awq_gemv|Duration|DRAM Throughput|Achieved Occupancy|Warp Cycles Per Issued" "$OUT/ncu_gemv.txt" | head -40
+fi
+if [[ " $stages " == *" moe "* ]]; then
+  step moe
+  # The grouped MoE op on both GPU backends, then fused decode of the two MoE shapes (8 layers
+  # built, full depth estimated), heuristic Triton configs: ~3 min.
+  python benchmarks/bench_moe.py --no-tune --backends triton,cuda --out "$OUT/moe" 2>&1 | tail -12 || status=1
+  for shape in qwen3-30b-a3b mixtral-8x7b; do
+    FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_e2e.py --shape $shape --layers 8 --batches 1,16 --modes fused-graphs \
+      --graph-lengths 64 --max-seq-len 256 --budget 30 --out "$OUT/e2e_$shape" 2>&1 | grep -E "^\| fused|wall|us " || status=1
+  done
 fi
 if [[ " $stages " == *" e2e "* ]] && [ -f benchmarks/bench_e2e.py ]; then
   step e2e
