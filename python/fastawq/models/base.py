@@ -173,18 +173,22 @@ def standard_groups(
     return groups
 
 
-def mla_groups(arch: Architecture, layer: nn.Module) -> list[ScaleGroup]:
+def mla_attention_groups(layer: nn.Module, attn: str = "self_attn", norm: str = "input_layernorm",
+                         kind: str = "norm") -> list[ScaleGroup]:
     """Multi-head latent attention (MiniCPM3, DeepSeek-V2/V3): the attention norm feeds the two
     down-projections (or q_proj without a q latent), each latent norm feeds its up-projection;
-    v is interleaved with k inside kv_b_proj's rows, so o takes no scale. The MLP follows the
-    record (standard_groups)."""
+    v is interleaved with k inside kv_b_proj's rows, so o takes no scale."""
+    q_in = "q_a_proj" if getattr(get_submodule(layer, attn), "q_a_proj", None) is not None else "q_proj"
+    groups = [ScaleGroup([_join(attn, q_in), _join(attn, "kv_a_proj_with_mqa")], norm, kind)]
+    if q_in == "q_a_proj":
+        groups.append(ScaleGroup([_join(attn, "q_b_proj")], _join(attn, "q_a_layernorm"), kind))
+    groups.append(ScaleGroup([_join(attn, "kv_b_proj")], _join(attn, "kv_a_layernorm"), kind))
+    return groups
+
+
+def mla_groups(arch: Architecture, layer: nn.Module) -> list[ScaleGroup]:
+    """MLA attention (mla_attention_groups) and the record's dense MLP (standard_groups)."""
     kind = "gemma_norm" if arch.norm_offset == 1.0 else "norm"
     a = arch.attn
-    attn = get_submodule(layer, a)
-    q_in = "q_a_proj" if getattr(attn, "q_a_proj", None) is not None else "q_proj"
-    groups = [ScaleGroup([_join(a, q_in), _join(a, "kv_a_proj_with_mqa")], arch.attn_norm, kind)]
-    if q_in == "q_a_proj":
-        groups.append(ScaleGroup([_join(a, "q_b_proj")], _join(a, "q_a_layernorm"), kind))
-    groups.append(ScaleGroup([_join(a, "kv_b_proj")], _join(a, "kv_a_layernorm"), kind))
     mlp = [g for g in standard_groups(arch, layer) if not any(n.startswith(f"{a}.") for n in g.linears)]
-    return groups + mlp
+    return mla_attention_groups(layer, a, arch.attn_norm, kind) + mlp
