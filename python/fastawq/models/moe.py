@@ -315,12 +315,19 @@ def unfuse_stored_experts(model: nn.Module, layers_path: str, spec: MoESpec, nam
     """Give every MoE block whose experts the checkpoint tensor `names` (in transformers' naming,
     after checkpoint_renamer's from-checkpoint map) store one by one an ExpertList of weightless
     linears to load them into. Returns how many blocks were unfused."""
-    names = list(names)
+    # The layer indices whose expert 0 has stored tensors, in one pass over the names (a scan
+    # per layer was O(layers x names): DeepSeek-V3 has 61 layers and ~100k tensor names).
+    head, tail = f"{layers_path}.", f".{spec.block}.{spec.experts}.0."
+    stored = set()
+    for k in names:
+        if k.startswith(head):
+            idx, sep, rest = k[len(head):].partition(".")
+            if sep and idx.isdigit() and f".{rest}".startswith(tail):
+                stored.add(int(idx))
     n = 0
     for i, layer in enumerate(model.get_submodule(layers_path)):
         block = spec.block_of(layer)
-        prefix = f"{layers_path}.{i}.{spec.block}.{spec.experts}.0."
-        if block is not None and any(k.startswith(prefix) for k in names):
+        if block is not None and i in stored:
             unfuse_experts(block, spec, empty=True)
             n += 1
     return n
