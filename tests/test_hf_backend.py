@@ -115,6 +115,28 @@ def test_moe_checkpoint_loads_into_unfused_experts(arch, registered, tmp_path):
         torch.testing.assert_close(hf(ids).logits, fq(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3", "llama4_text"])
+def test_save_pretrained_writes_grouped_experts_as_the_checkpoint_had_them(arch, registered, tmp_path):
+    """save_pretrained of a model whose experts the backend grouped into WQExperts (strided
+    per-expert views) writes the same per-expert tensors the checkpoint held, and both loaders
+    read it back to the same model."""
+    from safetensors.torch import load_file
+
+    d = _moe_dir(arch, tmp_path / "src")
+    hf = _hf(d, dtype=torch.float32)
+    hf.save_pretrained(tmp_path / "saved")
+    src, saved = load_file(d / "model.safetensors"), load_file(tmp_path / "saved" / "model.safetensors")
+    assert sorted(saved) == sorted(src)
+    assert all(torch.equal(saved[k], src[k]) for k in src)
+    ids = ids_(2, 12, 5)
+    fq = AutoAWQForCausalLM.from_quantized(d, device_map="cpu", torch_dtype=torch.float32).model
+    again = AutoAWQForCausalLM.from_quantized(tmp_path / "saved", device_map="cpu", torch_dtype=torch.float32).model
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, fq(ids).logits, rtol=0, atol=0)
+        torch.testing.assert_close(_hf(tmp_path / "saved", dtype=torch.float32)(ids).logits, hf(ids).logits,
+                                   rtol=0, atol=0)
+
+
 def test_moe_float_experts_stay_fused(registered, tmp_path):
     """Experts kept in full precision are saved as per-expert `.weight`s: only packed experts are
     unfused, so transformers' own converters still merge these into its fused experts."""

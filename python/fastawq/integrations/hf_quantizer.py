@@ -205,6 +205,17 @@ class FastAwqHfQuantizer(HfQuantizer):
         # What the model now holds (and save_pretrained would write) is gemm.
         self.quantization_config.format = "gemm"
 
+    def get_state_dict_and_metadata(self, model: nn.Module) -> tuple[dict | None, dict]:
+        """What save_pretrained writes. Grouped experts (WQExperts) give per-expert views of their
+        stacked buffers, the gate and up ones strided: transformers' shared-storage check cannot
+        walk those, so they are handed over as contiguous CPU copies (what safetensors writes)."""
+        from fastawq.modules.moe import WQExperts
+
+        if not any(isinstance(m, WQExperts) for m in model.modules()):
+            return None, {}
+        state = model.state_dict()
+        return {k: t if t.is_contiguous() else t.detach().to("cpu").contiguous() for k, t in state.items()}, {}
+
     def is_serializable(self) -> bool:
         return True
 
