@@ -110,8 +110,7 @@ def moe_w4(
         # which the tracer would not follow.
         return torch.ops.fastawq.moe_w4(*args, backend or "")
     # Eagerly the op's dispatcher round trip costs more than a decode step's kernels: call direct.
-    return _moe_w4_impl(*args, _select(x, h, i, group_size, act, backend, w13_scales.dtype, e,
-                                       m=_load(x.shape[0], topk_ids.shape[1], e)))
+    return _moe_w4_impl(*args, _select(x, weights, group_size, act, backend, _load(x.shape[0], topk_ids.shape[1], e)))
 
 
 def moe_w4_plan(
@@ -137,8 +136,8 @@ def moe_w4_plan(
     e, h, i = _check_experts((x,), weights, group_size, act)
     # The automatic choice depends on the load (assignments per expert, backend.MOE_GEMV_MAX_LOAD):
     # one backend for each side of that bound, bound here.
-    small = _select(x, h, i, group_size, act, backend, w13_scales.dtype, e, m=1)
-    large = _select(x, h, i, group_size, act, backend, w13_scales.dtype, e, m=MOE_GEMV_MAX_LOAD + 1)
+    small = _select(x, weights, group_size, act, backend, 1)
+    large = _select(x, weights, group_size, act, backend, MOE_GEMV_MAX_LOAD + 1)
 
     def run(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         _check_routing(x, topk_ids, topk_weights, h)
@@ -154,18 +153,20 @@ def _load(t: int, k: int, e: int) -> int:
     return -(-t * k // max(e, 1))
 
 
-def _select(x: torch.Tensor, h: int, i: int, group_size: int, act: str, backend: str | None,
-            scales_dtype: torch.dtype | None = None, e: int = 1, m: int | None = None) -> str:
+def _select(x: torch.Tensor, weights: tuple, group_size: int, act: str, backend: str | None, m: int) -> str:
+    """The backend for activations like x on the stacked `weights` (check_moe_shapes' order) at
+    load m (assignments per expert, _load)."""
+    e, h, i = weights[0].shape[0], weights[0].shape[1], weights[3].shape[1]
+
     def fits(b: str) -> str | None:
         if b in ("cuda", "triton") and x.dtype not in _HALF:
             return f"x is {x.dtype}; the {b} MoE kernels take fp16 or bf16 activations"
         if b == "triton":
             return _triton().moe_w4_fits(h, i, group_size, act)
         if b == "cuda":
-            if scales_dtype is not None and scales_dtype != x.dtype:
-                return f"the compiled MoE kernel takes scales in x's dtype {x.dtype}, got {scales_dtype}"
-            if act not in reference.MOE_ACTS:
-                return f"no compiled activation {act!r}"
+            scales = {weights[1].dtype, weights[4].dtype}
+            if scales != {x.dtype}:
+                return f"the compiled MoE kernel takes scales in x's dtype {x.dtype}, got {sorted(map(str, scales))}"
             return torch.ops.fastawq.moe_gemv_w4_declines(e, h, i, group_size) or None
         return None
 
@@ -177,8 +178,8 @@ def _moe_w4_impl(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
                  w2_qzeros: torch.Tensor, group_size: int, act: str, backend: str) -> torch.Tensor:
     e = w13_qweight.shape[0]
     if not backend:  # chosen here, at run time ("" from a traced call)
-        backend = _select(x, x.shape[1], w2_qweight.shape[1], group_size, act, None, w13_scales.dtype, e,
-                          m=_load(x.shape[0], topk_ids.shape[1], e))
+        weights = (w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros)
+        backend = _select(x, weights, group_size, act, None, _load(x.shape[0], topk_ids.shape[1], e))
     if backend == "cuda":
         # The kernel takes dense operands and fp32 routing weights (no-ops when they already are).
         return torch.ops.fastawq.moe_gemv_w4(
@@ -224,8 +225,10 @@ def _register_fakes() -> None:
               group_size, act):
             torch._check(x.dim() == 2 and w13_qweight.dim() == 3 and w2_qweight.dim() == 3,
                          lambda: f"x {tuple(x.shape)} must be [T, H], the stacked weights 3-D")
-            torch._check(w2_qweight.shape[2] * 8 == x.shape[1], lambda: f"w2 {tuple(w2_qweight.shape)} vs x {tuple(x.shape)}")
-            torch._check(topk_weights.dtype == torch.float32, lambda: f"topk_weights must be fp32, got {topk_weights.dtype}")
+            torch._check(w2_qweight.shape[2] * 8 == x.shape[1],
+                         lambda: f"w2 {tuple(w2_qweight.shape)} vs x {tuple(x.shape)}")
+            torch._check(topk_weights.dtype == torch.float32,
+                         lambda: f"topk_weights must be fp32, got {topk_weights.dtype}")
             torch._check(topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == x.shape[0],
                          lambda: f"topk_ids {tuple(topk_ids.shape)} and weights must be [T={x.shape[0]}, k]")
             return x.new_empty(x.shape)
