@@ -263,15 +263,18 @@ def test_saved_checkpoint_is_identical_from_either_layout(tiny_checkpoint):
         AutoAWQForCausalLM.from_quantized(root / "packed", device_map="cpu", layout="marlin")
 
 
-def test_fused_engine_serves_the_packed_layout(tiny_checkpoint):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] if DEVICE == "cuda" else [torch.float32])
+def test_fused_engine_serves_the_packed_layout(tiny_checkpoint, dtype):
     # The engine fuses q/k/v and gate/up by concatenating AWQ tensors; the layout converts after.
+    # On a GPU, fp32 runs the reference ops inside the CUDA graph and fp16 the kernels.
     from fastawq.auto import AutoAWQForCausalLM
 
     root, ids, _ = tiny_checkpoint
     ids = ids.to(DEVICE)
     runs = {}
     for layout in ("awq", "packed"):
-        model = AutoAWQForCausalLM.from_quantized(root / "awq", device_map=DEVICE, fuse_layers=True, layout=layout)
+        model = AutoAWQForCausalLM.from_quantized(root / "awq", device_map=DEVICE, fuse_layers=True, layout=layout,
+                                                  torch_dtype=dtype)
         layers = [m for m in model.model.modules() if isinstance(m, WQLinear)]
         assert layers and all(m.layout == layout for m in layers)
         with torch.no_grad():

@@ -74,9 +74,7 @@ def pack_int4(intweight: torch.Tensor) -> torch.Tensor:
     q = intweight.to(torch.int64)
     if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
         raise ValueError(f"values to pack must lie in [0, 15], got [{int(q.min())}, {int(q.max())}]")
-    q = q.view(rows, cols // PACK, PACK)[:, :, list(AWQ_ORDER)]
-    shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int64)
-    word = (q << shifts).sum(dim=-1)
+    word = (q.view(rows, cols // PACK, PACK) << _column_shifts(q.device, torch.int64)).sum(dim=-1)
     # Reinterpret the unsigned 32-bit word as int32.
     word = torch.where(word >= 2**31, word - 2**32, word)
     return word.to(torch.int32).contiguous()
@@ -87,10 +85,17 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     if packed.dtype != torch.int32 or packed.dim() != 2:
         raise TypeError(f"unpack_int4 expects 2-D int32, got {packed.dtype} {tuple(packed.shape)}")
     rows, words = packed.shape
-    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
-    nib = (packed.unsqueeze(-1) >> shifts) & 0xF  # [R, W, 8] in nibble order
-    nib = nib[:, :, list(AWQ_REVERSE_ORDER)]  # column order
+    nib = (packed.unsqueeze(-1) >> _column_shifts(packed.device, torch.int32)) & 0xF  # [R, W, 8] column order
     return nib.reshape(rows, words * PACK).contiguous()
+
+
+def _column_shifts(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[8]: the bit offset of each column of a group of 8 in its word, 4 * AWQ_REVERSE_ORDER[c].
+
+    Computed on the device (c // 2 + 4 * (c % 2)) rather than indexed by a Python list, which is a
+    host-to-device copy and so cannot be captured in a CUDA graph."""
+    c = torch.arange(PACK, device=device, dtype=dtype)
+    return 4 * ((c >> 1) + 4 * (c & 1))
 
 
 # wg [R, G] fp32 groups  ->  scales [R, 1] fp32 · zeros [R, 1] fp32 (integers)
