@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_options, pdl_enter
 from .workspace import WORKSPACE
 
 
@@ -23,9 +24,10 @@ def _rope_kv_cache_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_w_ptr, kn_w_ptr,
     seq_len, stride_qkv, stride_cache_b, stride_cache_s, eps,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF_BLOCK: tl.constexpr,
-    QK_NORM: tl.constexpr,
+    QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     # One program per (token, head); heads [0, HQ) are queries, [HQ, HQ + HKV) keys (+ values).
+    pdl_enter(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     b = t // seq_len
@@ -114,7 +116,7 @@ def rope_kv_cache(
         q_norm_weight if qk_norm else cos, k_norm_weight if qk_norm else cos,
         seq, qkv2.stride(0), k_cache.stride(0), k_cache.stride(1), eps,
         HQ=num_heads, HKV=num_kv_heads, D=head_dim, HALF_BLOCK=_pow2(head_dim // 2),
-        QK_NORM=qk_norm, num_warps=1,
+        QK_NORM=qk_norm, num_warps=1, **launch_options(qkv.device),
     )
     return q
 

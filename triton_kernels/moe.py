@@ -30,6 +30,7 @@ import triton.language as tl
 
 from .awq import _dequant, _unpack_cols
 from .launch import _interpreting
+from .pdl import launch_options, pdl_enter
 
 logger = logging.getLogger(__name__)
 
@@ -306,9 +307,11 @@ def topk_route_kernel(
     SOFTMAX: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RENORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # router_logits [T, E] -> topk_weights [T, K] fp32 · topk_ids [T, K]; one program per token.
     # Routing in torch is four or five kernels (softmax, topk, sum, divide) per layer per step.
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_PAD)
     mask = offs < E
@@ -682,6 +685,7 @@ def topk_route(router_logits, k: int, renormalize: bool = True, scoring: str = "
         router_logits, bias, weights, ids, e, router_logits.stride(0), float(scale),
         K=k, K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(e), SOFTMAX=scoring == "softmax",
         HAS_BIAS=correction_bias is not None, RENORM=renormalize, num_warps=4 if e <= 256 else 8,
+        **launch_options(router_logits.device),
     )
     return weights, ids
 

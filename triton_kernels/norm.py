@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_options, pdl_enter
+
 # Order matters: the kernel takes the index as a constexpr.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 
@@ -12,8 +14,9 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 @triton.jit
 def _add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, n, eps, offset,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -30,7 +33,8 @@ def _add_rms_norm_kernel(
 
 
 @triton.jit
-def _act_mul_kernel(gu_ptr, out_ptr, inter, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _act_mul_kernel(gu_ptr, out_ptr, inter, ACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -63,6 +67,7 @@ def add_rms_norm(
     _add_rms_norm_kernel[(x2.shape[0],)](
         x2, res_in, weight.contiguous(), y, res_out, h, eps, offset,
         HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        **launch_options(x2.device),
     )
     return y.reshape(x.shape), (None if residual is None else res_out.reshape(x.shape))
 
@@ -75,6 +80,6 @@ def act_mul(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
     out = torch.empty(gu.shape[0], inter, device=gu.device, dtype=gu.dtype)
     block = min(1024, triton.next_power_of_2(inter))
     _act_mul_kernel[(gu.shape[0], triton.cdiv(inter, block))](
-        gu, out, inter, ACT=ACTIVATIONS.index(act), BLOCK=block, num_warps=4
+        gu, out, inter, ACT=ACTIVATIONS.index(act), BLOCK=block, num_warps=4, **launch_options(gu.device),
     )
     return out.reshape(*gate_up.shape[:-1], inter)

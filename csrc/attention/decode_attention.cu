@@ -17,6 +17,7 @@
 
 #include "attention/launch_attention.h"
 #include "common/dtype.cuh"
+#include "common/pdl.cuh"
 #include "common/ptx.cuh"
 
 namespace fastawq {
@@ -90,6 +91,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(con
   const int t = lane & 3;   // mma thread in group: key pair (QK), head pair (PV)
   const int group = a.group;
   const int splits = a.splits;
+  pdl_wait();  // q and the cache row come from the rope kernel before this one
+  pdl_launch_dependents();
 
   // The length is read here, not on the host: the grid depends only on the cache capacity.
   const int len = min(max(__ldg(a.lens + b), 0), a.seq_cap);
@@ -300,7 +303,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(con
 template <typename T, int D>
 void launch_typed(const DecodeAttentionArgs& a, cudaStream_t stream) {
   const dim3 grid(a.splits, a.hkv, a.batch);
-  decode_attention_kernel<T, D><<<grid, kDecodeWarps * 32, 0, stream>>>(a);
+  launch_pdl(decode_attention_kernel<T, D>, grid, dim3(kDecodeWarps * 32), 0, stream, a);
 }
 
 template <typename T>

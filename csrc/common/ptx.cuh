@@ -30,6 +30,25 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
   return policy;
 }
 
+// Programmatic dependent launch (sm_90; no-ops on older GPUs and when a kernel was launched
+// without it, common/pdl.cuh). pdl_wait: block until the grids this one depends on have completed
+// and their writes are visible; nothing a previous kernel writes may be read (or anything written)
+// before it. pdl_launch_dependents: let the next kernel in the stream launch now, so its blocks
+// start (and run their own pre-wait part) while this one finishes.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Bring a line of read-only data (weights) into L2 without holding a register for it.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 template <int N>

@@ -21,6 +21,7 @@
 // ("gemv_staged", wins at M = 2); benchmarks/RESULTS.md has the numbers.
 #include "common/dtype.cuh"
 #include "common/launch.h"
+#include "common/pdl.cuh"
 #include "common/ptx.cuh"
 #include "gemv/awq_gemv_body.cuh"
 #include "gemv/gemv_common.cuh"
@@ -123,6 +124,10 @@ __global__ void __launch_bounds__(kGemvThreads) awq_gemv_kernel(
   const auto [lane, warp, rl, n8, tile_word0, word0, col_ok, c_end] =
       place_lane<M, WPT>(n, k, chunk_rows, chunks_per_block, y, acc, xs);
   const uint64_t policy = evict_first_policy();
+  const int first = blockIdx.y * chunks_per_block + warp;
+  if (first < c_end) gemv::prefetch_batch<WPT>(qweight, n8, word0, col_ok, first * chunk_rows + rl, k);
+  pdl_wait();
+  pdl_launch_dependents();
 
   // The warp walks its chunks (chunk, chunk + 4, ...) in 32-row batches; k % 32 == 0 (host
   // check), so a batch is all in range and inside one group (group_size % 32 == 0).
@@ -186,6 +191,9 @@ __global__ void __launch_bounds__(kGemvThreads, M == 1 ? 4 : 1) awq_gemv_async_k
   Cursor cur, ahead;
   cur.start(blockIdx.y * chunks_per_block + warp, chunk_rows, k);
   ahead = cur;
+  if (cur.chunk < c_end) gemv::prefetch_batch<WPT>(qweight, n8, word0, col_ok, cur.base + rl, k);
+  pdl_wait();
+  pdl_launch_dependents();
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
     if (ahead.chunk < c_end) {
@@ -228,7 +236,7 @@ __global__ void __launch_bounds__(kGemvThreads, M == 1 ? 4 : 1) awq_gemv_async_k
 template <typename T, int M>
 void launch_m(const GemvArgs& a, cudaStream_t stream) {
   const dim3 grid(a.col_tiles, a.splits);
-  awq_gemv_kernel<T, M, kGemvWordsPerLane><<<grid, kGemvThreads, 0, stream>>>(
+  launch_pdl(awq_gemv_kernel<T, M, kGemvWordsPerLane>, grid, dim3(kGemvThreads), 0, stream,
       static_cast<const T*>(a.x), a.qweight, static_cast<const T*>(a.scales), a.qzeros,
       static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.n, a.k, a.group_size,
       a.chunk_rows, a.chunks_per_block);
@@ -242,7 +250,7 @@ void launch_staged(const GemvArgs& a, cudaStream_t stream) {
   static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   (void)attr;
   const dim3 grid(a.col_tiles, a.splits);
-  kernel<<<grid, kGemvThreads, smem, stream>>>(
+  launch_pdl(kernel, grid, dim3(kGemvThreads), smem, stream,
       static_cast<const T*>(a.x), a.qweight, static_cast<const T*>(a.scales), a.qzeros,
       static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.n, a.k, a.group_size,
       a.chunk_rows, a.chunks_per_block);

@@ -7,6 +7,7 @@
 
 #include "common/dtype.cuh"
 #include "common/launch.h"
+#include "common/ptx.cuh"
 #include "gemv/gemv_common.cuh"
 
 namespace fastawq {
@@ -59,6 +60,18 @@ __device__ __forceinline__ void load_batch(const T* __restrict__ x, const uint32
     }
 #pragma unroll
     for (int mm = 0; mm < M; ++mm) xv[mm][u] = HalfTraits<T>::to_float(x[static_cast<int64_t>(mm) * k + r]);
+  }
+}
+
+// Before the PDL wait (common/ptx.cuh): bring the weight rows of a lane's first batch into L2
+// (rows row0 + 4u, u < kLoads); weights are never written by a kernel.
+template <int WPT>
+__device__ __forceinline__ void prefetch_batch(const uint32_t* __restrict__ qweight, int n8, int word0, bool col_ok,
+                                               int row0, int row_end) {
+  if (!col_ok) return;
+#pragma unroll
+  for (int u = 0; u < kLoads; ++u) {
+    if (row0 + 4 * u < row_end) prefetch_l2(qweight + static_cast<int64_t>(row0 + 4 * u) * n8 + word0);
   }
 }
 

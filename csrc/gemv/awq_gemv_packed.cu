@@ -18,6 +18,7 @@
 // ptxas (sm_90a, no spills): 56 registers at M = 1, 95 at 2..3, 126..135 at 4..5, ~165 at 6..7,
 // ~190 at 8. A minimum of 6 blocks per SM brings M = 2 to 80 but spills at M = 3 and lifts M = 1 to 72.
 #include "common/dtype.cuh"
+#include "common/pdl.cuh"
 #include "common/ptx.cuh"
 #include "gemv/awq_gemv_packed.h"
 #include "gemv/gemv_common.cuh"
@@ -103,8 +104,17 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
     for (int c = 0; c < 4; ++c) y[mm][c] = acc[mm][c] = 0.f;
   }
 
+  // Weights are never written by a kernel: the first batch is loaded and the second brought into
+  // L2 before waiting for the previous kernel (PDL), so a launch that starts early streams them
+  // while that kernel finishes; x and the workspace are touched only after the wait.
   uint4 cur[kLoads], nxt[kLoads];
   if (b0 < b1) load_batch(cur, wp, b0, n4, c4, col_ok, policy);
+  if (b0 + 1 < b1 && col_ok) {
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) prefetch_l2(wp + static_cast<int64_t>((b0 + 1) * kLoads + u) * n4 + c4);
+  }
+  pdl_wait();
+  pdl_launch_dependents();
 #pragma unroll 1
   for (int b = b0; b < b1; ++b) {
     if (b + 1 < b1) load_batch(nxt, wp, b + 1, n4, c4, col_ok, policy);
@@ -150,7 +160,7 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
 template <typename T, int M>
 void launch_m(const GemvPackedArgs& a, cudaStream_t stream) {
   const dim3 grid(a.col_tiles, a.splits);
-  awq_gemv_packed_kernel<T, M><<<grid, kPackedThreads, 0, stream>>>(
+  launch_pdl(awq_gemv_packed_kernel<T, M>, grid, dim3(kPackedThreads), 0, stream,
       static_cast<const T*>(a.x), reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz),
       static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.n, a.k, a.group_size,
       a.batches_per_warp);

@@ -14,6 +14,7 @@
 
 #include "common/dtype.cuh"
 #include "common/launch.h"
+#include "common/pdl.cuh"
 #include "common/ptx.cuh"
 #include "gemv/awq_gemv_body.cuh"
 
@@ -127,6 +128,8 @@ template <typename T, typename Id, int ACT>
 __global__ void __launch_bounds__(kGemvThreads) moe_w13_gemv_kernel(MoeGemvArgs a) {
   using Tr = HalfTraits<T>;
   __shared__ TileRed sh;
+  pdl_wait();  // the ids come from the routing kernel before this one
+  pdl_launch_dependents();
   const auto [f, valid, ex] = assignment<Id>(a);
   const int tile = blockIdx.x, cl = threadIdx.x & 7;
   const int k = a.hidden, inter = a.inter, n = 2 * inter, n8 = n / 8, g = a.group13;
@@ -173,6 +176,8 @@ template <typename T, typename Id>
 __global__ void __launch_bounds__(kGemvThreads) moe_w2_gemv_kernel(MoeGemvArgs a) {
   using Tr = HalfTraits<T>;
   __shared__ TileRed sh;
+  pdl_wait();  // h comes from the w13 launch
+  pdl_launch_dependents();
   const auto [f, valid, ex] = assignment<Id>(a);
   const int tile = blockIdx.x, cl = threadIdx.x & 7;
   const int k = a.inter, n = a.hidden, n8 = n / 8, g = a.group2;
@@ -210,8 +215,8 @@ __global__ void __launch_bounds__(kGemvThreads) moe_w2_gemv_kernel(MoeGemvArgs a
 template <typename T, typename Id, int ACT>
 void launch_typed(const MoeGemvArgs& a, cudaStream_t stream) {
   const dim3 grid13(a.tiles13, a.splits13, a.n_assign), grid2(a.tiles2, a.splits2, a.n_assign);
-  moe_w13_gemv_kernel<T, Id, ACT><<<grid13, kGemvThreads, 0, stream>>>(a);
-  moe_w2_gemv_kernel<T, Id><<<grid2, kGemvThreads, 0, stream>>>(a);
+  launch_pdl(moe_w13_gemv_kernel<T, Id, ACT>, grid13, dim3(kGemvThreads), 0, stream, a);
+  launch_pdl(moe_w2_gemv_kernel<T, Id>, grid2, dim3(kGemvThreads), 0, stream, a);
 }
 
 template <typename T, typename Id>

@@ -1,0 +1,79 @@
+"""Fused CUDA-graph decode with and without programmatic dependent launch (FASTAWQ_PDL), GPU.
+
+One random-weight model is built once; rounds alternate the setting (0 1, 1 0, ...), each
+re-capturing the decode graph, and the table gives the median decode tokens/s of each setting
+(with --layers, also the full-depth estimate of commands/bench.py).
+
+    python benchmarks/bench_pdl.py --shape llama-3-8b --layout packed --out $OUT
+    python benchmarks/bench_pdl.py --shape qwen3-30b-a3b --layers 8 --batches 1,16 --out $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from fastawq.commands import bench
+from fastawq.shapes import shape_config
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama-3-8b")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers to build (default: all)")
+    ap.add_argument("--layout", choices=("awq", "packed"), default="awq")
+    ap.add_argument("--batches", default="1")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds per setting")
+    ap.add_argument("--prefill", type=int, default=64)
+    ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--max-seq-len", type=int, default=512)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    full = shape_config(args.shape).num_hidden_layers if args.layers else None
+    t0 = time.time()
+    model = bench.build_model("fused-graphs", None, args.shape, "cuda", args.max_seq_len, max(batches),
+                              layout=args.layout, num_layers=args.layers)
+    print(f"built {args.shape} ({args.layers or 'all'} layers, {args.layout}) in {time.time() - t0:.0f}s", flush=True)
+    vocab = model.config.vocab_size
+    rows = []
+    for batch in batches:
+        got: dict[str, list[tuple[float, float | None]]] = {"0": [], "1": []}
+        for r in range(args.rounds):
+            for setting in (("0", "1") if r % 2 == 0 else ("1", "0")):
+                os.environ["FASTAWQ_PDL"] = setting
+                model.fastawq_runtime._graphs.clear()  # re-captured with this setting's launches
+                row = bench.run_round(model, "fused-graphs", batch, args.prefill, args.decode, vocab,
+                                      full_layers=full)
+                got[setting].append((row.decode_tps, row.decode_tps_full))
+        for setting, vals in got.items():
+            tps = statistics.median(v[0] for v in vals)
+            est = statistics.median(v[1] for v in vals) if full else None
+            rows.append({"batch": batch, "pdl": setting, "decode_tps": tps, "decode_tps_full": est,
+                         "all": [v[0] for v in vals]})
+    os.environ.pop("FASTAWQ_PDL", None)
+    lines = [f"| batch | FASTAWQ_PDL | decode tok/s ({args.layers or 'all'} layers) | full depth ({full}, est.) | rounds |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        est = f"{r['decode_tps_full']:.1f}" if r["decode_tps_full"] else "–"
+        lines.append(f"| {r['batch']} | {r['pdl']} | {r['decode_tps']:.1f} | {est} | "
+                     f"{', '.join(f'{v:.1f}' for v in r['all'])} |")
+    for batch in batches:
+        off, on = (next(r for r in rows if r["batch"] == batch and r["pdl"] == s) for s in ("0", "1"))
+        lines.append(f"batch {batch}: PDL on / off = {on['decode_tps'] / off['decode_tps']:.3f}x")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        meta = {"shape": args.shape, "layers": args.layers, "layout": args.layout, "gpu": torch.cuda.get_device_name(),
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        with open(os.path.join(args.out, f"pdl_{args.shape}.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+// Whether launches allow programmatic dependent launch (common/pdl.cuh). FASTAWQ_PDL means the same
+// here as in triton_kernels/pdl.py; it is read at every launch (a getenv, ~0.1 us), so a process
+// can compare both settings (benchmarks/bench_pdl.py) after re-capturing its graphs.
+#include "common/pdl.cuh"
+
+#include <array>
+#include <atomic>
+#include <cstdlib>
+#include <string>
+
+#include "common/checks.h"
+
+namespace fastawq {
+namespace {
+
+bool pdl_requested() {
+  const char* v = std::getenv("FASTAWQ_PDL");
+  if (v == nullptr || *v == '\0') return true;
+  const std::string s = v;
+  FASTAWQ_CHECK(s == "1" || s == "0" || s == "on" || s == "off" || s == "true" || s == "false",
+                "FASTAWQ_PDL must be 1/on/true or 0/off/false, got '", s, "'");
+  return s == "1" || s == "on" || s == "true";
+}
+
+}  // namespace
+
+bool pdl_enabled() {
+  if (!pdl_requested()) return false;
+  // Per device: 0 not asked yet, 1 before sm_90, 2 sm_90 or newer.
+  static std::array<std::atomic<int>, 64> known{};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= static_cast<int>(known.size())) return false;
+  int state = known[dev].load(std::memory_order_relaxed);
+  if (state == 0) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
+    state = major >= 9 ? 2 : 1;
+    known[dev].store(state, std::memory_order_relaxed);
+  }
+  return state == 2;
+}
+
+}  // namespace fastawq

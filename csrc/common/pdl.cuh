@@ -1,0 +1,33 @@
+// Kernel launches that allow programmatic dependent launch (PDL, sm_90): the kernel may start
+// while the previous one in the stream finishes, and must call pdl_wait() (common/ptx.cuh) before
+// it touches anything that kernel wrote. FASTAWQ_PDL=0 turns it off (common/pdl.cpp); on GPUs
+// before sm_90 the launch is a plain one. CUDA graphs keep the programmatic edge.
+#pragma once
+
+#include <utility>
+
+#include <cuda_runtime.h>
+
+namespace fastawq {
+
+// FASTAWQ_PDL is not "0"/"off"/"false" and the current device is sm_90 or newer.
+bool pdl_enabled();
+
+template <typename... Params, typename... Args>
+void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                Args&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  // An error stays the runtime's last error, which the host entry checks after the launch.
+  (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
+}  // namespace fastawq
