@@ -336,6 +336,73 @@ def test_topk_route_op_matches_reference(backend, scoring, renorm, bias, e, k, p
     torch.testing.assert_close(w, ew, rtol=1e-5, atol=1e-6)
 
 
+def exact_router(t: int, h: int, e: int, dtype, seed: int):
+    """x in {-1, 1} and router weights in multiples of 2^-10: every logit is exact in fp32, so its
+    rounding to the router's dtype (and so the routing) cannot depend on the summation order."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randint(0, 2, (t, h), generator=gen) * 2 - 1).to(dtype)
+    w = (torch.randint(-64, 65, (e, h), generator=gen).float() / 1024).to(dtype)
+    return x.to(DEVICE), w.to(DEVICE)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("t,h,e,k,scoring,renorm,bias", [
+    (1, 64, 8, 2, "softmax", True, False),      # one program per token, one pass over H
+    (5, 200, 128, 8, "softmax", True, False),   # 2 parts per token meet through the counters
+    (3, 2100, 60, 4, "sigmoid", False, True),   # 8 parts, the last one short; two passes over H
+    (2, 4096, 8, 2, "softmax", False, False),   # Mixtral-like: one part, two passes
+])
+def test_route_op_matches_reference(backend, t, h, e, k, scoring, renorm, bias, poisoned_empty):
+    x, w = exact_router(t, h, e, torch.float16, seed=h + e)
+    corr = random_input((e,), DEVICE, torch.float32, seed=5) * 0.1 if bias else None
+    logits = torch.nn.functional.linear(x, w).float()
+    choice = (logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()) + (0 if corr is None else corr)
+    for rep in range(2):  # the second call finds the arrival counters re-armed
+        got_w, got_ids = ops_moe.route(x, w, k, renorm, scoring, correction_bias=corr, scale=1.5, backend=backend)
+        want_w, want_ids = reference.route(x, w, k, renorm, scoring, correction_bias=corr, scale=1.5)
+        assert got_ids.dtype == torch.int64 and all(len(set(r.tolist())) == k for r in got_ids)
+        # Equal logits tie (the kernel takes the lowest index, torch.topk any): the chosen scores,
+        # best first, must be the reference's.
+        assert torch.equal(choice.gather(1, got_ids), choice.gather(1, want_ids)), f"call {rep}"
+        torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if getattr(b, "values", [b])[0] != "cuda"])
+def test_routing_ops_pass_opcheck(backend, monkeypatch):
+    x, w = exact_router(3, 256, 16, torch.float16, seed=2)
+    corr = random_input((16,), DEVICE, torch.float32, seed=3) * 0.1
+    utils = ["test_schema", "test_faketensor"]
+    if backend == "torch" or HAS_CUDA:  # the interpreter would run the kernels a dozen more times
+        utils += ["test_autograd_registration", "test_aot_dispatch_dynamic"]
+    for fused in (True, False):  # the router GEMM in the routing launch, or in torch before it
+        monkeypatch.setattr(ops_moe._backend, "ROUTE_FUSED", fused)
+        torch.library.opcheck(torch.ops.fastawq.route.default, (x, w, 4, True, "sigmoid", corr, 2.0, backend),
+                              test_utils=utils)
+    logits = torch.nn.functional.linear(x, w)
+    torch.library.opcheck(torch.ops.fastawq.topk_route.default, (logits, 4, False, "softmax", None, 1.0, backend),
+                          test_utils=utils)
+
+
+@needs_triton
+def test_route_routes_x_in_the_routers_dtype():
+    # bf16 activations, fp32 router (as some checkpoints keep it): x is cast to fp32 exactly.
+    x, w = exact_router(4, 256, 16, torch.float32, seed=9)
+    got = ops_moe.route(x.to(torch.bfloat16), w, 3, backend="triton")
+    want = reference.route(x, w, 3)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+
+
+def test_route_errors_name_the_shapes():
+    x, w = exact_router(2, 64, 8, torch.float32, seed=1)
+    with pytest.raises(ValueError, match=r"x \(2, 32\) and router_weight \(8, 64\)"):
+        ops_moe.route(x[:, :32], w, 2)
+    with pytest.raises(ValueError, match=r"k=9 must lie in \[1, 8\]"):
+        ops_moe.route(x, w, 9)
+    with pytest.raises(TypeError, match="floating-point"):
+        ops_moe.route(x.to(torch.int32), w, 2)
+
+
 @needs_triton
 def test_topk_route_group_limit_stays_in_torch():
     logits = random_input((3, 16), DEVICE, torch.float32, seed=6)

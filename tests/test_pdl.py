@@ -65,8 +65,12 @@ def _reference_chain(x, res, norm_w, awq, packed_awq):
 def test_dependent_chain_matches_with_and_without_pdl(monkeypatch, m, dtype):
     h, inter = 1024, 1536
     dev = "cuda"
-    awq = (*random_awq(h, 2 * inter, 128, dev, dtype, seed=3), 128)
+    # Scales shrunk so each GEMM keeps its output O(1): the residual stays small enough that the
+    # fp16/bf16 rounding of three rounds stays within the tolerance below.
+    q1, s1, z1 = random_awq(h, 2 * inter, 128, dev, dtype, seed=3)
+    awq = (q1, (s1.float() * 0.3).to(dtype), z1, 128)
     q2, s2, z2 = random_awq(inter, h, 128, dev, dtype, seed=4)
+    s2 = (s2.float() * 0.05).to(dtype)
     wp, szp = ops.awq_gemv_repack(q2, s2, z2, 128)
     x = random_input((m, h), dev, dtype, seed=5)
     res = random_input((m, h), dev, dtype, seed=6)
@@ -88,7 +92,11 @@ def test_dependent_chain_matches_with_and_without_pdl(monkeypatch, m, dtype):
         graph.replay()
         torch.cuda.synchronize()
         results[setting] = (eager, (out[0].clone(), out[1].clone()))
+    # Three rounds of rounding in the activation's dtype: bf16 drifts ~0.04 from fp32 here. A launch
+    # that read a stale or half-written input would be off by O(1) or NaN.
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.float16 else dict(rtol=5e-2, atol=1e-1)
     for setting, (eager, replayed) in results.items():
-        for got in (eager, replayed):
-            torch.testing.assert_close(got[1], want_r, rtol=3e-2, atol=3e-2, msg=f"residual, FASTAWQ_PDL={setting}")
-            torch.testing.assert_close(got[0], want_y, rtol=3e-2, atol=3e-2, msg=f"output, FASTAWQ_PDL={setting}")
+        for how, got in (("eager", eager), ("graph", replayed)):
+            for name, g, w in (("residual", got[1], want_r), ("output", got[0], want_y)):
+                torch.testing.assert_close(g, w, **tol, msg=lambda m: f"{name}, {how}, FASTAWQ_PDL={setting}: {m}")
+    torch.testing.assert_close(results["1"][1][0], results["0"][1][0], **tol)

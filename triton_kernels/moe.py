@@ -31,6 +31,7 @@ import triton.language as tl
 from .awq import _dequant, _unpack_cols
 from .launch import _interpreting
 from .pdl import launch_options, pdl_enter
+from .workspace import WORKSPACE
 
 logger = logging.getLogger(__name__)
 
@@ -298,24 +299,10 @@ def moe_align_kernel(
 
 
 @triton.jit
-def topk_route_kernel(
-    logits_ptr, bias_ptr, w_ptr, ids_ptr,
-    E, stride_l, scale,
-    K: tl.constexpr,
-    K_PAD: tl.constexpr,
-    E_PAD: tl.constexpr,
-    SOFTMAX: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    RENORM: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    # router_logits [T, E] -> topk_weights [T, K] fp32 · topk_ids [T, K]; one program per token.
-    # Routing in torch is four or five kernels (softmax, topk, sum, divide) per layer per step.
-    pdl_enter(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, E_PAD)
-    mask = offs < E
-    x = tl.load(logits_ptr + row * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32)
+def _choose_topk(x, offs, mask, bias_ptr, w_ptr, ids_ptr, row, scale,
+                 K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, SOFTMAX: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
+    # x [E_PAD] fp32 logits of one token (-inf past E) -> topk_weights[row] fp32 · topk_ids[row].
     if SOFTMAX:
         p = tl.exp(x - tl.max(x, axis=0))
         p = p / tl.sum(p, axis=0)
@@ -338,6 +325,80 @@ def topk_route_kernel(
         wv = wv / tl.maximum(tl.sum(wv, axis=0), 1e-20)
     tl.store(w_ptr + row * K + ks, wv * scale, mask=ks < K)
     tl.store(ids_ptr + row * K + ks, iv, mask=ks < K)
+
+
+@triton.jit
+def topk_route_kernel(
+    logits_ptr, bias_ptr, w_ptr, ids_ptr,
+    E, stride_l, scale,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RENORM: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # router_logits [T, E] -> topk_weights [T, K] fp32 · topk_ids [T, K]; one program per token.
+    # Routing in torch is four or five kernels (softmax, topk, sum, divide) per layer per step.
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_PAD)
+    mask = offs < E
+    x = tl.load(logits_ptr + row * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    _choose_topk(x, offs, mask, bias_ptr, w_ptr, ids_ptr, row, scale, K, K_PAD, E_PAD, SOFTMAX, HAS_BIAS, RENORM)
+
+
+@triton.jit
+def route_kernel(
+    x_ptr, rw_ptr, logit_ptr, cnt_ptr, bias_ptr, w_ptr, ids_ptr,
+    H, E, stride_x, scale,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    EB: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RENORM: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # x [T, H] · router weight [E, H] -> topk_weights [T, K] fp32 · topk_ids [T, K]: the router
+    # GEMM and the routing in one launch. Program (token, part) takes experts part*EB .. +EB; with
+    # SPLITS > 1 parts publish their logits (fp32 [T, E_PAD] scratch) and the last to arrive for
+    # the token chooses, then re-arms its counter (no memset in a captured step).
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    offs_e = part * EB + tl.arange(0, EB)
+    me = offs_e < E
+    acc = tl.zeros((EB, BLOCK_H), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mh = offs_h < H
+        # x in the router's dtype first, as the unfused F.linear(x.to(W.dtype), W) rounds it.
+        xv = tl.load(x_ptr + row * stride_x + offs_h, mask=mh, other=0.0).to(rw_ptr.dtype.element_ty)
+        wt = tl.load(rw_ptr + offs_e[:, None].to(tl.int64) * H + offs_h[None, :], mask=me[:, None] & mh[None, :],
+                     other=0.0)
+        acc += wt.to(tl.float32) * xv.to(tl.float32)[None, :]
+    # Logits rounded to the router's dtype, as the unfused path hands them to the routing.
+    logit = tl.sum(acc, axis=1).to(rw_ptr.dtype.element_ty).to(tl.float32)
+    if SPLITS == 1:
+        _choose_topk(tl.where(me, logit, float("-inf")), offs_e, me, bias_ptr, w_ptr, ids_ptr, row, scale,
+                     K, K_PAD, E_PAD, SOFTMAX, HAS_BIAS, RENORM)
+    else:
+        tl.store(logit_ptr + row * E_PAD + offs_e, logit, mask=me)
+        # acq_rel: the logits above are published before the count; the last arrival sees them all
+        # (read past L1, ".cg", where another SM's writes would not be).
+        arrived = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel")
+        if arrived == SPLITS - 1:
+            offs = tl.arange(0, E_PAD)
+            mask = offs < E
+            x = tl.load(logit_ptr + row * E_PAD + offs, mask=mask, other=float("-inf"), cache_modifier=".cg")
+            _choose_topk(x, offs, mask, bias_ptr, w_ptr, ids_ptr, row, scale, K, K_PAD, E_PAD, SOFTMAX, HAS_BIAS,
+                         RENORM)
+            tl.atomic_xchg(cnt_ptr + row, 0)
 
 
 # --- launch ---
@@ -688,6 +749,43 @@ def topk_route(router_logits, k: int, renormalize: bool = True, scoring: str = "
         **launch_options(router_logits.device),
     )
     return weights, ids
+
+
+# x [T, H] · router_weight [E, H]  ->  topk_weights [T, k] fp32 · topk_ids [T, k] int64
+def route(x, router_weight, k: int, renormalize: bool = True, scoring: str = "softmax", *,
+          correction_bias=None, scale: float = 1.0):
+    """topk_route(x.to(W.dtype) @ W.T rounded to W's dtype, ...) in one launch."""
+    t, h = x.shape
+    e = router_weight.shape[0]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    w = router_weight.contiguous()
+    weights = torch.empty((t, k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((t, k), dtype=torch.int64, device=x.device)
+    if t == 0:
+        return weights, ids
+    e_pad = triton.next_power_of_2(e)
+    block_h = min(triton.next_power_of_2(h), 2048)
+    eb = max(1, min(e_pad, _ROUTE_TILE // block_h))  # ~16K weights per program: one pass of loads
+    splits = triton.cdiv(e, eb)
+    if splits > 1:
+        logits = torch.empty((t, e_pad), dtype=torch.float32, device=x.device)
+        # Per-token arrival counters: the last part to arrive chooses, then re-arms it.
+        counters = WORKSPACE.get(x.device, "route_counters", t, torch.int32, zeroed=True, minimum=1024)
+    else:
+        logits = counters = weights  # unread (SPLITS == 1)
+    bias = correction_bias.contiguous() if correction_bias is not None else weights
+    route_kernel[(t, splits)](
+        x, w, logits, counters, bias, weights, ids, h, e, x.stride(0), float(scale),
+        K=k, K_PAD=triton.next_power_of_2(k), E_PAD=e_pad, EB=eb, BLOCK_H=block_h, SPLITS=splits,
+        SOFTMAX=scoring == "softmax", HAS_BIAS=correction_bias is not None, RENORM=renormalize,
+        num_warps=8 if eb * block_h > 8192 else 4, **launch_options(x.device),
+    )
+    return weights, ids
+
+
+# Router weights one program reads per pass (EB experts x BLOCK_H columns).
+_ROUTE_TILE = 16384
 
 
 def topk_route_fits(e: int, num_groups: int, scoring: str) -> str | None:

@@ -54,6 +54,9 @@ PACKED_GEMV_MAX_M = 4
 # RESULTS.md: Qwen3-30B-A3B T=1 19.6 vs 35.5 us, T=16 (load 1) 140 vs 272 us; Mixtral T=1 96 vs
 # 248 us, T=16 (load 4) 1075 vs 934 us.
 MOE_GEMV_MAX_LOAD = 2
+# ops.route on GPUs: the router GEMM inside the Triton routing launch (route_kernel), instead of a
+# cuBLAS GEMM then topk_route (benchmarks/bench_ab.py --compare route measures both).
+ROUTE_FUSED = True
 _CUDA_PREFERENCE: dict[str, list[tuple[int | None, tuple[str, ...]]]] = {
     "moe_w4": [(MOE_GEMV_MAX_LOAD, ("cuda", "triton", "torch")), (None, ("triton", "torch"))],
     "awq_gemm": [

@@ -443,6 +443,33 @@ def check_topk_route(
     return t, e
 
 
+# x [T, H] · router_weight [E, H]  ->  topk_weights [T, k] fp32 · topk_ids [T, k] int64
+def route(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    k: int,
+    renormalize: bool = True,
+    scoring: str = "softmax",
+    *,
+    correction_bias: torch.Tensor | None = None,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_route of the router logits: x in the router's dtype times its weight, in that dtype."""
+    check_route(x, router_weight)
+    logits = torch.nn.functional.linear(x.to(router_weight.dtype), router_weight)
+    return topk_route(logits, k, renormalize, scoring, correction_bias=correction_bias, scale=scale)
+
+
+def check_route(x: torch.Tensor, router_weight: torch.Tensor) -> tuple[int, int]:
+    """Validate route's inputs; return (T, E)."""
+    if x.dim() != 2 or router_weight.dim() != 2 or x.shape[1] != router_weight.shape[1]:
+        raise ValueError(f"route needs x [T, H] and router_weight [E, H], got x {tuple(x.shape)} and "
+                         f"router_weight {tuple(router_weight.shape)}")
+    if not x.is_floating_point() or not router_weight.is_floating_point():
+        raise TypeError(f"route needs floating-point x and router_weight, got {x.dtype} and {router_weight.dtype}")
+    return x.shape[0], router_weight.shape[0]
+
+
 # router_logits [T, E]  ->  topk_weights [T, k] fp32 · topk_ids [T, k] int64
 def topk_route(
     router_logits: torch.Tensor,

@@ -175,8 +175,7 @@ class FusedMoE(nn.Module):
     # x [B, L, H] -> [B, L, H]
     def forward(self, x: torch.Tensor, backend: str | None) -> torch.Tensor:
         h = x.reshape(-1, x.shape[-1])
-        logits = nn.functional.linear(h.to(self.router_weight.dtype), self.router_weight)
-        weights, ids = ops.topk_route(logits, self.top_k, self.renormalize, backend=backend)
+        weights, ids = ops.route(h, self.router_weight, self.top_k, self.renormalize, backend=backend)
         out = self.experts(h, ids, weights)
         if self.shared is not None:
             s = self.shared(h, backend)

@@ -7,7 +7,7 @@ impl sits beside it. The torch backend of every op is its reference in reference
 
   gemm.py   awq_gemm, awq_gemm_plan, awq_dequantize
   layer.py  add_rms_norm, act_mul, rope_kv_cache, decode_attention, prefill_attention
-  moe.py    moe_w4, moe_w4_plan, topk_route (mixture-of-experts blocks)
+  moe.py    moe_w4, moe_w4_plan, topk_route, route (mixture-of-experts blocks)
   repack.py the packed layout (exact repack, both ways), packed_gemm, packed_gemm_plan, packed_dequantize
 """
 from fastawq.ops.gemm import awq_dequantize, awq_gemm, awq_gemm_plan, cuda_gemm_declines
@@ -21,7 +21,7 @@ from fastawq.ops.layer import (
     prefill_attention,
     rope_kv_cache,
 )
-from fastawq.ops.moe import moe_w4, moe_w4_plan, topk_route
+from fastawq.ops.moe import moe_w4, moe_w4_plan, route, topk_route
 from fastawq.ops.repack import awq_gemv_repack, awq_gemv_unpack, packed_dequantize, packed_gemm, packed_gemm_plan
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "awq_gemv_unpack",
     "moe_w4",
     "moe_w4_plan",
+    "route",
     "topk_route",
     "cuda_decode_declines",
     "cuda_gemm_declines",

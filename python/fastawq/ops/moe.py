@@ -3,7 +3,8 @@
 moe_w4 runs the routed experts of a SwiGLU-style MoE layer on the AWQ GEMM layout stacked per
 expert: Triton on GPUs (a grouped GEMM, tokens sorted by expert), elsewhere reference.moe_w4 (a
 loop over the experts that received tokens, in fp32). It is registered as ``torch.ops.fastawq.moe_w4`` with a fake impl, so it traces under torch.compile. topk_route
-turns router logits into (topk_weights, topk_ids), in one Triton launch on GPUs.
+turns router logits into (topk_weights, topk_ids), in one Triton launch on GPUs; route does the
+router GEMM too, in the same launch.
 """
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import torch
 
 from fastawq import reference
 from fastawq import _ext
+from fastawq import backend as _backend
 from fastawq.backend import MOE_GEMV_MAX_LOAD, select_backend
 from fastawq.ops._common import HALF as _HALF
+from fastawq.ops._common import call_op as _call
+from fastawq.ops._common import check_same_device
 from fastawq.ops._common import triton_module as _triton
 
 
@@ -237,6 +241,25 @@ def _register_fakes() -> None:
 _register_fakes()
 
 
+def _topk_route_impl(router_logits: torch.Tensor, k: int, renormalize: bool, scoring: str,
+                     correction_bias: torch.Tensor | None, scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if backend == "triton":
+        return _triton().topk_route(router_logits, k, renormalize, scoring, correction_bias=correction_bias,
+                                    scale=scale)
+    return reference.topk_route(router_logits, k, renormalize, scoring, correction_bias=correction_bias, scale=scale)
+
+
+_topk_route_op = torch.library.custom_op("fastawq::topk_route", _topk_route_impl, mutates_args=())
+
+
+@_topk_route_op.register_fake
+def _(router_logits, k, renormalize, scoring, correction_bias, scale, backend):
+    torch._check(router_logits.dim() == 2, lambda: f"router_logits {tuple(router_logits.shape)} must be [T, E]")
+    t = router_logits.shape[0]
+    return (router_logits.new_empty((t, k), dtype=torch.float32),
+            router_logits.new_empty((t, k), dtype=torch.int64))
+
+
 # router_logits [T, E]  ->  topk_weights [T, k] fp32 · topk_ids [T, k] int64
 def topk_route(
     router_logits: torch.Tensor,
@@ -259,8 +282,56 @@ def topk_route(
 
     be = select_backend("topk_route", router_logits.device, backend=backend, shapes_ok=fits,
                         m=router_logits.shape[0])
-    if be == "triton":
-        return _triton().topk_route(router_logits, k, renormalize, scoring, correction_bias=correction_bias,
-                                    scale=scale)
-    return reference.topk_route(router_logits, k, renormalize, scoring, num_groups=num_groups,
-                                topk_groups=topk_groups, correction_bias=correction_bias, scale=scale)
+    if num_groups > 1:  # the group limit runs in torch only (fits declines it for Triton)
+        return reference.topk_route(router_logits, k, renormalize, scoring, num_groups=num_groups,
+                                    topk_groups=topk_groups, correction_bias=correction_bias, scale=scale)
+    return _call(torch.ops.fastawq.topk_route, _topk_route_impl, router_logits, k, renormalize, scoring,
+                 correction_bias, float(scale), be)
+
+
+def _route_impl(x: torch.Tensor, router_weight: torch.Tensor, k: int, renormalize: bool, scoring: str,
+                correction_bias: torch.Tensor | None, scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if backend == "triton" and _backend.ROUTE_FUSED:
+        return _triton().route(x, router_weight, k, renormalize, scoring, correction_bias=correction_bias,
+                               scale=scale)
+    if backend == "triton":
+        logits = torch.nn.functional.linear(x.to(router_weight.dtype), router_weight)
+        return _triton().topk_route(logits, k, renormalize, scoring, correction_bias=correction_bias, scale=scale)
+    return reference.route(x, router_weight, k, renormalize, scoring, correction_bias=correction_bias, scale=scale)
+
+
+_route_op = torch.library.custom_op("fastawq::route", _route_impl, mutates_args=())
+
+
+@_route_op.register_fake
+def _(x, router_weight, k, renormalize, scoring, correction_bias, scale, backend):
+    torch._check(x.dim() == 2 and router_weight.dim() == 2 and x.shape[1] == router_weight.shape[1],
+                 lambda: f"x {tuple(x.shape)} and router_weight {tuple(router_weight.shape)} must be [T, H], [E, H]")
+    t = x.shape[0]
+    return x.new_empty((t, k), dtype=torch.float32), x.new_empty((t, k), dtype=torch.int64)
+
+
+# x [T, H] · router_weight [E, H]  ->  topk_weights [T, k] fp32 · topk_ids [T, k] int64
+def route(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    k: int,
+    renormalize: bool = True,
+    scoring: str = "softmax",
+    *,
+    correction_bias: torch.Tensor | None = None,
+    scale: float = 1.0,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.route (the router GEMM, then topk_route without a group limit): on GPUs one Triton
+    launch for both, or with backend.ROUTE_FUSED off the GEMM in torch and topk_route's launch."""
+    t, e = reference.check_route(x, router_weight)
+    reference.check_topk_route(x.new_empty((0, e)), k, scoring, correction_bias)
+    check_same_device(x=x, router_weight=router_weight, correction_bias=correction_bias)
+
+    def fits(b: str) -> str | None:
+        return _triton().topk_route_fits(e, 1, scoring) if b == "triton" else None
+
+    be = select_backend("route", x.device, backend=backend, shapes_ok=fits, m=t)
+    return _call(torch.ops.fastawq.route, _route_impl, x, router_weight, k, renormalize, scoring, correction_bias,
+                 float(scale), be)

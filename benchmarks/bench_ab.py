@@ -1,11 +1,13 @@
-"""Fused CUDA-graph decode with and without programmatic dependent launch (FASTAWQ_PDL), GPU.
+"""Fused CUDA-graph decode with one switch off and on, on one model, GPU.
 
-One random-weight model is built once; rounds alternate the setting (0 1, 1 0, ...), each
-re-capturing the decode graph, and the table gives the median decode tokens/s of each setting
-(with --layers, also the full-depth estimate of commands/bench.py).
+--compare pdl: programmatic dependent launch (FASTAWQ_PDL=0 / 1); --compare route: the MoE router
+GEMM in the routing launch (backend.ROUTE_FUSED False / True). One random-weight model is built
+once; rounds alternate the setting (off on, on off, ...), each re-capturing the decode graph, and
+the table gives the median decode tokens/s of each (with --layers, also the full-depth estimate
+of commands/bench.py).
 
-    python benchmarks/bench_pdl.py --shape llama-3-8b --layout packed --out $OUT
-    python benchmarks/bench_pdl.py --shape qwen3-30b-a3b --layers 8 --batches 1,16 --out $OUT
+    python benchmarks/bench_ab.py --compare pdl --shape llama-3-8b --layout packed --out $OUT
+    python benchmarks/bench_ab.py --compare route --shape qwen3-30b-a3b --layers 8 --batches 1,16 --out $OUT
 """
 from __future__ import annotations
 
@@ -17,12 +19,21 @@ import time
 
 import torch
 
+from fastawq import backend
 from fastawq.commands import bench
 from fastawq.shapes import shape_config
 
 
+def apply(compare: str, on: bool) -> None:
+    if compare == "pdl":
+        os.environ["FASTAWQ_PDL"] = "1" if on else "0"
+    else:
+        backend.ROUTE_FUSED = on
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--compare", choices=("pdl", "route"), default="pdl")
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers to build (default: all)")
     ap.add_argument("--layout", choices=("awq", "packed"), default="awq")
@@ -45,7 +56,7 @@ def main() -> None:
         got: dict[str, list[tuple[float, float | None]]] = {"0": [], "1": []}
         for r in range(args.rounds):
             for setting in (("0", "1") if r % 2 == 0 else ("1", "0")):
-                os.environ["FASTAWQ_PDL"] = setting
+                apply(args.compare, setting == "1")
                 model.fastawq_runtime._graphs.clear()  # re-captured with this setting's launches
                 row = bench.run_round(model, "fused-graphs", batch, args.prefill, args.decode, vocab,
                                       full_layers=full)
@@ -56,7 +67,8 @@ def main() -> None:
             rows.append({"batch": batch, "pdl": setting, "decode_tps": tps, "decode_tps_full": est,
                          "all": [v[0] for v in vals]})
     os.environ.pop("FASTAWQ_PDL", None)
-    lines = [f"| batch | FASTAWQ_PDL | decode tok/s ({args.layers or 'all'} layers) | full depth ({full}, est.) | rounds |",
+    backend.ROUTE_FUSED = True
+    lines = [f"| batch | {args.compare} on | decode tok/s ({args.layers or 'all'} layers) | full depth ({full}, est.) | rounds |",
              "|---|---|---|---|---|"]
     for r in rows:
         est = f"{r['decode_tps_full']:.1f}" if r["decode_tps_full"] else "–"
@@ -64,14 +76,14 @@ def main() -> None:
                      f"{', '.join(f'{v:.1f}' for v in r['all'])} |")
     for batch in batches:
         off, on = (next(r for r in rows if r["batch"] == batch and r["pdl"] == s) for s in ("0", "1"))
-        lines.append(f"batch {batch}: PDL on / off = {on['decode_tps'] / off['decode_tps']:.3f}x")
+        lines.append(f"batch {batch}: {args.compare} on / off = {on['decode_tps'] / off['decode_tps']:.3f}x")
     text = "\n".join(lines)
     print(text, flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        meta = {"shape": args.shape, "layers": args.layers, "layout": args.layout, "gpu": torch.cuda.get_device_name(),
+        meta = {"compare": args.compare, "shape": args.shape, "layers": args.layers, "layout": args.layout, "gpu": torch.cuda.get_device_name(),
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-        with open(os.path.join(args.out, f"pdl_{args.shape}.json"), "w") as f:
+        with open(os.path.join(args.out, f"ab_{args.compare}_{args.shape}.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
