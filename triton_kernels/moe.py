@@ -331,13 +331,8 @@ def _choose_topk(x, offs, mask, bias_ptr, w_ptr, ids_ptr, row, scale,
 def topk_route_kernel(
     logits_ptr, bias_ptr, w_ptr, ids_ptr,
     E, stride_l, scale,
-    K: tl.constexpr,
-    K_PAD: tl.constexpr,
-    E_PAD: tl.constexpr,
-    SOFTMAX: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    RENORM: tl.constexpr,
-    PDL: tl.constexpr,
+    K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+    SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr,
 ):
     # router_logits [T, E] -> topk_weights [T, K] fp32 · topk_ids [T, K]; one program per token.
     # Routing in torch is four or five kernels (softmax, topk, sum, divide) per layer per step.
@@ -353,16 +348,8 @@ def topk_route_kernel(
 def route_kernel(
     x_ptr, rw_ptr, logit_ptr, cnt_ptr, bias_ptr, w_ptr, ids_ptr,
     H, E, stride_x, scale,
-    K: tl.constexpr,
-    K_PAD: tl.constexpr,
-    E_PAD: tl.constexpr,
-    EB: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    SPLITS: tl.constexpr,
-    SOFTMAX: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    RENORM: tl.constexpr,
-    PDL: tl.constexpr,
+    K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, EB: tl.constexpr, BLOCK_H: tl.constexpr,
+    SPLITS: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr,
 ):
     # x [T, H] · router weight [E, H] -> topk_weights [T, K] fp32 · topk_ids [T, K]: the router
     # GEMM and the routing in one launch. Program (token, part) takes experts part*EB .. +EB; with

@@ -313,15 +313,8 @@ def _(x, router_weight, k, renormalize, scoring, correction_bias, scale, backend
 
 # x [T, H] · router_weight [E, H]  ->  topk_weights [T, k] fp32 · topk_ids [T, k] int64
 def route(
-    x: torch.Tensor,
-    router_weight: torch.Tensor,
-    k: int,
-    renormalize: bool = True,
-    scoring: str = "softmax",
-    *,
-    correction_bias: torch.Tensor | None = None,
-    scale: float = 1.0,
-    backend: str | None = None,
+    x: torch.Tensor, router_weight: torch.Tensor, k: int, renormalize: bool = True, scoring: str = "softmax", *,
+    correction_bias: torch.Tensor | None = None, scale: float = 1.0, backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.route (the router GEMM, then topk_route without a group limit): on GPUs one Triton
     launch for both, or with backend.ROUTE_FUSED off the GEMM in torch and topk_route's launch."""
