@@ -100,3 +100,27 @@ def test_dependent_chain_matches_with_and_without_pdl(monkeypatch, m, dtype):
             for name, g, w in (("residual", got[1], want_r), ("output", got[0], want_y)):
                 torch.testing.assert_close(g, w, **tol, msg=lambda m: f"{name}, {how}, FASTAWQ_PDL={setting}: {m}")
     torch.testing.assert_close(results["1"][1][0], results["0"][1][0], **tol)
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (PDL)")
+@pytest.mark.parametrize("layout", ["awq", "packed"])
+def test_weights_written_by_the_kernel_just_before_are_read(layout):
+    # The GEMVs fetch weights before their PDL wait: a weight buffer rewritten by the kernel right
+    # before (a copy, as a repack or load does) must still be read as rewritten, every time.
+    k, n, g, dev = 2048, 4096, 128, "cuda"
+    sets = [random_awq(k, n, g, dev, torch.float16, seed=s) for s in (11, 12)]
+    x = random_input((1, k), dev, torch.float16, seed=13)
+    want = [reference.awq_gemm(x, q, s, z, g) for q, s, z in sets]
+    if layout == "packed":
+        sets = [(*ops.awq_gemv_repack(q, s, z, g), None) for q, s, z in sets]
+    buf = [t.clone() if t is not None else None for t in sets[0]]
+    for i in range(6):
+        src = sets[i % 2]
+        for b, t in reversed(list(zip(buf, src))):  # the packed weights last: right before the GEMV
+            if b is not None:
+                b.copy_(t)
+        if layout == "packed":
+            got = ops.packed_gemm(x, buf[0], buf[1], n, g)
+        else:
+            got = ops.awq_gemm(x, buf[0], buf[1], buf[2], g)
+        torch.testing.assert_close(got.float(), want[i % 2].float(), rtol=2e-2, atol=2e-2, msg=f"call {i}")

@@ -64,7 +64,8 @@ __device__ __forceinline__ void load_batch(const T* __restrict__ x, const uint32
 }
 
 // Before the PDL wait (common/ptx.cuh): bring the weight rows of a lane's first batch into L2
-// (rows row0 + 4u, u < kLoads); weights are never written by a kernel.
+// (rows row0 + 4u, u < kLoads). Only into L2, where every write lands: weights the previous
+// kernel wrote (a repack) still read right after the wait.
 template <int WPT>
 __device__ __forceinline__ void prefetch_batch(const uint32_t* __restrict__ qweight, int n8, int word0, bool col_ok,
                                                int row0, int row_end) {

@@ -104,17 +104,21 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
     for (int c = 0; c < 4; ++c) y[mm][c] = acc[mm][c] = 0.f;
   }
 
-  // Weights are never written by a kernel: the first batch is loaded and the second brought into
-  // L2 before waiting for the previous kernel (PDL), so a launch that starts early streams them
-  // while that kernel finishes; x and the workspace are touched only after the wait.
-  uint4 cur[kLoads], nxt[kLoads];
-  if (b0 < b1) load_batch(cur, wp, b0, n4, c4, col_ok, policy);
-  if (b0 + 1 < b1 && col_ok) {
+  // Before waiting for the previous kernel (PDL), bring the warp's first two batches of weights
+  // into L2, so a launch that starts early streams them while that kernel finishes. Only into L2:
+  // L2 is where every write lands, so even weights the previous kernel just wrote (a repack) read
+  // right after the wait, which registers loaded before it would not promise. x and the workspace
+  // are touched only after the wait.
+  if (col_ok) {
+    for (int b = b0; b < min(b0 + 2, b1); ++b) {
 #pragma unroll
-    for (int u = 0; u < kLoads; ++u) prefetch_l2(wp + static_cast<int64_t>((b0 + 1) * kLoads + u) * n4 + c4);
+      for (int u = 0; u < kLoads; ++u) prefetch_l2(wp + static_cast<int64_t>(b * kLoads + u) * n4 + c4);
+    }
   }
   pdl_wait();
   pdl_launch_dependents();
+  uint4 cur[kLoads], nxt[kLoads];
+  if (b0 < b1) load_batch(cur, wp, b0, n4, c4, col_ok, policy);
 #pragma unroll 1
   for (int b = b0; b < b1; ++b) {
     if (b + 1 < b1) load_batch(nxt, wp, b + 1, n4, c4, col_ok, policy);
