@@ -1,13 +1,16 @@
 """Fused CUDA-graph decode with one switch off and on, on one model, GPU.
 
 --compare pdl: programmatic dependent launch (FASTAWQ_PDL=0 / 1); --compare route: the MoE router
-GEMM in the routing launch (backend.ROUTE_FUSED False / True). One random-weight model is built
+GEMM in the routing launch (backend.ROUTE_FUSED False / True); --compare layout: the W4 layers'
+weight layout (WQLinear.set_layout "awq" / "packed", exact both ways, converted in place; grouped
+MoE experts keep theirs). One random-weight model is built
 once; rounds alternate the setting (off on, on off, ...), each re-capturing the decode graph, and
 the table gives the median decode tokens/s of each (with --layers, also the full-depth estimate
 of commands/bench.py).
 
     python benchmarks/bench_ab.py --compare pdl --shape llama-3-8b --layout packed --out $OUT
     python benchmarks/bench_ab.py --compare route --shape qwen3-30b-a3b --layers 8 --batches 1,16 --out $OUT
+    python benchmarks/bench_ab.py --compare layout --shape qwen3-30b-a3b --batches 1 --out $OUT
 """
 from __future__ import annotations
 
@@ -21,42 +24,47 @@ import torch
 
 from fastawq import backend
 from fastawq.commands import bench
+from fastawq.modules.qlinear import set_layout
 from fastawq.shapes import shape_config
 
 
-def apply(compare: str, on: bool) -> None:
+def apply(model: torch.nn.Module, compare: str, on: bool) -> None:
     if compare == "pdl":
         os.environ["FASTAWQ_PDL"] = "1" if on else "0"
-    else:
+    elif compare == "route":
         backend.ROUTE_FUSED = on
+    else:
+        set_layout(model, "packed" if on else "awq")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--compare", choices=("pdl", "route"), default="pdl")
+    ap.add_argument("--compare", choices=("pdl", "route", "layout"), default="pdl")
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers to build (default: all)")
-    ap.add_argument("--layout", choices=("awq", "packed"), default="awq")
+    ap.add_argument("--layout", choices=("awq", "packed"), default="awq", help="(with --compare layout: ignored)")
     ap.add_argument("--batches", default="1")
     ap.add_argument("--rounds", type=int, default=2, help="rounds per setting")
     ap.add_argument("--prefill", type=int, default=64)
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--max-seq-len", type=int, default=512)
+    ap.add_argument("--device", default="cuda", help="cuda (the point), or cpu to try the script on a tiny shape")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     full = shape_config(args.shape).num_hidden_layers if args.layers else None
     t0 = time.time()
-    model = bench.build_model("fused-graphs", None, args.shape, "cuda", args.max_seq_len, max(batches),
+    model = bench.build_model("fused-graphs", None, args.shape, args.device, args.max_seq_len, max(batches),
                               layout=args.layout, num_layers=args.layers)
     print(f"built {args.shape} ({args.layers or 'all'} layers, {args.layout}) in {time.time() - t0:.0f}s", flush=True)
     vocab = model.config.vocab_size
+    pdl_before, route_before = os.environ.get("FASTAWQ_PDL"), backend.ROUTE_FUSED
     rows = []
     for batch in batches:
         got: dict[str, list[tuple[float, float | None]]] = {"0": [], "1": []}
         for r in range(args.rounds):
             for setting in (("0", "1") if r % 2 == 0 else ("1", "0")):
-                apply(args.compare, setting == "1")
+                apply(model, args.compare, setting == "1")
                 model.fastawq_runtime._graphs.clear()  # re-captured with this setting's launches
                 row = bench.run_round(model, "fused-graphs", batch, args.prefill, args.decode, vocab,
                                       full_layers=full)
@@ -64,28 +72,32 @@ def main() -> None:
         for setting, vals in got.items():
             tps = statistics.median(v[0] for v in vals)
             est = statistics.median(v[1] for v in vals) if full else None
-            rows.append({"batch": batch, "pdl": setting, "decode_tps": tps, "decode_tps_full": est,
+            rows.append({"batch": batch, "on": setting, "decode_tps": tps, "decode_tps_full": est,
                          "all": [v[0] for v in vals]})
-    os.environ.pop("FASTAWQ_PDL", None)
-    backend.ROUTE_FUSED = True
+    if pdl_before is None:
+        os.environ.pop("FASTAWQ_PDL", None)
+    else:
+        os.environ["FASTAWQ_PDL"] = pdl_before
+    backend.ROUTE_FUSED = route_before
     lines = [f"| batch | {args.compare} on | decode tok/s ({args.layers or 'all'} layers) | full depth ({full}, est.) | rounds |",
              "|---|---|---|---|---|"]
     for r in rows:
         est = f"{r['decode_tps_full']:.1f}" if r["decode_tps_full"] else "–"
-        lines.append(f"| {r['batch']} | {r['pdl']} | {r['decode_tps']:.1f} | {est} | "
+        lines.append(f"| {r['batch']} | {r['on']} | {r['decode_tps']:.1f} | {est} | "
                      f"{', '.join(f'{v:.1f}' for v in r['all'])} |")
     for batch in batches:
-        off, on = (next(r for r in rows if r["batch"] == batch and r["pdl"] == s) for s in ("0", "1"))
+        off, on = (next(r for r in rows if r["batch"] == batch and r["on"] == s) for s in ("0", "1"))
         lines.append(f"batch {batch}: {args.compare} on / off = {on['decode_tps'] / off['decode_tps']:.3f}x")
     text = "\n".join(lines)
     print(text, flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        meta = {"compare": args.compare, "shape": args.shape, "layers": args.layers, "layout": args.layout, "gpu": torch.cuda.get_device_name(),
+        meta = {"compare": args.compare, "shape": args.shape, "layers": args.layers, "layout": args.layout, "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU",
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
         with open(os.path.join(args.out, f"ab_{args.compare}_{args.shape}.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

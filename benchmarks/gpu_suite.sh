@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
-#   stages: build tests gemm gemv attention sanitize profile moe e2e quantize (default: all but profile and moe)
+#   stages: build tests gemm gemv attention sanitize profile moe ab e2e quantize (default: all but profile, moe, ab)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
 # (Triton/torch backends only), for quick kernel iterations.
@@ -94,6 +94,15 @@ if [[ " $stages " == *" moe "* ]]; then
     FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_e2e.py --shape $shape --batches 1,16 --modes fused-graphs \
       --graph-lengths 64 --max-seq-len 256 --budget 30 --out "$OUT/e2e_$shape" 2>&1 | grep -E "^\| fused|wall|us " || status=1
   done
+fi
+if [[ " $stages " == *" ab "* ]]; then
+  step ab
+  # One switch off and on, on one built model (benchmarks/bench_ab.py): PDL on the Llama shape,
+  # the attention projections' layout on Qwen3-30B-A3B (all layers): ~3 min.
+  FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare pdl --shape llama-3-8b --layout packed \
+    --batches 1,16 --out "$OUT/ab" 2>&1 | grep -E "^\||on / off" || status=1
+  FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare layout --shape qwen3-30b-a3b --batches 1,16 \
+    --rounds 1 --decode 64 --out "$OUT/ab" 2>&1 | grep -E "^\||on / off" || status=1
 fi
 if [[ " $stages " == *" e2e "* ]] && [ -f benchmarks/bench_e2e.py ]; then
   step e2e

@@ -109,3 +109,26 @@ def test_full_depth_scales_only_the_layers():
     # 10 ms measured with 8 layers, 2 ms of it the head: 2 + 8 * 48 / 8 = 50 ms at 48 layers.
     assert bench.full_depth(0.010, 0.002, 8, 48) == pytest.approx(0.050)
     assert bench.full_depth(0.001, 0.002, 8, 48) == pytest.approx(0.002)  # noise below the head
+
+
+@pytest.mark.parametrize("compare", ["pdl", "route", "layout"])
+def test_bench_ab_alternates_one_switch(tmp_path, capsys, compare):
+    # benchmarks/bench_ab.py on the tiny shape (CPU): both settings measured, the switches restored.
+    import importlib.util
+    import json
+    import os
+    import pathlib
+
+    from fastawq import backend
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_ab.py"
+    spec = importlib.util.spec_from_file_location("bench_ab", path)
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    pdl_before, route_before = os.environ.get("FASTAWQ_PDL"), backend.ROUTE_FUSED
+    assert ab.main(["--compare", compare, "--shape", "tiny", "--device", "cpu", "--prefill", "4", "--decode", "4",
+                    "--max-seq-len", "32", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / f"ab_{compare}_tiny.json").read_text())["rows"]
+    assert sorted(r["on"] for r in rows) == ["0", "1"] and all(r["decode_tps"] > 0 for r in rows)
+    assert f"batch 1: {compare} on / off =" in capsys.readouterr().out
+    assert backend.ROUTE_FUSED is route_before and os.environ.get("FASTAWQ_PDL") == pdl_before
