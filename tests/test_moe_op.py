@@ -351,6 +351,7 @@ def exact_router(t: int, h: int, e: int, dtype, seed: int):
     (5, 200, 128, 8, "softmax", True, False),   # 2 parts per token meet through the counters
     (3, 2100, 60, 4, "sigmoid", False, True),   # 8 parts, the last one short; two passes over H
     (2, 4096, 8, 2, "softmax", False, False),   # Mixtral-like: one part, two passes
+    (40, 64, 16, 2, "softmax", True, False),    # above ROUTE_FUSED_MAX_T: the GEMM apart, then topk_route
 ])
 def test_route_op_matches_reference(backend, t, h, e, k, scoring, renorm, bias, poisoned_empty):
     x, w = exact_router(t, h, e, torch.float16, seed=h + e)
@@ -381,6 +382,21 @@ def test_routing_ops_pass_opcheck(backend, monkeypatch):
     logits = torch.nn.functional.linear(x, w)
     torch.library.opcheck(torch.ops.fastawq.topk_route.default, (logits, 4, False, "softmax", None, 1.0, backend),
                           test_utils=utils)
+
+
+@needs_triton
+def test_route_fuses_the_gemm_only_for_few_tokens(monkeypatch):
+    from fastawq import backend
+
+    tk = ops_moe._triton()
+    calls = []
+    for name in ("route", "topk_route"):
+        real = getattr(tk, name)
+        monkeypatch.setattr(tk, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    for t in (1, backend.ROUTE_FUSED_MAX_T, backend.ROUTE_FUSED_MAX_T + 1):
+        x, w = exact_router(t, 64, 8, torch.float16, seed=t)
+        ops_moe.route(x, w, 2, backend="triton")
+    assert calls == ["route", "route", "topk_route"]
 
 
 @needs_triton

@@ -55,8 +55,12 @@ PACKED_GEMV_MAX_M = 4
 # 248 us, T=16 (load 4) 1075 vs 934 us.
 MOE_GEMV_MAX_LOAD = 2
 # ops.route on GPUs: the router GEMM inside the Triton routing launch (route_kernel), instead of a
-# cuBLAS GEMM then topk_route (benchmarks/bench_ab.py --compare route measures both).
+# cuBLAS GEMM then topk_route (benchmarks/bench_ab.py --compare route measures both; H200 decode
+# 1.014x / 1.016x Qwen3-30B-A3B at batch 1 / 16, RESULTS.md), for up to ROUTE_FUSED_MAX_T tokens:
+# route_kernel reads the router weights once per token, cuBLAS once per tile of tokens, so prefill
+# chunks keep cuBLAS.
 ROUTE_FUSED = True
+ROUTE_FUSED_MAX_T = 32
 _CUDA_PREFERENCE: dict[str, list[tuple[int | None, tuple[str, ...]]]] = {
     "moe_w4": [(MOE_GEMV_MAX_LOAD, ("cuda", "triton", "torch")), (None, ("triton", "torch"))],
     "awq_gemm": [

@@ -291,7 +291,7 @@ def topk_route(
 
 def _route_impl(x: torch.Tensor, router_weight: torch.Tensor, k: int, renormalize: bool, scoring: str,
                 correction_bias: torch.Tensor | None, scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if backend == "triton" and _backend.ROUTE_FUSED:
+    if backend == "triton" and _backend.ROUTE_FUSED and x.shape[0] <= _backend.ROUTE_FUSED_MAX_T:
         return _triton().route(x, router_weight, k, renormalize, scoring, correction_bias=correction_bias,
                                scale=scale)
     if backend == "triton":
@@ -317,7 +317,8 @@ def route(
     correction_bias: torch.Tensor | None = None, scale: float = 1.0, backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.route (the router GEMM, then topk_route without a group limit): on GPUs one Triton
-    launch for both, or with backend.ROUTE_FUSED off the GEMM in torch and topk_route's launch."""
+    launch for both up to backend.ROUTE_FUSED_MAX_T tokens (with ROUTE_FUSED), else the GEMM in
+    torch and topk_route's launch."""
     t, e = reference.check_route(x, router_weight)
     reference.check_topk_route(x.new_empty((0, e)), k, scoring, correction_bias)
     check_same_device(x=x, router_weight=router_weight, correction_bias=correction_bias)
