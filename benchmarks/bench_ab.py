@@ -1,7 +1,8 @@
 """Fused CUDA-graph decode with one switch off and on, on one model, GPU.
 
 --compare pdl: programmatic dependent launch (FASTAWQ_PDL=0 / 1); --compare route: the MoE router
-GEMM in the routing launch (backend.ROUTE_FUSED False / True); --compare layout: the W4 layers'
+GEMM in the routing launch (backend.ROUTE_FUSED False / True); --compare norm_route: the MoE
+block's add + RMSNorm in that launch too (backend.NORM_ROUTE_FUSED); --compare layout: the W4 layers'
 weight layout (WQLinear.set_layout "awq" / "packed", exact both ways, converted in place; grouped
 MoE experts keep theirs). One random-weight model is built
 once; rounds alternate the setting (off on, on off, ...), each re-capturing the decode graph, and
@@ -33,13 +34,15 @@ def apply(model: torch.nn.Module, compare: str, on: bool) -> None:
         os.environ["FASTAWQ_PDL"] = "1" if on else "0"
     elif compare == "route":
         backend.ROUTE_FUSED = on
+    elif compare == "norm_route":
+        backend.NORM_ROUTE_FUSED = on
     else:
         set_layout(model, "packed" if on else "awq")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--compare", choices=("pdl", "route", "layout"), default="pdl")
+    ap.add_argument("--compare", choices=("pdl", "route", "norm_route", "layout"), default="pdl")
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers to build (default: all)")
     ap.add_argument("--layout", choices=("awq", "packed"), default="awq", help="(with --compare layout: ignored)")
@@ -58,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                               layout=args.layout, num_layers=args.layers)
     print(f"built {args.shape} ({args.layers or 'all'} layers, {args.layout}) in {time.time() - t0:.0f}s", flush=True)
     vocab = model.config.vocab_size
-    pdl_before, route_before = os.environ.get("FASTAWQ_PDL"), backend.ROUTE_FUSED
+    pdl_before = os.environ.get("FASTAWQ_PDL")
+    route_before, norm_before = backend.ROUTE_FUSED, backend.NORM_ROUTE_FUSED
     rows = []
     for batch in batches:
         got: dict[str, list[tuple[float, float | None]]] = {"0": [], "1": []}
@@ -78,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.pop("FASTAWQ_PDL", None)
     else:
         os.environ["FASTAWQ_PDL"] = pdl_before
-    backend.ROUTE_FUSED = route_before
-    lines = [f"| batch | {args.compare} on | decode tok/s ({args.layers or 'all'} layers) | full depth ({full}, est.) | rounds |",
+    backend.ROUTE_FUSED, backend.NORM_ROUTE_FUSED = route_before, norm_before
+    lines = [f"| batch | {args.compare} on | decode tok/s ({args.layers or 'all'} layers) "
+             f"| full depth ({full}, est.) | rounds |",
              "|---|---|---|---|---|"]
     for r in rows:
         est = f"{r['decode_tps_full']:.1f}" if r["decode_tps_full"] else "–"
@@ -92,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text, flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        meta = {"compare": args.compare, "shape": args.shape, "layers": args.layers, "layout": args.layout, "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU",
+        gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
+        meta = {"compare": args.compare, "shape": args.shape, "layers": args.layers, "layout": args.layout, "gpu": gpu,
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
         with open(os.path.join(args.out, f"ab_{args.compare}_{args.shape}.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)

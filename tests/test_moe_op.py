@@ -382,6 +382,11 @@ def test_routing_ops_pass_opcheck(backend, monkeypatch):
     logits = torch.nn.functional.linear(x, w)
     torch.library.opcheck(torch.ops.fastawq.topk_route.default, (logits, 4, False, "softmax", None, 1.0, backend),
                           test_utils=utils)
+    xn, res, nw = exact_norm_inputs(3, 256, torch.float16, seed=4)
+    for fused in (True, False):  # the norm in the routing launch, or the two launches
+        monkeypatch.setattr(ops_moe._backend, "NORM_ROUTE_FUSED", fused)
+        torch.library.opcheck(torch.ops.fastawq.add_rms_norm_route.default,
+                              (xn, res, nw, 1e-6, 0.0, w, 4, True, "softmax", None, 1.0, backend), test_utils=utils)
 
 
 @needs_triton
@@ -397,6 +402,48 @@ def test_route_fuses_the_gemm_only_for_few_tokens(monkeypatch):
         x, w = exact_router(t, 64, 8, torch.float16, seed=t)
         ops_moe.route(x, w, 2, backend="triton")
     assert calls == ["route", "route", "topk_route"]
+
+
+def exact_norm_inputs(t: int, h: int, dtype, seed: int):
+    """x and residual small integers (their sum and its sum of squares exact in any order), a norm
+    weight near 1: the mean square, and so h, cannot depend on the summation order."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(-4, 5, (t, h), generator=gen).to(dtype)
+    res = torch.randint(-4, 5, (t, h), generator=gen).to(dtype)
+    nw = (1 + torch.randint(-8, 9, (h,), generator=gen) / 64).to(dtype)
+    return x.to(DEVICE), res.to(DEVICE), nw.to(DEVICE)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("t,h,e,k,offset", [(1, 64, 8, 2, 0.0), (5, 200, 128, 8, 1.0), (3, 2100, 60, 4, 0.0),
+                                            (40, 64, 16, 2, 0.0)])
+def test_add_rms_norm_route_is_the_norm_then_the_route(backend, t, h, e, k, offset, poisoned_empty, monkeypatch):
+    x, res, nw = exact_norm_inputs(t, h, torch.float16, seed=h + e)
+    _, w = exact_router(1, h, e, torch.float16, seed=e)
+    monkeypatch.setattr(ops_moe._backend, "NORM_ROUTE_FUSED", True)
+    got = ops_moe.add_rms_norm_route(x, res, nw, 1e-6, offset, w, k, backend=backend)
+    want_h, want_r = reference.add_rms_norm(x, res, nw, 1e-6, offset)
+    torch.testing.assert_close(got[1], want_r, rtol=0, atol=0)
+    torch.testing.assert_close(got[0], want_h, rtol=2e-3, atol=2e-3)
+    # The routing of the h it produced (ties: the chosen scores, best first, as the reference's).
+    choice = torch.nn.functional.linear(got[0], w).float().softmax(-1)
+    want_w, want_ids = reference.route(got[0], w, k)
+    assert torch.equal(choice.gather(1, got[3]), choice.gather(1, want_ids))
+    torch.testing.assert_close(got[2], want_w, rtol=1e-5, atol=1e-6)
+    if backend != "torch":  # one launch, or the two it replaces: the same numbers
+        monkeypatch.setattr(ops_moe._backend, "NORM_ROUTE_FUSED", False)
+        apart = ops_moe.add_rms_norm_route(x, res, nw, 1e-6, offset, w, k, backend=backend)
+        for a, b in zip(got, apart):
+            assert torch.equal(a, b)
+
+
+def test_add_rms_norm_route_errors_name_the_shapes():
+    x, res, nw = exact_norm_inputs(2, 64, torch.float32, seed=1)
+    _, w = exact_router(1, 64, 8, torch.float32, seed=1)
+    with pytest.raises(ValueError, match=r"residual \(2, 32\)"):
+        ops_moe.add_rms_norm_route(x, res[:, :32], nw, 1e-6, 0.0, w, 2)
+    with pytest.raises(ValueError, match=r"router_weight \(8, 32\)"):
+        ops_moe.add_rms_norm_route(x, res, nw, 1e-6, 0.0, w[:, :32], 2)
 
 
 @needs_triton

@@ -346,26 +346,48 @@ def topk_route_kernel(
 
 @triton.jit
 def route_kernel(
-    x_ptr, rw_ptr, logit_ptr, cnt_ptr, bias_ptr, w_ptr, ids_ptr,
-    H, E, stride_x, scale,
+    x_ptr, rw_ptr, logit_ptr, cnt_ptr, bias_ptr, w_ptr, ids_ptr, res_ptr, nw_ptr, h_ptr, res_out_ptr,
+    H, E, stride_x, scale, eps, offset,
     K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, EB: tl.constexpr, BLOCK_H: tl.constexpr,
-    SPLITS: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr,
+    SPLITS: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+    NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     # x [T, H] · router weight [E, H] -> topk_weights [T, K] fp32 · topk_ids [T, K]: the router
     # GEMM and the routing in one launch. Program (token, part) takes experts part*EB .. +EB; with
     # SPLITS > 1 parts publish their logits (fp32 [T, E_PAD] scratch) and the last to arrive for
     # the token chooses, then re-arms its counter (no memset in a captured step).
+    # NORM: x is a block's output and the routed input is h = RMSNorm(x + residual) * (w + offset),
+    # the sum and h each rounded to x's dtype as add_rms_norm rounds them; part 0 of each token
+    # writes h [T, H] and the new residual x + residual [T, H] (contiguous rows).
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     offs_e = part * EB + tl.arange(0, EB)
     me = offs_e < E
+    if NORM:  # a first pass over the row for its mean square
+        ss = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            mh = offs_h < H
+            r = tl.load(x_ptr + row * stride_x + offs_h, mask=mh, other=0.0) + \
+                tl.load(res_ptr + row * H + offs_h, mask=mh, other=0.0)
+            rf = r.to(tl.float32)
+            ss += rf * rf
+        rstd = tl.rsqrt(tl.sum(ss, axis=0) / H + eps)
     acc = tl.zeros((EB, BLOCK_H), dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         mh = offs_h < H
+        xv = tl.load(x_ptr + row * stride_x + offs_h, mask=mh, other=0.0)
+        if NORM:
+            r = xv + tl.load(res_ptr + row * H + offs_h, mask=mh, other=0.0)
+            nw = tl.load(nw_ptr + offs_h, mask=mh, other=0.0).to(tl.float32) + offset
+            xv = (r.to(tl.float32) * rstd * nw).to(x_ptr.dtype.element_ty)
+            if part == 0:
+                tl.store(h_ptr + row * H + offs_h, xv, mask=mh)
+                tl.store(res_out_ptr + row * H + offs_h, r, mask=mh)
         # x in the router's dtype first, as the unfused F.linear(x.to(W.dtype), W) rounds it.
-        xv = tl.load(x_ptr + row * stride_x + offs_h, mask=mh, other=0.0).to(rw_ptr.dtype.element_ty)
+        xv = xv.to(rw_ptr.dtype.element_ty)
         wt = tl.load(rw_ptr + offs_e[:, None].to(tl.int64) * H + offs_h[None, :], mask=me[:, None] & mh[None, :],
                      other=0.0)
         acc += wt.to(tl.float32) * xv.to(tl.float32)[None, :]
@@ -742,6 +764,19 @@ def topk_route(router_logits, k: int, renormalize: bool = True, scoring: str = "
 def route(x, router_weight, k: int, renormalize: bool = True, scoring: str = "softmax", *,
           correction_bias=None, scale: float = 1.0):
     """topk_route(x.to(W.dtype) @ W.T rounded to W's dtype, ...) in one launch."""
+    return _route(x, router_weight, k, renormalize, scoring, correction_bias, scale, None)[:2]
+
+
+# x [T, H] · residual [T, H] · norm_weight [H] · router_weight [E, H]
+#   ->  topk_weights [T, k] fp32 · topk_ids [T, k] int64 · h [T, H] · x + residual [T, H]
+def norm_route(x, residual, norm_weight, eps: float, offset: float, router_weight, k: int, renormalize: bool = True,
+               scoring: str = "softmax", *, correction_bias=None, scale: float = 1.0):
+    """add_rms_norm(x, residual, ...) and route(h, ...) in one launch."""
+    return _route(x, router_weight, k, renormalize, scoring, correction_bias, scale,
+                  (residual, norm_weight, float(eps), float(offset)))
+
+
+def _route(x, router_weight, k, renormalize, scoring, correction_bias, scale, norm):
     t, h = x.shape
     e = router_weight.shape[0]
     if x.stride(-1) != 1:
@@ -749,8 +784,15 @@ def route(x, router_weight, k: int, renormalize: bool = True, scoring: str = "so
     w = router_weight.contiguous()
     weights = torch.empty((t, k), dtype=torch.float32, device=x.device)
     ids = torch.empty((t, k), dtype=torch.int64, device=x.device)
+    if norm is not None:
+        residual, norm_weight, eps, offset = norm
+        residual, norm_weight = residual.contiguous(), norm_weight.contiguous()
+        hbuf, res_out = torch.empty((t, h), dtype=x.dtype, device=x.device), torch.empty_like(residual)
+    else:
+        residual = norm_weight = hbuf = res_out = x  # unread and unwritten (NORM=False)
+        eps, offset = 0.0, 0.0
     if t == 0:
-        return weights, ids
+        return weights, ids, hbuf, res_out
     e_pad = triton.next_power_of_2(e)
     block_h = min(triton.next_power_of_2(h), 2048)
     eb = max(1, min(e_pad, _ROUTE_TILE // block_h))  # ~16K weights per program: one pass of loads
@@ -763,12 +805,13 @@ def route(x, router_weight, k: int, renormalize: bool = True, scoring: str = "so
         logits = counters = weights  # unread (SPLITS == 1)
     bias = correction_bias.contiguous() if correction_bias is not None else weights
     route_kernel[(t, splits)](
-        x, w, logits, counters, bias, weights, ids, h, e, x.stride(0), float(scale),
+        x, w, logits, counters, bias, weights, ids, residual, norm_weight, hbuf, res_out,
+        h, e, x.stride(0), float(scale), eps, offset,
         K=k, K_PAD=triton.next_power_of_2(k), E_PAD=e_pad, EB=eb, BLOCK_H=block_h, SPLITS=splits,
         SOFTMAX=scoring == "softmax", HAS_BIAS=correction_bias is not None, RENORM=renormalize,
-        num_warps=8 if eb * block_h > 8192 else 4, **launch_options(x.device),
+        NORM=norm is not None, num_warps=8 if eb * block_h > 8192 else 4, **launch_options(x.device),
     )
-    return weights, ids
+    return weights, ids, hbuf, res_out
 
 
 # Router weights one program reads per pass (EB experts x BLOCK_H columns).

@@ -176,13 +176,27 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, backend: str | None) -> torch.Tensor:
         h = x.reshape(-1, x.shape[-1])
         weights, ids = ops.route(h, self.router_weight, self.top_k, self.renormalize, backend=backend)
+        return self.run(h, weights, ids, backend).reshape(x.shape)
+
+    # a [B, L, H] (the attention output), residual [B, L, H] -> (block output, a + residual)
+    def forward_normed(self, a: torch.Tensor, residual: torch.Tensor, norm: nn.Module, eps: float, offset: float,
+                       backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block on add_rms_norm(a, residual, norm) with the norm in the routing launch."""
+        shape = a.shape
+        h, residual, weights, ids = ops.add_rms_norm_route(
+            a.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1]), norm.weight, eps, offset, self.router_weight,
+            self.top_k, self.renormalize, backend=backend)
+        return self.run(h, weights, ids, backend).reshape(shape), residual.reshape(shape)
+
+    # h [T, H] routed to (weights, ids) -> [T, H]: the experts, plus the shared expert where there is one
+    def run(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, backend: str | None) -> torch.Tensor:
         out = self.experts(h, ids, weights)
         if self.shared is not None:
             s = self.shared(h, backend)
             if self.shared_gate_weight is not None:
                 s = torch.sigmoid(nn.functional.linear(h, self.shared_gate_weight.to(h.dtype))) * s
             out = out + s
-        return out.reshape(x.shape)
+        return out
 
 
 class FusedDecoderLayer(nn.Module):
@@ -209,6 +223,8 @@ class FusedDecoderLayer(nn.Module):
             x, residual, self.input_layernorm.weight, c.eps, c.norm_offset, backend=backend
         )
         a = self.self_attn(h, positions, start, lens, max_len, backend)
+        if isinstance(self.mlp, FusedMoE):
+            return self.mlp.forward_normed(a, residual, self.post_attention_layernorm, c.eps, c.norm_offset, backend)
         h, residual = ops.add_rms_norm(
             a, residual, self.post_attention_layernorm.weight, c.eps, c.norm_offset, backend=backend
         )

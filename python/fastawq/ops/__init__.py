@@ -7,7 +7,7 @@ impl sits beside it. The torch backend of every op is its reference in reference
 
   gemm.py   awq_gemm, awq_gemm_plan, awq_dequantize
   layer.py  add_rms_norm, act_mul, rope_kv_cache, decode_attention, prefill_attention
-  moe.py    moe_w4, moe_w4_plan, topk_route, route (mixture-of-experts blocks)
+  moe.py    moe_w4, moe_w4_plan, topk_route, route, add_rms_norm_route (mixture-of-experts blocks)
   repack.py the packed layout (exact repack, both ways), packed_gemm, packed_gemm_plan, packed_dequantize
 """
 from fastawq.ops.gemm import awq_dequantize, awq_gemm, awq_gemm_plan, cuda_gemm_declines
@@ -21,13 +21,14 @@ from fastawq.ops.layer import (
     prefill_attention,
     rope_kv_cache,
 )
-from fastawq.ops.moe import moe_w4, moe_w4_plan, route, topk_route
+from fastawq.ops.moe import add_rms_norm_route, moe_w4, moe_w4_plan, route, topk_route
 from fastawq.ops.repack import awq_gemv_repack, awq_gemv_unpack, packed_dequantize, packed_gemm, packed_gemm_plan
 
 __all__ = [
     "ACTIVATIONS",
     "act_mul",
     "add_rms_norm",
+    "add_rms_norm_route",
     "awq_dequantize",
     "awq_gemm",
     "awq_gemm_plan",

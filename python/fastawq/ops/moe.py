@@ -329,3 +329,59 @@ def route(
     be = select_backend("route", x.device, backend=backend, shapes_ok=fits, m=t)
     return _call(torch.ops.fastawq.route, _route_impl, x, router_weight, k, renormalize, scoring, correction_bias,
                  float(scale), be)
+
+
+def _add_rms_norm_route_impl(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, offset: float,
+    router_weight: torch.Tensor, k: int, renormalize: bool, scoring: str, correction_bias: torch.Tensor | None,
+    scale: float, backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if backend == "triton" and _backend.NORM_ROUTE_FUSED and x.shape[0] <= _backend.ROUTE_FUSED_MAX_T:
+        w, ids, h, r = _triton().norm_route(x, residual, norm_weight, eps, offset, router_weight, k, renormalize,
+                                            scoring, correction_bias=correction_bias, scale=scale)
+        return h, r, w, ids
+    if backend == "triton":
+        h, r = _triton().add_rms_norm(x.contiguous(), residual.contiguous(), norm_weight, eps, offset)
+    else:
+        h, r = reference.add_rms_norm(x, residual, norm_weight, eps, offset)
+    w, ids = _route_impl(h, router_weight, k, renormalize, scoring, correction_bias, scale, backend)
+    return h, r, w, ids
+
+
+_add_rms_norm_route_op = torch.library.custom_op("fastawq::add_rms_norm_route", _add_rms_norm_route_impl,
+                                                 mutates_args=())
+
+
+@_add_rms_norm_route_op.register_fake
+def _(x, residual, norm_weight, eps, offset, router_weight, k, renormalize, scoring, correction_bias, scale, backend):
+    torch._check(residual.shape == x.shape, lambda: f"residual {tuple(residual.shape)} vs x {tuple(x.shape)}")
+    t = x.shape[0]
+    return (x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty((t, k), dtype=torch.float32),
+            x.new_empty((t, k), dtype=torch.int64))
+
+
+# x [T, H] · residual [T, H] · norm_weight [H] · router_weight [E, H]
+#   ->  h [T, H] · x + residual [T, H] · topk_weights [T, k] fp32 · topk_ids [T, k] int64
+def add_rms_norm_route(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, offset: float,
+    router_weight: torch.Tensor, k: int, renormalize: bool = True, scoring: str = "softmax", *,
+    correction_bias: torch.Tensor | None = None, scale: float = 1.0, backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ops.add_rms_norm(x, residual, ...) and ops.route(h, ...) of an MoE block's input; on GPUs, with
+    backend.NORM_ROUTE_FUSED, one Triton launch for both up to backend.ROUTE_FUSED_MAX_T tokens."""
+    if x.dim() != 2 or residual.shape != x.shape or norm_weight.shape != (x.shape[-1],):
+        raise ValueError(f"add_rms_norm_route needs x [T, H], residual like x and norm_weight [H], got x "
+                         f"{tuple(x.shape)}, residual {tuple(residual.shape)}, norm_weight {tuple(norm_weight.shape)}")
+    t, e = reference.check_route(x, router_weight)
+    reference.check_topk_route(x.new_empty((0, e)), k, scoring, correction_bias)
+    check_same_device(x=x, residual=residual, norm_weight=norm_weight, router_weight=router_weight,
+                      correction_bias=correction_bias)
+
+    def fits(b: str) -> str | None:
+        if b == "triton" and x.dtype not in _HALF + (torch.float32,):
+            return f"x is {x.dtype}"
+        return _triton().topk_route_fits(e, 1, scoring) if b == "triton" else None
+
+    be = select_backend("route", x.device, backend=backend, shapes_ok=fits, m=t)
+    return _call(torch.ops.fastawq.add_rms_norm_route, _add_rms_norm_route_impl, x, residual, norm_weight,
+                 float(eps), float(offset), router_weight, k, renormalize, scoring, correction_bias, float(scale), be)
