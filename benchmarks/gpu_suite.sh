@@ -97,12 +97,15 @@ if [[ " $stages " == *" moe "* ]]; then
 fi
 if [[ " $stages " == *" ab "* ]]; then
   step ab
-  # One switch off and on, on one built model (benchmarks/bench_ab.py): PDL on the Llama shape,
-  # the attention projections' layout on Qwen3-30B-A3B (all layers): ~3 min.
+  # One switch off and on, on one built model (benchmarks/bench_ab.py): PDL on the Llama shape;
+  # on Qwen3-30B-A3B (all layers) the attention projections' layout and the MoE block's norm in the
+  # routing launch (backend.NORM_ROUTE_FUSED, off until this shows it faster): ~4 min.
   FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare pdl --shape llama-3-8b --layout packed \
     --batches 1,16 --out "$OUT/ab" 2>&1 | grep -E "^\||on / off" || status=1
-  FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare layout --shape qwen3-30b-a3b --batches 1,16 \
-    --rounds 1 --decode 64 --out "$OUT/ab" 2>&1 | grep -E "^\||on / off" || status=1
+  for what in layout norm_route; do
+    FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare $what --shape qwen3-30b-a3b --batches 1,16 \
+      --rounds 1 --decode 64 --out "$OUT/ab" 2>&1 | grep -E "^\||on / off" || status=1
+  done
 fi
 if [[ " $stages " == *" e2e "* ]] && [ -f benchmarks/bench_e2e.py ]; then
   step e2e
