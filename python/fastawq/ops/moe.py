@@ -20,6 +20,7 @@ from fastawq.ops._common import HALF as _HALF
 from fastawq.ops._common import call_op as _call
 from fastawq.ops._common import check_same_device
 from fastawq.ops._common import triton_module as _triton
+from fastawq.ops.layer import _add_rms_norm_impl
 
 
 # w13_qweight [E, H, 2I // 8] · w13_scales [E, H // G, 2I] · w13_qzeros [E, H // G, 2I // 8]
@@ -296,7 +297,7 @@ def _route_impl(x: torch.Tensor, router_weight: torch.Tensor, k: int, renormaliz
                                scale=scale)
     if backend == "triton":
         logits = torch.nn.functional.linear(x.to(router_weight.dtype), router_weight)
-        return _triton().topk_route(logits, k, renormalize, scoring, correction_bias=correction_bias, scale=scale)
+        return _topk_route_impl(logits, k, renormalize, scoring, correction_bias, scale, backend)
     return reference.route(x, router_weight, k, renormalize, scoring, correction_bias=correction_bias, scale=scale)
 
 
@@ -319,14 +320,7 @@ def route(
     """reference.route (the router GEMM, then topk_route without a group limit): on GPUs one Triton
     launch for both up to backend.ROUTE_FUSED_MAX_T tokens (with ROUTE_FUSED), else the GEMM in
     torch and topk_route's launch."""
-    t, e = reference.check_route(x, router_weight)
-    reference.check_topk_route(x.new_empty((0, e)), k, scoring, correction_bias)
-    check_same_device(x=x, router_weight=router_weight, correction_bias=correction_bias)
-
-    def fits(b: str) -> str | None:
-        return _triton().topk_route_fits(e, 1, scoring) if b == "triton" else None
-
-    be = select_backend("route", x.device, backend=backend, shapes_ok=fits, m=t)
+    be = _route_backend(x, router_weight, k, scoring, correction_bias, backend)
     return _call(torch.ops.fastawq.route, _route_impl, x, router_weight, k, renormalize, scoring, correction_bias,
                  float(scale), be)
 
@@ -340,10 +334,7 @@ def _add_rms_norm_route_impl(
         w, ids, h, r = _triton().norm_route(x, residual, norm_weight, eps, offset, router_weight, k, renormalize,
                                             scoring, correction_bias=correction_bias, scale=scale)
         return h, r, w, ids
-    if backend == "triton":
-        h, r = _triton().add_rms_norm(x.contiguous(), residual.contiguous(), norm_weight, eps, offset)
-    else:
-        h, r = reference.add_rms_norm(x, residual, norm_weight, eps, offset)
+    h, r = _add_rms_norm_impl(x, residual, norm_weight, eps, offset, backend)
     w, ids = _route_impl(h, router_weight, k, renormalize, scoring, correction_bias, scale, backend)
     return h, r, w, ids
 
@@ -372,16 +363,23 @@ def add_rms_norm_route(
     if x.dim() != 2 or residual.shape != x.shape or norm_weight.shape != (x.shape[-1],):
         raise ValueError(f"add_rms_norm_route needs x [T, H], residual like x and norm_weight [H], got x "
                          f"{tuple(x.shape)}, residual {tuple(residual.shape)}, norm_weight {tuple(norm_weight.shape)}")
+    check_same_device(x=x, residual=residual, norm_weight=norm_weight)
+    be = _route_backend(x, router_weight, k, scoring, correction_bias, backend, _HALF + (torch.float32,))
+    return _call(torch.ops.fastawq.add_rms_norm_route, _add_rms_norm_route_impl, x, residual, norm_weight,
+                 float(eps), float(offset), router_weight, k, renormalize, scoring, correction_bias, float(scale), be)
+
+
+def _route_backend(x: torch.Tensor, router_weight: torch.Tensor, k: int, scoring: str,
+                   correction_bias: torch.Tensor | None, backend: str | None, triton_dtypes: tuple = ()) -> str:
+    """Validate route's inputs (errors name the shapes) and choose its backend; triton_dtypes, when
+    given, are the x dtypes the Triton path takes."""
     t, e = reference.check_route(x, router_weight)
     reference.check_topk_route(x.new_empty((0, e)), k, scoring, correction_bias)
-    check_same_device(x=x, residual=residual, norm_weight=norm_weight, router_weight=router_weight,
-                      correction_bias=correction_bias)
+    check_same_device(x=x, router_weight=router_weight, correction_bias=correction_bias)
 
     def fits(b: str) -> str | None:
-        if b == "triton" and x.dtype not in _HALF + (torch.float32,):
+        if b == "triton" and triton_dtypes and x.dtype not in triton_dtypes:
             return f"x is {x.dtype}"
         return _triton().topk_route_fits(e, 1, scoring) if b == "triton" else None
 
-    be = select_backend("route", x.device, backend=backend, shapes_ok=fits, m=t)
-    return _call(torch.ops.fastawq.add_rms_norm_route, _add_rms_norm_route_impl, x, residual, norm_weight,
-                 float(eps), float(offset), router_weight, k, renormalize, scoring, correction_bias, float(scale), be)
+    return select_backend("route", x.device, backend=backend, shapes_ok=fits, m=t)
