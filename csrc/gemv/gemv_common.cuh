@@ -30,23 +30,25 @@ __device__ __forceinline__ void decode_bytes(uint32_t v, float (&f)[4]) {
   f[3] = __uint_as_float(__byte_perm(v, kHalf, 0x7344));
 }
 
-// red[w][m][c] holds warp w's sums (in units of 1/256, see decode_bytes) for column col0 + c; the
-// caller has filled it and synchronised the block. Sum the warps and write out = 256 * sum + bias,
-// or with split K (gridDim.y > 1) add into the zeroed fp32 workspace [M, n]: the last block of the
-// column tile to arrive converts the sums and zeroes them again (graph-safe, no extra launch).
+// red[w][m][c] holds warp w's sums (in units of `unit`: 1/256 for decode_bytes) for row m < rows
+// (<= M) and column col0 + c; the caller has filled it and synchronised the block. Sum the warps
+// and write out = unit * sum + bias, or with split K (gridDim.y > 1) add into the zeroed fp32
+// workspace [rows, n]: the last block of the column tile to arrive converts the sums and zeroes
+// them again (graph-safe, no extra launch).
 template <typename T, int M, int kThreads, int kWarps, int kTileCols>
 __device__ __forceinline__ void store_tile(const float (&red)[kWarps][M][kTileCols], int& is_last,
                                            const T* __restrict__ bias, T* __restrict__ out, float* __restrict__ ws,
-                                           int* __restrict__ counters, int n, int col0) {
+                                           int* __restrict__ counters, int n, int col0, int rows = M,
+                                           float unit = 256.f) {
   using Tr = HalfTraits<T>;
   const auto write = [&](int mm, int col, float v) {
     const float b = bias != nullptr ? Tr::to_float(bias[col]) : 0.f;
-    out[static_cast<int64_t>(mm) * n + col] = Tr::from_float(fmaf(256.f, v, b));
+    out[static_cast<int64_t>(mm) * n + col] = Tr::from_float(fmaf(unit, v, b));
   };
   const bool split = gridDim.y > 1;
   for (int e = threadIdx.x; e < M * kTileCols; e += kThreads) {
     const int mm = e / kTileCols, tc = e % kTileCols, col = col0 + tc;
-    if (col >= n) continue;
+    if (col >= n || mm >= rows) continue;
     float v = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) v += red[w][mm][tc];
@@ -70,7 +72,7 @@ __device__ __forceinline__ void store_tile(const float (&red)[kWarps][M][kTileCo
   __threadfence();
   for (int e = threadIdx.x; e < M * kTileCols; e += kThreads) {
     const int mm = e / kTileCols, col = col0 + e % kTileCols;
-    if (col >= n) continue;
+    if (col >= n || mm >= rows) continue;
     float* p = ws + static_cast<int64_t>(mm) * n + col;
     const float v = __ldcg(p);
     __stcg(p, 0.f);
