@@ -33,6 +33,13 @@ void awq_dequantize_into(const at::Tensor& qweight, const at::Tensor& scales, co
 at::Tensor awq_gemv_packed(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n,
                            int64_t group_size, const std::optional<at::Tensor>& bias);
 
+// The same on the tensor cores for x [M<=32, K] (csrc/gemv/awq_mma_packed.cu). chunks (32-column
+// chunks per block tile: 1, 2, 4) and warps_per_sm (the grid's target) 0: the kernel's defaults;
+// set, they let a benchmark sweep the tile.
+at::Tensor awq_mma_packed(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n,
+                          int64_t group_size, const std::optional<at::Tensor>& bias, int64_t chunks,
+                          int64_t warps_per_sm);
+
 // MoE decode on the CUDA cores (csrc/moe/): x [T, H] fp16|bf16 · topk_ids [T, k] int32|int64 ·
 // topk_weights [T, k] fp32 · stacked AWQ expert weights as fastawq::moe_w4 (scales in x's dtype)
 // -> [T, H] = sum_j w[:, j] * down_e(act(gate_e(x)) * up_e(x)). Ids outside [0, E) add nothing.

@@ -26,6 +26,8 @@ TORCH_LIBRARY(fastawq, m) {
   // No tensors: callable without a GPU, so Python asks the one owner of the fit rules.
   m.def("awq_gemm_declines(str kernel, int m, int n, int k, int group_size) -> str", &fastawq::awq_gemm_declines);
   m.def("awq_gemv_packed(Tensor x, Tensor wpacked, Tensor szpacked, int n, int group_size, Tensor? bias) -> Tensor");
+  m.def("awq_mma_packed(Tensor x, Tensor wpacked, Tensor szpacked, int n, int group_size, Tensor? bias, "
+        "int chunks=0, int warps_per_sm=0) -> Tensor");
   m.def("moe_gemv_w4(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_qweight, Tensor w13_scales, "
         "Tensor w13_qzeros, Tensor w2_qweight, Tensor w2_scales, Tensor w2_qzeros, int group_size, str act) -> Tensor");
   m.def("moe_gemv_w4_declines(int num_experts, int hidden, int inter, int group_size) -> str",
@@ -47,6 +49,7 @@ TORCH_LIBRARY_IMPL(fastawq, CUDA, m) {
   m.impl("awq_dequantize", &fastawq::awq_dequantize);
   m.impl("awq_gemm", &fastawq::awq_gemm);
   m.impl("awq_gemv_packed", &fastawq::awq_gemv_packed);
+  m.impl("awq_mma_packed", &fastawq::awq_mma_packed);
   m.impl("moe_gemv_w4", &fastawq::moe_gemv_w4);
   m.impl("decode_attention", &fastawq::decode_attention);
   m.impl("decode_attention_out", &fastawq::decode_attention_out);

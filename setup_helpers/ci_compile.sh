@@ -29,7 +29,8 @@ import torch
 mode = os.environ["FASTAWQ_BUILD_KERNELS"]
 ops = ("awq_cpu_repack", "awq_cpu_gemm", "awq_cpu_isas")
 if mode == "on":
-    ops += ("awq_dequantize", "awq_gemm", "awq_gemm_declines", "decode_attention", "decode_attention_out")
+    ops += ("awq_dequantize", "awq_gemm", "awq_gemm_declines", "awq_gemv_packed", "awq_mma_packed", "decode_attention",
+            "decode_attention_out")
 if mode == "cpu":
     assert not hasattr(torch.ops.fastawq, "awq_gemm") and not status["archs"], "a CPU-only build holds CUDA code"
 missing = [op for op in ops if not hasattr(torch.ops.fastawq, op)]

@@ -1,5 +1,6 @@
-// Host entry of fastawq::awq_gemv_packed: validation (messages name m, n, k, group_size) and the
-// grid of the decode kernel on the repacked layout (csrc/gemv/awq_gemv_packed.h).
+// Host entries of the kernels on the repacked layout (csrc/gemv/awq_gemv_packed.h):
+// fastawq::awq_gemv_packed (CUDA cores, M <= 8) and fastawq::awq_mma_packed (tensor cores,
+// M <= 32). One validation (messages name the op, m, n, k, group_size) and one grid plan.
 #include <algorithm>
 
 #include <ATen/ATen.h>
@@ -20,60 +21,80 @@ constexpr int64_t kMaxDim = int64_t{1} << 30;
 // 95 at 2..3, ~128 at 4..5, ~165 at 6..7, ~190 at 8; 4-warp blocks).
 constexpr int64_t kWarpsPerSm[kPackedMaxM + 1] = {32, 32, 20, 20, 16, 16, 12, 12, 8};
 
+// The tensor-core kernel's tile when the caller leaves it to the kernel, from the H200 sweep of
+// benchmarks/gemm_table.py --kernels (RESULTS.md, session 5): 4 chunks up to M = 4, else 2; the
+// grid aims at the warps that fit on the SMs at once (the occupancy query), 8 per SM for 2 mma tiles.
+int default_chunks(int64_t m) { return m <= 4 ? 4 : 2; }
+int64_t default_warps_per_sm(int tiles) { return tiles == 2 ? 8 : 0; }
+
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// The checks both ops share; returns the bias pointer (nullptr without one).
+const at::Tensor* check_packed(const char* op, const at::Tensor& x, const at::Tensor& wpacked,
+                               const at::Tensor& szpacked, int64_t n, int64_t g, const std::optional<at::Tensor>& bias,
+                               int64_t max_m) {
+  FASTAWQ_CHECK(x.dim() == 2, op, ": x must be [M, K], got ", shape_str(x));
+  const int64_t m = x.size(0), k = x.size(1);
+  const auto problem = [&] { return cat("(m=", m, ", n=", n, ", k=", k, ", group_size=", g, ")"); };
+  FASTAWQ_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, op,
+                ": x must be fp16 or bf16, got ", x.scalar_type(), " ", problem());
+  FASTAWQ_CHECK(m >= 0 && m <= max_m, op, ": takes 1 <= M <= ", max_m, ", got ", problem());
+  FASTAWQ_CHECK(n > 0 && n % 8 == 0 && n <= kMaxDim, op, ": n must be a positive multiple of 8 ", problem());
+  FASTAWQ_CHECK(g > 0 && g % 32 == 0 && k % g == 0 && k % 32 == 0 && k <= kMaxDim, op,
+                ": needs group_size a multiple of 32 and K a multiple of group_size ", problem());
+  FASTAWQ_CHECK(wpacked.dim() == 2 && wpacked.scalar_type() == at::kInt && wpacked.size(0) * 8 == k &&
+                    wpacked.size(1) == n,
+                op, ": wpacked must be int32 [K/8=", k / 8, ", N=", n, "] from awq_gemv_repack, got ",
+                wpacked.scalar_type(), " ", shape_str(wpacked), " ", problem());
+  FASTAWQ_CHECK(szpacked.dim() == 2 && szpacked.scalar_type() == x.scalar_type() && szpacked.size(0) == k / g &&
+                    szpacked.size(1) == 2 * n,
+                op, ": szpacked must be ", x.scalar_type(), " [K/G=", k / g, ", 2N=", 2 * n,
+                "] from awq_gemv_repack, got ", szpacked.scalar_type(), " ", shape_str(szpacked), " ", problem());
+  FASTAWQ_CHECK(x.is_cuda() && wpacked.device() == x.device() && szpacked.device() == x.device(), op,
+                ": x, wpacked and szpacked must be on one CUDA device, got ", x.device(), ", ", wpacked.device(), ", ",
+                szpacked.device());
+  FASTAWQ_CHECK(x.is_contiguous() && wpacked.is_contiguous() && szpacked.is_contiguous(), op, ": x ", shape_str(x),
+                ", wpacked and szpacked must be contiguous ", problem());
+  FASTAWQ_CHECK(aligned16(x) && aligned16(wpacked) && aligned16(szpacked), op,
+                ": x, wpacked and szpacked must be 16-byte aligned ", problem());
+  if (!bias.has_value()) return nullptr;
+  const at::Tensor* b = &bias.value();
+  FASTAWQ_CHECK(b->dim() == 1 && b->size(0) == n && b->scalar_type() == x.scalar_type() &&
+                    b->device() == x.device() && b->is_contiguous(),
+                op, ": bias must be a contiguous [N=", n, "] ", x.scalar_type(), " tensor on ", x.device(), ", got ",
+                shape_str(*b), " ", b->scalar_type(), " on ", b->device());
+  return b;
+}
+
+// The grid of both kernels: one column tile per blockIdx.x; K cut into contiguous warp ranges of at
+// least two 32-row steps (so the next step's loads overlap the current one) until the grid holds
+// about want_warps warps; 4 warps (ranges) per block, blockIdx.y over the remaining ranges.
+struct SplitPlan {
+  int col_tiles, splits, steps_per_warp;
+};
+
+SplitPlan plan_split(int64_t n, int64_t k, int64_t tile_cols, int64_t want_warps) {
+  const int64_t col_tiles = (n + tile_cols - 1) / tile_cols;
+  const int64_t steps = k / kPackedBatchRows;
+  int64_t spw = (steps * col_tiles + want_warps - 1) / want_warps;
+  spw = std::max<int64_t>(2, std::min(spw, steps));
+  const int64_t ranges = (steps + spw - 1) / spw;
+  return {static_cast<int>(col_tiles), static_cast<int>((ranges + 3) / 4), static_cast<int>(spw)};
+}
 
 }  // namespace
 
 at::Tensor awq_gemv_packed(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n,
                            int64_t group_size, const std::optional<at::Tensor>& bias) {
-  FASTAWQ_CHECK(x.dim() == 2, "awq_gemv_packed: x must be [M, K], got ", shape_str(x));
-  const int64_t m = x.size(0), k = x.size(1), g = group_size;
-  const auto problem = [&] { return cat("(m=", m, ", n=", n, ", k=", k, ", group_size=", g, ")"); };
-  FASTAWQ_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
-                "awq_gemv_packed: x must be fp16 or bf16, got ", x.scalar_type(), " ", problem());
-  FASTAWQ_CHECK(m >= 0 && m <= kPackedMaxM, "awq_gemv_packed: takes 1 <= M <= ", kPackedMaxM, ", got ", problem());
-  FASTAWQ_CHECK(n > 0 && n % 8 == 0 && n <= kMaxDim, "awq_gemv_packed: n must be a positive multiple of 8 ", problem());
-  FASTAWQ_CHECK(g > 0 && g % 32 == 0 && k % g == 0 && k % 32 == 0 && k <= kMaxDim,
-                "awq_gemv_packed: needs group_size a multiple of 32 and K a multiple of group_size ", problem());
-  FASTAWQ_CHECK(wpacked.dim() == 2 && wpacked.scalar_type() == at::kInt && wpacked.size(0) * 8 == k &&
-                    wpacked.size(1) == n,
-                "awq_gemv_packed: wpacked must be int32 [K/8=", k / 8, ", N=", n, "] from awq_gemv_repack, got ",
-                wpacked.scalar_type(), " ", shape_str(wpacked), " ", problem());
-  FASTAWQ_CHECK(szpacked.dim() == 2 && szpacked.scalar_type() == x.scalar_type() && szpacked.size(0) == k / g &&
-                    szpacked.size(1) == 2 * n,
-                "awq_gemv_packed: szpacked must be ", x.scalar_type(), " [K/G=", k / g, ", 2N=", 2 * n,
-                "] from awq_gemv_repack, got ", szpacked.scalar_type(), " ", shape_str(szpacked), " ", problem());
-  FASTAWQ_CHECK(x.is_cuda() && wpacked.device() == x.device() && szpacked.device() == x.device(),
-                "awq_gemv_packed: x, wpacked and szpacked must be on one CUDA device, got ", x.device(), ", ",
-                wpacked.device(), ", ", szpacked.device());
-  FASTAWQ_CHECK(x.is_contiguous() && wpacked.is_contiguous() && szpacked.is_contiguous(),
-                "awq_gemv_packed: x ", shape_str(x), ", wpacked and szpacked must be contiguous ", problem());
-  FASTAWQ_CHECK(aligned16(x) && aligned16(wpacked) && aligned16(szpacked),
-                "awq_gemv_packed: x, wpacked and szpacked must be 16-byte aligned ", problem());
-  const at::Tensor* b = nullptr;
-  if (bias.has_value()) {
-    b = &bias.value();
-    FASTAWQ_CHECK(b->dim() == 1 && b->size(0) == n && b->scalar_type() == x.scalar_type() &&
-                      b->device() == x.device() && b->is_contiguous(),
-                  "awq_gemv_packed: bias must be a contiguous [N=", n, "] ", x.scalar_type(), " tensor on ",
-                  x.device(), ", got ", shape_str(*b), " ", b->scalar_type(), " on ", b->device());
-  }
+  const at::Tensor* b = check_packed("awq_gemv_packed", x, wpacked, szpacked, n, group_size, bias, kPackedMaxM);
+  const int64_t m = x.size(0), k = x.size(1);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
   if (k == 0) return b != nullptr ? out.copy_(b->expand({m, n})) : out.zero_();
 
-  // Grid: one 128-column tile per blockIdx.x; K cut into contiguous warp ranges of at least two
-  // 32-row batches (so the next batch's loads overlap the current one) until the grid is about one wave.
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int col_tiles = static_cast<int>((n + kPackedTileCols - 1) / kPackedTileCols);
-  const int64_t batches = k / kPackedBatchRows;
-  const int64_t want_warps = sms * kWarpsPerSm[m];
-  int64_t bpw = (batches * col_tiles + want_warps - 1) / want_warps;
-  bpw = std::max<int64_t>(2, std::min(bpw, batches));
-  const int64_t ranges = (batches + bpw - 1) / bpw;
-  const int splits = static_cast<int>((ranges + 3) / 4);
-
+  const SplitPlan plan = plan_split(n, k, kPackedTileCols, sms * kWarpsPerSm[m]);
   GemvPackedArgs a{};
   a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
   a.x = x.data_ptr();
@@ -81,13 +102,53 @@ at::Tensor awq_gemv_packed(const at::Tensor& x, const at::Tensor& wpacked, const
   a.sz = szpacked.data_ptr();
   a.bias = b != nullptr ? b->data_ptr() : nullptr;
   a.out = out.data_ptr();
-  if (splits > 1) {
+  if (plan.splits > 1) {
     a.workspace = zeroed_sums(Workspace::kGemvSums, x.device(), m * n);
-    a.counters = zeroed_counters(Workspace::kGemmTileCounters, x.device(), col_tiles);
+    a.counters = zeroed_counters(Workspace::kGemmTileCounters, x.device(), plan.col_tiles);
   }
-  a.m = static_cast<int>(m), a.n = static_cast<int>(n), a.k = static_cast<int>(k), a.group_size = static_cast<int>(g);
-  a.col_tiles = col_tiles, a.splits = splits, a.batches_per_warp = static_cast<int>(bpw);
+  a.m = static_cast<int>(m), a.n = static_cast<int>(n), a.k = static_cast<int>(k);
+  a.group_size = static_cast<int>(group_size);
+  a.col_tiles = plan.col_tiles, a.splits = plan.splits, a.batches_per_warp = plan.steps_per_warp;
   launch_awq_gemv_packed(a, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+at::Tensor awq_mma_packed(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n,
+                          int64_t group_size, const std::optional<at::Tensor>& bias, int64_t chunks,
+                          int64_t warps_per_sm) {
+  const at::Tensor* b = check_packed("awq_mma_packed", x, wpacked, szpacked, n, group_size, bias, kMmaPackedMaxM);
+  const int64_t m = x.size(0), k = x.size(1);
+  const int tiles = mma_packed_tiles(static_cast<int>(std::max<int64_t>(m, 1)));
+  if (chunks == 0) chunks = default_chunks(m);
+  if (warps_per_sm == 0) warps_per_sm = default_warps_per_sm(tiles);
+  FASTAWQ_CHECK(mma_packed_chunks_ok(static_cast<int>(std::max<int64_t>(m, 1)), static_cast<int>(chunks)),
+                "awq_mma_packed: chunks must be 1, 2 or 4 (1 or 2 above M = 16), got ", chunks, " at m=", m);
+  FASTAWQ_CHECK(warps_per_sm >= 0 && warps_per_sm <= 64,
+                "awq_mma_packed: warps_per_sm must be in 1..64 (0: what fits), got ", warps_per_sm);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  if (k == 0) return b != nullptr ? out.copy_(b->expand({m, n})) : out.zero_();
+
+  MmaPackedArgs a{};
+  a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
+  a.m = static_cast<int>(m), a.chunks = static_cast<int>(chunks);
+  if (warps_per_sm == 0) warps_per_sm = 4 * mma_packed_resident_blocks(a);
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const SplitPlan plan = plan_split(n, k, 32 * chunks, sms * warps_per_sm);
+  a.x = x.data_ptr();
+  a.w = reinterpret_cast<const uint32_t*>(wpacked.data_ptr<int>());
+  a.sz = szpacked.data_ptr();
+  a.bias = b != nullptr ? b->data_ptr() : nullptr;
+  a.out = out.data_ptr();
+  if (plan.splits > 1) {
+    a.workspace = zeroed_sums(Workspace::kGemvSums, x.device(), m * n);
+    a.counters = zeroed_counters(Workspace::kGemmTileCounters, x.device(), plan.col_tiles);
+  }
+  a.n = static_cast<int>(n), a.k = static_cast<int>(k), a.group_size = static_cast<int>(group_size);
+  a.col_tiles = plan.col_tiles, a.splits = plan.splits, a.steps_per_warp = plan.steps_per_warp;
+  launch_awq_mma_packed(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }

@@ -1,5 +1,6 @@
-// Launcher of the decode kernel on the repacked layout (csrc/gemv/awq_gemv_packed.cu), shared with
-// its host entry (awq_gemv_packed.cpp). Plain pointers only: the .cu includes no torch headers.
+// Launchers of the kernels on the repacked layout (csrc/gemv/awq_gemv_packed.cu on the CUDA cores,
+// csrc/gemv/awq_mma_packed.cu on the tensor cores), shared with their host entries
+// (awq_gemv_packed.cpp). Plain pointers only: the .cu files include no torch headers.
 #pragma once
 
 #include <cstdint>
@@ -36,5 +37,32 @@ struct GemvPackedArgs {
 };
 
 void launch_awq_gemv_packed(const GemvPackedArgs& args, cudaStream_t stream);
+
+// The tensor-core ("swap AB") kernel: 1 <= M <= kMmaPackedMaxM, the batch in 8-row mma tiles
+// (1, 2 or 4 of them), a block's tile `chunks` x 32 columns (1, 2, or 4 with fewer than 4 mma tiles).
+constexpr int kMmaPackedMaxM = 32;
+inline int mma_packed_tiles(int m) { return m <= 8 ? 1 : (m <= 16 ? 2 : 4); }
+inline bool mma_packed_chunks_ok(int m, int chunks) {
+  return chunks == 1 || chunks == 2 || (chunks == 4 && mma_packed_tiles(m) < 4);
+}
+
+struct MmaPackedArgs {
+  HalfType dtype;
+  const void* x;           // [M, K], 16-byte aligned, K % 32 == 0
+  const uint32_t* w;       // wpacked [K/8, N]
+  const void* sz;          // szpacked [K/G, 2N]
+  const void* bias;        // [N] or nullptr
+  void* out;               // [M, N]
+  float* workspace;        // [M, N] fp32, zeroed (left zeroed), when splits > 1
+  int* counters;           // zeroed, one per column tile, when splits > 1
+  int m, n, k, group_size;
+  int chunks;              // 32-column chunks per block tile
+  int col_tiles, splits;   // grid
+  int steps_per_warp;      // 32-row steps of K per warp
+};
+
+void launch_awq_mma_packed(const MmaPackedArgs& args, cudaStream_t stream);
+// Blocks of the kernel args.m and args.chunks select that fit on one SM (dtype, m, chunks read).
+int mma_packed_resident_blocks(const MmaPackedArgs& args);
 
 }  // namespace fastawq
