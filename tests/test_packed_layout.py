@@ -218,9 +218,14 @@ def test_auto_layout_follows_the_backend_choice(monkeypatch):
     assert layer.layout == backend.preferred_layout(torch.device("cpu")) == "awq"
     cuda = torch.device("cuda")
     monkeypatch.setattr(backend._ext, "has_op", lambda name: True)
-    # Packed where it was measured to win: the fused engine's decode at batch <= 4.
-    assert [backend.preferred_layout(cuda, b) for b in (1, 4, 5, None)] == ["packed", "packed", "awq", "awq"]
+    # Packed where it was measured to win: the fused engine's decode at batch <= 16.
+    top = backend.PACKED_FUSED_MAX_BATCH
+    assert [backend.preferred_layout(cuda, b) for b in (1, 4, top, top + 1, None)] == [
+        "packed", "packed", "packed", "awq", "awq"]
     assert backend.preferred_layout(torch.device("cpu"), 1) == "awq"
+    # Without the tensor-core kernel only the batches the GEMV serves.
+    monkeypatch.setattr(backend._ext, "has_op", lambda name: name != "awq_mma_packed")
+    assert [backend.preferred_layout(cuda, b) for b in (1, backend.PACKED_GEMV_MAX_M + 1)] == ["packed", "awq"]
     monkeypatch.setattr(backend._ext, "has_op", lambda name: name != "awq_gemv_packed")
     assert backend.preferred_layout(cuda, 1) == "awq"
 

@@ -44,10 +44,15 @@ CUDA_GEMV_MAX_M = 2
 # the plain GEMV at M=1, the staged one (activations staged in shared memory) at M=2; above
 # that "auto" (the tensor-core kernel when it fits, else dequantize + cuBLAS).
 CUDA_GEMM_KERNEL_BY_M = {1: "gemv", 2: "gemv_staged"}
-# packed_gemm (the packed layout of ops/repack.py): its compiled kernel, awq_gemv_packed, takes
-# M <= 8 and beats the AWQ-layout kernels up to M = 4 (RESULTS.md, H200); the Triton GEMM on the
-# packed layout serves above.
-PACKED_GEMV_MAX_M = 4
+# packed_gemm (the packed layout of ops/repack.py) has two compiled kernels: awq_gemv_packed (CUDA
+# cores, M <= 8) up to PACKED_GEMV_MAX_M rows, awq_mma_packed (tensor cores, M <= 32) up to
+# PACKED_MMA_MAX_M, the Triton GEMM on the packed layout above. H200, benchmarks/RESULTS.md
+# (session 5), geomean x cuBLAS fp16 / bf16: the GEMV 2.06 / 1.95 at M = 1, 1.50 / 1.43 at M = 2,
+# level with the tensor-core kernel at M = 3 (1.26 / 1.25), behind it from M = 4 (1.17 vs 1.24,
+# M = 8: 0.55 vs 1.19); at M = 16 the tensor-core kernel (1.03) edges the AWQ layout's Triton
+# kernels (0.87-0.98), above 16 it does not win (M = 32: 0.77 vs 0.77).
+PACKED_GEMV_MAX_M = 2
+PACKED_MMA_MAX_M = 16
 # moe_w4 is sized by its load, ceil(T * k / E) assignments per expert, not by T: the compiled MoE
 # decode kernel (csrc/moe/, which reads an expert once per assignment) serves up to
 # MOE_GEMV_MAX_LOAD, the Triton grouped GEMM (each expert once per block of rows) above. H200,
@@ -71,20 +76,31 @@ _CUDA_PREFERENCE: dict[str, list[tuple[int | None, tuple[str, ...]]]] = {
         *((m, ("cuda", "triton", "torch")) for m in sorted(CUDA_GEMM_KERNEL_BY_M)),
         (None, ("triton", "cuda", "torch")),
     ],
-    "packed_gemm": [(PACKED_GEMV_MAX_M, ("cuda", "triton", "torch")), (None, ("triton", "torch"))],
+    "packed_gemm": [
+        (PACKED_GEMV_MAX_M, ("cuda", "triton", "torch")),
+        *([(PACKED_MMA_MAX_M, ("cuda", "triton", "torch"))] if PACKED_MMA_MAX_M > PACKED_GEMV_MAX_M else []),
+        (None, ("triton", "torch")),
+    ],
 }
-# Where layout "auto" picks the packed layout on CUDA devices (with the compiled awq_gemv_packed).
+# Where layout "auto" picks the packed layout on CUDA devices (with the compiled kernels).
 # Everywhere only once the GPU benchmark (benchmarks/gemm_table.py --layouts awq,packed) shows it
-# at least as fast at every M; meanwhile for the fused engine serving at most PACKED_GEMV_MAX_M
-# sequences, whose decode steps are all M <= 4 (H200: 1.97 / 1.51 / 1.14x cuBLAS at M = 1 / 2 / 4
-# against the AWQ layout's 1.72 / 1.39 / 0.95x, RESULTS.md).
+# at least as fast at every M (prefill runs the Triton GEMM on it, behind the AWQ layout's at
+# M >= 1024); meanwhile for the fused engine serving at most PACKED_FUSED_MAX_BATCH sequences,
+# whose decode steps the compiled kernels serve (H200, Llama-3-8B shape, benchmarks/bench_ab.py
+# --compare layout: decode 1.45x / 1.42x / 1.24x the AWQ layout at batch 4 / 8 / 16, RESULTS.md).
 PACKED_LAYOUT_BY_DEFAULT = False
 PACKED_LAYOUT_FOR_FUSED_DECODE = True
+PACKED_FUSED_MAX_BATCH = PACKED_MMA_MAX_M
 
 
 def cuda_gemm_kernel(m: int | None) -> str:
     """The compiled awq_gemm kernel name for an M bucket (None: above every GEMV bucket)."""
     return CUDA_GEMM_KERNEL_BY_M.get(m, "auto") if m is not None else "auto"
+
+
+def packed_kernel(m: int | None) -> str:
+    """The compiled packed_gemm kernel for an M bucket: "gemv" (awq_gemv_packed) or "mma" (awq_mma_packed)."""
+    return "gemv" if m is not None and m <= PACKED_GEMV_MAX_M else "mma"
 
 
 def size_buckets(op: str) -> list[int | None]:
@@ -104,7 +120,8 @@ def preferred_layout(device: torch.device, fused_batch: int | None = None) -> st
     the batch size of the fused engine the layers will serve (None: not fused)."""
     if device.type != "cuda" or not _ext.has_op(COMPILED_OPS["packed_gemm"]):
         return "awq"
-    fused_decode = fused_batch is not None and fused_batch <= PACKED_GEMV_MAX_M
+    fused_max = PACKED_FUSED_MAX_BATCH if _ext.has_op("awq_mma_packed") else PACKED_GEMV_MAX_M
+    fused_decode = fused_batch is not None and fused_batch <= fused_max
     return "packed" if PACKED_LAYOUT_BY_DEFAULT or (PACKED_LAYOUT_FOR_FUSED_DECODE and fused_decode) else "awq"
 
 

@@ -20,12 +20,14 @@ from typing import Callable
 import torch
 
 from fastawq import _ext, reference
+from fastawq import backend as backend_mod
 from fastawq.backend import select_backend
 from fastawq.ops._common import HALF, call_op, check_same_device
 from fastawq.ops._common import triton_module as _triton
 from fastawq.ops.gemm import check_activations, plan_by_buckets
 
-MAX_M = 8  # the kernel's largest batch
+MAX_M = 8  # awq_gemv_packed's largest batch
+MMA_MAX_M = 32  # awq_mma_packed's
 
 
 def _check_repackable(k: int, n: int, g: int) -> None:
@@ -114,25 +116,33 @@ def _packed_gemm_fits(be: str, x2: torch.Tensor, wpacked, szpacked, n: int, k: i
     if be in ("cuda", "triton") and x2.dtype not in HALF:
         return f"x is {x2.dtype}; the {be} kernels take fp16 or bf16 activations"
     if be == "cuda":
-        if rows is None or rows > MAX_M:
-            return f"awq_gemv_packed takes M <= {MAX_M}, the triton backend serves larger M"
+        op = _compiled_packed_op(rows)
+        if rows is None or rows > (MAX_M if op == "awq_gemv_packed" else MMA_MAX_M):
+            return f"{op} takes M <= {MAX_M if op == 'awq_gemv_packed' else MMA_MAX_M}, the triton backend serves larger M"
+        if not _ext.has_op(op):
+            return f"fastawq._C was built without {op}"
         if g % 32 or k % 32:
-            return f"awq_gemv_packed needs group_size and K multiples of 32, got group_size={g}, K={k}"
+            return f"{op} needs group_size and K multiples of 32, got group_size={g}, K={k}"
         if any(t.data_ptr() % 16 or not t.is_contiguous() for t in (wpacked, szpacked)):
-            return "awq_gemv_packed needs contiguous, 16-byte aligned wpacked and szpacked"
+            return f"{op} needs contiguous, 16-byte aligned wpacked and szpacked"
         return None
     if be == "triton":
         return _triton().packed_gemm_fits(x2, wpacked, g)
     return None
 
 
-def _bind_packed(be: str, dtype: torch.dtype, wpacked, szpacked, n: int, g: int, bias):
+def _compiled_packed_op(rows: int | None) -> str:
+    """The compiled op of an M bucket: the CUDA-core GEMV where backend.packed_kernel says so."""
+    return "awq_gemv_packed" if backend_mod.packed_kernel(rows) == "gemv" else "awq_mma_packed"
+
+
+def _bind_packed(be: str, dtype: torch.dtype, wpacked, szpacked, n: int, g: int, bias, rows: int | None):
     if be != "torch":
         # The kernels read the bias and the (scale, zero) pairs in x's dtype.
         bias = bias.to(dtype) if bias is not None and bias.dtype != dtype else bias
         szpacked = szpacked.to(dtype) if szpacked.dtype != dtype else szpacked
     if be == "cuda":
-        op = torch.ops.fastawq.awq_gemv_packed
+        op = getattr(torch.ops.fastawq, _compiled_packed_op(rows))
 
         def run(x2):
             x2 = x2.contiguous()
@@ -162,7 +172,8 @@ def packed_gemm_plan(
     backend: str | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """packed_gemm validated once and bound per M bucket, as awq_gemm_plan: on CUDA the compiled
-    awq_gemv_packed up to backend.PACKED_GEMV_MAX_M rows, the Triton GEMM on the packed layout above."""
+    awq_gemv_packed up to backend.PACKED_GEMV_MAX_M rows, awq_mma_packed up to
+    backend.PACKED_MMA_MAX_M, the Triton GEMM on the packed layout above."""
     k, n, g = reference.check_packed_shapes(wpacked, szpacked, n, group_size)
     check_activations(x, bias, k, n, f"wpacked {tuple(wpacked.shape)} (N={n})")
     device = check_same_device(x=x, wpacked=wpacked, szpacked=szpacked, bias=bias)
@@ -170,7 +181,8 @@ def packed_gemm_plan(
     return plan_by_buckets(
         "packed_gemm", device, k, n, backend,
         fits=lambda be, rows: _packed_gemm_fits(be, probe, wpacked, szpacked, n, k, g, rows),
-        bind=lambda be, bound: _bind_packed(be, x.dtype, wpacked, szpacked, n, g, bias),
+        bind=lambda be, bound: _bind_packed(be, x.dtype, wpacked, szpacked, n, g, bias, bound),
+        variant=lambda be, bound: _compiled_packed_op(bound) if be == "cuda" else None,
     )
 
 
@@ -222,6 +234,16 @@ def _register_fakes() -> None:
         def _(x, wpacked, szpacked, n, group_size, bias):
             _check_packed_call(x, wpacked, szpacked, n)
             torch._check(x.shape[0] <= MAX_M, lambda: f"awq_gemv_packed takes M <= {MAX_M}, got x {tuple(x.shape)}")
+            return x.new_empty((x.shape[0], n))
+
+    if _ext.has_op("awq_mma_packed"):
+
+        @torch.library.register_fake("fastawq::awq_mma_packed")
+        def _(x, wpacked, szpacked, n, group_size, bias, chunks=0, warps_per_sm=0):
+            _check_packed_call(x, wpacked, szpacked, n)
+            torch._check(
+                x.shape[0] <= MMA_MAX_M, lambda: f"awq_mma_packed takes M <= {MMA_MAX_M}, got x {tuple(x.shape)}"
+            )
             return x.new_empty((x.shape[0], n))
 
 
