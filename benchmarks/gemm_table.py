@@ -7,11 +7,13 @@ between machines.
 
 Columns: `--backends` forces a backend on the AWQ layout (`cuda`, `triton`, ...); `--layouts`
 runs the automatic dispatch on a weight layout (`awq`: ops.awq_gemm, `packed`: ops.packed_gemm
-on the repacked weights), which is what a WQLinear in that layout runs.
+on the repacked weights), which is what a WQLinear in that layout runs; `--kernels` forces a
+compiled kernel on the packed layout (`gemv`, `mma`, `mma:CHUNKS:WARPS_PER_SM`), for tuning.
 
     python benchmarks/gemm_table.py [--backends triton,cuda] [--ms 1,16,64,256,1024,4096] [--out DIR]
     python benchmarks/gemm_table.py --layouts awq,packed --dtypes float16,bfloat16 \
         --ms 1,2,4,8,16,32,64,128,256,1024,4096 --out DIR
+    python benchmarks/gemm_table.py --kernels gemv,mma,mma:2:16 --ms 1,2,4,8,16,32
 """
 from __future__ import annotations
 
@@ -37,10 +39,35 @@ COPIES = 16
 GROUP = 128
 
 
+# Compiled kernels on the packed layout a `--kernels` column may force, and their largest M.
+KERNEL_MAX_M = {"gemv": 8, "mma": 32}
+_PACKED: dict[int, list] = {}
+
+
+def _kernel_caller(col: str, awq: list[tuple], x: torch.Tensor, n: int):
+    """fn(i) for a "kernel:NAME[:CHUNKS:WARPS_PER_SM]" column (None where M is beyond the kernel)."""
+    name, *tile = col.removeprefix("kernel:").split(":")
+    chunks, warps = (int(tile[0]), int(tile[1])) if tile else (0, 0)
+    if x.shape[0] > KERNEL_MAX_M[name] or (chunks == 4 and x.shape[0] > 16):  # 4 chunks: at most 2 mma tiles
+        return None
+    key = id(awq[0][0])
+    if key not in _PACKED:  # one repack per shape for every kernel column and M
+        _PACKED.clear()
+        _PACKED[key] = [ops.awq_gemv_repack(*w, GROUP) for w in awq]
+    packed = _PACKED[key]
+    if name == "gemv":
+        return lambda i: torch.ops.fastawq.awq_gemv_packed(x, *packed[i], n, GROUP, None)
+    return lambda i: torch.ops.fastawq.awq_mma_packed(x, *packed[i], n, GROUP, None, chunks, warps)
+
+
 def _callers(columns: list[str], awq: list[tuple], x: torch.Tensor, n: int) -> dict:
-    """column -> fn(i) running copy i; a layout column binds one plan per copy, as WQLinear does."""
+    """column -> fn(i) running copy i (None: the column skips this M); a layout column binds one
+    plan per copy, as WQLinear does."""
     out = {}
     for col in columns:
+        if col.startswith("kernel:"):
+            out[col] = _kernel_caller(col, awq, x, n)
+            continue
         if col == "layout:awq":
             plans = [ops.awq_gemm_plan(x, *w, GROUP) for w in awq]
         elif col == "layout:packed":
@@ -121,7 +148,11 @@ def run(columns: list[str], ms: list[int], dtype=torch.float16) -> list[dict]:
                    "bytes_w4": w4_bytes(m, k, n, GROUP)}
             ref = reference.awq_gemm(x, *awq[0], GROUP).float()
             for col, fn in _callers(columns, awq, x, n).items():
-                name = col.removeprefix("layout:")
+                name = _name(col)
+                if fn is None:
+                    row.update({f"{name}_us": math.nan, f"{name}_GBps": math.nan, f"{name}_ratio": math.nan,
+                                f"{name}_relerr": math.nan})
+                    continue
                 # Correctness on this exact input before timing it.
                 err = ((fn(0).float() - ref).abs().max() / ref.abs().max()).item()
                 t = time_graph(fn, COPIES)
@@ -130,11 +161,16 @@ def run(columns: list[str], ms: list[int], dtype=torch.float16) -> list[dict]:
                 row[f"{name}_ratio"] = t_ref / t
                 row[f"{name}_relerr"] = err
             rows.append(row)
-            print(_fmt_row(row, [c.removeprefix("layout:") for c in columns]), flush=True)
+            print(_fmt_row(row, [_name(c) for c in columns]), flush=True)
             del outs, x
         del weights16, awq
+        _PACKED.clear()
         torch.cuda.empty_cache()
     return rows
+
+
+def _name(column: str) -> str:
+    return column.removeprefix("layout:").removeprefix("kernel:")
 
 
 def _fmt_row(row: dict, names: list[str]) -> str:
@@ -151,7 +187,9 @@ def geomeans(rows: list[dict], names: list[str]) -> dict[str, float]:
         for m in sorted({r["M"] for r in rows}):
             for be in names:
                 ratios = [r[f"{be}_ratio"] for r in rows if r["M"] == m and r["dtype"] == dtype]
-                out[f"{dtype}/{be}/{m}"] = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+                out[f"{dtype}/{be}/{m}"] = (
+                    math.nan if any(math.isnan(x) for x in ratios) else math.exp(sum(map(math.log, ratios)) / len(ratios))
+                )
     return out
 
 
@@ -175,6 +213,8 @@ def main() -> int:
     ap.add_argument("--backends", default=None, help="comma list; default: triton, plus cuda when built "
                     "(none when --layouts is given)")
     ap.add_argument("--layouts", default="", help="comma list of awq, packed: automatic dispatch on that layout")
+    ap.add_argument("--kernels", default="", help="comma list of compiled kernels on the packed layout, forced: "
+                    "gemv, mma, or mma:CHUNKS:WARPS_PER_SM (a tile of the tensor-core kernel)")
     ap.add_argument("--dtypes", default="float16")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -189,8 +229,11 @@ def main() -> int:
         backends = [v for v in args.backends.split(",") if v]
     else:
         backends = [] if layouts else (["cuda"] if _ext.has_op("awq_gemm") else []) + ["triton"]
-    columns = backends + [f"layout:{v}" for v in layouts]
-    names = [c.removeprefix("layout:") for c in columns]
+    kernels = [v for v in args.kernels.split(",") if v]
+    if kernels and args.backends is None:
+        backends = []
+    columns = backends + [f"layout:{v}" for v in layouts] + [f"kernel:{v}" for v in kernels]
+    names = [_name(c) for c in columns]
     ms = [int(v) for v in args.ms.split(",")]
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     print(f"# {torch.cuda.get_device_name()} · torch {torch.__version__} · g{GROUP} · columns {columns}")
