@@ -429,7 +429,9 @@ def test_add_rms_norm_route_is_the_norm_then_the_route(backend, t, h, e, k, offs
     choice = torch.nn.functional.linear(got[0], w).float().softmax(-1)
     want_w, want_ids = reference.route(got[0], w, k)
     assert torch.equal(choice.gather(1, got[3]), choice.gather(1, want_ids))
-    torch.testing.assert_close(got[2], want_w, rtol=1e-5, atol=1e-6)
+    # h is not a small integer: its fp16 logits depend on the order of the router GEMM's sum by
+    # an ulp (H200: 2e-3 relative in the weights at H = 2100), which the reference's order does not share.
+    torch.testing.assert_close(got[2], want_w, rtol=5e-3, atol=1e-3)
     if backend != "torch":  # one launch, or the two it replaces: the same numbers
         monkeypatch.setattr(ops_moe._backend, "NORM_ROUTE_FUSED", False)
         apart = ops_moe.add_rms_norm_route(x, res, nw, 1e-6, offset, w, k, backend=backend)
