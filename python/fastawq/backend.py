@@ -67,8 +67,9 @@ MOE_GEMV_MAX_LOAD = 2
 ROUTE_FUSED = True
 ROUTE_FUSED_MAX_T = 32
 # ops.add_rms_norm_route (the fused engine's MoE blocks): the add + RMSNorm before the router in the
-# same launch as well. Off until a GPU run shows it faster (benchmarks/bench_ab.py --compare
-# norm_route); off, the block runs the add_rms_norm and route launches it ran before.
+# same launch as well. Off: it measured no faster (H200, Qwen3-30B-A3B, all layers, bench_ab.py
+# --compare norm_route: 1.004x at batch 1, 1.000x at batch 16, RESULTS.md session 5); off, the
+# block runs the add_rms_norm and route launches.
 NORM_ROUTE_FUSED = False
 _CUDA_PREFERENCE: dict[str, list[tuple[int | None, tuple[str, ...]]]] = {
     "moe_w4": [(MOE_GEMV_MAX_LOAD, ("cuda", "triton", "torch")), (None, ("triton", "torch"))],
