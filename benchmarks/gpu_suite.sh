@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
-#   stages: build tests gemm gemv attention sanitize profile moe ab e2e quantize (default: all but profile, moe, ab)
+#   stages: build tests gemm mma gemv attention sanitize profile moe ab e2e quantize (default: all but mma, profile, moe, ab)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
 # (Triton/torch backends only), for quick kernel iterations.
@@ -65,6 +65,13 @@ if [[ " $stages " == *" gemm "* ]]; then
   step gemm
   python benchmarks/gemm_table.py --out "$OUT" ${FASTAWQ_SUITE_GEMM_ARGS:-} 2>&1 | tee "$OUT/gemm_table.md" || status=1
 fi
+if [[ " $stages " == *" mma "* ]]; then
+  step mma
+  # The packed layout's compiled kernels forced, and tiles of the tensor-core one
+  # (mma:CHUNKS:WARPS_PER_SM, 0 = what fits), against cuBLAS: ~1.5 min.
+  python benchmarks/gemm_table.py --kernels gemv,mma,mma:4:0,mma:2:0,mma:1:0,mma:2:8 --ms 1,2,4,8,12,16,32 \
+    --out "$OUT/mma" 2>&1 | tee "$OUT/mma_sweep.md" | grep -A12 "^| dtype" || status=1
+fi
 if [[ " $stages " == *" gemv "* ]]; then
   step gemv
   python benchmarks/bench_cuda.py --ms 1,2 --variants gemv,gemv_staged,mma --json "$OUT/bench_gemv.json" 2>&1 \
@@ -97,15 +104,15 @@ if [[ " $stages " == *" moe "* ]]; then
 fi
 if [[ " $stages " == *" ab "* ]]; then
   step ab
-  # One switch off and on, on one built model (benchmarks/bench_ab.py): PDL on the Llama shape;
-  # on Qwen3-30B-A3B (all layers) the attention projections' layout and the MoE block's norm in the
-  # routing launch (backend.NORM_ROUTE_FUSED, off until this shows it faster): ~4 min.
+  # One switch off and on, on one built model (benchmarks/bench_ab.py): PDL and the W4 layout
+  # (awq vs packed, which the fused engine gets up to batch 16) on the Llama shape; the attention
+  # projections' layout on Qwen3-30B-A3B (all layers): ~4 min.
   FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare pdl --shape llama-3-8b --layout packed \
     --batches 1,16 --out "$OUT/ab" 2>&1 | grep -E "^\||on / off" || status=1
-  for what in layout norm_route; do
-    FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare $what --shape qwen3-30b-a3b --batches 1,16 \
-      --rounds 1 --decode 64 --out "$OUT/ab" 2>&1 | grep -E "^\||on / off" || status=1
-  done
+  FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare layout --shape llama-3-8b --batches 4,8,16 \
+    --out "$OUT/ab" 2>&1 | grep -E "^\||on / off" || status=1
+  FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare layout --shape qwen3-30b-a3b --batches 1,16 \
+    --rounds 1 --decode 64 --out "$OUT/ab" 2>&1 | grep -E "^\||on / off" || status=1
 fi
 if [[ " $stages " == *" e2e "* ]] && [ -f benchmarks/bench_e2e.py ]; then
   step e2e
