@@ -113,11 +113,11 @@ def test_fake_impl_gives_the_output_shape():
 
 # --- GPU ---
 
-def _poisoned_call(x, wp, sz, n, g, bias=None):
+def _poisoned_call(x, wp, sz, n, g, bias=None, *tile, op="awq_gemv_packed"):
     """Fill a freed block of the output's size with NaN first, so unwritten outputs show."""
     junk = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype, device=x.device)
     del junk
-    return torch.ops.fastawq.awq_gemv_packed(x, wp, sz, n, g, bias)
+    return getattr(torch.ops.fastawq, op)(x, wp, sz, n, g, bias, *tile)
 
 
 def _setup(k, n, g, dtype, seed=0):
@@ -165,23 +165,29 @@ def test_repack_on_gpu_equals_cpu():
     assert torch.equal(wpg.cpu(), wp) and torch.equal(szg.cpu().view(torch.int16), sz.view(torch.int16))
 
 
-@requires_kernel
-@pytest.mark.parametrize("m", [1, 4])
-def test_cuda_graph_replay_with_changed_inputs(m):
-    k, n, g, dtype = 8192, 392, 128, torch.float16  # split K: the graph replays the workspace reduction
+def check_graph_replay(op, m: int) -> None:
+    """op captured in a CUDA graph replays correctly with new inputs (split K: the graph replays the
+    workspace reduction, and leaves the workspace zeroed for the next replay)."""
+    k, n, g, dtype = 8192, 392, 128, torch.float16
     qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=11)
     x = random_input((m, k), "cuda", dtype, seed=1)
-    torch.ops.fastawq.awq_gemv_packed(x, wp, sz, n, g, None)  # workspace allocated outside the capture
+    op(x, wp, sz, n, g, None)  # workspace allocated outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = torch.ops.fastawq.awq_gemv_packed(x, wp, sz, n, g, None)
+        out = op(x, wp, sz, n, g, None)
     for seed in (2, 3, 4):
         x.copy_(random_input((m, k), "cuda", dtype, seed=seed))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         assert_close_to_reference(out, x, qw, s, qz, g)
+
+
+@requires_kernel
+@pytest.mark.parametrize("m", [1, 4])
+def test_cuda_graph_replay_with_changed_inputs(m):
+    check_graph_replay(torch.ops.fastawq.awq_gemv_packed, m)
 
 
 @requires_kernel

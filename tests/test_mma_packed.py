@@ -14,6 +14,8 @@ import torch
 from conftest import LLAMA3_8B_SHAPES, assert_close_to_reference, random_awq, random_input
 from fastawq import _ext
 from fastawq.ops.repack import awq_gemv_repack
+from test_gemv_packed import _poisoned_call as poisoned_call
+from test_gemv_packed import _setup, check_graph_replay
 
 HAS_KERNEL = torch.cuda.is_available() and _ext.has_op("awq_mma_packed")
 requires_kernel = pytest.mark.skipif(not HAS_KERNEL, reason="needs CUDA and fastawq._C with awq_mma_packed")
@@ -128,16 +130,7 @@ def test_fake_impl_gives_the_output_shape():
 # --- GPU ---
 
 def _poisoned_call(x, wp, sz, n, g, bias=None, chunks=0, warps=0):
-    """Fill a freed block of the output's size with NaN first, so unwritten outputs show."""
-    junk = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype, device=x.device)
-    del junk
-    return torch.ops.fastawq.awq_mma_packed(x, wp, sz, n, g, bias, chunks, warps)
-
-
-def _setup(k, n, g, dtype, seed=0):
-    qw, s, qz = random_awq(k, n, g, "cuda", dtype, seed=seed)
-    wp, sz = awq_gemv_repack(qw, s, qz, g)
-    return qw, s, qz, wp, sz
+    return poisoned_call(x, wp, sz, n, g, bias, chunks, warps, op="awq_mma_packed")
 
 
 # Edges: N below one 32-column chunk, across chunks and the 64/128-column tiles; K one step, one
@@ -189,21 +182,7 @@ def test_kernel_llama_shapes(k, n, m, dtype):
 @requires_kernel
 @pytest.mark.parametrize("m", [3, 16])
 def test_cuda_graph_replay_with_changed_inputs(m):
-    k, n, g, dtype = 8192, 392, 128, torch.float16  # split K: the graph replays the workspace reduction
-    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=11)
-    x = random_input((m, k), "cuda", dtype, seed=1)
-    op = torch.ops.fastawq.awq_mma_packed
-    op(x, wp, sz, n, g, None)  # workspace allocated outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = op(x, wp, sz, n, g, None)
-    for seed in (2, 3, 4):
-        x.copy_(random_input((m, k), "cuda", dtype, seed=seed))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_close_to_reference(out, x, qw, s, qz, g)
+    check_graph_replay(torch.ops.fastawq.awq_mma_packed, m)
 
 
 @requires_kernel

@@ -82,6 +82,25 @@ SplitPlan plan_split(int64_t n, int64_t k, int64_t tile_cols, int64_t want_warps
   return {static_cast<int>(col_tiles), static_cast<int>((ranges + 3) / 4), static_cast<int>(spw)};
 }
 
+// The fields both kernels share, for the call's tensors and grid (the workspace when K is split).
+void fill_args(PackedArgs& a, const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked,
+               const at::Tensor* b, at::Tensor& out, int64_t group_size, const SplitPlan& plan) {
+  const int64_t m = x.size(0), n = out.size(1);
+  a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
+  a.x = x.data_ptr();
+  a.w = reinterpret_cast<const uint32_t*>(wpacked.data_ptr<int>());
+  a.sz = szpacked.data_ptr();
+  a.bias = b != nullptr ? b->data_ptr() : nullptr;
+  a.out = out.data_ptr();
+  if (plan.splits > 1) {
+    a.workspace = zeroed_sums(Workspace::kGemvSums, x.device(), m * n);
+    a.counters = zeroed_counters(Workspace::kGemmTileCounters, x.device(), plan.col_tiles);
+  }
+  a.m = static_cast<int>(m), a.n = static_cast<int>(n), a.k = static_cast<int>(x.size(1));
+  a.group_size = static_cast<int>(group_size);
+  a.col_tiles = plan.col_tiles, a.splits = plan.splits, a.steps_per_warp = plan.steps_per_warp;
+}
+
 }  // namespace
 
 at::Tensor awq_gemv_packed(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n,
@@ -94,21 +113,8 @@ at::Tensor awq_gemv_packed(const at::Tensor& x, const at::Tensor& wpacked, const
   if (k == 0) return b != nullptr ? out.copy_(b->expand({m, n})) : out.zero_();
 
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const SplitPlan plan = plan_split(n, k, kPackedTileCols, sms * kWarpsPerSm[m]);
   GemvPackedArgs a{};
-  a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
-  a.x = x.data_ptr();
-  a.w = reinterpret_cast<const uint32_t*>(wpacked.data_ptr<int>());
-  a.sz = szpacked.data_ptr();
-  a.bias = b != nullptr ? b->data_ptr() : nullptr;
-  a.out = out.data_ptr();
-  if (plan.splits > 1) {
-    a.workspace = zeroed_sums(Workspace::kGemvSums, x.device(), m * n);
-    a.counters = zeroed_counters(Workspace::kGemmTileCounters, x.device(), plan.col_tiles);
-  }
-  a.m = static_cast<int>(m), a.n = static_cast<int>(n), a.k = static_cast<int>(k);
-  a.group_size = static_cast<int>(group_size);
-  a.col_tiles = plan.col_tiles, a.splits = plan.splits, a.batches_per_warp = plan.steps_per_warp;
+  fill_args(a, x, wpacked, szpacked, b, out, group_size, plan_split(n, k, kPackedTileCols, sms * kWarpsPerSm[m]));
   launch_awq_gemv_packed(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
@@ -136,18 +142,7 @@ at::Tensor awq_mma_packed(const at::Tensor& x, const at::Tensor& wpacked, const 
   a.m = static_cast<int>(m), a.chunks = static_cast<int>(chunks);
   if (warps_per_sm == 0) warps_per_sm = 4 * mma_packed_resident_blocks(a);
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const SplitPlan plan = plan_split(n, k, 32 * chunks, sms * warps_per_sm);
-  a.x = x.data_ptr();
-  a.w = reinterpret_cast<const uint32_t*>(wpacked.data_ptr<int>());
-  a.sz = szpacked.data_ptr();
-  a.bias = b != nullptr ? b->data_ptr() : nullptr;
-  a.out = out.data_ptr();
-  if (plan.splits > 1) {
-    a.workspace = zeroed_sums(Workspace::kGemvSums, x.device(), m * n);
-    a.counters = zeroed_counters(Workspace::kGemmTileCounters, x.device(), plan.col_tiles);
-  }
-  a.n = static_cast<int>(n), a.k = static_cast<int>(k), a.group_size = static_cast<int>(group_size);
-  a.col_tiles = plan.col_tiles, a.splits = plan.splits, a.steps_per_warp = plan.steps_per_warp;
+  fill_args(a, x, wpacked, szpacked, b, out, group_size, plan_split(n, k, 32 * chunks, sms * warps_per_sm));
   launch_awq_mma_packed(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

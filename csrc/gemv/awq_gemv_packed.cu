@@ -167,7 +167,7 @@ void launch_m(const GemvPackedArgs& a, cudaStream_t stream) {
   launch_pdl(awq_gemv_packed_kernel<T, M>, grid, dim3(kPackedThreads), 0, stream,
       static_cast<const T*>(a.x), reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz),
       static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.n, a.k, a.group_size,
-      a.batches_per_warp);
+      a.steps_per_warp);
 }
 
 // The host entry sends only 1 <= m <= kPackedMaxM = 8.

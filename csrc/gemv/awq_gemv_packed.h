@@ -22,7 +22,8 @@ constexpr int kPackedThreads = 128;   // 4 warps on one column tile, each on its
 constexpr int kPackedTileCols = 128;  // 32 lanes x 4 columns
 constexpr int kPackedBatchRows = 32;  // 4 16-byte loads per lane per batch
 
-struct GemvPackedArgs {
+// The arguments of both kernels (the tensor-core one adds its tile width).
+struct PackedArgs {
   HalfType dtype;
   const void* x;           // [M, K], 16-byte aligned, K % 32 == 0
   const uint32_t* w;       // wpacked [K/8, N]
@@ -33,8 +34,9 @@ struct GemvPackedArgs {
   int* counters;           // zeroed, one per column tile, when splits > 1
   int m, n, k, group_size;
   int col_tiles, splits;   // grid
-  int batches_per_warp;    // 32-row batches of K per warp
+  int steps_per_warp;      // 32-row steps ("batches") of K per warp
 };
+using GemvPackedArgs = PackedArgs;
 
 void launch_awq_gemv_packed(const GemvPackedArgs& args, cudaStream_t stream);
 
@@ -46,19 +48,8 @@ inline bool mma_packed_chunks_ok(int m, int chunks) {
   return chunks == 1 || chunks == 2 || (chunks == 4 && mma_packed_tiles(m) < 4);
 }
 
-struct MmaPackedArgs {
-  HalfType dtype;
-  const void* x;           // [M, K], 16-byte aligned, K % 32 == 0
-  const uint32_t* w;       // wpacked [K/8, N]
-  const void* sz;          // szpacked [K/G, 2N]
-  const void* bias;        // [N] or nullptr
-  void* out;               // [M, N]
-  float* workspace;        // [M, N] fp32, zeroed (left zeroed), when splits > 1
-  int* counters;           // zeroed, one per column tile, when splits > 1
-  int m, n, k, group_size;
-  int chunks;              // 32-column chunks per block tile
-  int col_tiles, splits;   // grid
-  int steps_per_warp;      // 32-row steps of K per warp
+struct MmaPackedArgs : PackedArgs {
+  int chunks;  // 32-column chunks per block tile
 };
 
 void launch_awq_mma_packed(const MmaPackedArgs& args, cudaStream_t stream);

@@ -60,6 +60,19 @@ __device__ __forceinline__ uint4 lds128(const uint4* p) {
   return v;
 }
 
+// f(cc, i, nt, r) for every accumulator of a lane: chunk cc, m-tile i, batch tile nt, element r.
+template <int CC, int NT, typename F>
+__device__ __forceinline__ void for_each_fragment(F&& f) {
+#pragma unroll
+  for (int cc = 0; cc < CC; ++cc)
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) f(cc, i, nt, r);
+}
+
 // (magic + low nibble, magic + high nibble) of byte C of w: w4 = w >> 4.
 template <typename T, int C>
 __device__ __forceinline__ uint32_t column_pair(uint32_t w, uint32_t w4) {
@@ -140,14 +153,7 @@ __global__ void __launch_bounds__(kPackedThreads) awq_mma_packed_kernel(
   };
 
   float y[CC][2][NT][4], acc[CC][2][NT][4], xs[NT][4];
-#pragma unroll
-  for (int cc = 0; cc < CC; ++cc)
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) y[cc][i][nt][r] = acc[cc][i][nt][r] = 0.f;
+  for_each_fragment<CC, NT>([&](int cc, int i, int nt, int r) { y[cc][i][nt][r] = acc[cc][i][nt][r] = 0.f; });
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -243,16 +249,9 @@ __global__ void __launch_bounds__(kPackedThreads) awq_mma_packed_kernel(
   __syncthreads();  // every warp is done with its ring before the partial sums reuse it
 
   // C fragment (g, t): element r is batch row 2t + (r & 1) of fragment row g (r < 2) or g + 8.
-#pragma unroll
-  for (int cc = 0; cc < CC; ++cc)
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          sm.red[warp][nt * 8 + 2 * t + (r & 1)][32 * cc + 4 * g + 2 * i + (r >> 1)] = y[cc][i][nt][r];
-        }
+  for_each_fragment<CC, NT>([&](int cc, int i, int nt, int r) {
+    sm.red[warp][nt * 8 + 2 * t + (r & 1)][32 * cc + 4 * g + 2 * i + (r >> 1)] = y[cc][i][nt][r];
+  });
   __syncthreads();
 
   gemv::store_tile<T, kRows, kPackedThreads, kWarps, kTileCols>(sm.red, sm.is_last, bias, out, ws, counters, n,
