@@ -27,6 +27,7 @@ import time
 import torch
 
 from fastawq import _ext, ops, reference
+from fastawq.ops import repack
 from timing import time_graph, w4_bytes
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
@@ -40,7 +41,7 @@ GROUP = 128
 
 
 # Compiled kernels on the packed layout a `--kernels` column may force, and their largest M.
-KERNEL_MAX_M = {"gemv": 8, "mma": 32}
+KERNEL_MAX_M = {"gemv": repack.MAX_M, "mma": repack.MMA_MAX_M}
 _PACKED: dict[int, list] = {}
 
 

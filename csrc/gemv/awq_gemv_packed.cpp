@@ -125,10 +125,10 @@ at::Tensor awq_mma_packed(const at::Tensor& x, const at::Tensor& wpacked, const 
                           int64_t warps_per_sm) {
   const at::Tensor* b = check_packed("awq_mma_packed", x, wpacked, szpacked, n, group_size, bias, kMmaPackedMaxM);
   const int64_t m = x.size(0), k = x.size(1);
-  const int tiles = mma_packed_tiles(static_cast<int>(std::max<int64_t>(m, 1)));
+  const int rows = static_cast<int>(std::max<int64_t>(m, 1));  // the tile M = 0 would get
   if (chunks == 0) chunks = default_chunks(m);
-  if (warps_per_sm == 0) warps_per_sm = default_warps_per_sm(tiles);
-  FASTAWQ_CHECK(mma_packed_chunks_ok(static_cast<int>(std::max<int64_t>(m, 1)), static_cast<int>(chunks)),
+  if (warps_per_sm == 0) warps_per_sm = default_warps_per_sm(mma_packed_tiles(rows));
+  FASTAWQ_CHECK(mma_packed_chunks_ok(rows, static_cast<int>(chunks)),
                 "awq_mma_packed: chunks must be 1, 2 or 4 (1 or 2 above M = 16), got ", chunks, " at m=", m);
   FASTAWQ_CHECK(warps_per_sm >= 0 && warps_per_sm <= 64,
                 "awq_mma_packed: warps_per_sm must be in 1..64 (0: what fits), got ", warps_per_sm);

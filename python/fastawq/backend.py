@@ -79,7 +79,7 @@ _CUDA_PREFERENCE: dict[str, list[tuple[int | None, tuple[str, ...]]]] = {
     ],
     "packed_gemm": [
         (PACKED_GEMV_MAX_M, ("cuda", "triton", "torch")),
-        *([(PACKED_MMA_MAX_M, ("cuda", "triton", "torch"))] if PACKED_MMA_MAX_M > PACKED_GEMV_MAX_M else []),
+        (PACKED_MMA_MAX_M, ("cuda", "triton", "torch")),
         (None, ("triton", "torch")),
     ],
 }

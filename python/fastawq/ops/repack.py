@@ -117,8 +117,9 @@ def _packed_gemm_fits(be: str, x2: torch.Tensor, wpacked, szpacked, n: int, k: i
         return f"x is {x2.dtype}; the {be} kernels take fp16 or bf16 activations"
     if be == "cuda":
         op = _compiled_packed_op(rows)
-        if rows is None or rows > (MAX_M if op == "awq_gemv_packed" else MMA_MAX_M):
-            return f"{op} takes M <= {MAX_M if op == 'awq_gemv_packed' else MMA_MAX_M}, the triton backend serves larger M"
+        limit = MAX_M if op == "awq_gemv_packed" else MMA_MAX_M
+        if rows is None or rows > limit:
+            return f"{op} takes M <= {limit}, the triton backend serves larger M"
         if not _ext.has_op(op):
             return f"fastawq._C was built without {op}"
         if g % 32 or k % 32:
