@@ -30,6 +30,8 @@ TORCH_LIBRARY(fastawq, m) {
         "int chunks=0, int warps_per_sm=0) -> Tensor");
   m.def("moe_gemv_w4(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_qweight, Tensor w13_scales, "
         "Tensor w13_qzeros, Tensor w2_qweight, Tensor w2_scales, Tensor w2_qzeros, int group_size, str act) -> Tensor");
+  m.def("moe_mma_w4(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_qweight, Tensor w13_scales, "
+        "Tensor w13_qzeros, Tensor w2_qweight, Tensor w2_scales, Tensor w2_qzeros, int group_size, str act) -> Tensor");
   m.def("moe_gemv_w4_declines(int num_experts, int hidden, int inter, int group_size) -> str",
         &fastawq::moe_gemv_w4_declines);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lens, float scale) -> Tensor");
@@ -51,6 +53,7 @@ TORCH_LIBRARY_IMPL(fastawq, CUDA, m) {
   m.impl("awq_gemv_packed", &fastawq::awq_gemv_packed);
   m.impl("awq_mma_packed", &fastawq::awq_mma_packed);
   m.impl("moe_gemv_w4", &fastawq::moe_gemv_w4);
+  m.impl("moe_mma_w4", &fastawq::moe_mma_w4);
   m.impl("decode_attention", &fastawq::decode_attention);
   m.impl("decode_attention_out", &fastawq::decode_attention_out);
 }

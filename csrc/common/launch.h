@@ -87,10 +87,10 @@ inline GemvSplit gemv_split(int64_t col_tiles, int k, int sms, int warps_per_sm)
   return {chunk_rows, cpb, (total + cpb - 1) / cpb};
 }
 
-// W4A16 MoE decode (csrc/moe/moe_gemv.cu): the GEMV above with one expert per block, one block
-// row per (token, slot) assignment; two launches (w13 with act(gate) * up, w2 with the weighted
-// sum over slots). Shapes as fastawq::moe_w4 (python/fastawq/ops/moe.py).
-struct MoeGemvArgs {
+// W4A16 MoE, two launches per call (w13 with act(gate) * up into h, w2 with the weighted sum over
+// a token's slots into out). Shapes as fastawq::moe_w4 (python/fastawq/ops/moe.py). What both
+// kernel families (csrc/moe/) take; each adds its grid.
+struct MoeArgs {
   HalfType dtype;
   const void* x;                  // [T, H], rows x_stride apart
   int64_t x_stride;
@@ -106,15 +106,37 @@ struct MoeGemvArgs {
   void* h;                        // [T * topk, I] scratch, x's dtype
   void* out;                      // [T, H]
   float* ws13;                    // [T * topk, 2I] zeroed fp32, when splits13 > 1
-  float* ws2;                     // [T, H] zeroed fp32, when topk * splits2 > 1
-  int* counters13;                // zeroed, [T * topk, tiles13]
+  float* ws2;                     // [T, H] zeroed fp32
+  int* counters13;                // zeroed (per kernel family: see its grid)
   int* counters2;                 // zeroed, [T, tiles2]
   int n_assign, topk, num_experts, hidden, inter, group13, group2;
   int act;                        // 0 silu, 1 gelu, 2 gelu (tanh)
+};
+
+// On the CUDA cores (csrc/moe/moe_gemv.cu): the dense GEMV with one expert per block, one block
+// row per (token, slot) assignment, so an expert is read once per assignment. counters13 is
+// [T * topk, tiles13].
+struct MoeGemvArgs : MoeArgs {
   int tiles13, splits13, chunk13, cpb13;  // w13 grid: 256-column tiles (128 gate + 128 up), K splits,
   int tiles2, splits2, chunk2, cpb2;      // rows per warp item, warp items per block; w2 likewise
 };
 
 void launch_moe_gemv(const MoeGemvArgs& args, cudaStream_t stream);
+
+// On the tensor cores (csrc/moe/moe_mma.cu): one block row per expert the ids reach (and one for
+// ids outside [0, E)), each block gathering the assignments routed to its expert, so an expert is
+// read once per call. At most kMoeMmaMaxAssign assignments (T * topk) and kMoeMmaMaxExperts
+// experts. counters13 is [E, tiles13].
+constexpr int kMoeMmaMaxAssign = 4096;
+constexpr int kMoeMmaMaxExperts = 1024;
+constexpr int kMoeMmaTile13 = 64;   // gate columns per w13 tile (and the same 64 up columns)
+constexpr int kMoeMmaTile2 = 128;   // columns per w2 tile
+struct MoeMmaArgs : MoeArgs {
+  int rows;                        // block rows of both grids: min(E, T * topk) + 1
+  int tiles13, splits13, steps13;  // w13 grid and 32-row steps of K per warp
+  int tiles2, splits2, steps2;     // w2 likewise
+};
+
+void launch_moe_mma(const MoeMmaArgs& args, cudaStream_t stream);
 
 }  // namespace fastawq

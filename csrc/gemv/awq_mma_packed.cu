@@ -50,16 +50,6 @@ struct Ones<__nv_bfloat16> {
   static constexpr uint32_t kPair = 0x3F803F80u;
 };
 
-// One 16-byte shared load (a plain uint4 read of the ring compiled to four 4-byte ones, each a
-// 4-way bank conflict at the ring's 16-byte lane stride).
-__device__ __forceinline__ uint4 lds128(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(smem_addr(p)));
-  return v;
-}
-
 // f(cc, i, nt, r) for every accumulator of a lane: chunk cc, m-tile i, batch tile nt, element r.
 template <int CC, int NT, typename F>
 __device__ __forceinline__ void for_each_fragment(F&& f) {
@@ -232,9 +222,9 @@ __global__ void __launch_bounds__(kPackedThreads) awq_mma_packed_kernel(
     cp_async_wait<P - 1>();
     uint4 wc[CC], xc[NT];
 #pragma unroll
-    for (int cc = 0; cc < CC; ++cc) wc[cc] = lds128(&sm.ring[warp][slot][cc][lane]);
+    for (int cc = 0; cc < CC; ++cc) wc[cc] = ld_shared128(&sm.ring[warp][slot][cc][lane]);
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) xc[nt] = lds128(&sm.ring[warp][slot][CC + nt][lane]);
+    for (int nt = 0; nt < NT; ++nt) xc[nt] = ld_shared128(&sm.ring[warp][slot][CC + nt][lane]);
     consume(wc, xc);
     slot = slot == P - 1 ? 0 : slot + 1;
     // Close the group when the next step starts a new one or the warp's range ends

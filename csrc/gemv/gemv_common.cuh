@@ -30,6 +30,13 @@ __device__ __forceinline__ void decode_bytes(uint32_t v, float (&f)[4]) {
   f[3] = __uint_as_float(__byte_perm(v, kHalf, 0x7344));
 }
 
+// The unit by which the tensor-core kernels hold a group's folded sums (y / s, awq_mma_packed.cu
+// and moe/moe_mma.cu): a zero scale would give inf / NaN. 2^-60 in place of any |s| < 2^-60 (zero,
+// or bf16's tiny ones) changes the output by at most 2^-59 |sum x (q - z)|, far below fp16 / bf16
+// resolution, and bounds |y / s| by 2^60 |y|, far from fp32's overflow (2^128) for any |y| < 2^68
+// (fp16 outputs are < 2^16).
+__device__ __forceinline__ float fold_unit(float s) { return fabsf(s) < 0x1p-60f ? 0x1p-60f : s; }
+
 // red[w][m][c] holds warp w's sums (in units of `unit`: 1/256 for decode_bytes) for row m < rows
 // (<= M) and column col0 + c; the caller has filled it and synchronised the block. Sum the warps
 // and write out = unit * sum + bias, or with split K (gridDim.y > 1) add into the zeroed fp32

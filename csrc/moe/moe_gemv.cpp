@@ -1,6 +1,8 @@
-// Host entry of fastawq::moe_gemv_w4 (the MoE decode kernels of moe_gemv.cu): validation, whose
-// messages name every shape involved, and the two grids. When it is worth using (how many tokens)
-// is python/fastawq/backend.py's rule; the shape rules are moe_gemv_w4_declines, here.
+// Host entries of fastawq::moe_gemv_w4 (the CUDA-core kernels of moe_gemv.cu) and moe_mma_w4 (the
+// tensor-core ones of moe_mma.cu): one validation, whose messages name every shape involved, and
+// each family's grids. Which one runs for how many tokens is python/fastawq/backend.py's rule; the
+// shape rules are moe_gemv_w4_declines, here, for both.
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -46,64 +48,70 @@ std::string moe_gemv_w4_declines(int64_t num_experts, int64_t hidden, int64_t in
   return "";
 }
 
-at::Tensor moe_gemv_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-                       const at::Tensor& w13_qweight, const at::Tensor& w13_scales, const at::Tensor& w13_qzeros,
-                       const at::Tensor& w2_qweight, const at::Tensor& w2_scales, const at::Tensor& w2_qzeros,
-                       int64_t group_size, const std::string& act) {
+namespace {
+
+// A validated call: the shared kernel arguments filled, out and h allocated (n == 0: out zeroed).
+struct MoeCall {
+  at::Tensor out, hbuf;
+  int64_t t, h, i, e, n;
+};
+
+MoeCall prepare(const char* op, MoeArgs& a, const at::Tensor& x, const at::Tensor& topk_ids,
+                const at::Tensor& topk_weights, const at::Tensor& w13_qweight, const at::Tensor& w13_scales,
+                const at::Tensor& w13_qzeros, const at::Tensor& w2_qweight, const at::Tensor& w2_scales,
+                const at::Tensor& w2_qzeros, int64_t group_size, const std::string& act) {
   const auto shapes = [&] {
     return cat("x ", shape_str(x), ", topk_ids ", shape_str(topk_ids), ", ",
                weights_str(w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros));
   };
-  FASTAWQ_CHECK(x.dim() == 2 && x.stride(1) == 1, "moe_gemv_w4: x must be [T, H] with unit column stride; ", shapes());
-  FASTAWQ_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
-                "moe_gemv_w4: x must be fp16 or bf16, got ", x.scalar_type());
+  FASTAWQ_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x must be [T, H] with unit column stride; ", shapes());
+  FASTAWQ_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, op,
+                ": x must be fp16 or bf16, got ", x.scalar_type());
   const at::Tensor* weights[] = {&w13_qweight, &w13_scales, &w13_qzeros, &w2_qweight, &w2_scales, &w2_qzeros};
   for (const at::Tensor* w : weights) {
-    FASTAWQ_CHECK(w->dim() == 3 && w->is_contiguous() && w->device() == x.device(),
-                  "moe_gemv_w4: stacked expert weights must be contiguous 3-D tensors on ", x.device(), "; ",
-                  shapes());
+    FASTAWQ_CHECK(w->dim() == 3 && w->is_contiguous() && w->device() == x.device(), op,
+                  ": stacked expert weights must be contiguous 3-D tensors on ", x.device(), "; ", shapes());
   }
   FASTAWQ_CHECK(w13_qweight.scalar_type() == at::kInt && w13_qzeros.scalar_type() == at::kInt &&
                     w2_qweight.scalar_type() == at::kInt && w2_qzeros.scalar_type() == at::kInt,
-                "moe_gemv_w4: qweight and qzeros must be int32; ", shapes());
-  FASTAWQ_CHECK(w13_scales.scalar_type() == x.scalar_type() && w2_scales.scalar_type() == x.scalar_type(),
-                "moe_gemv_w4: scales must have x's dtype ", x.scalar_type(), ", got ", w13_scales.scalar_type(),
-                " and ", w2_scales.scalar_type());
+                op, ": qweight and qzeros must be int32; ", shapes());
+  FASTAWQ_CHECK(w13_scales.scalar_type() == x.scalar_type() && w2_scales.scalar_type() == x.scalar_type(), op,
+                ": scales must have x's dtype ", x.scalar_type(), ", got ", w13_scales.scalar_type(), " and ",
+                w2_scales.scalar_type());
   const int64_t e = w13_qweight.size(0), h = x.size(1), i = w2_qweight.size(1), t = x.size(0);
   const std::string why = moe_gemv_w4_declines(e, h, i, group_size);
-  FASTAWQ_CHECK(why.empty(), "moe_gemv_w4: ", why, "; ", shapes());
+  FASTAWQ_CHECK(why.empty(), op, ": ", why, "; ", shapes());
   const int64_t g13 = group_size == -1 ? h : group_size, g2 = group_size == -1 ? i : group_size;
   const bool consistent =
       w13_qweight.sizes() == c10::IntArrayRef{e, h, 2 * i / 8} && w13_scales.sizes() == c10::IntArrayRef{e, h / g13, 2 * i} &&
       w13_qzeros.sizes() == c10::IntArrayRef{e, h / g13, 2 * i / 8} && w2_qweight.sizes() == c10::IntArrayRef{e, i, h / 8} &&
       w2_scales.sizes() == c10::IntArrayRef{e, i / g2, h} && w2_qzeros.sizes() == c10::IntArrayRef{e, i / g2, h / 8};
-  FASTAWQ_CHECK(consistent, "moe_gemv_w4: inconsistent MoE weights for E=", e, ", H=", h, ", I=", i,
+  FASTAWQ_CHECK(consistent, op, ": inconsistent MoE weights for E=", e, ", H=", h, ", I=", i,
                 ", group_size=", group_size, "; ", shapes());
   FASTAWQ_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == t && topk_ids.is_contiguous() &&
                     (topk_ids.scalar_type() == at::kInt || topk_ids.scalar_type() == at::kLong) &&
                     topk_ids.device() == x.device(),
-                "moe_gemv_w4: topk_ids must be contiguous int32/int64 [T=", t, ", k] on ", x.device(), ", got ",
+                op, ": topk_ids must be contiguous int32/int64 [T=", t, ", k] on ", x.device(), ", got ",
                 topk_ids.scalar_type(), " ", shape_str(topk_ids));
   FASTAWQ_CHECK(topk_weights.sizes() == topk_ids.sizes() && topk_weights.scalar_type() == at::kFloat &&
                     topk_weights.is_contiguous() && topk_weights.device() == x.device(),
-                "moe_gemv_w4: topk_weights must be contiguous fp32 shaped like topk_ids ", shape_str(topk_ids),
-                ", got ", topk_weights.scalar_type(), " ", shape_str(topk_weights));
+                op, ": topk_weights must be contiguous fp32 shaped like topk_ids ", shape_str(topk_ids), ", got ",
+                topk_weights.scalar_type(), " ", shape_str(topk_weights));
   for (const at::Tensor* w : {&w13_qweight, &w13_scales, &w2_qweight, &w2_scales}) {
-    FASTAWQ_CHECK(reinterpret_cast<uintptr_t>(w->data_ptr()) % 16 == 0,
-                  "moe_gemv_w4: qweight and scales must be 16-byte aligned (a view at an odd offset?); ", shapes());
+    FASTAWQ_CHECK(reinterpret_cast<uintptr_t>(w->data_ptr()) % 16 == 0, op,
+                  ": qweight and scales must be 16-byte aligned (a view at an odd offset?); ", shapes());
   }
   const int code = act_code(act);
-  FASTAWQ_CHECK(code >= 0, "moe_gemv_w4: act must be silu, gelu or gelu_tanh, got ", act);
+  FASTAWQ_CHECK(code >= 0, op, ": act must be silu, gelu or gelu_tanh, got ", act);
   const int64_t topk = topk_ids.size(1), n = t * topk;
-  FASTAWQ_CHECK(n < 65536, "moe_gemv_w4: T * k = ", n, " assignments exceed the grid (65535); ", shapes());
+  FASTAWQ_CHECK(n < 65536, op, ": T * k = ", n, " assignments exceed the grid (65535); ", shapes());
 
-  const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor out = at::empty({t, h}, x.options());
-  if (n == 0) return out.zero_();
-  at::Tensor hbuf = at::empty({n, i}, x.options());
-
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  MoeGemvArgs a{};
+  MoeCall call{at::empty({t, h}, x.options()), at::Tensor(), t, h, i, e, n};
+  if (n == 0) {
+    call.out.zero_();
+    return call;
+  }
+  call.hbuf = at::empty({n, i}, x.options());
   a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
   a.x = x.data_ptr(), a.x_stride = x.stride(0);
   a.ids = topk_ids.data_ptr(), a.ids_int64 = topk_ids.scalar_type() == at::kLong;
@@ -114,10 +122,37 @@ at::Tensor moe_gemv_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at
   a.w2_qweight = reinterpret_cast<const uint32_t*>(w2_qweight.data_ptr<int>());
   a.w2_scales = w2_scales.data_ptr();
   a.w2_qzeros = reinterpret_cast<const uint32_t*>(w2_qzeros.data_ptr<int>());
-  a.h = hbuf.data_ptr(), a.out = out.data_ptr();
+  a.h = call.hbuf.data_ptr(), a.out = call.out.data_ptr();
   a.n_assign = static_cast<int>(n), a.topk = static_cast<int>(topk), a.num_experts = static_cast<int>(e);
   a.hidden = static_cast<int>(h), a.inter = static_cast<int>(i);
   a.group13 = static_cast<int>(g13), a.group2 = static_cast<int>(g2), a.act = code;
+  return call;
+}
+
+// K splits and 32-row steps per warp for `blocks` block rows of tiles over k rows: about
+// kMmaBlocksPerSm blocks on every SM, at least two steps per warp.
+constexpr int kMmaBlocksPerSm = 4;
+void mma_split(int64_t blocks, int64_t k, int sms, int& splits, int& steps) {
+  const int64_t total = k / 32;
+  int64_t sp = (int64_t(sms) * kMmaBlocksPerSm + blocks - 1) / blocks;
+  sp = std::max<int64_t>(1, std::min(sp, total / 8));
+  steps = static_cast<int>((total + sp * 4 - 1) / (sp * 4));
+  splits = static_cast<int>((total + int64_t(steps) * 4 - 1) / (int64_t(steps) * 4));
+}
+
+}  // namespace
+
+at::Tensor moe_gemv_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                       const at::Tensor& w13_qweight, const at::Tensor& w13_scales, const at::Tensor& w13_qzeros,
+                       const at::Tensor& w2_qweight, const at::Tensor& w2_scales, const at::Tensor& w2_qzeros,
+                       int64_t group_size, const std::string& act) {
+  MoeGemvArgs a{};
+  const c10::cuda::CUDAGuard guard(x.device());
+  MoeCall c = prepare("moe_gemv_w4", a, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight,
+                      w2_scales, w2_qzeros, group_size, act);
+  if (c.n == 0) return c.out;
+  const int64_t n = c.n, t = c.t, h = c.h, i = c.i;
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   // w13 tiles: 128 gate + 128 up columns; w2 tiles: 256 columns. The grid of each fills the SMs
   // over all assignments' tiles together (M = 1 occupancy, as the dense GEMV).
   a.tiles13 = static_cast<int>((i / 8 + 4 * kGemvWordsPerLane - 1) / (4 * kGemvWordsPerLane));
@@ -134,7 +169,44 @@ at::Tensor moe_gemv_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at
   a.counters13 = counters, a.counters2 = counters + n * a.tiles13;
   launch_moe_gemv(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return out;
+  return c.out;
+}
+
+at::Tensor moe_mma_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                      const at::Tensor& w13_qweight, const at::Tensor& w13_scales, const at::Tensor& w13_qzeros,
+                      const at::Tensor& w2_qweight, const at::Tensor& w2_scales, const at::Tensor& w2_qzeros,
+                      int64_t group_size, const std::string& act) {
+  MoeMmaArgs a{};
+  const c10::cuda::CUDAGuard guard(x.device());
+  MoeCall c = prepare("moe_mma_w4", a, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight,
+                      w2_scales, w2_qzeros, group_size, act);
+  FASTAWQ_CHECK(c.n <= kMoeMmaMaxAssign, "moe_mma_w4: T * k = ", c.n, " assignments (x ", shape_str(x),
+                ", topk_ids ", shape_str(topk_ids), ") exceed the kernel's ", kMoeMmaMaxAssign);
+  // The kernel reads x in 16-byte pieces.
+  FASTAWQ_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.stride(0) % 8 == 0,
+                "moe_mma_w4: x must be 16-byte aligned with a row stride a multiple of 8, got x ", shape_str(x),
+                " with strides (", x.stride(0), ", ", x.stride(1), ")");
+  FASTAWQ_CHECK(c.e <= kMoeMmaMaxExperts, "moe_mma_w4: ", c.e, " experts exceed the kernel's ", kMoeMmaMaxExperts,
+                " (w13_qweight ", shape_str(w13_qweight), ")");
+  if (c.n == 0) return c.out;
+  const int64_t n = c.n, t = c.t, h = c.h, i = c.i, e = c.e;
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  // Block rows: the experts the call can reach at most (min(E, T * k)), plus one for bad ids;
+  // rows past the experts it does reach exit at once.
+  const int64_t hit = std::min(e, n);
+  a.rows = static_cast<int>(hit + 1);
+  a.tiles13 = static_cast<int>((i + kMoeMmaTile13 - 1) / kMoeMmaTile13);
+  a.tiles2 = static_cast<int>((h + kMoeMmaTile2 - 1) / kMoeMmaTile2);
+  mma_split(hit * a.tiles13, h, sms, a.splits13, a.steps13);
+  mma_split(hit * a.tiles2, i, sms, a.splits2, a.steps2);
+  const int64_t sums13 = a.splits13 > 1 ? n * 2 * i : 0, sums2 = t * h;
+  float* sums = zeroed_sums(Workspace::kMoeSums, x.device(), sums13 + sums2);
+  a.ws13 = sums, a.ws2 = sums + sums13;
+  int* counters = zeroed_counters(Workspace::kMoeCounters, x.device(), e * a.tiles13 + t * a.tiles2);
+  a.counters13 = counters, a.counters2 = counters + e * a.tiles13;
+  launch_moe_mma(a, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return c.out;
 }
 
 }  // namespace fastawq

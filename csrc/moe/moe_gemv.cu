@@ -17,6 +17,7 @@
 #include "common/pdl.cuh"
 #include "common/ptx.cuh"
 #include "gemv/awq_gemv_body.cuh"
+#include "moe/moe_common.cuh"
 
 namespace fastawq {
 namespace {
@@ -27,18 +28,11 @@ using gemv::kLoads;
 using gemv::kWarps;
 using gemv::load_batch;
 using gemv::Words;
+using moe::act_fn;
 
 constexpr int WPT = kGemvWordsPerLane;
 constexpr int kLaneCols = WPT * 8;            // output columns per lane
 constexpr int kTileCols = 8 * kLaneCols;      // 256 per block (w13: 128 gate + 128 up)
-
-template <int ACT>
-__device__ __forceinline__ float act_fn(float g) {
-  if constexpr (ACT == 0) return g / (1.f + __expf(-g));                          // silu
-  if constexpr (ACT == 1) return 0.5f * g * (1.f + erff(g * 0.7071067811865476f));  // gelu
-  const float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);              // gelu (tanh)
-  return g / (1.f + __expf(-2.f * u));
-}
 
 struct TileRed {
   float red[kWarps][kTileCols];
@@ -68,21 +62,6 @@ __device__ __forceinline__ float tile_sum(const TileRed& sh, int tc) {
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) v += sh.red[w][tc];
   return v;
-}
-
-// After every thread's atomics into the workspace: is this block the last of `expected` to
-// arrive at counter c? The last one resets the counter.
-__device__ __forceinline__ bool arrive_last(int* counters, int64_t c, int expected, TileRed& sh) {
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const int prev = atomicAdd(counters + c, 1);
-    sh.is_last = prev == expected - 1;
-    if (sh.is_last) counters[c] = 0;
-  }
-  __syncthreads();
-  if (sh.is_last) __threadfence();
-  return sh.is_last;
 }
 
 // The block's assignment f = blockIdx.z and its expert; an id outside [0, E) is not valid and its
@@ -160,7 +139,7 @@ __global__ void __launch_bounds__(kGemvThreads) moe_w13_gemv_kernel(MoeGemvArgs 
     atomicAdd(ws + col0 + tc, tile_sum(sh, tc));
     atomicAdd(ws + inter + col0 + tc, tile_sum(sh, kHalfTile + tc));
   }
-  if (!arrive_last(a.counters13, static_cast<int64_t>(f) * gridDim.x + tile, gridDim.y, sh)) return;
+  if (!moe::arrive_last(a.counters13 + static_cast<int64_t>(f) * gridDim.x + tile, gridDim.y, sh.is_last)) return;
   for (int tc = threadIdx.x; tc < kHalfTile; tc += kGemvThreads) {
     if (col0 + tc >= inter) continue;
     float* pg = ws + col0 + tc;
@@ -202,7 +181,7 @@ __global__ void __launch_bounds__(kGemvThreads) moe_w2_gemv_kernel(MoeGemvArgs a
   for (int tc = threadIdx.x; tc < kTileCols; tc += kGemvThreads) {
     if (col0 + tc < n) atomicAdd(ws + col0 + tc, rw * tile_sum(sh, tc));
   }
-  if (!arrive_last(a.counters2, static_cast<int64_t>(t) * gridDim.x + tile, a.topk * gridDim.y, sh)) return;
+  if (!moe::arrive_last(a.counters2 + static_cast<int64_t>(t) * gridDim.x + tile, a.topk * gridDim.y, sh.is_last)) return;
   for (int tc = threadIdx.x; tc < kTileCols; tc += kGemvThreads) {
     if (col0 + tc >= n) continue;
     float* p = ws + col0 + tc;

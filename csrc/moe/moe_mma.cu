@@ -1,0 +1,497 @@
+// W4A16 mixture-of-experts for a few tokens per expert, on the tensor cores and on the AWQ layout
+// itself: one block row per expert, each block gathering the assignments routed to its expert, so
+// an expert's weights are read once per call however many tokens chose it (moe_gemv.cu reads them
+// once per assignment: Qwen3-30B-A3B at 16 tokens reads 128 expert matrices for ~82 distinct).
+//
+// "Swap AB" mma.sync m16n8k16: output columns are the mma's rows, the expert's tokens its 8
+// columns (passes of 8 when more chose it). The mma's k and row labels are free, so they are
+// chosen to match what a lane can load from the AWQ layout [K, N/8] (word = 8 columns of one row,
+// column AWQ_ORDER[i] in nibble i):
+//   lane (g, t) of a warp loads, for each 32-row step, rows 8t .. 8t + 7 of its two words (w13: the
+//   gate word and the up word of the same 8 columns; w2: two adjacent words). k-step h takes rows
+//   8t + 4h .. + 3; byte b of a word gives one m16 tile: row g is its low nibble (column
+//   AWQ_ORDER[2b]), row g + 8 its high nibble. The register of (row, rows r, r + 1) is byte b of
+//   word(r) next to byte b of word(r + 1), masked into the magic number's mantissa: one prmt and
+//   one lop3 (column_pair), magic + q exact.
+//   B: the same labels make k-step h's fragment x[token g][8t + 4h .. + 3]: one 16-byte load of x
+//   per step feeds both k-steps.
+//   C: lane (g, t) ends with its 16 columns for tokens 2t, 2t + 1 of the pass.
+// No per-weight dequantization arithmetic: per group (scale s, zero z, zm = magic + z) a column
+// gains s (sum x (magic + q) - zm sum x), the sum of x from one all-ones mma per k-step. One
+// accumulator set serves all groups: it holds y / s of the current group, so the mma keeps adding
+// into it, and a group's close rescales it by s / s_next (by s at the last: y). A scale below
+// 2^-60 in magnitude (zero) stands in as 2^-60 (gemv::fold_unit says why that is harmless).
+//
+// Grid: block row z takes the z-th distinct expert the ids reach (a bitmap of them in shared
+// memory), so rows = min(E, T * k) + 1 and rows past the distinct count exit at once.
+// Work: a block is 4 warps on one column tile, each warp on its own range of 32-row steps; the
+// next step's words and x are loaded into registers while the current one is consumed. Tail: the
+// warps' sums meet in shared memory; with split K they meet in the zeroed fp32 workspace, the last
+// block converting (w13: of the expert's tile; w2: of a token's tile, whose topk * splits blocks
+// all add into ws2). An id outside [0, E) is gathered by the last block row, which adds
+// nothing (w13 writes zeros into h) but still arrives, so every counter returns to zero.
+#include <cstdint>
+#include <type_traits>
+
+#include "common/dtype.cuh"
+#include "common/launch.h"
+#include "common/pdl.cuh"
+#include "common/ptx.cuh"
+#include "gemv/gemv_common.cuh"
+#include "moe/moe_common.cuh"
+
+namespace fastawq {
+namespace {
+
+constexpr int kThreads = 128, kWarps = kThreads / 32;
+constexpr int kPassRows = 8;     // tokens per pass: the mma's n
+constexpr int kTileCols = 128;   // both kernels: 16 columns per lane, 8 lanes side by side
+constexpr int kStepRows = 32;
+
+static_assert(kMoeMmaTile13 * 2 == kTileCols && kMoeMmaTile2 == kTileCols, "tiles of launch.h");
+
+template <typename T>
+struct Ones;
+template <>
+struct Ones<__half> {
+  static constexpr uint32_t kPair = 0x3C003C00u;  // (1.0, 1.0)
+};
+template <>
+struct Ones<__nv_bfloat16> {
+  static constexpr uint32_t kPair = 0x3F803F80u;
+};
+
+// Column of nibble i of an AWQ word (reference.AWQ_ORDER).
+__host__ __device__ constexpr int awq_col(int i) { return i < 4 ? 2 * i : 2 * (i - 4) + 1; }
+
+// (magic + low nibble of byte B of lo, magic + low nibble of byte B of hi).
+template <typename T, int B>
+__device__ __forceinline__ uint32_t column_pair(uint32_t lo, uint32_t hi) {
+  constexpr uint32_t kSel = B | (B << 4) | ((4 + B) << 8) | ((4 + B) << 12);
+  return (__byte_perm(lo, hi, kSel) & 0x000F000Fu) | HalfTraits<T>::kMagic2;
+}
+
+__device__ __forceinline__ uint32_t load_stream32(const uint32_t* p, uint64_t policy) {
+  uint32_t v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.u32 %0, [%1], %2;\n" : "=r"(v) : "l"(p), "l"(policy));
+  return v;
+}
+__device__ __forceinline__ uint2 load_stream64(const uint32_t* p, uint64_t policy) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v2.u32 {%0,%1}, [%2], %3;\n"
+               : "=r"(v.x), "=r"(v.y)
+               : "l"(p), "l"(policy));
+  return v;
+}
+
+// Per-warp cp.async ring of kRing steps: a lane's 16 words of a step as 4 chunks of 16 bytes
+// (chunk q: rows 2q, 2q + 1, words 0, 1), lane-contiguous per chunk so the reads are conflict-free.
+constexpr int kRing = 3;  // two steps in flight while one is consumed
+struct Ring {
+  uint32_t w[kRing][4][32][4];
+  uint4 x[kRing][32];
+};
+
+struct Smem {
+  int rows[kMoeMmaMaxAssign];  // the block's assignments f, ascending
+  union {
+    Ring ring[kWarps];
+    float red[kWarps][kPassRows][kTileCols];  // the warps' sums of one pass
+    int convert[kWarps * kPassRows * kTileCols];  // w2: tokens whose tile this block converts
+  };
+  unsigned present[kMoeMmaMaxExperts / 32];  // the experts the call's ids reach
+  int warp_hits[kWarps];
+  int expert;
+  int n_convert;
+  int is_last;
+};
+static_assert(kWarps * kPassRows * kTileCols >= kMoeMmaMaxAssign, "convert holds one token per assignment");
+
+// Block row z's expert: the z-th distinct valid id of the call (ascending), or -1 when the ids
+// reach fewer experts; the last row gathers the ids outside [0, E) (returns E). So the grid needs
+// min(E, T * k) + 1 rows, not E + 1.
+template <typename Id>
+__device__ int block_expert(const MoeMmaArgs& a, Smem& sm) {
+  if (blockIdx.z == gridDim.z - 1) return a.num_experts;
+  const Id* ids = static_cast<const Id*>(a.ids);
+  const int words = (a.num_experts + 31) / 32;
+  for (int w = threadIdx.x; w < words; w += kThreads) sm.present[w] = 0u;
+  __syncthreads();
+  for (int f = threadIdx.x; f < a.n_assign; f += kThreads) {
+    const int64_t id = static_cast<int64_t>(ids[f]);
+    if (id >= 0 && id < a.num_experts) atomicOr(&sm.present[id >> 5], 1u << (id & 31));
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {  // warp 0: which word holds the z-th set bit (a scan of the words' counts)
+    const int lane = threadIdx.x, z = blockIdx.z;
+    const unsigned w = lane < words ? sm.present[lane] : 0u;
+    const int c = __popc(w);
+    int incl = c;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += v;
+    }
+    const unsigned found = __ballot_sync(0xffffffffu, incl > z);
+    if (found == 0u) {
+      if (lane == 0) sm.expert = -1;
+    } else if (lane == __ffs(found) - 1) {
+      unsigned m = w;
+      for (int i = z - (incl - c); i > 0; --i) m &= m - 1u;  // drop the lower set bits
+      sm.expert = 32 * lane + __ffs(m) - 1;
+    }
+  }
+  __syncthreads();
+  return sm.expert;
+}
+
+// The assignments of expert e (or, for e == E, those with an id outside [0, E)) into sm.rows, in
+// ascending order; returns how many (the same in every thread).
+template <typename Id>
+__device__ int gather(const MoeMmaArgs& a, int e, Smem& sm) {
+  const Id* ids = static_cast<const Id*>(a.ids);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const bool expert = e < a.num_experts;
+  int count = 0;
+  for (int base = 0; base < a.n_assign; base += kThreads) {
+    const int f = base + threadIdx.x;
+    bool hit = false;
+    if (f < a.n_assign) {
+      const int64_t id = static_cast<int64_t>(ids[f]);
+      hit = expert ? id == e : (id < 0 || id >= a.num_experts);
+    }
+    const unsigned mask = __ballot_sync(0xffffffffu, hit);
+    if (lane == 0) sm.warp_hits[warp] = __popc(mask);
+    __syncthreads();
+    int before = count, total = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const int c = sm.warp_hits[w];
+      total += c;
+      before += w < warp ? c : 0;
+    }
+    if (hit) sm.rows[before + __popc(mask & ((1u << lane) - 1u))] = f;
+    count += total;
+    __syncthreads();  // warp_hits is rewritten next round
+  }
+  return count;
+}
+
+// The current group's scales (8 per word, in column order) and zero words of the lane's two words.
+struct Group {
+  uint4 s[2];
+  uint32_t z[2];
+};
+
+template <typename T, typename Id, bool kW13, int ACT>
+__global__ void __launch_bounds__(kThreads, 4) moe_mma_kernel(MoeMmaArgs a) {
+  using Tr = HalfTraits<T>;
+  __shared__ Smem sm;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+
+  pdl_wait();  // the ids come from the routing kernel (w13), h from the w13 launch (w2)
+  pdl_launch_dependents();
+  const int e = block_expert<Id>(a, sm);
+  if (e < 0) return;
+  const bool expert = e < a.num_experts;
+  const int count = gather<Id>(a, e, sm);
+  if (count == 0) return;
+
+  const int k = kW13 ? a.hidden : a.inter;  // rows of the weight
+  const int n = kW13 ? 2 * a.inter : a.hidden;
+  const int n8 = n / 8;
+  const int tile = blockIdx.x;
+  const int splits = gridDim.y;
+
+  if constexpr (kW13) {
+    if (!expert) {  // ids outside [0, E): their h rows are zeros, written once
+      if (blockIdx.y != 0) return;
+      for (int idx = threadIdx.x; idx < count * kMoeMmaTile13; idx += kThreads) {
+        const int col = tile * kMoeMmaTile13 + idx % kMoeMmaTile13;
+        if (col < a.inter) static_cast<T*>(a.h)[static_cast<int64_t>(sm.rows[idx / kMoeMmaTile13]) * a.inter + col] =
+            Tr::from_float(0.f);
+      }
+      return;
+    }
+  }
+
+  // The lane's two words of a row and whether they exist (an expert id outside [0, E) loads none).
+  int p0, p1;
+  bool ok;
+  if constexpr (kW13) {
+    const int i8 = a.inter / 8;
+    p0 = tile * 8 + g, p1 = i8 + p0, ok = p0 < i8;
+  } else {
+    p0 = tile * 16 + 2 * g, p1 = p0 + 1, ok = p0 < n8;
+  }
+  ok = ok && expert;
+  const int gsize = kW13 ? a.group13 : a.group2;
+  const int64_t ex = expert ? e : 0;
+  const uint32_t* qw = (kW13 ? a.w13_qweight : a.w2_qweight) + ex * k * n8;
+  const T* sc = static_cast<const T*>(kW13 ? a.w13_scales : a.w2_scales) + ex * (k / gsize) * n;
+  const uint32_t* qz = (kW13 ? a.w13_qzeros : a.w2_qzeros) + ex * (k / gsize) * n8;
+  const int steps = kW13 ? a.steps13 : a.steps2;
+  const int s0 = (blockIdx.y * kWarps + warp) * steps, s1 = min(s0 + steps, k / kStepRows);
+  const int steps_per_group = gsize / kStepRows;
+  const uint64_t policy = evict_first_policy();
+  const uint32_t ones[4] = {Ones<T>::kPair, Ones<T>::kPair, Ones<T>::kPair, Ones<T>::kPair};
+
+  // Column (within the block's tile) of nibble i of the lane's word j.
+  const auto tile_col = [&](int j, int i) { return (kW13 ? 64 * j + 8 * g : 16 * g + 8 * j) + awq_col(i); };
+
+  for (int pass = 0; pass * kPassRows < count; ++pass) {
+    const int rows_here = min(kPassRows, count - pass * kPassRows);
+    // The lane's B row: token g of the pass (clamped: rows past the pass only feed columns never stored).
+    const int f = sm.rows[pass * kPassRows + min(g, rows_here - 1)];
+    const T* xrow = kW13 ? static_cast<const T*>(a.x) + static_cast<int64_t>(f / a.topk) * a.x_stride
+                         : static_cast<const T*>(a.h) + static_cast<int64_t>(f) * a.inter;
+    xrow += 8 * t;
+
+    // Step s into ring slot `slot`: rows 8t .. 8t + 7 of the lane's two words, x[token][8t .. + 7].
+    Ring& ring = sm.ring[warp];
+    const auto issue = [&](int slot, int s) {
+      const uint32_t* p = qw + static_cast<int64_t>(s * kStepRows + 8 * t) * n8;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        uint32_t* dst = &ring.w[slot][i >> 1][lane][2 * (i & 1)];
+        if constexpr (kW13) {
+          cp_async_small_stream<4>(dst, p + i * n8 + p0, ok, policy);
+          cp_async_small_stream<4>(dst + 1, p + i * n8 + p1, ok, policy);
+        } else {
+          cp_async_small_stream<8>(dst, p + i * n8 + p0, ok, policy);
+        }
+      }
+      cp_async16(&ring.x[slot][lane], xrow + s * kStepRows, true);
+    };
+    const auto load_group = [&](Group& gr, int s) {
+      const int64_t grp = s / steps_per_group;
+      if (ok) {
+        gr.s[0] = __ldg(reinterpret_cast<const uint4*>(sc + grp * n + 8 * p0));
+        gr.s[1] = __ldg(reinterpret_cast<const uint4*>(sc + grp * n + 8 * p1));
+        gr.z[0] = __ldg(qz + grp * n8 + p0);
+        gr.z[1] = __ldg(qz + grp * n8 + p1);
+      } else {
+        gr.s[0] = gr.s[1] = make_uint4(0, 0, 0, 0);
+        gr.z[0] = gr.z[1] = 0u;
+      }
+    };
+
+    float acc[2][4][4], xs[4];  // [word][byte][C element]; the group's sum of x
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int b = 0; b < 4; ++b)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[j][b][r] = 0.f;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) xs[r] = 0.f;
+
+    const auto consume = [&](int slot) {
+      uint4 c[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) c[q] = ld_shared128(&ring.w[slot][q][lane][0]);
+      const uint4 xv = ld_shared128(&ring.x[slot][lane]);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t b0 = h == 0 ? xv.x : xv.z, b1 = h == 0 ? xv.y : xv.w;
+        Mma<T>::run(xs, ones, b0, b1);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          // rows 4h .. 4h + 3: chunk 2h holds rows 4h, 4h + 1 (word j at j, 2 + j), chunk 2h + 1 the next two
+          const uint4& lo = c[2 * h];
+          const uint4& hi = c[2 * h + 1];
+          const uint32_t r0 = j == 0 ? lo.x : lo.y, r1 = j == 0 ? lo.z : lo.w;
+          const uint32_t r2 = j == 0 ? hi.x : hi.y, r3 = j == 0 ? hi.z : hi.w;
+          const uint32_t r0s = r0 >> 4, r1s = r1 >> 4, r2s = r2 >> 4, r3s = r3 >> 4;
+          const auto tile_mma = [&](auto bc) {
+            constexpr int B = decltype(bc)::value;
+            const uint32_t fr[4] = {column_pair<T, B>(r0, r1), column_pair<T, B>(r0s, r1s),
+                                    column_pair<T, B>(r2, r3), column_pair<T, B>(r2s, r3s)};
+            Mma<T>::run(acc[j][B], fr, b0, b1);
+          };
+          tile_mma(std::integral_constant<int, 0>{});
+          tile_mma(std::integral_constant<int, 1>{});
+          tile_mma(std::integral_constant<int, 2>{});
+          tile_mma(std::integral_constant<int, 3>{});
+        }
+      }
+    };
+
+    // acc = r (acc - zm xs) per column, r = s / s_next (s at the warp's last group: acc is then y).
+    const auto close_group = [&](const Group& cur, const Group* next) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const auto unit = [&](const uint4& v) {
+            return gemv::fold_unit(Tr::to_float(reinterpret_cast<const T*>(&v)[awq_col(i)]));
+          };
+          const float su = unit(cur.s[j]);
+          const float r = next != nullptr ? __fdividef(su, unit(next->s[j])) : su;
+          const float zm = Tr::kMagic + static_cast<float>((cur.z[j] >> (4 * i)) & 15u);
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            float& v = acc[j][i >> 1][2 * (i & 1) + c];
+            v = r * fmaf(-zm, xs[c], v);
+          }
+        }
+#pragma unroll
+      for (int r = 0; r < 4; ++r) xs[r] = 0.f;
+    };
+
+    if (expert && s0 < s1) {
+      Group gr, gn;
+      load_group(gr, s0);
+#pragma unroll
+      for (int d = 0; d < kRing - 1; ++d) {
+        if (s0 + d < s1) issue(d, s0 + d);
+        cp_async_commit();  // one group per step, empty past the range, so wait_group counts steps
+      }
+      int slot = 0;
+      int group_left = steps_per_group - s0 % steps_per_group;  // steps until the current group ends
+#pragma unroll 1
+      for (int s = s0; s < s1; ++s) {
+        // Refill the slot consumed last iteration with step s + kRing - 1, then wait for step s. A
+        // lane reads back only the bytes it copied itself, so wait_group alone orders them.
+        if (s + kRing - 1 < s1) issue(slot == 0 ? kRing - 1 : slot - 1, s + kRing - 1);
+        cp_async_commit();
+        cp_async_wait<kRing - 1>();
+        // The next group's scales are fetched before the math of the step that ends the group,
+        // so the close does not wait for them.
+        if (group_left == 1 && s + 1 < s1) load_group(gn, s + 1);
+        consume(slot);
+        slot = slot == kRing - 1 ? 0 : slot + 1;
+        if (--group_left == 0 || s + 1 == s1) {
+          if (s + 1 == s1) {
+            close_group(gr, nullptr);
+          } else {
+            close_group(gr, &gn);
+            gr = gn;
+          }
+          group_left = steps_per_group;
+        }
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with its ring before the sums reuse it
+
+    // C fragment (g, t): element r of m-tile (j, b) is nibble 2b + (r >> 1) of word j, token 2t + (r & 1).
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int b = 0; b < 4; ++b)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) sm.red[warp][2 * t + (r & 1)][tile_col(j, 2 * b + (r >> 1))] = acc[j][b][r];
+    __syncthreads();
+
+    const auto tile_sum = [&](int row, int c) {
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) v += sm.red[w][row][c];
+      return v;
+    };
+    if constexpr (kW13) {
+      for (int idx = threadIdx.x; idx < rows_here * kMoeMmaTile13; idx += kThreads) {
+        const int row = idx / kMoeMmaTile13, c = idx % kMoeMmaTile13, col = tile * kMoeMmaTile13 + c;
+        if (col >= a.inter) continue;
+        const int64_t fr = sm.rows[pass * kPassRows + row];
+        const float gate = tile_sum(row, c), up = tile_sum(row, kMoeMmaTile13 + c);
+        if (splits == 1) {
+          static_cast<T*>(a.h)[fr * a.inter + col] = Tr::from_float(moe::act_fn<ACT>(gate) * up);
+        } else {
+          atomicAdd(a.ws13 + fr * n + col, gate);
+          atomicAdd(a.ws13 + fr * n + a.inter + col, up);
+        }
+      }
+    } else {
+      for (int idx = threadIdx.x; idx < rows_here * kTileCols; idx += kThreads) {
+        const int row = idx / kTileCols, col = tile * kTileCols + idx % kTileCols;
+        if (col >= a.hidden) continue;
+        const int fr = sm.rows[pass * kPassRows + row];
+        const int64_t off = static_cast<int64_t>(fr / a.topk) * a.hidden + col;
+        const float v = expert ? a.topk_weights[fr] * tile_sum(row, idx % kTileCols) : 0.f;
+        if (a.topk == 1 && splits == 1) {
+          static_cast<T*>(a.out)[off] = Tr::from_float(v);  // the token's only slot: no one else adds to it
+        } else if (expert) {
+          atomicAdd(a.ws2 + off, v);
+        }
+      }
+    }
+    __syncthreads();  // red is rewritten by the next pass (or reused as convert)
+  }
+
+  if constexpr (kW13) {
+    if (splits == 1) return;
+    if (!moe::arrive_last(a.counters13 + static_cast<int64_t>(e) * gridDim.x + tile, splits, sm.is_last)) return;
+    for (int idx = threadIdx.x; idx < count * kMoeMmaTile13; idx += kThreads) {
+      const int col = tile * kMoeMmaTile13 + idx % kMoeMmaTile13;
+      if (col >= a.inter) continue;
+      const int64_t fr = sm.rows[idx / kMoeMmaTile13];
+      float* pg = a.ws13 + fr * n + col;
+      float* pu = pg + a.inter;
+      const float gate = __ldcg(pg), up = __ldcg(pu);
+      __stcg(pg, 0.f);
+      __stcg(pu, 0.f);
+      static_cast<T*>(a.h)[fr * a.inter + col] = Tr::from_float(moe::act_fn<ACT>(gate) * up);
+    }
+  } else {
+    if (a.topk == 1 && splits == 1) return;
+    // Each of a token's topk * splits blocks arrives once per assignment it holds; the last one
+    // converts the token's tile.
+    __threadfence();
+    if (threadIdx.x == 0) sm.n_convert = 0;
+    __syncthreads();
+    for (int r = threadIdx.x; r < count; r += kThreads) {
+      const int tok = sm.rows[r] / a.topk;
+      int* counter = a.counters2 + static_cast<int64_t>(tok) * gridDim.x + tile;
+      if (atomicAdd(counter, 1) == a.topk * splits - 1) {
+        *counter = 0;
+        sm.convert[atomicAdd(&sm.n_convert, 1)] = tok;
+      }
+    }
+    __syncthreads();
+    const int n_convert = sm.n_convert;
+    if (n_convert == 0) return;
+    __threadfence();
+    for (int idx = threadIdx.x; idx < n_convert * kTileCols; idx += kThreads) {
+      const int col = tile * kTileCols + idx % kTileCols;
+      if (col >= a.hidden) continue;
+      const int64_t off = static_cast<int64_t>(sm.convert[idx / kTileCols]) * a.hidden + col;
+      const float v = __ldcg(a.ws2 + off);
+      __stcg(a.ws2 + off, 0.f);
+      static_cast<T*>(a.out)[off] = Tr::from_float(v);
+    }
+  }
+}
+
+template <typename T, typename Id, int ACT>
+void launch_typed(const MoeMmaArgs& a, cudaStream_t stream) {
+  const dim3 grid13(a.tiles13, a.splits13, a.rows), grid2(a.tiles2, a.splits2, a.rows);
+  launch_pdl(moe_mma_kernel<T, Id, true, ACT>, grid13, dim3(kThreads), 0, stream, a);
+  launch_pdl(moe_mma_kernel<T, Id, false, 0>, grid2, dim3(kThreads), 0, stream, a);
+}
+
+template <typename T, typename Id>
+void launch_act(const MoeMmaArgs& a, cudaStream_t stream) {
+  switch (a.act) {
+    case 0: return launch_typed<T, Id, 0>(a, stream);
+    case 1: return launch_typed<T, Id, 1>(a, stream);
+    default: return launch_typed<T, Id, 2>(a, stream);
+  }
+}
+
+template <typename T>
+void launch_ids(const MoeMmaArgs& a, cudaStream_t stream) {
+  if (a.ids_int64) return launch_act<T, int64_t>(a, stream);
+  return launch_act<T, int32_t>(a, stream);
+}
+
+}  // namespace
+
+void launch_moe_mma(const MoeMmaArgs& a, cudaStream_t stream) {
+  if (a.dtype == HalfType::kHalf) return launch_ids<__half>(a, stream);
+  return launch_ids<__nv_bfloat16>(a, stream);
+}
+
+}  // namespace fastawq
