@@ -119,6 +119,16 @@ def time_plain(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def moe_call(backend: str):
+    """run(x, ids, w, packed, g) for a backend name: moe_w4's (triton, cuda, torch: its automatic
+    kernel choice) or cuda:gemv / cuda:mma, one compiled kernel forced (torch.ops.fastawq)."""
+    if backend.startswith("cuda:"):
+        op = {"gemv": "moe_gemv_w4", "mma": "moe_mma_w4"}[backend.split(":", 1)[1]]
+        fn = getattr(torch.ops.fastawq, op)
+        return lambda x, ids, w, packed, g: fn(x, ids, w.float(), *packed, g, "silu")
+    return lambda x, ids, w, packed, g: ops_moe.moe_w4(x, ids, w, *packed, g, backend=backend)
+
+
 def run_shape(name: str, ts: list[int], device: str, copies: int, backends: list[str]) -> list[dict]:
     e, k, h, i, g = SHAPES[name]
     dtype = torch.float16
@@ -148,13 +158,14 @@ def run_shape(name: str, ts: list[int], device: str, copies: int, backends: list
         ids0, w0 = routes[0]
         ref = reference.moe_w4(x, ids0, w0, *packed, g)
         for backend in backends:
+            run = moe_call(backend)
             # Correctness on this exact input before timing it (the fp32 oracle, one routing).
-            got = ops_moe.moe_w4(x, ids0, w0, *packed, g, backend=backend)
+            got = run(x, ids0, w0, packed, g)
             relerr = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
             def w4(r):
                 ids, w = routes[r % copies]
-                ops_moe.moe_w4(x, ids, w, *packed, g, backend=backend)
+                run(x, ids, w, packed, g)
 
             t_w4 = time_graph(w4, copies)
             row = {
@@ -188,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="qwen3-30b-a3b,mixtral-8x7b")
     ap.add_argument("--dry-run", action="store_true", help="CPU, the tiny shape, torch backend, plain timers")
     ap.add_argument("--backends", default="triton",
-                    help="W4 backends to time, comma-separated (triton, cuda: the compiled decode kernel)")
+                    help="W4 backends to time, comma-separated (triton; cuda: the compiled kernels as moe_w4 "
+                         "picks them; cuda:gemv, cuda:mma: one forced)")
     ap.add_argument("--no-tune", action="store_true", help="the Triton heuristic configs, no timing of candidates")
     args = ap.parse_args(argv)
     if args.no_tune:

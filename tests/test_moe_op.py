@@ -626,7 +626,8 @@ def test_moe_auto_choice_is_sized_by_the_load_per_expert():
     assert ops_moe._load(1, 8, 128) == 1 and ops_moe._load(16, 8, 128) == 1  # Qwen3-30B-A3B decode
     assert ops_moe._load(1, 2, 8) == 1 and ops_moe._load(16, 2, 8) == 4  # Mixtral
     assert backend._cuda_order("moe_w4", backend.MOE_GEMV_MAX_LOAD)[0] == "cuda"
-    assert backend._cuda_order("moe_w4", backend.MOE_GEMV_MAX_LOAD + 1)[0] == "triton"
+    assert backend._cuda_order("moe_w4", backend.MOE_MMA_MAX_LOAD)[0] == "cuda"  # the tensor-core kernel
+    assert backend._cuda_order("moe_w4", backend.MOE_MMA_MAX_LOAD + 1)[0] == "triton"
 
 
 # (E, H, I, G, k, T, load): w13 tiles are 128 gate columns (I = 96 and 160 leave a part tile), w2

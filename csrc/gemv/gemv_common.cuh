@@ -30,8 +30,8 @@ __device__ __forceinline__ void decode_bytes(uint32_t v, float (&f)[4]) {
   f[3] = __uint_as_float(__byte_perm(v, kHalf, 0x7344));
 }
 
-// The unit by which the tensor-core kernels hold a group's folded sums (y / s, awq_mma_packed.cu
-// and moe/moe_mma.cu): a zero scale would give inf / NaN. 2^-60 in place of any |s| < 2^-60 (zero,
+// The unit by which a tensor-core kernel holds a group's folded sums (y / s, moe/moe_mma.cu): a
+// zero scale would give inf / NaN. 2^-60 in place of any |s| < 2^-60 (zero,
 // or bf16's tiny ones) changes the output by at most 2^-59 |sum x (q - z)|, far below fp16 / bf16
 // resolution, and bounds |y / s| by 2^60 |y|, far from fp32's overflow (2^128) for any |y| < 2^68
 // (fp16 outputs are < 2^16).

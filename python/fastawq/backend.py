@@ -59,6 +59,20 @@ PACKED_MMA_MAX_M = 16
 # RESULTS.md: Qwen3-30B-A3B T=1 19.6 vs 35.5 us, T=16 (load 1) 140 vs 272 us; Mixtral T=1 96 vs
 # 248 us, T=16 (load 4) 1075 vs 934 us.
 MOE_GEMV_MAX_LOAD = 2
+# The compiled backend of moe_w4 has two kernels: moe_gemv_w4 (CUDA cores, each expert read once
+# per assignment) and moe_mma_w4 (tensor cores, each expert reached read once per call; at most
+# MOE_MMA_MAX_ASSIGN = T * k assignments and MOE_MMA_MAX_EXPERTS experts), which also serves loads
+# up to MOE_MMA_MAX_LOAD. moe_kernel picks the tensor-core one once an expert reached gets
+# MOE_MMA_MIN_REUSE assignments on average (uniform routing). H200, benchmarks/RESULTS.md (session
+# 6), us GEMV / tensor cores / Triton: Qwen3-30B-A3B T=4 (reuse 1.10) 46.5 / 59.1 / 108, T=8
+# (1.24) 91.5 / 81.4 / 184, T=16 141 / 122 / 274, T=256 (load 16) 1841 / 486 / 617; Mixtral T=2
+# (1.14) 178 / 158 / 396, T=16 1076 / 352 / 933, T=64 (load 16) - / 1123 / 1119, T=128 - / 1844 /
+# 1649. MOE_MMA off: the GEMV, and loads above MOE_GEMV_MAX_LOAD go to Triton.
+MOE_MMA = True
+MOE_MMA_MIN_REUSE = 1.12
+MOE_MMA_MAX_LOAD = 16
+MOE_MMA_MAX_ASSIGN = 4096  # kMoeMmaMaxAssign, csrc/common/launch.h
+MOE_MMA_MAX_EXPERTS = 1024  # kMoeMmaMaxExperts
 # ops.route on GPUs: the router GEMM inside the Triton routing launch (route_kernel), instead of a
 # cuBLAS GEMM then topk_route (benchmarks/bench_ab.py --compare route measures both; H200 decode
 # 1.014x / 1.016x Qwen3-30B-A3B at batch 1 / 16, RESULTS.md), for up to ROUTE_FUSED_MAX_T tokens:
@@ -72,7 +86,11 @@ ROUTE_FUSED_MAX_T = 32
 # block runs the add_rms_norm and route launches.
 NORM_ROUTE_FUSED = False
 _CUDA_PREFERENCE: dict[str, list[tuple[int | None, tuple[str, ...]]]] = {
-    "moe_w4": [(MOE_GEMV_MAX_LOAD, ("cuda", "triton", "torch")), (None, ("triton", "torch"))],
+    "moe_w4": [
+        (MOE_GEMV_MAX_LOAD, ("cuda", "triton", "torch")),
+        (MOE_MMA_MAX_LOAD, ("cuda", "triton", "torch")),
+        (None, ("triton", "torch")),
+    ],
     "awq_gemm": [
         *((m, ("cuda", "triton", "torch")) for m in sorted(CUDA_GEMM_KERNEL_BY_M)),
         (None, ("triton", "cuda", "torch")),
@@ -102,6 +120,19 @@ def cuda_gemm_kernel(m: int | None) -> str:
 def packed_kernel(m: int | None) -> str:
     """The compiled packed_gemm kernel for an M bucket: "gemv" (awq_gemv_packed) or "mma" (awq_mma_packed)."""
     return "gemv" if m is not None and m <= PACKED_GEMV_MAX_M else "mma"
+
+
+def moe_reuse(t: int, k: int, e: int) -> float:
+    """Assignments per expert reached, expected for T tokens routed uniformly to k of E experts."""
+    reached = e * (1.0 - (1.0 - min(k, e) / e) ** t) if e > 0 else 0.0
+    return t * k / reached if reached > 0 else 0.0
+
+
+def moe_kernel(t: int, k: int, e: int) -> str:
+    """The compiled moe_w4 kernel for T tokens routed to k of E experts each: "gemv" or "mma"."""
+    if not MOE_MMA or t * k > MOE_MMA_MAX_ASSIGN or e > MOE_MMA_MAX_EXPERTS:
+        return "gemv"
+    return "mma" if moe_reuse(t, k, e) >= MOE_MMA_MIN_REUSE else "gemv"
 
 
 def size_buckets(op: str) -> list[int | None]:

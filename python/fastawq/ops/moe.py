@@ -139,17 +139,20 @@ def moe_w4_plan(
     """
     weights = (w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros)
     e, h, i = _check_experts((x,), weights, group_size, act)
-    # The automatic choice depends on the load (assignments per expert, backend.MOE_GEMV_MAX_LOAD):
-    # one backend for each side of that bound, bound here.
-    small = _select(x, weights, group_size, act, backend, 1)
-    large = _select(x, weights, group_size, act, backend, MOE_GEMV_MAX_LOAD + 1)
+    # The automatic choice depends on the load (assignments per expert, backend.size_buckets):
+    # one backend for each bucket, bound here.
+    chosen, below = [], 0
+    for bound in _backend.size_buckets("moe_w4"):
+        chosen.append((bound, _select(x, weights, group_size, act, backend, below + 1 if bound is None else bound)))
+        below = bound if bound is not None else below
 
     def run(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         _check_routing(x, topk_ids, topk_weights, h)
-        be = small if _load(x.shape[0], topk_ids.shape[1], e) <= MOE_GEMV_MAX_LOAD else large
+        load = _load(x.shape[0], topk_ids.shape[1], e)
+        be = next(b for bound, b in chosen if bound is None or load <= bound)
         return _moe_w4_impl(x, topk_ids, topk_weights, *weights, group_size, act, be)
 
-    run.backend = small if small == large else f"{small}/{large}"
+    run.backend = "/".join(dict.fromkeys(b for _, b in chosen))
     return run
 
 
@@ -172,6 +175,8 @@ def _select(x: torch.Tensor, weights: tuple, group_size: int, act: str, backend:
             scales = {weights[1].dtype, weights[4].dtype}
             if scales != {x.dtype}:
                 return f"the compiled MoE kernel takes scales in x's dtype {x.dtype}, got {sorted(map(str, scales))}"
+            if m > MOE_GEMV_MAX_LOAD and not (_backend.MOE_MMA and _ext.has_op("moe_mma_w4")):
+                return f"{m} assignments per expert need the tensor-core MoE kernel (moe_mma_w4), which is off or absent"
             return torch.ops.fastawq.moe_gemv_w4_declines(e, h, i, group_size) or None
         return None
 
@@ -186,8 +191,12 @@ def _moe_w4_impl(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
         weights = (w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros)
         backend = _select(x, weights, group_size, act, None, _load(x.shape[0], topk_ids.shape[1], e))
     if backend == "cuda":
-        # The kernel takes dense operands and fp32 routing weights (no-ops when they already are).
-        return torch.ops.fastawq.moe_gemv_w4(
+        # The kernels take dense operands and fp32 routing weights (no-ops when they already are).
+        kernel = _backend.moe_kernel(x.shape[0], topk_ids.shape[1], e) if _ext.has_op("moe_mma_w4") else "gemv"
+        op = torch.ops.fastawq.moe_mma_w4 if kernel == "mma" else torch.ops.fastawq.moe_gemv_w4
+        if kernel == "mma" and (x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16):
+            x = x.clone(memory_format=torch.contiguous_format)  # it loads x in 16-byte pieces
+        return op(
             x if x.stride(-1) == 1 else x.contiguous(), topk_ids.contiguous(),
             topk_weights.to(torch.float32).contiguous(), w13_qweight.contiguous(), w13_scales.contiguous(),
             w13_qzeros.contiguous(), w2_qweight.contiguous(), w2_scales.contiguous(), w2_qzeros.contiguous(),
@@ -222,10 +231,12 @@ def _(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight
 
 
 def _register_fakes() -> None:
-    """Output shape of the compiled MoE decode kernel, so it traces and passes opcheck."""
-    if _ext.has_op("moe_gemv_w4"):
+    """Output shape of the compiled MoE kernels, so they trace and pass opcheck."""
+    for name in ("moe_gemv_w4", "moe_mma_w4"):
+        if not _ext.has_op(name):
+            continue
 
-        @torch.library.register_fake("fastawq::moe_gemv_w4")
+        @torch.library.register_fake(f"fastawq::{name}")
         def _(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros,
               group_size, act):
             torch._check(x.dim() == 2 and w13_qweight.dim() == 3 and w2_qweight.dim() == 3,

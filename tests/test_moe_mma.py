@@ -1,0 +1,249 @@
+"""The tensor-core MoE kernels (moe_mma_w4, csrc/moe/moe_mma.cu): each expert read once per call.
+
+CPU: a bit-level emulation of one block's fragments on the AWQ layout (written from the kernel's
+comments: which rows and words a lane loads, the byte permute that pairs two rows' nibbles into an
+A register, the B registers from x, the C layout, the column of each nibble, and the one
+accumulator rescaled at each group's close) matches the reference dequant-matmul, for both
+kernels' word pairs (w13: a gate and an up word; w2: two adjacent words), so the labelling is
+checked without a GPU. GPU (skipped without CUDA and the compiled op): the op against
+reference.moe_w4 for ragged loads (experts with no token, one expert with every token, more
+tokens per expert than one pass of 8), K splits, ids outside [0, E), under graph replay.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_awq, random_input
+from fastawq import _ext, backend, reference
+from fastawq.ops import moe as ops_moe
+from test_mma_packed import MAGIC, _byte_perm, _halves
+from test_moe_op import check, moe_case, poisoned_empty, replay_checks  # noqa: F401 (a fixture)
+
+HAS_KERNEL = torch.cuda.is_available() and _ext.has_op("moe_mma_w4")
+requires_kernel = pytest.mark.skipif(not HAS_KERNEL, reason="needs CUDA and fastawq._C with moe_mma_w4")
+
+AWQ_COL = [reference.AWQ_ORDER[i] for i in range(8)]  # the kernel's awq_col(i)
+
+
+def _pair(lo: int, hi: int, b: int, magic: int) -> int:
+    """column_pair<T, b>(lo, hi) of the kernel: byte b's low nibble of each word, magic in the mantissa."""
+    sel = b | (b << 4) | ((4 + b) << 8) | ((4 + b) << 12)
+    return (_byte_perm(lo, hi, sel) & 0x000F000F) | (magic << 16) | magic
+
+
+def _unit(s: float) -> float:
+    return s if s != 0.0 else 2.0**-60
+
+
+def _emulate_tile(x, qw, sc, qz, g, tile: int, w13: bool, inter: int = 0, steps_per_warp: int | None = None):
+    """The block's tile [M <= 8, 128] as the kernel computes it (w13: 64 gate then 64 up columns)."""
+    dtype = x.dtype
+    magic_bits, magic = MAGIC[dtype]
+    m, k = x.shape
+    n8 = qw.shape[1]
+    words = (qw.to(torch.int64) & 0xFFFFFFFF).tolist()
+    zeros = (qz.to(torch.int64) & 0xFFFFFFFF).tolist()
+    scales = sc.float().tolist()
+    xf = x.float()
+
+    def lane_words(gq: int) -> tuple[int, int, bool]:
+        if w13:
+            p0 = tile * 8 + gq
+            return p0, inter // 8 + p0, p0 < inter // 8
+        p0 = tile * 16 + 2 * gq
+        return p0, p0 + 1, p0 < n8
+
+    def tile_col(gq: int, j: int, i: int) -> int:
+        return (64 * j + 8 * gq if w13 else 16 * gq + 8 * j) + AWQ_COL[i]
+
+    s_total = k // 32
+    steps = steps_per_warp or s_total
+    red = torch.zeros(m, 128, dtype=torch.float64)
+    for s0 in range(0, s_total, steps):  # one warp per range of steps
+        s1 = min(s0 + steps, s_total)
+        # acc[j][b]: the 16 x 8 C tile of m-tile (word j, byte b), fp32 as the mma keeps it
+        acc = [[torch.zeros(16, 8) for _ in range(4)] for _ in range(2)]
+        xs = torch.zeros(16, 8)
+        for s in range(s0, s1):
+            for h in range(2):
+                b_frag = torch.zeros(16, 8)
+                for lane in range(32):
+                    gq, t = divmod(lane, 4)
+                    row = min(gq, m - 1)
+                    k0 = 32 * s + 8 * t + 4 * h
+                    b_frag[2 * t : 2 * t + 2, gq] = xf[row, k0 : k0 + 2]
+                    b_frag[2 * t + 8 : 2 * t + 10, gq] = xf[row, k0 + 2 : k0 + 4]
+                xs += torch.ones(16, 16) @ b_frag
+                for j in range(2):
+                    for b in range(4):
+                        a = torch.zeros(16, 16)
+                        for lane in range(32):
+                            gq, t = divmod(lane, 4)
+                            p0, p1, ok = lane_words(gq)
+                            rows = [32 * s + 8 * t + 4 * h + u for u in range(4)]
+                            w = [words[r][(p0, p1)[j]] if ok else 0 for r in rows]
+                            regs = [_pair(w[0], w[1], b, magic_bits), _pair(w[0] >> 4, w[1] >> 4, b, magic_bits),
+                                    _pair(w[2], w[3], b, magic_bits), _pair(w[2] >> 4, w[3] >> 4, b, magic_bits)]
+                            a[gq, 2 * t : 2 * t + 2] = torch.tensor(_halves(regs[0], dtype))
+                            a[gq + 8, 2 * t : 2 * t + 2] = torch.tensor(_halves(regs[1], dtype))
+                            a[gq, 2 * t + 8 : 2 * t + 10] = torch.tensor(_halves(regs[2], dtype))
+                            a[gq + 8, 2 * t + 8 : 2 * t + 10] = torch.tensor(_halves(regs[3], dtype))
+                        acc[j][b] += a @ b_frag
+            last = s + 1 == s1
+            if (s + 1) * 32 % g == 0 or last:  # close the group: acc = r (acc - zm xs)
+                grp = s * 32 // g
+                for j in range(2):
+                    for b in range(4):
+                        for frag_row in range(16):
+                            gq, hi = frag_row % 8, frag_row // 8
+                            p0, p1, ok = lane_words(gq)
+                            word = (p0, p1)[j]
+                            i = 2 * b + hi
+                            su = _unit(scales[grp][8 * word + AWQ_COL[i]] if ok else 0.0)
+                            sn = _unit(scales[grp + 1][8 * word + AWQ_COL[i]] if ok else 0.0) if not last else 1.0
+                            zm = magic + (((zeros[grp][word] if ok else 0) >> (4 * i)) & 15)
+                            acc[j][b][frag_row] = (su / sn) * (acc[j][b][frag_row] - zm * xs[frag_row])
+                xs.zero_()
+        for j in range(2):
+            for b in range(4):
+                for frag_row in range(16):
+                    gq, hi = frag_row % 8, frag_row // 8
+                    for tok in range(min(m, 8)):
+                        red[tok, tile_col(gq, j, 2 * b + hi)] += acc[j][b][frag_row, tok].item()
+    return red.float()
+
+
+@pytest.mark.parametrize("w13", [True, False], ids=["w13", "w2"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m,k,g,steps", [(3, 64, 32, None), (8, 128, 64, 3), (1, 96, 32, 2)])
+def test_fragments_as_the_kernel_reads_them(w13, dtype, m, k, g, steps):
+    inter = 96  # w13: 2I = 192 columns, the block's tile 1 has half its gate/up words past I
+    n = 2 * inter if w13 else 256
+    qw, s, qz = random_awq(k, n, g, "cpu", dtype, seed=m + k)
+    s[0, 5] = 0.0  # a zero scale: its group adds nothing, and nothing becomes inf or NaN
+    x = random_input((m, k), "cpu", dtype, seed=k)
+    ref = x.float() @ reference.dequantize(qw, s.float(), qz, g)  # (q - z) s unrounded, as the kernel
+    for tile in range(2):
+        got = _emulate_tile(x, qw, s, qz, g, tile, w13, inter, steps)
+        assert torch.isfinite(got).all()
+        if w13:
+            cols = [c for c in range(64) if tile * 64 + c < inter]
+            want_gate = ref[:, [tile * 64 + c for c in cols]]
+            want_up = ref[:, [inter + tile * 64 + c for c in cols]]
+            torch.testing.assert_close(got[:, cols], want_gate, rtol=1e-4, atol=1e-3)
+            torch.testing.assert_close(got[:, [64 + c for c in cols]], want_up, rtol=1e-4, atol=1e-3)
+        else:
+            torch.testing.assert_close(got, ref[:, tile * 128 : tile * 128 + 128], rtol=1e-4, atol=1e-3)
+
+
+def test_moe_kernel_choice(monkeypatch):
+    assert backend.moe_reuse(1, 8, 128) == 1.0 and backend.moe_reuse(16, 2, 8) == pytest.approx(32 / (8 * (1 - 0.75**16)))
+    assert backend.moe_kernel(1, 8, 128) == "gemv"  # one token: nothing to share, the GEMV
+    assert backend.moe_kernel(4, 8, 128) == "gemv"  # Qwen3-30B-A3B: 1.10 assignments per expert reached
+    assert backend.moe_kernel(16, 8, 128) == "mma"
+    assert backend.moe_kernel(2, 2, 8) == "mma"  # Mixtral: 1.14
+    assert backend.moe_kernel(backend.MOE_MMA_MAX_ASSIGN // 8 + 1, 8, 128) == "gemv"  # past the gather's list
+    assert backend.moe_kernel(16, 8, backend.MOE_MMA_MAX_EXPERTS + 1) == "gemv"  # past its expert bitmap
+    monkeypatch.setattr(backend, "MOE_MMA", False)
+    assert backend.moe_kernel(16, 8, 128) == "gemv"
+
+
+# --- the compiled op ---
+
+# (E, H, I, G, k, T, load): w13 tiles 64 gate columns (I = 96, 160 part tiles), w2 tiles 128
+# columns (H = 96, 288 part tiles); few tokens split K, many do not; "one_expert" puts all T
+# tokens on expert 0 (passes of 8), "few_experts" leaves most experts without a token.
+CASES = [
+    (8, 96, 160, 32, 2, 3, "random"),
+    (8, 288, 96, 32, 1, 4, "random"),
+    (16, 4096, 96, 32, 4, 2, "random"),
+    (4, 64, 4096, -1, 2, 5, "random"),
+    (8, 128, 96, 32, 2, 33, "one_expert"),
+    (8, 128, 96, 32, 3, 19, "few_experts"),
+    (128, 2048, 768, 128, 8, 16, "random"),
+    (8, 4096, 1024, 128, 2, 16, "random"),
+]
+
+
+def _op(x, ids, w, weights, g, act="silu"):
+    return torch.ops.fastawq.moe_mma_w4(x, ids, w.float().contiguous(), *weights, g, act)
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "E{}H{}I{}G{}k{}T{}-{}".format(*c))
+def test_kernel_matches_reference(case, dtype, poisoned_empty):
+    e, h, i, g, k, t, load = case
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=5 * t + k, dtype=dtype, load=load)
+    for _ in range(2):  # the second call finds the workspace and counters the first left zeroed
+        check(_op(x, ids, w, weights, g), x, ids, w, weights, g)
+
+
+@requires_kernel
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh"])
+def test_other_activations_and_int32_ids(act):
+    weights, x, ids, w = moe_case(8, 128, 96, 32, 2, 6, seed=13)
+    check(_op(x, ids.to(torch.int32), w, weights, 32, act), x, ids, w, weights, 32, act)
+
+
+@requires_kernel
+@pytest.mark.parametrize("h", [128, 4096])  # without and with K splits
+def test_ids_out_of_range_add_nothing(h):
+    e, i, g, k, t = 8, 96, 32, 4, 3
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=14)
+    bad = ids.clone()
+    bad[0, 1], bad[1, 3], bad[2, 0] = -1, e, 10**6
+    keep = (bad >= 0) & (bad < e)
+    check(_op(x, bad, w, weights, g), x, ids.where(keep, 0), w * keep, weights, g)
+    check(_op(x, ids, w, weights, g), x, ids, w, weights, g)  # the counters came back to zero
+
+
+@requires_kernel
+def test_top1_writes_out_directly_and_zeros_for_bad_ids():
+    e, h, i, g, k, t = 8, 128, 96, 32, 1, 9
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=15)
+    bad = ids.clone()
+    bad[3, 0] = -5
+    keep = bad >= 0
+    check(_op(x, bad, w, weights, g), x, ids.where(keep, 0), w * keep, weights, g)
+
+
+@requires_kernel
+def test_dispatch_and_graph_replay():
+    e, h, i, g, k, t = 128, 2048, 768, 128, 8, 16
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, 61)
+    assert backend.moe_kernel(t, k, e) == "mma"
+    calls = []
+    real = torch.ops.fastawq.moe_mma_w4
+
+    class Spy:
+        def __call__(self, *a):
+            calls.append(1)
+            return real(*a)
+
+    try:
+        torch.ops.fastawq.moe_mma_w4 = Spy()
+        check(ops_moe.moe_w4(x, ids, w, *weights, g, backend="cuda"), x, ids, w, weights, g)
+    finally:
+        torch.ops.fastawq.moe_mma_w4 = real
+    assert calls, "moe_w4 on the compiled backend did not run the tensor-core kernel at 16 tokens"
+    replay_checks(lambda: _op(x, ids, w, weights, g), x, ids, w, weights, g, 3, 71)
+
+
+@requires_kernel
+def test_opcheck_and_errors():
+    e, h, i, g, k, t = 4, 64, 64, 32, 2, 3
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=91)
+    torch.library.opcheck(torch.ops.fastawq.moe_mma_w4.default, (x, ids, w.float(), *weights, g, "silu"))
+    with pytest.raises(RuntimeError, match="moe_mma_w4: scales must have x's dtype"):
+        _op(x.bfloat16(), ids, w, weights, g)
+    with pytest.raises(RuntimeError, match=r"moe_mma_w4: .*assignments .* exceed the kernel's 4096"):
+        big = torch.zeros(4097, 1, dtype=torch.int64, device="cuda")
+        _op(random_input((4097, h), "cuda", x.dtype, seed=1), big, torch.ones(4097, 1, device="cuda"), weights, g)
+    with pytest.raises(RuntimeError, match="moe_mma_w4: 1025 experts exceed the kernel's 1024"):
+        many = tuple(p[:1].expand(1025, *p.shape[1:]).contiguous() for p in weights)
+        _op(x, ids, w, many, g)
+    with pytest.raises(RuntimeError, match="moe_mma_w4: x must be 16-byte aligned"):
+        wide = random_input((t, h + 4), "cuda", x.dtype, seed=2)
+        _op(wide[:, 4:], ids, w, weights, g)
