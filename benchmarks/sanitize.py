@@ -49,20 +49,24 @@ def main() -> None:
                 out = ops.decode_attention(q, kc, vc, lens, d ** -0.5)
                 assert torch.isfinite(out).all()
                 n_calls += 1
-    if hasattr(ops, "moe_gemv_w4"):
+    moe_ops = [name for name in ("moe_gemv_w4", "moe_mma_w4") if hasattr(ops, name)]
+    if moe_ops:
         from test_moe_op import check, moe_case
 
         # (E, H, I, G, k, T): part tiles in w13 (I = 160) and w2 (H = 288), K split (H = 1024), ids
-        # outside [0, E), int32 ids.
-        for dtype in (torch.float16, torch.bfloat16):
-            for e, h, i, g, k, t in ((8, 288, 160, 32, 2, 1), (16, 1024, 96, 32, 4, 3), (4, 64, 1024, -1, 2, 2)):
-                weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=h + i, dtype=dtype)
-                out = ops.moe_gemv_w4(x, ids.to(torch.int32), w, *weights, g, "silu")
-                check(out, x, ids, w, weights, g)
-                bad = ids.clone()
-                bad[0, 0] = e
-                ops.moe_gemv_w4(x, bad, w, *weights, g, "gelu")
-                n_calls += 2
+        # outside [0, E), int32 ids; 19 tokens on 3 experts: passes of 8 (the tensor-core kernel).
+        cases = ((8, 288, 160, 32, 2, 1), (16, 1024, 96, 32, 4, 3), (4, 64, 1024, -1, 2, 2), (4, 128, 96, 32, 3, 19))
+        for name in moe_ops:
+            op = getattr(ops, name)
+            for dtype in (torch.float16, torch.bfloat16):
+                for e, h, i, g, k, t in cases:
+                    weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=h + i, dtype=dtype)
+                    out = op(x, ids.to(torch.int32), w, *weights, g, "silu")
+                    check(out, x, ids, w, weights, g)
+                    bad = ids.clone()
+                    bad[0, 0] = e
+                    op(x, bad, w, *weights, g, "gelu")
+                    n_calls += 2
     torch.cuda.synchronize()
     print(f"sanitize: {n_calls} kernel calls ran and matched the reference")
 

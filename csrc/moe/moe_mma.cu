@@ -7,8 +7,9 @@
 // columns (passes of 8 when more chose it). The mma's k and row labels are free, so they are
 // chosen to match what a lane can load from the AWQ layout [K, N/8] (word = 8 columns of one row,
 // column AWQ_ORDER[i] in nibble i):
-//   lane (g, t) of a warp loads, for each 32-row step, rows 8t .. 8t + 7 of its two words (w13: the
-//   gate word and the up word of the same 8 columns; w2: two adjacent words). k-step h takes rows
+//   a block's tile is two groups of 8 words (w13: the gate words of 64 columns and the same up
+//   words; w2: 128 columns), and lane (g, t) of a warp takes, for each 32-row step, rows 8t .. 8t + 7
+//   of word g of each group (through the ring, below). k-step h takes rows
 //   8t + 4h .. + 3; byte b of a word gives one m16 tile: row g is its low nibble (column
 //   AWQ_ORDER[2b]), row g + 8 its high nibble. The register of (row, rows r, r + 1) is byte b of
 //   word(r) next to byte b of word(r + 1), masked into the magic number's mantissa: one prmt and
@@ -24,8 +25,9 @@
 //
 // Grid: block row z takes the z-th distinct expert the ids reach (a bitmap of them in shared
 // memory), so rows = min(E, T * k) + 1 and rows past the distinct count exit at once.
-// Work: a block is 4 warps on one column tile, each warp on its own range of 32-row steps; the
-// next step's words and x are loaded into registers while the current one is consumed. Tail: the
+// Work: a block is 4 warps on one column tile, each warp on its own range of 32-row steps, which
+// come through a per-warp cp.async ring (copied in coalesced 16-byte chunks, read back by word;
+// 430 -> 365 SASS instructions a step against 4- and 8-byte copies of each lane's own words). Tail: the
 // warps' sums meet in shared memory; with split K they meet in the zeroed fp32 workspace, the last
 // block converting (w13: of the expert's tile; w2: of a token's tile, whose topk * splits blocks
 // all add into ws2). An id outside [0, E) is gathered by the last block row, which adds
@@ -71,29 +73,22 @@ __device__ __forceinline__ uint32_t column_pair(uint32_t lo, uint32_t hi) {
   return (__byte_perm(lo, hi, kSel) & 0x000F000Fu) | HalfTraits<T>::kMagic2;
 }
 
-__device__ __forceinline__ uint32_t load_stream32(const uint32_t* p, uint64_t policy) {
-  uint32_t v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.u32 %0, [%1], %2;\n" : "=r"(v) : "l"(p), "l"(policy));
-  return v;
-}
-__device__ __forceinline__ uint2 load_stream64(const uint32_t* p, uint64_t policy) {
-  uint2 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v2.u32 {%0,%1}, [%2], %3;\n"
-               : "=r"(v.x), "=r"(v.y)
-               : "l"(p), "l"(policy));
-  return v;
-}
-
-// Per-warp cp.async ring of kRing steps: a lane's 16 words of a step as 4 chunks of 16 bytes
-// (chunk q: rows 2q, 2q + 1, words 0, 1), lane-contiguous per chunk so the reads are conflict-free.
+// Per-warp cp.async ring of kRing steps. A step is 32 rows x the tile's 16 words (2 KB), copied in
+// 16-byte chunks (4 consecutive words of one group) by whichever lane keeps the copy coalesced,
+// and read back by word: lane (g, t) reads word g of each group in rows 8t .. 8t + 7. Row r sits
+// at 144 (r / 8) + 16 (r % 8) words, its word w at w ^ (8 ((r / 16) % 2)): the 16 pad words after
+// every 8 rows and the swap of the groups' halves in rows 16 .. 31 put the 32 lanes of every read
+// on 32 different banks (rows 8t + i: bank 16 (t + i) + g + 8 (j ^ (t / 2)) mod 32).
 constexpr int kRing = 3;  // two steps in flight while one is consumed
+constexpr int kSlotWords = 4 * 144;
+__host__ __device__ constexpr int ring_word(int r, int w) { return 144 * (r >> 3) + 16 * (r & 7) + (w ^ (8 * ((r >> 4) & 1))); }
 struct Ring {
-  uint32_t w[kRing][4][32][4];
+  uint32_t w[kRing][kSlotWords];
   uint4 x[kRing][32];
 };
 
 struct Smem {
-  int rows[kMoeMmaMaxAssign];  // the block's assignments f, ascending
+  uint16_t rows[kMoeMmaMaxAssign];  // the block's assignments f (< 2^16), ascending
   union {
     Ring ring[kWarps];
     float red[kWarps][kPassRows][kTileCols];  // the warps' sums of one pass
@@ -170,7 +165,7 @@ __device__ int gather(const MoeMmaArgs& a, int e, Smem& sm) {
       total += c;
       before += w < warp ? c : 0;
     }
-    if (hit) sm.rows[before + __popc(mask & ((1u << lane) - 1u))] = f;
+    if (hit) sm.rows[before + __popc(mask & ((1u << lane) - 1u))] = static_cast<uint16_t>(f);
     count += total;
     __syncthreads();  // warp_hits is rewritten next round
   }
@@ -216,16 +211,17 @@ __global__ void __launch_bounds__(kThreads, 4) moe_mma_kernel(MoeMmaArgs a) {
     }
   }
 
-  // The lane's two words of a row and whether they exist (an expert id outside [0, E) loads none).
-  int p0, p1;
-  bool ok;
-  if constexpr (kW13) {
-    const int i8 = a.inter / 8;
-    p0 = tile * 8 + g, p1 = i8 + p0, ok = p0 < i8;
-  } else {
-    p0 = tile * 16 + 2 * g, p1 = p0 + 1, ok = p0 < n8;
-  }
-  ok = ok && expert;
+  // The tile's two groups of 8 words of a row: w13 the gate words of its 64 columns and the same up
+  // words, w2 the first and second 8 words of its 128 columns. Group j's word w is the global word
+  // first + j * apart + w; it exists when word_ok (an expert id outside [0, E) loads none).
+  const int first = kW13 ? tile * 8 : tile * 16;
+  const int apart = kW13 ? a.inter / 8 : 8;
+  const auto word_ok = [&](int j, int w) {
+    return expert && (kW13 ? first + w < a.inter / 8 : first + 8 * j + w < n8);
+  };
+  // The lane's own word of each group (its 16 columns; their scales and zeros).
+  const int p0 = first + g, p1 = first + apart + g;
+  const bool ok0 = word_ok(0, g), ok1 = word_ok(1, g);
   const int gsize = kW13 ? a.group13 : a.group2;
   const int64_t ex = expert ? e : 0;
   const uint32_t* qw = (kW13 ? a.w13_qweight : a.w2_qweight) + ex * k * n8;
@@ -237,8 +233,14 @@ __global__ void __launch_bounds__(kThreads, 4) moe_mma_kernel(MoeMmaArgs a) {
   const uint64_t policy = evict_first_policy();
   const uint32_t ones[4] = {Ones<T>::kPair, Ones<T>::kPair, Ones<T>::kPair, Ones<T>::kPair};
 
-  // Column (within the block's tile) of nibble i of the lane's word j.
-  const auto tile_col = [&](int j, int i) { return (kW13 ? 64 * j + 8 * g : 16 * g + 8 * j) + awq_col(i); };
+  // Column (within the block's tile) of nibble i of the lane's word of group j.
+  const auto tile_col = [&](int j, int i) { return 64 * j + 8 * g + awq_col(i); };
+
+  // What this lane copies of each step: chunk lane % 4 (group (lane % 4) / 2, words 4 (lane % 2) ..
+  // + 3) of rows lane / 4 + 8u, u < 4.
+  const int cj = (lane & 3) >> 1, cw = 4 * (lane & 1);
+  const bool copy_ok = word_ok(cj, cw);
+  const uint32_t* copy_src = qw + static_cast<int64_t>(lane >> 2) * n8 + (copy_ok ? first + cj * apart + cw : 0);
 
   for (int pass = 0; pass * kPassRows < count; ++pass) {
     const int rows_here = min(kPassRows, count - pass * kPassRows);
@@ -248,33 +250,23 @@ __global__ void __launch_bounds__(kThreads, 4) moe_mma_kernel(MoeMmaArgs a) {
                          : static_cast<const T*>(a.h) + static_cast<int64_t>(f) * a.inter;
     xrow += 8 * t;
 
-    // Step s into ring slot `slot`: rows 8t .. 8t + 7 of the lane's two words, x[token][8t .. + 7].
+    // Step s into ring slot `slot`: the lane's 4 chunks, and x[token][8t .. + 7] (read by itself).
     Ring& ring = sm.ring[warp];
     const auto issue = [&](int slot, int s) {
-      const uint32_t* p = qw + static_cast<int64_t>(s * kStepRows + 8 * t) * n8;
+      const uint32_t* p = copy_src + static_cast<int64_t>(s * kStepRows) * n8;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        uint32_t* dst = &ring.w[slot][i >> 1][lane][2 * (i & 1)];
-        if constexpr (kW13) {
-          cp_async_small_stream<4>(dst, p + i * n8 + p0, ok, policy);
-          cp_async_small_stream<4>(dst + 1, p + i * n8 + p1, ok, policy);
-        } else {
-          cp_async_small_stream<8>(dst, p + i * n8 + p0, ok, policy);
-        }
+      for (int u = 0; u < 4; ++u) {
+        cp_async16_stream(&ring.w[slot][ring_word((lane >> 2) + 8 * u, 8 * cj + cw)], p + 8 * u * n8, copy_ok,
+                          policy);
       }
       cp_async16(&ring.x[slot][lane], xrow + s * kStepRows, true);
     };
     const auto load_group = [&](Group& gr, int s) {
       const int64_t grp = s / steps_per_group;
-      if (ok) {
-        gr.s[0] = __ldg(reinterpret_cast<const uint4*>(sc + grp * n + 8 * p0));
-        gr.s[1] = __ldg(reinterpret_cast<const uint4*>(sc + grp * n + 8 * p1));
-        gr.z[0] = __ldg(qz + grp * n8 + p0);
-        gr.z[1] = __ldg(qz + grp * n8 + p1);
-      } else {
-        gr.s[0] = gr.s[1] = make_uint4(0, 0, 0, 0);
-        gr.z[0] = gr.z[1] = 0u;
-      }
+      gr.s[0] = ok0 ? __ldg(reinterpret_cast<const uint4*>(sc + grp * n + 8 * p0)) : make_uint4(0, 0, 0, 0);
+      gr.s[1] = ok1 ? __ldg(reinterpret_cast<const uint4*>(sc + grp * n + 8 * p1)) : make_uint4(0, 0, 0, 0);
+      gr.z[0] = ok0 ? __ldg(qz + grp * n8 + p0) : 0u;
+      gr.z[1] = ok1 ? __ldg(qz + grp * n8 + p1) : 0u;
     };
 
     float acc[2][4][4], xs[4];  // [word][byte][C element]; the group's sum of x
@@ -287,10 +279,16 @@ __global__ void __launch_bounds__(kThreads, 4) moe_mma_kernel(MoeMmaArgs a) {
 #pragma unroll
     for (int r = 0; r < 4; ++r) xs[r] = 0.f;
 
+    // The lane's words of a slot: group j's at read0/read1 + 16 i for row 8t + i (ring_word).
+    const uint32_t* read0 = &ring.w[0][ring_word(8 * t, g)];
+    const uint32_t* read1 = &ring.w[0][ring_word(8 * t, 8 + g)];
     const auto consume = [&](int slot) {
-      uint4 c[4];
+      uint32_t wr[8][2];  // word g of group j in row 8t + i
 #pragma unroll
-      for (int q = 0; q < 4; ++q) c[q] = ld_shared128(&ring.w[slot][q][lane][0]);
+      for (int i = 0; i < 8; ++i) {
+        wr[i][0] = read0[slot * kSlotWords + 16 * i];
+        wr[i][1] = read1[slot * kSlotWords + 16 * i];
+      }
       const uint4 xv = ld_shared128(&ring.x[slot][lane]);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -298,11 +296,7 @@ __global__ void __launch_bounds__(kThreads, 4) moe_mma_kernel(MoeMmaArgs a) {
         Mma<T>::run(xs, ones, b0, b1);
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          // rows 4h .. 4h + 3: chunk 2h holds rows 4h, 4h + 1 (word j at j, 2 + j), chunk 2h + 1 the next two
-          const uint4& lo = c[2 * h];
-          const uint4& hi = c[2 * h + 1];
-          const uint32_t r0 = j == 0 ? lo.x : lo.y, r1 = j == 0 ? lo.z : lo.w;
-          const uint32_t r2 = j == 0 ? hi.x : hi.y, r3 = j == 0 ? hi.z : hi.w;
+          const uint32_t r0 = wr[4 * h][j], r1 = wr[4 * h + 1][j], r2 = wr[4 * h + 2][j], r3 = wr[4 * h + 3][j];
           const uint32_t r0s = r0 >> 4, r1s = r1 >> 4, r2s = r2 >> 4, r3s = r3 >> 4;
           const auto tile_mma = [&](auto bc) {
             constexpr int B = decltype(bc)::value;
@@ -352,11 +346,13 @@ __global__ void __launch_bounds__(kThreads, 4) moe_mma_kernel(MoeMmaArgs a) {
       int group_left = steps_per_group - s0 % steps_per_group;  // steps until the current group ends
 #pragma unroll 1
       for (int s = s0; s < s1; ++s) {
-        // Refill the slot consumed last iteration with step s + kRing - 1, then wait for step s. A
-        // lane reads back only the bytes it copied itself, so wait_group alone orders them.
+        // Refill the slot consumed last iteration with step s + kRing - 1 once every lane has read
+        // it, then wait for step s: its chunks came from other lanes too, so the warp meets again.
+        __syncwarp();
         if (s + kRing - 1 < s1) issue(slot == 0 ? kRing - 1 : slot - 1, s + kRing - 1);
         cp_async_commit();
         cp_async_wait<kRing - 1>();
+        __syncwarp();
         // The next group's scales are fetched before the math of the step that ends the group,
         // so the close does not wait for them.
         if (group_left == 1 && s + 1 < s1) load_group(gn, s + 1);
