@@ -64,10 +64,10 @@ MOE_GEMV_MAX_LOAD = 2
 # MOE_MMA_MAX_ASSIGN = T * k assignments and MOE_MMA_MAX_EXPERTS experts), which also serves loads
 # up to MOE_MMA_MAX_LOAD. moe_kernel picks the tensor-core one once an expert reached gets
 # MOE_MMA_MIN_REUSE assignments on average (uniform routing). H200, benchmarks/RESULTS.md (session
-# 6), us GEMV / tensor cores / Triton: Qwen3-30B-A3B T=4 (reuse 1.10) 46.5 / 59.1 / 108, T=8
-# (1.24) 91.5 / 81.4 / 184, T=16 141 / 122 / 274, T=256 (load 16) 1841 / 486 / 617; Mixtral T=2
-# (1.14) 178 / 158 / 396, T=16 1076 / 352 / 933, T=64 (load 16) - / 1123 / 1119, T=128 - / 1844 /
-# 1649. MOE_MMA off: the GEMV, and loads above MOE_GEMV_MAX_LOAD go to Triton.
+# 6), us GEMV / tensor cores (Triton): Qwen3-30B-A3B T=4 (reuse 1.10) 46.3 / 52.2, T=8 (1.24)
+# 91.4 / 69.2 (184), T=16 140 / 99.3 (274), T=256 (load 16) 1838 / 427 (617); Mixtral T=1 95.2 /
+# 95.6, T=2 (1.14) 179 / 139 (396), T=16 1076 / 288 (933), T=64 (load 16) 3919 / 945 (1119).
+# MOE_MMA off: the GEMV, and loads above MOE_GEMV_MAX_LOAD go to Triton.
 MOE_MMA = True
 MOE_MMA_MIN_REUSE = 1.12
 MOE_MMA_MAX_LOAD = 16
