@@ -17,6 +17,7 @@ struct HalfTraits<__half> {
   // 0x6400 is 1024.0 in fp16: OR-ing a nibble into its mantissa gives 1024 + q exactly.
   static constexpr uint32_t kMagic2 = 0x64006400u;
   static constexpr float kMagic = 1024.0f;
+  static constexpr uint32_t kOne2 = 0x3C003C00u;  // (1.0, 1.0)
   __device__ static __half from_float(float v) { return __float2half_rn(v); }
   __device__ static float to_float(__half v) { return __half2float(v); }
 };
@@ -27,6 +28,7 @@ struct HalfTraits<__nv_bfloat16> {
   // 0x4300 is 128.0 in bf16 (8 significant bits): 128 + q is exact for q < 16.
   static constexpr uint32_t kMagic2 = 0x43004300u;
   static constexpr float kMagic = 128.0f;
+  static constexpr uint32_t kOne2 = 0x3F803F80u;
   __device__ static __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
   __device__ static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 };

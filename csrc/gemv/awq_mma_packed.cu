@@ -37,18 +37,8 @@
 namespace fastawq {
 namespace {
 
+using gemv::column_pair;
 constexpr int kWarps = kPackedThreads / 32;
-
-template <typename T>
-struct Ones;
-template <>
-struct Ones<__half> {
-  static constexpr uint32_t kPair = 0x3C003C00u;  // (1.0, 1.0)
-};
-template <>
-struct Ones<__nv_bfloat16> {
-  static constexpr uint32_t kPair = 0x3F803F80u;
-};
 
 // f(cc, i, nt, r) for every accumulator of a lane: chunk cc, m-tile i, batch tile nt, element r.
 template <int CC, int NT, typename F>
@@ -61,13 +51,6 @@ __device__ __forceinline__ void for_each_fragment(F&& f) {
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int r = 0; r < 4; ++r) f(cc, i, nt, r);
-}
-
-// (magic + low nibble, magic + high nibble) of byte C of w: w4 = w >> 4.
-template <typename T, int C>
-__device__ __forceinline__ uint32_t column_pair(uint32_t w, uint32_t w4) {
-  constexpr uint32_t kSel = C | (C << 4) | ((4 + C) << 8) | ((4 + C) << 12);
-  return (__byte_perm(w, w4, kSel) & 0x000F000Fu) | HalfTraits<T>::kMagic2;
 }
 
 // Shared memory of one block: the cp.async ring of each warp's lanes (weights then activations of
@@ -148,7 +131,7 @@ __global__ void __launch_bounds__(kPackedThreads) awq_mma_packed_kernel(
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
     for (int r = 0; r < 4; ++r) xs[nt][r] = 0.f;
-  const uint32_t ones[4] = {Ones<T>::kPair, Ones<T>::kPair, Ones<T>::kPair, Ones<T>::kPair};
+  const uint32_t ones[4] = {Tr::kOne2, Tr::kOne2, Tr::kOne2, Tr::kOne2};
 
   uint4 sv[CC];  // the current group's (scale, zero) pairs, fetched when the group starts
   if (s0 < s1) load_scales(sv, s0);

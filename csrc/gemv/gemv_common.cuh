@@ -30,6 +30,15 @@ __device__ __forceinline__ void decode_bytes(uint32_t v, float (&f)[4]) {
   f[3] = __uint_as_float(__byte_perm(v, kHalf, 0x7344));
 }
 
+// The mma A register of the tensor-core kernels (awq_mma_packed.cu, moe/moe_mma.cu): (magic + the
+// low nibble of byte B of lo, magic + that of hi) in x's dtype, exact. With hi = lo >> 4 it is the
+// two nibbles of one byte; with two rows' words, one nibble of each.
+template <typename T, int B>
+__device__ __forceinline__ uint32_t column_pair(uint32_t lo, uint32_t hi) {
+  constexpr uint32_t kSel = B | (B << 4) | ((4 + B) << 8) | ((4 + B) << 12);
+  return (__byte_perm(lo, hi, kSel) & 0x000F000Fu) | HalfTraits<T>::kMagic2;
+}
+
 // The unit by which a tensor-core kernel holds a group's folded sums (y / s, moe/moe_mma.cu): a
 // zero scale would give inf / NaN. 2^-60 in place of any |s| < 2^-60 (zero,
 // or bf16's tiny ones) changes the output by at most 2^-59 |sum x (q - z)|, far below fp16 / bf16

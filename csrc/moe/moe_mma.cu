@@ -13,7 +13,7 @@
 //   8t + 4h .. + 3; byte b of a word gives one m16 tile: row g is its low nibble (column
 //   AWQ_ORDER[2b]), row g + 8 its high nibble. The register of (row, rows r, r + 1) is byte b of
 //   word(r) next to byte b of word(r + 1), masked into the magic number's mantissa: one prmt and
-//   one lop3 (column_pair), magic + q exact.
+//   one lop3 (gemv::column_pair), magic + q exact.
 //   B: the same labels make k-step h's fragment x[token g][8t + 4h .. + 3]: one 16-byte load of x
 //   per step feeds both k-steps.
 //   C: lane (g, t) ends with its 16 columns for tokens 2t, 2t + 1 of the pass.
@@ -45,6 +45,7 @@
 namespace fastawq {
 namespace {
 
+using gemv::column_pair;
 constexpr int kThreads = 128, kWarps = kThreads / 32;
 constexpr int kPassRows = 8;     // tokens per pass: the mma's n
 constexpr int kTileCols = 128;   // both kernels: 16 columns per lane, 8 lanes side by side
@@ -52,26 +53,8 @@ constexpr int kStepRows = 32;
 
 static_assert(kMoeMmaTile13 * 2 == kTileCols && kMoeMmaTile2 == kTileCols, "tiles of launch.h");
 
-template <typename T>
-struct Ones;
-template <>
-struct Ones<__half> {
-  static constexpr uint32_t kPair = 0x3C003C00u;  // (1.0, 1.0)
-};
-template <>
-struct Ones<__nv_bfloat16> {
-  static constexpr uint32_t kPair = 0x3F803F80u;
-};
-
 // Column of nibble i of an AWQ word (reference.AWQ_ORDER).
 __host__ __device__ constexpr int awq_col(int i) { return i < 4 ? 2 * i : 2 * (i - 4) + 1; }
-
-// (magic + low nibble of byte B of lo, magic + low nibble of byte B of hi).
-template <typename T, int B>
-__device__ __forceinline__ uint32_t column_pair(uint32_t lo, uint32_t hi) {
-  constexpr uint32_t kSel = B | (B << 4) | ((4 + B) << 8) | ((4 + B) << 12);
-  return (__byte_perm(lo, hi, kSel) & 0x000F000Fu) | HalfTraits<T>::kMagic2;
-}
 
 // Per-warp cp.async ring of kRing steps. A step is 32 rows x the tile's 16 words (2 KB), copied in
 // 16-byte chunks (4 consecutive words of one group) by whichever lane keeps the copy coalesced,
@@ -231,7 +214,7 @@ __global__ void __launch_bounds__(kThreads, 4) moe_mma_kernel(MoeMmaArgs a) {
   const int s0 = (blockIdx.y * kWarps + warp) * steps, s1 = min(s0 + steps, k / kStepRows);
   const int steps_per_group = gsize / kStepRows;
   const uint64_t policy = evict_first_policy();
-  const uint32_t ones[4] = {Ones<T>::kPair, Ones<T>::kPair, Ones<T>::kPair, Ones<T>::kPair};
+  const uint32_t ones[4] = {Tr::kOne2, Tr::kOne2, Tr::kOne2, Tr::kOne2};
 
   // Column (within the block's tile) of nibble i of the lane's word of group j.
   const auto tile_col = [&](int j, int i) { return 64 * j + 8 * g + awq_col(i); };
