@@ -158,7 +158,8 @@ def test_ring_layout_holds_a_step_and_reads_conflict_free():
 
 
 def test_moe_kernel_choice(monkeypatch):
-    assert backend.moe_reuse(1, 8, 128) == 1.0 and backend.moe_reuse(16, 2, 8) == pytest.approx(32 / (8 * (1 - 0.75**16)))
+    assert backend.moe_reuse(1, 8, 128) == 1.0
+    assert backend.moe_reuse(16, 2, 8) == pytest.approx(32 / (8 * (1 - 0.75**16)))
     assert backend.moe_kernel(1, 8, 128) == "gemv"  # one token: nothing to share, the GEMV
     assert backend.moe_kernel(4, 8, 128) == "gemv"  # Qwen3-30B-A3B: 1.10 assignments per expert reached
     assert backend.moe_kernel(16, 8, 128) == "mma"

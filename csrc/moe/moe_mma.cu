@@ -64,7 +64,9 @@ __host__ __device__ constexpr int awq_col(int i) { return i < 4 ? 2 * i : 2 * (i
 // on 32 different banks (rows 8t + i: bank 16 (t + i) + g + 8 (j ^ (t / 2)) mod 32).
 constexpr int kRing = 3;  // two steps in flight while one is consumed
 constexpr int kSlotWords = 4 * 144;
-__host__ __device__ constexpr int ring_word(int r, int w) { return 144 * (r >> 3) + 16 * (r & 7) + (w ^ (8 * ((r >> 4) & 1))); }
+__host__ __device__ constexpr int ring_word(int r, int w) {
+  return 144 * (r >> 3) + 16 * (r & 7) + (w ^ (8 * ((r >> 4) & 1)));
+}
 struct Ring {
   uint32_t w[kRing][kSlotWords];
   uint4 x[kRing][32];

@@ -176,7 +176,7 @@ def _select(x: torch.Tensor, weights: tuple, group_size: int, act: str, backend:
             if scales != {x.dtype}:
                 return f"the compiled MoE kernel takes scales in x's dtype {x.dtype}, got {sorted(map(str, scales))}"
             if m > MOE_GEMV_MAX_LOAD and not (_backend.MOE_MMA and _ext.has_op("moe_mma_w4")):
-                return f"{m} assignments per expert need the tensor-core MoE kernel (moe_mma_w4), which is off or absent"
+                return f"{m} assignments per expert need the tensor-core MoE kernel (moe_mma_w4): off or absent"
             return torch.ops.fastawq.moe_gemv_w4_declines(e, h, i, group_size) or None
         return None
 
