@@ -24,14 +24,6 @@ __device__ __forceinline__ void cp_async16_stream(void* dst, const void* src, bo
                "l"(src), "r"(valid ? 16 : 0), "l"(policy));
 }
 
-// 4- or 8-byte global -> shared copy through L1 (.cg takes 16 bytes only), same contract.
-template <int kBytes>
-__device__ __forceinline__ void cp_async_small_stream(void* dst, const void* src, bool valid, uint64_t policy) {
-  static_assert(kBytes == 4 || kBytes == 8, "cp.async.ca copies 4, 8 or 16 bytes");
-  asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], %2, %3, %4;\n" ::"r"(smem_addr(dst)),
-               "l"(src), "n"(kBytes), "r"(valid ? kBytes : 0), "l"(policy));
-}
-
 // One 16-byte shared load (a plain uint4 read compiles to four 4-byte ones, each a 4-way bank
 // conflict when lanes are 16 bytes apart).
 __device__ __forceinline__ uint4 ld_shared128(const void* p) {

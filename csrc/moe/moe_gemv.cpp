@@ -129,6 +129,17 @@ MoeCall prepare(const char* op, MoeArgs& a, const at::Tensor& x, const at::Tenso
   return call;
 }
 
+// One fp32 buffer and one counter buffer, carved per call (the kernels leave them zeroed): ws13
+// [n, 2I] when w13 splits K, ws2 [T, H]; counters13 (n13 of them), then counters2 [T, tiles2].
+void carve_workspace(MoeArgs& a, const MoeCall& c, const c10::Device& device, bool split13, int64_t n13,
+                     int64_t tiles2) {
+  const int64_t sums13 = split13 ? c.n * 2 * c.i : 0;
+  float* sums = zeroed_sums(Workspace::kMoeSums, device, sums13 + c.t * c.h);
+  a.ws13 = sums, a.ws2 = sums + sums13;
+  int* counters = zeroed_counters(Workspace::kMoeCounters, device, n13 + c.t * tiles2);
+  a.counters13 = counters, a.counters2 = counters + n13;
+}
+
 // K splits and 32-row steps per warp for `blocks` block rows of tiles over k rows: about
 // kMmaBlocksPerSm blocks on every SM, at least two steps per warp.
 constexpr int kMmaBlocksPerSm = 4;
@@ -151,7 +162,7 @@ at::Tensor moe_gemv_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at
   MoeCall c = prepare("moe_gemv_w4", a, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight,
                       w2_scales, w2_qzeros, group_size, act);
   if (c.n == 0) return c.out;
-  const int64_t n = c.n, t = c.t, h = c.h, i = c.i;
+  const int64_t n = c.n, h = c.h, i = c.i;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   // w13 tiles: 128 gate + 128 up columns; w2 tiles: 256 columns. The grid of each fills the SMs
   // over all assignments' tiles together (M = 1 occupancy, as the dense GEMV).
@@ -161,12 +172,7 @@ at::Tensor moe_gemv_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at
   const GemvSplit s2 = gemv_split(int64_t(a.tiles2) * n, static_cast<int>(i), sms, 16);
   a.chunk13 = s13.chunk_rows, a.cpb13 = s13.chunks_per_block, a.splits13 = s13.splits;
   a.chunk2 = s2.chunk_rows, a.cpb2 = s2.chunks_per_block, a.splits2 = s2.splits;
-  // One fp32 buffer and one counter buffer, carved per call; the kernels leave them zeroed.
-  const int64_t sums13 = a.splits13 > 1 ? n * 2 * i : 0, sums2 = t * h;
-  float* sums = zeroed_sums(Workspace::kMoeSums, x.device(), sums13 + sums2);
-  a.ws13 = sums, a.ws2 = sums + sums13;
-  int* counters = zeroed_counters(Workspace::kMoeCounters, x.device(), n * a.tiles13 + t * a.tiles2);
-  a.counters13 = counters, a.counters2 = counters + n * a.tiles13;
+  carve_workspace(a, c, x.device(), a.splits13 > 1, n * a.tiles13, a.tiles2);
   launch_moe_gemv(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return c.out;
@@ -189,7 +195,7 @@ at::Tensor moe_mma_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at:
   FASTAWQ_CHECK(c.e <= kMoeMmaMaxExperts, "moe_mma_w4: ", c.e, " experts exceed the kernel's ", kMoeMmaMaxExperts,
                 " (w13_qweight ", shape_str(w13_qweight), ")");
   if (c.n == 0) return c.out;
-  const int64_t n = c.n, t = c.t, h = c.h, i = c.i, e = c.e;
+  const int64_t n = c.n, h = c.h, i = c.i, e = c.e;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   // Block rows: the experts the call can reach at most (min(E, T * k)), plus one for bad ids;
   // rows past the experts it does reach exit at once.
@@ -199,11 +205,7 @@ at::Tensor moe_mma_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at:
   a.tiles2 = static_cast<int>((h + kMoeMmaTile2 - 1) / kMoeMmaTile2);
   mma_split(hit * a.tiles13, h, sms, a.splits13, a.steps13);
   mma_split(hit * a.tiles2, i, sms, a.splits2, a.steps2);
-  const int64_t sums13 = a.splits13 > 1 ? n * 2 * i : 0, sums2 = t * h;
-  float* sums = zeroed_sums(Workspace::kMoeSums, x.device(), sums13 + sums2);
-  a.ws13 = sums, a.ws2 = sums + sums13;
-  int* counters = zeroed_counters(Workspace::kMoeCounters, x.device(), e * a.tiles13 + t * a.tiles2);
-  a.counters13 = counters, a.counters2 = counters + e * a.tiles13;
+  carve_workspace(a, c, x.device(), a.splits13 > 1, e * a.tiles13, a.tiles2);
   launch_moe_mma(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return c.out;
