@@ -20,6 +20,8 @@ struct HalfTraits<__half> {
   static constexpr uint32_t kOne2 = 0x3C003C00u;  // (1.0, 1.0)
   __device__ static __half from_float(float v) { return __float2half_rn(v); }
   __device__ static float to_float(__half v) { return __half2float(v); }
+  // The two halves of a 32-bit word (low at .x).
+  __device__ static float2 to_float2(uint32_t v) { return __half22float2(*reinterpret_cast<const __half2*>(&v)); }
 };
 
 template <>
@@ -31,6 +33,9 @@ struct HalfTraits<__nv_bfloat16> {
   static constexpr uint32_t kOne2 = 0x3F803F80u;
   __device__ static __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
   __device__ static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __device__ static float2 to_float2(uint32_t v) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+  }
 };
 
 }  // namespace fastawq

@@ -29,13 +29,6 @@ namespace {
 constexpr int kWarps = kPackedThreads / 32;
 constexpr int kLoads = kPackedBatchRows / 8;  // 16-byte loads per lane per batch
 
-__device__ __forceinline__ float2 to_float2(uint32_t v, __half) {
-  return __half22float2(*reinterpret_cast<const __half2*>(&v));
-}
-__device__ __forceinline__ float2 to_float2(uint32_t v, __nv_bfloat16) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
-}
-
 // The 4 loads of batch b of a lane: 8-row blocks 4b .. 4b+3 at the lane's column chunk.
 __device__ __forceinline__ void load_batch(uint4 (&w)[kLoads], const uint4* __restrict__ wp, int b, int n4, int c4,
                                            bool col_ok, uint64_t policy) {
@@ -66,7 +59,7 @@ __device__ __forceinline__ void consume(const uint4 (&w)[kLoads], const T* __res
 #pragma unroll
       for (int mm = 0; mm < M; ++mm) {
         const uint32_t pair = j == 0 ? xr[mm].x : j == 1 ? xr[mm].y : j == 2 ? xr[mm].z : xr[mm].w;
-        const float2 xv = to_float2(pair, T{});
+        const float2 xv = HalfTraits<T>::to_float2(pair);
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           acc[mm][c] = fmaf(xv.x, flo[c], acc[mm][c]);
