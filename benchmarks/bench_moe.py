@@ -25,6 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from fastawq import backend as fastawq_backend
 from fastawq import reference
 from fastawq.ops import moe as ops_moe
 
@@ -121,11 +122,24 @@ def time_plain(fn, reps: int) -> float:
 
 def moe_call(backend: str):
     """run(x, ids, w, packed, g) for a backend name: moe_w4's (triton, cuda, torch: its automatic
-    kernel choice) or cuda:gemv / cuda:mma, one compiled kernel forced (torch.ops.fastawq)."""
+    kernel choice) or cuda:gemv / cuda:mma / cuda:mma8 / cuda:mma16, one compiled kernel forced
+    (torch.ops.fastawq; mma with backend.moe_pass_rows' pass, mma8 / mma16 with 8 / 16 tokens a pass)."""
     if backend.startswith("cuda:"):
-        op = {"gemv": "moe_gemv_w4", "mma": "moe_mma_w4"}[backend.split(":", 1)[1]]
-        fn = getattr(torch.ops.fastawq, op)
-        return lambda x, ids, w, packed, g: fn(x, ids, w.float(), *packed, g, "silu")
+        kernel = backend.split(":", 1)[1]
+        if kernel == "gemv":
+            fn = torch.ops.fastawq.moe_gemv_w4
+            return lambda x, ids, w, packed, g: fn(x, ids, w.float(), *packed, g, "silu")
+        fn = torch.ops.fastawq.moe_mma_w4
+        rows = {"mma8": 8, "mma16": 16}.get(kernel)
+        if rows is None and kernel != "mma":
+            raise SystemExit(f"unknown compiled MoE kernel {kernel!r}: gemv, mma, mma8 or mma16")
+
+        def run(x, ids, w, packed, g):
+            t, k = ids.shape
+            pass_rows = rows or fastawq_backend.moe_pass_rows(t, k, packed[0].shape[0])
+            return fn(x, ids, w.float(), *packed, g, "silu", pass_rows)
+
+        return run
     return lambda x, ids, w, packed, g: ops_moe.moe_w4(x, ids, w, *packed, g, backend=backend)
 
 
@@ -200,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, the tiny shape, torch backend, plain timers")
     ap.add_argument("--backends", default="triton",
                     help="W4 backends to time, comma-separated (triton; cuda: the compiled kernels as moe_w4 "
-                         "picks them; cuda:gemv, cuda:mma: one forced)")
+                         "picks them; cuda:gemv, cuda:mma: one forced; cuda:mma8, cuda:mma16: with 8 / 16 "
+                         "tokens a pass)")
     ap.add_argument("--no-tune", action="store_true", help="the Triton heuristic configs, no timing of candidates")
     args = ap.parse_args(argv)
     if args.no_tune:

@@ -54,18 +54,20 @@ def main() -> None:
         from test_moe_op import check, moe_case
 
         # (E, H, I, G, k, T): part tiles in w13 (I = 160) and w2 (H = 288), K split (H = 1024), ids
-        # outside [0, E), int32 ids; 19 tokens on 3 experts: passes of 8 (the tensor-core kernel).
+        # outside [0, E), int32 ids; 19 tokens on 3 experts: passes of 8 and of 16 (the tensor-core
+        # kernel, both widths).
         cases = ((8, 288, 160, 32, 2, 1), (16, 1024, 96, 32, 4, 3), (4, 64, 1024, -1, 2, 2), (4, 128, 96, 32, 3, 19))
-        for name in moe_ops:
+        variants = [(name, ()) for name in moe_ops] + ([("moe_mma_w4", (16,))] if "moe_mma_w4" in moe_ops else [])
+        for name, extra in variants:
             op = getattr(ops, name)
             for dtype in (torch.float16, torch.bfloat16):
                 for e, h, i, g, k, t in cases:
                     weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=h + i, dtype=dtype)
-                    out = op(x, ids.to(torch.int32), w, *weights, g, "silu")
+                    out = op(x, ids.to(torch.int32), w, *weights, g, "silu", *extra)
                     check(out, x, ids, w, weights, g)
                     bad = ids.clone()
                     bad[0, 0] = e
-                    op(x, bad, w, *weights, g, "gelu")
+                    op(x, bad, w, *weights, g, "gelu", *extra)
                     n_calls += 2
     torch.cuda.synchronize()
     print(f"sanitize: {n_calls} kernel calls ran and matched the reference")

@@ -49,11 +49,12 @@ at::Tensor moe_gemv_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at
                        int64_t group_size, const std::string& act);
 
 // The same on the tensor cores, each expert read once per call (csrc/moe/moe_mma.cu); T * k at most
-// kMoeMmaMaxAssign (common/launch.h), x 16-byte aligned.
+// kMoeMmaMaxAssign (common/launch.h), x 16-byte aligned; pass_rows (8 or 16) tokens of an expert
+// per pass over its weights (python/fastawq/backend.py's moe_pass_rows picks it).
 at::Tensor moe_mma_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                       const at::Tensor& w13_qweight, const at::Tensor& w13_scales, const at::Tensor& w13_qzeros,
                       const at::Tensor& w2_qweight, const at::Tensor& w2_scales, const at::Tensor& w2_qzeros,
-                      int64_t group_size, const std::string& act);
+                      int64_t group_size, const std::string& act, int64_t pass_rows);
 
 // "" when moe_gemv_w4 and moe_mma_w4 take E experts of H x I with this group size, else why not (no GPU needed).
 std::string moe_gemv_w4_declines(int64_t num_experts, int64_t hidden, int64_t inter, int64_t group_size);

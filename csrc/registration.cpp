@@ -31,7 +31,8 @@ TORCH_LIBRARY(fastawq, m) {
   m.def("moe_gemv_w4(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_qweight, Tensor w13_scales, "
         "Tensor w13_qzeros, Tensor w2_qweight, Tensor w2_scales, Tensor w2_qzeros, int group_size, str act) -> Tensor");
   m.def("moe_mma_w4(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_qweight, Tensor w13_scales, "
-        "Tensor w13_qzeros, Tensor w2_qweight, Tensor w2_scales, Tensor w2_qzeros, int group_size, str act) -> Tensor");
+        "Tensor w13_qzeros, Tensor w2_qweight, Tensor w2_scales, Tensor w2_qzeros, int group_size, str act, "
+        "int pass_rows=8) -> Tensor");
   m.def("moe_gemv_w4_declines(int num_experts, int hidden, int inter, int group_size) -> str",
         &fastawq::moe_gemv_w4_declines);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lens, float scale) -> Tensor");

@@ -166,6 +166,9 @@ def test_moe_kernel_choice(monkeypatch):
     assert backend.moe_kernel(2, 2, 8) == "mma"  # Mixtral: 1.14
     assert backend.moe_kernel(backend.MOE_MMA_MAX_ASSIGN // 8 + 1, 8, 128) == "gemv"  # past the gather's list
     assert backend.moe_kernel(16, 8, backend.MOE_MMA_MAX_EXPERTS + 1) == "gemv"  # past its expert bitmap
+    assert backend.moe_pass_rows(16, 8, 128) == 8  # 1.6 assignments per expert reached
+    assert backend.moe_pass_rows(256, 8, 128) == 16  # 16
+    assert backend.moe_pass_rows(64, 2, 8) == 16 and backend.moe_pass_rows(16, 2, 8) == 8  # Mixtral: 16, 4
     monkeypatch.setattr(backend, "MOE_MMA", False)
     assert backend.moe_kernel(16, 8, 128) == "gemv"
 
@@ -184,21 +187,24 @@ CASES = [
     (8, 128, 96, 32, 3, 19, "few_experts"),
     (128, 2048, 768, 128, 8, 16, "random"),
     (8, 4096, 1024, 128, 2, 16, "random"),
+    (8, 256, 320, 64, 2, 47, "one_expert"),  # passes of 16 and 8 both end part-full
+    (16, 2048, 768, 128, 8, 64, "random"),  # 32 per expert: no split of K
 ]
 
 
-def _op(x, ids, w, weights, g, act="silu"):
-    return torch.ops.fastawq.moe_mma_w4(x, ids, w.float().contiguous(), *weights, g, act)
+def _op(x, ids, w, weights, g, act="silu", pass_rows=8):
+    return torch.ops.fastawq.moe_mma_w4(x, ids, w.float().contiguous(), *weights, g, act, pass_rows)
 
 
 @requires_kernel
+@pytest.mark.parametrize("pass_rows", [8, 16])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "E{}H{}I{}G{}k{}T{}-{}".format(*c))
-def test_kernel_matches_reference(case, dtype, poisoned_empty):
+def test_kernel_matches_reference(case, dtype, pass_rows, poisoned_empty):
     e, h, i, g, k, t, load = case
     weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=5 * t + k, dtype=dtype, load=load)
     for _ in range(2):  # the second call finds the workspace and counters the first left zeroed
-        check(_op(x, ids, w, weights, g), x, ids, w, weights, g)
+        check(_op(x, ids, w, weights, g, pass_rows=pass_rows), x, ids, w, weights, g)
 
 
 @requires_kernel
@@ -209,15 +215,16 @@ def test_other_activations_and_int32_ids(act):
 
 
 @requires_kernel
+@pytest.mark.parametrize("pass_rows", [8, 16])
 @pytest.mark.parametrize("h", [128, 4096])  # without and with K splits
-def test_ids_out_of_range_add_nothing(h):
+def test_ids_out_of_range_add_nothing(h, pass_rows):
     e, i, g, k, t = 8, 96, 32, 4, 3
     weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=14)
     bad = ids.clone()
     bad[0, 1], bad[1, 3], bad[2, 0] = -1, e, 10**6
     keep = (bad >= 0) & (bad < e)
-    check(_op(x, bad, w, weights, g), x, ids.where(keep, 0), w * keep, weights, g)
-    check(_op(x, ids, w, weights, g), x, ids, w, weights, g)  # the counters came back to zero
+    check(_op(x, bad, w, weights, g, pass_rows=pass_rows), x, ids.where(keep, 0), w * keep, weights, g)
+    check(_op(x, ids, w, weights, g, pass_rows=pass_rows), x, ids, w, weights, g)  # the counters came back to zero
 
 
 @requires_kernel
@@ -256,7 +263,8 @@ def test_dispatch_and_graph_replay():
 def test_opcheck_and_errors():
     e, h, i, g, k, t = 4, 64, 64, 32, 2, 3
     weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=91)
-    torch.library.opcheck(torch.ops.fastawq.moe_mma_w4.default, (x, ids, w.float(), *weights, g, "silu"))
+    for rows in (8, 16):
+        torch.library.opcheck(torch.ops.fastawq.moe_mma_w4.default, (x, ids, w.float(), *weights, g, "silu", rows))
     with pytest.raises(RuntimeError, match="moe_mma_w4: scales must have x's dtype"):
         _op(x.bfloat16(), ids, w, weights, g)
     with pytest.raises(RuntimeError, match=r"moe_mma_w4: .*assignments .* exceed the kernel's 4096"):
@@ -268,3 +276,5 @@ def test_opcheck_and_errors():
     with pytest.raises(RuntimeError, match="moe_mma_w4: x must be 16-byte aligned"):
         wide = random_input((t, h + 4), "cuda", x.dtype, seed=2)
         _op(wide[:, 4:], ids, w, weights, g)
+    with pytest.raises(RuntimeError, match="moe_mma_w4: pass_rows must be 8 or 16, got 12"):
+        _op(x, ids, w, weights, g, pass_rows=12)

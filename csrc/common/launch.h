@@ -133,6 +133,7 @@ constexpr int kMoeMmaTile13 = 64;   // gate columns per w13 tile (and the same 6
 constexpr int kMoeMmaTile2 = 128;   // columns per w2 tile
 struct MoeMmaArgs : MoeArgs {
   int rows;                        // block rows of both grids: min(E, T * topk) + 1
+  int pass_rows;                   // tokens per pass: 8 or 16 (two mma n-tiles)
   int tiles13, splits13, steps13;  // w13 grid and 32-row steps of K per warp
   int tiles2, splits2, steps2;     // w2 likewise
 };

@@ -34,6 +34,20 @@ __device__ __forceinline__ uint4 ld_shared128(const void* p) {
   return v;
 }
 
+// p[0..3] += v (p 16-byte aligned, in global memory): one 16-byte reduction on sm_90
+// (red.global.add.v4.f32), four 4-byte atomics before.
+__device__ __forceinline__ void red_add4(float* p, float4 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+               : "memory");
+#else
+  atomicAdd(p, v.x);
+  atomicAdd(p + 1, v.y);
+  atomicAdd(p + 2, v.z);
+  atomicAdd(p + 3, v.w);
+#endif
+}
+
 __device__ __forceinline__ uint64_t evict_first_policy() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));

@@ -140,12 +140,11 @@ void carve_workspace(MoeArgs& a, const MoeCall& c, const c10::Device& device, bo
   a.counters13 = counters, a.counters2 = counters + n13;
 }
 
-// K splits and 32-row steps per warp for `blocks` block rows of tiles over k rows: about
-// kMmaBlocksPerSm blocks on every SM, at least two steps per warp.
-constexpr int kMmaBlocksPerSm = 4;
-void mma_split(int64_t blocks, int64_t k, int sms, int& splits, int& steps) {
+// K splits and 32-row steps per warp for `blocks` block rows of tiles over k rows: about as many
+// blocks as fit on every SM (per_sm: the kernel's __launch_bounds__), at least two steps per warp.
+void mma_split(int64_t blocks, int64_t k, int sms, int per_sm, int& splits, int& steps) {
   const int64_t total = k / 32;
-  int64_t sp = (int64_t(sms) * kMmaBlocksPerSm + blocks - 1) / blocks;
+  int64_t sp = (int64_t(sms) * per_sm + blocks - 1) / blocks;
   sp = std::max<int64_t>(1, std::min(sp, total / 8));
   steps = static_cast<int>((total + sp * 4 - 1) / (sp * 4));
   splits = static_cast<int>((total + int64_t(steps) * 4 - 1) / (int64_t(steps) * 4));
@@ -181,7 +180,8 @@ at::Tensor moe_gemv_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at
 at::Tensor moe_mma_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                       const at::Tensor& w13_qweight, const at::Tensor& w13_scales, const at::Tensor& w13_qzeros,
                       const at::Tensor& w2_qweight, const at::Tensor& w2_scales, const at::Tensor& w2_qzeros,
-                      int64_t group_size, const std::string& act) {
+                      int64_t group_size, const std::string& act, int64_t pass_rows) {
+  FASTAWQ_CHECK(pass_rows == 8 || pass_rows == 16, "moe_mma_w4: pass_rows must be 8 or 16, got ", pass_rows);
   MoeMmaArgs a{};
   const c10::cuda::CUDAGuard guard(x.device());
   MoeCall c = prepare("moe_mma_w4", a, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight,
@@ -201,10 +201,12 @@ at::Tensor moe_mma_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at:
   // rows past the experts it does reach exit at once.
   const int64_t hit = std::min(e, n);
   a.rows = static_cast<int>(hit + 1);
+  a.pass_rows = static_cast<int>(pass_rows);
   a.tiles13 = static_cast<int>((i + kMoeMmaTile13 - 1) / kMoeMmaTile13);
   a.tiles2 = static_cast<int>((h + kMoeMmaTile2 - 1) / kMoeMmaTile2);
-  mma_split(hit * a.tiles13, h, sms, a.splits13, a.steps13);
-  mma_split(hit * a.tiles2, i, sms, a.splits2, a.steps2);
+  const int per_sm = pass_rows == 16 ? 3 : 4;  // moe_mma_kernel's __launch_bounds__
+  mma_split(hit * a.tiles13, h, sms, per_sm, a.splits13, a.steps13);
+  mma_split(hit * a.tiles2, i, sms, per_sm, a.splits2, a.steps2);
   carve_workspace(a, c, x.device(), a.splits13 > 1, e * a.tiles13, a.tiles2);
   launch_moe_mma(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();

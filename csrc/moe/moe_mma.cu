@@ -4,7 +4,8 @@
 // once per assignment: Qwen3-30B-A3B at 16 tokens reads 128 expert matrices for ~82 distinct).
 //
 // "Swap AB" mma.sync m16n8k16: output columns are the mma's rows, the expert's tokens its 8
-// columns (passes of 8 when more chose it). The mma's k and row labels are free, so they are
+// columns, in passes of 8 or 16 tokens (one or two n-tiles sharing each A fragment; the host
+// picks by the load, 16 once experts get more than 8). The mma's k and row labels are free, so they are
 // chosen to match what a lane can load from the AWQ layout [K, N/8] (word = 8 columns of one row,
 // column AWQ_ORDER[i] in nibble i):
 //   a block's tile is two groups of 8 words (w13: the gate words of 64 columns and the same up
@@ -27,10 +28,11 @@
 // memory), so rows = min(E, T * k) + 1 and rows past the distinct count exit at once.
 // Work: a block is 4 warps on one column tile, each warp on its own range of 32-row steps, which
 // come through a per-warp cp.async ring (copied in coalesced 16-byte chunks, read back by word;
-// 430 -> 365 SASS instructions a step against 4- and 8-byte copies of each lane's own words). Tail: the
-// warps' sums meet in shared memory; with split K they meet in the zeroed fp32 workspace, the last
-// block converting (w13: of the expert's tile; w2: of a token's tile, whose topk * splits blocks
-// all add into ws2). An id outside [0, E) is gathered by the last block row, which adds
+// 430 -> 365 SASS instructions a step against 4- and 8-byte copies of each lane's own words).
+// Tail: the warps' sums meet in shared memory; with split K they meet in the zeroed fp32 workspace
+// (16-byte reductions, red.global.add.v4.f32), the last block converting (w13: of the expert's
+// tile; w2: of a token's tile, whose topk * splits blocks all add into ws2; 4 columns a thread).
+// An id outside [0, E) is gathered by the last block row, which adds
 // nothing (w13 writes zeros into h) but still arrives, so every counter returns to zero.
 #include <cstdint>
 #include <type_traits>
@@ -47,7 +49,7 @@ namespace {
 
 using gemv::column_pair;
 constexpr int kThreads = 128, kWarps = kThreads / 32;
-constexpr int kPassRows = 8;     // tokens per pass: the mma's n
+constexpr int kMaxPassTiles = 2;  // a pass is NT (1 or 2) mma n-tiles of 8 tokens
 constexpr int kTileCols = 128;   // both kernels: 16 columns per lane, 8 lanes side by side
 constexpr int kStepRows = 32;
 
@@ -55,6 +57,21 @@ static_assert(kMoeMmaTile13 * 2 == kTileCols && kMoeMmaTile2 == kTileCols, "tile
 
 // Column of nibble i of an AWQ word (reference.AWQ_ORDER).
 __host__ __device__ constexpr int awq_col(int i) { return i < 4 ? 2 * i : 2 * (i - 4) + 1; }
+
+// 4 values rounded to T at p (8-byte aligned), one store.
+template <typename T>
+__device__ __forceinline__ void store4(T* p, float4 v) {
+  using Tr = HalfTraits<T>;
+  const T h[4] = {Tr::from_float(v.x), Tr::from_float(v.y), Tr::from_float(v.z), Tr::from_float(v.w)};
+  *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(h);
+}
+
+template <int ACT>
+__device__ __forceinline__ float4 act_mul4(float4 gate, float4 up) {
+  using moe::act_fn;
+  return make_float4(act_fn<ACT>(gate.x) * up.x, act_fn<ACT>(gate.y) * up.y, act_fn<ACT>(gate.z) * up.z,
+                     act_fn<ACT>(gate.w) * up.w);
+}
 
 // Per-warp cp.async ring of kRing steps. A step is 32 rows x the tile's 16 words (2 KB), copied in
 // 16-byte chunks (4 consecutive words of one group) by whichever lane keeps the copy coalesced,
@@ -67,17 +84,20 @@ constexpr int kSlotWords = 4 * 144;
 __host__ __device__ constexpr int ring_word(int r, int w) {
   return 144 * (r >> 3) + 16 * (r & 7) + (w ^ (8 * ((r >> 4) & 1)));
 }
+template <int NT>
 struct Ring {
   uint32_t w[kRing][kSlotWords];
-  uint4 x[kRing][32];
+  uint4 x[kRing][NT][32];
 };
 
+// NT = 2 takes 48,288 bytes, under the 48 KB of static shared memory.
+template <int NT>
 struct Smem {
   uint16_t rows[kMoeMmaMaxAssign];  // the block's assignments f (< 2^16), ascending
   union {
-    Ring ring[kWarps];
-    float red[kWarps][kPassRows][kTileCols];  // the warps' sums of one pass
-    int convert[kWarps * kPassRows * kTileCols];  // w2: tokens whose tile this block converts
+    Ring<NT> ring[kWarps];
+    float red[kWarps][8 * NT][kTileCols];  // the warps' sums of one pass
+    int convert[kMoeMmaMaxAssign];  // w2: tokens whose tile this block converts
   };
   unsigned present[kMoeMmaMaxExperts / 32];  // the experts the call's ids reach
   int warp_hits[kWarps];
@@ -85,13 +105,12 @@ struct Smem {
   int n_convert;
   int is_last;
 };
-static_assert(kWarps * kPassRows * kTileCols >= kMoeMmaMaxAssign, "convert holds one token per assignment");
 
 // Block row z's expert: the z-th distinct valid id of the call (ascending), or -1 when the ids
 // reach fewer experts; the last row gathers the ids outside [0, E) (returns E). So the grid needs
 // min(E, T * k) + 1 rows, not E + 1.
-template <typename Id>
-__device__ int block_expert(const MoeMmaArgs& a, Smem& sm) {
+template <typename Id, typename S>
+__device__ int block_expert(const MoeMmaArgs& a, S& sm) {
   if (blockIdx.z == gridDim.z - 1) return a.num_experts;
   const Id* ids = static_cast<const Id*>(a.ids);
   const int words = (a.num_experts + 31) / 32;
@@ -127,8 +146,8 @@ __device__ int block_expert(const MoeMmaArgs& a, Smem& sm) {
 
 // The assignments of expert e (or, for e == E, those with an id outside [0, E)) into sm.rows, in
 // ascending order; returns how many (the same in every thread).
-template <typename Id>
-__device__ int gather(const MoeMmaArgs& a, int e, Smem& sm) {
+template <typename Id, typename S>
+__device__ int gather(const MoeMmaArgs& a, int e, S& sm) {
   const Id* ids = static_cast<const Id*>(a.ids);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const bool expert = e < a.num_experts;
@@ -163,10 +182,14 @@ struct Group {
   uint32_t z[2];
 };
 
-template <typename T, typename Id, bool kW13, int ACT>
-__global__ void __launch_bounds__(kThreads, 4) moe_mma_kernel(MoeMmaArgs a) {
+// NT: mma n-tiles per pass, so a pass takes 8 NT tokens and an expert's weights stream once per
+// pass; 2 halves the passes (and the dequantization per token) of a loaded expert for 64 more
+// accumulator registers, hence 3 blocks an SM instead of 4.
+template <typename T, typename Id, bool kW13, int ACT, int NT>
+__global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : 3) moe_mma_kernel(MoeMmaArgs a) {
   using Tr = HalfTraits<T>;
-  __shared__ Smem sm;
+  constexpr int kPassRows = 8 * NT;
+  __shared__ Smem<NT> sm;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
 
@@ -229,14 +252,20 @@ __global__ void __launch_bounds__(kThreads, 4) moe_mma_kernel(MoeMmaArgs a) {
 
   for (int pass = 0; pass * kPassRows < count; ++pass) {
     const int rows_here = min(kPassRows, count - pass * kPassRows);
-    // The lane's B row: token g of the pass (clamped: rows past the pass only feed columns never stored).
-    const int f = sm.rows[pass * kPassRows + min(g, rows_here - 1)];
-    const T* xrow = kW13 ? static_cast<const T*>(a.x) + static_cast<int64_t>(f / a.topk) * a.x_stride
-                         : static_cast<const T*>(a.h) + static_cast<int64_t>(f) * a.inter;
-    xrow += 8 * t;
+    // The lane's B row of n-tile q: token 8q + g of the pass (clamped: rows past the pass only
+    // feed columns never stored).
+    const T* xrow[NT];
+#pragma unroll
+    for (int q = 0; q < NT; ++q) {
+      const int f = sm.rows[pass * kPassRows + min(8 * q + g, rows_here - 1)];
+      xrow[q] = (kW13 ? static_cast<const T*>(a.x) + static_cast<int64_t>(f / a.topk) * a.x_stride
+                      : static_cast<const T*>(a.h) + static_cast<int64_t>(f) * a.inter) +
+                8 * t;
+    }
 
-    // Step s into ring slot `slot`: the lane's 4 chunks, and x[token][8t .. + 7] (read by itself).
-    Ring& ring = sm.ring[warp];
+    // Step s into ring slot `slot`: the lane's 4 chunks, and x[token][8t .. + 7] of each n-tile
+    // (read by itself).
+    Ring<NT>& ring = sm.ring[warp];
     const auto issue = [&](int slot, int s) {
       const uint32_t* p = copy_src + static_cast<int64_t>(s * kStepRows) * n8;
 #pragma unroll
@@ -244,7 +273,8 @@ __global__ void __launch_bounds__(kThreads, 4) moe_mma_kernel(MoeMmaArgs a) {
         cp_async16_stream(&ring.w[slot][ring_word((lane >> 2) + 8 * u, 8 * cj + cw)], p + 8 * u * n8, copy_ok,
                           policy);
       }
-      cp_async16(&ring.x[slot][lane], xrow + s * kStepRows, true);
+#pragma unroll
+      for (int q = 0; q < NT; ++q) cp_async16(&ring.x[slot][q][lane], xrow[q] + s * kStepRows, true);
     };
     const auto load_group = [&](Group& gr, int s) {
       const int64_t grp = s / steps_per_group;
@@ -254,15 +284,18 @@ __global__ void __launch_bounds__(kThreads, 4) moe_mma_kernel(MoeMmaArgs a) {
       gr.z[1] = ok1 ? __ldg(qz + grp * n8 + p1) : 0u;
     };
 
-    float acc[2][4][4], xs[4];  // [word][byte][C element]; the group's sum of x
+    float acc[NT][2][4][4], xs[NT][4];  // [n-tile][word][byte][C element]; the group's sums of x
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
+    for (int q = 0; q < NT; ++q) {
 #pragma unroll
-      for (int b = 0; b < 4; ++b)
+      for (int j = 0; j < 2; ++j)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) acc[j][b][r] = 0.f;
+        for (int b = 0; b < 4; ++b)
 #pragma unroll
-    for (int r = 0; r < 4; ++r) xs[r] = 0.f;
+          for (int r = 0; r < 4; ++r) acc[q][j][b][r] = 0.f;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) xs[q][r] = 0.f;
+    }
 
     // The lane's words of a slot: group j's at read0/read1 + 16 i for row 8t + i (ring_word).
     const uint32_t* read0 = &ring.w[0][ring_word(8 * t, g)];
@@ -274,11 +307,17 @@ __global__ void __launch_bounds__(kThreads, 4) moe_mma_kernel(MoeMmaArgs a) {
         wr[i][0] = read0[slot * kSlotWords + 16 * i];
         wr[i][1] = read1[slot * kSlotWords + 16 * i];
       }
-      const uint4 xv = ld_shared128(&ring.x[slot][lane]);
+      uint4 xv[NT];
+#pragma unroll
+      for (int q = 0; q < NT; ++q) xv[q] = ld_shared128(&ring.x[slot][q][lane]);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const uint32_t b0 = h == 0 ? xv.x : xv.z, b1 = h == 0 ? xv.y : xv.w;
-        Mma<T>::run(xs, ones, b0, b1);
+        uint32_t b0[NT], b1[NT];
+#pragma unroll
+        for (int q = 0; q < NT; ++q) {
+          b0[q] = h == 0 ? xv[q].x : xv[q].z, b1[q] = h == 0 ? xv[q].y : xv[q].w;
+          Mma<T>::run(xs[q], ones, b0[q], b1[q]);
+        }
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const uint32_t r0 = wr[4 * h][j], r1 = wr[4 * h + 1][j], r2 = wr[4 * h + 2][j], r3 = wr[4 * h + 3][j];
@@ -287,7 +326,8 @@ __global__ void __launch_bounds__(kThreads, 4) moe_mma_kernel(MoeMmaArgs a) {
             constexpr int B = decltype(bc)::value;
             const uint32_t fr[4] = {column_pair<T, B>(r0, r1), column_pair<T, B>(r0s, r1s),
                                     column_pair<T, B>(r2, r3), column_pair<T, B>(r2s, r3s)};
-            Mma<T>::run(acc[j][B], fr, b0, b1);
+#pragma unroll
+            for (int q = 0; q < NT; ++q) Mma<T>::run(acc[q][j][B], fr, b0[q], b1[q]);
           };
           tile_mma(std::integral_constant<int, 0>{});
           tile_mma(std::integral_constant<int, 1>{});
@@ -298,25 +338,43 @@ __global__ void __launch_bounds__(kThreads, 4) moe_mma_kernel(MoeMmaArgs a) {
     };
 
     // acc = r (acc - zm xs) per column, r = s / s_next (s at the warp's last group: acc is then y).
+    // The 4 lanes of a quad (one g) hold the same 16 columns, so each derives r and zm for 4 of
+    // them and the quad shares them: lane t takes word j = t / 2, nibbles i = 4 (t % 2) .. + 3,
+    // whose scales are the low (t even) or high (t odd) halves of the 4 words of s[j]
+    // (awq_col(i) = 2 (i % 4) + i / 4).
     const auto close_group = [&](const Group& cur, const Group* next) {
+      const int hi = t & 1;
+      const uint4 sc = t < 2 ? cur.s[0] : cur.s[1];
+      const uint4 sn = next == nullptr ? sc : (t < 2 ? next->s[0] : next->s[1]);
+      const uint32_t zw = (t < 2 ? cur.z[0] : cur.z[1]) >> (16 * hi);
+      const uint32_t scw[4] = {sc.x, sc.y, sc.z, sc.w}, snw[4] = {sn.x, sn.y, sn.z, sn.w};
+      float rq[4], zq[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const float2 c2 = Tr::to_float2(scw[u]), n2 = Tr::to_float2(snw[u]);
+        const float su = gemv::fold_unit(hi ? c2.y : c2.x);
+        rq[u] = next != nullptr ? __fdividef(su, gemv::fold_unit(hi ? n2.y : n2.x)) : su;
+        zq[u] = Tr::kMagic + static_cast<float>((zw >> (4 * u)) & 15u);
+      }
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          const auto unit = [&](const uint4& v) {
-            return gemv::fold_unit(Tr::to_float(reinterpret_cast<const T*>(&v)[awq_col(i)]));
-          };
-          const float su = unit(cur.s[j]);
-          const float r = next != nullptr ? __fdividef(su, unit(next->s[j])) : su;
-          const float zm = Tr::kMagic + static_cast<float>((cur.z[j] >> (4 * i)) & 15u);
+          const int src = (lane & ~3) | (2 * j + (i >> 2));
+          const float r = __shfl_sync(0xffffffffu, rq[i & 3], src);
+          const float zm = __shfl_sync(0xffffffffu, zq[i & 3], src);
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            float& v = acc[j][i >> 1][2 * (i & 1) + c];
-            v = r * fmaf(-zm, xs[c], v);
-          }
+          for (int q = 0; q < NT; ++q)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              float& v = acc[q][j][i >> 1][2 * (i & 1) + c];
+              v = r * fmaf(-zm, xs[q][c], v);
+            }
         }
 #pragma unroll
-      for (int r = 0; r < 4; ++r) xs[r] = 0.f;
+      for (int q = 0; q < NT; ++q)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) xs[q][r] = 0.f;
     };
 
     if (expert && s0 < s1) {
@@ -357,64 +415,79 @@ __global__ void __launch_bounds__(kThreads, 4) moe_mma_kernel(MoeMmaArgs a) {
     cp_async_wait<0>();
     __syncthreads();  // every warp is done with its ring before the sums reuse it
 
-    // C fragment (g, t): element r of m-tile (j, b) is nibble 2b + (r >> 1) of word j, token 2t + (r & 1).
+    // C fragment (g, t) of n-tile q: element r of m-tile (j, b) is nibble 2b + (r >> 1) of word j,
+    // token 8q + 2t + (r & 1) of the pass.
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
+    for (int q = 0; q < NT; ++q)
 #pragma unroll
-      for (int b = 0; b < 4; ++b)
+      for (int j = 0; j < 2; ++j)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) sm.red[warp][2 * t + (r & 1)][tile_col(j, 2 * b + (r >> 1))] = acc[j][b][r];
+        for (int b = 0; b < 4; ++b)
+#pragma unroll
+          for (int r = 0; r < 4; ++r)
+            sm.red[warp][8 * q + 2 * t + (r & 1)][tile_col(j, 2 * b + (r >> 1))] = acc[q][j][b][r];
     __syncthreads();
 
-    const auto tile_sum = [&](int row, int c) {
-      float v = 0.f;
+    // The warps' sums of 4 adjacent columns c .. c + 3 (c % 4 == 0; I and H are multiples of 32, so
+    // such a quad is all inside the layer or all outside, and 16-byte aligned in ws13 and ws2).
+    const auto tile_sum4 = [&](int row, int c) {
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) v += sm.red[w][row][c];
+      for (int w = 0; w < kWarps; ++w) {
+        const float4 p = *reinterpret_cast<const float4*>(&sm.red[w][row][c]);
+        v.x += p.x, v.y += p.y, v.z += p.z, v.w += p.w;
+      }
       return v;
     };
     if constexpr (kW13) {
-      for (int idx = threadIdx.x; idx < rows_here * kMoeMmaTile13; idx += kThreads) {
-        const int row = idx / kMoeMmaTile13, c = idx % kMoeMmaTile13, col = tile * kMoeMmaTile13 + c;
+      constexpr int kQuads = kMoeMmaTile13 / 4;
+      for (int idx = threadIdx.x; idx < rows_here * kQuads; idx += kThreads) {
+        const int row = idx / kQuads, c = 4 * (idx % kQuads), col = tile * kMoeMmaTile13 + c;
         if (col >= a.inter) continue;
         const int64_t fr = sm.rows[pass * kPassRows + row];
-        const float gate = tile_sum(row, c), up = tile_sum(row, kMoeMmaTile13 + c);
+        const float4 gate = tile_sum4(row, c), up = tile_sum4(row, kMoeMmaTile13 + c);
         if (splits == 1) {
-          static_cast<T*>(a.h)[fr * a.inter + col] = Tr::from_float(moe::act_fn<ACT>(gate) * up);
+          store4(static_cast<T*>(a.h) + fr * a.inter + col, act_mul4<ACT>(gate, up));
         } else {
-          atomicAdd(a.ws13 + fr * n + col, gate);
-          atomicAdd(a.ws13 + fr * n + a.inter + col, up);
+          red_add4(a.ws13 + fr * n + col, gate);
+          red_add4(a.ws13 + fr * n + a.inter + col, up);
         }
       }
     } else {
-      for (int idx = threadIdx.x; idx < rows_here * kTileCols; idx += kThreads) {
-        const int row = idx / kTileCols, col = tile * kTileCols + idx % kTileCols;
+      constexpr int kQuads = kTileCols / 4;
+      for (int idx = threadIdx.x; idx < rows_here * kQuads; idx += kThreads) {
+        const int row = idx / kQuads, c = 4 * (idx % kQuads), col = tile * kTileCols + c;
         if (col >= a.hidden) continue;
         const int fr = sm.rows[pass * kPassRows + row];
         const int64_t off = static_cast<int64_t>(fr / a.topk) * a.hidden + col;
-        const float v = expert ? a.topk_weights[fr] * tile_sum(row, idx % kTileCols) : 0.f;
+        const float rw = expert ? a.topk_weights[fr] : 0.f;
+        const float4 s = tile_sum4(row, c);
+        const float4 v = make_float4(rw * s.x, rw * s.y, rw * s.z, rw * s.w);
         if (a.topk == 1 && splits == 1) {
-          static_cast<T*>(a.out)[off] = Tr::from_float(v);  // the token's only slot: no one else adds to it
+          store4(static_cast<T*>(a.out) + off, v);  // the token's only slot: no one else adds to it
         } else if (expert) {
-          atomicAdd(a.ws2 + off, v);
+          red_add4(a.ws2 + off, v);
         }
       }
     }
     __syncthreads();  // red is rewritten by the next pass (or reused as convert)
   }
 
+  const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
   if constexpr (kW13) {
     if (splits == 1) return;
     if (!moe::arrive_last(a.counters13 + static_cast<int64_t>(e) * gridDim.x + tile, splits, sm.is_last)) return;
-    for (int idx = threadIdx.x; idx < count * kMoeMmaTile13; idx += kThreads) {
-      const int col = tile * kMoeMmaTile13 + idx % kMoeMmaTile13;
+    constexpr int kQuads = kMoeMmaTile13 / 4;
+    for (int idx = threadIdx.x; idx < count * kQuads; idx += kThreads) {
+      const int col = tile * kMoeMmaTile13 + 4 * (idx % kQuads);
       if (col >= a.inter) continue;
-      const int64_t fr = sm.rows[idx / kMoeMmaTile13];
-      float* pg = a.ws13 + fr * n + col;
-      float* pu = pg + a.inter;
-      const float gate = __ldcg(pg), up = __ldcg(pu);
-      __stcg(pg, 0.f);
-      __stcg(pu, 0.f);
-      static_cast<T*>(a.h)[fr * a.inter + col] = Tr::from_float(moe::act_fn<ACT>(gate) * up);
+      const int64_t fr = sm.rows[idx / kQuads];
+      float4* pg = reinterpret_cast<float4*>(a.ws13 + fr * n + col);
+      float4* pu = reinterpret_cast<float4*>(a.ws13 + fr * n + a.inter + col);
+      const float4 gate = __ldcg(pg), up = __ldcg(pu);
+      __stcg(pg, zero4);
+      __stcg(pu, zero4);
+      store4(static_cast<T*>(a.h) + fr * a.inter + col, act_mul4<ACT>(gate, up));
     }
   } else {
     if (a.topk == 1 && splits == 1) return;
@@ -435,22 +508,31 @@ __global__ void __launch_bounds__(kThreads, 4) moe_mma_kernel(MoeMmaArgs a) {
     const int n_convert = sm.n_convert;
     if (n_convert == 0) return;
     __threadfence();
-    for (int idx = threadIdx.x; idx < n_convert * kTileCols; idx += kThreads) {
-      const int col = tile * kTileCols + idx % kTileCols;
+    constexpr int kQuads = kTileCols / 4;
+    for (int idx = threadIdx.x; idx < n_convert * kQuads; idx += kThreads) {
+      const int col = tile * kTileCols + 4 * (idx % kQuads);
       if (col >= a.hidden) continue;
-      const int64_t off = static_cast<int64_t>(sm.convert[idx / kTileCols]) * a.hidden + col;
-      const float v = __ldcg(a.ws2 + off);
-      __stcg(a.ws2 + off, 0.f);
-      static_cast<T*>(a.out)[off] = Tr::from_float(v);
+      const int64_t off = static_cast<int64_t>(sm.convert[idx / kQuads]) * a.hidden + col;
+      float4* p = reinterpret_cast<float4*>(a.ws2 + off);
+      const float4 v = __ldcg(p);
+      __stcg(p, zero4);
+      store4(static_cast<T*>(a.out) + off, v);
     }
   }
 }
 
+template <typename T, typename Id, int ACT, int NT>
+void launch_pass(const MoeMmaArgs& a, cudaStream_t stream) {
+  const dim3 grid13(a.tiles13, a.splits13, a.rows), grid2(a.tiles2, a.splits2, a.rows);
+  launch_pdl(moe_mma_kernel<T, Id, true, ACT, NT>, grid13, dim3(kThreads), 0, stream, a);
+  launch_pdl(moe_mma_kernel<T, Id, false, 0, NT>, grid2, dim3(kThreads), 0, stream, a);
+}
+
 template <typename T, typename Id, int ACT>
 void launch_typed(const MoeMmaArgs& a, cudaStream_t stream) {
-  const dim3 grid13(a.tiles13, a.splits13, a.rows), grid2(a.tiles2, a.splits2, a.rows);
-  launch_pdl(moe_mma_kernel<T, Id, true, ACT>, grid13, dim3(kThreads), 0, stream, a);
-  launch_pdl(moe_mma_kernel<T, Id, false, 0>, grid2, dim3(kThreads), 0, stream, a);
+  static_assert(kMaxPassTiles == 2, "one instance per pass width below");
+  if (a.pass_rows == 16) return launch_pass<T, Id, ACT, 2>(a, stream);
+  return launch_pass<T, Id, ACT, 1>(a, stream);
 }
 
 template <typename T, typename Id>

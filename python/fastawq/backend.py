@@ -65,14 +65,24 @@ MOE_GEMV_MAX_LOAD = 2
 # up to MOE_MMA_MAX_LOAD. moe_kernel picks the tensor-core one once an expert reached gets
 # MOE_MMA_MIN_REUSE assignments on average (uniform routing). H200, benchmarks/RESULTS.md (session
 # 6), us GEMV / tensor cores (Triton): Qwen3-30B-A3B T=4 (reuse 1.10) 46.3 / 52.2, T=8 (1.24)
-# 91.4 / 69.2 (184), T=16 140 / 99.3 (274), T=256 (load 16) 1838 / 427 (617); Mixtral T=1 95.2 /
-# 95.6, T=2 (1.14) 179 / 139 (396), T=16 1076 / 288 (933), T=64 (load 16) 3919 / 945 (1119).
+# 91.4 / 69.2 (184), T=16 140 / 99.3 (274); Mixtral T=1 95.2 / 95.6, T=2 (1.14) 179 / 139 (396),
+# T=16 1076 / 288 (933). With passes of 16 tokens (session 7, MOE_MMA_WIDE_REUSE below), tensor
+# cores (Triton): Qwen3-30B-A3B T=256 (load 16) 304 (619); Mixtral T=64 (load 16) 529 (1119,
+# session 6), T=256 (load 64) 1657 (1882), so the kernel serves loads up to 64, the largest measured.
 # MOE_MMA off: the GEMV, and loads above MOE_GEMV_MAX_LOAD go to Triton.
 MOE_MMA = True
 MOE_MMA_MIN_REUSE = 1.12
-MOE_MMA_MAX_LOAD = 16
+MOE_MMA_MAX_LOAD = 64
 MOE_MMA_MAX_ASSIGN = 4096  # kMoeMmaMaxAssign, csrc/common/launch.h
 MOE_MMA_MAX_EXPERTS = 1024  # kMoeMmaMaxExperts
+# moe_mma_w4 streams an expert's weights once per pass of 8 or 16 of its tokens (two mma n-tiles:
+# half the passes and dequantization per token for 3 blocks an SM instead of 4): 16 once an expert
+# reached expects more than MOE_MMA_WIDE_REUSE assignments (uniform routing). H200, RESULTS.md
+# (session 7), us 8 / 16 a pass: Qwen3-30B-A3B T=16 (reuse 1.6) 98.2 / 118.9, T=64 (4.3) 154 / 181,
+# T=256 (16) 395 / 304; Mixtral T=16 (4) 284 / 339, T=64 (16) 884 / 529, T=256 (64) 3013 / 1657.
+# Between reuse 4 and 16 the crossing was not measured on this tree (at T=128, reuse 8, a slower
+# prologue tried and dropped gave 254 / 219), so 8 stands.
+MOE_MMA_WIDE_REUSE = 8.0
 # ops.route on GPUs: the router GEMM inside the Triton routing launch (route_kernel), instead of a
 # cuBLAS GEMM then topk_route (benchmarks/bench_ab.py --compare route measures both; H200 decode
 # 1.014x / 1.016x Qwen3-30B-A3B at batch 1 / 16, RESULTS.md), for up to ROUTE_FUSED_MAX_T tokens:
@@ -133,6 +143,11 @@ def moe_kernel(t: int, k: int, e: int) -> str:
     if not MOE_MMA or t * k > MOE_MMA_MAX_ASSIGN or e > MOE_MMA_MAX_EXPERTS:
         return "gemv"
     return "mma" if moe_reuse(t, k, e) >= MOE_MMA_MIN_REUSE else "gemv"
+
+
+def moe_pass_rows(t: int, k: int, e: int) -> int:
+    """Tokens per pass over an expert's weights for moe_mma_w4: 8 or 16."""
+    return 16 if moe_reuse(t, k, e) > MOE_MMA_WIDE_REUSE else 8
 
 
 def size_buckets(op: str) -> list[int | None]:

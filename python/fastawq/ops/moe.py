@@ -192,15 +192,18 @@ def _moe_w4_impl(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
         backend = _select(x, weights, group_size, act, None, _load(x.shape[0], topk_ids.shape[1], e))
     if backend == "cuda":
         # The kernels take dense operands and fp32 routing weights (no-ops when they already are).
-        kernel = _backend.moe_kernel(x.shape[0], topk_ids.shape[1], e) if _ext.has_op("moe_mma_w4") else "gemv"
-        op = torch.ops.fastawq.moe_mma_w4 if kernel == "mma" else torch.ops.fastawq.moe_gemv_w4
-        if kernel == "mma" and (x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16):
-            x = x.clone(memory_format=torch.contiguous_format)  # it loads x in 16-byte pieces
+        t, k = topk_ids.shape
+        kernel = _backend.moe_kernel(t, k, e) if _ext.has_op("moe_mma_w4") else "gemv"
+        op, extra = torch.ops.fastawq.moe_gemv_w4, ()
+        if kernel == "mma":
+            op, extra = torch.ops.fastawq.moe_mma_w4, (_backend.moe_pass_rows(t, k, e),)
+            if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+                x = x.clone(memory_format=torch.contiguous_format)  # it loads x in 16-byte pieces
         return op(
             x if x.stride(-1) == 1 else x.contiguous(), topk_ids.contiguous(),
             topk_weights.to(torch.float32).contiguous(), w13_qweight.contiguous(), w13_scales.contiguous(),
             w13_qzeros.contiguous(), w2_qweight.contiguous(), w2_scales.contiguous(), w2_qzeros.contiguous(),
-            group_size, act)
+            group_size, act, *extra)
     if backend == "triton":
         return _triton().moe_w4(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros,
                                 w2_qweight, w2_scales, w2_qzeros, group_size, act)
@@ -238,7 +241,7 @@ def _register_fakes() -> None:
 
         @torch.library.register_fake(f"fastawq::{name}")
         def _(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros,
-              group_size, act):
+              group_size, act, pass_rows=8):  # pass_rows: moe_mma_w4's only
             torch._check(x.dim() == 2 and w13_qweight.dim() == 3 and w2_qweight.dim() == 3,
                          lambda: f"x {tuple(x.shape)} must be [T, H], the stacked weights 3-D")
             torch._check(w2_qweight.shape[2] * 8 == x.shape[1],
