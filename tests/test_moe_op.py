@@ -628,6 +628,11 @@ def test_moe_auto_choice_is_sized_by_the_load_per_expert():
     assert backend._cuda_order("moe_w4", backend.MOE_GEMV_MAX_LOAD)[0] == "cuda"
     assert backend._cuda_order("moe_w4", backend.MOE_MMA_MAX_LOAD)[0] == "cuda"  # the tensor-core kernel
     assert backend._cuda_order("moe_w4", backend.MOE_MMA_MAX_LOAD + 1)[0] == "triton"
+    # Past the tensor-core kernel's 4096 assignments a load it would serve goes to Triton, not to
+    # the CUDA-core kernel (which reads an expert once per assignment).
+    assert ops_moe._load(512, 8, 128) == 32 and ops_moe._load(600, 8, 128) == backend.MOE_MMA_MAX_LOAD + 1
+    assert backend._cuda_order("moe_w4", ops_moe._load(600, 8, 128))[0] == "triton"
+    assert ops_moe._load(4096, 1, 2048) == 2  # the CUDA-core kernel's loads keep their bucket
 
 
 # (E, H, I, G, k, T, load): w13 tiles are 128 gate columns (I = 96 and 160 leave a part tile), w2

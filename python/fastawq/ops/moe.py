@@ -157,8 +157,15 @@ def moe_w4_plan(
 
 
 def _load(t: int, k: int, e: int) -> int:
-    """Assignments per expert, rounded up: what moe_w4's automatic choice is sized by."""
-    return -(-t * k // max(e, 1))
+    """Assignments per expert, rounded up: what moe_w4's automatic choice is sized by. Past the
+    CUDA-core kernel's loads, a call the tensor-core kernel cannot take (more than
+    backend.MOE_MMA_MAX_ASSIGN assignments or MOE_MMA_MAX_EXPERTS experts) counts as the bucket
+    above it, so it goes where larger loads go, not to the kernel that reads an expert per
+    assignment (Qwen3-30B-A3B at 600 tokens: load 38, 4,800 assignments)."""
+    load = -(-t * k // max(e, 1))
+    if load > MOE_GEMV_MAX_LOAD and (t * k > _backend.MOE_MMA_MAX_ASSIGN or e > _backend.MOE_MMA_MAX_EXPERTS):
+        return max(load, _backend.MOE_MMA_MAX_LOAD + 1)
+    return load
 
 
 def _select(x: torch.Tensor, weights: tuple, group_size: int, act: str, backend: str | None, m: int) -> str:
