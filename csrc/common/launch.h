@@ -137,6 +137,9 @@ struct MoeMmaArgs : MoeArgs {
   int tiles13, splits13, steps13;  // w13 grid and 32-row steps of K per warp
   int tiles2, splits2, steps2;     // w2 likewise
 };
+// Blocks an SM of the kernel for a pass of pass_rows tokens (its __launch_bounds__; the host sizes
+// the K split by it).
+constexpr int moe_mma_blocks_per_sm(int pass_rows) { return pass_rows == 16 ? 3 : 4; }
 
 void launch_moe_mma(const MoeMmaArgs& args, cudaStream_t stream);
 

@@ -141,7 +141,7 @@ void carve_workspace(MoeArgs& a, const MoeCall& c, const c10::Device& device, bo
 }
 
 // K splits and 32-row steps per warp for `blocks` block rows of tiles over k rows: about as many
-// blocks as fit on every SM (per_sm: the kernel's __launch_bounds__), at least two steps per warp.
+// blocks as fit on every SM (per_sm, moe_mma_blocks_per_sm), at least two steps per warp.
 void mma_split(int64_t blocks, int64_t k, int sms, int per_sm, int& splits, int& steps) {
   const int64_t total = k / 32;
   int64_t sp = (int64_t(sms) * per_sm + blocks - 1) / blocks;
@@ -204,7 +204,7 @@ at::Tensor moe_mma_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at:
   a.pass_rows = static_cast<int>(pass_rows);
   a.tiles13 = static_cast<int>((i + kMoeMmaTile13 - 1) / kMoeMmaTile13);
   a.tiles2 = static_cast<int>((h + kMoeMmaTile2 - 1) / kMoeMmaTile2);
-  const int per_sm = pass_rows == 16 ? 3 : 4;  // moe_mma_kernel's __launch_bounds__
+  const int per_sm = moe_mma_blocks_per_sm(static_cast<int>(pass_rows));
   mma_split(hit * a.tiles13, h, sms, per_sm, a.splits13, a.steps13);
   mma_split(hit * a.tiles2, i, sms, per_sm, a.splits2, a.steps2);
   carve_workspace(a, c, x.device(), a.splits13 > 1, e * a.tiles13, a.tiles2);

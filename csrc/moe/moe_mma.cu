@@ -5,9 +5,9 @@
 //
 // "Swap AB" mma.sync m16n8k16: output columns are the mma's rows, the expert's tokens its 8
 // columns, in passes of 8 or 16 tokens (one or two n-tiles sharing each A fragment; the host
-// picks by the load, 16 once experts get more than 8). The mma's k and row labels are free, so they are
-// chosen to match what a lane can load from the AWQ layout [K, N/8] (word = 8 columns of one row,
-// column AWQ_ORDER[i] in nibble i):
+// picks by the load, 16 once experts get more than 8). The mma's k and row labels are free, so
+// they are chosen to match what a lane can load from the AWQ layout [K, N/8] (word = 8 columns of
+// one row, column AWQ_ORDER[i] in nibble i):
 //   a block's tile is two groups of 8 words (w13: the gate words of 64 columns and the same up
 //   words; w2: 128 columns), and lane (g, t) of a warp takes, for each 32-row step, rows 8t .. 8t + 7
 //   of word g of each group (through the ring, below). k-step h takes rows
@@ -49,7 +49,6 @@ namespace {
 
 using gemv::column_pair;
 constexpr int kThreads = 128, kWarps = kThreads / 32;
-constexpr int kMaxPassTiles = 2;  // a pass is NT (1 or 2) mma n-tiles of 8 tokens
 constexpr int kTileCols = 128;   // both kernels: 16 columns per lane, 8 lanes side by side
 constexpr int kStepRows = 32;
 
@@ -186,7 +185,7 @@ struct Group {
 // pass; 2 halves the passes (and the dequantization per token) of a loaded expert for 64 more
 // accumulator registers, hence 3 blocks an SM instead of 4.
 template <typename T, typename Id, bool kW13, int ACT, int NT>
-__global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : 3) moe_mma_kernel(MoeMmaArgs a) {
+__global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_mma_kernel(MoeMmaArgs a) {
   using Tr = HalfTraits<T>;
   constexpr int kPassRows = 8 * NT;
   __shared__ Smem<NT> sm;
@@ -530,7 +529,6 @@ void launch_pass(const MoeMmaArgs& a, cudaStream_t stream) {
 
 template <typename T, typename Id, int ACT>
 void launch_typed(const MoeMmaArgs& a, cudaStream_t stream) {
-  static_assert(kMaxPassTiles == 2, "one instance per pass width below");
   if (a.pass_rows == 16) return launch_pass<T, Id, ACT, 2>(a, stream);
   return launch_pass<T, Id, ACT, 1>(a, stream);
 }
