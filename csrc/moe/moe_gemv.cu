@@ -72,9 +72,10 @@ struct Assignment {
   int64_t expert;  // 0 when not valid
 };
 template <typename Id>
-__device__ __forceinline__ Assignment assignment(const MoeGemvArgs& a) {
+__device__ __forceinline__ Assignment assignment(const MoeGemvArgs& a, bool through_l2 = false) {
   const int f = blockIdx.z;
-  const int64_t e = static_cast<int64_t>(static_cast<const Id*>(a.ids)[f]);
+  const Id* p = static_cast<const Id*>(a.ids) + f;
+  const int64_t e = static_cast<int64_t>(through_l2 ? __ldcg(p) : *p);
   const bool valid = e >= 0 && e < a.num_experts;
   return {f, valid, valid ? e : 0};
 }
@@ -97,6 +98,14 @@ __device__ __forceinline__ void block_gemv(const T* __restrict__ xrow, const uin
     for (int base = row0; base < row_end; base += kBatchRows) {
       Words<WPT> w[kLoads];
       float xv[1][kLoads];
+      // A batch that closes its group fetches the group's zeros and scales into L2 with its
+      // weights, so the close after its math does not wait a DRAM round trip for them.
+      const int next = base + kBatchRows;
+      if (col_ok && (next % g == 0 || next >= row_end)) {
+        const int grp = base / g;
+        prefetch_l2(qzeros + static_cast<int64_t>(grp) * n8 + word0);
+        prefetch_l2(scales + static_cast<int64_t>(grp) * n + word0 * 8);
+      }
       load_batch<T, 1, WPT>(xrow, qweight, k, n8, word0, col_ok, base + rl, policy, w, xv);
       consume_batch<T, 1, WPT>(w, xv, acc, xs, y, base, row_end, g, col_ok, qzeros, scales, n8, n, word0);
     }
@@ -155,15 +164,25 @@ template <typename T, typename Id>
 __global__ void __launch_bounds__(kGemvThreads) moe_w2_gemv_kernel(MoeGemvArgs a) {
   using Tr = HalfTraits<T>;
   __shared__ TileRed sh;
-  pdl_wait();  // h comes from the w13 launch
-  pdl_launch_dependents();
-  const auto [f, valid, ex] = assignment<Id>(a);
+  // The ids may be read before the wait: they come from the routing kernel, which had completed
+  // before any w13 block passed its own wait, and this launch starts only once every w13 block
+  // has (pdl_launch_dependents follows the wait). Read through L2 (another SM wrote them), they
+  // let the block bring its first weight rows into L2 while w13 finishes.
+  const auto [f, valid, ex] = assignment<Id>(a, true);
   const int tile = blockIdx.x, cl = threadIdx.x & 7;
   const int k = a.inter, n = a.hidden, n8 = n / 8, g = a.group2;
   const int word0 = tile * (8 * WPT) + cl * WPT;
   const bool col_ok = valid && word0 < n8;
+  const uint32_t* w2q = a.w2_qweight + ex * k * n8;
+  {
+    const int chunk = blockIdx.y * a.cpb2 + (threadIdx.x >> 5);
+    const int c_end = min((blockIdx.y + 1) * a.cpb2, (k + a.chunk2 - 1) / a.chunk2);
+    if (chunk < c_end) gemv::prefetch_batch<WPT>(w2q, n8, word0, col_ok, chunk * a.chunk2 + ((threadIdx.x & 31) >> 3), k);
+  }
+  pdl_wait();  // h comes from the w13 launch
+  pdl_launch_dependents();
   float y[1][kLaneCols];
-  block_gemv<T>(static_cast<const T*>(a.h) + static_cast<int64_t>(f) * k, a.w2_qweight + ex * k * n8,
+  block_gemv<T>(static_cast<const T*>(a.h) + static_cast<int64_t>(f) * k, w2q,
                 static_cast<const T*>(a.w2_scales) + ex * (k / g) * n, a.w2_qzeros + ex * (k / g) * n8, n8, n, k, g,
                 word0, col_ok, a.chunk2, a.cpb2, y);
   reduce_tile(y, sh);
