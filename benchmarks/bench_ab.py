@@ -2,7 +2,9 @@
 
 --compare pdl: programmatic dependent launch (FASTAWQ_PDL=0 / 1); --compare route: the MoE router
 GEMM in the routing launch (backend.ROUTE_FUSED False / True); --compare norm_route: the MoE
-block's add + RMSNorm in that launch too (backend.NORM_ROUTE_FUSED); --compare moe_mma: the compiled
+block's add + RMSNorm in that launch too (backend.NORM_ROUTE_FUSED); --compare route_cuda: the compiled
+routing kernel (norm, router and top-k in one launch, backend.ROUTE_CUDA; off, Triton's launches);
+--compare moe_mma: the compiled
 MoE backend's tensor-core kernel (backend.MOE_MMA; off, the CUDA-core GEMV serves every load the
 compiled backend was bound to); --compare layout: the W4 layers'
 weight layout (WQLinear.set_layout "awq" / "packed", exact both ways, converted in place; grouped
@@ -38,6 +40,8 @@ def apply(model: torch.nn.Module, compare: str, on: bool) -> None:
         backend.ROUTE_FUSED = on
     elif compare == "norm_route":
         backend.NORM_ROUTE_FUSED = on
+    elif compare == "route_cuda":
+        backend.ROUTE_CUDA = on
     elif compare == "moe_mma":
         backend.MOE_MMA = on
     else:
@@ -46,7 +50,7 @@ def apply(model: torch.nn.Module, compare: str, on: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--compare", choices=("pdl", "route", "norm_route", "moe_mma", "layout"), default="pdl")
+    ap.add_argument("--compare", choices=("pdl", "route", "norm_route", "route_cuda", "moe_mma", "layout"), default="pdl")
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers to build (default: all)")
     ap.add_argument("--layout", choices=("awq", "packed"), default="awq", help="(with --compare layout: ignored)")
@@ -66,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"built {args.shape} ({args.layers or 'all'} layers, {args.layout}) in {time.time() - t0:.0f}s", flush=True)
     vocab = model.config.vocab_size
     pdl_before = os.environ.get("FASTAWQ_PDL")
-    route_before, norm_before, mma_before = backend.ROUTE_FUSED, backend.NORM_ROUTE_FUSED, backend.MOE_MMA
+    saved = {n: getattr(backend, n) for n in ("ROUTE_FUSED", "NORM_ROUTE_FUSED", "ROUTE_CUDA", "MOE_MMA")}
     rows = []
     for batch in batches:
         got: dict[str, list[tuple[float, float | None]]] = {"0": [], "1": []}
@@ -86,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.pop("FASTAWQ_PDL", None)
     else:
         os.environ["FASTAWQ_PDL"] = pdl_before
-    backend.ROUTE_FUSED, backend.NORM_ROUTE_FUSED, backend.MOE_MMA = route_before, norm_before, mma_before
+    for n, v in saved.items():
+        setattr(backend, n, v)
     lines = [f"| batch | {args.compare} on | decode tok/s ({args.layers or 'all'} layers) "
              f"| full depth ({full}, est.) | rounds |",
              "|---|---|---|---|---|"]

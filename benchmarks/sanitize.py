@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, "tests")
 from conftest import assert_close_to_reference, random_awq, random_input  # noqa: E402
 
-from fastawq import _ext  # noqa: E402
+from fastawq import _ext, reference  # noqa: E402
 
 
 def main() -> None:
@@ -69,6 +69,22 @@ def main() -> None:
                     bad[0, 0] = e
                     op(x, bad, w, *weights, g, "gelu", *extra)
                     n_calls += 2
+    if hasattr(ops, "moe_route"):
+        from test_moe_op import exact_router, unit_norm_inputs
+
+        # (T, H, E, k): 16 parts meeting through the counters, one part, element loads (H % 8 != 0),
+        # the most experts; with and without the norm.
+        for dtype in (torch.float16, torch.bfloat16):
+            for t, h, e, k in ((1, 2048, 128, 8), (3, 4096, 8, 2), (2, 200, 60, 4), (5, 256, 1024, 32)):
+                x, rw = exact_router(t, h, e, dtype, seed=h + e)
+                xn, res, nw = unit_norm_inputs(t, h, dtype, seed=e)
+                want_w, want_ids = reference.route(x, rw, k)
+                got_w, got_ids, _, _ = ops.moe_route(x, None, None, 0.0, 0.0, rw, k, True, "softmax", None, 1.0)
+                torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+                want_h, want_r = reference.add_rms_norm(xn, res, nw, 0.0, 0.0)
+                _, _, got_h, got_r = ops.moe_route(xn, res, nw, 0.0, 0.0, rw, k, False, "sigmoid", None, 1.0)
+                assert torch.equal(got_h, want_h) and torch.equal(got_r, want_r)
+                n_calls += 2
     torch.cuda.synchronize()
     print(f"sanitize: {n_calls} kernel calls ran and matched the reference")
 

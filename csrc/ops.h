@@ -3,6 +3,7 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 
 #include <ATen/core/Tensor.h>
 
@@ -58,5 +59,17 @@ at::Tensor moe_mma_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at:
 
 // "" when moe_gemv_w4 and moe_mma_w4 take E experts of H x I with this group size, else why not (no GPU needed).
 std::string moe_gemv_w4_declines(int64_t num_experts, int64_t hidden, int64_t inter, int64_t group_size);
+
+// An MoE block's routing in one launch (csrc/moe/route.cu): x [T, H] fp16|bf16 · router_weight [E, H]
+// (x's dtype) -> (topk_weights [T, k] fp32, topk_ids [T, k] int64, h, x + residual) as
+// reference.route; with residual and norm_weight [H], of h = RMSNorm(x + residual) * (norm_weight +
+// offset) (both [T, H]; empty tensors without the norm), as ops.add_rms_norm_route.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(
+    const at::Tensor& x, const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& norm_weight,
+    double eps, double offset, const at::Tensor& router_weight, int64_t k, bool renormalize, const std::string& scoring,
+    const std::optional<at::Tensor>& correction_bias, double scale);
+
+// "" when moe_route takes E experts of width H and top-k (no GPU needed), else why not.
+std::string moe_route_declines(int64_t num_experts, int64_t hidden, int64_t k);
 
 }  // namespace fastawq

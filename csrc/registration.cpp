@@ -35,6 +35,9 @@ TORCH_LIBRARY(fastawq, m) {
         "int pass_rows=8) -> Tensor");
   m.def("moe_gemv_w4_declines(int num_experts, int hidden, int inter, int group_size) -> str",
         &fastawq::moe_gemv_w4_declines);
+  m.def("moe_route(Tensor x, Tensor? residual, Tensor? norm_weight, float eps, float offset, Tensor router_weight, "
+        "int k, bool renormalize, str scoring, Tensor? correction_bias, float scale) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("moe_route_declines(int num_experts, int hidden, int k) -> str", &fastawq::moe_route_declines);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lens, float scale) -> Tensor");
   m.def("decode_attention_out(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lens, float scale, "
         "Tensor(a!) out) -> ()");
@@ -55,6 +58,7 @@ TORCH_LIBRARY_IMPL(fastawq, CUDA, m) {
   m.impl("awq_mma_packed", &fastawq::awq_mma_packed);
   m.impl("moe_gemv_w4", &fastawq::moe_gemv_w4);
   m.impl("moe_mma_w4", &fastawq::moe_mma_w4);
+  m.impl("moe_route", &fastawq::moe_route);
   m.impl("decode_attention", &fastawq::decode_attention);
   m.impl("decode_attention_out", &fastawq::decode_attention_out);
 }

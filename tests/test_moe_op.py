@@ -439,6 +439,87 @@ def test_add_rms_norm_route_is_the_norm_then_the_route(backend, t, h, e, k, offs
             assert torch.equal(a, b)
 
 
+ROUTE_COMPILED = HAS_CUDA and _ext.has_op("moe_route")
+needs_compiled_route = pytest.mark.skipif(not ROUTE_COMPILED, reason="the compiled router needs CUDA and fastawq._C")
+
+
+def unit_norm_inputs(t: int, h: int, dtype, seed: int):
+    """x + residual = +-1 everywhere (mean square 1, so with eps 0 the norm's rstd is exactly 1) and
+    a norm weight in multiples of 1/16: h and its router logits (exact_router's weights) are exact,
+    so neither the norm nor the routing can depend on the order of a sum."""
+    gen = torch.Generator().manual_seed(seed)
+    r = torch.randint(0, 2, (t, h), generator=gen) * 2 - 1
+    res = torch.randint(-1, 2, (t, h), generator=gen) * 2
+    nw = 1 + torch.randint(-2, 3, (h,), generator=gen) / 16
+    return (r - res).to(dtype).to(DEVICE), res.to(dtype).to(DEVICE), nw.to(dtype).to(DEVICE)
+
+
+def poison_cuda_allocator(nbytes: int = 1 << 22) -> None:
+    """Leave 0xFF bytes in the caching allocator's free blocks: an unwritten float output reads NaN
+    and an unwritten id -1 (the compiled op allocates its outputs in C++, past poisoned_empty)."""
+    torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(255)
+
+
+@needs_compiled_route
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("t,h,e,k,scoring,renorm,bias,norm,offset", [
+    (1, 2048, 128, 8, "softmax", True, False, True, 0.0),    # Qwen3-30B-A3B decode: 16 parts meet
+    (3, 4096, 8, 2, "softmax", True, False, True, 0.0),      # Mixtral: one part, the block chooses
+    (2, 200, 5, 5, "sigmoid", False, True, False, 0.0),      # one part, E not a multiple of 4, k = E
+    (4, 2100, 300, 32, "softmax", True, False, True, 1.0),   # H % 8 != 0: element loads; k at its bound
+    (33, 256, 1024, 6, "sigmoid", True, True, False, 0.0),   # the most experts, 33 tokens
+])
+def test_compiled_route_matches_reference(dtype, t, h, e, k, scoring, renorm, bias, norm, offset):
+    x, w = exact_router(t, h, e, dtype, seed=h + e)
+    res = nw = None
+    if norm:
+        x, res, nw = unit_norm_inputs(t, h, dtype, seed=e)
+    # x as the first h columns of wider rows: the kernel honours x's row stride.
+    xs = torch.zeros(t, h + 8, dtype=dtype, device=DEVICE)[:, :h]
+    xs.copy_(x)
+    corr = random_input((e,), DEVICE, torch.float32, seed=5) * 0.1 if bias else None
+    for rep in range(2):  # the second call finds the arrival counters re-armed
+        poison_cuda_allocator()
+        got_w, got_ids, got_h, got_r = torch.ops.fastawq.moe_route(xs, res, nw, 0.0, offset, w, k, renorm, scoring,
+                                                                  corr, 1.5)
+        routed = x
+        if norm:
+            want_h, want_r = reference.add_rms_norm(x, res, nw, 0.0, offset)
+            assert torch.equal(got_r, want_r) and torch.equal(got_h, want_h), f"call {rep}"
+            routed = want_h
+        else:
+            assert got_h.numel() == 0 and got_r.numel() == 0
+        want_w, want_ids = reference.route(routed, w, k, renorm, scoring, correction_bias=corr, scale=1.5)
+        logits = torch.nn.functional.linear(routed, w).float()
+        choice = (logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()) + (0 if corr is None else corr)
+        assert got_ids.dtype == torch.int64 and got_ids.shape == (t, k)
+        assert bool(((got_ids >= 0) & (got_ids < e)).all()) and all(len(set(r.tolist())) == k for r in got_ids)
+        assert torch.equal(choice.gather(1, got_ids), choice.gather(1, want_ids)), f"call {rep}"
+        torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+
+
+@needs_compiled_route
+def test_compiled_route_errors_name_the_shapes(monkeypatch):
+    x, w = exact_router(2, 64, 8, torch.float16, seed=1)
+    with pytest.raises(RuntimeError, match=r"router_weight \[8, 64\] BFloat16"):
+        torch.ops.fastawq.moe_route(x, None, None, 0.0, 0.0, w.bfloat16(), 2, True, "softmax", None, 1.0)
+    with pytest.raises(RuntimeError, match=r"top-k from 1 to min\(E, 32\), got k=9 of 8"):
+        torch.ops.fastawq.moe_route(x, None, None, 0.0, 0.0, w, 9, True, "softmax", None, 1.0)
+    with pytest.raises(RuntimeError, match=r"residual and norm_weight come together"):
+        torch.ops.fastawq.moe_route(x, x, None, 1e-6, 0.0, w, 2, True, "softmax", None, 1.0)
+    assert torch.ops.fastawq.moe_route_declines(2048, 2048, 8) != "" and torch.ops.fastawq.moe_route_declines(128, 2048, 8) == ""
+    assert "H=9000" in torch.ops.fastawq.moe_route_declines(128, 9000, 8)
+    # ops.route declines it for what it does not take, and the automatic choice moves on to Triton.
+    with pytest.raises(BackendUnavailableError, match="router in x's dtype"):
+        ops_moe.route(x, w.float(), 2, backend="cuda")
+    monkeypatch.setattr(ops_moe._backend, "ROUTE_CUDA", True)
+    assert ops_moe._route_backend(x, w.float(), 2, "softmax", None, None) == "triton"
+    assert ops_moe._route_backend(x, w, 2, "softmax", None, None) == "cuda"
+    monkeypatch.setattr(ops_moe._backend, "ROUTE_CUDA", False)  # off: the automatic choice keeps Triton
+    assert ops_moe._route_backend(x, w, 2, "softmax", None, None) == "triton"
+    assert ops_moe._route_backend(x, w, 2, "softmax", None, "cuda") == "cuda"
+
+
 def test_add_rms_norm_route_errors_name_the_shapes():
     x, res, nw = exact_norm_inputs(2, 64, torch.float32, seed=1)
     _, w = exact_router(1, 64, 8, torch.float32, seed=1)

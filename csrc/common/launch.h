@@ -143,4 +143,33 @@ constexpr int moe_mma_blocks_per_sm(int pass_rows) { return pass_rows == 16 ? 3 
 
 void launch_moe_mma(const MoeMmaArgs& args, cudaStream_t stream);
 
+// An MoE block's routing (csrc/moe/route.cu): router GEMV and top-k, optionally after the add +
+// RMSNorm, grid (parts, T) of 4 warps, each block scoring kRouteBlockExperts experts of one token.
+constexpr int kRouteMaxExperts = 1024;
+constexpr int kRouteMaxTopk = 32;       // one chosen expert per lane of the choosing warp
+constexpr int kRouteBlockExperts = 8;
+constexpr int kRouteMaxChunks = 8;      // 8-element chunks a thread: H <= 128 * 8 * 8 = 8192
+constexpr int kRouteMaxHidden = 128 * 8 * kRouteMaxChunks;
+struct RouteArgs {
+  HalfType dtype;
+  const void* x;            // [T, H], rows x_stride apart
+  int64_t x_stride;
+  const void* residual;     // [T, H] contiguous, or nullptr (no norm)
+  const void* norm_weight;  // [H] (with residual)
+  void* h;                  // [T, H]: RMSNorm(x + residual) * (norm_weight + offset) (with residual)
+  void* res_out;            // [T, H]: x + residual (with residual)
+  const void* router;       // [E, H], x's dtype
+  const float* bias;        // [E] or nullptr: added to the scores for choosing only
+  float* logits;            // [T, E] scratch, when parts > 1
+  int* counters;            // [T] zeroed, when parts > 1
+  float* weights;           // [T, k] out
+  int64_t* ids;             // [T, k] out
+  int t, hidden, experts, k, parts;
+  float eps, offset, scale;
+  bool renorm, sigmoid;
+  bool vec;                 // every row 16-byte aligned and H % 8 == 0: 16-byte loads
+};
+
+void launch_moe_route(const RouteArgs& args, cudaStream_t stream);
+
 }  // namespace fastawq

@@ -16,7 +16,8 @@ enum class Workspace : int {
   kAttentionCounters = 2,
   kMoeSums = 3,
   kMoeCounters = 4,
-  kCount = 5
+  kRouteCounters = 5,
+  kCount = 6
 };
 
 // A zeroed buffer of at least `numel` int32 (counters) or fp32 (sums) elements on `device`,

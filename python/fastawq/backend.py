@@ -95,7 +95,19 @@ ROUTE_FUSED_MAX_T = 32
 # --compare norm_route: 1.004x at batch 1, 1.000x at batch 16, RESULTS.md session 5); off, the
 # block runs the add_rms_norm and route launches.
 NORM_ROUTE_FUSED = False
+# The compiled routing kernel (fastawq::moe_route, csrc/moe/route.cu): the router GEMV, the top-k
+# choice and, for ops.add_rms_norm_route, the norm before them in one launch, with the router
+# weights brought into L2 before the PDL wait; like route_kernel it reads the router once per token,
+# so it would serve up to ROUTE_FUSED_MAX_T tokens. Off in the automatic choice: it does not win yet
+# (H200, RESULTS.md session 8: norm + route alone 9.6 us against Triton's 7.3 at Qwen3-30B-A3B, 6.2
+# against 5.1 at Mixtral; decode 0.966x / 0.984x Qwen3 at batch 1 / 16, bench_ab.py --compare
+# route_cuda). backend="cuda" still runs it.
+ROUTE_CUDA = False
 _CUDA_PREFERENCE: dict[str, list[tuple[int | None, tuple[str, ...]]]] = {
+    "route": [
+        (ROUTE_FUSED_MAX_T, ("cuda", "triton", "torch")),
+        (None, ("triton", "torch")),
+    ],
     "moe_w4": [
         (MOE_GEMV_MAX_LOAD, ("cuda", "triton", "torch")),
         (MOE_MMA_MAX_LOAD, ("cuda", "triton", "torch")),
@@ -257,7 +269,7 @@ def _why_not(backend: str, op: str, device: torch.device, shapes_ok) -> str | No
 # in csrc/registration.cpp).
 COMPILED_OPS = {
     "awq_gemm": "awq_gemm", "awq_dequantize": "awq_dequantize", "decode_attention": "decode_attention",
-    "packed_gemm": "awq_gemv_packed", "moe_w4": "moe_gemv_w4",
+    "packed_gemm": "awq_gemv_packed", "moe_w4": "moe_gemv_w4", "route": "moe_route",
 }
 
 

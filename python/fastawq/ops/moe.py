@@ -8,6 +8,7 @@ router GEMM too, in the same launch.
 """
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -313,6 +314,10 @@ def topk_route(
 
 def _route_impl(x: torch.Tensor, router_weight: torch.Tensor, k: int, renormalize: bool, scoring: str,
                 correction_bias: torch.Tensor | None, scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if backend == "cuda":
+        w, ids, _, _ = torch.ops.fastawq.moe_route(x, None, None, 0.0, 0.0, router_weight, k, renormalize, scoring,
+                                                   correction_bias, scale)
+        return w, ids
     if backend == "triton" and _backend.ROUTE_FUSED and x.shape[0] <= _backend.ROUTE_FUSED_MAX_T:
         return _triton().route(x, router_weight, k, renormalize, scoring, correction_bias=correction_bias,
                                scale=scale)
@@ -351,6 +356,10 @@ def _add_rms_norm_route_impl(
     router_weight: torch.Tensor, k: int, renormalize: bool, scoring: str, correction_bias: torch.Tensor | None,
     scale: float, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if backend == "cuda":  # the norm always in the routing launch (backend.ROUTE_CUDA)
+        w, ids, h, r = torch.ops.fastawq.moe_route(x, residual.contiguous(), norm_weight.contiguous(), eps, offset,
+                                                   router_weight, k, renormalize, scoring, correction_bias, scale)
+        return h, r, w, ids
     if backend == "triton" and _backend.NORM_ROUTE_FUSED and x.shape[0] <= _backend.ROUTE_FUSED_MAX_T:
         w, ids, h, r = _triton().norm_route(x, residual, norm_weight, eps, offset, router_weight, k, renormalize,
                                             scoring, correction_bias=correction_bias, scale=scale)
@@ -385,20 +394,31 @@ def add_rms_norm_route(
         raise ValueError(f"add_rms_norm_route needs x [T, H], residual like x and norm_weight [H], got x "
                          f"{tuple(x.shape)}, residual {tuple(residual.shape)}, norm_weight {tuple(norm_weight.shape)}")
     check_same_device(x=x, residual=residual, norm_weight=norm_weight)
-    be = _route_backend(x, router_weight, k, scoring, correction_bias, backend, _HALF + (torch.float32,))
+    be = _route_backend(x, router_weight, k, scoring, correction_bias, backend, _HALF + (torch.float32,), norm_weight)
     return _call(torch.ops.fastawq.add_rms_norm_route, _add_rms_norm_route_impl, x, residual, norm_weight,
                  float(eps), float(offset), router_weight, k, renormalize, scoring, correction_bias, float(scale), be)
 
 
 def _route_backend(x: torch.Tensor, router_weight: torch.Tensor, k: int, scoring: str,
-                   correction_bias: torch.Tensor | None, backend: str | None, triton_dtypes: tuple = ()) -> str:
+                   correction_bias: torch.Tensor | None, backend: str | None, triton_dtypes: tuple = (),
+                   norm_weight: torch.Tensor | None = None) -> str:
     """Validate route's inputs (errors name the shapes) and choose its backend; triton_dtypes, when
-    given, are the x dtypes the Triton path takes."""
+    given, are the x dtypes the Triton path takes; norm_weight, add_rms_norm_route's."""
     t, e = reference.check_route(x, router_weight)
     reference.check_topk_route(x.new_empty((0, e)), k, scoring, correction_bias)
     check_same_device(x=x, router_weight=router_weight, correction_bias=correction_bias)
 
     def fits(b: str) -> str | None:
+        if b == "cuda":
+            automatic = (backend or os.environ.get("FASTAWQ_BACKEND") or "auto") == "auto"
+            if automatic and not _backend.ROUTE_CUDA:
+                return "backend.ROUTE_CUDA is off (the automatic choice keeps Triton's routing)"
+            if x.dtype not in _HALF or router_weight.dtype != x.dtype or x.stride(-1) != 1:
+                return (f"the compiled router takes fp16/bf16 x with unit column stride and the router in x's dtype, "
+                        f"got x {x.dtype} {tuple(x.stride())}, router_weight {router_weight.dtype}")
+            if norm_weight is not None and norm_weight.dtype != x.dtype:
+                return f"the compiled router takes the norm weight in x's dtype {x.dtype}, got {norm_weight.dtype}"
+            return torch.ops.fastawq.moe_route_declines(e, x.shape[1], k) or None
         if b == "triton" and triton_dtypes and x.dtype not in triton_dtypes:
             return f"x is {x.dtype}"
         return _triton().topk_route_fits(e, 1, scoring) if b == "triton" else None

@@ -1,0 +1,116 @@
+// Host entry of fastawq::moe_route (csrc/moe/route.cu): validation, whose messages name the shapes
+// and dtypes at fault, and the grid. Which calls it serves is python/fastawq/backend.py's rule;
+// the expert and top-k bounds are moe_route_declines, here.
+#include <cstdint>
+#include <string>
+#include <tuple>
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "common/checks.h"
+#include "common/launch.h"
+#include "common/workspace.h"
+#include "ops.h"
+
+namespace fastawq {
+
+std::string moe_route_declines(int64_t num_experts, int64_t hidden, int64_t k) {
+  if (hidden < 1 || hidden > kRouteMaxHidden)
+    return cat("the compiled router takes H from 1 to ", kRouteMaxHidden, ", got H=", hidden);
+  if (num_experts < 1 || num_experts > kRouteMaxExperts)
+    return cat("the compiled router takes 1 to ", kRouteMaxExperts, " experts, got ", num_experts);
+  if (k < 1 || k > num_experts || k > kRouteMaxTopk)
+    return cat("the compiled router takes top-k from 1 to min(E, ", kRouteMaxTopk, "), got k=", k, " of ",
+               num_experts);
+  return "";
+}
+
+namespace {
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(
+    const at::Tensor& x, const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& norm_weight,
+    double eps, double offset, const at::Tensor& router_weight, int64_t k, bool renormalize, const std::string& scoring,
+    const std::optional<at::Tensor>& correction_bias, double scale) {
+  const auto shapes = [&] {
+    std::string s = cat("x ", shape_str(x), " ", x.scalar_type(), ", router_weight ", shape_str(router_weight), " ",
+                        router_weight.scalar_type());
+    if (residual) s += cat(", residual ", shape_str(*residual));
+    if (norm_weight) s += cat(", norm_weight ", shape_str(*norm_weight), " ", norm_weight->scalar_type());
+    return s;
+  };
+  FASTAWQ_CHECK(x.dim() == 2 && x.stride(1) == 1 && router_weight.dim() == 2 && router_weight.size(1) == x.size(1),
+                "moe_route: needs x [T, H] with unit column stride and router_weight [E, H]; got ", shapes());
+  FASTAWQ_CHECK(x.is_cuda() && router_weight.device() == x.device(), "moe_route: x and router_weight must be on one "
+                "CUDA device, got ", x.device(), " and ", router_weight.device());
+  FASTAWQ_CHECK((x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16) &&
+                    router_weight.scalar_type() == x.scalar_type() && router_weight.is_contiguous(),
+                "moe_route: x must be fp16 or bf16 and router_weight contiguous in x's dtype; got ", shapes());
+  FASTAWQ_CHECK(residual.has_value() == norm_weight.has_value(),
+                "moe_route: residual and norm_weight come together (the norm) or not at all; got ", shapes());
+  const int64_t t = x.size(0), h = x.size(1), e = router_weight.size(0);
+  const std::string why = moe_route_declines(e, h, k);
+  FASTAWQ_CHECK(why.empty(), "moe_route: ", why, "; ", shapes());
+  FASTAWQ_CHECK(scoring == "softmax" || scoring == "sigmoid", "moe_route: scoring must be softmax or sigmoid, got ",
+                scoring);
+  FASTAWQ_CHECK(t < 65536, "moe_route: T=", t, " tokens exceed the grid (65535); ", shapes());
+  if (residual) {
+    FASTAWQ_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
+                      residual->scalar_type() == x.scalar_type() && residual->device() == x.device(),
+                  "moe_route: residual must be contiguous, shaped and typed like x; got ", shapes());
+    FASTAWQ_CHECK(norm_weight->dim() == 1 && norm_weight->size(0) == h && norm_weight->is_contiguous() &&
+                      norm_weight->scalar_type() == x.scalar_type() && norm_weight->device() == x.device(),
+                  "moe_route: norm_weight must be a contiguous [H] in x's dtype; got ", shapes());
+  }
+  at::Tensor bias;
+  if (correction_bias) {
+    FASTAWQ_CHECK(correction_bias->dim() == 1 && correction_bias->size(0) == e &&
+                      correction_bias->is_floating_point() && correction_bias->device() == x.device(),
+                  "moe_route: correction_bias must be a float [E=", e, "] on ", x.device(), ", got ",
+                  shape_str(*correction_bias));
+    bias = correction_bias->to(at::kFloat).contiguous();
+  }
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor weights = at::empty({t, k}, f32), ids = at::empty({t, k}, x.options().dtype(at::kLong));
+  at::Tensor hout = residual ? at::empty({t, h}, x.options()) : at::empty({0}, x.options());
+  at::Tensor rout = residual ? at::empty({t, h}, x.options()) : at::empty({0}, x.options());
+  if (t == 0) return {weights, ids, hout, rout};
+
+  RouteArgs a{};
+  a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
+  a.x = x.data_ptr(), a.x_stride = x.stride(0);
+  a.router = router_weight.data_ptr();
+  a.bias = correction_bias ? bias.data_ptr<float>() : nullptr;
+  a.weights = weights.data_ptr<float>(), a.ids = ids.data_ptr<int64_t>();
+  bool vec = h % 8 == 0 && x.stride(0) % 8 == 0 && aligned16(x) && aligned16(router_weight);
+  if (residual) {
+    a.residual = residual->data_ptr(), a.norm_weight = norm_weight->data_ptr();
+    a.h = hout.data_ptr(), a.res_out = rout.data_ptr();
+    vec = vec && aligned16(*residual) && aligned16(*norm_weight) && aligned16(hout) && aligned16(rout);
+  }
+  a.vec = vec;
+  a.t = static_cast<int>(t), a.hidden = static_cast<int>(h), a.experts = static_cast<int>(e);
+  a.k = static_cast<int>(k);
+  a.parts = static_cast<int>((e + kRouteBlockExperts - 1) / kRouteBlockExperts);
+  a.eps = static_cast<float>(eps), a.offset = static_cast<float>(offset), a.scale = static_cast<float>(scale);
+  a.renorm = renormalize, a.sigmoid = scoring == "sigmoid";
+  at::Tensor logits;
+  if (a.parts > 1) {
+    logits = at::empty({t, e}, f32);
+    a.logits = logits.data_ptr<float>();
+    a.counters = zeroed_counters(Workspace::kRouteCounters, x.device(), t);
+  }
+  launch_moe_route(a, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {weights, ids, hout, rout};
+}
+
+}  // namespace fastawq
