@@ -1,0 +1,84 @@
+"""One fused CUDA-graph decode step, kernel by kernel (torch.profiler), GPU: per kernel its calls and
+microseconds a step, then the start, duration and gap before of the first 40 kernels of one step.
+
+With programmatic dependent launch a kernel starts while the one before drains and waits inside
+itself, so durations overlap and gaps come out negative: read a kernel's share of the step as the
+time from the end of the kernel it waits on to its own end.
+
+    python benchmarks/profile_step.py SHAPE:BATCH [SHAPE:BATCH ...]   # e.g. qwen3-30b-a3b:1 mixtral-8x7b:1
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from fastawq.commands import bench
+
+
+def run(shape: str, batch: int, layout: str = "packed", ctx: int = 64, steps: int = 10, layers: int | None = None):
+    """Print the profile of `steps` decode steps of a random `shape` model after a ctx-token prompt."""
+    m = bench.build_model("fused-graphs", None, shape, "cuda", 256, batch, layout=layout, num_layers=layers)
+    rt = m.fastawq_runtime
+    ids = torch.randint(0, m.config.vocab_size, (batch, ctx), device="cuda")
+    tok = rt.prefill(ids)[:, -1].argmax(-1)
+    for _ in range(5):
+        tok = rt.decode(tok).argmax(-1)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    n = 40
+    for _ in range(n):
+        tok = rt.decode(tok).argmax(-1)
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / n
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            tok = rt.decode(tok).argmax(-1)
+        torch.cuda.synchronize()
+    evs = [e for e in prof.events() if e.device_type is not None and "CUDA" in str(e.device_type) and e.device_time > 0]
+    evs.sort(key=lambda e: e.time_range.start)
+    agg: dict[str, list] = {}  # kernel name -> [calls, us]
+    for e in evs:
+        a = agg.setdefault(e.name, [0, 0.0])
+        a[0] += 1
+        a[1] += e.device_time
+    span = (evs[-1].time_range.end - evs[0].time_range.start) / steps
+    ksum = sum(v[1] for v in agg.values()) / steps
+    print(f"\n##### {shape} batch {batch} layout {layout}: wall {wall*1e3:.3f} ms/token ({batch/wall:.1f} tok/s), "
+          f"profiled span {span/1e3:.3f} ms/step, kernel sum {ksum/1e3:.3f} ms/step, kernels/step {len(evs)/steps:.0f}")
+    for name, (c, t) in sorted(agg.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {t/steps:9.1f} us/step  {c/steps:6.1f} calls  {t/c:7.2f} us/call  {name[:110]}")
+    # The middle step's first 40 kernels (a few layers).
+    per = len(evs) // steps
+    mid = evs[per * (steps // 2): per * (steps // 2) + per]
+    t0 = mid[0].time_range.start
+    print("  timeline (start us, dur us, gap before us):")
+    prev_end = t0
+    for e in mid[:40]:
+        s = e.time_range.start
+        print(f"    {s - t0:8.1f} {e.device_time:7.2f} {s - prev_end:6.2f}  {e.name[:90]}")
+        prev_end = e.time_range.end
+    gaps = []
+    prev = mid[0]
+    for e in mid[1:]:
+        gaps.append(e.time_range.start - prev.time_range.end)
+        prev = e
+    print(f"  gaps: sum {sum(gaps):.1f} us/step, mean {sum(gaps)/len(gaps):.2f}, n {len(gaps)}")
+    del m, rt
+    torch.cuda.empty_cache()
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print(__doc__)
+        return 2
+    for spec in argv:
+        shape, batch = spec.split(":")
+        run(shape, int(batch))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
