@@ -1,6 +1,6 @@
 // Host entry of fastawq::moe_route (csrc/moe/route.cu): validation, whose messages name the shapes
 // and dtypes at fault, and the grid. Which calls it serves is python/fastawq/backend.py's rule;
-// the expert and top-k bounds are moe_route_declines, here.
+// the width, expert and top-k bounds are moe_route_declines, here.
 #include <cstdint>
 #include <string>
 #include <tuple>
