@@ -23,21 +23,6 @@
 namespace fastawq {
 namespace {
 
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi);
-
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-  const __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
 // Positions past a split's end are never read (their memory may hold anything, even NaN):
 // the predicated load leaves zeros, which the -inf scores then weigh by exactly 0.
 __device__ __forceinline__ uint4 ld16(const void* p, bool ok) {
@@ -53,8 +38,8 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
 template <typename T>
 __device__ __forceinline__ void store4(T* dst, float4 v) {
   uint2 w;
-  w.x = pack2<T>(v.x, v.y);
-  w.y = pack2<T>(v.z, v.w);
+  w.x = HalfTraits<T>::from_float2(v.x, v.y);
+  w.y = HalfTraits<T>::from_float2(v.z, v.w);
   *reinterpret_cast<uint2*>(dst) = w;
 }
 
@@ -188,8 +173,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(con
       const float al0 = __shfl_sync(0xffffffffu, alpha, 8 * t);
       const float al1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
       // P^T fragment (k = keys 2t, 2t+1 | 2t+8, 2t+9; n = head g): the S accumulators as they are.
-      const uint32_t pb0 = pack2<T>(pr[0][0], pr[0][1]);
-      const uint32_t pb1 = pack2<T>(pr[1][0], pr[1][1]);
+      const uint32_t pb0 = HalfTraits<T>::from_float2(pr[0][0], pr[0][1]);
+      const uint32_t pb1 = HalfTraits<T>::from_float2(pr[1][0], pr[1][1]);
 #pragma unroll
       for (int j = 0; j < MT; ++j) {
         o[j][0] *= al0;

@@ -22,6 +22,11 @@ struct HalfTraits<__half> {
   __device__ static float to_float(__half v) { return __half2float(v); }
   // The two halves of a 32-bit word (low at .x).
   __device__ static float2 to_float2(uint32_t v) { return __half22float2(*reinterpret_cast<const __half2*>(&v)); }
+  // Its inverse: lo and hi rounded (to nearest) into one 32-bit word.
+  __device__ static uint32_t from_float2(float lo, float hi) {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
 };
 
 template <>
@@ -35,6 +40,10 @@ struct HalfTraits<__nv_bfloat16> {
   __device__ static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
   __device__ static float2 to_float2(uint32_t v) {
     return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+  }
+  __device__ static uint32_t from_float2(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
   }
 };
 

@@ -49,12 +49,6 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  const T h[2] = {HalfTraits<T>::from_float(lo), HalfTraits<T>::from_float(hi)};
-  return *reinterpret_cast<const uint32_t*>(h);
-}
-
-template <typename T>
 __device__ __forceinline__ float round_to(float v) {
   return HalfTraits<T>::to_float(HalfTraits<T>::from_float(v));
 }
@@ -96,7 +90,7 @@ __device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
 
 template <typename T>
 __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
-  return make_uint4(pack2<T>(f[0], f[1]), pack2<T>(f[2], f[3]), pack2<T>(f[4], f[5]), pack2<T>(f[6], f[7]));
+  return make_uint4(HalfTraits<T>::from_float2(f[0], f[1]), HalfTraits<T>::from_float2(f[2], f[3]), HalfTraits<T>::from_float2(f[4], f[5]), HalfTraits<T>::from_float2(f[6], f[7]));
 }
 
 // Lines of `bytes` bytes from p into L2, the warp's lanes taking every 32nd 128-byte line.

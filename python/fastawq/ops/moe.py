@@ -8,7 +8,6 @@ router GEMM too, in the same launch.
 """
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
@@ -410,7 +409,7 @@ def _route_backend(x: torch.Tensor, router_weight: torch.Tensor, k: int, scoring
 
     def fits(b: str) -> str | None:
         if b == "cuda":
-            automatic = (backend or os.environ.get("FASTAWQ_BACKEND") or "auto") == "auto"
+            automatic = (backend or _backend.env_switch(b"FASTAWQ_BACKEND") or "auto") == "auto"
             if automatic and not _backend.ROUTE_CUDA:
                 return "backend.ROUTE_CUDA is off (the automatic choice keeps Triton's routing)"
             if x.dtype not in _HALF or router_weight.dtype != x.dtype or x.stride(-1) != 1:
