@@ -167,7 +167,7 @@ def test_decode_attention_cuda_graph_replay(dtype):
     with torch.cuda.graph(graph):
         ops.decode_attention(q, k, v, lens, d ** -0.5, backend="cuda", out=out)
         functional = ops.decode_attention(q, k, v, lens, d ** -0.5, backend="cuda")
-    for new in [(1, 1), (64, 65), (2048, 1000), (17, 2047), (3, 3), (1500, 2048)]:
+    for new in [(1, 1), (64, 65), (2048, 1000), (128, 129), (17, 2047), (3, 3), (1500, 2048)]:
         lens.copy_(torch.tensor(new, dtype=torch.int32))
         out.fill_(float("nan"))
         graph.replay()

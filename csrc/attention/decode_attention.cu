@@ -10,8 +10,11 @@
 // probabilities never leave registers. K and V are read straight from global memory with 16-byte
 // loads; the contraction dimension is permuted (the same way on both sides) so that each loaded
 // 16 bytes is a fragment as it stands, with no shared-memory staging (each byte is used once).
-// Splits write fp32 partials; the last block of a (row, KV head) to arrive combines them and
-// re-arms its counter, so one launch does the whole step and a graph replays it as is.
+// The grid's splits follow the cache capacity; the kernel sizes them by the length it reads: a
+// multiple of 64 keys each (16 for each warp), only the first ceil(len / that) doing any work.
+// With one such split it writes the output itself. Otherwise the working splits write fp32
+// partials and the last of them to arrive combines them and re-arms its counter, so one launch
+// does the whole step and a graph replays it as is.
 #include <cfloat>
 #include <cstdint>
 
@@ -81,7 +84,12 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(con
 
   // The length is read here, not on the host: the grid depends only on the cache capacity.
   const int len = min(max(__ldg(a.lens + b), 0), a.seq_cap);
-  const int per_split = ((len + splits - 1) / splits + kDecodeTileN - 1) / kDecodeTileN * kDecodeTileN;
+  const int per_split = ((len + splits - 1) / splits + kDecodeSplitKeys - 1) / kDecodeSplitKeys * kDecodeSplitKeys;
+  // The splits that hold keys; every block computes the same from the same length. One (or none,
+  // len 0: zeros) and split 0 writes out directly; the others have nothing to do, not even arrive.
+  const int active = per_split > 0 ? (len + per_split - 1) / per_split : 0;
+  const bool direct = active <= 1;
+  if (split >= (direct ? 1 : active)) return;
   const int start = split * per_split;
   const int end = min(start + per_split, len);
 
@@ -91,7 +99,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(con
   T* out = static_cast<T*>(a.out);
   const int64_t head0 = static_cast<int64_t>(kvh) * group;
 
-  if (start < end || splits == 1) {
+  {
     // Q fragment of head g: in k-step 2p the lane's logical k {2t, 2t+1, 2t+8, 2t+9} are the
     // physical dims 8c + {0, 1, 2, 3} of chunk c = 4p + t, in k-step 2p+1 dims 8c + {4..7}.
     uint4 qf[KP];
@@ -229,7 +237,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(con
           l += wt * sm_l[w][h];
         }
       }
-      if (splits == 1) {
+      if (direct) {
         const float inv = l > 0.f ? 1.f / l : 0.f;  // len 0: zeros
         acc.x *= inv;
         acc.y *= inv;
@@ -242,20 +250,18 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(con
       }
     }
   }
-  if (splits == 1) return;
+  if (direct) return;
 
-  // Every block arrives, empty ones too; the last sees all partials (fence before the count,
-  // reads through L2 after it).
+  // Every working block arrives; the last sees all partials (fence before the count, reads
+  // through L2 after it).
   __threadfence();
   __syncthreads();
   const int ci = b * a.hkv + kvh;
-  if (tid == 0) sm_last = atomicAdd(a.counters + ci, 1) == splits - 1;
+  if (tid == 0) sm_last = atomicAdd(a.counters + ci, 1) == active - 1;
   __syncthreads();
   if (!sm_last) return;
   __threadfence();
 
-  // Splits past the length wrote nothing: the same arithmetic says which ones did.
-  const int active = per_split > 0 ? (len + per_split - 1) / per_split : 0;
   const int64_t base = (static_cast<int64_t>(b) * a.hkv + kvh) * splits * group;
   for (int idx = tid; idx < active * group; idx += NW * 32) {
     sm_ml[idx / group][idx % group] = __ldcg(reinterpret_cast<const float2*>(a.part_ml) + base + idx);

@@ -17,6 +17,9 @@ constexpr int kDecodeWarps = 4;
 constexpr int kDecodeMaxGroup = 8;
 // Sequence splits per (row, KV head): bounds the partials the last block reads back.
 constexpr int kDecodeMaxSplits = 32;
+// Keys a split takes at least, and the multiple it takes: one 16-key tile for each warp, so no
+// warp of a working block idles (a 16-key split ran one warp of four).
+constexpr int kDecodeSplitKeys = kDecodeWarps * kDecodeTileN;
 
 struct DecodeAttentionArgs {
   HalfType dtype;
@@ -37,11 +40,11 @@ struct DecodeAttentionArgs {
 };
 
 // Splits for a batch of `rows_heads` (B * HKV) pairs over a cache of `seq_cap` positions: about two
-// blocks per SM, never more than one 16-key tile per split. Depends on no length, so a captured
-// CUDA graph stays valid whatever lens holds at replay.
+// blocks per SM, never fewer than kDecodeSplitKeys positions a split. Depends on no length, so a
+// captured CUDA graph stays valid whatever lens holds at replay (the kernel sizes the splits by it).
 inline int decode_attention_splits(int rows_heads, int seq_cap, int sms) {
   int want = (2 * sms + rows_heads - 1) / rows_heads;
-  int tiles = (seq_cap + kDecodeTileN - 1) / kDecodeTileN;
+  int tiles = (seq_cap + kDecodeSplitKeys - 1) / kDecodeSplitKeys;
   int s = want < tiles ? want : tiles;
   s = s < kDecodeMaxSplits ? s : kDecodeMaxSplits;
   return s < 1 ? 1 : s;
