@@ -183,9 +183,10 @@ int main() {
                           {"14336x4096", 14336, 4096},
                           {"mixtral_w2_2exp", 2 * 14336, 4096},
                           {"big_1GiB", 65536, 32768}};
-  const int64_t max_bytes = int64_t(65536) * 32768 / 2;
+  // Matrices up to the largest layer get 16 buffers (none served from L2); bigger ones read one.
+  const int64_t copy_bytes = int64_t(4096) * 28672 / 2, single_bytes = int64_t(65536) * 32768 / 2;
   uint8_t* pool;
-  const int64_t pool_bytes = std::max<int64_t>(16 * (int64_t(4096) * 28672 / 2), max_bytes) + (1 << 20);
+  const int64_t pool_bytes = std::max<int64_t>(16 * copy_bytes, single_bytes) + (1 << 20);
   CK(cudaMalloc(&pool, pool_bytes));
   CK(cudaMemset(pool, 0x5A, pool_bytes));
   uint32_t* sink;
@@ -194,8 +195,7 @@ int main() {
   std::printf("%-16s %-9s %3s %5s %9s %9s\n", "shape", "pattern", "U", "wpsm", "us", "GB/s");
   for (const Shape& sh : shapes) {
     const int64_t bytes = sh.k * sh.n / 2;
-    const bool single = bytes > 16 * (int64_t(4096) * 28672 / 2) / 16;  // too big for 16 copies
-    const int copies = single ? 1 : 16;
+    const int copies = bytes > copy_bytes ? 1 : 16;
     const int64_t stride = (bytes + 4095) / 4096 * 4096;
     struct Pat {
       const char* name;
