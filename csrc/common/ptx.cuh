@@ -24,6 +24,16 @@ __device__ __forceinline__ void cp_async16_stream(void* dst, const void* src, bo
                "l"(src), "r"(valid ? 16 : 0), "l"(policy));
 }
 
+// The same two copies to a shared address already converted (smem_addr), for loops that step a
+// ring: converting a generic pointer each time costs an S2R and address arithmetic per copy.
+__device__ __forceinline__ void cp_async16_at(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async16_stream_at(uint32_t dst, const void* src, bool valid, uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0), "l"(policy));
+}
+
 // One 16-byte shared load (a plain uint4 read compiles to four 4-byte ones, each a 4-way bank
 // conflict when lanes are 16 bytes apart).
 __device__ __forceinline__ uint4 ld_shared128(const void* p) {
@@ -31,6 +41,11 @@ __device__ __forceinline__ uint4 ld_shared128(const void* p) {
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "r"(smem_addr(p)));
+  return v;
+}
+__device__ __forceinline__ uint4 ld_shared128_at(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
 }
 
@@ -46,6 +61,22 @@ __device__ __forceinline__ void red_add4(float* p, float4 v) {
   atomicAdd(p + 2, v.z);
   atomicAdd(p + 3, v.w);
 #endif
+}
+
+// v, in a register the compiler keeps: ptxas otherwise re-derives values such as a lane's shared
+// address from %tid inside a hot loop (an S2R and a few integer ops per use) to save a register.
+__device__ __forceinline__ uint32_t pinned(uint32_t v) {
+  asm volatile("mov.b32 %0, %0;\n" : "+r"(v));
+  return v;
+}
+
+// (a & mask) | bits in one instruction. Written in C++ with both constants as immediates, it
+// compiles to two LOP3s (a LOP3 takes one immediate); through the asm both sit in registers that
+// the compiler hoists out of the loop. 0xEA is the truth table of (A & B) | C.
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t mask, uint32_t bits) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(a), "r"(mask), "r"(bits));
+  return r;
 }
 
 __device__ __forceinline__ uint64_t evict_first_policy() {

@@ -159,8 +159,8 @@ __global__ void __launch_bounds__(kWarpsN * 32) awq_gemm_mma_kernel(
         const uint32_t w1 = reinterpret_cast<const uint32_t*>(&q[1])[j];
         const uint32_t w2 = reinterpret_cast<const uint32_t*>(&q[2])[j];
         const uint32_t w3 = reinterpret_cast<const uint32_t*>(&q[3])[j];
-        uint32_t lo = ((__byte_perm(w0, w1, sel) >> nib_shift) & 0x000F000Fu) | Tr::kMagic2;
-        uint32_t hi = ((__byte_perm(w2, w3, sel) >> nib_shift) & 0x000F000Fu) | Tr::kMagic2;
+        uint32_t lo = and_or(__byte_perm(w0, w1, sel) >> nib_shift, 0x000F000Fu, Tr::kMagic2);
+        uint32_t hi = and_or(__byte_perm(w2, w3, sel) >> nib_shift, 0x000F000Fu, Tr::kMagic2);
         // (magic + q) - (magic + z) is exact; one rounding in the multiply by s, as in the reference.
         T2 vlo = __hmul2(__hsub2(*reinterpret_cast<T2*>(&lo), *reinterpret_cast<T2*>(&zz[j])),
                          *reinterpret_cast<T2*>(&ss[j]));

@@ -112,17 +112,20 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
   pdl_launch_dependents();
   uint4 cur[kLoads], nxt[kLoads];
   if (b0 < b1) load_batch(cur, wp, b0, n4, c4, col_ok, policy);
+  // The group walk as counters (a division by the run-time group size per batch cost ~20
+  // instructions): batches left in the current group, and that group's (scale, zero) row.
+  const int batches_per_group = group_size / kPackedBatchRows;
+  int group_left = batches_per_group - b0 % batches_per_group;
+  const uint4* sz_lane = sz + static_cast<int64_t>(b0 / batches_per_group) * n4 + c4;
 #pragma unroll 1
   for (int b = b0; b < b1; ++b) {
     if (b + 1 < b1) load_batch(nxt, wp, b + 1, n4, c4, col_ok, policy);
     consume<T, M>(cur, x, k, b * kPackedBatchRows, acc, xs);
     // Close the group when the next batch starts a new one or the warp's range ends
     // (group_size % 32 == 0: a batch never straddles groups).
-    const int next_row = (b + 1) * kPackedBatchRows;
-    if (next_row % group_size == 0 || b + 1 == b1) {
+    if (--group_left == 0 || b + 1 == b1) {
       if (col_ok) {
-        const int grp = (b * kPackedBatchRows) / group_size;
-        const uint4 sv = __ldg(sz + static_cast<int64_t>(grp) * n4 + c4);
+        const uint4 sv = __ldg(sz_lane);
         const T* p = reinterpret_cast<const T*>(&sv);
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
@@ -138,6 +141,8 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[mm][c] = 0.f;
       }
+      group_left = batches_per_group;
+      sz_lane += n4;
     }
 #pragma unroll
     for (int u = 0; u < kLoads; ++u) cur[u] = nxt[u];

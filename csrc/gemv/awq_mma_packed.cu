@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kPackedThreads) awq_mma_packed_kernel(
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int n4 = n >> 2;
-  const int c4 = blockIdx.x * (8 * CC) + g;  // the lane's chunk cc is at c4 + 8 cc
+  const int c4 = static_cast<int>(pinned(blockIdx.x * (8 * CC) + g));  // the lane's chunk cc is at c4 + 8 cc
   bool col_ok[CC];
 #pragma unroll
   for (int cc = 0; cc < CC; ++cc) col_ok[cc] = c4 + 8 * cc < n4;  // n % 8 == 0: whole 4-column chunks
@@ -109,20 +109,30 @@ __global__ void __launch_bounds__(kPackedThreads) awq_mma_packed_kernel(
   // The ring: step s is copied into slot (s - s0) % P while P - 1 younger steps are in flight. A
   // lane reads back only the bytes it copied itself, so cp.async.wait_group alone orders them (no
   // barrier), and the warps of a block never wait for each other until the tail.
-  const auto issue = [&](int slot, int s) {
+  // Addresses step instead of being recomputed per copy: the shared slots as 32-bit addresses
+  // (item i of slot p at ring0 + p * kSlotBytes + i * 512), the global sources as pointers that
+  // advance one step per issue (issue is called for s0, s0 + 1, ... in order).
+  constexpr uint32_t kSlotBytes = MmaSmem<NT, CC, P>::kItems * 32 * 16;
+  const uint32_t ring0 = pinned(smem_addr(&sm.ring[warp][0][0][lane]));
+  const uint4* w_next = w_lane + s0 * w_step;
+  const T* x_next[NT];
 #pragma unroll
-    for (int cc = 0; cc < CC; ++cc) {
-      cp_async16_stream(&sm.ring[warp][slot][cc][lane], w_lane + s * w_step + 8 * cc, col_ok[cc], policy);
-    }
+  for (int nt = 0; nt < NT; ++nt) x_next[nt] = x_lane[nt] + static_cast<int64_t>(s0) * kPackedBatchRows;
+  const auto issue = [&](int slot) {
+    const uint32_t dst = ring0 + slot * kSlotBytes;
+#pragma unroll
+    for (int cc = 0; cc < CC; ++cc) cp_async16_stream_at(dst + cc * 512, w_next + 8 * cc, col_ok[cc], policy);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      cp_async16(&sm.ring[warp][slot][CC + nt][lane], x_lane[nt] + s * kPackedBatchRows, true);
+      cp_async16_at(dst + (CC + nt) * 512, x_next[nt], true);
+      x_next[nt] += kPackedBatchRows;
     }
+    w_next += w_step;
   };
-  const auto load_scales = [&](uint4(&sv)[CC], int s) {
-    const int64_t row = static_cast<int64_t>(s / steps_per_group) * n4;
+  const uint4* sz_lane = sz + static_cast<int64_t>(s0 / steps_per_group) * n4 + c4;  // the current group's row
+  const auto load_scales = [&](uint4(&sv)[CC]) {
 #pragma unroll
-    for (int cc = 0; cc < CC; ++cc) sv[cc] = col_ok[cc] ? __ldg(sz + row + c4 + 8 * cc) : make_uint4(0, 0, 0, 0);
+    for (int cc = 0; cc < CC; ++cc) sv[cc] = col_ok[cc] ? __ldg(sz_lane + 8 * cc) : make_uint4(0, 0, 0, 0);
   };
 
   float y[CC][2][NT][4], acc[CC][2][NT][4], xs[NT][4];
@@ -134,10 +144,10 @@ __global__ void __launch_bounds__(kPackedThreads) awq_mma_packed_kernel(
   const uint32_t ones[4] = {Tr::kOne2, Tr::kOne2, Tr::kOne2, Tr::kOne2};
 
   uint4 sv[CC];  // the current group's (scale, zero) pairs, fetched when the group starts
-  if (s0 < s1) load_scales(sv, s0);
+  if (s0 < s1) load_scales(sv);
 #pragma unroll
   for (int d = 0; d < P - 1; ++d) {
-    if (s0 + d < s1) issue(d, s0 + d);
+    if (s0 + d < s1) issue(d);
     cp_async_commit();  // one group per step, empty past the range, so wait_group counts steps
   }
 
@@ -200,14 +210,15 @@ __global__ void __launch_bounds__(kPackedThreads) awq_mma_packed_kernel(
   for (int s = s0; s < s1; ++s) {
     // Refill the slot consumed last iteration with step s + P - 1, then wait for step s.
     const int refill = slot == 0 ? P - 1 : slot - 1;
-    if (s + P - 1 < s1) issue(refill, s + P - 1);
+    if (s + P - 1 < s1) issue(refill);
     cp_async_commit();
     cp_async_wait<P - 1>();
     uint4 wc[CC], xc[NT];
+    const uint32_t src = ring0 + slot * kSlotBytes;
 #pragma unroll
-    for (int cc = 0; cc < CC; ++cc) wc[cc] = ld_shared128(&sm.ring[warp][slot][cc][lane]);
+    for (int cc = 0; cc < CC; ++cc) wc[cc] = ld_shared128_at(src + cc * 512);
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) xc[nt] = ld_shared128(&sm.ring[warp][slot][CC + nt][lane]);
+    for (int nt = 0; nt < NT; ++nt) xc[nt] = ld_shared128_at(src + (CC + nt) * 512);
     consume(wc, xc);
     slot = slot == P - 1 ? 0 : slot + 1;
     // Close the group when the next step starts a new one or the warp's range ends
@@ -215,7 +226,8 @@ __global__ void __launch_bounds__(kPackedThreads) awq_mma_packed_kernel(
     if (--group_left == 0 || s + 1 == s1) {
       close_group();
       group_left = steps_per_group;
-      if (s + 1 < s1) load_scales(sv, s + 1);
+      sz_lane += n4;
+      if (s + 1 < s1) load_scales(sv);
     }
   }
   cp_async_wait<0>();

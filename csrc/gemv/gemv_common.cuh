@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "common/dtype.cuh"
+#include "common/ptx.cuh"
 
 namespace fastawq {
 namespace gemv {
@@ -36,7 +37,7 @@ __device__ __forceinline__ void decode_bytes(uint32_t v, float (&f)[4]) {
 template <typename T, int B>
 __device__ __forceinline__ uint32_t column_pair(uint32_t lo, uint32_t hi) {
   constexpr uint32_t kSel = B | (B << 4) | ((4 + B) << 8) | ((4 + B) << 12);
-  return (__byte_perm(lo, hi, kSel) & 0x000F000Fu) | HalfTraits<T>::kMagic2;
+  return and_or(__byte_perm(lo, hi, kSel), 0x000F000Fu, HalfTraits<T>::kMagic2);
 }
 
 // The unit by which a tensor-core kernel holds a group's folded sums (y / s, moe/moe_mma.cu): a
