@@ -2,6 +2,8 @@
 // fastawq::awq_gemv_packed (CUDA cores, M <= 8) and fastawq::awq_mma_packed (tensor cores,
 // M <= 32). One validation (messages name the op, m, n, k, group_size) and one grid plan.
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -26,6 +28,20 @@ constexpr int64_t kWarpsPerSm[kPackedMaxM + 1] = {32, 32, 20, 20, 16, 16, 12, 12
 // grid aims at the warps that fit on the SMs at once (the occupancy query), 8 per SM for 2 mma tiles.
 int default_chunks(int64_t m) { return m <= 4 ? 4 : 2; }
 int64_t default_warps_per_sm(int tiles) { return tiles == 2 ? 8 : 0; }
+
+// How awq_mma_packed stages its weights: in registers for one batch tile (M <= 8), through the
+// shared-memory cp.async ring for two or more (H200, RESULTS.md session 10: 1.76 / 1.67 / 1.61 /
+// 1.43x cuBLAS against 1.34 / 1.32 / 1.30 / 1.27x at M = 1 / 2 / 4 / 8; 0.95 against 1.03x at
+// M = 16, where the registers of two tiles' accumulators leave too few warps). FASTAWQ_MMA_RING
+// = regs or smem forces one, read once, for same-run A/B measurements.
+bool mma_register_ring(int tiles) {
+  static const int forced = [] {
+    const char* v = std::getenv("FASTAWQ_MMA_RING");
+    if (v == nullptr) return -1;
+    return std::string(v) == "regs" ? 1 : (std::string(v) == "smem" ? 0 : -1);
+  }();
+  return forced >= 0 ? forced == 1 : tiles == 1;
+}
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
@@ -140,6 +156,7 @@ at::Tensor awq_mma_packed(const at::Tensor& x, const at::Tensor& wpacked, const 
   MmaPackedArgs a{};
   a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
   a.m = static_cast<int>(m), a.chunks = static_cast<int>(chunks);
+  a.register_ring = mma_register_ring(mma_packed_tiles(rows));
   if (warps_per_sm == 0) warps_per_sm = 4 * mma_packed_resident_blocks(a);
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   fill_args(a, x, wpacked, szpacked, b, out, group_size, plan_split(n, k, 32 * chunks, sms * warps_per_sm));

@@ -49,7 +49,8 @@ inline bool mma_packed_chunks_ok(int m, int chunks) {
 }
 
 struct MmaPackedArgs : PackedArgs {
-  int chunks;  // 32-column chunks per block tile
+  int chunks;          // 32-column chunks per block tile
+  bool register_ring;  // weights staged in registers (true) or through a shared-memory cp.async ring
 };
 
 void launch_awq_mma_packed(const MmaPackedArgs& args, cudaStream_t stream);

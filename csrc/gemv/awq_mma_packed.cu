@@ -19,15 +19,19 @@
 //
 // Work, as the CUDA-core kernel of awq_gemv_packed.cu: a block is 4 warps on one tile of 32 * CC
 // columns (CC chunks of 32), each warp on its own contiguous range of 32-row steps. Weights (read
-// once) and x come through a per-warp cp.async ring of P steps in shared memory, so P - 1 steps are
-// in flight without holding registers. Tail: shared memory across the 4 warps, split-K through
-// the zeroed fp32 workspace with the last block of a column tile converting (gemv::store_tile).
+// once) are staged P steps ahead in one of two rings: the lane's own registers (kRegs, one batch
+// tile: M <= 8; x is read from L1/L2 as each step is consumed), or a per-warp cp.async ring in
+// shared memory that also carries x (two or more batch tiles, whose accumulators leave no
+// registers for a ring). Tail: shared memory across the 4 warps, split-K through the zeroed fp32
+// workspace with the last block of a column tile converting (gemv::store_tile).
 //
-// H200 (benchmarks/RESULTS.md, session 5): 1.2-1.3x cuBLAS from M = 1 to 8, ~1.0x at 16, so it
-// serves M = 3..16 (backend.py). Where the time goes (ncu): the warps issue at about the CUDA-core
-// kernel's rate per warp, but ~125 registers at CC = 4 (y and the per-group sums, 64) leave 3.6
-// warps per scheduler against its 6: latency-bound at ~1.4 TB/s. A register ring instead of the
-// cp.async one was faster on the 4096 x 6144 shape (10.1 vs 14.1 us at M = 1, CC = 4), slower on others.
+// H200 (benchmarks/RESULTS.md, session 10), geomean x cuBLAS fp16 over the Llama-3-8B shapes:
+// register ring 1.76 / 1.67 / 1.61 / 1.43 at M = 1 / 2 / 4 / 8, where the cp.async ring gave 1.34 /
+// 1.32 / 1.30 / 1.27 with the same instructions: per warp the cp.async ring's wait held each step
+// for the oldest copy, and the time stayed flat from M = 1 to 8 at ~1.4 TB/s whatever the
+// instruction count (204 -> 131 SASS instructions a step changed it by 5 %). At M = 16 the
+// cp.async ring stays (1.03 against 0.95). So the kernel serves M = 2..16 (backend.py); the
+// CUDA-core GEMV keeps M = 1 (2.06).
 #include "common/dtype.cuh"
 #include "common/pdl.cuh"
 #include "common/ptx.cuh"
@@ -66,7 +70,10 @@ struct MmaSmem {
   int is_last;
 };
 
-template <typename T, int NT, int CC, int P>
+// kRegs: the ring is P steps of registers instead (P - 1 steps in flight while one is consumed):
+// each lane's 16-byte loads land in its own registers, with no shared-memory round trip and no
+// cp.async bookkeeping; shared memory then holds only the tail's partial sums.
+template <typename T, int NT, int CC, int P, bool kRegs>
 __global__ void __launch_bounds__(kPackedThreads) awq_mma_packed_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int m, int n, int k, int group_size,
@@ -74,7 +81,7 @@ __global__ void __launch_bounds__(kPackedThreads) awq_mma_packed_kernel(
   using Tr = HalfTraits<T>;
   constexpr int kRows = NT * 8;
   constexpr int kTileCols = CC * 32;
-  __shared__ MmaSmem<NT, CC, P> sm;
+  __shared__ MmaSmem<NT, CC, kRegs ? 1 : P> sm;
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -112,7 +119,7 @@ __global__ void __launch_bounds__(kPackedThreads) awq_mma_packed_kernel(
   // Addresses step instead of being recomputed per copy: the shared slots as 32-bit addresses
   // (item i of slot p at ring0 + p * kSlotBytes + i * 512), the global sources as pointers that
   // advance one step per issue (issue is called for s0, s0 + 1, ... in order).
-  constexpr uint32_t kSlotBytes = MmaSmem<NT, CC, P>::kItems * 32 * 16;
+  constexpr uint32_t kSlotBytes = MmaSmem<NT, CC, kRegs ? 1 : P>::kItems * 32 * 16;
   const uint32_t ring0 = pinned(smem_addr(&sm.ring[warp][0][0][lane]));
   const uint4* w_next = w_lane + s0 * w_step;
   const T* x_next[NT];
@@ -145,10 +152,12 @@ __global__ void __launch_bounds__(kPackedThreads) awq_mma_packed_kernel(
 
   uint4 sv[CC];  // the current group's (scale, zero) pairs, fetched when the group starts
   if (s0 < s1) load_scales(sv);
+  if constexpr (!kRegs) {
 #pragma unroll
-  for (int d = 0; d < P - 1; ++d) {
-    if (s0 + d < s1) issue(d);
-    cp_async_commit();  // one group per step, empty past the range, so wait_group counts steps
+    for (int d = 0; d < P - 1; ++d) {
+      if (s0 + d < s1) issue(d);
+      cp_async_commit();  // one group per step, empty past the range, so wait_group counts steps
+    }
   }
 
   const auto consume = [&](const uint4(&wc)[CC], const uint4(&xc)[NT]) {
@@ -204,30 +213,67 @@ __global__ void __launch_bounds__(kPackedThreads) awq_mma_packed_kernel(
       for (int r = 0; r < 4; ++r) xs[nt][r] = 0.f;
   };
 
-  int slot = 0;
   int group_left = steps_per_group - s0 % steps_per_group;  // steps until the current group ends
-#pragma unroll 1
-  for (int s = s0; s < s1; ++s) {
-    // Refill the slot consumed last iteration with step s + P - 1, then wait for step s.
-    const int refill = slot == 0 ? P - 1 : slot - 1;
-    if (s + P - 1 < s1) issue(refill);
-    cp_async_commit();
-    cp_async_wait<P - 1>();
-    uint4 wc[CC], xc[NT];
-    const uint32_t src = ring0 + slot * kSlotBytes;
-#pragma unroll
-    for (int cc = 0; cc < CC; ++cc) wc[cc] = ld_shared128_at(src + cc * 512);
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) xc[nt] = ld_shared128_at(src + (CC + nt) * 512);
-    consume(wc, xc);
-    slot = slot == P - 1 ? 0 : slot + 1;
-    // Close the group when the next step starts a new one or the warp's range ends
-    // (group_size % 32 == 0: a step never straddles groups).
+  // After step s: close the group when the next step starts a new one or the warp's range ends
+  // (group_size % 32 == 0: a step never straddles groups).
+  const auto after_step = [&](int s) {
     if (--group_left == 0 || s + 1 == s1) {
       close_group();
       group_left = steps_per_group;
       sz_lane += n4;
       if (s + 1 < s1) load_scales(sv);
+    }
+  };
+  if constexpr (kRegs) {
+    // Slot r holds steps s0 + r, s0 + r + P, ...: consumed, then refilled with the step P later.
+    // x (a few KB, L1/L2-resident after the first warps) is read as each step is consumed.
+    uint4 rw[P][CC];
+    const auto fetch = [&](uint4(&w)[CC]) {
+#pragma unroll
+      for (int cc = 0; cc < CC; ++cc) {
+        w[cc] = col_ok[cc] ? gemv::load_stream(w_next + 8 * cc, policy) : make_uint4(0, 0, 0, 0);
+      }
+      w_next += w_step;
+    };
+#pragma unroll
+    for (int r = 0; r < P; ++r) {
+      if (s0 + r < s1) fetch(rw[r]);
+    }
+#pragma unroll 1
+    for (int s = s0; s < s1; s += P) {
+#pragma unroll
+      for (int r = 0; r < P; ++r) {
+        if (s + r < s1) {
+          uint4 xc[NT];
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            xc[nt] = __ldg(reinterpret_cast<const uint4*>(x_next[nt]));
+            x_next[nt] += kPackedBatchRows;
+          }
+          consume(rw[r], xc);
+          if (s + r + P < s1) fetch(rw[r]);
+          after_step(s + r);
+        }
+      }
+    }
+  } else {
+    int slot = 0;
+#pragma unroll 1
+    for (int s = s0; s < s1; ++s) {
+      // Refill the slot consumed last iteration with step s + P - 1, then wait for step s.
+      const int refill = slot == 0 ? P - 1 : slot - 1;
+      if (s + P - 1 < s1) issue(refill);
+      cp_async_commit();
+      cp_async_wait<P - 1>();
+      uint4 wc[CC], xc[NT];
+      const uint32_t src = ring0 + slot * kSlotBytes;
+#pragma unroll
+      for (int cc = 0; cc < CC; ++cc) wc[cc] = ld_shared128_at(src + cc * 512);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) xc[nt] = ld_shared128_at(src + (CC + nt) * 512);
+      consume(wc, xc);
+      slot = slot == P - 1 ? 0 : slot + 1;
+      after_step(s);
     }
   }
   cp_async_wait<0>();
@@ -250,18 +296,26 @@ constexpr int ring_depth() {
   return fit > 6 ? 6 : (fit < 3 ? 3 : fit);
 }
 
+// The register ring's depth: about 8 16-byte weight loads of a lane across its slots.
+template <int NT, int CC>
+constexpr int register_ring_depth() {
+  constexpr int d = 8 / CC;
+  return d > 6 ? 6 : (d < 2 ? 2 : d);
+}
+
 template <typename T, int NT, int CC>
-auto kernel_of() {
-  return awq_mma_packed_kernel<T, NT, CC, ring_depth<NT, CC>()>;
+auto kernel_of(bool regs) {
+  return regs ? awq_mma_packed_kernel<T, NT, CC, register_ring_depth<NT, CC>(), true>
+              : awq_mma_packed_kernel<T, NT, CC, ring_depth<NT, CC>(), false>;
 }
 
 template <typename T, int NT, int CC>
 void launch_cfg(const MmaPackedArgs& a, cudaStream_t stream, int* resident) {
   if (resident != nullptr) {
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel_of<T, NT, CC>(), kPackedThreads, 0);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel_of<T, NT, CC>(a.register_ring), kPackedThreads, 0);
     return;
   }
-  launch_pdl(kernel_of<T, NT, CC>(), dim3(a.col_tiles, a.splits), dim3(kPackedThreads), 0, stream,
+  launch_pdl(kernel_of<T, NT, CC>(a.register_ring), dim3(a.col_tiles, a.splits), dim3(kPackedThreads), 0, stream,
              static_cast<const T*>(a.x), reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz),
              static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.m, a.n, a.k,
              a.group_size, a.steps_per_warp);
