@@ -12,42 +12,33 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// 16-byte global -> shared copy that bypasses L1; src_bytes = 0 writes zeros (out-of-range rows).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-
-// Weights are read once per call: evict them first so activations and partials keep L2.
-__device__ __forceinline__ void cp_async16_stream(void* dst, const void* src, bool valid, uint64_t policy) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_addr(dst)),
-               "l"(src), "r"(valid ? 16 : 0), "l"(policy));
-}
-
-// The same two copies to a shared address already converted (smem_addr), for loops that step a
-// ring: converting a generic pointer each time costs an S2R and address arithmetic per copy.
+// 16-byte global -> shared copy that bypasses L1, to a shared address (smem_addr); src_bytes = 0
+// writes zeros (out-of-range rows). Loops that step a ring keep the converted address: converting
+// a generic pointer each time costs an S2R and address arithmetic per copy.
 __device__ __forceinline__ void cp_async16_at(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
+// Weights are read once per call: evict them first so activations and partials keep L2.
 __device__ __forceinline__ void cp_async16_stream_at(uint32_t dst, const void* src, bool valid, uint64_t policy) {
   asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 16 : 0), "l"(policy));
 }
+// The same two copies to a generic pointer into shared memory.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  cp_async16_at(smem_addr(dst), src, valid);
+}
+__device__ __forceinline__ void cp_async16_stream(void* dst, const void* src, bool valid, uint64_t policy) {
+  cp_async16_stream_at(smem_addr(dst), src, valid, policy);
+}
 
 // One 16-byte shared load (a plain uint4 read compiles to four 4-byte ones, each a 4-way bank
 // conflict when lanes are 16 bytes apart).
-__device__ __forceinline__ uint4 ld_shared128(const void* p) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(smem_addr(p)));
-  return v;
-}
 __device__ __forceinline__ uint4 ld_shared128_at(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
 }
+__device__ __forceinline__ uint4 ld_shared128(const void* p) { return ld_shared128_at(smem_addr(p)); }
 
 // p[0..3] += v (p 16-byte aligned, in global memory): one 16-byte reduction on sm_90
 // (red.global.add.v4.f32), four 4-byte atomics before.

@@ -37,8 +37,10 @@ int64_t default_warps_per_sm(int tiles) { return tiles == 2 ? 8 : 0; }
 bool mma_register_ring(int tiles) {
   static const int forced = [] {
     const char* v = std::getenv("FASTAWQ_MMA_RING");
-    if (v == nullptr) return -1;
-    return std::string(v) == "regs" ? 1 : (std::string(v) == "smem" ? 0 : -1);
+    if (v == nullptr || *v == '\0') return -1;
+    const std::string s = v;
+    FASTAWQ_CHECK(s == "regs" || s == "smem", "FASTAWQ_MMA_RING must be regs or smem, got '", s, "'");
+    return s == "regs" ? 1 : 0;
   }();
   return forced >= 0 ? forced == 1 : tiles == 1;
 }

@@ -120,7 +120,8 @@ __global__ void __launch_bounds__(kPackedThreads) awq_mma_packed_kernel(
   // (item i of slot p at ring0 + p * kSlotBytes + i * 512), the global sources as pointers that
   // advance one step per issue (issue is called for s0, s0 + 1, ... in order).
   constexpr uint32_t kSlotBytes = MmaSmem<NT, CC, kRegs ? 1 : P>::kItems * 32 * 16;
-  const uint32_t ring0 = pinned(smem_addr(&sm.ring[warp][0][0][lane]));
+  // (The register ring has no shared ring: pinned() is volatile, so it is not even computed there.)
+  const uint32_t ring0 = kRegs ? 0u : pinned(smem_addr(&sm.ring[warp][0][0][lane]));
   const uint4* w_next = w_lane + s0 * w_step;
   const T* x_next[NT];
 #pragma unroll
