@@ -158,6 +158,20 @@ def test_kernel_llama_shapes(k, n, m, dtype):
 
 
 @requires_kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("scale", [300.0, 1e-3])
+def test_half2_path_keeps_large_and_small_activations(m, scale, dtype):
+    # M <= 2 sums 8 rows in half2 / bfloat162 (consume_h2): activations in the thousands must not
+    # overflow fp16, and small ones must keep their precision (both against the fp32 oracle).
+    k, n, g = 4096, 264, 128
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=5)
+    x = (random_input((m, k), "cuda", torch.float32, seed=m) * scale).to(dtype)
+    x[:, 7] = 4000.0 if scale > 1 else x[:, 7]  # one massive channel, as LLM activations have
+    assert_close_to_reference(_poisoned_call(x, wp, sz, n, g), x, qw, s, qz, g)
+
+
+@requires_kernel
 def test_repack_on_gpu_equals_cpu():
     qw, s, qz = random_awq(512, 264, 128, dtype=torch.bfloat16, seed=9)
     wp, sz = awq_gemv_repack(qw, s, qz, 128)

@@ -741,6 +741,20 @@ def test_compiled_moe_matches_reference(case, dtype, poisoned_empty):
 
 
 @needs_compiled
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scale", [20.0, 1e-3])
+def test_compiled_moe_one_token_keeps_large_and_small_activations(scale, dtype):
+    # At one token the MoE GEMV sums 8 rows in half2 / bfloat162 (block_gemv_h2): large inputs
+    # (x up to ~70, so w2's input h reaches the thousands; the output ~10^4) must not overflow
+    # fp16, small ones must keep their precision.
+    e, h, i, g, k, t = 8, 1024, 256, 64, 2, 1
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=21, dtype=dtype)
+    x = (x.float() * scale).to(dtype)
+    out = ops_moe.moe_w4(x, ids, w, *weights, g, backend="cuda")
+    check(out, x, ids, w, weights, g)
+
+
+@needs_compiled
 @pytest.mark.parametrize("act", ["gelu", "gelu_tanh"])
 def test_compiled_moe_other_activations_and_int32_ids(act):
     e, h, i, g, k, t = 8, 128, 96, 32, 2, 3

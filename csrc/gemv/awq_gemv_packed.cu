@@ -17,6 +17,10 @@
 // and re-zeroes it (graph-safe, no extra launch).
 // ptxas (sm_90a, no spills): 56 registers at M = 1, 95 at 2..3, 126..135 at 4..5, ~165 at 6..7,
 // ~190 at 8. A minimum of 6 blocks per SM brings M = 2 to 80 but spills at M = 3 and lifts M = 1 to 72.
+#include <cstdlib>
+#include <string>
+#include <type_traits>
+
 #include "common/dtype.cuh"
 #include "common/pdl.cuh"
 #include "common/ptx.cuh"
@@ -29,14 +33,11 @@ namespace {
 constexpr int kWarps = kPackedThreads / 32;
 constexpr int kLoads = kPackedBatchRows / 8;  // 16-byte loads per lane per batch
 
-// The 4 loads of batch b of a lane: 8-row blocks 4b .. 4b+3 at the lane's column chunk.
-__device__ __forceinline__ void load_batch(uint4 (&w)[kLoads], const uint4* __restrict__ wp, int b, int n4, int c4,
-                                           bool col_ok, uint64_t policy) {
+// The 4 loads of a lane's batch at p (8-row blocks 4b .. 4b+3 at its column chunk), n4 apart.
+__device__ __forceinline__ void load_batch(uint4 (&w)[kLoads], const uint4* __restrict__ p, int64_t n4, bool col_ok,
+                                           uint64_t policy) {
 #pragma unroll
-  for (int u = 0; u < kLoads; ++u) {
-    w[u] = col_ok ? gemv::load_stream(wp + static_cast<int64_t>(b * kLoads + u) * n4 + c4, policy)
-                  : make_uint4(0, 0, 0, 0);
-  }
+  for (int u = 0; u < kLoads; ++u) w[u] = col_ok ? gemv::load_stream(p + u * n4, policy) : make_uint4(0, 0, 0, 0);
 }
 
 // acc += x * f over one batch (rows row0 .. row0+31), xs += x.
@@ -71,7 +72,83 @@ __device__ __forceinline__ void consume(const uint4 (&w)[kLoads], const T* __res
   }
 }
 
+// The half2 path (kH2), ~30 % fewer instructions: per word, gemv::word_pairs gives its 8 weights
+// as 4 pairs of (magic + q / 16) in x's dtype (rows 2j, 2j + 1 of columns (0, 2), then of (1, 3):
+// the byte layout's natural pairs), one hsub2 each against the group's (magic + z / 16) leaves
+// (q - z) / 16 exactly, and hfma2 multiplies by x in pairs: the 8 rows of one 16-byte load are
+// summed in half2 / bfloat162, then added into fp32. The 1/16 keeps a pair's partial of 8 products
+// below 8 max|x|, so fp16 cannot overflow for |x| < 8188 (activations reach the low thousands at
+// most); the products round to x's dtype as the dequantized weights of an fp16 / bf16 GEMM do.
+using gemv::H2Magic;
+
+// zc[0..3]: (even-row magic + z / 16) and (odd-row magic + z / 16) of columns (0, 2), then (1, 3).
 template <typename T, int M>
+__device__ __forceinline__ void consume_h2(const uint4 (&w)[kLoads], const T* __restrict__ x, int k, int row0,
+                                           const typename HalfTraits<T>::T2 (&zc)[4], float (&acc)[M][4]) {
+  using T2 = typename HalfTraits<T>::T2;
+  const auto h2 = [](uint32_t v) { return *reinterpret_cast<const T2*>(&v); };
+#pragma unroll
+  for (int u = 0; u < kLoads; ++u) {
+    uint4 xr[M];
+#pragma unroll
+    for (int mm = 0; mm < M; ++mm) {
+      xr[mm] = __ldg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(mm) * k + row0 + 8 * u));
+    }
+    const uint32_t words[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
+    T2 p02[M], p13[M];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint32_t r[4];  // rows 2j, 2j + 1 of columns (0, 2), then of (1, 3)
+      gemv::word_pairs<T>(words[j], r);
+      const T2 a = __hsub2(h2(r[0]), zc[0]), b = __hsub2(h2(r[1]), zc[1]);
+      const T2 c = __hsub2(h2(r[2]), zc[2]), d = __hsub2(h2(r[3]), zc[3]);
+#pragma unroll
+      for (int mm = 0; mm < M; ++mm) {
+        const uint32_t pair = j == 0 ? xr[mm].x : j == 1 ? xr[mm].y : j == 2 ? xr[mm].z : xr[mm].w;
+        const T2 xp = h2(pair);
+        T2 xe, xo;  // (x[2j], x[2j]) and (x[2j + 1], x[2j + 1])
+        if constexpr (std::is_same_v<T, __half>) {
+          xe = __low2half2(xp), xo = __high2half2(xp);
+        } else {
+          xe = __low2bfloat162(xp), xo = __high2bfloat162(xp);
+        }
+        if (j == 0) {
+          p02[mm] = __hmul2(a, xe), p13[mm] = __hmul2(c, xe);
+        } else {
+          p02[mm] = __hfma2(a, xe, p02[mm]), p13[mm] = __hfma2(c, xe, p13[mm]);
+        }
+        p02[mm] = __hfma2(b, xo, p02[mm]), p13[mm] = __hfma2(d, xo, p13[mm]);
+      }
+    }
+#pragma unroll
+    for (int mm = 0; mm < M; ++mm) {
+      const float2 f02 = HalfTraits<T>::to_float2(*reinterpret_cast<const uint32_t*>(&p02[mm]));
+      const float2 f13 = HalfTraits<T>::to_float2(*reinterpret_cast<const uint32_t*>(&p13[mm]));
+      acc[mm][0] += f02.x, acc[mm][2] += f02.y, acc[mm][1] += f13.x, acc[mm][3] += f13.y;
+    }
+  }
+}
+
+// The hsub2 operands of consume_h2 for a group's (scale, zero) pairs sv (4 columns).
+template <typename T>
+__device__ __forceinline__ void zero_consts(const uint4& sv, typename HalfTraits<T>::T2 (&zc)[4]) {
+  using Tr = HalfTraits<T>;
+  using Mg = H2Magic<T>;
+  const T* p = reinterpret_cast<const T*>(&sv);
+  float z[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) z[c] = Tr::to_float(p[2 * c + 1]) * 0.0625f;
+  const auto pack = [](float lo, float hi) {
+    const T v[2] = {Tr::from_float(lo), Tr::from_float(hi)};
+    return *reinterpret_cast<const typename Tr::T2*>(v);
+  };
+  zc[0] = pack(Mg::kEvenBase + z[0], Mg::kEvenBase + z[2]);
+  zc[1] = pack(Mg::kOddBase + z[0], Mg::kOddBase + z[2]);
+  zc[2] = pack(Mg::kEvenBase + z[1], Mg::kEvenBase + z[3]);
+  zc[3] = pack(Mg::kOddBase + z[1], Mg::kOddBase + z[3]);
+}
+
+template <typename T, int M, bool kH2>
 __global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int n, int k, int group_size,
@@ -111,20 +188,52 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
   pdl_wait();
   pdl_launch_dependents();
   uint4 cur[kLoads], nxt[kLoads];
-  if (b0 < b1) load_batch(cur, wp, b0, n4, c4, col_ok, policy);
+  // The next batch's loads step a pointer (recomputing (4b + u) n4 + c4 per load cost ~25
+  // instructions a batch).
+  const uint4* w_next = wp + static_cast<int64_t>(b0 * kLoads) * n4 + c4;
+  const int64_t n4l = n4;
+  if (b0 < b1) load_batch(cur, w_next, n4l, col_ok, policy);
   // The group walk as counters (a division by the run-time group size per batch cost ~20
   // instructions): batches left in the current group, and that group's (scale, zero) row.
   const int batches_per_group = group_size / kPackedBatchRows;
   int group_left = batches_per_group - b0 % batches_per_group;
   const uint4* sz_lane = sz + static_cast<int64_t>(b0 / batches_per_group) * n4 + c4;
+  // kH2 needs the group's zeros before its first batch: the next group's pairs are fetched with
+  // the loads of the batch that starts it.
+  [[maybe_unused]] uint4 sv_cur = make_uint4(0, 0, 0, 0), sv_nxt = make_uint4(0, 0, 0, 0);
+  [[maybe_unused]] typename Tr::T2 zc[4];
+  if constexpr (kH2) {
+    if (col_ok && b0 < b1) sv_cur = __ldg(sz_lane);
+    zero_consts<T>(sv_cur, zc);
+  }
 #pragma unroll 1
   for (int b = b0; b < b1; ++b) {
-    if (b + 1 < b1) load_batch(nxt, wp, b + 1, n4, c4, col_ok, policy);
-    consume<T, M>(cur, x, k, b * kPackedBatchRows, acc, xs);
+    if (b + 1 < b1) {
+      w_next += kLoads * n4l;
+      load_batch(nxt, w_next, n4l, col_ok, policy);
+      if constexpr (kH2) {
+        if (group_left == 1 && col_ok) sv_nxt = __ldg(sz_lane + n4);
+      }
+    }
+    if constexpr (kH2) {
+      consume_h2<T, M>(cur, x, k, b * kPackedBatchRows, zc, acc);
+    } else {
+      consume<T, M>(cur, x, k, b * kPackedBatchRows, acc, xs);
+    }
     // Close the group when the next batch starts a new one or the warp's range ends
     // (group_size % 32 == 0: a batch never straddles groups).
     if (--group_left == 0 || b + 1 == b1) {
-      if (col_ok) {
+      if constexpr (kH2) {
+        const T* p = reinterpret_cast<const T*>(&sv_cur);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const float sc = Tr::to_float(p[2 * c]);
+#pragma unroll
+          for (int mm = 0; mm < M; ++mm) y[mm][c] = fmaf(sc, acc[mm][c], y[mm][c]);
+        }
+        sv_cur = sv_nxt;
+        zero_consts<T>(sv_cur, zc);
+      } else if (col_ok) {
         const uint4 sv = __ldg(sz_lane);
         const T* p = reinterpret_cast<const T*>(&sv);
 #pragma unroll
@@ -155,14 +264,31 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
   }
   __syncthreads();
 
+  // Units of the sums: 1/256 (decode_bytes), or 1/16 (consume_h2).
   gemv::store_tile<T, M, kPackedThreads, kWarps, kPackedTileCols>(red, is_last, bias, out, ws, counters, n,
-                                                                  blockIdx.x * kPackedTileCols);
+                                                                  blockIdx.x * kPackedTileCols, M, kH2 ? 16.f : 256.f);
+}
+
+// The half2 path (consume_h2) at M <= kH2MaxM; FASTAWQ_GEMV_H2=0 keeps the fp32 one, =fp16 uses
+// it for fp16 only (A/B switches, read once).
+constexpr int kH2MaxM = 2;
+template <typename T>
+bool h2_enabled() {
+  static const int mode = [] {  // 0 off, 1 fp16 only, 2 both
+    const char* v = std::getenv("FASTAWQ_GEMV_H2");
+    if (v == nullptr) return 2;
+    const std::string s(v);
+    return s == "0" ? 0 : (s == "fp16" ? 1 : 2);
+  }();
+  return mode == 2 || (mode == 1 && std::is_same_v<T, __half>);
 }
 
 template <typename T, int M>
 void launch_m(const GemvPackedArgs& a, cudaStream_t stream) {
   const dim3 grid(a.col_tiles, a.splits);
-  launch_pdl(awq_gemv_packed_kernel<T, M>, grid, dim3(kPackedThreads), 0, stream,
+  constexpr bool kH2able = M <= kH2MaxM;
+  launch_pdl((kH2able && h2_enabled<T>()) ? awq_gemv_packed_kernel<T, M, kH2able> : awq_gemv_packed_kernel<T, M, false>,
+             grid, dim3(kPackedThreads), 0, stream,
       static_cast<const T*>(a.x), reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz),
       static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.n, a.k, a.group_size,
       a.steps_per_warp);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/dtype.cuh"
 #include "common/ptx.cuh"
@@ -38,6 +39,40 @@ template <typename T, int B>
 __device__ __forceinline__ uint32_t column_pair(uint32_t lo, uint32_t hi) {
   constexpr uint32_t kSel = B | (B << 4) | ((4 + B) << 8) | ((4 + B) << 12);
   return and_or(__byte_perm(lo, hi, kSel), 0x000F000Fu, HalfTraits<T>::kMagic2);
+}
+
+// The half2 GEMV forms (awq_gemv_packed.cu consume_h2, moe/moe_gemv.cu block_gemv_h2) turn a
+// packed word's 8 nibbles into 4 pairs of (magic + q / 16) in x's dtype: w & 0x000F000F holds
+// nibbles 0 and 4, and so on, shifted by 4, 8 and 12 (what the pairs are, rows or columns, is the
+// layout's). fp16 takes nibbles 1 and 5 in place, bits 4..7, under magic 4 (mantissa unit 1/256),
+// the even ones under magic 64 (unit 1/16); bf16's 7-bit mantissa holds only a low nibble, so it
+// shifts all four, under magic 8 (unit 1/16). The bases are the magics' values.
+template <typename T>
+struct H2Magic;
+template <>
+struct H2Magic<__half> {
+  static constexpr uint32_t kEven = 0x54005400u, kOdd = 0x44004400u;
+  static constexpr float kEvenBase = 64.f, kOddBase = 4.f;
+};
+template <>
+struct H2Magic<__nv_bfloat16> {
+  static constexpr uint32_t kEven = 0x41004100u, kOdd = 0x41004100u;
+  static constexpr float kEvenBase = 8.f, kOddBase = 8.f;
+};
+
+// r[p] = the bits of pair p (nibbles p and p + 4 of w) as (magic + q / 16), p = 0 and 2 under the
+// even magic, 1 and 3 under the odd one.
+template <typename T>
+__device__ __forceinline__ void word_pairs(uint32_t w, uint32_t (&r)[4]) {
+  using Mg = H2Magic<T>;
+  if constexpr (std::is_same_v<T, __half>) {
+    const uint32_t w8 = w >> 8;
+    r[0] = and_or(w, 0x000F000Fu, Mg::kEven), r[1] = and_or(w, 0x00F000F0u, Mg::kOdd);
+    r[2] = and_or(w8, 0x000F000Fu, Mg::kEven), r[3] = and_or(w8, 0x00F000F0u, Mg::kOdd);
+  } else {
+    r[0] = and_or(w, 0x000F000Fu, Mg::kEven), r[1] = and_or(w >> 4, 0x000F000Fu, Mg::kOdd);
+    r[2] = and_or(w >> 8, 0x000F000Fu, Mg::kEven), r[3] = and_or(w >> 12, 0x000F000Fu, Mg::kOdd);
+  }
 }
 
 // The unit by which a tensor-core kernel holds a group's folded sums (y / s, moe/moe_mma.cu): a

@@ -11,6 +11,9 @@
 // Split K works the same way for w13 (the last of a tile's splits applies the activation). An id
 // outside [0, E) contributes zeros but still arrives, so the counters always return to zero.
 #include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <type_traits>
 
 #include "common/dtype.cuh"
 #include "common/launch.h"
@@ -112,8 +115,115 @@ __device__ __forceinline__ void block_gemv(const T* __restrict__ xrow, const uin
   }
 }
 
-template <typename T, typename Id, int ACT>
-__global__ void __launch_bounds__(kGemvThreads) moe_w13_gemv_kernel(MoeGemvArgs a) {
+// The half2 form of block_gemv (kH2, as awq_gemv_packed.cu's consume_h2, on the AWQ layout): a
+// word's 8 weights become 4 pairs of (magic + q / 16) in x's dtype (gemv::word_pairs; nibble i is
+// column AWQ_ORDER[i], so pair p is columns 2p, 2p + 1), the zero word the same way, one hsub2
+// leaves (q - z) / 16 exactly, and the 8 rows of a batch are summed in pairs with hfma2 (below
+// 8 max|x|: no fp16 overflow for |x| < 8188), then y += s * sum in fp32. Sums come out in units
+// of 1/16. The group's zeros and scales are loaded as it starts (L2-prefetched a batch before).
+template <typename T>
+__device__ __forceinline__ void block_gemv_h2(const T* __restrict__ xrow, const uint32_t* __restrict__ qweight,
+                                              const T* __restrict__ scales, const uint32_t* __restrict__ qzeros,
+                                              int n8, int n, int k, int g, int word0, bool col_ok, int chunk_rows,
+                                              int chunks_per_block, float (&y)[1][kLaneCols]) {
+  using T2 = typename HalfTraits<T>::T2;
+  using gemv::word_pairs;
+  const int warp = threadIdx.x >> 5, rl = (threadIdx.x & 31) >> 3;
+#pragma unroll
+  for (int c = 0; c < kLaneCols; ++c) y[0][c] = 0.f;
+  const uint64_t policy = evict_first_policy();
+  const auto h2 = [](uint32_t v) { return *reinterpret_cast<const T2*>(&v); };
+  T2 zc[WPT][4];
+  uint4 sv[WPT];
+  // The group's (magic + z / 16) pairs and scales for the lane's words (zeros: nothing loaded).
+  const auto load_group = [&](int grp) {
+#pragma unroll
+    for (int j = 0; j < WPT; ++j) {
+      uint32_t zr[4] = {0u, 0u, 0u, 0u};
+      sv[j] = make_uint4(0, 0, 0, 0);
+      if (col_ok) {
+        word_pairs<T>(__ldg(qzeros + static_cast<int64_t>(grp) * n8 + word0 + j), zr);
+        sv[j] = __ldg(reinterpret_cast<const uint4*>(scales + static_cast<int64_t>(grp) * n + (word0 + j) * 8));
+      } else {
+        word_pairs<T>(0u, zr);
+      }
+#pragma unroll
+      for (int p = 0; p < 4; ++p) zc[j][p] = h2(zr[p]);
+    }
+  };
+  const int c_end = min((blockIdx.y + 1) * chunks_per_block, (k + chunk_rows - 1) / chunk_rows);
+  for (int chunk = blockIdx.y * chunks_per_block + warp; chunk < c_end; chunk += kWarps) {
+    const int row0 = chunk * chunk_rows, row_end = min(row0 + chunk_rows, k);
+#pragma unroll 1
+    for (int base = row0; base < row_end; base += kBatchRows) {
+      if (base == row0 || base % g == 0) load_group(base / g);
+      // The next group's zeros and scales into L2 while this batch loads.
+      const int next = base + kBatchRows;
+      if (col_ok && next % g == 0 && next < row_end) {
+        prefetch_l2(qzeros + static_cast<int64_t>(next / g) * n8 + word0);
+        prefetch_l2(scales + static_cast<int64_t>(next / g) * n + word0 * 8);
+      }
+      Words<WPT> w[kLoads];
+      T xv[kLoads];
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int r = base + rl + 4 * u;
+        if (col_ok) {
+          w[u].load(qweight + static_cast<int64_t>(r) * n8 + word0, policy);
+        } else {
+#pragma unroll
+          for (int j = 0; j < WPT; ++j) w[u].v[j] = 0u;
+        }
+        xv[u] = xrow[r];
+      }
+#pragma unroll
+      for (int j = 0; j < WPT; ++j) {
+        T2 part[4];
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u) {
+          uint32_t r[4];
+          word_pairs<T>(w[u].v[j], r);
+          T2 xx;
+          if constexpr (std::is_same_v<T, __half>) {
+            xx = __half2half2(xv[u]);
+          } else {
+            xx = __bfloat162bfloat162(xv[u]);
+          }
+#pragma unroll
+          for (int p = 0; p < 4; ++p) {
+            const T2 v = __hsub2(h2(r[p]), zc[j][p]);
+            part[p] = u == 0 ? __hmul2(v, xx) : __hfma2(v, xx, part[p]);
+          }
+        }
+        const uint32_t sw[4] = {sv[j].x, sv[j].y, sv[j].z, sv[j].w};
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+          const float2 sf = HalfTraits<T>::to_float2(sw[p]);
+          const float2 pf = HalfTraits<T>::to_float2(*reinterpret_cast<const uint32_t*>(&part[p]));
+          y[0][j * 8 + 2 * p] = fmaf(sf.x, pf.x, y[0][j * 8 + 2 * p]);
+          y[0][j * 8 + 2 * p + 1] = fmaf(sf.y, pf.y, y[0][j * 8 + 2 * p + 1]);
+        }
+      }
+    }
+  }
+}
+
+// Whether the MoE decode kernels may take block_gemv_h2: FASTAWQ_GEMV_H2=0 keeps the fp32 form,
+// =fp16 uses it for fp16 only (the switches of awq_gemv_packed.cu; read once).
+template <typename T>
+bool moe_h2_enabled() {
+  static const int mode = [] {  // 0 off, 1 fp16 only, 2 both
+    const char* v = std::getenv("FASTAWQ_GEMV_H2");
+    if (v == nullptr) return 2;
+    const std::string s(v);
+    return s == "0" ? 0 : (s == "fp16" ? 1 : 2);
+  }();
+  return mode == 2 || (mode == 1 && std::is_same_v<T, __half>);
+}
+
+template <typename T, typename Id, int ACT, bool kH2>
+__global__ void __launch_bounds__(kGemvThreads, 4) moe_w13_gemv_kernel(MoeGemvArgs a) {
+  constexpr float kUnit = kH2 ? 16.f : 256.f;  // of block_gemv's sums
   using Tr = HalfTraits<T>;
   __shared__ TileRed sh;
   pdl_wait();  // the ids come from the routing kernel before this one
@@ -125,16 +235,22 @@ __global__ void __launch_bounds__(kGemvThreads) moe_w13_gemv_kernel(MoeGemvArgs 
   const int word0 = (cl >> 2) * (inter / 8) + gate_word;
   const bool col_ok = valid && gate_word < inter / 8;
   float y[1][kLaneCols];
-  block_gemv<T>(static_cast<const T*>(a.x) + static_cast<int64_t>(f / a.topk) * a.x_stride,
-                a.w13_qweight + ex * k * n8, static_cast<const T*>(a.w13_scales) + ex * (k / g) * n,
-                a.w13_qzeros + ex * (k / g) * n8, n8, n, k, g, word0, col_ok, a.chunk13, a.cpb13, y);
+  const T* xrow = static_cast<const T*>(a.x) + static_cast<int64_t>(f / a.topk) * a.x_stride;
+  const uint32_t* w13q = a.w13_qweight + ex * k * n8;
+  const T* w13s = static_cast<const T*>(a.w13_scales) + ex * (k / g) * n;
+  const uint32_t* w13z = a.w13_qzeros + ex * (k / g) * n8;
+  if constexpr (kH2) {
+    block_gemv_h2<T>(xrow, w13q, w13s, w13z, n8, n, k, g, word0, col_ok, a.chunk13, a.cpb13, y);
+  } else {
+    block_gemv<T>(xrow, w13q, w13s, w13z, n8, n, k, g, word0, col_ok, a.chunk13, a.cpb13, y);
+  }
   reduce_tile(y, sh);
 
   constexpr int kHalfTile = kTileCols / 2;
   const int col0 = tile * kHalfTile;
   T* h = static_cast<T*>(a.h) + static_cast<int64_t>(f) * inter;
   const auto write = [&](int tc, float gate, float up) {
-    h[col0 + tc] = Tr::from_float(act_fn<ACT>(256.f * gate) * (256.f * up));
+    h[col0 + tc] = Tr::from_float(act_fn<ACT>(kUnit * gate) * (kUnit * up));
   };
   if (gridDim.y == 1) {
     for (int tc = threadIdx.x; tc < kHalfTile; tc += kGemvThreads) {
@@ -160,8 +276,9 @@ __global__ void __launch_bounds__(kGemvThreads) moe_w13_gemv_kernel(MoeGemvArgs 
   }
 }
 
-template <typename T, typename Id>
-__global__ void __launch_bounds__(kGemvThreads) moe_w2_gemv_kernel(MoeGemvArgs a) {
+template <typename T, typename Id, bool kH2>
+__global__ void __launch_bounds__(kGemvThreads, 4) moe_w2_gemv_kernel(MoeGemvArgs a) {
+  constexpr float kUnit = kH2 ? 16.f : 256.f;  // of block_gemv's sums
   using Tr = HalfTraits<T>;
   __shared__ TileRed sh;
   // The ids may be read before the wait: they come from the routing kernel, which had completed
@@ -182,13 +299,18 @@ __global__ void __launch_bounds__(kGemvThreads) moe_w2_gemv_kernel(MoeGemvArgs a
   pdl_wait();  // h comes from the w13 launch
   pdl_launch_dependents();
   float y[1][kLaneCols];
-  block_gemv<T>(static_cast<const T*>(a.h) + static_cast<int64_t>(f) * k, w2q,
-                static_cast<const T*>(a.w2_scales) + ex * (k / g) * n, a.w2_qzeros + ex * (k / g) * n8, n8, n, k, g,
-                word0, col_ok, a.chunk2, a.cpb2, y);
+  const T* hrow = static_cast<const T*>(a.h) + static_cast<int64_t>(f) * k;
+  const T* w2s = static_cast<const T*>(a.w2_scales) + ex * (k / g) * n;
+  const uint32_t* w2z = a.w2_qzeros + ex * (k / g) * n8;
+  if constexpr (kH2) {
+    block_gemv_h2<T>(hrow, w2q, w2s, w2z, n8, n, k, g, word0, col_ok, a.chunk2, a.cpb2, y);
+  } else {
+    block_gemv<T>(hrow, w2q, w2s, w2z, n8, n, k, g, word0, col_ok, a.chunk2, a.cpb2, y);
+  }
   reduce_tile(y, sh);
 
   const int col0 = tile * kTileCols, t = f / a.topk;
-  const float rw = valid ? 256.f * a.topk_weights[f] : 0.f;
+  const float rw = valid ? kUnit * a.topk_weights[f] : 0.f;
   T* out = static_cast<T*>(a.out) + static_cast<int64_t>(t) * n;
   if (a.topk == 1 && gridDim.y == 1) {
     for (int tc = threadIdx.x; tc < kTileCols; tc += kGemvThreads) {
@@ -213,8 +335,15 @@ __global__ void __launch_bounds__(kGemvThreads) moe_w2_gemv_kernel(MoeGemvArgs a
 template <typename T, typename Id, int ACT>
 void launch_typed(const MoeGemvArgs& a, cudaStream_t stream) {
   const dim3 grid13(a.tiles13, a.splits13, a.n_assign), grid2(a.tiles2, a.splits2, a.n_assign);
-  launch_pdl(moe_w13_gemv_kernel<T, Id, ACT>, grid13, dim3(kGemvThreads), 0, stream, a);
-  launch_pdl(moe_w2_gemv_kernel<T, Id>, grid2, dim3(kGemvThreads), 0, stream, a);
+  // The half2 form at one token only (H200, RESULTS.md session 11: Mixtral-8x7B experts 88.9 ->
+  // 83.7 us at T = 1, but 268.2 -> 279.0 at T = 4; Qwen3-30B-A3B unchanged at both).
+  if (a.n_assign == a.topk && moe_h2_enabled<T>()) {
+    launch_pdl(moe_w13_gemv_kernel<T, Id, ACT, true>, grid13, dim3(kGemvThreads), 0, stream, a);
+    launch_pdl(moe_w2_gemv_kernel<T, Id, true>, grid2, dim3(kGemvThreads), 0, stream, a);
+  } else {
+    launch_pdl(moe_w13_gemv_kernel<T, Id, ACT, false>, grid13, dim3(kGemvThreads), 0, stream, a);
+    launch_pdl(moe_w2_gemv_kernel<T, Id, false>, grid2, dim3(kGemvThreads), 0, stream, a);
+  }
 }
 
 template <typename T, typename Id>

@@ -46,12 +46,13 @@ CUDA_GEMV_MAX_M = 2
 CUDA_GEMM_KERNEL_BY_M = {1: "gemv", 2: "gemv_staged"}
 # packed_gemm (the packed layout of ops/repack.py) has two compiled kernels: awq_gemv_packed (CUDA
 # cores, M <= 8) up to PACKED_GEMV_MAX_M rows, awq_mma_packed (tensor cores, M <= 32) up to
-# PACKED_MMA_MAX_M, the Triton GEMM on the packed layout above. H200, benchmarks/RESULTS.md
-# (session 10, fp16), geomean x cuBLAS: the GEMV 2.06 at M = 1 against the tensor-core kernel's
-# 1.76; from M = 2 the tensor-core kernel (its register ring) leads: 1.67 vs 1.55 at M = 2, 1.61 vs
-# 1.20 at M = 4, 1.43 vs 0.55 at M = 8; at M = 16 it (1.03) edges the AWQ layout's Triton kernels
-# (0.87-0.98, session 5), above 16 it does not win (M = 32: 0.77 vs 0.77).
-PACKED_GEMV_MAX_M = 1
+# PACKED_MMA_MAX_M, the Triton GEMM on the packed layout above. H200, benchmarks/RESULTS.md,
+# geomean x cuBLAS fp16 / bf16: since the GEMV sums in half2 (session 11) it leads at M = 1 (2.18 /
+# 2.05 against the tensor-core kernel's 1.76) and M = 2 (1.72 / 1.65 against 1.65 / 1.61); from
+# M = 4 the tensor-core kernel (its register ring) leads: 1.61 vs 1.20 at M = 4, 1.43 vs 0.55 at
+# M = 8 (session 10); at M = 16 it (1.03) edges the AWQ layout's Triton kernels (0.87-0.98,
+# session 5), above 16 it does not win (M = 32: 0.77 vs 0.77).
+PACKED_GEMV_MAX_M = 2
 PACKED_MMA_MAX_M = 16
 # moe_w4 is sized by its load, ceil(T * k / E) assignments per expert, not by T: the compiled MoE
 # decode kernel (csrc/moe/, which reads an expert once per assignment) serves up to
