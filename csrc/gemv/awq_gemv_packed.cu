@@ -5,6 +5,8 @@
 // y[m, n] = sum_k x[m, k] (q[k, n] - z[g, n]) s[g, n], fp32 accumulation, with the exact
 // dequantization of awq_gemv.cu: a byte permute drops a nibble into the mantissa of 0.5, giving
 // f = 0.5 + q/256, and per group and column sum_k x (q - z) = 256 (sum_k x f - (0.5 + z/256) sum_k x).
+// At M <= 2 the half2 form (consume_h2, below) takes its place: 8 rows summed in x's dtype, then
+// fp32 (H200, RESULTS.md session 11: 2.18 against 2.10x cuBLAS fp16 at M = 1, 1.72 against 1.56 at 2).
 //
 // Work: a block is 4 warps on one 128-column tile (32 lanes x 4 columns); each warp walks its own
 // contiguous range of `batches_per_warp` 32-row batches. Bytes in flight come from registers, not
@@ -15,8 +17,9 @@
 // grid has about 32 warps per SM. Tail: warps meet in shared memory, split-K blocks add into the
 // zeroed fp32 workspace with one atomic per (row, column), and the last block of a tile converts
 // and re-zeroes it (graph-safe, no extra launch).
-// ptxas (sm_90a, no spills): 56 registers at M = 1, 95 at 2..3, 126..135 at 4..5, ~165 at 6..7,
-// ~190 at 8. A minimum of 6 blocks per SM brings M = 2 to 80 but spills at M = 3 and lifts M = 1 to 72.
+// ptxas (sm_90a, no spills): 64 registers at M = 1 (77 with the half2 sums, kH2), 94 at 2..3,
+// 128..134 at 4..5, ~167 at 6..7, ~195 at 8. (Session 5: a minimum of 6 blocks per SM brought
+// M = 2 to 80 but spilled at M = 3.)
 #include <cstdlib>
 #include <string>
 #include <type_traits>
