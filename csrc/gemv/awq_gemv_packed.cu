@@ -20,8 +20,6 @@
 // ptxas (sm_90a, no spills): 64 registers at M = 1 (77 with the half2 sums, kH2), 94 at 2..3,
 // 128..134 at 4..5, ~167 at 6..7, ~195 at 8. (Session 5: a minimum of 6 blocks per SM brought
 // M = 2 to 80 but spilled at M = 3.)
-#include <cstdlib>
-#include <string>
 #include <type_traits>
 
 #include "common/dtype.cuh"
@@ -43,6 +41,15 @@ __device__ __forceinline__ void load_batch(uint4 (&w)[kLoads], const uint4* __re
   for (int u = 0; u < kLoads; ++u) w[u] = col_ok ? gemv::load_stream(p + u * n4, policy) : make_uint4(0, 0, 0, 0);
 }
 
+// x[mm][row0 + 8u .. + 7] of each of the M rows: the 8 activations of one 16-byte weight load.
+template <typename T, int M>
+__device__ __forceinline__ void load_x8(uint4 (&xr)[M], const T* __restrict__ x, int k, int row0, int u) {
+#pragma unroll
+  for (int mm = 0; mm < M; ++mm) {
+    xr[mm] = __ldg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(mm) * k + row0 + 8 * u));
+  }
+}
+
 // acc += x * f over one batch (rows row0 .. row0+31), xs += x.
 template <typename T, int M>
 __device__ __forceinline__ void consume(const uint4 (&w)[kLoads], const T* __restrict__ x, int k, int row0,
@@ -50,10 +57,7 @@ __device__ __forceinline__ void consume(const uint4 (&w)[kLoads], const T* __res
 #pragma unroll
   for (int u = 0; u < kLoads; ++u) {
     uint4 xr[M];
-#pragma unroll
-    for (int mm = 0; mm < M; ++mm) {
-      xr[mm] = __ldg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(mm) * k + row0 + 8 * u));
-    }
+    load_x8<T, M>(xr, x, k, row0, u);
     const uint32_t words[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -93,10 +97,7 @@ __device__ __forceinline__ void consume_h2(const uint4 (&w)[kLoads], const T* __
 #pragma unroll
   for (int u = 0; u < kLoads; ++u) {
     uint4 xr[M];
-#pragma unroll
-    for (int mm = 0; mm < M; ++mm) {
-      xr[mm] = __ldg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(mm) * k + row0 + 8 * u));
-    }
+    load_x8<T, M>(xr, x, k, row0, u);
     const uint32_t words[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
     T2 p02[M], p13[M];
 #pragma unroll
@@ -272,25 +273,14 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
                                                                   blockIdx.x * kPackedTileCols, M, kH2 ? 16.f : 256.f);
 }
 
-// The half2 path (consume_h2) at M <= kH2MaxM; FASTAWQ_GEMV_H2=0 keeps the fp32 one, =fp16 uses
-// it for fp16 only (A/B switches, read once).
+// The half2 path (consume_h2) at M <= kH2MaxM, unless gemv::h2_enabled says no (FASTAWQ_GEMV_H2).
 constexpr int kH2MaxM = 2;
-template <typename T>
-bool h2_enabled() {
-  static const int mode = [] {  // 0 off, 1 fp16 only, 2 both
-    const char* v = std::getenv("FASTAWQ_GEMV_H2");
-    if (v == nullptr) return 2;
-    const std::string s(v);
-    return s == "0" ? 0 : (s == "fp16" ? 1 : 2);
-  }();
-  return mode == 2 || (mode == 1 && std::is_same_v<T, __half>);
-}
 
 template <typename T, int M>
 void launch_m(const GemvPackedArgs& a, cudaStream_t stream) {
   const dim3 grid(a.col_tiles, a.splits);
   constexpr bool kH2able = M <= kH2MaxM;
-  launch_pdl((kH2able && h2_enabled<T>()) ? awq_gemv_packed_kernel<T, M, kH2able> : awq_gemv_packed_kernel<T, M, false>,
+  launch_pdl((kH2able && gemv::h2_enabled<T>()) ? awq_gemv_packed_kernel<T, M, kH2able> : awq_gemv_packed_kernel<T, M, false>,
              grid, dim3(kPackedThreads), 0, stream,
       static_cast<const T*>(a.x), reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz),
       static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.n, a.k, a.group_size,

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "common/dtype.cuh"
@@ -59,6 +61,22 @@ struct H2Magic<__nv_bfloat16> {
   static constexpr uint32_t kEven = 0x41004100u, kOdd = 0x41004100u;
   static constexpr float kEvenBase = 8.f, kOddBase = 8.f;
 };
+
+// Whether a decode GEMV may take its half2 form for x's dtype T: FASTAWQ_GEMV_H2=0 keeps the fp32
+// sums everywhere, =fp16 uses half2 for fp16 only (A/B switches, read once; host code).
+inline int h2_mode() {
+  static const int mode = [] {  // 0 off, 1 fp16 only, 2 both
+    const char* v = std::getenv("FASTAWQ_GEMV_H2");
+    if (v == nullptr) return 2;
+    const std::string s(v);
+    return s == "0" ? 0 : (s == "fp16" ? 1 : 2);
+  }();
+  return mode;
+}
+template <typename T>
+bool h2_enabled() {
+  return h2_mode() == 2 || (h2_mode() == 1 && std::is_same_v<T, __half>);
+}
 
 // r[p] = the bits of pair p (nibbles p and p + 4 of w) as (magic + q / 16), p = 0 and 2 under the
 // even magic, 1 and 3 under the odd one.

@@ -11,8 +11,6 @@
 // Split K works the same way for w13 (the last of a tile's splits applies the activation). An id
 // outside [0, E) contributes zeros but still arrives, so the counters always return to zero.
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 #include <type_traits>
 
 #include "common/dtype.cuh"
@@ -208,19 +206,6 @@ __device__ __forceinline__ void block_gemv_h2(const T* __restrict__ xrow, const 
   }
 }
 
-// Whether the MoE decode kernels may take block_gemv_h2: FASTAWQ_GEMV_H2=0 keeps the fp32 form,
-// =fp16 uses it for fp16 only (the switches of awq_gemv_packed.cu; read once).
-template <typename T>
-bool moe_h2_enabled() {
-  static const int mode = [] {  // 0 off, 1 fp16 only, 2 both
-    const char* v = std::getenv("FASTAWQ_GEMV_H2");
-    if (v == nullptr) return 2;
-    const std::string s(v);
-    return s == "0" ? 0 : (s == "fp16" ? 1 : 2);
-  }();
-  return mode == 2 || (mode == 1 && std::is_same_v<T, __half>);
-}
-
 template <typename T, typename Id, int ACT, bool kH2>
 __global__ void __launch_bounds__(kGemvThreads, 4) moe_w13_gemv_kernel(MoeGemvArgs a) {
   constexpr float kUnit = kH2 ? 16.f : 256.f;  // of block_gemv's sums
@@ -337,7 +322,7 @@ void launch_typed(const MoeGemvArgs& a, cudaStream_t stream) {
   const dim3 grid13(a.tiles13, a.splits13, a.n_assign), grid2(a.tiles2, a.splits2, a.n_assign);
   // The half2 form at one token only (H200, RESULTS.md session 11: Mixtral-8x7B experts 88.9 ->
   // 83.7 us at T = 1, but 268.2 -> 279.0 at T = 4; Qwen3-30B-A3B unchanged at both).
-  if (a.n_assign == a.topk && moe_h2_enabled<T>()) {
+  if (a.n_assign == a.topk && gemv::h2_enabled<T>()) {
     launch_pdl(moe_w13_gemv_kernel<T, Id, ACT, true>, grid13, dim3(kGemvThreads), 0, stream, a);
     launch_pdl(moe_w2_gemv_kernel<T, Id, true>, grid2, dim3(kGemvThreads), 0, stream, a);
   } else {
