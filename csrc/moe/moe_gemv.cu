@@ -206,9 +206,24 @@ __device__ __forceinline__ void block_gemv_h2(const T* __restrict__ xrow, const 
   }
 }
 
+// One block's K loop in the form kH2 picks; its sums come out in units of 1 / kSumUnit<kH2>.
+template <bool kH2>
+constexpr float kSumUnit = kH2 ? 16.f : 256.f;
+template <typename T, bool kH2>
+__device__ __forceinline__ void expert_gemv(const T* __restrict__ xrow, const uint32_t* __restrict__ qweight,
+                                            const T* __restrict__ scales, const uint32_t* __restrict__ qzeros, int n8,
+                                            int n, int k, int g, int word0, bool col_ok, int chunk_rows,
+                                            int chunks_per_block, float (&y)[1][kLaneCols]) {
+  if constexpr (kH2) {
+    block_gemv_h2<T>(xrow, qweight, scales, qzeros, n8, n, k, g, word0, col_ok, chunk_rows, chunks_per_block, y);
+  } else {
+    block_gemv<T>(xrow, qweight, scales, qzeros, n8, n, k, g, word0, col_ok, chunk_rows, chunks_per_block, y);
+  }
+}
+
 template <typename T, typename Id, int ACT, bool kH2>
 __global__ void __launch_bounds__(kGemvThreads, 4) moe_w13_gemv_kernel(MoeGemvArgs a) {
-  constexpr float kUnit = kH2 ? 16.f : 256.f;  // of block_gemv's sums
+  constexpr float kUnit = kSumUnit<kH2>;
   using Tr = HalfTraits<T>;
   __shared__ TileRed sh;
   pdl_wait();  // the ids come from the routing kernel before this one
@@ -220,15 +235,9 @@ __global__ void __launch_bounds__(kGemvThreads, 4) moe_w13_gemv_kernel(MoeGemvAr
   const int word0 = (cl >> 2) * (inter / 8) + gate_word;
   const bool col_ok = valid && gate_word < inter / 8;
   float y[1][kLaneCols];
-  const T* xrow = static_cast<const T*>(a.x) + static_cast<int64_t>(f / a.topk) * a.x_stride;
-  const uint32_t* w13q = a.w13_qweight + ex * k * n8;
-  const T* w13s = static_cast<const T*>(a.w13_scales) + ex * (k / g) * n;
-  const uint32_t* w13z = a.w13_qzeros + ex * (k / g) * n8;
-  if constexpr (kH2) {
-    block_gemv_h2<T>(xrow, w13q, w13s, w13z, n8, n, k, g, word0, col_ok, a.chunk13, a.cpb13, y);
-  } else {
-    block_gemv<T>(xrow, w13q, w13s, w13z, n8, n, k, g, word0, col_ok, a.chunk13, a.cpb13, y);
-  }
+  expert_gemv<T, kH2>(static_cast<const T*>(a.x) + static_cast<int64_t>(f / a.topk) * a.x_stride,
+                      a.w13_qweight + ex * k * n8, static_cast<const T*>(a.w13_scales) + ex * (k / g) * n,
+                      a.w13_qzeros + ex * (k / g) * n8, n8, n, k, g, word0, col_ok, a.chunk13, a.cpb13, y);
   reduce_tile(y, sh);
 
   constexpr int kHalfTile = kTileCols / 2;
@@ -263,7 +272,7 @@ __global__ void __launch_bounds__(kGemvThreads, 4) moe_w13_gemv_kernel(MoeGemvAr
 
 template <typename T, typename Id, bool kH2>
 __global__ void __launch_bounds__(kGemvThreads, 4) moe_w2_gemv_kernel(MoeGemvArgs a) {
-  constexpr float kUnit = kH2 ? 16.f : 256.f;  // of block_gemv's sums
+  constexpr float kUnit = kSumUnit<kH2>;
   using Tr = HalfTraits<T>;
   __shared__ TileRed sh;
   // The ids may be read before the wait: they come from the routing kernel, which had completed
@@ -284,14 +293,9 @@ __global__ void __launch_bounds__(kGemvThreads, 4) moe_w2_gemv_kernel(MoeGemvArg
   pdl_wait();  // h comes from the w13 launch
   pdl_launch_dependents();
   float y[1][kLaneCols];
-  const T* hrow = static_cast<const T*>(a.h) + static_cast<int64_t>(f) * k;
-  const T* w2s = static_cast<const T*>(a.w2_scales) + ex * (k / g) * n;
-  const uint32_t* w2z = a.w2_qzeros + ex * (k / g) * n8;
-  if constexpr (kH2) {
-    block_gemv_h2<T>(hrow, w2q, w2s, w2z, n8, n, k, g, word0, col_ok, a.chunk2, a.cpb2, y);
-  } else {
-    block_gemv<T>(hrow, w2q, w2s, w2z, n8, n, k, g, word0, col_ok, a.chunk2, a.cpb2, y);
-  }
+  expert_gemv<T, kH2>(static_cast<const T*>(a.h) + static_cast<int64_t>(f) * k, w2q,
+                      static_cast<const T*>(a.w2_scales) + ex * (k / g) * n, a.w2_qzeros + ex * (k / g) * n8, n8, n,
+                      k, g, word0, col_ok, a.chunk2, a.cpb2, y);
   reduce_tile(y, sh);
 
   const int col0 = tile * kTileCols, t = f / a.topk;
