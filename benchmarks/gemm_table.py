@@ -8,7 +8,8 @@ between machines.
 Columns: `--backends` forces a backend on the AWQ layout (`cuda`, `triton`, ...); `--layouts`
 runs the automatic dispatch on a weight layout (`awq`: ops.awq_gemm, `packed`: ops.packed_gemm
 on the repacked weights), which is what a WQLinear in that layout runs; `--kernels` forces a
-compiled kernel on the packed layout (`gemv`, `mma`, `mma:CHUNKS:WARPS_PER_SM`), for tuning.
+compiled kernel on the packed layout (`gemv`, `gemv:WARPS_PER_SM`, `mma`, `mma:CHUNKS:WARPS_PER_SM`),
+for tuning.
 
     python benchmarks/gemm_table.py [--backends triton,cuda] [--ms 1,16,64,256,1024,4096] [--out DIR]
     python benchmarks/gemm_table.py --layouts awq,packed --dtypes float16,bfloat16 \
@@ -46,9 +47,13 @@ _PACKED: dict[int, list] = {}
 
 
 def _kernel_caller(col: str, awq: list[tuple], x: torch.Tensor, n: int):
-    """fn(i) for a "kernel:NAME[:CHUNKS:WARPS_PER_SM]" column (None where M is beyond the kernel)."""
+    """fn(i) for a "kernel:gemv[:WARPS_PER_SM]" or "kernel:mma[:CHUNKS:WARPS_PER_SM]" column (None
+    where M is beyond the kernel); 0 or nothing: the kernel's automatic grid."""
     name, *tile = col.removeprefix("kernel:").split(":")
-    chunks, warps = (int(tile[0]), int(tile[1])) if tile else (0, 0)
+    if name == "gemv":
+        chunks, warps = 0, (int(tile[0]) if tile else 0)
+    else:
+        chunks, warps = (int(tile[0]), int(tile[1])) if tile else (0, 0)
     if x.shape[0] > KERNEL_MAX_M[name] or (chunks == 4 and x.shape[0] > 16):  # 4 chunks: at most 2 mma tiles
         return None
     key = id(awq[0][0])
@@ -57,7 +62,7 @@ def _kernel_caller(col: str, awq: list[tuple], x: torch.Tensor, n: int):
         _PACKED[key] = [ops.awq_gemv_repack(*w, GROUP) for w in awq]
     packed = _PACKED[key]
     if name == "gemv":
-        return lambda i: torch.ops.fastawq.awq_gemv_packed(x, *packed[i], n, GROUP, None)
+        return lambda i: torch.ops.fastawq.awq_gemv_packed(x, *packed[i], n, GROUP, None, warps)
     return lambda i: torch.ops.fastawq.awq_mma_packed(x, *packed[i], n, GROUP, None, chunks, warps)
 
 
@@ -215,7 +220,7 @@ def main() -> int:
                     "(none when --layouts is given)")
     ap.add_argument("--layouts", default="", help="comma list of awq, packed: automatic dispatch on that layout")
     ap.add_argument("--kernels", default="", help="comma list of compiled kernels on the packed layout, forced: "
-                    "gemv, mma, or mma:CHUNKS:WARPS_PER_SM (a tile of the tensor-core kernel)")
+                    "gemv, gemv:WARPS_PER_SM, mma, or mma:CHUNKS:WARPS_PER_SM (a tile of the tensor-core kernel)")
     ap.add_argument("--dtypes", default="float16")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))

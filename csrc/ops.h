@@ -31,8 +31,9 @@ void awq_dequantize_into(const at::Tensor& qweight, const at::Tensor& scales, co
 
 // x [M<=8, K] fp16|bf16 · wpacked [K/8, N] int32 · szpacked [K/G, 2N] (x's dtype), both from
 // fastawq.ops.repack.awq_gemv_repack · bias [N] -> [M, N]: the decode kernel on the repacked layout.
+// warps_per_sm 0: the grid is one wave of what fits; set, the grid's target, for a benchmark sweep.
 at::Tensor awq_gemv_packed(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n,
-                           int64_t group_size, const std::optional<at::Tensor>& bias);
+                           int64_t group_size, const std::optional<at::Tensor>& bias, int64_t warps_per_sm);
 
 // The same on the tensor cores for x [M<=32, K] (csrc/gemv/awq_mma_packed.cu). chunks (32-column
 // chunks per block tile: 1, 2, 4) and warps_per_sm (the grid's target) 0: the kernel's defaults;

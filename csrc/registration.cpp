@@ -25,7 +25,8 @@ TORCH_LIBRARY(fastawq, m) {
         "str kernel=\"auto\") -> Tensor");
   // No tensors: callable without a GPU, so Python asks the one owner of the fit rules.
   m.def("awq_gemm_declines(str kernel, int m, int n, int k, int group_size) -> str", &fastawq::awq_gemm_declines);
-  m.def("awq_gemv_packed(Tensor x, Tensor wpacked, Tensor szpacked, int n, int group_size, Tensor? bias) -> Tensor");
+  m.def("awq_gemv_packed(Tensor x, Tensor wpacked, Tensor szpacked, int n, int group_size, Tensor? bias, "
+        "int warps_per_sm=0) -> Tensor");
   m.def("awq_mma_packed(Tensor x, Tensor wpacked, Tensor szpacked, int n, int group_size, Tensor? bias, "
         "int chunks=0, int warps_per_sm=0) -> Tensor");
   m.def("moe_gemv_w4(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_qweight, Tensor w13_scales, "

@@ -158,6 +158,20 @@ def test_kernel_llama_shapes(k, n, m, dtype):
 
 
 @requires_kernel
+@pytest.mark.parametrize("k,n", [(4096, 28672), (14336, 4104), (2048, 392)])
+@pytest.mark.parametrize("warps_per_sm", [1, 7, 16, 64])
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_every_grid_plan_matches_reference(k, n, warps_per_sm, m):
+    # An explicit warps_per_sm takes the warp-count plan (1: few splits, long ranges; 64: ranges of
+    # 2 steps and many splits, blocks over several waves); 0, the automatic one-wave plan, is the
+    # rest of this file. Ranges that leave a block's last warps empty are among them.
+    g, dtype = 128, torch.float16
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=warps_per_sm + m)
+    x = random_input((m, k), "cuda", dtype, seed=m)
+    assert_close_to_reference(_poisoned_call(x, wp, sz, n, g, None, warps_per_sm), x, qw, s, qz, g)
+
+
+@requires_kernel
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("scale", [300.0, 1e-3])
@@ -238,3 +252,5 @@ def test_bad_inputs_are_named():
         op(x, wp, sz, n, g, random_input((n + 8,), "cuda", torch.float16))
     with pytest.raises(RuntimeError, match="one CUDA device"):
         op(x, wp.cpu(), sz, n, g, None)
+    with pytest.raises(RuntimeError, match="warps_per_sm must be in 1..64.*65"):
+        op(x, wp, sz, n, g, None, 65)

@@ -19,9 +19,12 @@ namespace fastawq {
 namespace {
 
 constexpr int64_t kMaxDim = int64_t{1} << 30;
-// Resident warps per SM the grid aims at, from ptxas's registers per M at sm_90a (56 at M = 1,
-// 95 at 2..3, ~128 at 4..5, ~165 at 6..7, ~190 at 8; 4-warp blocks).
+// Resident warps per SM the warp-count plan (plan_split) aimed at before the one-wave plan, from
+// ptxas's registers per M at sm_90a then (56 at M = 1, 95 at 2..3, ~128 at 4..5, ~165 at 6..7,
+// ~190 at 8; 4-warp blocks); FASTAWQ_SPLIT_PLAN=warps still takes it.
 constexpr int64_t kWarpsPerSm[kPackedMaxM + 1] = {32, 32, 20, 20, 16, 16, 12, 12, 8};
+// The GEMV's many-wave target where one wave fills too few slots (plan_auto).
+constexpr int64_t kFallbackWarpsPerSm = 32;
 
 // The tensor-core kernel's tile when the caller leaves it to the kernel, from the H200 sweep of
 // benchmarks/gemm_table.py --kernels (RESULTS.md, session 5): 4 chunks up to M = 4, else 2; the
@@ -85,12 +88,13 @@ const at::Tensor* check_packed(const char* op, const at::Tensor& x, const at::Te
 }
 
 // The grid of both kernels: one column tile per blockIdx.x; K cut into contiguous warp ranges of at
-// least two 32-row steps (so the next step's loads overlap the current one) until the grid holds
-// about want_warps warps; 4 warps (ranges) per block, blockIdx.y over the remaining ranges.
+// least two 32-row steps (so the next step's loads overlap the current one), 4 warps (ranges) per
+// block, blockIdx.y over the remaining ranges.
 struct SplitPlan {
   int col_tiles, splits, steps_per_warp;
 };
 
+// Ranges cut until the grid holds about want_warps warps (an explicit warps_per_sm, or the old plan).
 SplitPlan plan_split(int64_t n, int64_t k, int64_t tile_cols, int64_t want_warps) {
   const int64_t col_tiles = (n + tile_cols - 1) / tile_cols;
   const int64_t steps = k / kPackedBatchRows;
@@ -98,6 +102,51 @@ SplitPlan plan_split(int64_t n, int64_t k, int64_t tile_cols, int64_t want_warps
   spw = std::max<int64_t>(2, std::min(spw, steps));
   const int64_t ranges = (steps + spw - 1) / spw;
   return {static_cast<int>(col_tiles), static_cast<int>((ranges + 3) / 4), static_cast<int>(spw)};
+}
+
+// One wave: the shortest ranges (>= 2 steps) whose grid fits on the SMs at once (capacity blocks,
+// from the occupancy query). The warp-count plan above rounds ranges up to whole blocks per column
+// tile and ignores what fits, so a large layer's grid spilled into a second, mostly empty wave that
+// ran at latency rather than bandwidth (4096 x 28672 at M = 1: 1,120 blocks for 792 slots).
+SplitPlan plan_one_wave(int64_t n, int64_t k, int64_t tile_cols, int64_t capacity) {
+  const int64_t col_tiles = (n + tile_cols - 1) / tile_cols;
+  const int64_t steps = k / kPackedBatchRows;
+  const int64_t max_splits = std::max<int64_t>(1, capacity / col_tiles);
+  int64_t spw = (steps + 4 * max_splits - 1) / (4 * max_splits);
+  spw = std::max<int64_t>(2, std::min(spw, steps));
+  const int64_t ranges = (steps + spw - 1) / spw;
+  return {static_cast<int>(col_tiles), static_cast<int>((ranges + 3) / 4), static_cast<int>(spw)};
+}
+
+// Which automatic plan: FASTAWQ_SPLIT_PLAN = wave (default) or warps (the plan before session 12,
+// kept for same-run A/B measurements), read once.
+bool one_wave_plan() {
+  static const bool wave = [] {
+    const char* v = std::getenv("FASTAWQ_SPLIT_PLAN");
+    if (v == nullptr || *v == '\0') return true;
+    const std::string s = v;
+    FASTAWQ_CHECK(s == "wave" || s == "warps", "FASTAWQ_SPLIT_PLAN must be wave or warps, got '", s, "'");
+    return s == "wave";
+  }();
+  return wave;
+}
+
+// The automatic plan for a kernel whose instance fits `resident` blocks on each of `sms` SMs.
+// fallback_warps_per_sm > 0: where one wave would leave more than a quarter of the slots empty
+// (few column tiles, so splits come in coarse steps) and ranges could still be cut shorter, take
+// the warp-count plan at that target instead, several waves of short ranges (the GEMV at M = 2 on
+// 4096 x 28672: 448 blocks for 660 slots read at 1,726 GB/s, 1,120 blocks at 2,082; H200,
+// RESULTS.md session 12).
+SplitPlan plan_auto(int64_t n, int64_t k, int64_t tile_cols, int sms, int resident, int64_t old_warps_per_sm,
+                    int64_t fallback_warps_per_sm = 0) {
+  if (!one_wave_plan()) return plan_split(n, k, tile_cols, sms * old_warps_per_sm);
+  const int64_t capacity = int64_t(sms) * resident;
+  const SplitPlan wave = plan_one_wave(n, k, tile_cols, capacity);
+  const int64_t blocks = int64_t(wave.col_tiles) * wave.splits;
+  if (fallback_warps_per_sm > 0 && wave.steps_per_warp > 2 && 4 * blocks < 3 * capacity) {
+    return plan_split(n, k, tile_cols, sms * fallback_warps_per_sm);
+  }
+  return wave;
 }
 
 // The fields both kernels share, for the call's tensors and grid (the workspace when K is split).
@@ -122,9 +171,11 @@ void fill_args(PackedArgs& a, const at::Tensor& x, const at::Tensor& wpacked, co
 }  // namespace
 
 at::Tensor awq_gemv_packed(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n,
-                           int64_t group_size, const std::optional<at::Tensor>& bias) {
+                           int64_t group_size, const std::optional<at::Tensor>& bias, int64_t warps_per_sm) {
   const at::Tensor* b = check_packed("awq_gemv_packed", x, wpacked, szpacked, n, group_size, bias, kPackedMaxM);
   const int64_t m = x.size(0), k = x.size(1);
+  FASTAWQ_CHECK(warps_per_sm >= 0 && warps_per_sm <= 64,
+                "awq_gemv_packed: warps_per_sm must be in 1..64 (0: one wave of what fits), got ", warps_per_sm);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
@@ -132,7 +183,13 @@ at::Tensor awq_gemv_packed(const at::Tensor& x, const at::Tensor& wpacked, const
 
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   GemvPackedArgs a{};
-  fill_args(a, x, wpacked, szpacked, b, out, group_size, plan_split(n, k, kPackedTileCols, sms * kWarpsPerSm[m]));
+  a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
+  a.m = static_cast<int>(m);
+  const SplitPlan plan = warps_per_sm > 0
+                             ? plan_split(n, k, kPackedTileCols, sms * warps_per_sm)
+                             : plan_auto(n, k, kPackedTileCols, sms, gemv_packed_resident_blocks(a), kWarpsPerSm[m],
+                                         kFallbackWarpsPerSm);
+  fill_args(a, x, wpacked, szpacked, b, out, group_size, plan);
   launch_awq_gemv_packed(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
@@ -159,9 +216,11 @@ at::Tensor awq_mma_packed(const at::Tensor& x, const at::Tensor& wpacked, const 
   a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
   a.m = static_cast<int>(m), a.chunks = static_cast<int>(chunks);
   a.register_ring = mma_register_ring(mma_packed_tiles(rows));
-  if (warps_per_sm == 0) warps_per_sm = 4 * mma_packed_resident_blocks(a);
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  fill_args(a, x, wpacked, szpacked, b, out, group_size, plan_split(n, k, 32 * chunks, sms * warps_per_sm));
+  const int resident = mma_packed_resident_blocks(a);
+  const SplitPlan plan = warps_per_sm > 0 ? plan_split(n, k, 32 * chunks, sms * warps_per_sm)
+                                          : plan_auto(n, k, 32 * chunks, sms, resident, 4 * resident);
+  fill_args(a, x, wpacked, szpacked, b, out, group_size, plan);
   launch_awq_mma_packed(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

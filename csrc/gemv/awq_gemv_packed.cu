@@ -14,7 +14,7 @@
 // one is consumed, so 8 loads per lane are in flight with ~40 registers of payload at M = 1, and the
 // low register count leaves room for many resident warps (cp.async would add a barrier and shared
 // memory traffic for no reuse: each byte is read by one lane once). The host picks the range so the
-// grid has about 32 warps per SM. Tail: warps meet in shared memory, split-K blocks add into the
+// grid is one wave of the blocks that fit (awq_gemv_packed.cpp plan_auto). Tail: warps meet in shared memory, split-K blocks add into the
 // zeroed fp32 workspace with one atomic per (row, column), and the last block of a tile converts
 // and re-zeroes it (graph-safe, no extra launch).
 // ptxas (sm_90a, no spills): 64 registers at M = 1 (77 with the half2 sums, kH2), 94 at 2..3,
@@ -277,29 +277,32 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
 constexpr int kH2MaxM = 2;
 
 template <typename T, int M>
-void launch_m(const GemvPackedArgs& a, cudaStream_t stream) {
-  const dim3 grid(a.col_tiles, a.splits);
+void launch_m(const GemvPackedArgs& a, cudaStream_t stream, int* resident) {
   constexpr bool kH2able = M <= kH2MaxM;
-  launch_pdl((kH2able && gemv::h2_enabled<T>()) ? awq_gemv_packed_kernel<T, M, kH2able> : awq_gemv_packed_kernel<T, M, false>,
-             grid, dim3(kPackedThreads), 0, stream,
-      static_cast<const T*>(a.x), reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz),
-      static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.n, a.k, a.group_size,
-      a.steps_per_warp);
+  const auto kernel =
+      (kH2able && gemv::h2_enabled<T>()) ? awq_gemv_packed_kernel<T, M, kH2able> : awq_gemv_packed_kernel<T, M, false>;
+  if (resident != nullptr) {
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, kPackedThreads, 0);
+    return;
+  }
+  launch_pdl(kernel, dim3(a.col_tiles, a.splits), dim3(kPackedThreads), 0, stream, static_cast<const T*>(a.x),
+             reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz), static_cast<const T*>(a.bias),
+             static_cast<T*>(a.out), a.workspace, a.counters, a.n, a.k, a.group_size, a.steps_per_warp);
 }
 
 // The host entry sends only 1 <= m <= kPackedMaxM = 8.
 template <typename T>
-void launch_t(const GemvPackedArgs& a, cudaStream_t stream) {
+void launch_t(const GemvPackedArgs& a, cudaStream_t stream, int* resident) {
   static_assert(kPackedMaxM == 8, "one instance per M below");
   switch (a.m) {
-    case 1: return launch_m<T, 1>(a, stream);
-    case 2: return launch_m<T, 2>(a, stream);
-    case 3: return launch_m<T, 3>(a, stream);
-    case 4: return launch_m<T, 4>(a, stream);
-    case 5: return launch_m<T, 5>(a, stream);
-    case 6: return launch_m<T, 6>(a, stream);
-    case 7: return launch_m<T, 7>(a, stream);
-    default: return launch_m<T, 8>(a, stream);
+    case 1: return launch_m<T, 1>(a, stream, resident);
+    case 2: return launch_m<T, 2>(a, stream, resident);
+    case 3: return launch_m<T, 3>(a, stream, resident);
+    case 4: return launch_m<T, 4>(a, stream, resident);
+    case 5: return launch_m<T, 5>(a, stream, resident);
+    case 6: return launch_m<T, 6>(a, stream, resident);
+    case 7: return launch_m<T, 7>(a, stream, resident);
+    default: return launch_m<T, 8>(a, stream, resident);
   }
 }
 
@@ -307,10 +310,20 @@ void launch_t(const GemvPackedArgs& a, cudaStream_t stream) {
 
 void launch_awq_gemv_packed(const GemvPackedArgs& a, cudaStream_t stream) {
   if (a.dtype == HalfType::kHalf) {
-    launch_t<__half>(a, stream);
+    launch_t<__half>(a, stream, nullptr);
   } else {
-    launch_t<__nv_bfloat16>(a, stream);
+    launch_t<__nv_bfloat16>(a, stream, nullptr);
   }
+}
+
+int gemv_packed_resident_blocks(const GemvPackedArgs& a) {
+  int blocks = 0;
+  if (a.dtype == HalfType::kHalf) {
+    launch_t<__half>(a, nullptr, &blocks);
+  } else {
+    launch_t<__nv_bfloat16>(a, nullptr, &blocks);
+  }
+  return blocks > 0 ? blocks : 1;
 }
 
 }  // namespace fastawq

@@ -39,6 +39,8 @@ struct PackedArgs {
 using GemvPackedArgs = PackedArgs;
 
 void launch_awq_gemv_packed(const GemvPackedArgs& args, cudaStream_t stream);
+// Blocks of the kernel instance args.m (and dtype, FASTAWQ_GEMV_H2) selects that fit on one SM.
+int gemv_packed_resident_blocks(const GemvPackedArgs& args);
 
 // The tensor-core ("swap AB") kernel: 1 <= M <= kMmaPackedMaxM, the batch in 8-row mma tiles
 // (1, 2 or 4 of them), a block's tile `chunks` x 32 columns (1, 2, or 4 with fewer than 4 mma tiles).

@@ -232,7 +232,7 @@ def _register_fakes() -> None:
     if _ext.has_op("awq_gemv_packed"):
 
         @torch.library.register_fake("fastawq::awq_gemv_packed")
-        def _(x, wpacked, szpacked, n, group_size, bias):
+        def _(x, wpacked, szpacked, n, group_size, bias, warps_per_sm=0):
             _check_packed_call(x, wpacked, szpacked, n)
             torch._check(x.shape[0] <= MAX_M, lambda: f"awq_gemv_packed takes M <= {MAX_M}, got x {tuple(x.shape)}")
             return x.new_empty((x.shape[0], n))
