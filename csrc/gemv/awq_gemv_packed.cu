@@ -14,9 +14,9 @@
 // one is consumed, so 8 loads per lane are in flight with ~40 registers of payload at M = 1, and the
 // low register count leaves room for many resident warps (cp.async would add a barrier and shared
 // memory traffic for no reuse: each byte is read by one lane once). The host picks the range so the
-// grid is one wave of the blocks that fit (awq_gemv_packed.cpp plan_auto). Tail: warps meet in shared memory, split-K blocks add into the
-// zeroed fp32 workspace with one atomic per (row, column), and the last block of a tile converts
-// and re-zeroes it (graph-safe, no extra launch).
+// grid is one wave of the blocks that fit (awq_gemv_packed.cpp plan_auto). Tail: warps meet in
+// shared memory, split-K blocks add into the zeroed fp32 workspace with one atomic per (row,
+// column), and the last block of a tile converts and re-zeroes it (graph-safe, no extra launch).
 // ptxas (sm_90a, no spills): 64 registers at M = 1 (77 with the half2 sums, kH2), 94 at 2..3,
 // 128..134 at 4..5, ~167 at 6..7, ~195 at 8. (Session 5: a minimum of 6 blocks per SM brought
 // M = 2 to 80 but spilled at M = 3.)
