@@ -26,10 +26,12 @@ constexpr int64_t kWarpsPerSm[kPackedMaxM + 1] = {32, 32, 20, 20, 16, 16, 12, 12
 // The GEMV's many-wave target where one wave fills too few slots (plan_auto).
 constexpr int64_t kFallbackWarpsPerSm = 32;
 
-// The tensor-core kernel's tile when the caller leaves it to the kernel, from the H200 sweep of
-// benchmarks/gemm_table.py --kernels (RESULTS.md, session 5): 4 chunks up to M = 4, else 2; the
-// grid aims at the warps that fit on the SMs at once (the occupancy query), 8 per SM for 2 mma tiles.
-int default_chunks(int64_t m) { return m <= 4 ? 4 : 2; }
+// The tensor-core kernel's tile when the caller leaves it to the kernel: 2 chunks. Session 5's sweep
+// had 4 chunks ahead up to M = 4; with the one-wave grid 2 lead at every M (H200, RESULTS.md session
+// 12, geomean x cuBLAS fp16 at M = 3 / 4: 1.78 / 1.74 against 1.67 / 1.62; 4 chunks still win on
+// 4096 x 6144 alone, 10.4 against 11.1 us at M = 4, a shape-aware choice left open). The grid aims
+// at the warps that fit on the SMs at once (the occupancy query), 8 per SM for 2 mma tiles.
+int default_chunks(int64_t) { return 2; }
 int64_t default_warps_per_sm(int tiles) { return tiles == 2 ? 8 : 0; }
 
 // How awq_mma_packed stages its weights: in registers for one batch tile (M <= 8), through the
