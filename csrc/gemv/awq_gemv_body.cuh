@@ -27,6 +27,14 @@ struct Words<4> {
     v[0] = w.x, v[1] = w.y, v[2] = w.z, v[3] = w.w;
   }
 };
+template <>
+struct Words<2> {
+  uint32_t v[2];
+  __device__ __forceinline__ void load(const uint32_t* p, uint64_t policy) {
+    const uint2 w = gemv::load_stream2(p, policy);
+    v[0] = w.x, v[1] = w.y;
+  }
+};
 // f[c] = 0.5 + q_c / 256 for the 8 nibbles of an AWQ word, in real column order c = 0..7.
 // Nibble i holds column AWQ_ORDER[i] = (0, 2, 4, 6, 1, 3, 5, 7)[i]: the even nibbles (bytes of
 // w & 0x0F0F0F0F) are columns 0, 4, 1, 5 and the odd ones columns 2, 6, 3, 7.

@@ -24,6 +24,15 @@ __device__ __forceinline__ uint4 load_stream(const void* p, uint64_t policy) {
   return v;
 }
 
+// The same, 8 bytes (the MoE decode ring's lanes hold 2 words of a row).
+__device__ __forceinline__ uint2 load_stream2(const void* p, uint64_t policy) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v2.u32 {%0,%1}, [%2], %3;\n"
+               : "=r"(v.x), "=r"(v.y)
+               : "l"(p), "l"(policy));
+  return v;
+}
+
 // f[c] = 0.5 + b_c / 256 for the 4 bytes b_c (each < 16) of a masked word: the byte permute
 // drops byte c into bits 16..19 of 0.5f (0x3F000000), one instruction and exact.
 __device__ __forceinline__ void decode_bytes(uint32_t v, float (&f)[4]) {

@@ -11,6 +11,8 @@
 // Split K works the same way for w13 (the last of a tile's splits applies the activation). An id
 // outside [0, E) contributes zeros but still arrives, so the counters always return to zero.
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "common/dtype.cuh"
@@ -40,20 +42,35 @@ struct TileRed {
   int is_last;
 };
 
-// Sum the block's partials of its tile over the 4 row lanes (shuffles) and the 4 warps (shared
+// How a block's 128 threads cover its 256-column tile: kColLanes lanes of a warp side by side, each
+// on kWords consecutive packed words (8 columns each) of a row, the warp's other lanes on other
+// rows. Forms 0 and 1 (fp32 and half2 sums) take 16-byte loads: 8 column lanes of 4 words and 4
+// row lanes; the ring (form 2) 8-byte ones: 16 column lanes of 2 words and 2 row lanes, so a lane
+// holds half the accumulators and zero constants and its registers go to loads in flight.
+template <int kForm>
+struct LaneMap {
+  static constexpr int kWords = kForm == 2 ? 2 : WPT;
+  static constexpr int kColLanes = 32 / kWords;
+  static constexpr int kRowLanes = 32 / kColLanes;
+  static constexpr int kCols = 8 * kWords;  // output columns per lane
+  static_assert(kColLanes * kCols == kTileCols, "a block row covers the tile");
+};
+
+// Sum the block's partials of its tile over the row lanes (shuffles) and the 4 warps (shared
 // memory); returns with sh.red filled and the block synchronised.
-__device__ __forceinline__ void reduce_tile(float (&y)[1][kLaneCols], TileRed& sh) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, cl = lane & 7, rl = lane >> 3;
+template <int kColLanes, int kCols>
+__device__ __forceinline__ void reduce_tile(float (&y)[1][kCols], TileRed& sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, cl = lane % kColLanes, rl = lane / kColLanes;
 #pragma unroll
-  for (int c = 0; c < kLaneCols; ++c) {
+  for (int c = 0; c < kCols; ++c) {
     float v = y[0][c];
-    v += __shfl_xor_sync(0xffffffffu, v, 8);
-    v += __shfl_xor_sync(0xffffffffu, v, 16);
+#pragma unroll
+    for (int off = kColLanes; off < 32; off *= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
     y[0][c] = v;
   }
   if (rl == 0) {
 #pragma unroll
-    for (int c = 0; c < kLaneCols; ++c) sh.red[warp][cl * kLaneCols + c] = y[0][c];
+    for (int c = 0; c < kCols; ++c) sh.red[warp][cl * kCols + c] = y[0][c];
   }
   __syncthreads();
 }
@@ -206,39 +223,160 @@ __device__ __forceinline__ void block_gemv_h2(const T* __restrict__ xrow, const 
   }
 }
 
-// One block's K loop in the form kH2 picks; its sums come out in units of 1 / kSumUnit<kH2>.
-template <bool kH2>
-constexpr float kSumUnit = kH2 ? 16.f : 256.f;
-template <typename T, bool kH2>
+// block_gemv_h2 as a rolling ring (form 2, at one token), on LaneMap<2>: a lane's batch is 16
+// rows (base + rl + 2u) of its 2 words. Rows are consumed one at a time and each row's registers
+// are refilled with the same row of the warp's next batch (across chunks, the next chunk's first)
+// as soon as it is consumed, so a lane keeps its loads in flight while it sums, where
+// block_gemv_h2 issues its next batch only after consuming the whole current one. x is fetched
+// once per batch (lane l holds row base + l, shuffled to the row lanes), the zero words at each
+// group's first batch (L2-prefetched a batch before), the scales from L1 at each batch's close.
+// Loads are unconditional (no branch around them): a lane outside the columns (or of a bad id)
+// reads its row's first words and adds them with scale 0.
+template <typename T>
+__device__ __forceinline__ void block_gemv_ring(const T* __restrict__ xrow, const uint32_t* __restrict__ qweight,
+                                                const T* __restrict__ scales, const uint32_t* __restrict__ qzeros,
+                                                int n8, int n, int k, int g, int word0, bool col_ok, int chunk_rows,
+                                                int chunks_per_block, float (&y)[1][LaneMap<2>::kCols]) {
+  using L = LaneMap<2>;
+  constexpr int kW = L::kWords, kRows = kBatchRows / L::kRowLanes;
+  using T2 = typename HalfTraits<T>::T2;
+  using gemv::word_pairs;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, rl = lane / L::kColLanes;
+#pragma unroll
+  for (int c = 0; c < L::kCols; ++c) y[0][c] = 0.f;
+  const int c_end = min((blockIdx.y + 1) * chunks_per_block, (k + chunk_rows - 1) / chunk_rows);
+  int chunk = blockIdx.y * chunks_per_block + warp;
+  if (chunk >= c_end) return;
+  const uint64_t policy = evict_first_policy();
+  const auto h2 = [](uint32_t v) { return *reinterpret_cast<const T2*>(&v); };
+  const int wcol = col_ok ? word0 : 0;
+  const int64_t step = int64_t{L::kRowLanes} * n8;  // a lane's rows u and u + 1
+  const auto rows_at = [&](int b) { return qweight + static_cast<int64_t>(b + rl) * n8 + wcol; };
+  int base = chunk * chunk_rows, row_end = min(base + chunk_rows, k);
+  Words<kW> w[kRows];
+  {
+    const uint32_t* p = rows_at(base);
+#pragma unroll
+    for (int u = 0; u < kRows; ++u) w[u].load(p + u * step, policy);
+  }
+  T xl = xrow[base + lane];  // rows base .. base + 31, one a lane
+  uint32_t zw[kW];
+  const auto zero_words = [&](int grp) {
+#pragma unroll
+    for (int j = 0; j < kW; ++j) zw[j] = col_ok ? __ldg(qzeros + static_cast<int64_t>(grp) * n8 + word0 + j) : 0u;
+  };
+  int grp = base / g;
+  zero_words(grp);
+  // One batch: sum it and, kMore, refill each row with the row of the batch at pn.
+  const auto batch = [&]<bool kMore>(const uint32_t* pn) {
+    T2 zc[kW][4];
+#pragma unroll
+    for (int j = 0; j < kW; ++j) {
+      uint32_t zr[4];
+      word_pairs<T>(zw[j], zr);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) zc[j][q] = h2(zr[q]);
+    }
+    T2 part[kW][4];
+#pragma unroll
+    for (int u = 0; u < kRows; ++u) {
+      const T xs = __shfl_sync(0xffffffffu, xl, rl + L::kRowLanes * u);
+      T2 xx;
+      if constexpr (std::is_same_v<T, __half>) {
+        xx = __half2half2(xs);
+      } else {
+        xx = __bfloat162bfloat162(xs);
+      }
+#pragma unroll
+      for (int j = 0; j < kW; ++j) {
+        uint32_t r[4];
+        word_pairs<T>(w[u].v[j], r);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const T2 v = __hsub2(h2(r[q]), zc[j][q]);
+          part[j][q] = u == 0 ? __hmul2(v, xx) : __hfma2(v, xx, part[j][q]);
+        }
+      }
+      if constexpr (kMore) w[u].load(pn + u * step, policy);
+    }
+    // Partials of 16 products of (q - z) / 16 and x: below 16 max|x|, so fp16 holds them for
+    // |x| < 4094 (block_gemv_h2's 8 rows allow 8188).
+#pragma unroll
+    for (int j = 0; j < kW; ++j) {
+      const uint4 sv = col_ok ? __ldg(reinterpret_cast<const uint4*>(scales + static_cast<int64_t>(grp) * n + (word0 + j) * 8))
+                              : make_uint4(0, 0, 0, 0);
+      const uint32_t sw[4] = {sv.x, sv.y, sv.z, sv.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 sf = HalfTraits<T>::to_float2(sw[q]);
+        const float2 pf = HalfTraits<T>::to_float2(*reinterpret_cast<const uint32_t*>(&part[j][q]));
+        y[0][j * 8 + 2 * q] = fmaf(sf.x, pf.x, y[0][j * 8 + 2 * q]);
+        y[0][j * 8 + 2 * q + 1] = fmaf(sf.y, pf.y, y[0][j * 8 + 2 * q + 1]);
+      }
+    }
+  };
+#pragma unroll 1
+  for (;;) {
+    // Where the warp's next batch starts; none: the last batch, without refills.
+    int nbase = base + kBatchRows;
+    if (nbase >= row_end) {
+      chunk += kWarps;
+      if (chunk >= c_end) break;
+      nbase = chunk * chunk_rows;
+      row_end = min(nbase + chunk_rows, k);
+    }
+    const T xn = xrow[nbase + lane];
+    const int ngrp = nbase / g;
+    if (ngrp != grp && col_ok) {  // into L2 for the next group's first batch
+      prefetch_l2(qzeros + static_cast<int64_t>(ngrp) * n8 + word0);
+      prefetch_l2(scales + static_cast<int64_t>(ngrp) * n + word0 * 8);
+    }
+    batch.template operator()<true>(rows_at(nbase));
+    if (ngrp != grp) zero_words(ngrp), grp = ngrp;
+    base = nbase, xl = xn;
+  }
+  batch.template operator()<false>(nullptr);
+}
+
+// One block's K loop in the form kForm picks (0: fp32 sums, block_gemv; 1: half2, block_gemv_h2;
+// 2: half2 as a ring, block_gemv_ring); its sums come out in units of 1 / kSumUnit<kForm>.
+template <int kForm>
+constexpr float kSumUnit = kForm ? 16.f : 256.f;
+template <typename T, int kForm>
 __device__ __forceinline__ void expert_gemv(const T* __restrict__ xrow, const uint32_t* __restrict__ qweight,
                                             const T* __restrict__ scales, const uint32_t* __restrict__ qzeros, int n8,
                                             int n, int k, int g, int word0, bool col_ok, int chunk_rows,
-                                            int chunks_per_block, float (&y)[1][kLaneCols]) {
-  if constexpr (kH2) {
+                                            int chunks_per_block, float (&y)[1][LaneMap<kForm>::kCols]) {
+  if constexpr (kForm == 2) {
+    block_gemv_ring<T>(xrow, qweight, scales, qzeros, n8, n, k, g, word0, col_ok, chunk_rows, chunks_per_block, y);
+  } else if constexpr (kForm == 1) {
     block_gemv_h2<T>(xrow, qweight, scales, qzeros, n8, n, k, g, word0, col_ok, chunk_rows, chunks_per_block, y);
   } else {
     block_gemv<T>(xrow, qweight, scales, qzeros, n8, n, k, g, word0, col_ok, chunk_rows, chunks_per_block, y);
   }
 }
 
-template <typename T, typename Id, int ACT, bool kH2>
+template <typename T, typename Id, int ACT, int kForm>
 __global__ void __launch_bounds__(kGemvThreads, 4) moe_w13_gemv_kernel(MoeGemvArgs a) {
-  constexpr float kUnit = kSumUnit<kH2>;
+  constexpr float kUnit = kSumUnit<kForm>;
   using Tr = HalfTraits<T>;
   __shared__ TileRed sh;
   pdl_wait();  // the ids come from the routing kernel before this one
   pdl_launch_dependents();
   const auto [f, valid, ex] = assignment<Id>(a);
-  const int tile = blockIdx.x, cl = threadIdx.x & 7;
+  using L = LaneMap<kForm>;
+  const int tile = blockIdx.x, cl = threadIdx.x % L::kColLanes;
   const int k = a.hidden, inter = a.inter, n = 2 * inter, n8 = n / 8, g = a.group13;
-  const int gate_word = tile * (4 * WPT) + (cl & 3) * WPT;  // lanes 0..3 gate, 4..7 the same up words
-  const int word0 = (cl >> 2) * (inter / 8) + gate_word;
+  // The first half of the column lanes on gate words, the second on the same up words.
+  constexpr int kHalfLanes = L::kColLanes / 2;
+  const int gate_word = tile * (4 * WPT) + (cl % kHalfLanes) * L::kWords;
+  const int word0 = (cl / kHalfLanes) * (inter / 8) + gate_word;
   const bool col_ok = valid && gate_word < inter / 8;
-  float y[1][kLaneCols];
-  expert_gemv<T, kH2>(static_cast<const T*>(a.x) + static_cast<int64_t>(f / a.topk) * a.x_stride,
+  float y[1][L::kCols];
+  expert_gemv<T, kForm>(static_cast<const T*>(a.x) + static_cast<int64_t>(f / a.topk) * a.x_stride,
                       a.w13_qweight + ex * k * n8, static_cast<const T*>(a.w13_scales) + ex * (k / g) * n,
                       a.w13_qzeros + ex * (k / g) * n8, n8, n, k, g, word0, col_ok, a.chunk13, a.cpb13, y);
-  reduce_tile(y, sh);
+  reduce_tile<L::kColLanes>(y, sh);
 
   constexpr int kHalfTile = kTileCols / 2;
   const int col0 = tile * kHalfTile;
@@ -270,9 +408,9 @@ __global__ void __launch_bounds__(kGemvThreads, 4) moe_w13_gemv_kernel(MoeGemvAr
   }
 }
 
-template <typename T, typename Id, bool kH2>
+template <typename T, typename Id, int kForm>
 __global__ void __launch_bounds__(kGemvThreads, 4) moe_w2_gemv_kernel(MoeGemvArgs a) {
-  constexpr float kUnit = kSumUnit<kH2>;
+  constexpr float kUnit = kSumUnit<kForm>;
   using Tr = HalfTraits<T>;
   __shared__ TileRed sh;
   // The ids may be read before the wait: they come from the routing kernel, which had completed
@@ -280,23 +418,30 @@ __global__ void __launch_bounds__(kGemvThreads, 4) moe_w2_gemv_kernel(MoeGemvArg
   // has (pdl_launch_dependents follows the wait). Read through L2 (another SM wrote them), they
   // let the block bring its first weight rows into L2 while w13 finishes.
   const auto [f, valid, ex] = assignment<Id>(a, true);
-  const int tile = blockIdx.x, cl = threadIdx.x & 7;
+  using L = LaneMap<kForm>;
+  const int tile = blockIdx.x, cl = threadIdx.x % L::kColLanes;
   const int k = a.inter, n = a.hidden, n8 = n / 8, g = a.group2;
-  const int word0 = tile * (8 * WPT) + cl * WPT;
+  const int word0 = tile * (8 * WPT) + cl * L::kWords;
   const bool col_ok = valid && word0 < n8;
   const uint32_t* w2q = a.w2_qweight + ex * k * n8;
   {
     const int chunk = blockIdx.y * a.cpb2 + (threadIdx.x >> 5);
     const int c_end = min((blockIdx.y + 1) * a.cpb2, (k + a.chunk2 - 1) / a.chunk2);
-    if (chunk < c_end) gemv::prefetch_batch<WPT>(w2q, n8, word0, col_ok, chunk * a.chunk2 + ((threadIdx.x & 31) >> 3), k);
+    const int row0 = chunk * a.chunk2 + (threadIdx.x & 31) / L::kColLanes;
+    if (chunk < c_end && col_ok) {  // the lane's rows of its first batch
+#pragma unroll
+      for (int u = 0; u < kBatchRows / L::kRowLanes; ++u) {
+        prefetch_l2(w2q + static_cast<int64_t>(row0 + L::kRowLanes * u) * n8 + word0);
+      }
+    }
   }
   pdl_wait();  // h comes from the w13 launch
   pdl_launch_dependents();
-  float y[1][kLaneCols];
-  expert_gemv<T, kH2>(static_cast<const T*>(a.h) + static_cast<int64_t>(f) * k, w2q,
+  float y[1][L::kCols];
+  expert_gemv<T, kForm>(static_cast<const T*>(a.h) + static_cast<int64_t>(f) * k, w2q,
                       static_cast<const T*>(a.w2_scales) + ex * (k / g) * n, a.w2_qzeros + ex * (k / g) * n8, n8, n,
                       k, g, word0, col_ok, a.chunk2, a.cpb2, y);
-  reduce_tile(y, sh);
+  reduce_tile<L::kColLanes>(y, sh);
 
   const int col0 = tile * kTileCols, t = f / a.topk;
   const float rw = valid ? kUnit * a.topk_weights[f] : 0.f;
@@ -321,17 +466,33 @@ __global__ void __launch_bounds__(kGemvThreads, 4) moe_w2_gemv_kernel(MoeGemvArg
   }
 }
 
+// FASTAWQ_MOE_RING=0: the one-token kernels without the ring (an A/B switch, read once).
+bool ring_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("FASTAWQ_MOE_RING");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return on;
+}
+
 template <typename T, typename Id, int ACT>
 void launch_typed(const MoeGemvArgs& a, cudaStream_t stream) {
   const dim3 grid13(a.tiles13, a.splits13, a.n_assign), grid2(a.tiles2, a.splits2, a.n_assign);
   // The half2 form at one token only (H200, RESULTS.md session 11: Mixtral-8x7B experts 88.9 ->
-  // 83.7 us at T = 1, but 268.2 -> 279.0 at T = 4; Qwen3-30B-A3B unchanged at both).
+  // 83.7 us at T = 1, but 268.2 -> 279.0 at T = 4; Qwen3-30B-A3B unchanged at both), as a ring
+  // unless FASTAWQ_MOE_RING=0 (H200, RESULTS.md session 13: Mixtral-8x7B experts 84.2 -> 68.9 us,
+  // Qwen3-30B-A3B 20.3 -> 16.9 us; Mixtral decode 271.8 -> 313.4 tokens/s).
   if (a.n_assign == a.topk && gemv::h2_enabled<T>()) {
-    launch_pdl(moe_w13_gemv_kernel<T, Id, ACT, true>, grid13, dim3(kGemvThreads), 0, stream, a);
-    launch_pdl(moe_w2_gemv_kernel<T, Id, true>, grid2, dim3(kGemvThreads), 0, stream, a);
+    if (ring_enabled()) {
+      launch_pdl(moe_w13_gemv_kernel<T, Id, ACT, 2>, grid13, dim3(kGemvThreads), 0, stream, a);
+      launch_pdl(moe_w2_gemv_kernel<T, Id, 2>, grid2, dim3(kGemvThreads), 0, stream, a);
+    } else {
+      launch_pdl(moe_w13_gemv_kernel<T, Id, ACT, 1>, grid13, dim3(kGemvThreads), 0, stream, a);
+      launch_pdl(moe_w2_gemv_kernel<T, Id, 1>, grid2, dim3(kGemvThreads), 0, stream, a);
+    }
   } else {
-    launch_pdl(moe_w13_gemv_kernel<T, Id, ACT, false>, grid13, dim3(kGemvThreads), 0, stream, a);
-    launch_pdl(moe_w2_gemv_kernel<T, Id, false>, grid2, dim3(kGemvThreads), 0, stream, a);
+    launch_pdl(moe_w13_gemv_kernel<T, Id, ACT, 0>, grid13, dim3(kGemvThreads), 0, stream, a);
+    launch_pdl(moe_w2_gemv_kernel<T, Id, 0>, grid2, dim3(kGemvThreads), 0, stream, a);
   }
 }
 
