@@ -132,3 +132,49 @@ def test_bench_ab_alternates_one_switch(tmp_path, capsys, compare):
     assert sorted(r["on"] for r in rows) == ["0", "1"] and all(r["decode_tps"] > 0 for r in rows)
     assert f"batch 1: {compare} on / off =" in capsys.readouterr().out
     assert backend.ROUTE_FUSED is route_before and os.environ.get("FASTAWQ_PDL") == pdl_before
+
+
+def _profile_memory():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "profile_memory.py"
+    spec = importlib.util.spec_from_file_location("profile_memory", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_profile_memory_runs_every_phase_on_cpu(tmp_path):
+    import json
+
+    pm = _profile_memory()
+    out = tmp_path / "m.json"
+    assert pm.main(["--device", "cpu", "--shape", "tiny", "--layers", "2", "--prompt", "8", "--decode", "2",
+                    "--max-seq-len", "32", "--layout", "packed", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["phase"] for r in res["phases"]][:4] == ["weights", "fused", "layout", "prefill 8"]
+    kinds = res["model_tensors_mib"]
+    # 2 layers x (K, V) x 32 positions x 2 KV heads x 32 dims, fp32 on the CPU
+    assert kinds["KV cache"] * 2**20 == 2 * 2 * 32 * 2 * 32 * 4 and kinds["W4 weights"] > 0
+
+
+def test_profile_memory_finds_the_peak_in_a_trace():
+    pm = _profile_memory()
+    ours = [{"filename": "/x/fastawq/modules/fused.py", "line": 9, "name": "prefill"}]
+    trace = [{"action": "alloc", "addr": 1, "size": 100, "frames": []},           # a model tensor
+             {"action": "alloc", "addr": 2, "size": 50, "frames": ours},
+             {"action": "free_requested", "addr": 2, "size": 50},
+             {"action": "alloc", "addr": 3, "size": 30, "frames": ours},          # the window's peak
+             {"action": "alloc", "addr": 4, "size": 10, "frames": ours},
+             {"action": "free_requested", "addr": 3, "size": 30}]
+    p = pm.peak_in(trace, 3, len(trace), {1: ("lm_head", 100)}, top=1)
+    assert p["peak_mib"] * 2**20 == 140 and p["trace_index"] == 4
+    assert p["live"] == [{"what": "lm_head", "mib": 100 / 2**20, "count": 1, "largest_mib": 100 / 2**20}]
+    assert p["rest_mib"] * 2**20 == 40
+    assert pm.peak_in(trace, 0, 3, {}, top=5)["peak_mib"] * 2**20 == 150
+    # Phase ends are the marker allocations (the first one fell off the trace's ring buffer).
+    phases = pm.Phases(torch.device("cpu"))
+    phases.rows = [{"phase": "a"}, {"phase": "b"}]
+    mark = {"action": "alloc", "frames": [{"filename": "/b/profile_memory.py", "line": 1, "name": "_marker"}]}
+    assert phases.ends(trace + [mark]) == [None, len(trace)]

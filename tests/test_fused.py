@@ -224,6 +224,29 @@ def test_chunked_prefill_matches_one_pass(chunk):
     assert _rel(b.decode(tok), a.decode(tok)) < TOL
 
 
+def test_prefill_computes_only_the_logits_it_returns():
+    # The lm_head of a 128k vocabulary on every prompt position is 0.5 GiB per 2048 tokens: a
+    # prefill runs it on the kept positions only, chunk by chunk, and returns them in one tensor.
+    model = fuse_model(tiny_w4_model("llama", seed=3), max_seq_len=40, batch_size=2, backend="torch", prefill_chunk=4)
+    rt = model.fastawq_runtime
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 13))
+    want = rt.prefill(ids, last_only=False)
+    rows = []
+    rt.lm_head.register_forward_hook(lambda mod, args, out: rows.append(args[0].shape[1]))
+    torch.testing.assert_close(rt.prefill(ids), want[:, -1:])
+    assert rows == [1]
+    rows.clear()
+    torch.testing.assert_close(rt.prefill(ids, logits_to_keep=5), want[:, -5:])
+    assert rows == [4, 1]
+    rows.clear()
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids, logits_to_keep=2).logits, want[:, -2:])
+        assert rows == [1, 1]
+        assert torch.equal(model(ids).logits, want)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        rt.prefill(ids, logits_to_keep=-1)
+
+
 def test_fp32_activations_on_cpu():
     # from_quantized on CPU keeps packed layers as saved and casts everything else to fp32.
     ref = tiny_w4_model("qwen3", seed=5)

@@ -295,3 +295,23 @@ def test_bench_runs_the_packed_layout():
 
     rows = bench.bench(None, "tiny", ["w4", "fused"], [8], 1, "cpu", dtype=torch.float32, layout="packed")
     assert [r.mode for r in rows] == ["w4", "fused"] and all(r.decode_tps and r.decode_tps > 0 for r in rows)
+
+
+@pytest.mark.parametrize("g", [32, -1])
+def test_set_layout_in_slices_of_k_is_exact(monkeypatch, g):
+    # One Llama-3-8B gate/up converted in one piece held 0.9 GiB of int32 nibbles above the weights;
+    # set_layout now converts K in slices of whole groups, which must give the same bits both ways.
+    from fastawq.modules import qlinear
+
+    k, n = 256, 136
+    qw, s, qz = random_awq(k, n, g, "cpu", torch.float16, seed=4)
+    wp, sz = ops.awq_gemv_repack(qw, s, qz, g)
+    monkeypatch.setattr(qlinear, "_CONVERT_BYTES", 4 * n * 64)  # 64 rows of K a slice
+    assert len(qlinear._row_slices(k, n, 32)) == 4 and len(qlinear._row_slices(k, n, k)) == 1
+    layer = WQLinear(k, n, g, False, device="cpu")
+    layer.qweight.copy_(qw), layer.scales.copy_(s), layer.qzeros.copy_(qz)
+    layer.set_layout("packed")
+    assert torch.equal(layer.wpacked, wp) and torch.equal(layer.szpacked.view(torch.int16), sz.view(torch.int16))
+    layer.set_layout("awq")
+    assert torch.equal(layer.qweight, qw) and torch.equal(layer.qzeros, qz)
+    assert torch.equal(layer.scales.view(torch.int16), s.view(torch.int16))

@@ -81,9 +81,29 @@ def test_one_workspace_serves_gemm_and_attention():
     a.fill_(7)  # a kernel that failed to re-arm
     assert ws.get(torch.device("cpu"), "counters", 16, torch.int32, zeroed=True) is a
     b = ws.get(torch.device("cpu"), "counters", 17, torch.int32, zeroed=True)
-    # Grown, zeroed, and the outgrown buffer kept alive for graphs captured over it.
-    assert b.numel() == 17 and not b.any() and any(t is a for t in ws.retired)
+    # Grown and zeroed; no capture saw the outgrown buffer, so nothing holds it any more.
+    assert b.numel() == 17 and not b.any() and not ws.retired
     assert ws.buffers[torch.device("cpu")] == (b,)
+
+
+def test_workspace_keeps_what_a_graph_captured(monkeypatch):
+    # The GEMM tuner's split-K candidates grew the partials to 64 MiB (plus every outgrown size,
+    # kept) for the life of the process; only buffers a CUDA-graph capture saw need to outlive use.
+    from fastawq.triton_kernels import workspace
+
+    ws = workspace.Workspace()
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(workspace, "_capturing", lambda device: True)
+    a = ws.get(cpu, "partials", 8, torch.float32, zeroed=False)
+    monkeypatch.setattr(workspace, "_capturing", lambda device: False)
+    ws.release(cpu, "partials")
+    assert ws.get(cpu, "partials", 8, torch.float32, zeroed=False) is a  # a graph holds it
+    b = ws.get(cpu, "partials", 9, torch.float32, zeroed=False)
+    assert b is not a and any(t is a for t in ws.retired)
+    ws.release(cpu, "partials")
+    assert cpu not in ws.buffers and not any(t is b for t in ws.retired)
+    c = ws.get(cpu, "partials", 4, torch.float32, zeroed=False, minimum=6)
+    assert c.numel() == 6 and ws.buffers[cpu] == (c,)
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128, -1])

@@ -256,6 +256,9 @@ def _tune(key, x, wts: W4, g, bias, out, candidates):
             best, best_ms = cfg, ms
     logger.info("%s %s -> %s (%.1f us)", "packed_gemm" if wts.packed else "awq_gemm", key,
                 getattr(best, "label", lambda: best)(), best_ms * 1e3)
+    # The candidates' largest split-K partials (64 x M x N fp32 for M = 64, N = 4096: 64 MiB) need
+    # not outlive the timing: the next call allocates what the chosen configs use.
+    _WORKSPACE.release(x.device, "gemm_partials")
     return best
 
 

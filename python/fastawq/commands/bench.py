@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -53,11 +54,14 @@ def lengths_for(max_len: int, rounds: int | None) -> list[int]:
 def build_model(mode: str, model: str | None, shape: str | None, device: str, max_seq_len: int,
                 batch_size: int, gemm_backend: str | None = None, prefill_chunk: int | None = 1024,
                 dtype: torch.dtype = torch.float16, layout: str = "awq",
-                num_layers: int | None = None) -> torch.nn.Module:
+                num_layers: int | None = None, on_phase: Callable[[str], None] | None = None) -> torch.nn.Module:
     """The model for one mode, from a named random shape (num_layers: that many decoder layers)
-    or a checkpoint directory; its W4 layers in `layout` (WQLinear.set_layout: "awq" or "packed")."""
+    or a checkpoint directory; its W4 layers in `layout` (WQLinear.set_layout: "awq" or "packed").
+    on_phase(name) is called after each step ("weights", "fused", "layout"; profile_memory.py)."""
     from fastawq.modules.fused import fuse_model
     from fastawq.modules.qlinear import WQLinear, set_layout
+
+    phase = on_phase or (lambda name: None)
 
     if shape is not None:
         from fastawq.shapes import build_random_model
@@ -76,14 +80,17 @@ def build_model(mode: str, model: str | None, shape: str | None, device: str, ma
             raise SystemExit(f"loading a quantized checkpoint needs fastawq.AutoAWQForCausalLM: {e}")
         m = AutoAWQForCausalLM.from_quantized(model, fuse_layers=False, device_map=device, torch_dtype=dtype)
         m = getattr(m, "model", m)
+    phase("weights")
     if gemm_backend:
         for mod in m.modules():
             if isinstance(mod, WQLinear):
                 mod.backend = gemm_backend
     if mode.startswith("fused"):
         fuse_model(m, max_seq_len, batch_size, use_cuda_graphs=mode == "fused-graphs", prefill_chunk=prefill_chunk)
+        phase("fused")
     if layout != "awq":
         set_layout(m, layout)  # after fusing, which concatenates AWQ tensors
+        phase("layout")
     return m
 
 

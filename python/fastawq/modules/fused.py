@@ -248,13 +248,11 @@ class _DecodeGraph:
 
     def capture(self) -> None:
         # Warm-up runs compile and autotune every kernel outside the capture; their cache writes
-        # land on the position the first replay writes again.
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                self._step()
-        torch.cuda.current_stream().wait_stream(s)
+        # land on the position the first replay writes again. They run on the current stream, not
+        # a fresh side stream: cuBLAS keeps a workspace (32 MiB on Hopper) for every stream it has
+        # run on, for the life of the process, and the prefill's lm_head made this stream's already.
+        for _ in range(2):
+            self._step()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.logits = self._step()
@@ -313,23 +311,26 @@ class FusedRuntime:
 
     def _forward(
         self, ids: torch.Tensor, positions: torch.Tensor, start: int, lens: torch.Tensor | None,
-        max_len: int, last_only: bool = True, logits: bool = True,
+        max_len: int, keep: int = 1,
     ) -> torch.Tensor | None:
+        """Logits [B, keep, V] of the last `keep` positions (None when keep is 0)."""
         x = self.embed(ids)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, start, lens, max_len, self.backend)
         c = self.cfg
-        if not logits:
+        if keep <= 0:
             return None
-        if last_only:
-            x, residual = x[:, -1:], residual[:, -1:]
+        if keep < x.shape[1]:
+            x, residual = x[:, -keep:], residual[:, -keep:]
         h, _ = ops.add_rms_norm(x, residual, self.final_norm.weight, c.eps, c.norm_offset, backend=self.backend)
         return self.lm_head(h)
 
     @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor, start: int = 0, last_only: bool = True) -> torch.Tensor:
-        """Logits [B, L or 1, V] for ids [B, L] placed at positions start..start+L-1."""
+    def prefill(self, ids: torch.Tensor, start: int = 0, last_only: bool = True,
+                logits_to_keep: int | None = None) -> torch.Tensor:
+        """Logits [B, n, V] of the last n of ids [B, L] placed at positions start..start+L-1: n = 1
+        (last_only), L (last_only=False), or logits_to_keep where given (0: all L, as transformers)."""
         if ids.dim() != 2:
             raise ValueError(f"input_ids {tuple(ids.shape)} must be [batch, length]")
         b, seq = ids.shape
@@ -338,23 +339,35 @@ class FusedRuntime:
         self.check_fits(b, start + seq)
         if start > self.length:
             raise ValueError(f"start={start} is past the {self.length} cached tokens")
+        if logits_to_keep is not None and logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep={logits_to_keep} must be >= 0")
         ids = ids.to(self.device)
+        keep = (1 if last_only else seq) if logits_to_keep is None else min(logits_to_keep or seq, seq)
         # Chunks bound the activations (the gate/up output alone is L x 2I) so long prompts fit
         # the same memory as short ones; each chunk attends to the cache written before it.
         chunk = self.prefill_chunk or seq
-        parts = []
+        logits = None
         for c0 in range(0, seq, chunk):
             c1 = min(seq, c0 + chunk)
             pos = torch.arange(start + c0, start + c1, dtype=torch.int32, device=ids.device)
-            skip = last_only and c1 < seq  # only the final chunk's last logits are wanted
+            n = max(0, c1 - max(c0, seq - keep))  # this chunk's positions among the kept ones
             out = self._forward(ids[:, c0:c1], pos.expand(b, c1 - c0).contiguous(), start + c0, None,
-                                start + c1, last_only, logits=not skip)
+                                start + c1, n)
             self.batch, self.length = b, start + c1
-            if not skip:
-                parts.append(out)
-        logits = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            if out is None:
+                continue
+            if n == keep:
+                logits = out
+            else:
+                # Written chunk by chunk into one tensor: a list of chunks and their concatenation
+                # would hold every kept logit twice (2 x 0.5 GiB for 2048 positions of 128k vocab).
+                if logits is None:
+                    logits = out.new_empty((b, keep, out.shape[-1]))
+                at = c1 - (seq - keep)
+                logits[:, at - n:at].copy_(out)
+            del out
         if self._graphs and _external_workspaces() != self._workspaces:
-            # A GEMM backend regrew a scratch buffer that a captured graph points into: recapture.
+            # A GEMM backend replaced a scratch buffer (regrown, or released after tuning): recapture.
             self._graphs.clear()
         return logits
 
@@ -521,13 +534,16 @@ def fuse_model(
 
 
 def _fused_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                   start_pos: int = 0, **_: object):
-    """HF-shaped forward: a prefill at start_pos (0 = a fresh sequence) returning every position's logits."""
+                   start_pos: int = 0, logits_to_keep: int = 0, **_: object):
+    """HF-shaped forward: a prefill at start_pos (0 = a fresh sequence) returning the logits of the
+    last logits_to_keep positions (0: every position, as transformers)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     if attention_mask is not None and not bool(attention_mask.all()):
         raise NotImplementedError("fused layers take unpadded batches (attention_mask must be all ones)")
-    logits = self.fastawq_runtime.prefill(input_ids, start=start_pos, last_only=False)
+    if not isinstance(logits_to_keep, int):
+        raise NotImplementedError("the fused forward takes logits_to_keep as an int (the last n positions)")
+    logits = self.fastawq_runtime.prefill(input_ids, start=start_pos, logits_to_keep=logits_to_keep)
     return CausalLMOutputWithPast(logits=logits)
 
 

@@ -9,6 +9,48 @@ from fastawq.backend import preferred_layout, tensor_version
 
 LAYOUTS = ("awq", "packed")
 _AWQ_TENSORS = ("qweight", "qzeros", "scales")
+# Rows of K converted at once between the layouts: the conversion's int32 temporaries take
+# 2 x rows x N x 4 bytes, 16x what the rows hold packed (one Llama-3-8B gate/up in one piece:
+# 0.9 GiB on top of the weights at load), so a layer converts in slices of about this many bytes.
+_CONVERT_BYTES = 64 << 20
+
+
+def _row_slices(k: int, n: int, g: int) -> list[tuple[int, int]]:
+    """(a, b) rows of K, each a multiple of the group size G, with a x N int32 below _CONVERT_BYTES."""
+    rows = max(g, _CONVERT_BYTES // (4 * n) // g * g)
+    return [(a, min(k, a + rows)) for a in range(0, k, rows)]
+
+
+# qweight [K, N // 8] int32 · scales [K // G, N] · qzeros [K // G, N // 8]  ->  wpacked [K // 8, N] · szpacked [K // G, 2N]
+def _repack(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    k, n, g = reference.check_awq_shapes(qweight, scales, qzeros, g)
+    slices = _row_slices(k, n, g)
+    if len(slices) == 1:
+        return ops.awq_gemv_repack(qweight, scales, qzeros, g)
+    # Exact by slices: the packed layout permutes within 8 rows of K and keeps groups whole.
+    wpacked = torch.empty(k // 8, n, dtype=torch.int32, device=qweight.device)
+    szpacked = torch.empty(k // g, 2 * n, dtype=scales.dtype, device=scales.device)
+    for a, b in slices:
+        w, sz = ops.awq_gemv_repack(qweight[a:b], scales[a // g:b // g], qzeros[a // g:b // g], g)
+        wpacked[a // 8:b // 8].copy_(w)
+        szpacked[a // g:b // g].copy_(sz)
+    return wpacked, szpacked
+
+
+# wpacked [K // 8, N] int32 · szpacked [K // G, 2N]  ->  qweight [K, N // 8] · scales [K // G, N] · qzeros [K // G, N // 8]
+def _unpack(wpacked: torch.Tensor, szpacked: torch.Tensor, n: int, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    k, n, g = reference.check_packed_shapes(wpacked, szpacked, n, g)
+    slices = _row_slices(k, n, g)
+    if len(slices) == 1:
+        return ops.awq_gemv_unpack(wpacked, szpacked, n, g)
+    qweight = torch.empty(k, n // 8, dtype=torch.int32, device=wpacked.device)
+    scales = torch.empty(k // g, n, dtype=szpacked.dtype, device=szpacked.device)
+    qzeros = torch.empty(k // g, n // 8, dtype=torch.int32, device=szpacked.device)
+    for a, b in slices:
+        parts = ops.awq_gemv_unpack(wpacked[a // 8:b // 8], szpacked[a // g:b // g], n, g)
+        for out, part in zip((qweight[a:b], scales[a // g:b // g], qzeros[a // g:b // g]), parts):
+            out.copy_(part)
+    return qweight, scales, qzeros
 
 
 class WQLinear(nn.Module):
@@ -16,7 +58,8 @@ class WQLinear(nn.Module):
 
     layout "awq":    qweight [K, N // 8] int32 · qzeros [K // G, N // 8] int32 · scales [K // G, N] · bias [N]
     layout "packed": wpacked [K // 8, N] int32 · szpacked [K // G, 2N] · bias [N] (ops/repack.py; the
-                     same weight, converted exactly in place by set_layout: one copy is held)
+                     same weight, converted exactly in place by set_layout, in slices of K: one copy
+                     is held, plus one layer's new layout while it converts)
     state_dict() always holds the AWQ tensors, bit for bit, whatever the layout.
     """
 
@@ -110,7 +153,7 @@ class WQLinear(nn.Module):
         if layout == self.layout:
             return
         if layout == "packed":
-            wpacked, szpacked = ops.awq_gemv_repack(self.qweight, self.scales, self.qzeros, self.group_size)
+            wpacked, szpacked = _repack(self.qweight, self.scales, self.qzeros, self.group_size)
             for name in _AWQ_TENSORS:
                 del self._buffers[name]
             self.register_buffer("wpacked", wpacked)
@@ -129,7 +172,7 @@ class WQLinear(nn.Module):
         """(qweight, qzeros, scales), exact, in either layout (computed when packed)."""
         if self.layout == "awq":
             return self.qweight, self.qzeros, self.scales
-        qweight, scales, qzeros = ops.awq_gemv_unpack(self.wpacked, self.szpacked, self.out_features, self.group_size)
+        qweight, scales, qzeros = _unpack(self.wpacked, self.szpacked, self.out_features, self.group_size)
         return qweight, qzeros, scales
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
