@@ -6,7 +6,9 @@ block's add + RMSNorm in that launch too (backend.NORM_ROUTE_FUSED); --compare r
 routing kernel (norm, router and top-k in one launch, backend.ROUTE_CUDA; off, Triton's launches);
 --compare moe_mma: the compiled
 MoE backend's tensor-core kernel (backend.MOE_MMA; off, the CUDA-core GEMV serves every load the
-compiled backend was bound to); --compare layout: the W4 layers'
+compiled backend was bound to); --compare packed_gemm: awq_gemm_packed (the tensor-core kernel with
+the batch as the mma's M) for packed-layout batches above backend.PACKED_MMA_MAX_M (off: Triton
+there; with --layout packed); --compare layout: the W4 layers'
 weight layout (WQLinear.set_layout "awq" / "packed", exact both ways, converted in place; grouped
 MoE experts keep theirs). One random-weight model is built
 once; rounds alternate the setting (off on, on off, ...), each re-capturing the decode graph, and
@@ -29,7 +31,7 @@ import torch
 
 from fastawq import backend
 from fastawq.commands import bench
-from fastawq.modules.qlinear import set_layout
+from fastawq.modules.qlinear import WQLinear, set_layout
 from fastawq.shapes import shape_config
 
 
@@ -44,13 +46,18 @@ def apply(model: torch.nn.Module, compare: str, on: bool) -> None:
         backend.ROUTE_CUDA = on
     elif compare == "moe_mma":
         backend.MOE_MMA = on
+    elif compare == "packed_gemm":
+        backend.PACKED_GEMM_MAX_M = 1 << 20 if on else 0
+        for module in model.modules():  # plans bound per M bucket: bind them again
+            if isinstance(module, WQLinear):
+                module.set_backend(module.backend)
     else:
         set_layout(model, "packed" if on else "awq")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--compare", choices=("pdl", "route", "norm_route", "route_cuda", "moe_mma", "layout"), default="pdl")
+    ap.add_argument("--compare", choices=("pdl", "route", "norm_route", "route_cuda", "moe_mma", "packed_gemm", "layout"), default="pdl")
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers to build (default: all)")
     ap.add_argument("--layout", choices=("awq", "packed"), default="awq", help="(with --compare layout: ignored)")
@@ -70,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"built {args.shape} ({args.layers or 'all'} layers, {args.layout}) in {time.time() - t0:.0f}s", flush=True)
     vocab = model.config.vocab_size
     pdl_before = os.environ.get("FASTAWQ_PDL")
-    saved = {n: getattr(backend, n) for n in ("ROUTE_FUSED", "NORM_ROUTE_FUSED", "ROUTE_CUDA", "MOE_MMA")}
+    saved = {n: getattr(backend, n)
+             for n in ("ROUTE_FUSED", "NORM_ROUTE_FUSED", "ROUTE_CUDA", "MOE_MMA", "PACKED_GEMM_MAX_M")}
     rows = []
     for batch in batches:
         got: dict[str, list[tuple[float, float | None]]] = {"0": [], "1": []}

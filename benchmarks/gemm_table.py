@@ -8,13 +8,14 @@ between machines.
 Columns: `--backends` forces a backend on the AWQ layout (`cuda`, `triton`, ...); `--layouts`
 runs the automatic dispatch on a weight layout (`awq`: ops.awq_gemm, `packed`: ops.packed_gemm
 on the repacked weights), which is what a WQLinear in that layout runs; `--kernels` forces a
-compiled kernel on the packed layout (`gemv`, `gemv:WARPS_PER_SM`, `mma`, `mma:CHUNKS:WARPS_PER_SM`),
-for tuning.
+compiled kernel on the packed layout (`gemv`, `gemv:WARPS_PER_SM`, `mma`, `mma:CHUNKS:WARPS_PER_SM`,
+`gemm`, `gemm:M_TILES:CHUNKS:SPLITS`), for tuning.
 
     python benchmarks/gemm_table.py [--backends triton,cuda] [--ms 1,16,64,256,1024,4096] [--out DIR]
     python benchmarks/gemm_table.py --layouts awq,packed --dtypes float16,bfloat16 \
         --ms 1,2,4,8,16,32,64,128,256,1024,4096 --out DIR
     python benchmarks/gemm_table.py --kernels gemv,mma,mma:2:16 --ms 1,2,4,8,16,32
+    python benchmarks/gemm_table.py --kernels mma,gemm,gemm:2:2:0 --ms 16,32,64,128,256
 """
 from __future__ import annotations
 
@@ -42,19 +43,22 @@ GROUP = 128
 
 
 # Compiled kernels on the packed layout a `--kernels` column may force, and their largest M.
-KERNEL_MAX_M = {"gemv": repack.MAX_M, "mma": repack.MMA_MAX_M}
+KERNEL_MAX_M = {"gemv": repack.MAX_M, "mma": repack.MMA_MAX_M, "gemm": 1 << 30}
 _PACKED: dict[int, list] = {}
 
 
 def _kernel_caller(col: str, awq: list[tuple], x: torch.Tensor, n: int):
-    """fn(i) for a "kernel:gemv[:WARPS_PER_SM]" or "kernel:mma[:CHUNKS:WARPS_PER_SM]" column (None
-    where M is beyond the kernel); 0 or nothing: the kernel's automatic grid."""
+    """fn(i) for a "kernel:gemv[:WARPS_PER_SM]", "kernel:mma[:CHUNKS:WARPS_PER_SM]" or
+    "kernel:gemm[:M_TILES:CHUNKS:SPLITS]" column (None where M is beyond the kernel); 0 or nothing: the
+    kernel's automatic tile and grid."""
     name, *tile = col.removeprefix("kernel:").split(":")
     if name == "gemv":
         chunks, warps = 0, (int(tile[0]) if tile else 0)
+    elif name == "gemm":
+        m_tiles, chunks, splits = map(int, tile) if tile else (0, 0, 0)
     else:
         chunks, warps = (int(tile[0]), int(tile[1])) if tile else (0, 0)
-    if x.shape[0] > KERNEL_MAX_M[name] or (chunks == 4 and x.shape[0] > 16):  # 4 chunks: at most 2 mma tiles
+    if x.shape[0] > KERNEL_MAX_M[name] or (name == "mma" and chunks == 4 and x.shape[0] > 16):  # <= 2 mma tiles
         return None
     key = id(awq[0][0])
     if key not in _PACKED:  # one repack per shape for every kernel column and M
@@ -63,6 +67,8 @@ def _kernel_caller(col: str, awq: list[tuple], x: torch.Tensor, n: int):
     packed = _PACKED[key]
     if name == "gemv":
         return lambda i: torch.ops.fastawq.awq_gemv_packed(x, *packed[i], n, GROUP, None, warps)
+    if name == "gemm":
+        return lambda i: torch.ops.fastawq.awq_gemm_packed(x, *packed[i], n, GROUP, None, m_tiles, chunks, splits)
     return lambda i: torch.ops.fastawq.awq_mma_packed(x, *packed[i], n, GROUP, None, chunks, warps)
 
 
@@ -220,7 +226,8 @@ def main() -> int:
                     "(none when --layouts is given)")
     ap.add_argument("--layouts", default="", help="comma list of awq, packed: automatic dispatch on that layout")
     ap.add_argument("--kernels", default="", help="comma list of compiled kernels on the packed layout, forced: "
-                    "gemv, gemv:WARPS_PER_SM, mma, or mma:CHUNKS:WARPS_PER_SM (a tile of the tensor-core kernel)")
+                    "gemv, gemv:WARPS_PER_SM, mma, mma:CHUNKS:WARPS_PER_SM (a tile of the swap-AB tensor-core "
+                    "kernel), gemm, or gemm:M_TILES:CHUNKS:SPLITS (the tensor-core kernel with the batch as the mma's M)")
     ap.add_argument("--dtypes", default="float16")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))

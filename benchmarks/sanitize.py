@@ -38,6 +38,25 @@ def main() -> None:
                     out = ops.awq_gemm(x, qw, s, qz, g, bias, kernel)
                     assert_close_to_reference(out, x, qw, s, qz, g, bias)
                     n_calls += 1
+    if hasattr(ops, "awq_gemm_packed"):
+        from fastawq.ops.repack import awq_gemv_repack
+
+        # The three kernels on the packed layout, each up to its largest M; awq_gemm_packed also
+        # with every tile and forced K splits (one step a block, and one split).
+        for dtype in (torch.float16, torch.bfloat16):
+            for k, n, g in ((256, 160, 64), (1024, 392, 128)):
+                qw, s, qz = random_awq(k, n, g, "cuda", dtype, seed=k + n)
+                wp, sz = awq_gemv_repack(qw, s, qz, g)
+                bias = random_input((n,), "cuda", dtype, seed=2)
+                calls = [(m, "awq_gemv_packed", ()) for m in (1, 2, 5)]
+                calls += [(m, "awq_mma_packed", ()) for m in (3, 12, 32)]
+                calls += [(m, "awq_gemm_packed", tile) for m in (1, 17, 70)
+                          for tile in ((), (1, 1, 1), (2, 2, k // 32), (4, 1, 3), (1, 2, 0))]
+                for m, name, tile in calls:
+                    x = random_input((m, k), "cuda", dtype, seed=m)
+                    out = getattr(ops, name)(x, wp, sz, n, g, bias, *tile)
+                    assert_close_to_reference(out, x, qw, s, qz, g, bias)
+                    n_calls += 1
     if hasattr(ops, "decode_attention"):
         for dtype in (torch.float16, torch.bfloat16):
             for d, hq, hkv in ((128, 32, 8), (64, 8, 8), (256, 8, 2)):

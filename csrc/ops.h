@@ -42,6 +42,13 @@ at::Tensor awq_mma_packed(const at::Tensor& x, const at::Tensor& wpacked, const 
                           int64_t group_size, const std::optional<at::Tensor>& bias, int64_t chunks,
                           int64_t warps_per_sm);
 
+// The same on the tensor cores with the batch as the mma's M, any M (csrc/gemv/awq_gemm_packed.cu).
+// m_tiles (16-row mma tiles per block: 1, 2, 4), chunks (128-column chunks per block: 1, 2) and
+// splits (K splits) 0: by M, and one wave of what fits; set, they let a benchmark sweep the tile.
+at::Tensor awq_gemm_packed(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n,
+                           int64_t group_size, const std::optional<at::Tensor>& bias, int64_t m_tiles, int64_t chunks,
+                           int64_t splits);
+
 // MoE decode on the CUDA cores (csrc/moe/): x [T, H] fp16|bf16 · topk_ids [T, k] int32|int64 ·
 // topk_weights [T, k] fp32 · stacked AWQ expert weights as fastawq::moe_w4 (scales in x's dtype)
 // -> [T, H] = sum_j w[:, j] * down_e(act(gate_e(x)) * up_e(x)). Ids outside [0, E) add nothing.

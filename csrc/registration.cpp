@@ -29,6 +29,8 @@ TORCH_LIBRARY(fastawq, m) {
         "int warps_per_sm=0) -> Tensor");
   m.def("awq_mma_packed(Tensor x, Tensor wpacked, Tensor szpacked, int n, int group_size, Tensor? bias, "
         "int chunks=0, int warps_per_sm=0) -> Tensor");
+  m.def("awq_gemm_packed(Tensor x, Tensor wpacked, Tensor szpacked, int n, int group_size, Tensor? bias, "
+        "int m_tiles=0, int chunks=0, int splits=0) -> Tensor");
   m.def("moe_gemv_w4(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_qweight, Tensor w13_scales, "
         "Tensor w13_qzeros, Tensor w2_qweight, Tensor w2_scales, Tensor w2_qzeros, int group_size, str act) -> Tensor");
   m.def("moe_mma_w4(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_qweight, Tensor w13_scales, "
@@ -57,6 +59,7 @@ TORCH_LIBRARY_IMPL(fastawq, CUDA, m) {
   m.impl("awq_gemm", &fastawq::awq_gemm);
   m.impl("awq_gemv_packed", &fastawq::awq_gemv_packed);
   m.impl("awq_mma_packed", &fastawq::awq_mma_packed);
+  m.impl("awq_gemm_packed", &fastawq::awq_gemm_packed);
   m.impl("moe_gemv_w4", &fastawq::moe_gemv_w4);
   m.impl("moe_mma_w4", &fastawq::moe_mma_w4);
   m.impl("moe_route", &fastawq::moe_route);

@@ -1,6 +1,7 @@
 // Host entries of the kernels on the repacked layout (csrc/gemv/awq_gemv_packed.h):
-// fastawq::awq_gemv_packed (CUDA cores, M <= 8) and fastawq::awq_mma_packed (tensor cores,
-// M <= 32). One validation (messages name the op, m, n, k, group_size) and one grid plan.
+// fastawq::awq_gemv_packed (CUDA cores, M <= 8), fastawq::awq_mma_packed (tensor cores, batch as
+// the mma's N, M <= 32) and fastawq::awq_gemm_packed (tensor cores, batch as the mma's M, any M).
+// One validation (messages name the op, m, n, k, group_size) and one way to size grids: one wave.
 #include <algorithm>
 #include <cstdlib>
 #include <string>
@@ -151,9 +152,11 @@ SplitPlan plan_auto(int64_t n, int64_t k, int64_t tile_cols, int sms, int reside
   return wave;
 }
 
-// The fields both kernels share, for the call's tensors and grid (the workspace when K is split).
+// The fields the kernels share, for the call's tensors and grid (the workspace when K is split,
+// with a counter per column tile, or per `counter_tiles` tiles where M is cut into blocks too).
 void fill_args(PackedArgs& a, const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked,
-               const at::Tensor* b, at::Tensor& out, int64_t group_size, const SplitPlan& plan) {
+               const at::Tensor* b, at::Tensor& out, int64_t group_size, const SplitPlan& plan,
+               int64_t counter_tiles = 0) {
   const int64_t m = x.size(0), n = out.size(1);
   a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
   a.x = x.data_ptr();
@@ -163,7 +166,8 @@ void fill_args(PackedArgs& a, const at::Tensor& x, const at::Tensor& wpacked, co
   a.out = out.data_ptr();
   if (plan.splits > 1) {
     a.workspace = zeroed_sums(Workspace::kGemvSums, x.device(), m * n);
-    a.counters = zeroed_counters(Workspace::kGemmTileCounters, x.device(), plan.col_tiles);
+    a.counters = zeroed_counters(Workspace::kGemmTileCounters, x.device(),
+                                 counter_tiles > 0 ? counter_tiles : plan.col_tiles);
   }
   a.m = static_cast<int>(m), a.n = static_cast<int>(n), a.k = static_cast<int>(x.size(1));
   a.group_size = static_cast<int>(group_size);
@@ -224,6 +228,51 @@ at::Tensor awq_mma_packed(const at::Tensor& x, const at::Tensor& wpacked, const 
                                           : plan_auto(n, k, 32 * chunks, sms, resident, 4 * resident);
   fill_args(a, x, wpacked, szpacked, b, out, group_size, plan);
   launch_awq_mma_packed(a, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+at::Tensor awq_gemm_packed(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n,
+                           int64_t group_size, const std::optional<at::Tensor>& bias, int64_t m_tiles, int64_t chunks,
+                           int64_t splits) {
+  const at::Tensor* b = check_packed("awq_gemm_packed", x, wpacked, szpacked, n, group_size, bias, kMaxDim);
+  const int64_t m = x.size(0), k = x.size(1);
+  // The kernel holds a lane's x row offsets (row * K) in 32 bits.
+  FASTAWQ_CHECK(m * k < (int64_t{1} << 31), "awq_gemm_packed: needs M * K < 2^31, got (m=", m, ", n=", n, ", k=", k,
+                ", group_size=", group_size, ")");
+  if (m_tiles == 0) m_tiles = gemm_packed_m_tiles(m);
+  if (chunks == 0) chunks = 1;
+  FASTAWQ_CHECK(gemm_packed_tile_ok(static_cast<int>(m_tiles), static_cast<int>(chunks)),
+                "awq_gemm_packed: m_tiles must be 1, 2 or 4 and chunks 1 or 2 (1 with 4 m-tiles), got m_tiles=",
+                m_tiles, ", chunks=", chunks);
+  FASTAWQ_CHECK(splits >= 0 && splits <= std::max<int64_t>(1, k / kPackedBatchRows),
+                "awq_gemm_packed: splits must be in 1..K/32 (0: one wave), got ", splits, " at k=", k);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  if (k == 0) return b != nullptr ? out.copy_(b->expand({m, n})) : out.zero_();
+
+  GemmPackedArgs a{};
+  a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
+  a.m_tiles = static_cast<int>(m_tiles), a.chunks = static_cast<int>(chunks);
+  const int64_t m_blocks = (m + 16 * m_tiles - 1) / (16 * m_tiles);
+  a.m_blocks = static_cast<int>(m_blocks);
+  // One wave: (column tile, M block) slices times K splits of >= 2 steps, as many as fit at once.
+  const int64_t tile_cols = kPackedTileCols * chunks;
+  const int64_t col_tiles = (n + tile_cols - 1) / tile_cols, steps = k / kPackedBatchRows;
+  int64_t want = splits;
+  if (want == 0) {
+    const int64_t capacity = int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) *
+                             gemm_packed_resident_blocks(a);
+    want = std::max<int64_t>(1, capacity / (col_tiles * m_blocks));
+  }
+  int64_t spb = (steps + want - 1) / want;
+  if (splits == 0) spb = std::max<int64_t>(2, spb);
+  spb = std::min(spb, steps);
+  fill_args(a, x, wpacked, szpacked, b, out, group_size,
+            {static_cast<int>(col_tiles), static_cast<int>((steps + spb - 1) / spb), static_cast<int>(spb)},
+            col_tiles * m_blocks);
+  launch_awq_gemm_packed(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }

@@ -59,4 +59,23 @@ void launch_awq_mma_packed(const MmaPackedArgs& args, cudaStream_t stream);
 // Blocks of the kernel args.m and args.chunks select that fit on one SM (dtype, m, chunks read).
 int mma_packed_resident_blocks(const MmaPackedArgs& args);
 
+// The tensor-core GEMM with the batch as the mma's M (csrc/gemv/awq_gemm_packed.cu), for M >= 16:
+// blocks of m_tiles x 16 rows (1, 2 or 4) by chunks x 128 columns (1 or 2; 1 with 4 m-tiles), all 4
+// warps of a block on one range of steps_per_warp 32-row steps (here: steps per block); grid
+// (m_blocks, col_tiles, splits).
+inline bool gemm_packed_tile_ok(int m_tiles, int chunks) {
+  return (m_tiles == 1 || m_tiles == 2 || m_tiles == 4) && (chunks == 1 || (chunks == 2 && m_tiles < 4));
+}
+inline int gemm_packed_m_tiles(int64_t m) { return m <= 16 ? 1 : (m <= 32 ? 2 : 4); }
+
+struct GemmPackedArgs : PackedArgs {
+  int m_tiles;   // 16-row mma tiles per block
+  int chunks;    // 128-column chunks per block tile
+  int m_blocks;  // blocks along M: ceil(M / (16 m_tiles))
+};
+
+void launch_awq_gemm_packed(const GemmPackedArgs& args, cudaStream_t stream);
+// Blocks of the instance (dtype, m_tiles) that fit on one SM.
+int gemm_packed_resident_blocks(const GemmPackedArgs& args);
+
 }  // namespace fastawq

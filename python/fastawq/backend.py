@@ -44,9 +44,10 @@ CUDA_GEMV_MAX_M = 2
 # the plain GEMV at M=1, the staged one (activations staged in shared memory) at M=2; above
 # that "auto" (the tensor-core kernel when it fits, else dequantize + cuBLAS).
 CUDA_GEMM_KERNEL_BY_M = {1: "gemv", 2: "gemv_staged"}
-# packed_gemm (the packed layout of ops/repack.py) has two compiled kernels: awq_gemv_packed (CUDA
-# cores, M <= 8) up to PACKED_GEMV_MAX_M rows, awq_mma_packed (tensor cores, M <= 32) up to
-# PACKED_MMA_MAX_M, the Triton GEMM on the packed layout above. H200, benchmarks/RESULTS.md,
+# packed_gemm (the packed layout of ops/repack.py) has three compiled kernels: awq_gemv_packed (CUDA
+# cores, M <= 8) up to PACKED_GEMV_MAX_M rows, awq_mma_packed (tensor cores, the batch as the mma's
+# N, M <= 32) up to PACKED_MMA_MAX_M, awq_gemm_packed (tensor cores, the batch as the mma's M, any M)
+# up to PACKED_GEMM_MAX_M, the Triton GEMM on the packed layout above. H200, benchmarks/RESULTS.md,
 # geomean x cuBLAS fp16 / bf16: since the GEMV sums in half2 (session 11) it leads at M = 1 (2.18 /
 # 2.05 against the tensor-core kernel's 1.76) and M = 2 (1.72 / 1.65 against 1.65 / 1.61); from
 # M = 4 the tensor-core kernel (its register ring) leads: 1.61 vs 1.20 at M = 4, 1.43 vs 0.55 at
@@ -54,6 +55,11 @@ CUDA_GEMM_KERNEL_BY_M = {1: "gemv", 2: "gemv_staged"}
 # session 5), above 16 it does not win (M = 32: 0.77 vs 0.77).
 PACKED_GEMV_MAX_M = 2
 PACKED_MMA_MAX_M = 16
+# awq_gemm_packed: not in the automatic choice (a bound not above PACKED_MMA_MAX_M leaves it out).
+# H200, RESULTS.md session 13, geomean x cuBLAS fp16 / bf16 with its best tile: M = 16 1.06 / 1.04
+# (awq_mma_packed 1.02 / 1.01), M = 32 0.81 (awq_mma_packed 0.88), M = 64 0.53 (the AWQ layout's
+# Triton GEMM 0.72): its register ring keeps about one step of loads in flight (CUDA_NOTES.md).
+PACKED_GEMM_MAX_M = 0
 # moe_w4 is sized by its load, ceil(T * k / E) assignments per expert, not by T: the compiled MoE
 # decode kernel (csrc/moe/, which reads an expert once per assignment) serves up to
 # MOE_GEMV_MAX_LOAD, the Triton grouped GEMM (each expert once per block of rows) above. H200,
@@ -118,12 +124,17 @@ _CUDA_PREFERENCE: dict[str, list[tuple[int | None, tuple[str, ...]]]] = {
         *((m, ("cuda", "triton", "torch")) for m in sorted(CUDA_GEMM_KERNEL_BY_M)),
         (None, ("triton", "cuda", "torch")),
     ],
-    "packed_gemm": [
-        (PACKED_GEMV_MAX_M, ("cuda", "triton", "torch")),
-        (PACKED_MMA_MAX_M, ("cuda", "triton", "torch")),
-        (None, ("triton", "torch")),
-    ],
 }
+
+
+def _preference(op: str) -> list[tuple[int | None, tuple[str, ...]]]:
+    """_CUDA_PREFERENCE[op]; packed_gemm's from the PACKED_*_MAX_M bounds as they are now (a benchmark
+    may move them between plans)."""
+    if op != "packed_gemm":
+        return _CUDA_PREFERENCE.get(op, [])
+    compiled = [PACKED_GEMV_MAX_M, PACKED_MMA_MAX_M] + ([PACKED_GEMM_MAX_M] if PACKED_GEMM_MAX_M > PACKED_MMA_MAX_M else [])
+    return [(bound, ("cuda", "triton", "torch")) for bound in compiled] + [(None, ("triton", "torch"))]
+
 # Where layout "auto" picks the packed layout on CUDA devices (with the compiled kernels).
 # Everywhere only once the GPU benchmark (benchmarks/gemm_table.py --layouts awq,packed) shows it
 # at least as fast at every M (prefill runs the Triton GEMM on it, behind the AWQ layout's at
@@ -132,7 +143,13 @@ _CUDA_PREFERENCE: dict[str, list[tuple[int | None, tuple[str, ...]]]] = {
 # --compare layout: decode 1.45x / 1.42x / 1.24x the AWQ layout at batch 4 / 8 / 16, RESULTS.md).
 PACKED_LAYOUT_BY_DEFAULT = False
 PACKED_LAYOUT_FOR_FUSED_DECODE = True
-PACKED_FUSED_MAX_BATCH = PACKED_MMA_MAX_M
+
+
+def packed_fused_max_batch() -> int:
+    """The largest fused-engine batch whose decode steps the compiled packed kernels serve."""
+    if not _ext.has_op("awq_mma_packed"):
+        return PACKED_GEMV_MAX_M
+    return max(PACKED_MMA_MAX_M, PACKED_GEMM_MAX_M if _ext.has_op("awq_gemm_packed") else 0)
 
 
 def cuda_gemm_kernel(m: int | None) -> str:
@@ -141,8 +158,11 @@ def cuda_gemm_kernel(m: int | None) -> str:
 
 
 def packed_kernel(m: int | None) -> str:
-    """The compiled packed_gemm kernel for an M bucket: "gemv" (awq_gemv_packed) or "mma" (awq_mma_packed)."""
-    return "gemv" if m is not None and m <= PACKED_GEMV_MAX_M else "mma"
+    """The compiled packed_gemm kernel for an M bucket: "gemv" (awq_gemv_packed), "mma"
+    (awq_mma_packed) or "gemm" (awq_gemm_packed, also above every bucket: the compiled backend forced)."""
+    if m is not None and m <= PACKED_GEMV_MAX_M:
+        return "gemv"
+    return "mma" if m is not None and m <= PACKED_MMA_MAX_M else "gemm"
 
 
 def moe_reuse(t: int, k: int, e: int) -> float:
@@ -165,11 +185,11 @@ def moe_pass_rows(t: int, k: int, e: int) -> int:
 
 def size_buckets(op: str) -> list[int | None]:
     """The M bounds at which `op`'s automatic choice on CUDA may change (None: unbounded)."""
-    return [bound for bound, _ in _CUDA_PREFERENCE.get(op, [(None, ())])]
+    return [bound for bound, _ in (_preference(op) or [(None, ())])]
 
 
 def _cuda_order(op: str, m: int | None) -> tuple[str, ...]:
-    for bound, order in _CUDA_PREFERENCE.get(op, []):
+    for bound, order in _preference(op):
         if bound is None or (m is not None and m <= bound):
             return order
     return ("cuda", "triton", "torch")
@@ -180,8 +200,7 @@ def preferred_layout(device: torch.device, fused_batch: int | None = None) -> st
     the batch size of the fused engine the layers will serve (None: not fused)."""
     if device.type != "cuda" or not _ext.has_op(COMPILED_OPS["packed_gemm"]):
         return "awq"
-    fused_max = PACKED_FUSED_MAX_BATCH if _ext.has_op("awq_mma_packed") else PACKED_GEMV_MAX_M
-    fused_decode = fused_batch is not None and fused_batch <= fused_max
+    fused_decode = fused_batch is not None and fused_batch <= packed_fused_max_batch()
     return "packed" if PACKED_LAYOUT_BY_DEFAULT or (PACKED_LAYOUT_FOR_FUSED_DECODE and fused_decode) else "awq"
 
 

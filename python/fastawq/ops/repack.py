@@ -117,8 +117,8 @@ def _packed_gemm_fits(be: str, x2: torch.Tensor, wpacked, szpacked, n: int, k: i
         return f"x is {x2.dtype}; the {be} kernels take fp16 or bf16 activations"
     if be == "cuda":
         op = _compiled_packed_op(rows)
-        limit = MAX_M if op == "awq_gemv_packed" else MMA_MAX_M
-        if rows is None or rows > limit:
+        limit = {"awq_gemv_packed": MAX_M, "awq_mma_packed": MMA_MAX_M}.get(op)
+        if limit is not None and (rows is None or rows > limit):
             return f"{op} takes M <= {limit}, the triton backend serves larger M"
         if not _ext.has_op(op):
             return f"fastawq._C was built without {op}"
@@ -132,9 +132,12 @@ def _packed_gemm_fits(be: str, x2: torch.Tensor, wpacked, szpacked, n: int, k: i
     return None
 
 
+_COMPILED_PACKED_OPS = {"gemv": "awq_gemv_packed", "mma": "awq_mma_packed", "gemm": "awq_gemm_packed"}
+
+
 def _compiled_packed_op(rows: int | None) -> str:
-    """The compiled op of an M bucket: the CUDA-core GEMV where backend.packed_kernel says so."""
-    return "awq_gemv_packed" if backend_mod.packed_kernel(rows) == "gemv" else "awq_mma_packed"
+    """The compiled op of an M bucket (None: above every bucket), as backend.packed_kernel says."""
+    return _COMPILED_PACKED_OPS[backend_mod.packed_kernel(rows)]
 
 
 def _bind_packed(be: str, dtype: torch.dtype, wpacked, szpacked, n: int, g: int, bias, rows: int | None):
@@ -174,7 +177,8 @@ def packed_gemm_plan(
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """packed_gemm validated once and bound per M bucket, as awq_gemm_plan: on CUDA the compiled
     awq_gemv_packed up to backend.PACKED_GEMV_MAX_M rows, awq_mma_packed up to
-    backend.PACKED_MMA_MAX_M, the Triton GEMM on the packed layout above."""
+    backend.PACKED_MMA_MAX_M, awq_gemm_packed up to backend.PACKED_GEMM_MAX_M, the Triton GEMM on
+    the packed layout above (awq_gemm_packed there too when the compiled backend is forced)."""
     k, n, g = reference.check_packed_shapes(wpacked, szpacked, n, group_size)
     check_activations(x, bias, k, n, f"wpacked {tuple(wpacked.shape)} (N={n})")
     device = check_same_device(x=x, wpacked=wpacked, szpacked=szpacked, bias=bias)
@@ -245,6 +249,13 @@ def _register_fakes() -> None:
             torch._check(
                 x.shape[0] <= MMA_MAX_M, lambda: f"awq_mma_packed takes M <= {MMA_MAX_M}, got x {tuple(x.shape)}"
             )
+            return x.new_empty((x.shape[0], n))
+
+    if _ext.has_op("awq_gemm_packed"):
+
+        @torch.library.register_fake("fastawq::awq_gemm_packed")
+        def _(x, wpacked, szpacked, n, group_size, bias, m_tiles=0, chunks=0, splits=0):
+            _check_packed_call(x, wpacked, szpacked, n)
             return x.new_empty((x.shape[0], n))
 
 
