@@ -213,6 +213,13 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
     }
   }
 
+  // out[row][4 c4o .. + 3] = v + bias, one 8-byte store.
+  const auto store4 = [&](int64_t at, int c4o, const float (&v)[4]) {
+    T o[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) o[j] = Tr::from_float(bias != nullptr ? v[j] + Tr::to_float(bias[4 * c4o + j]) : v[j]);
+    *reinterpret_cast<uint2*>(out + at) = *reinterpret_cast<const uint2*>(o);
+  };
   // C fragment (g, t): acc[mt][cc][j][2 hr + e] is row 16 mt + 8 hr + g, column 4 (c4w + 8 cc + 2t + e) + j.
   const bool split = gridDim.z > 1;
 #pragma unroll
@@ -231,12 +238,7 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
           if (split) {
             red_add4(ws + at, make_float4(v[0], v[1], v[2], v[3]));
           } else {
-            T o[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              o[j] = Tr::from_float(bias != nullptr ? v[j] + Tr::to_float(bias[4 * c4o + j]) : v[j]);
-            }
-            *reinterpret_cast<uint2*>(out + at) = *reinterpret_cast<const uint2*>(o);
+            store4(at, c4o, v);
           }
         }
   if (!split) return;
@@ -257,14 +259,11 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
   for (int e = threadIdx.x; e < kRows * kQuads; e += kPackedThreads) {
     const int row = row0 + e / kQuads, c4o = c4_0 + e % kQuads;
     if (row >= m || c4o >= n4) continue;
-    float4* p = reinterpret_cast<float4*>(ws + static_cast<int64_t>(row) * n + 4 * c4o);
+    const int64_t at = static_cast<int64_t>(row) * n + 4 * c4o;
+    float4* p = reinterpret_cast<float4*>(ws + at);
     const float4 v = __ldcg(p);
     __stcg(p, make_float4(0.f, 0.f, 0.f, 0.f));
-    const float vv[4] = {v.x, v.y, v.z, v.w};
-    T o[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) o[j] = Tr::from_float(bias != nullptr ? vv[j] + Tr::to_float(bias[4 * c4o + j]) : vv[j]);
-    *reinterpret_cast<uint2*>(out + static_cast<int64_t>(row) * n + 4 * c4o) = *reinterpret_cast<const uint2*>(o);
+    store4(at, c4o, {v.x, v.y, v.z, v.w});
   }
 }
 
@@ -308,20 +307,12 @@ void launch_t(const GemmPackedArgs& a, cudaStream_t stream, int* resident) {
 }  // namespace
 
 void launch_awq_gemm_packed(const GemmPackedArgs& a, cudaStream_t stream) {
-  if (a.dtype == HalfType::kHalf) {
-    launch_t<__half>(a, stream, nullptr);
-  } else {
-    launch_t<__nv_bfloat16>(a, stream, nullptr);
-  }
+  gemv::by_dtype(a.dtype, [&](auto t) { launch_t<decltype(t)>(a, stream, nullptr); });
 }
 
 int gemm_packed_resident_blocks(const GemmPackedArgs& a) {
   int blocks = 0;
-  if (a.dtype == HalfType::kHalf) {
-    launch_t<__half>(a, nullptr, &blocks);
-  } else {
-    launch_t<__nv_bfloat16>(a, nullptr, &blocks);
-  }
+  gemv::by_dtype(a.dtype, [&](auto t) { launch_t<decltype(t)>(a, nullptr, &blocks); });
   return blocks > 0 ? blocks : 1;
 }
 

@@ -309,20 +309,12 @@ void launch_t(const GemvPackedArgs& a, cudaStream_t stream, int* resident) {
 }  // namespace
 
 void launch_awq_gemv_packed(const GemvPackedArgs& a, cudaStream_t stream) {
-  if (a.dtype == HalfType::kHalf) {
-    launch_t<__half>(a, stream, nullptr);
-  } else {
-    launch_t<__nv_bfloat16>(a, stream, nullptr);
-  }
+  gemv::by_dtype(a.dtype, [&](auto t) { launch_t<decltype(t)>(a, stream, nullptr); });
 }
 
 int gemv_packed_resident_blocks(const GemvPackedArgs& a) {
   int blocks = 0;
-  if (a.dtype == HalfType::kHalf) {
-    launch_t<__half>(a, nullptr, &blocks);
-  } else {
-    launch_t<__nv_bfloat16>(a, nullptr, &blocks);
-  }
+  gemv::by_dtype(a.dtype, [&](auto t) { launch_t<decltype(t)>(a, nullptr, &blocks); });
   return blocks > 0 ? blocks : 1;
 }
 

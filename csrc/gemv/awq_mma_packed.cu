@@ -343,20 +343,12 @@ void launch_t(const MmaPackedArgs& a, cudaStream_t stream, int* resident) {
 }  // namespace
 
 void launch_awq_mma_packed(const MmaPackedArgs& a, cudaStream_t stream) {
-  if (a.dtype == HalfType::kHalf) {
-    launch_t<__half>(a, stream, nullptr);
-  } else {
-    launch_t<__nv_bfloat16>(a, stream, nullptr);
-  }
+  gemv::by_dtype(a.dtype, [&](auto t) { launch_t<decltype(t)>(a, stream, nullptr); });
 }
 
 int mma_packed_resident_blocks(const MmaPackedArgs& a) {
   int blocks = 0;
-  if (a.dtype == HalfType::kHalf) {
-    launch_t<__half>(a, nullptr, &blocks);
-  } else {
-    launch_t<__nv_bfloat16>(a, nullptr, &blocks);
-  }
+  gemv::by_dtype(a.dtype, [&](auto t) { launch_t<decltype(t)>(a, nullptr, &blocks); });
   return blocks > 0 ? blocks : 1;
 }
 

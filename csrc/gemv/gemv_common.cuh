@@ -9,10 +9,21 @@
 #include <type_traits>
 
 #include "common/dtype.cuh"
+#include "common/launch.h"
 #include "common/ptx.cuh"
 
 namespace fastawq {
 namespace gemv {
+
+// launch(T{}) with T the CUDA type of `dtype`: the host side of a kernel file's static dtype switch.
+template <typename F>
+void by_dtype(HalfType dtype, F&& launch) {
+  if (dtype == HalfType::kHalf) {
+    launch(__half{});
+  } else {
+    launch(__nv_bfloat16{});
+  }
+}
 
 // Weights are read once per call: skip L1 and let L2 evict them first, so activations and
 // partial sums keep their place.
