@@ -18,6 +18,10 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async16_at(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
+// The same copy through L1 (cp.async.ca): for data the block's other warps read too.
+__device__ __forceinline__ void cp_async16_ca_at(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
 // Weights are read once per call: evict them first so activations and partials keep L2.
 __device__ __forceinline__ void cp_async16_stream_at(uint32_t dst, const void* src, bool valid, uint64_t policy) {
   asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),

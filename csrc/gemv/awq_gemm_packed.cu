@@ -19,19 +19,28 @@
 // The dequantization (4 instructions a register: prmt, lop3, hsub2, hmul2) is paid once per weight
 // and shared by the MT m-tiles, so it costs less per output as M grows.
 //
-// H200 (benchmarks/RESULTS.md, session 13), geomean x cuBLAS fp16 over the Llama-3-8B shapes with
-// the best tile: 1.06 / 0.81 / 0.53 at M = 16 / 32 / 64; steps take ~1 us a warp whatever M is:
-// the first use of a ring slot waits on the scoreboard all of the warp's global loads share, so
-// about one step of loads is in flight across each wait. Not in the automatic choice (backend.py).
+// H200 (benchmarks/RESULTS.md, session 14), geomean x cuBLAS fp16 over the Llama-3-8B shapes with
+// the best tile: 1.14 / 0.82 / 0.52 / 0.42 / 0.30 at M = 16 / 32 / 64 / 128 / 256, no better than the
+// register ring it replaced: ncu finds it bound by its instructions per warp at low occupancy, not
+// by loads in flight. Not in the automatic choice (backend.py).
 //
 // Work: a block is 4 warps side by side on a 128 * CC-column tile (32 * CC columns each) and MT * 16
-// rows, all on one contiguous range of 32-row steps (blockIdx.z splits K). The 4 warps read the same
-// x rows, which stay in L1 after the first, a step ahead of their use; each lane's weights are read
-// once, into a register ring P steps deep, as awq_mma_packed's register ring. Rows beyond M are clamped to row M - 1 on load and never stored. Blocks of one column tile
+// rows, all on one contiguous range of 32-row steps (blockIdx.z splits K). Each warp stages its
+// weights (read once, past L1) and the x rows its lanes need (through L1: the block's 4 warps read
+// the same) in its own cp.async ring in shared memory, P - 1 steps in flight while one is consumed.
+// Rows beyond M are clamped to row M - 1 on load and never stored. Blocks of one column tile
 // and K range are adjacent in blockIdx.x (the M blocks), so M > 64 reads a tile's weights from DRAM
 // once and from L2 after. Split K adds into the zeroed fp32 workspace [M, N] with 16-byte
 // reductions; the last block of a (column tile, M block) to arrive converts and re-zeroes it.
+//
+// No L2 eviction hint on the weights' copies: ptxas 13.x can drop the createpolicy that feeds a
+// cp.async's L2::cache_hint and leave the copy reading an unset uniform register as its
+// descriptor, which traps (cudaErrorIllegalInstruction) -- it did here, in the main loop's refill
+// (benchmarks/CUDA_NOTES.md, session 14; tests/test_sass.py checks every kernel's SASS for it).
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 #include "common/dtype.cuh"
 #include "common/pdl.cuh"
@@ -52,6 +61,15 @@ __device__ __forceinline__ uint32_t dequant_pair(uint32_t magic_q, typename Half
   return *reinterpret_cast<const uint32_t*>(&w);
 }
 
+// The block's shared memory: per warp a ring of P steps, each step kItems 16-byte items per lane
+// (CC weight loads, then x rows g and g + 8 of each m-tile), lane-contiguous so every 16-byte
+// access is conflict-free. A lane reads back only what it copied itself, so cp.async.wait_group
+// alone orders the ring (no barrier), and a block's warps never wait for each other before the tail.
+template <int MT, int CC>
+constexpr int kRingStepBytes = (CC + 2 * MT) * 32 * 16;
+template <int MT, int CC, int P>
+constexpr int kRingBytes = kPackedThreads / 32 * P * kRingStepBytes<MT, CC>;
+
 template <typename T, int MT, int CC, int P>
 __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
@@ -59,8 +77,10 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
     int steps_per_block) {
   using Tr = HalfTraits<T>;
   using T2 = typename Tr::T2;
+  constexpr int kStepBytes = kRingStepBytes<MT, CC>;
   constexpr int kRows = 16 * MT;
   constexpr int kQuads = kPackedThreads / 32 * 8 * CC;  // 4-column chunks of the block's tile
+  extern __shared__ __align__(16) uint8_t ring_smem[];
   __shared__ int is_last;
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -76,7 +96,6 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
   const int s0 = blockIdx.z * steps_per_block;
   const int s1 = min(s0 + steps_per_block, s_total);
   const int steps_per_group = group_size / kPackedBatchRows;
-  const uint64_t policy = evict_first_policy();
   const int64_t w_step = 4 * static_cast<int64_t>(n4);
   const uint4* w_next = wp + static_cast<int64_t>(t) * n4 + c4w + g + s0 * w_step;
 
@@ -90,20 +109,29 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
   pdl_wait();
   pdl_launch_dependents();
 
-  // The lane's x rows: row0 + 16 mt + 8 r + g, clamped, as element offsets from the step's column.
-  int x_off[MT][2];
+  // The lane's x rows: row0 + 16 mt + 8 r + g, clamped (rows past M feed only outputs never stored).
+  const T* x_next[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int r = 0; r < 2; ++r) x_off[mt][r] = min(row0 + 16 * mt + 8 * r + g, m - 1) * k;
-  const T* x_step = x + 8 * t + static_cast<int64_t>(s0) * kPackedBatchRows;
-  // x of a step is loaded a step ahead, into registers.
-  uint4 xc[MT][2];
-  const auto load_x = [&](uint4(&xv)[MT][2]) {
+    for (int r = 0; r < 2; ++r) {
+      x_next[mt][r] = x + static_cast<int64_t>(min(row0 + 16 * mt + 8 * r + g, m - 1)) * k + 8 * t +
+                      static_cast<int64_t>(s0) * kPackedBatchRows;
+    }
+  // Item i of slot p at ring0 + p * kStepBytes + i * 512; global sources step one step per issue.
+  const uint32_t ring0 = pinned(smem_addr(ring_smem) + warp * (P * kStepBytes) + lane * 16);
+  const auto issue = [&](int slot) {
+    const uint32_t dst = ring0 + slot * kStepBytes;
+#pragma unroll
+    for (int cc = 0; cc < CC; ++cc) cp_async16_at(dst + cc * 512, w_next + 8 * cc, col_ok[cc]);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) xv[mt][r] = __ldg(reinterpret_cast<const uint4*>(x_step + x_off[mt][r]));
+      for (int r = 0; r < 2; ++r) {
+        cp_async16_ca_at(dst + (CC + 2 * mt + r) * 512, x_next[mt][r]);
+        x_next[mt][r] += kPackedBatchRows;
+      }
+    w_next += w_step;
   };
 
   const uint4* sz_lane = sz + static_cast<int64_t>(s0 / steps_per_group) * n4 + c4w + g;
@@ -136,18 +164,21 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
 #pragma unroll
         for (int r = 0; r < 4; ++r) acc[mt][cc][j][r] = 0.f;
 
-  const auto consume = [&](const uint4(&w)[CC], bool more) {
-    uint4 xn[MT][2];
-    x_step += kPackedBatchRows;
-    if (more) load_x(xn);
+  const auto consume = [&](uint32_t src) {
+    uint4 xc[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) xc[mt][r] = ld_shared128_at(src + (CC + 2 * mt + r) * 512);
 #pragma unroll
     for (int cc = 0; cc < CC; ++cc) {
+      const uint4 w = ld_shared128_at(src + cc * 512);
       uint32_t b[2][4][2];
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const uint32_t word = h == 0 ? (r == 0 ? w[cc].x : w[cc].y) : (r == 0 ? w[cc].z : w[cc].w);
+          const uint32_t word = h == 0 ? (r == 0 ? w.x : w.y) : (r == 0 ? w.z : w.w);
           const uint32_t hi = word >> 4;
           b[h][0][r] = dequant_pair<T>(column_pair<T, 0>(word, hi), zm[cc][0], sc[cc][0]);
           b[h][1][r] = dequant_pair<T>(column_pair<T, 1>(word, hi), zm[cc][1], sc[cc][1]);
@@ -164,54 +195,43 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
           for (int j = 0; j < 4; ++j) Mma<T>::run(acc[mt][cc][j], a, b[h][j][0], b[h][j][1]);
         }
     }
-    if (more) {
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) xc[mt][0] = xn[mt][0], xc[mt][1] = xn[mt][1];
-    }
   };
 
-  // The ring: slot r holds steps s0 + r, s0 + r + P, ...: consumed, then refilled with the step P
-  // later. (ptxas tracks all of a warp's global loads on one scoreboard, so the first use of a slot
-  // waits for the younger slots too: the ring keeps only about a step of loads in flight across
-  // each wait; benchmarks/CUDA_NOTES.md, session 13.)
-  uint4 rw[P][CC];
-  const auto fetch = [&](uint4(&w)[CC]) {
-#pragma unroll
-    for (int cc = 0; cc < CC; ++cc) {
-      w[cc] = col_ok[cc] ? gemv::load_stream(w_next + 8 * cc, policy) : make_uint4(0, 0, 0, 0);
-    }
-    w_next += w_step;
-  };
-#pragma unroll
-  for (int r = 0; r < P; ++r) {
-    if (s0 + r < s1) fetch(rw[r]);
-  }
+  // The ring: step s is copied into slot (s - s0) % P while P - 1 younger steps are in flight; one
+  // commit group per step (empty past the range), so wait_group counts steps. (A ring of register
+  // loads does not pipeline: ptxas tracks all of a warp's global loads on one scoreboard, so the
+  // first use of the oldest slot waits for the youngest too.)
   if (s0 < s1) {
     load_scales();
     set_group();
-    load_x(xc);
+  }
+#pragma unroll
+  for (int d = 0; d < P - 1; ++d) {
+    if (s0 + d < s1) issue(d);
+    cp_async_commit();
   }
   int group_left = steps_per_group - s0 % steps_per_group;  // steps until the current group ends
+  int slot = 0;
 #pragma unroll 1
-  for (int s = s0; s < s1; s += P) {
-#pragma unroll
-    for (int r = 0; r < P; ++r) {
-      const int st = s + r;
-      if (st < s1) {
-        // The next group's (scale, zero) pairs, fetched a step before they are needed.
-        if (group_left == 1 && st + 1 < s1) {
-          sz_lane += n4;
-          load_scales();
-        }
-        consume(rw[r], st + 1 < s1);
-        if (st + P < s1) fetch(rw[r]);
-        if (--group_left == 0) {
-          group_left = steps_per_group;
-          set_group();
-        }
-      }
+  for (int s = s0; s < s1; ++s) {
+    // Refill the slot consumed last step with step s + P - 1, then wait for step s.
+    const int refill = slot == 0 ? P - 1 : slot - 1;
+    if (s + P - 1 < s1) issue(refill);
+    cp_async_commit();
+    // The next group's (scale, zero) pairs, fetched a step before they are needed.
+    if (group_left == 1 && s + 1 < s1) {
+      sz_lane += n4;
+      load_scales();
+    }
+    cp_async_wait<P - 1>();
+    consume(ring0 + slot * kStepBytes);
+    slot = slot == P - 1 ? 0 : slot + 1;
+    if (--group_left == 0) {
+      group_left = steps_per_group;
+      set_group();
     }
   }
+  cp_async_wait<0>();
 
   // out[row][4 c4o .. + 3] = v + bias, one 8-byte store.
   const auto store4 = [&](int64_t at, int c4o, const float (&v)[4]) {
@@ -220,6 +240,7 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
     for (int j = 0; j < 4; ++j) o[j] = Tr::from_float(bias != nullptr ? v[j] + Tr::to_float(bias[4 * c4o + j]) : v[j]);
     *reinterpret_cast<uint2*>(out + at) = *reinterpret_cast<const uint2*>(o);
   };
+  // C fragment (g, t): acc[mt][cc][j][2 hr + e] is row 16 mt + 8 hr + g, column 4 (c4w + 8 cc + 2t + e) + j.
   // C fragment (g, t): acc[mt][cc][j][2 hr + e] is row 16 mt + 8 hr + g, column 4 (c4w + 8 cc + 2t + e) + j.
   const bool split = gridDim.z > 1;
 #pragma unroll
@@ -267,24 +288,50 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
   }
 }
 
-// The register ring's depth: 16-byte weight loads per lane, fewer as the accumulators grow.
+// The ring's depth: up to 8 steps (7 in flight), 8 weight copies a lane, ~72 KB a block.
 template <int MT, int CC>
 constexpr int gemm_ring_depth() {
-  constexpr int loads = MT == 1 ? 8 : (MT == 2 ? 6 : 4);
-  return loads / CC < 2 ? 2 : loads / CC;
+  constexpr int by_weights = 8 / CC, by_smem = 73728 / (kPackedThreads / 32 * kRingStepBytes<MT, CC>);
+  constexpr int p = by_weights < by_smem ? by_weights : by_smem;
+  return p > 8 ? 8 : (p < 3 ? 3 : p);
+}
+
+// FASTAWQ_GEMM_RING_DEPTH=4: the shallower ring (a debugging and A/B switch, read once).
+bool shallow_ring() {
+  static const bool on = [] {
+    const char* v = std::getenv("FASTAWQ_GEMM_RING_DEPTH");
+    return v != nullptr && std::string(v) == "4";
+  }();
+  return on;
+}
+
+template <typename T, int MT, int CC, int kP>
+void launch_depth(const GemmPackedArgs& a, cudaStream_t stream, int* resident) {
+  constexpr auto kernel = awq_gemm_packed_kernel<T, MT, CC, kP>;
+  constexpr int kSmem = kRingBytes<MT, CC, kP>;
+  // Above 48 KB of dynamic shared memory a kernel must opt in, once per instance and device.
+  static std::atomic<uint64_t> opted{0};
+  int device = 0;
+  cudaGetDevice(&device);
+  const uint64_t bit = uint64_t{1} << (device & 63);
+  if ((opted.load(std::memory_order_relaxed) & bit) == 0) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    opted.fetch_or(bit, std::memory_order_relaxed);
+  }
+  if (resident != nullptr) {
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, kPackedThreads, kSmem);
+    return;
+  }
+  launch_pdl(kernel, dim3(a.m_blocks, a.col_tiles, a.splits), dim3(kPackedThreads), kSmem, stream,
+             static_cast<const T*>(a.x), reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz),
+             static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.m, a.n, a.k,
+             a.group_size, a.steps_per_warp);
 }
 
 template <typename T, int MT, int CC>
 void launch_cfg(const GemmPackedArgs& a, cudaStream_t stream, int* resident) {
-  constexpr auto kernel = awq_gemm_packed_kernel<T, MT, CC, gemm_ring_depth<MT, CC>()>;
-  if (resident != nullptr) {
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, kPackedThreads, 0);
-    return;
-  }
-  launch_pdl(kernel, dim3(a.m_blocks, a.col_tiles, a.splits), dim3(kPackedThreads), 0, stream,
-             static_cast<const T*>(a.x), reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz),
-             static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.m, a.n, a.k,
-             a.group_size, a.steps_per_warp);
+  if (shallow_ring()) return launch_depth<T, MT, CC, 4>(a, stream, resident);
+  launch_depth<T, MT, CC, gemm_ring_depth<MT, CC>()>(a, stream, resident);
 }
 
 template <typename T, int MT>
