@@ -42,8 +42,9 @@ def apply(model: torch.nn.Module, compare: str, on: bool) -> None:
         backend.ROUTE_FUSED = on
     elif compare == "norm_route":
         backend.NORM_ROUTE_FUSED = on
-    elif compare == "route_cuda":
+    elif compare == "route_cuda":  # on: wherever it fits, whatever the expert count
         backend.ROUTE_CUDA = on
+        backend.ROUTE_CUDA_EXPERTS = (1, 1 << 30)
     elif compare == "moe_mma":
         backend.MOE_MMA = on
     elif compare == "packed_gemm":

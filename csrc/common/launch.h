@@ -168,7 +168,17 @@ struct RouteArgs {
   float eps, offset, scale;
   bool renorm, sigmoid;
   bool vec;                 // every row 16-byte aligned and H % 8 == 0: 16-byte loads
+  int cluster_experts;      // > 0: the cluster kernel (sm_90), this many experts a block; 0: parts
 };
+
+// The cluster form of moe_route (route.cu): up to 8 blocks of 8 warps a token, 1 to 16 experts a
+// block (a power of 2), H <= kRouteClusterMaxHidden, the block's router rows staged in shared
+// memory (at most kRouteClusterSmem bytes with the norm weight).
+constexpr int kRouteClusterThreads = 256;
+constexpr int kRouteClusterMaxBlocks = 8;
+constexpr int kRouteClusterMaxBlockExperts = 16;
+constexpr int kRouteClusterMaxHidden = kRouteClusterThreads * 8 * 4;
+constexpr int kRouteClusterSmem = 160 * 1024;
 
 void launch_moe_route(const RouteArgs& args, cudaStream_t stream);
 

@@ -1,7 +1,9 @@
 // Host entry of fastawq::moe_route (csrc/moe/route.cu): validation, whose messages name the shapes
 // and dtypes at fault, and the grid. Which calls it serves is python/fastawq/backend.py's rule;
 // the width, expert and top-k bounds are moe_route_declines, here.
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <tuple>
 
@@ -31,6 +33,30 @@ std::string moe_route_declines(int64_t num_experts, int64_t hidden, int64_t k) {
 namespace {
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// FASTAWQ_ROUTE_CLUSTER=0: the part kernel everywhere (an A/B switch, read once).
+bool cluster_allowed() {
+  static const bool on = [] {
+    const char* v = std::getenv("FASTAWQ_ROUTE_CLUSTER");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return on;
+}
+
+// Experts a block for the cluster kernel (route.cu), or 0 where it does not apply: sm_90, 16-byte
+// rows, H <= kRouteClusterMaxHidden, E <= 8 * 16, and the block's router rows (+ the norm weight)
+// in kRouteClusterSmem bytes of shared memory.
+int cluster_experts(const at::Tensor& x, bool vec, int64_t h, int64_t e, bool norm) {
+  if (!vec || !cluster_allowed() || h > kRouteClusterMaxHidden) return 0;
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(x.device().index());
+  if (prop->major < 9) return 0;
+  int64_t eb = 1;  // experts a block: the power of 2 that keeps the cluster within 8 blocks
+  while (eb * kRouteClusterMaxBlocks < e) eb *= 2;
+  if (eb > kRouteClusterMaxBlockExperts) return 0;
+  const int64_t bytes = (eb + (norm ? 1 : 0)) * h * 2;
+  const int64_t room = std::min<int64_t>(kRouteClusterSmem, static_cast<int64_t>(prop->sharedMemPerBlockOptin) - 16 * 1024);
+  return bytes <= room ? static_cast<int>(eb) : 0;
+}
 
 }  // namespace
 
@@ -102,8 +128,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(
   a.parts = static_cast<int>((e + kRouteBlockExperts - 1) / kRouteBlockExperts);
   a.eps = static_cast<float>(eps), a.offset = static_cast<float>(offset), a.scale = static_cast<float>(scale);
   a.renorm = renormalize, a.sigmoid = scoring == "sigmoid";
+  a.cluster_experts = cluster_experts(x, vec, h, e, residual.has_value());
   at::Tensor logits;
-  if (a.parts > 1) {
+  if (a.parts > 1 && a.cluster_experts == 0) {
     logits = at::empty({t, e}, f32);
     a.logits = logits.data_ptr<float>();
     a.counters = zeroed_counters(Workspace::kRouteCounters, x.device(), t);

@@ -1,7 +1,9 @@
 // An MoE block's routing for a few tokens (decode) in one launch: the router GEMV x · W^T and the
 // top-k choice, and optionally the add + RMSNorm before them (ops.add_rms_norm_route's
-// h = RMSNorm(x + residual) * (w + offset), which the experts then read). Not the automatic
-// choice yet (backend.ROUTE_CUDA): on the H200 it is still slower than Triton's launches.
+// h = RMSNorm(x + residual) * (w + offset), which the experts then read). Two forms: the cluster
+// kernel further down (sm_90, the automatic choice for 16 <= E <= 128, backend.ROUTE_CUDA_EXPERTS)
+// and this part kernel (everywhere else it fits, e.g. before sm_90 or E > 128; slower than
+// Triton's launches on the H200, so only backend="cuda" runs it there).
 //
 // Grid (parts, T), 4 warps a block. Block p scores experts 8p .. 8p + 7 of token blockIdx.y: its
 // 128 threads take the row in chunks of 8 elements (thread i chunks i + 128 j, j < J; J and the
@@ -18,11 +20,14 @@
 // fp32 scratch) and the last to arrive for the token chooses (moe::arrive_last re-arms the
 // counter: no memset in a captured step).
 // The choice, in one warp over shared memory: softmax or sigmoid scores, plus the correction bias
-// for choosing only, then k rounds of a warp arg-max (ties to the lowest index, as the Triton
-// kernel), the chosen scores renormalised and times `scale`.
+// for choosing only, then k rounds of a warp arg-max by redux.sync (ties to the lowest index, as the
+// Triton kernel), the chosen scores renormalised and times `scale`.
+#include <atomic>
 #include <cfloat>
 #include <climits>
 #include <cstdint>
+
+#include <cooperative_groups.h>
 
 #include "common/dtype.cuh"
 #include "common/launch.h"
@@ -106,6 +111,14 @@ struct RouteSmem {
   int is_last;
 };
 
+// A float's order as an unsigned key: larger values give larger keys, NaN sorts below every number,
+// and 0 and 1 stay free (0: taken).
+__device__ __forceinline__ uint32_t order_key(float v) {
+  if (v != v) return 1u;
+  const uint32_t b = __float_as_uint(v);
+  return max((b & 0x80000000u) ? ~b : (b | 0x80000000u), 2u);
+}
+
 // Token tok's top-k from sm.score[0 .. E) holding its logits, by one warp; lane j < k writes
 // choice j.
 __device__ __forceinline__ void choose(const RouteArgs& a, int tok, int lane, RouteSmem& sm) {
@@ -127,28 +140,25 @@ __device__ __forceinline__ void choose(const RouteArgs& a, int tok, int lane, Ro
     sm.choice[e] = p + (a.bias != nullptr ? a.bias[e] : 0.f);
   }
   __syncwarp();
-  // kNone: no candidate yet (a NaN score is still taken in its turn, so k distinct ids come out).
-  constexpr int kNone = INT_MAX;
+  // k rounds of a warp arg-max on order keys (a larger value, a larger key; NaN below every number,
+  // 0 once taken), two single-instruction warp reductions a round: the largest key, then the lowest
+  // index holding it (ties to the lowest index, as the Triton kernel). A lane scans only its own
+  // experts e = lane + 32 i, so marking one taken needs no barrier.
+  uint32_t* key = reinterpret_cast<uint32_t*>(sm.choice);
+  for (int e = lane; e < E; e += 32) key[e] = order_key(sm.choice[e]);
   float my_w = 0.f;
   int my_id = 0;
   for (int j = 0; j < a.k; ++j) {
-    float bv = -FLT_MAX;
-    int bi = kNone;
+    uint32_t bk = 0u;
+    int bi = INT_MAX;
     for (int e = lane; e < E; e += 32) {  // ascending: strictly greater keeps the lowest of ties
-      const float c = sm.choice[e];
-      if (c != -INFINITY && (bi == kNone || c > bv)) bv = c, bi = e;
+      const uint32_t c = key[e];
+      if (c > bk) bk = c, bi = e;
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(kFull, bv, o);
-      const int oi = __shfl_xor_sync(kFull, bi, o);
-      if (oi != kNone && (bi == kNone || ov > bv || (ov == bv && oi < bi))) bv = ov, bi = oi;
-    }
-    bi = __shfl_sync(kFull, bi, 0);  // one answer even where NaN scores leave the order partial
-    if (lane == j) my_w = sm.score[bi], my_id = bi;
-    __syncwarp();
-    if (lane == 0) sm.choice[bi] = -INFINITY;
-    __syncwarp();
+    const uint32_t top = __reduce_max_sync(kFull, bk);
+    const int win = __reduce_min_sync(kFull, bk == top ? bi : INT_MAX);
+    if (lane == j) my_w = sm.score[win], my_id = win;
+    if (lane == (win & 31)) key[win] = 0u;
   }
   const float total = warp_sum(lane < a.k ? my_w : 0.f);
   if (a.renorm) my_w = __fdiv_rn(my_w, fmaxf(total, 1e-20f));
@@ -272,6 +282,211 @@ __global__ void __launch_bounds__(kThreads) moe_route_kernel(RouteArgs a) {
   if (warp == 0) choose(a, tok, lane, sm);
 }
 
+
+// The cluster form (sm_90), for decode, where the routing sits on the critical path between two
+// kernels: grid (C, T) in clusters of C <= 8 blocks, one cluster a token, block r scoring experts
+// r * EB .. r * EB + EB - 1. Before the PDL wait -- while the kernel before still runs -- each block
+// copies its EB router rows (and the norm weight) into shared memory: nothing a kernel of the step
+// writes. After it the work per thread is kept short, since a few warps an SM run it and each
+// thread's chain of instructions is the time: thread i holds chunks i + 256 j (J of them) of the
+// token's row, the norm's sum of squares is one block reduction, and each thread's EB partial dot
+// products are summed across its warp by halving exchanges (EB values in 31 shuffles) and across
+// the warps in shared memory. Each logit goes into the leader block's shared memory (distributed
+// shared memory); one cluster barrier, and the leader's warp 0 chooses. Against the part kernel
+// above there is no round trip of the logits through global memory, no arrival counter and
+// fences, and no router load after the wait.
+template <int EB>
+__device__ __forceinline__ float warp_reduce_scatter(float (&v)[EB], int lane, int& idx) {
+  // After the step with offset o, a lane keeps the half of its values named by its bit o; when one
+  // value is left the remaining offsets add plainly. idx: which of the EB values the lane ends with.
+  idx = 0;
+  int n = EB;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    if (n > 1) {
+      const int half = n / 2;
+      const bool upper = (lane & o) != 0;
+#pragma unroll
+      for (int i = 0; i < EB / 2; ++i) {
+        if (i < half) {
+          const float send = upper ? v[i] : v[i + half];
+          const float keep = upper ? v[i + half] : v[i];
+          v[i] = keep + __shfl_xor_sync(kFull, send, o);
+        }
+      }
+      idx += upper ? half : 0;
+      n = half;
+    } else {
+      v[0] += __shfl_xor_sync(kFull, v[0], o);
+    }
+  }
+  return v[0];
+}
+
+template <typename T, bool NORM, int J, int EB>
+__global__ void __launch_bounds__(kRouteClusterThreads) moe_route_cluster_kernel(RouteArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  constexpr int kW = kRouteClusterThreads / 32;
+  extern __shared__ __align__(16) uint8_t route_smem[];
+  __shared__ RouteSmem sm;
+  __shared__ float red[kW][EB > 1 ? EB : 2];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tok = blockIdx.y, H = a.hidden, E = a.experts;
+  const int chunks = H / 8;  // the host sends only H % 8 == 0 with 16-byte aligned rows
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int e0 = rank * EB, ne = min(EB, E - e0);
+  const uint32_t rows_s = smem_addr(route_smem);                   // [EB][H] in x's dtype
+  const uint32_t nw_s = rows_s + static_cast<uint32_t>(EB) * H * 2;  // [H] (NORM)
+  {
+    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const T*>(a.router) + int64_t(e0) * H);
+    for (int i = threadIdx.x; i < ne * chunks; i += kRouteClusterThreads) cp_async16_at(rows_s + 16 * i, src + i, true);
+    if constexpr (NORM) {
+      const uint4* nw = static_cast<const uint4*>(a.norm_weight);
+      for (int i = threadIdx.x; i < chunks; i += kRouteClusterThreads) cp_async16_at(nw_s + 16 * i, nw + i, true);
+    }
+    cp_async_commit();
+  }
+  // Distributed shared memory may be written only once its block runs: arrive now, wait before
+  // the first remote write (long over by then).
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+
+  pdl_wait();  // x (and the residual) come from the kernels before
+  pdl_launch_dependents();
+  const T* xr = static_cast<const T*>(a.x) + int64_t(tok) * a.x_stride;
+  uint4 hw[J];  // the thread's chunks threadIdx.x + 256 j of the routed input (zeros past the row)
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int c = threadIdx.x + kRouteClusterThreads * j;
+    hw[j] = c < chunks ? *reinterpret_cast<const uint4*>(xr + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  if constexpr (NORM) {
+    const T* rr = static_cast<const T*>(a.residual) + int64_t(tok) * H;
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const int c = threadIdx.x + kRouteClusterThreads * j;
+      if (c >= chunks) continue;
+      float xf[8], rf[8];
+      unpack8<T>(hw[j], xf);
+      unpack8<T>(*reinterpret_cast<const uint4*>(rr + 8 * c), rf);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        xf[i] = round_to<T>(xf[i] + rf[i]);  // the new residual
+        ss = fmaf(xf[i], xf[i], ss);
+      }
+      hw[j] = pack8<T>(xf);
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) red[warp][0] = ss;
+    cp_async_wait<0>();
+    __syncthreads();
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < kW; ++w) total += red[w][0];
+    const float rstd = rsqrtf(__fdiv_rn(total, static_cast<float>(H)) + a.eps);
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const int c = threadIdx.x + kRouteClusterThreads * j;
+      if (c >= chunks) continue;
+      float rf[8], wf[8];
+      unpack8<T>(hw[j], rf);
+      unpack8<T>(ld_shared128_at(nw_s + 16 * c), wf);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) rf[i] = rf[i] * rstd * (wf[i] + a.offset);
+      const uint4 h = pack8<T>(rf);
+      if (rank == 0) {  // block 0 writes h and the new residual
+        *reinterpret_cast<uint4*>(static_cast<T*>(a.h) + int64_t(tok) * H + 8 * c) = h;
+        *reinterpret_cast<uint4*>(static_cast<T*>(a.res_out) + int64_t(tok) * H + 8 * c) = hw[j];
+      }
+      hw[j] = h;
+    }
+    __syncthreads();  // red is reused below
+  } else {
+    cp_async_wait<0>();
+    __syncthreads();
+  }
+
+  float part[EB];  // this thread's share of each of the block's experts
+#pragma unroll
+  for (int ee = 0; ee < EB; ++ee) part[ee] = 0.f;
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int c = threadIdx.x + kRouteClusterThreads * j;
+    if (c >= chunks) continue;
+    float hf[8];
+    unpack8<T>(hw[j], hf);
+#pragma unroll
+    for (int ee = 0; ee < EB; ++ee) {
+      if (ee < ne) {
+        float wf[8];
+        unpack8<T>(ld_shared128_at(rows_s + static_cast<uint32_t>(ee) * H * 2 + 16 * c), wf);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) part[ee] = fmaf(wf[i], hf[i], part[ee]);
+      }
+    }
+  }
+  int idx = 0;
+  const float wsum = warp_reduce_scatter<EB>(part, lane, idx);
+  // Lanes that hold expert idx: the first of each group of 32 / EB lanes writes it.
+  if ((lane & (32 / EB - 1)) == 0 || EB == 1) {
+    if (EB == 1) {
+      if (lane == 0) red[warp][0] = wsum;
+    } else {
+      red[warp][idx] = wsum;
+    }
+  }
+  __syncthreads();
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+  if (threadIdx.x < ne) {
+    float logit = 0.f;
+#pragma unroll
+    for (int w = 0; w < kW; ++w) logit += red[w][threadIdx.x];
+    float* leader_score = cluster.map_shared_rank(sm.score, 0);
+    leader_score[e0 + threadIdx.x] = round_to<T>(logit);  // rounded to the router's dtype
+  }
+  cluster.sync();  // every logit is in the leader's shared memory
+  if (rank == 0 && warp == 0) choose(a, tok, lane, sm);
+#endif
+}
+
+// One instance: above 48 KB of dynamic shared memory a kernel must opt in, once per device.
+template <typename T, bool NORM, int J, int EB>
+void launch_cluster_j(const RouteArgs& a, cudaStream_t stream) {
+  constexpr auto kernel = moe_route_cluster_kernel<T, NORM, J, EB>;
+  static std::atomic<uint64_t> opted{0};
+  int device = 0;
+  cudaGetDevice(&device);
+  const uint64_t bit = uint64_t{1} << (device & 63);
+  if ((opted.load(std::memory_order_relaxed) & bit) == 0) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRouteClusterSmem);
+    opted.fetch_or(bit, std::memory_order_relaxed);
+  }
+  const int clusters = (a.experts + EB - 1) / EB;
+  const int smem = (EB + (NORM ? 1 : 0)) * a.hidden * 2;
+  launch_pdl_cluster(kernel, dim3(clusters, a.t), dim3(kRouteClusterThreads), smem, stream, clusters, a);
+}
+
+template <typename T, bool NORM, int J>
+void launch_cluster_eb(const RouteArgs& a, cudaStream_t stream) {
+  switch (a.cluster_experts) {
+    case 1: return launch_cluster_j<T, NORM, J, 1>(a, stream);
+    case 2: return launch_cluster_j<T, NORM, J, 2>(a, stream);
+    case 4: return launch_cluster_j<T, NORM, J, 4>(a, stream);
+    case 8: return launch_cluster_j<T, NORM, J, 8>(a, stream);
+    default: return launch_cluster_j<T, NORM, J, 16>(a, stream);
+  }
+}
+
+template <typename T, bool NORM>
+void launch_cluster(const RouteArgs& a, cudaStream_t stream) {
+  const int j = (a.hidden / 8 + kRouteClusterThreads - 1) / kRouteClusterThreads;
+  if (j <= 1) return launch_cluster_eb<T, NORM, 1>(a, stream);
+  if (j <= 2) return launch_cluster_eb<T, NORM, 2>(a, stream);
+  launch_cluster_eb<T, NORM, 4>(a, stream);
+}
+
 template <typename T, bool NORM, bool VEC>
 void launch_vec(const RouteArgs& a, cudaStream_t stream) {
   const dim3 grid(a.parts, a.t);
@@ -283,6 +498,7 @@ void launch_vec(const RouteArgs& a, cudaStream_t stream) {
 
 template <typename T, bool NORM>
 void launch_norm(const RouteArgs& a, cudaStream_t stream) {
+  if (a.cluster_experts > 0) return launch_cluster<T, NORM>(a, stream);
   if (a.vec) return launch_vec<T, NORM, true>(a, stream);
   launch_vec<T, NORM, false>(a, stream);
 }
