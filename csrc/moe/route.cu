@@ -98,6 +98,32 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
   return make_uint4(HalfTraits<T>::from_float2(f[0], f[1]), HalfTraits<T>::from_float2(f[2], f[3]), HalfTraits<T>::from_float2(f[4], f[5]), HalfTraits<T>::from_float2(f[6], f[7]));
 }
 
+// x + residual for one 8-element chunk, rounded to T as add_rms_norm rounds it (the new residual,
+// returned packed); its squares are added to ss.
+template <typename T>
+__device__ __forceinline__ uint4 add_chunk(uint4 x, uint4 r, float& ss) {
+  float xf[8], rf[8];
+  unpack8<T>(x, xf);
+  unpack8<T>(r, rf);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    xf[i] = round_to<T>(xf[i] + rf[i]);
+    ss = fmaf(xf[i], xf[i], ss);
+  }
+  return pack8<T>(xf);
+}
+
+// RMSNorm of one chunk of the new residual: v * rstd * (w + offset), rounded to T.
+template <typename T>
+__device__ __forceinline__ uint4 norm_chunk(uint4 v, uint4 w, float rstd, float offset) {
+  float vf[8], wf[8];
+  unpack8<T>(v, vf);
+  unpack8<T>(w, wf);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) vf[i] = vf[i] * rstd * (wf[i] + offset);
+  return pack8<T>(vf);
+}
+
 // Lines of `bytes` bytes from p into L2, the warp's lanes taking every 32nd 128-byte line.
 __device__ __forceinline__ void prefetch_row(const void* p, int64_t bytes, int lane) {
   const char* c = static_cast<const char*>(p);
@@ -206,17 +232,7 @@ __global__ void __launch_bounds__(kThreads) moe_route_kernel(RouteArgs a) {
     }
     float ss = 0.f;
 #pragma unroll
-    for (int j = 0; j < J; ++j) {
-      float xf[8], rf[8];
-      unpack8<T>(hw[j], xf);
-      unpack8<T>(rw[j], rf);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        xf[i] = round_to<T>(xf[i] + rf[i]);  // the new residual
-        ss = fmaf(xf[i], xf[i], ss);
-      }
-      hw[j] = pack8<T>(xf);
-    }
+    for (int j = 0; j < J; ++j) hw[j] = add_chunk<T>(hw[j], rw[j], ss);  // the new residual
     ss = warp_sum(ss);
     if (lane == 0) sm.part_sums[warp][kRouteBlockExperts] = ss;
     __syncthreads();
@@ -227,12 +243,7 @@ __global__ void __launch_bounds__(kThreads) moe_route_kernel(RouteArgs a) {
 #pragma unroll
     for (int j = 0; j < J; ++j) {
       const int c = chunk_of(j);
-      float rf[8], wf[8];
-      unpack8<T>(hw[j], rf);
-      unpack8<T>(nww[j], wf);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) rf[i] = rf[i] * rstd * (wf[i] + a.offset);
-      const uint4 h = pack8<T>(rf);
+      const uint4 h = norm_chunk<T>(hw[j], nww[j], rstd, a.offset);
       if (blockIdx.x == 0 && c < chunks) {  // part 0 writes h and the new residual
         store_chunk<T, VEC>(static_cast<T*>(a.h) + int64_t(tok) * H + 8 * c, H - 8 * c, h);
         store_chunk<T, VEC>(static_cast<T*>(a.res_out) + int64_t(tok) * H + 8 * c, H - 8 * c, hw[j]);
@@ -367,16 +378,7 @@ __global__ void __launch_bounds__(kRouteClusterThreads) moe_route_cluster_kernel
 #pragma unroll
     for (int j = 0; j < J; ++j) {
       const int c = threadIdx.x + kRouteClusterThreads * j;
-      if (c >= chunks) continue;
-      float xf[8], rf[8];
-      unpack8<T>(hw[j], xf);
-      unpack8<T>(*reinterpret_cast<const uint4*>(rr + 8 * c), rf);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        xf[i] = round_to<T>(xf[i] + rf[i]);  // the new residual
-        ss = fmaf(xf[i], xf[i], ss);
-      }
-      hw[j] = pack8<T>(xf);
+      if (c < chunks) hw[j] = add_chunk<T>(hw[j], *reinterpret_cast<const uint4*>(rr + 8 * c), ss);
     }
     ss = warp_sum(ss);
     if (lane == 0) red[warp][0] = ss;
@@ -390,12 +392,7 @@ __global__ void __launch_bounds__(kRouteClusterThreads) moe_route_cluster_kernel
     for (int j = 0; j < J; ++j) {
       const int c = threadIdx.x + kRouteClusterThreads * j;
       if (c >= chunks) continue;
-      float rf[8], wf[8];
-      unpack8<T>(hw[j], rf);
-      unpack8<T>(ld_shared128_at(nw_s + 16 * c), wf);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) rf[i] = rf[i] * rstd * (wf[i] + a.offset);
-      const uint4 h = pack8<T>(rf);
+      const uint4 h = norm_chunk<T>(hw[j], ld_shared128_at(nw_s + 16 * c), rstd, a.offset);
       if (rank == 0) {  // block 0 writes h and the new residual
         *reinterpret_cast<uint4*>(static_cast<T*>(a.h) + int64_t(tok) * H + 8 * c) = h;
         *reinterpret_cast<uint4*>(static_cast<T*>(a.res_out) + int64_t(tok) * H + 8 * c) = hw[j];
@@ -460,7 +457,14 @@ void launch_cluster_j(const RouteArgs& a, cudaStream_t stream) {
   cudaGetDevice(&device);
   const uint64_t bit = uint64_t{1} << (device & 63);
   if ((opted.load(std::memory_order_relaxed) & bit) == 0) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRouteClusterSmem);
+    // As much as the device allows next to the static shared memory (the host entry sized the
+    // request within it): GPUs of sm_90 and later differ (227 KB on the H100 / H200, 99 KB on sm_120).
+    int optin = 0;
+    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    cudaFuncAttributes attrs{};
+    cudaFuncGetAttributes(&attrs, kernel);
+    const int room = optin - static_cast<int>(attrs.sharedSizeBytes);
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, room < kRouteClusterSmem ? room : kRouteClusterSmem);
     opted.fetch_or(bit, std::memory_order_relaxed);
   }
   const int clusters = (a.experts + EB - 1) / EB;

@@ -107,7 +107,7 @@ NORM_ROUTE_FUSED = False
 # reads the router once per token, so it serves up to ROUTE_FUSED_MAX_T tokens. On sm_90 with
 # 16-byte rows, H <= 4096 and E <= 128 it runs as a cluster of up to 8 blocks that stage their
 # router rows in shared memory before the PDL wait and meet in distributed shared memory. The
-# automatic choice takes it for E in ROUTE_CUDA_EXPERTS on sm_90 (H200, RESULTS.md session 14,
+# automatic choice takes it for E in ROUTE_CUDA_EXPERTS on sm_90, where it was measured (H200, RESULTS.md session 14,
 # bench_ab.py --compare route_cuda: Qwen3-30B-A3B decode 1.056x at batch 1, 1.029x at 16; norm +
 # route 5.80 against Triton's 7.18 us). Mixtral-8x7B (E = 8) measured 0.907x in the same call although
 # its routing alone is faster (3.52 against 5.17 us): not understood yet, so E < 16 keeps Triton, as

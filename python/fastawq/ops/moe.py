@@ -404,7 +404,7 @@ def _route_cuda_measured(x: torch.Tensor, e: int) -> bool:
     lo, hi = _backend.ROUTE_CUDA_EXPERTS
     h = x.shape[1]
     return (lo <= e <= hi and h % 8 == 0 and h <= 4096 and x.is_cuda
-            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+            and torch.cuda.get_device_capability(x.device) == (9, 0))
 
 
 def _route_backend(x: torch.Tensor, router_weight: torch.Tensor, k: int, scoring: str,
@@ -423,7 +423,7 @@ def _route_backend(x: torch.Tensor, router_weight: torch.Tensor, k: int, scoring
                 return "backend.ROUTE_CUDA is off (the automatic choice keeps Triton's routing)"
             if automatic and not _route_cuda_measured(x, e):
                 lo, hi = _backend.ROUTE_CUDA_EXPERTS
-                return (f"the automatic choice takes the compiled router on sm_90+ for {lo} <= E <= {hi} "
+                return (f"the automatic choice takes the compiled router on sm_90 for {lo} <= E <= {hi} "
                         f"and H % 8 == 0, H <= 4096 (where it was measured faster); E={e}, H={x.shape[1]}")
             if x.dtype not in _HALF or router_weight.dtype != x.dtype or x.stride(-1) != 1:
                 return (f"the compiled router takes fp16/bf16 x with unit column stride and the router in x's dtype, "
