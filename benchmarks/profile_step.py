@@ -6,15 +6,21 @@ itself, so durations overlap and gaps come out negative: read a kernel's share o
 time from the end of the kernel it waits on to its own end.
 
     python benchmarks/profile_step.py SHAPE:BATCH [SHAPE:BATCH ...]   # e.g. qwen3-30b-a3b:1 mixtral-8x7b:1
+    python benchmarks/profile_step.py --set ROUTE_CUDA_EXPERTS="(1, 128)" mixtral-8x7b:1
+
+--set NAME=VALUE (repeatable) sets fastawq.backend.NAME to the Python literal VALUE before the
+models are built: a switch of the automatic choice, profiled without editing the package.
 """
 from __future__ import annotations
 
+import ast
 import sys
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from fastawq import backend
 from fastawq.commands import bench
 
 
@@ -74,7 +80,18 @@ def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__)
         return 2
-    for spec in argv:
+    specs = []
+    args = iter(argv)
+    for arg in args:
+        if arg == "--set":
+            name, _, value = next(args).partition("=")
+            if not hasattr(backend, name):
+                raise SystemExit(f"--set {name}: fastawq.backend has no such switch")
+            setattr(backend, name, ast.literal_eval(value))
+            print(f"backend.{name} = {getattr(backend, name)!r}")
+        else:
+            specs.append(arg)
+    for spec in specs:
         shape, batch = spec.split(":")
         run(shape, int(batch))
     return 0
