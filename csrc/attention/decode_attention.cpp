@@ -1,5 +1,6 @@
 // Host entry of fastawq::decode_attention: validation, split count, partials, arrival counters.
 #include <cstdint>
+#include <cstdlib>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -68,6 +69,19 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                 ") need unit stride in D, other strides that are multiples of 8 and 16-byte alignment");
 }
 
+// FASTAWQ_ATTN_SPLIT_KEYS=N: a split takes at least N keys (rounded up to a multiple of
+// kDecodeSplitKeys; default kDecodeSplitKeys), so short contexts run fewer splits and skip the
+// cross-split combine. A benchmark switch, read once; the default is what RESULTS.md measured.
+int min_split_keys() {
+  static const int keys = [] {
+    const char* v = std::getenv("FASTAWQ_ATTN_SPLIT_KEYS");
+    const long n = v != nullptr ? std::strtol(v, nullptr, 10) : 0;
+    const long r = (n + kDecodeSplitKeys - 1) / kDecodeSplitKeys * kDecodeSplitKeys;
+    return static_cast<int>(r < kDecodeSplitKeys ? kDecodeSplitKeys : (r > (1 << 20) ? (1 << 20) : r));
+  }();
+  return keys;
+}
+
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& lens,
          double scale, at::Tensor& out) {
   const int64_t b = q.size(0), hq = q.size(1), d = q.size(2);
@@ -111,6 +125,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   a.group = static_cast<int>(group);
   a.head_dim = static_cast<int>(d);
   a.splits = splits;
+  a.min_split_keys = min_split_keys();
   a.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   launch_decode_attention(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -84,7 +84,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(con
 
   // The length is read here, not on the host: the grid depends only on the cache capacity.
   const int len = min(max(__ldg(a.lens + b), 0), a.seq_cap);
-  const int per_split = ((len + splits - 1) / splits + kDecodeSplitKeys - 1) / kDecodeSplitKeys * kDecodeSplitKeys;
+  const int per_split = max(((len + splits - 1) / splits + kDecodeSplitKeys - 1) / kDecodeSplitKeys * kDecodeSplitKeys,
+                            a.min_split_keys);
   // The splits that hold keys; every block computes the same from the same length. One (or none,
   // len 0: zeros) and split 0 writes out directly; the others have nothing to do, not even arrive.
   const int active = per_split > 0 ? (len + per_split - 1) / per_split : 0;

@@ -36,6 +36,7 @@ struct DecodeAttentionArgs {
   int64_t v_sb, v_ss, v_sh;
   int64_t o_sb, o_sh;
   int batch, seq_cap, hkv, group, head_dim, splits;
+  int min_split_keys;   // a split takes at least this many keys (a multiple of kDecodeSplitKeys)
   float scale_log2;     // softmax scale * log2(e)
 };
 
