@@ -43,6 +43,16 @@ bool cluster_allowed() {
   return on;
 }
 
+// FASTAWQ_ROUTE_LATE_TRIGGER=1: the cluster kernel lets the next kernel launch only as its blocks
+// exit (RouteArgs::late_trigger; an A/B switch for the Mixtral loss of RESULTS.md session 14).
+bool late_trigger() {
+  static const bool on = [] {
+    const char* v = std::getenv("FASTAWQ_ROUTE_LATE_TRIGGER");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return on;
+}
+
 // Experts a block for the cluster kernel (route.cu), or 0 where it does not apply: sm_90, 16-byte
 // rows, H <= kRouteClusterMaxHidden, E <= 8 * 16, and the block's router rows (+ the norm weight)
 // in kRouteClusterSmem bytes of shared memory.
@@ -129,6 +139,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(
   a.eps = static_cast<float>(eps), a.offset = static_cast<float>(offset), a.scale = static_cast<float>(scale);
   a.renorm = renormalize, a.sigmoid = scoring == "sigmoid";
   a.cluster_experts = cluster_experts(x, vec, h, e, residual.has_value());
+  a.late_trigger = late_trigger();
   at::Tensor logits;
   if (a.parts > 1 && a.cluster_experts == 0) {
     logits = at::empty({t, e}, f32);

@@ -364,7 +364,9 @@ __global__ void __launch_bounds__(kRouteClusterThreads) moe_route_cluster_kernel
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 
   pdl_wait();  // x (and the residual) come from the kernels before
-  pdl_launch_dependents();
+  // The next kernel (the experts) may launch now and wait inside itself; with late_trigger only
+  // as these blocks exit, so its one-wave grid does not share SMs with them (an A/B switch).
+  if (!a.late_trigger) pdl_launch_dependents();
   const T* xr = static_cast<const T*>(a.x) + int64_t(tok) * a.x_stride;
   uint4 hw[J];  // the thread's chunks threadIdx.x + 256 j of the routed input (zeros past the row)
 #pragma unroll
