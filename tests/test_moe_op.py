@@ -468,6 +468,9 @@ def poison_cuda_allocator(nbytes: int = 1 << 22) -> None:
     (2, 200, 5, 5, "sigmoid", False, True, False, 0.0),      # one part, E not a multiple of 4, k = E
     (4, 2100, 300, 32, "softmax", True, False, True, 1.0),   # H % 8 != 0: element loads; k at its bound
     (33, 256, 1024, 6, "sigmoid", True, True, False, 0.0),   # the most experts, 33 tokens
+    # sm_90's cluster form: 8 experts a block with the last block half full, 3 chunks a thread
+    (2, 6144, 60, 4, "softmax", True, False, True, 0.0),
+    (1, 1024, 24, 3, "sigmoid", True, True, False, 0.0),     # 4 experts a block, 6 blocks
 ])
 def test_compiled_route_matches_reference(dtype, t, h, e, k, scoring, renorm, bias, norm, offset):
     x, w = exact_router(t, h, e, dtype, seed=h + e)
