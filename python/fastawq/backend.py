@@ -105,14 +105,14 @@ NORM_ROUTE_FUSED = False
 # The compiled routing kernel (fastawq::moe_route, csrc/moe/route.cu): the router GEMV, the top-k
 # choice and, for ops.add_rms_norm_route, the norm before them in one launch; like route_kernel it
 # reads the router once per token, so it serves up to ROUTE_FUSED_MAX_T tokens. On sm_90 with
-# 16-byte rows, H <= 4096 and E <= 128 it runs as a cluster of up to 8 blocks that stage their
+# 16-byte rows, H <= 8192 and E <= 128 it runs as a cluster of up to 8 blocks that stage their
 # router rows in shared memory before the PDL wait and meet in distributed shared memory. The
-# automatic choice takes it for E in ROUTE_CUDA_EXPERTS on sm_90, where it was measured (H200, RESULTS.md session 14,
-# bench_ab.py --compare route_cuda: Qwen3-30B-A3B decode 1.056x at batch 1, 1.029x at 16; norm +
-# route 5.80 against Triton's 7.18 us). Mixtral-8x7B (E = 8) measured 0.907x in the same call although
-# its routing alone is faster (3.52 against 5.17 us): not understood yet, so E < 16 keeps Triton, as
-# do GPUs before sm_90 (the part kernel, without clusters: 0.966x, session 8). backend="cuda" still
-# runs it everywhere it fits.
+# automatic choice takes it on sm_90 for E in ROUTE_CUDA_EXPERTS and H <= 4096, where it was
+# measured (H200, RESULTS.md session 14, bench_ab.py --compare route_cuda: Qwen3-30B-A3B decode
+# 1.056x at batch 1, 1.029x at 16; norm + route 5.80 against Triton's 7.18 us). Mixtral-8x7B (E = 8)
+# measured 0.907x in the same call although its routing alone is faster (3.52 against 5.17 us): not
+# understood yet, so E < 16 keeps Triton, as do GPUs before sm_90 (the part kernel, without
+# clusters: 0.966x, session 8). backend="cuda" still runs it everywhere it fits.
 ROUTE_CUDA = True
 ROUTE_CUDA_EXPERTS = (16, 128)
 _CUDA_PREFERENCE: dict[str, list[tuple[int | None, tuple[str, ...]]]] = {
