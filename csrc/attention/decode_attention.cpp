@@ -82,6 +82,16 @@ int min_split_keys() {
   return keys;
 }
 
+// FASTAWQ_ATTN_PREFETCH=1: the kernel brings its split's K and V rows into L2 before its PDL wait,
+// while the rope kernel runs (an A/B switch, read once; off is what RESULTS.md measured).
+bool prefetch_kv() {
+  static const bool on = [] {
+    const char* v = std::getenv("FASTAWQ_ATTN_PREFETCH");
+    return v != nullptr && v[0] == '1' && v[1] == '\0';
+  }();
+  return on;
+}
+
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& lens,
          double scale, at::Tensor& out) {
   const int64_t b = q.size(0), hq = q.size(1), d = q.size(2);
@@ -126,6 +136,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   a.head_dim = static_cast<int>(d);
   a.splits = splits;
   a.min_split_keys = min_split_keys();
+  a.prefetch_kv = prefetch_kv();
   a.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   launch_decode_attention(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -53,7 +53,15 @@ __device__ __forceinline__ void fma4(float4& acc, float w, const float4& x) {
   acc.w += w * x.w;
 }
 
-template <typename T, int D>
+// A split's first key and its key count for a length (a multiple of kDecodeSplitKeys, at least
+// min_split_keys; 0 when len is 0).
+__device__ __forceinline__ int keys_per_split(int len, int splits, int min_split_keys) {
+  return max(((len + splits - 1) / splits + kDecodeSplitKeys - 1) / kDecodeSplitKeys * kDecodeSplitKeys,
+             min_split_keys);
+}
+
+// PREFETCH (FASTAWQ_ATTN_PREFETCH=1): the split's K and V rows into L2 before the PDL wait.
+template <typename T, int D, bool PREFETCH>
 __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(const DecodeAttentionArgs a) {
   constexpr int KP = D / 32;  // pairs of k-steps over D in QK: one 16-byte chunk per lane each
   constexpr int VC = D / 64;  // 16-byte chunks of a V row per lane
@@ -79,13 +87,27 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(con
   const int t = lane & 3;   // mma thread in group: key pair (QK), head pair (PV)
   const int group = a.group;
   const int splits = a.splits;
+  if constexpr (PREFETCH) {
+    // While the rope kernel runs. Only a hint: the newest row, which rope is writing, is read after
+    // the wait (L2 holds rope's write), and a stale length moves only what is prefetched.
+    const int len0 = min(max(a.lens[b], 0), a.seq_cap);
+    const int per0 = keys_per_split(len0, splits, a.min_split_keys);
+    const char* kr = reinterpret_cast<const char*>(static_cast<const T*>(a.k_cache) + b * a.k_sb + kvh * a.k_sh);
+    const char* vr = reinterpret_cast<const char*>(static_cast<const T*>(a.v_cache) + b * a.v_sb + kvh * a.v_sh);
+    for (int row = split * per0 + tid; row < min(split * per0 + per0, len0); row += kDecodeWarps * 32) {
+#pragma unroll
+      for (int off = 0; off < D * 2; off += 128) {
+        prefetch_l2(kr + row * a.k_ss * 2 + off);
+        prefetch_l2(vr + row * a.v_ss * 2 + off);
+      }
+    }
+  }
   pdl_wait();  // q and the cache row come from the rope kernel before this one
   pdl_launch_dependents();
 
   // The length is read here, not on the host: the grid depends only on the cache capacity.
   const int len = min(max(__ldg(a.lens + b), 0), a.seq_cap);
-  const int per_split = max(((len + splits - 1) / splits + kDecodeSplitKeys - 1) / kDecodeSplitKeys * kDecodeSplitKeys,
-                            a.min_split_keys);
+  const int per_split = keys_per_split(len, splits, a.min_split_keys);
   // The splits that hold keys; every block computes the same from the same length. One (or none,
   // len 0: zeros) and split 0 writes out directly; the others have nothing to do, not even arrive.
   const int active = per_split > 0 ? (len + per_split - 1) / per_split : 0;
@@ -295,7 +317,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(con
 template <typename T, int D>
 void launch_typed(const DecodeAttentionArgs& a, cudaStream_t stream) {
   const dim3 grid(a.splits, a.hkv, a.batch);
-  launch_pdl(decode_attention_kernel<T, D>, grid, dim3(kDecodeWarps * 32), 0, stream, a);
+  if (a.prefetch_kv) return launch_pdl(decode_attention_kernel<T, D, true>, grid, dim3(kDecodeWarps * 32), 0, stream, a);
+  launch_pdl(decode_attention_kernel<T, D, false>, grid, dim3(kDecodeWarps * 32), 0, stream, a);
 }
 
 template <typename T>

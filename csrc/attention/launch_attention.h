@@ -37,6 +37,7 @@ struct DecodeAttentionArgs {
   int64_t o_sb, o_sh;
   int batch, seq_cap, hkv, group, head_dim, splits;
   int min_split_keys;   // a split takes at least this many keys (a multiple of kDecodeSplitKeys)
+  bool prefetch_kv;     // bring the split's K and V rows into L2 before the PDL wait
   float scale_log2;     // softmax scale * log2(e)
 };
 
