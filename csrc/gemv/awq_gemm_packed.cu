@@ -154,15 +154,7 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
     }
   };
 
-  float acc[MT][CC][4][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int cc = 0; cc < CC; ++cc)
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) acc[mt][cc][j][r] = 0.f;
+  float acc[MT][CC][4][4] = {};
 
   const auto consume = [&](uint32_t src) {
     uint4 xc[MT][2];
@@ -240,7 +232,6 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
     for (int j = 0; j < 4; ++j) o[j] = Tr::from_float(bias != nullptr ? v[j] + Tr::to_float(bias[4 * c4o + j]) : v[j]);
     *reinterpret_cast<uint2*>(out + at) = *reinterpret_cast<const uint2*>(o);
   };
-  // C fragment (g, t): acc[mt][cc][j][2 hr + e] is row 16 mt + 8 hr + g, column 4 (c4w + 8 cc + 2t + e) + j.
   // C fragment (g, t): acc[mt][cc][j][2 hr + e] is row 16 mt + 8 hr + g, column 4 (c4w + 8 cc + 2t + e) + j.
   const bool split = gridDim.z > 1;
 #pragma unroll

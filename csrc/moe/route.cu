@@ -429,13 +429,7 @@ __global__ void __launch_bounds__(kRouteClusterThreads) moe_route_cluster_kernel
   int idx = 0;
   const float wsum = warp_reduce_scatter<EB>(part, lane, idx);
   // Lanes that hold expert idx: the first of each group of 32 / EB lanes writes it.
-  if ((lane & (32 / EB - 1)) == 0 || EB == 1) {
-    if (EB == 1) {
-      if (lane == 0) red[warp][0] = wsum;
-    } else {
-      red[warp][idx] = wsum;
-    }
-  }
+  if ((lane & (32 / EB - 1)) == 0) red[warp][idx] = wsum;
   __syncthreads();
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
   if (threadIdx.x < ne) {
