@@ -18,6 +18,10 @@ of commands/bench.py).
     python benchmarks/bench_ab.py --compare pdl --shape llama-3-8b --layout packed --out $OUT
     python benchmarks/bench_ab.py --compare route --shape qwen3-30b-a3b --layers 8 --batches 1,16 --out $OUT
     python benchmarks/bench_ab.py --compare layout --shape qwen3-30b-a3b --batches 1 --out $OUT
+    python benchmarks/bench_ab.py --compare env:FASTAWQ_ATTN_PREFETCH=0,1 --shape qwen3-30b-a3b --out $OUT
+
+--compare env:NAME=OFF,ON sets the environment variable NAME to OFF and ON in turn: for the
+compiled kernels' A/B switches that the host code reads at each call (a graph at its capture).
 """
 from __future__ import annotations
 
@@ -35,8 +39,25 @@ from fastawq.modules.qlinear import WQLinear, set_layout
 from fastawq.shapes import shape_config
 
 
+CHOICES = ("pdl", "route", "norm_route", "route_cuda", "moe_mma", "packed_gemm", "layout")
+
+
+def env_switch(compare: str) -> tuple[str, str, str] | None:
+    """(NAME, OFF, ON) of --compare env:NAME=OFF,ON; None for the named switches."""
+    if not compare.startswith("env:"):
+        return None
+    name, _, values = compare[4:].partition("=")
+    off, _, on = values.partition(",")
+    if not name or not off or not on or "," in on:
+        raise SystemExit(f"--compare {compare!r}: write env:NAME=OFF,ON, e.g. env:FASTAWQ_ATTN_PREFETCH=0,1")
+    return name, off, on
+
+
 def apply(model: torch.nn.Module, compare: str, on: bool) -> None:
-    if compare == "pdl":
+    env = env_switch(compare)
+    if env is not None:
+        os.environ[env[0]] = env[2] if on else env[1]
+    elif compare == "pdl":
         os.environ["FASTAWQ_PDL"] = "1" if on else "0"
     elif compare == "route":
         backend.ROUTE_FUSED = on
@@ -58,7 +79,7 @@ def apply(model: torch.nn.Module, compare: str, on: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--compare", choices=("pdl", "route", "norm_route", "route_cuda", "moe_mma", "packed_gemm", "layout"), default="pdl")
+    ap.add_argument("--compare", default="pdl", help=f"one of {', '.join(CHOICES)}, or env:NAME=OFF,ON")
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers to build (default: all)")
     ap.add_argument("--layout", choices=("awq", "packed"), default="awq", help="(with --compare layout: ignored)")
@@ -70,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda (the point), or cpu to try the script on a tiny shape")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    env = env_switch(args.compare)
+    if env is None and args.compare not in CHOICES:
+        ap.error(f"--compare {args.compare!r}: choose one of {', '.join(CHOICES)} or env:NAME=OFF,ON")
     batches = [int(b) for b in args.batches.split(",")]
     full = shape_config(args.shape).num_hidden_layers if args.layers else None
     t0 = time.time()
@@ -77,9 +101,11 @@ def main(argv: list[str] | None = None) -> int:
                               layout=args.layout, num_layers=args.layers)
     print(f"built {args.shape} ({args.layers or 'all'} layers, {args.layout}) in {time.time() - t0:.0f}s", flush=True)
     vocab = model.config.vocab_size
-    pdl_before = os.environ.get("FASTAWQ_PDL")
+    env_name = env[0] if env else "FASTAWQ_PDL"
+    env_before = os.environ.get(env_name)
     saved = {n: getattr(backend, n)
-             for n in ("ROUTE_FUSED", "NORM_ROUTE_FUSED", "ROUTE_CUDA", "MOE_MMA", "PACKED_GEMM_MAX_M")}
+             for n in ("ROUTE_FUSED", "NORM_ROUTE_FUSED", "ROUTE_CUDA", "ROUTE_CUDA_EXPERTS", "MOE_MMA",
+                       "PACKED_GEMM_MAX_M")}
     rows = []
     for batch in batches:
         got: dict[str, list[tuple[float, float | None]]] = {"0": [], "1": []}
@@ -95,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             est = statistics.median(v[1] for v in vals) if full else None
             rows.append({"batch": batch, "on": setting, "decode_tps": tps, "decode_tps_full": est,
                          "all": [v[0] for v in vals]})
-    if pdl_before is None:
-        os.environ.pop("FASTAWQ_PDL", None)
+    if env_before is None:
+        os.environ.pop(env_name, None)
     else:
-        os.environ["FASTAWQ_PDL"] = pdl_before
+        os.environ[env_name] = env_before
     for n, v in saved.items():
         setattr(backend, n, v)
     lines = [f"| batch | {args.compare} on | decode tok/s ({args.layers or 'all'} layers) "
@@ -118,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
         meta = {"compare": args.compare, "shape": args.shape, "layers": args.layers, "layout": args.layout, "gpu": gpu,
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-        with open(os.path.join(args.out, f"ab_{args.compare}_{args.shape}.json"), "w") as f:
+        tag = args.compare.replace(":", "_").replace("=", "_").replace(",", "_")
+        with open(os.path.join(args.out, f"ab_{tag}_{args.shape}.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 0
 

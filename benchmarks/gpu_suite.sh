@@ -117,22 +117,17 @@ if [[ " $stages " == *" ab "* ]]; then
 fi
 if [[ " $stages " == *" switches "* ]]; then
   step switches
-  # Session 14's A/B switches, not yet run on a GPU (benchmarks/CUDA_NOTES.md, session 14): the
-  # kernels behind them against the reference first, then what each buys: ~5 min.
+  # The compiled kernels' A/B switches (benchmarks/CUDA_NOTES.md): the kernels behind the non-default
+  # settings against the reference, then what each setting buys in decode, A/B in one process
+  # (bench_ab.py --compare env:NAME=OFF,ON): ~5 min.
   python -m pytest -q -p no:cacheprovider tests/test_moe_op.py -k route 2>&1 | tail -1 || status=1
-  for env in FASTAWQ_ATTN_PREFETCH=1 FASTAWQ_ATTN_SPLIT_KEYS=128 FASTAWQ_ATTN_SPLIT_KEYS=256; do
-    env $env python -m pytest -q -p no:cacheprovider tests/test_cuda_attention.py 2>&1 | tail -1 | sed "s/^/$env: /" || status=1
+  for env in FASTAWQ_ATTN_PREFETCH=0 FASTAWQ_ATTN_SPLIT_KEYS=128 FASTAWQ_ROUTE_LATE_TRIGGER=1; do
+    env $env python -m pytest -q -p no:cacheprovider tests/test_cuda_attention.py tests/test_moe_op.py -k "attention or route" 2>&1 \
+      | tail -1 | sed "s/^/$env: /" || status=1
   done
-  FASTAWQ_ATTN_PREFETCH=1 FASTAWQ_ATTN_SPLIT_KEYS=128 compute-sanitizer --tool memcheck --error-exitcode 1 \
-    python benchmarks/sanitize.py 2>&1 | tail -2 || status=1
-  for env in FASTAWQ_ATTN_SPLIT_KEYS=64 FASTAWQ_ATTN_SPLIT_KEYS=128 FASTAWQ_ATTN_SPLIT_KEYS=256 FASTAWQ_ATTN_PREFETCH=1; do
-    echo "$env"
-    env $env python benchmarks/bench_attention.py --heads 32,4 --lens 64,128,256,512 --capacity 4096 2>&1 | tail -6 || status=1
-  done
-  for env in FASTAWQ_ROUTE_LATE_TRIGGER=0 FASTAWQ_ROUTE_LATE_TRIGGER=1; do
-    echo "$env"
-    env $env FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare route_cuda --shape mixtral-8x7b --batches 1 \
-      --layout packed --decode 64 --rounds 1 2>&1 | grep -E "^\||on / off" || status=1
+  for sw in FASTAWQ_ATTN_PREFETCH=0,1 FASTAWQ_ATTN_SPLIT_KEYS=64,128; do
+    python benchmarks/bench_ab.py --compare env:$sw --shape qwen3-30b-a3b --batches 1 --layout packed --decode 64 \
+      --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
   done
 fi
 if [[ " $stages " == *" e2e "* ]] && [ -f benchmarks/bench_e2e.py ]; then

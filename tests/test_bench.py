@@ -134,6 +134,34 @@ def test_bench_ab_alternates_one_switch(tmp_path, capsys, compare):
     assert backend.ROUTE_FUSED is route_before and os.environ.get("FASTAWQ_PDL") == pdl_before
 
 
+def test_bench_ab_env_switch(tmp_path, capsys, monkeypatch):
+    # --compare env:NAME=OFF,ON: each round sees its value, and the variable is restored after.
+    import importlib.util
+    import json
+    import os
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_ab.py"
+    spec = importlib.util.spec_from_file_location("bench_ab", path)
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    monkeypatch.setenv("FASTAWQ_TEST_SWITCH", "before")
+    seen = []
+    real_round = ab.bench.run_round
+    monkeypatch.setattr(ab.bench, "run_round",
+                        lambda *a, **k: (seen.append(os.environ["FASTAWQ_TEST_SWITCH"]), real_round(*a, **k))[1])
+    assert ab.main(["--compare", "env:FASTAWQ_TEST_SWITCH=a,b", "--shape", "tiny", "--device", "cpu", "--prefill",
+                    "4", "--decode", "4", "--max-seq-len", "32", "--out", str(tmp_path)]) == 0
+    assert seen == ["a", "b", "b", "a"] and os.environ["FASTAWQ_TEST_SWITCH"] == "before"
+    rows = json.loads((tmp_path / "ab_env_FASTAWQ_TEST_SWITCH_a_b_tiny.json").read_text())["rows"]
+    assert sorted(r["on"] for r in rows) == ["0", "1"] and all(r["decode_tps"] > 0 for r in rows)
+    assert "batch 1: env:FASTAWQ_TEST_SWITCH=a,b on / off =" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        ab.main(["--compare", "env:FASTAWQ_TEST_SWITCH=a", "--shape", "tiny", "--device", "cpu"])
+    with pytest.raises(SystemExit):
+        ab.main(["--compare", "nonsense", "--shape", "tiny", "--device", "cpu"])
+
+
 def _profile_memory():
     import importlib.util
     import pathlib

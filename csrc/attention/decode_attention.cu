@@ -60,7 +60,8 @@ __device__ __forceinline__ int keys_per_split(int len, int splits, int min_split
              min_split_keys);
 }
 
-// PREFETCH (FASTAWQ_ATTN_PREFETCH=1): the split's K and V rows into L2 before the PDL wait.
+// PREFETCH (the default; FASTAWQ_ATTN_PREFETCH=0 turns it off): the split's K and V rows into L2
+// before the PDL wait.
 template <typename T, int D, bool PREFETCH>
 __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(const DecodeAttentionArgs a) {
   constexpr int KP = D / 32;  // pairs of k-steps over D in QK: one 16-byte chunk per lane each

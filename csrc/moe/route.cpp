@@ -44,13 +44,13 @@ bool cluster_allowed() {
 }
 
 // FASTAWQ_ROUTE_LATE_TRIGGER=1: the cluster kernel lets the next kernel launch only as its blocks
-// exit (RouteArgs::late_trigger; an A/B switch for the Mixtral loss of RESULTS.md session 14).
+// exit (RouteArgs::late_trigger; an A/B switch, read at each call so that one process can A/B it).
+// H200, RESULTS.md session 15: it undoes the Mixtral loss of session 14 (cluster route against
+// Triton's 0.907x early, 1.000x late: the loss was the experts' early launch) but costs Qwen3-30B-A3B
+// 1.4 % (0.986x), and even late it does not beat Triton on Mixtral: off, and E < 16 keeps Triton.
 bool late_trigger() {
-  static const bool on = [] {
-    const char* v = std::getenv("FASTAWQ_ROUTE_LATE_TRIGGER");
-    return v != nullptr && std::string(v) == "1";
-  }();
-  return on;
+  const char* v = std::getenv("FASTAWQ_ROUTE_LATE_TRIGGER");
+  return v != nullptr && std::string(v) == "1";
 }
 
 // Experts a block for the cluster kernel (route.cu), or 0 where it does not apply: sm_90, 16-byte
