@@ -8,7 +8,9 @@ routing kernel (norm, router and top-k in one launch, backend.ROUTE_CUDA; off, T
 MoE backend's tensor-core kernel (backend.MOE_MMA; off, the CUDA-core GEMV serves every load the
 compiled backend was bound to); --compare packed_gemm: awq_gemm_packed (the tensor-core kernel with
 the batch as the mma's M) for packed-layout batches above backend.PACKED_MMA_MAX_M (off: Triton
-there; with --layout packed); --compare layout: the W4 layers'
+there; with --layout packed); --compare rope_attention: the rotary embedding and cache write
+inside the compiled decode attention (backend.ROPE_ATTENTION_FUSED; off, rope_kv_cache's launch
+before it); --compare layout: the W4 layers'
 weight layout (WQLinear.set_layout "awq" / "packed", exact both ways, converted in place; grouped
 MoE experts keep theirs). One random-weight model is built
 once; rounds alternate the setting (off on, on off, ...), each re-capturing the decode graph, and
@@ -39,7 +41,7 @@ from fastawq.modules.qlinear import WQLinear, set_layout
 from fastawq.shapes import shape_config
 
 
-CHOICES = ("pdl", "route", "norm_route", "route_cuda", "moe_mma", "packed_gemm", "layout")
+CHOICES = ("pdl", "route", "norm_route", "route_cuda", "moe_mma", "packed_gemm", "rope_attention", "layout")
 
 
 def env_switch(compare: str) -> tuple[str, str, str] | None:
@@ -68,6 +70,8 @@ def apply(model: torch.nn.Module, compare: str, on: bool) -> None:
         backend.ROUTE_CUDA_EXPERTS = (1, 1 << 30)
     elif compare == "moe_mma":
         backend.MOE_MMA = on
+    elif compare == "rope_attention":
+        backend.ROPE_ATTENTION_FUSED = on
     elif compare == "packed_gemm":
         backend.PACKED_GEMM_MAX_M = 1 << 20 if on else 0
         for module in model.modules():  # plans bound per M bucket: bind them again
@@ -105,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     env_before = os.environ.get(env_name)
     saved = {n: getattr(backend, n)
              for n in ("ROUTE_FUSED", "NORM_ROUTE_FUSED", "ROUTE_CUDA", "ROUTE_CUDA_EXPERTS", "MOE_MMA",
-                       "PACKED_GEMM_MAX_M")}
+                       "PACKED_GEMM_MAX_M", "ROPE_ATTENTION_FUSED")}
     rows = []
     for batch in batches:
         got: dict[str, list[tuple[float, float | None]]] = {"0": [], "1": []}

@@ -68,6 +68,21 @@ def main() -> None:
                 out = ops.decode_attention(q, kc, vc, lens, d ** -0.5)
                 assert torch.isfinite(out).all()
                 n_calls += 1
+                if hasattr(ops, "rope_decode_attention"):
+                    # The rope form: new rows at 0 and 256 (split 0 and a later split write them),
+                    # with and without the q/k norms; checked against the two-step reference.
+                    qkv = random_input((b, 1, (hq + 2 * hkv) * d), "cuda", dtype, seed=d + 3)
+                    pos = (lens - 1).reshape(b, 1)
+                    ang = torch.arange(cap, device="cuda")[:, None] * 0.01 * torch.arange(d, device="cuda")[None]
+                    cos, sin = ang.cos().float().contiguous(), ang.sin().float().contiguous()
+                    for norms in ((None, None), tuple(random_input((d,), "cuda", dtype, seed=s) for s in (4, 5))):
+                        kw, vw, kr, vr = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+                        got = ops.rope_decode_attention(qkv, pos, cos, sin, kw, vw, lens, *norms, 1e-6, hq, d ** -0.5)
+                        qr = reference.rope_kv_cache(qkv, pos, cos, sin, kr, vr, hq, hkv, d, *norms, 1e-6)
+                        want = reference.decode_attention(qr.reshape(b, hq, d), kr, vr, lens, d ** -0.5)
+                        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+                        torch.testing.assert_close(kw, kr, rtol=1e-2, atol=1e-2)
+                        n_calls += 1
     moe_ops = [name for name in ("moe_gemv_w4", "moe_mma_w4") if hasattr(ops, name)]
     if moe_ops:
         from test_moe_op import check, moe_case

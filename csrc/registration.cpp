@@ -44,6 +44,9 @@ TORCH_LIBRARY(fastawq, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lens, float scale) -> Tensor");
   m.def("decode_attention_out(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lens, float scale, "
         "Tensor(a!) out) -> ()");
+  m.def("rope_decode_attention(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor lens, Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, int num_heads, "
+        "float scale) -> Tensor");
 #endif
 }
 
@@ -65,6 +68,7 @@ TORCH_LIBRARY_IMPL(fastawq, CUDA, m) {
   m.impl("moe_route", &fastawq::moe_route);
   m.impl("decode_attention", &fastawq::decode_attention);
   m.impl("decode_attention_out", &fastawq::decode_attention_out);
+  m.impl("rope_decode_attention", &fastawq::rope_decode_attention);
 }
 #endif
 

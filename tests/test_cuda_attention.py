@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from fastawq import _ext
 from fastawq.backend import BackendUnavailableError
-from fastawq import ops
+from fastawq import ops, reference
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_OP = HAS_CUDA and _ext.has_op("decode_attention") and _ext.supports_device(torch.device("cuda"))
@@ -261,6 +261,199 @@ def test_fused_model_cuda_kernel_matches_unfused():
         assert float((lf.float() - lr.float()).norm() / lr.float().norm()) < 1e-2
 
 
+# --- the rope form: rope_kv_cache and decode attention in one launch ----------------------------
+
+HAS_ROPE_OP = HAS_OP and _ext.has_op("rope_decode_attention")
+_skip_rope = pytest.mark.skipif(
+    not HAS_ROPE_OP, reason="needs a CUDA device and fastawq._C with rope_decode_attention built for it")
+
+
+def needs_rope_op(fn):
+    return pytest.mark.gpu(_skip_rope(fn))
+
+
+def _rope_tables(s: int, d: int, device="cuda", base: float = 10000.0):
+    """HF's rotate-half tables [S, D] fp32 (each frequency twice)."""
+    inv = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.arange(s, dtype=torch.float64)[:, None] * inv[None]
+    emb = torch.cat([ang, ang], dim=-1)
+    return emb.cos().float().to(device).contiguous(), emb.sin().float().to(device).contiguous()
+
+
+def _rope_case(b, hq, hkv, d, dtype, lens, positions, qk_norm, s=1100, seed=0):
+    """qkv rows (a view with a wider row stride), positions [B, 1], lens, tables, norm weights and
+    caches whose rows at the new positions are NaN (the op must write them)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = (hq + 2 * hkv) * d
+    qkv = torch.randn(b, 1, w + 8, generator=gen).to("cuda", dtype)[..., :w]
+    k, v = _caches(b, s, hkv, d, dtype, lens, seed=seed)
+    pos = torch.tensor(positions, dtype=torch.int32, device="cuda").reshape(b, 1)
+    for i, p in enumerate(positions):
+        k[i, p], v[i, p] = float("nan"), float("nan")
+    cos, sin = _rope_tables(s, d)
+    qn = kn = None
+    if qk_norm:
+        qn = (1 + 0.2 * torch.randn(d, generator=gen)).to("cuda", dtype)
+        kn = (1 + 0.2 * torch.randn(d, generator=gen)).to("cuda", dtype)
+    return qkv, pos, torch.tensor(lens, dtype=torch.int32, device="cuda"), cos, sin, qn, kn, k, v
+
+
+def _check_rope_form(got, kc, vc, want, before_k, before_v, positions, lens, scale):
+    """The written rows within one rounding of rope_kv_cache's, every other cache byte unchanged,
+    and the output against SDPA over the reference caches with the reference's q."""
+    q, want_k, want_v = want
+    for i, p in enumerate(positions):
+        torch.testing.assert_close(kc[i, p], want_k[i, p], rtol=2 * torch.finfo(kc.dtype).eps, atol=1e-3)
+        assert torch.equal(vc[i, p], want_v[i, p]), f"row {i}: V at {p} is not qkv's V"
+    keep = torch.ones(kc.shape[:2], dtype=torch.bool, device=kc.device)
+    for i, p in enumerate(positions):
+        keep[i, p] = False
+    assert torch.equal(kc[keep].view(torch.int16), before_k[keep].view(torch.int16)), "wrote outside the new rows"
+    assert torch.equal(vc[keep].view(torch.int16), before_v[keep].view(torch.int16)), "wrote outside the new rows"
+    _check(got, q, want_k, want_v, lens, scale)
+
+
+def _reference_rope(qkv, pos, cos, sin, k, v, hq, hkv, d, qn, kn):
+    """rope_kv_cache's reference on copies of the caches: (q [B, HQ, D], k, v)."""
+    want_k, want_v = k.clone(), v.clone()
+    q = reference.rope_kv_cache(qkv, pos, cos, sin, want_k, want_v, hq, hkv, d, qn, kn, 1e-6)
+    return q.reshape(qkv.shape[0], hq, d), want_k, want_v
+
+
+@needs_rope_op
+@pytest.mark.parametrize("lens", [(1,), (64,), (65,), (200, 1), (1100, 63, 1000)])
+@pytest.mark.parametrize("heads,qk_norm", [((32, 4), True), ((14, 2), False), ((8, 8), True), ((32, 8), False)])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_decode_attention_matches_the_two_ops(dtype, d, heads, qk_norm, lens):
+    hq, hkv = heads
+    b = len(lens)
+    positions = [n - 1 for n in lens]  # a decode step: the new token is the last key
+    qkv, pos, lens_t, cos, sin, qn, kn, k, v = _rope_case(b, hq, hkv, d, dtype, lens, positions, qk_norm, seed=d + hq)
+    want = _reference_rope(qkv, pos, cos, sin, k, v, hq, hkv, d, qn, kn)
+    before_k, before_v = k.clone(), v.clone()
+    _poison_allocator(b * hq * d, dtype)
+    got = torch.ops.fastawq.rope_decode_attention(qkv, pos, cos, sin, k, v, lens_t, qn, kn, 1e-6, hq, d ** -0.5)
+    assert got.shape == (b, hq, d) and got.dtype == dtype
+    _check_rope_form(got, k, v, want, before_k, before_v, positions, lens_t, d ** -0.5)
+
+
+@needs_rope_op
+def test_rope_decode_attention_new_row_past_the_length():
+    # A position at or past the length: the row is written, and no key of the output reads it.
+    hq, hkv, d, dtype = 16, 4, 128, torch.float16
+    lens, positions = (65, 3, 0), (99, 1, 5)
+    qkv, pos, lens_t, cos, sin, qn, kn, k, v = _rope_case(3, hq, hkv, d, dtype, lens, positions, True)
+    want = _reference_rope(qkv, pos, cos, sin, k, v, hq, hkv, d, qn, kn)
+    before_k, before_v = k.clone(), v.clone()
+    got = torch.ops.fastawq.rope_decode_attention(qkv, pos, cos, sin, k, v, lens_t, qn, kn, 1e-6, hq, 0.1)
+    _check_rope_form(got, k, v, want, before_k, before_v, positions, lens_t, 0.1)
+    assert (got[2] == 0).all(), "a row of length 0 gives zeros"
+
+
+@needs_rope_op
+def test_rope_decode_attention_in_a_cuda_graph():
+    # One capture; positions and lengths move on the device between replays, as in decode.
+    hq, hkv, d, dtype, s = 32, 4, 128, torch.bfloat16, 1024
+    qkv, pos, lens_t, cos, sin, qn, kn, k, v = _rope_case(2, hq, hkv, d, dtype, (10, 20), (9, 19), True, s=s)
+    k.normal_(), v.normal_()  # every position holds a key: the replays' lengths reach the capacity
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.rope_decode_attention(qkv, pos, cos, sin, k, v, lens_t, hq, hkv, d, 0.1, qn, kn, backend="cuda")
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.rope_decode_attention(qkv, pos, cos, sin, k, v, lens_t, hq, hkv, d, 0.1, qn, kn, backend="cuda")
+    for new in [(1, 64), (65, 129), (1024, 300), (513, 2)]:
+        positions = [n - 1 for n in new]
+        lens_t.copy_(torch.tensor(new, dtype=torch.int32))
+        pos.copy_(torch.tensor(positions, dtype=torch.int32).reshape(2, 1))
+        qkv.normal_()
+        for i, p in enumerate(positions):
+            k[i, p], v[i, p] = float("nan"), float("nan")
+        want = _reference_rope(qkv, pos, cos, sin, k, v, hq, hkv, d, qn, kn)
+        before_k, before_v = k.clone(), v.clone()
+        graph.replay()
+        _check_rope_form(out, k, v, want, before_k, before_v, positions, lens_t, 0.1)
+
+
+@needs_rope_op
+def test_rope_decode_attention_opcheck_and_errors():
+    hq, hkv, d = 8, 2, 64
+    qkv, pos, lens_t, cos, sin, qn, kn, k, v = _rope_case(2, hq, hkv, d, torch.float16, (100, 7), (99, 6), True, s=128)
+    op = torch.ops.fastawq.rope_decode_attention
+    torch.library.opcheck(op.default, (qkv, pos, cos, sin, k, v, lens_t, qn, kn, 1e-6, hq, 0.125))
+    shapes = r"rope_decode_attention \(qkv \[2, 1, 768\]"
+    _err(lambda: op(qkv, pos, cos, sin, k, v, lens_t, qn, kn, 1e-6, hq + 1, 0.1), shapes + r".*qkv's width 768 is not")
+    _err(lambda: op(qkv, pos.long(), cos, sin, k, v, lens_t, qn, kn, 1e-6, hq, 0.1), r"positions must be a contiguous int32")
+    _err(lambda: op(qkv, pos, cos.half(), sin, k, v, lens_t, qn, kn, 1e-6, hq, 0.1), r"cos and sin must be contiguous")
+    _err(lambda: op(qkv, pos, cos[:, :32].contiguous(), sin[:, :32].contiguous(), k, v, lens_t, qn, kn, 1e-6, hq, 0.1),
+         r"fp32 \[S, 64\] tables")
+    _err(lambda: op(qkv, pos, cos, sin, k, v, lens_t, qn, None, 1e-6, hq, 0.1), r"go together")
+    _err(lambda: op(qkv, pos, cos, sin, k, v, lens_t, qn.float(), kn.float(), 1e-6, hq, 0.1), r"norm weights must be")
+    _err(lambda: op(qkv.expand(2, 2, -1), pos, cos, sin, k, v, lens_t, qn, kn, 1e-6, hq, 0.1), r"one decode token a row")
+
+
+@needs_rope_op
+def test_fused_qwen3_decode_uses_the_rope_form(monkeypatch):
+    # Qwen3 (q/k norms) decoded with CUDA graphs: the rope form serves each step, and the logits
+    # follow the two-launch path's (backend.ROPE_ATTENTION_FUSED off) and transformers.
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from fastawq import backend
+    from fastawq.generate import HFStepper
+    from fastawq.modules import WQLinear
+    from fastawq.modules.fused import fuse_model
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=320, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
+    ref = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            for parent in (layer.self_attn, layer.mlp):
+                for name, mod in list(parent.named_children()):
+                    if isinstance(mod, torch.nn.Linear):
+                        setattr(parent, name, WQLinear.from_linear(mod.half(), 32))
+            layer.self_attn.q_norm.weight.data.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.data.uniform_(0.5, 1.5)
+    ref = ref.half().cuda()
+    ids = torch.randint(0, cfg.vocab_size, (2, 70), device="cuda")
+    from fastawq.ops import layer
+
+    seen = []  # the lengths L of the rope_kv_cache launches
+    real = layer.rope_kv_cache
+    monkeypatch.setattr(layer, "rope_kv_cache", lambda qkv, *a, **k: (seen.append(qkv.shape[1]), real(qkv, *a, **k))[1])
+    logits = {}
+    for fused_rope in (True, False):
+        seen.clear()
+        backend.ROPE_ATTENTION_FUSED = fused_rope
+        try:
+            fused = fuse_model(copy.deepcopy(ref), max_seq_len=300, batch_size=2, backend="cuda", use_cuda_graphs=True)
+            rt = fused.fastawq_runtime
+            hf = HFStepper(ref)
+            lf, lr = rt.prefill(ids)[:, -1], hf.prefill(ids)
+            steps = []
+            for _ in range(30):  # lengths 71..100: across tile and split edges
+                tok = lr.argmax(-1)
+                lf, lr = rt.decode(tok), hf.decode(tok)
+                assert torch.isfinite(lf).all()
+                assert float((lf.float() - lr.float()).norm() / lr.float().norm()) < 1e-2
+                steps.append(lf.float())
+            logits[fused_rope] = torch.stack(steps)
+            # Prefill always runs rope_kv_cache; a decode step only without the rope form.
+            assert (1 in seen) is not fused_rope, seen
+        finally:
+            backend.ROPE_ATTENTION_FUSED = True
+    diff = float((logits[True] - logits[False]).norm() / logits[False].norm())
+    assert diff < 2e-3, f"rope form vs two launches: relative difference {diff:.2g}"
+    q = torch.randn(2, 1, (8 + 4) * 64, device="cuda").half()
+    kc = torch.zeros(2, 300, 2, 64, device="cuda").half()
+    assert ops.rope_attention_fused(q, kc, torch.ones(2, dtype=torch.int32, device="cuda"), 8)
+    assert not ops.rope_attention_fused(q.expand(2, 2, -1), kc, torch.ones(2, dtype=torch.int32, device="cuda"), 8)
+
+
 # --- CPU: the dispatch (runs in CI without a GPU) ---------------------------------------------
 
 
@@ -315,3 +508,27 @@ def test_torch_fallback_writes_out():
         for i, n in enumerate(lens.tolist())
     ])
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_decode_attention_falls_back_to_the_two_ops(qk_norm):
+    # Off the compiled op (here: the CPU) it is rope_kv_cache, then decode_attention: bitwise.
+    b, hq, hkv, d, s = 2, 8, 2, 64, 32
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(b, 1, (hq + 2 * hkv) * d, generator=gen).half()
+    pos = torch.tensor([[5], [9]], dtype=torch.int32)
+    lens = torch.tensor([6, 10], dtype=torch.int32)
+    cos, sin = _rope_tables(s, d, "cpu")
+    k, v = torch.randn(b, s, hkv, d, generator=gen).half(), torch.randn(b, s, hkv, d, generator=gen).half()
+    qn = kn = None
+    if qk_norm:
+        qn, kn = (1 + 0.1 * torch.randn(2, d, generator=gen)).half().unbind(0)
+    k1, v1, k2, v2 = k.clone(), v.clone(), k.clone(), v.clone()
+    assert not ops.rope_attention_fused(qkv, k1, lens, hq)
+    got = ops.rope_decode_attention(qkv, pos, cos, sin, k1, v1, lens, hq, hkv, d, 0.125, qn, kn, 1e-6, max_len=10)
+    q = ops.rope_kv_cache(qkv, pos, cos, sin, k2, v2, hq, hkv, d, qn, kn, 1e-6)
+    want = ops.decode_attention(q.reshape(b, hq, d), k2, v2, lens, 0.125, max_len=10)
+    assert torch.equal(got, want) and torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert not torch.equal(k1, k), "the new K rows were not written"
+    with pytest.raises(ValueError, match="go together"):
+        ops.rope_decode_attention(qkv, pos, cos, sin, k1, v1, lens, hq, hkv, d, 0.125, torch.ones(d).half(), None)

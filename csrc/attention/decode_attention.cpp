@@ -88,8 +88,18 @@ bool prefetch_kv() {
   return !(v != nullptr && v[0] == '0' && v[1] == '\0');
 }
 
+// The rope form's extra inputs (rope_decode_attention), checked by its entry.
+struct RopeInputs {
+  const at::Tensor& positions;
+  const at::Tensor& cos;
+  const at::Tensor& sin;
+  const std::optional<at::Tensor>& q_norm;
+  const std::optional<at::Tensor>& k_norm;
+  double eps;
+};
+
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& lens,
-         double scale, at::Tensor& out) {
+         double scale, at::Tensor& out, const RopeInputs* rope = nullptr) {
   const int64_t b = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t s = k_cache.size(1), hkv = k_cache.size(2);
   if (b == 0 || hq == 0) return;
@@ -134,6 +144,17 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   a.min_split_keys = min_split_keys();
   a.prefetch_kv = prefetch_kv();
   a.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  if (rope != nullptr) {
+    a.rope = true;
+    a.positions = rope->positions.data_ptr<int>();
+    a.rope_cos = rope->cos.data_ptr<float>();
+    a.rope_sin = rope->sin.data_ptr<float>();
+    a.rope_rows = static_cast<int>(rope->cos.size(0));
+    a.q_norm = rope->q_norm ? rope->q_norm->data_ptr() : nullptr;
+    a.k_norm = rope->k_norm ? rope->k_norm->data_ptr() : nullptr;
+    a.norm_eps = static_cast<float>(rope->eps);
+    a.hq = static_cast<int>(hq);
+  }
   launch_decode_attention(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -163,6 +184,54 @@ void decode_attention_out(const at::Tensor& q, const at::Tensor& k_cache, const 
                 ": out must not share memory with q or the caches (other blocks still read them)");
   const c10::cuda::CUDAGuard guard(q.device());
   run(q, k_cache, v_cache, lens, scale, out);
+}
+
+at::Tensor rope_decode_attention(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                                 const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& lens,
+                                 const std::optional<at::Tensor>& q_norm_weight,
+                                 const std::optional<at::Tensor>& k_norm_weight, double eps, int64_t num_heads,
+                                 double scale) {
+  const auto p = [&] {
+    return cat("rope_decode_attention (qkv ", shape_str(qkv), ", positions ", shape_str(positions), ", cos ",
+               shape_str(cos), ", k_cache ", shape_str(k_cache), ", lens ", shape_str(lens), ", num_heads ",
+               num_heads, ")");
+  };
+  FASTAWQ_CHECK(qkv.dim() == 3 && qkv.size(1) == 1 && k_cache.dim() == 4, p(),
+                ": expected qkv [B, 1, (HQ + 2 HKV) D] (one decode token a row) and caches [B', S, HKV, D]");
+  const int64_t b = qkv.size(0), hkv = k_cache.size(2), d = k_cache.size(3);
+  FASTAWQ_CHECK(num_heads > 0 && qkv.size(2) == (num_heads + 2 * hkv) * d, p(), ": qkv's width ", qkv.size(2),
+                " is not (", num_heads, " + 2 x ", hkv, ") heads of ", d);
+  FASTAWQ_CHECK(qkv.stride(2) == 1, p(), ": qkv needs unit stride in its last dimension");
+  // q: the first num_heads heads of each qkv row, as decode_attention reads them.
+  const at::Tensor q = qkv.select(1, 0).view({b, num_heads + 2 * hkv, d}).narrow(1, 0, num_heads);
+  check_inputs(q, k_cache, v_cache, lens);
+  FASTAWQ_CHECK(positions.scalar_type() == at::kInt && positions.numel() == b && positions.is_contiguous() &&
+                    positions.device() == qkv.device(),
+                p(), ": positions must be a contiguous int32 [B] or [B, 1] tensor on ", qkv.device(), ", got ",
+                positions.scalar_type(), " on ", positions.device());
+  FASTAWQ_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.dim() == 2 &&
+                    cos.sizes() == sin.sizes() && cos.size(0) > 0 && cos.size(1) == d && cos.is_contiguous() &&
+                    sin.is_contiguous() && aligned16(cos) && aligned16(sin) && cos.device() == qkv.device() &&
+                    sin.device() == qkv.device(),
+                p(), ": cos and sin must be contiguous, 16-byte aligned fp32 [S, ", d, "] tables on ", qkv.device(),
+                ", got ", shape_str(cos), " ", cos.scalar_type(), " and ", shape_str(sin), " ", sin.scalar_type());
+  FASTAWQ_CHECK(q_norm_weight.has_value() == k_norm_weight.has_value(), p(),
+                ": q_norm_weight and k_norm_weight go together");
+  for (const auto* w : {&q_norm_weight, &k_norm_weight}) {
+    if (!w->has_value()) continue;
+    const at::Tensor& t = **w;
+    FASTAWQ_CHECK(t.dim() == 1 && t.size(0) == d && t.scalar_type() == qkv.scalar_type() && t.is_contiguous() &&
+                      aligned16(t) && t.device() == qkv.device(),
+                  p(), ": the q/k norm weights must be contiguous, aligned [", d, "] tensors in qkv's dtype ",
+                  qkv.scalar_type(), ", got ", shape_str(t), " ", t.scalar_type());
+  }
+  FASTAWQ_CHECK(!k_cache.is_alias_of(qkv) && !v_cache.is_alias_of(qkv), p(),
+                ": the caches must not share memory with qkv (the kernel writes them while reading it)");
+  const c10::cuda::CUDAGuard guard(qkv.device());
+  at::Tensor out = at::empty({b, num_heads, d}, qkv.options());
+  const RopeInputs rope{positions, cos, sin, q_norm_weight, k_norm_weight, eps};
+  run(q, k_cache, v_cache, lens, scale, out, &rope);
+  return out;
 }
 
 }  // namespace fastawq

@@ -14,7 +14,8 @@
 // multiple of 64 keys each (16 for each warp), only the first ceil(len / that) doing any work.
 // With one such split it writes the output itself. Otherwise the working splits write fp32
 // partials and the last of them to arrive combines them and re-arms its counter, so one launch
-// does the whole step and a graph replays it as is.
+// does the whole step and a graph replays it as is. The rope form (rope_decode_attention) also does
+// rope_kv_cache's work for the step's token: see RopeSmem.
 #include <cfloat>
 #include <cstdint>
 
@@ -60,9 +61,85 @@ __device__ __forceinline__ int keys_per_split(int len, int splits, int min_split
              min_split_keys);
 }
 
+// The rope form (DecodeAttentionArgs::rope). Before the PDL wait -- nothing a kernel of the step
+// writes -- each block stages in shared memory the cos and sin rows of the position positions[b]
+// holds then (a hint: checked after the wait, restaged if it moved) and the q/k norm weights.
+// After it every lane rotates its Q fragment (chunks 4p + t of head g) and the same chunks of the
+// new K row in registers: chunk 4p + t pairs with 4p + t + D/16 = 4 (p + KP/2) + t, so each
+// rotate-half pair is in one lane, and a head's RMSNorm sums over its four lanes t. The new K and
+// V rows join the tile that holds the position straight from registers (the cache is not read back),
+// and one warp writes them into the caches for the steps after. The roundings are rope_kv_cache's
+// (reference.py): the normalised head to T, times the weight to T, the rotation in fp32 to T.
+template <typename T, int D>
+struct RopeSmem {
+  float tab[2][D];  // cos, sin at the position
+  T norm[2][D];     // q_norm, k_norm weights
+};
+
+template <typename T, int D>
+__device__ __forceinline__ void rope_stage(const DecodeAttentionArgs& a, int pos, RopeSmem<T, D>& rs, int tid) {
+  constexpr int TC = D / 4;  // 16-byte chunks of a table row
+  constexpr int NC = D / 8;  // of a norm weight
+  const int64_t row = min(max(pos, 0), a.rope_rows - 1);
+  const int n = 2 * TC + (a.q_norm != nullptr ? 2 * NC : 0);
+  for (int i = tid; i < n; i += kDecodeWarps * 32) {
+    if (i < 2 * TC) {
+      const float* src = (i < TC ? a.rope_cos : a.rope_sin) + row * D + 4 * (i % TC);
+      cp_async16_at(smem_addr(&rs.tab[i / TC][4 * (i % TC)]), src, true);
+    } else {
+      const int j = i - 2 * TC;
+      const T* src = static_cast<const T*>(j < NC ? a.q_norm : a.k_norm) + 8 * (j % NC);
+      cp_async16_at(smem_addr(&rs.norm[j / NC][8 * (j % NC)]), src, true);
+    }
+  }
+  cp_async_commit();
+}
+
+// Chunks 4p + t (p < KP) of one head, RMSNorm'd over the head (when norm) with the staged weight
+// `which` (0: q_norm, 1: k_norm), then rotated by the staged tables.
+template <typename T, int D>
+__device__ __forceinline__ void rope_chunks(uint4 (&c)[D / 32], const RopeSmem<T, D>& rs, int which, bool norm,
+                                            float eps, int t) {
+  constexpr int KP = D / 32;
+  float x[KP][8];
+#pragma unroll
+  for (int p = 0; p < KP; ++p) unpack8<T>(c[p], x[p]);
+  if (norm) {
+    float ss = 0.f;
+#pragma unroll
+    for (int p = 0; p < KP; ++p) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) ss = fmaf(x[p][i], x[p][i], ss);
+    }
+    ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+    ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+    const float r = rsqrtf(ss * (1.f / D) + eps);
+#pragma unroll
+    for (int p = 0; p < KP; ++p) {
+      float w[8];
+      unpack8<T>(*reinterpret_cast<const uint4*>(&rs.norm[which][(4 * p + t) * 8]), w);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[p][i] = round_to<T>(round_to<T>(x[p][i] * r) * w[i]);
+    }
+  }
+#pragma unroll
+  for (int p = 0; p < KP / 2; ++p) {
+    const int d1 = (4 * p + t) * 8, d2 = d1 + D / 2;
+    float o1[8], o2[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float x1 = x[p][i], x2 = x[p + KP / 2][i];
+      o1[i] = x1 * rs.tab[0][d1 + i] - x2 * rs.tab[1][d1 + i];
+      o2[i] = x2 * rs.tab[0][d2 + i] + x1 * rs.tab[1][d2 + i];
+    }
+    c[p] = pack8<T>(o1);
+    c[p + KP / 2] = pack8<T>(o2);
+  }
+}
+
 // PREFETCH (the default; FASTAWQ_ATTN_PREFETCH=0 turns it off): the split's K and V rows into L2
-// before the PDL wait.
-template <typename T, int D, bool PREFETCH>
+// before the PDL wait. ROPE: the rope form (DecodeAttentionArgs::rope).
+template <typename T, int D, bool PREFETCH, bool ROPE>
 __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(const DecodeAttentionArgs a) {
   constexpr int KP = D / 32;  // pairs of k-steps over D in QK: one 16-byte chunk per lane each
   constexpr int VC = D / 64;  // 16-byte chunks of a V row per lane
@@ -77,6 +154,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(con
   __shared__ float2 sm_ml[kDecodeMaxSplits][G];
   __shared__ float sm_w[kDecodeMaxSplits][G];
   __shared__ int sm_last;
+  __shared__ __align__(16) RopeSmem<T, ROPE ? D : 8> sm_rope;
 
   const int split = blockIdx.x;
   const int kvh = blockIdx.y;
@@ -103,7 +181,12 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(con
       }
     }
   }
-  pdl_wait();  // q and the cache row come from the rope kernel before this one
+  int pos = 0;  // the rope form's new position
+  if constexpr (ROPE) {
+    pos = a.positions[b];
+    rope_stage<T, D>(a, pos, sm_rope, tid);
+  }
+  pdl_wait();  // q and the cache row (the rope form: qkv) come from the kernel before this one
   pdl_launch_dependents();
 
   // The length is read here, not on the host: the grid depends only on the cache capacity.
@@ -113,7 +196,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(con
   // len 0: zeros) and split 0 writes out directly; the others have nothing to do, not even arrive.
   const int active = per_split > 0 ? (len + per_split - 1) / per_split : 0;
   const bool direct = active <= 1;
-  if (split >= (direct ? 1 : active)) return;
+  if (split >= (direct ? 1 : active)) {
+    if constexpr (ROPE) cp_async_wait<0>();  // no copy into shared memory outlives its block
+    return;
+  }
   const int start = split * per_split;
   const int end = min(start + per_split, len);
 
@@ -131,6 +217,39 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(con
       const T* qrow = q + b * a.q_sb + (head0 + g) * a.q_sh;
 #pragma unroll
       for (int p = 0; p < KP; ++p) qf[p] = ld16(qrow + (4 * p + t) * 8, g < group);
+    }
+    // The rope form: the new K row in Q's chunks (every head group the same) and V's chunks g + 8i.
+    uint4 knew[ROPE ? KP : 1], vnew[ROPE ? VC : 1];
+    if constexpr (ROPE) {
+      const T* row = q + b * a.q_sb;
+#pragma unroll
+      for (int p = 0; p < KP; ++p) knew[p] = ld16(row + (a.hq + kvh) * D + (4 * p + t) * 8, true);
+#pragma unroll
+      for (int i = 0; i < VC; ++i) vnew[i] = ld16(row + (a.hq + a.hkv + kvh) * D + (g + 8 * i) * 8, true);
+      const int moved = __ldcg(a.positions + b);  // the position, now that the step's writes are in
+      if (moved != pos) {  // block-uniform; each thread restages the chunks it staged
+        cp_async_wait<0>();  // the first copies land before the second overwrite them
+        pos = moved;
+        rope_stage<T, D>(a, pos, sm_rope, tid);
+      }
+      cp_async_wait<0>();
+      __syncthreads();
+      const bool norm = a.q_norm != nullptr;
+      rope_chunks<T, D>(qf, sm_rope, 0, norm, a.norm_eps, t);
+      rope_chunks<T, D>(knew, sm_rope, 1, norm, a.norm_eps, t);
+      // The block whose keys hold the position (split 0 if none does) writes the rows to the caches.
+      if (warp == 0 && split == (pos >= 0 && pos < len ? pos / per_split : 0) && pos >= 0 && pos < a.seq_cap) {
+        if (g == 0) {
+          T* kout = static_cast<T*>(a.k_cache) + b * a.k_sb + pos * a.k_ss + kvh * a.k_sh;
+#pragma unroll
+          for (int p = 0; p < KP; ++p) *reinterpret_cast<uint4*>(kout + (4 * p + t) * 8) = knew[p];
+        }
+        if (t == 0) {
+          T* vout = static_cast<T*>(a.v_cache) + b * a.v_sb + pos * a.v_ss + kvh * a.v_sh;
+#pragma unroll
+          for (int i = 0; i < VC; ++i) *reinterpret_cast<uint4*>(vout + (g + 8 * i) * 8) = vnew[i];
+        }
+      }
     }
     float o[MT][4];
 #pragma unroll
@@ -157,6 +276,24 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(con
         const T* vr = vbase + row * a.v_ss;
 #pragma unroll
         for (int i = 0; i < VC; ++i) vf[r][i] = ld16(vr + (g + 8 * i) * 8, row < end);
+      }
+      if constexpr (ROPE) {
+        if (pos >= r0 && pos < min(r0 + kDecodeTileN, end)) {  // the new row, from registers
+#pragma unroll
+          for (int n = 0; n < 2; ++n) {
+            if (r0 + 8 * n + g == pos) {
+#pragma unroll
+              for (int p = 0; p < KP; ++p) kf[n][p] = knew[p];
+            }
+          }
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            if (r0 + 2 * t + (r & 1) + 8 * (r >> 1) == pos) {
+#pragma unroll
+              for (int i = 0; i < VC; ++i) vf[r][i] = vnew[i];
+            }
+          }
+        }
       }
 
       // S: c0, c1 = head g x keys 8n + 2t, 8n + 2t + 1 (c2, c3: the unused heads 8..15).
@@ -315,11 +452,19 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(con
   if (tid == 0) atomicExch(a.counters + ci, 0);
 }
 
+template <typename T, int D, bool ROPE>
+void launch_form(const DecodeAttentionArgs& a, cudaStream_t stream) {
+  const dim3 grid(a.splits, a.hkv, a.batch);
+  if (a.prefetch_kv) {
+    return launch_pdl(decode_attention_kernel<T, D, true, ROPE>, grid, dim3(kDecodeWarps * 32), 0, stream, a);
+  }
+  launch_pdl(decode_attention_kernel<T, D, false, ROPE>, grid, dim3(kDecodeWarps * 32), 0, stream, a);
+}
+
 template <typename T, int D>
 void launch_typed(const DecodeAttentionArgs& a, cudaStream_t stream) {
-  const dim3 grid(a.splits, a.hkv, a.batch);
-  if (a.prefetch_kv) return launch_pdl(decode_attention_kernel<T, D, true>, grid, dim3(kDecodeWarps * 32), 0, stream, a);
-  launch_pdl(decode_attention_kernel<T, D, false>, grid, dim3(kDecodeWarps * 32), 0, stream, a);
+  if (a.rope) return launch_form<T, D, true>(a, stream);
+  launch_form<T, D, false>(a, stream);
 }
 
 template <typename T>

@@ -24,8 +24,8 @@ constexpr int kDecodeSplitKeys = kDecodeWarps * kDecodeTileN;
 struct DecodeAttentionArgs {
   HalfType dtype;
   const void* q;        // [B, HQ, D]
-  const void* k_cache;  // [B', S, HKV, D]
-  const void* v_cache;  // [B', S, HKV, D]
+  void* k_cache;        // [B', S, HKV, D] (written by the rope form)
+  void* v_cache;        // [B', S, HKV, D]
   const int* lens;      // [B] int32, read on the device
   void* out;            // [B, HQ, D]
   float* part_acc;      // [B, HKV, splits, group, D] fp32 when splits > 1
@@ -39,6 +39,18 @@ struct DecodeAttentionArgs {
   int min_split_keys;   // a split takes at least this many keys (a multiple of kDecodeSplitKeys)
   bool prefetch_kv;     // bring the split's K and V rows into L2 before the PDL wait
   float scale_log2;     // softmax scale * log2(e)
+  // The rope form (rope_decode_attention): q points into qkv rows [B, (HQ + 2 HKV) D] (q_sb their
+  // stride, q_sh = D), whose q heads are rotated in registers and whose new K (rotated) and V rows
+  // go into the caches at positions[b] -- the work of rope_kv_cache, without its launch.
+  bool rope;
+  const int* positions;   // [B] int32
+  const float* rope_cos;  // [rope_rows, D] fp32
+  const float* rope_sin;
+  const void* q_norm;     // [D] in q's dtype, or null (Qwen3's per-head RMSNorm before the rotation)
+  const void* k_norm;
+  float norm_eps;
+  int rope_rows;
+  int hq;                 // query heads (the K rows of qkv start at column hq * D)
 };
 
 // Splits for a batch of `rows_heads` (B * HKV) pairs over a cache of `seq_cap` positions: about two

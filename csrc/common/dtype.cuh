@@ -47,4 +47,27 @@ struct HalfTraits<__nv_bfloat16> {
   }
 };
 
+// v rounded (to nearest) to T and back: where the reference rounds an fp32 intermediate.
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  return HalfTraits<T>::to_float(HalfTraits<T>::from_float(v));
+}
+
+// Eight T packed in 16 bytes (element 0 in the low half of .x), as fp32; pack8 is its inverse.
+template <typename T>
+__device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 p = HalfTraits<T>::to_float2(w[i]);
+    f[2 * i] = p.x, f[2 * i + 1] = p.y;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  return make_uint4(HalfTraits<T>::from_float2(f[0], f[1]), HalfTraits<T>::from_float2(f[2], f[3]),
+                    HalfTraits<T>::from_float2(f[4], f[5]), HalfTraits<T>::from_float2(f[6], f[7]));
+}
+
 }  // namespace fastawq

@@ -53,11 +53,6 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-template <typename T>
-__device__ __forceinline__ float round_to(float v) {
-  return HalfTraits<T>::to_float(HalfTraits<T>::from_float(v));
-}
-
 // Chunk p[0 .. 7] packed in T, elements at or past `left` as 0: one 16-byte load when VEC.
 template <typename T, bool VEC>
 __device__ __forceinline__ uint4 load_chunk(const T* p, int left) {
@@ -81,21 +76,6 @@ __device__ __forceinline__ void store_chunk(T* p, int left, uint4 v) {
     for (int i = 0; i < 8; ++i)
       if (i < left) p[i] = h[i];
   }
-}
-
-template <typename T>
-__device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 p = HalfTraits<T>::to_float2(w[i]);
-    f[2 * i] = p.x, f[2 * i + 1] = p.y;
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
-  return make_uint4(HalfTraits<T>::from_float2(f[0], f[1]), HalfTraits<T>::from_float2(f[2], f[3]), HalfTraits<T>::from_float2(f[4], f[5]), HalfTraits<T>::from_float2(f[6], f[7]));
 }
 
 // x + residual for one 8-element chunk, rounded to T as add_rms_norm rounds it (the new residual,
@@ -292,7 +272,6 @@ __global__ void __launch_bounds__(kThreads) moe_route_kernel(RouteArgs a) {
   __syncthreads();
   if (warp == 0) choose(a, tok, lane, sm);
 }
-
 
 // The cluster form (sm_90), for decode, where the routing sits on the critical path between two
 // kernels: grid (C, T) in clusters of C <= 8 blocks, one cluster a token, block r scoring experts

@@ -115,6 +115,12 @@ NORM_ROUTE_FUSED = False
 # clusters: 0.966x, session 8). backend="cuda" still runs it everywhere it fits.
 ROUTE_CUDA = True
 ROUTE_CUDA_EXPERTS = (16, 128)
+# ops.rope_decode_attention: where the compiled decode attention serves a decode step (one token a
+# row), the rotary embedding (after Qwen3's q/k norms) and the cache write run inside it
+# (fastawq::rope_decode_attention) rather than as rope_kv_cache's launch before it. H200, RESULTS.md
+# session 15, bench_ab.py --compare rope_attention: decode 1.008x / 1.014x Qwen3-30B-A3B at batch
+# 1 / 16, 1.003x / 1.030x Llama-3-8B, 1.006x Mixtral-8x7B. Off: the two launches.
+ROPE_ATTENTION_FUSED = True
 _CUDA_PREFERENCE: dict[str, list[tuple[int | None, tuple[str, ...]]]] = {
     "route": [
         (ROUTE_FUSED_MAX_T, ("cuda", "triton", "torch")),

@@ -6,7 +6,7 @@ and calls one schema'd op (compiled in fastawq._C, or a ``torch.library.custom_o
 impl sits beside it. The torch backend of every op is its reference in reference.py.
 
   gemm.py   awq_gemm, awq_gemm_plan, awq_dequantize
-  layer.py  add_rms_norm, act_mul, rope_kv_cache, decode_attention, prefill_attention
+  layer.py  add_rms_norm, act_mul, rope_kv_cache, decode_attention, rope_decode_attention, prefill_attention
   moe.py    moe_w4, moe_w4_plan, topk_route, route, add_rms_norm_route (mixture-of-experts blocks)
   repack.py the packed layout (exact repack, both ways), packed_gemm, packed_gemm_plan, packed_dequantize
 """
@@ -19,6 +19,8 @@ from fastawq.ops.layer import (
     decode_attention,
     decode_attention_backend,
     prefill_attention,
+    rope_attention_fused,
+    rope_decode_attention,
     rope_kv_cache,
 )
 from fastawq.ops.moe import add_rms_norm_route, moe_w4, moe_w4_plan, route, topk_route
@@ -46,5 +48,7 @@ __all__ = [
     "packed_gemm",
     "packed_gemm_plan",
     "prefill_attention",
+    "rope_attention_fused",
+    "rope_decode_attention",
     "rope_kv_cache",
 ]

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from fastawq import _ext, reference
+from fastawq import backend as _backend
 from fastawq.backend import select_backend
 from fastawq.ops._common import HALF, check_same_device
 from fastawq.ops._common import call_op as _call
@@ -297,6 +298,55 @@ def decode_attention(
     return out
 
 
+def rope_attention_fused(qkv: torch.Tensor, k_cache: torch.Tensor, lens: torch.Tensor, num_heads: int,
+                         backend: str | None = None) -> bool:
+    """Whether rope_decode_attention runs as the one compiled launch for these inputs."""
+    if not (_backend.ROPE_ATTENTION_FUSED and _ext.has_op("rope_decode_attention")):
+        return False
+    if qkv.dim() != 3 or qkv.shape[1] != 1 or k_cache.dim() != 4:
+        return False
+    d = k_cache.shape[3]
+    if qkv.shape[-1] != (num_heads + 2 * k_cache.shape[2]) * d:
+        return False
+    q = qkv[:, 0, : num_heads * d].unflatten(-1, (num_heads, d))
+    return decode_attention_backend(q, k_cache, lens, backend) == "cuda"
+
+
+# qkv [B, 1, (HQ + 2 HKV) D] · positions [B, 1] int32 · cos/sin [S, D] fp32 · caches · lens [B]
+#   -> [B, HQ, D]
+def rope_decode_attention(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lens: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    max_len: int | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """rope_kv_cache, then decode_attention of the rotated q [B, HQ, D]: one compiled launch
+    where the CUDA decode attention serves a one-token step (backend.ROPE_ATTENTION_FUSED), else
+    the two ops."""
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("q_norm_weight and k_norm_weight go together")
+    if tuple(positions.shape) == tuple(qkv.shape[:2]) and rope_attention_fused(qkv, k_cache, lens, num_heads, backend):
+        return torch.ops.fastawq.rope_decode_attention(
+            qkv, positions, cos, sin, k_cache, v_cache, lens, q_norm_weight, k_norm_weight, eps, num_heads, scale)
+    q = rope_kv_cache(qkv, positions, cos, sin, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
+                      q_norm_weight, k_norm_weight, eps, backend=backend)
+    return decode_attention(q.reshape(qkv.shape[0], num_heads, head_dim), k_cache, v_cache, lens, scale,
+                            max_len=max_len, backend=backend)
+
+
 # q [B, L, HQ, D] · caches [B', S, HKV, D]: queries at positions start .. start+L-1 of every row
 def prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, scale: float
@@ -338,6 +388,13 @@ def _register_fakes() -> None:
         @torch.library.register_fake("fastawq::decode_attention_out")
         def _(q, k_cache, v_cache, lens, scale, out):
             torch._check(out.shape == q.shape, lambda: f"out {tuple(out.shape)} vs q {tuple(q.shape)}")
+
+    if _ext.has_op("rope_decode_attention"):
+
+        @torch.library.register_fake("fastawq::rope_decode_attention")
+        def _(qkv, positions, cos, sin, k_cache, v_cache, lens, q_norm_weight, k_norm_weight, eps, num_heads, scale):
+            torch._check(qkv.dim() == 3, lambda: f"qkv {tuple(qkv.shape)} must be [B, 1, W]")
+            return qkv.new_empty((qkv.shape[0], num_heads, k_cache.shape[-1]))
 
 
 _register_fakes()
