@@ -110,9 +110,11 @@ NORM_ROUTE_FUSED = False
 # automatic choice takes it on sm_90 for E in ROUTE_CUDA_EXPERTS and H <= 4096, where it was
 # measured (H200, RESULTS.md session 14, bench_ab.py --compare route_cuda: Qwen3-30B-A3B decode
 # 1.056x at batch 1, 1.029x at 16; norm + route 5.80 against Triton's 7.18 us). Mixtral-8x7B (E = 8)
-# measured 0.907x in the same call although its routing alone is faster (3.52 against 5.17 us): not
-# understood yet, so E < 16 keeps Triton, as do GPUs before sm_90 (the part kernel, without
-# clusters: 0.966x, session 8). backend="cuda" still runs it everywhere it fits.
+# measured 0.907x in the same call although its routing alone is faster (3.52 against 5.17 us):
+# the experts' GEMV, launched early, lands beside the 8 route blocks (FASTAWQ_ROUTE_LATE_TRIGGER=1
+# ties it, 1.000x, and costs Qwen3 1.4 %: session 15), so E < 16 keeps Triton, as do GPUs before
+# sm_90 (the part kernel, without clusters: 0.966x, session 8). backend="cuda" still runs it
+# everywhere it fits.
 ROUTE_CUDA = True
 ROUTE_CUDA_EXPERTS = (16, 128)
 # ops.rope_decode_attention: where the compiled decode attention serves a decode step (one token a
