@@ -46,6 +46,14 @@ def best_us(fn, calls: int = 50, replays: int = 5) -> float:
     return best
 
 
+def table(rows: list[dict]) -> str:
+    """The rows as a markdown table (µs a call), for RESULTS.md."""
+    keys = [k for k in rows[0] if k not in ("shape", "T")] if rows else []
+    lines = ["| router, tokens | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+    lines += [f"| {r['shape']}, {r['T']} | " + " | ".join(f"{r[k]:.2f}" for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ts", default="1,16")
@@ -74,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             print(name, "T", t, " ".join(f"{key}: {v:.2f}us" for key, v in row.items() if key not in ("shape", "T")),
                   flush=True)
     backend.NORM_ROUTE_FUSED = norm_before
+    print(table(rows), flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -206,3 +206,22 @@ def test_profile_memory_finds_the_peak_in_a_trace():
     phases.rows = [{"phase": "a"}, {"phase": "b"}]
     mark = {"action": "alloc", "frames": [{"filename": "/b/profile_memory.py", "line": 1, "name": "_marker"}]}
     assert phases.ends(trace + [mark]) == [None, len(trace)]
+
+
+def test_bench_route_table():
+    # benchmarks/bench_route.py prints its rows as a markdown table (the numbers RESULTS.md takes).
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_route.py"
+    spec = importlib.util.spec_from_file_location("bench_route", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    text = mod.table([{"shape": "qwen3-30b-a3b", "T": 1, "cuda route": 5.456, "triton route": 6.42},
+                      {"shape": "mixtral-8x7b", "T": 16, "cuda route": 2.96, "triton route": 2.82}])
+    assert text.splitlines() == [
+        "| router, tokens | cuda route | triton route |",
+        "|---|---|---|",
+        "| qwen3-30b-a3b, 1 | 5.46 | 6.42 |",
+        "| mixtral-8x7b, 16 | 2.96 | 2.82 |",
+    ]
