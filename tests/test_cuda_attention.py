@@ -229,6 +229,20 @@ def test_decode_attention_error_messages():
     _err(lambda: op_out(q, k, k, lens, 0.1, q), r"out must not share memory with q")
 
 
+def _w4_model(model):
+    """The decoder layers' attention and MLP Linears as 4-bit WQLinear (group 32), fp16, on the GPU."""
+    from fastawq.modules import WQLinear
+
+    model.eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for parent in (layer.self_attn, layer.mlp):
+                for name, mod in list(parent.named_children()):
+                    if isinstance(mod, torch.nn.Linear):
+                        setattr(parent, name, WQLinear.from_linear(mod.half(), 32))
+    return model.half().cuda()
+
+
 @needs_op
 def test_fused_model_cuda_kernel_matches_unfused():
     # A Llama of head_dim 64 (the tiny models of test_fused have 16, which the kernel declines),
@@ -236,20 +250,12 @@ def test_fused_model_cuda_kernel_matches_unfused():
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from fastawq.generate import HFStepper
-    from fastawq.modules import WQLinear
     from fastawq.modules.fused import fuse_model
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    ref = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for layer in ref.model.layers:
-            for parent in (layer.self_attn, layer.mlp):
-                for name, mod in list(parent.named_children()):
-                    if isinstance(mod, torch.nn.Linear):
-                        setattr(parent, name, WQLinear.from_linear(mod.half(), 32))
-    ref = ref.half().cuda()
+    ref = _w4_model(AutoModelForCausalLM.from_config(cfg))
     fused = fuse_model(copy.deepcopy(ref), max_seq_len=300, batch_size=2, backend="cuda", use_cuda_graphs=True)
     rt, hf = fused.fastawq_runtime, HFStepper(ref)
     ids = torch.randint(0, cfg.vocab_size, (2, 70), device="cuda")
@@ -403,22 +409,17 @@ def test_fused_qwen3_decode_uses_the_rope_form(monkeypatch):
 
     from fastawq import backend
     from fastawq.generate import HFStepper
-    from fastawq.modules import WQLinear
     from fastawq.modules.fused import fuse_model
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=320, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
                       num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
-    ref = AutoModelForCausalLM.from_config(cfg).eval()
+    model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():
-        for layer in ref.model.layers:
-            for parent in (layer.self_attn, layer.mlp):
-                for name, mod in list(parent.named_children()):
-                    if isinstance(mod, torch.nn.Linear):
-                        setattr(parent, name, WQLinear.from_linear(mod.half(), 32))
-            layer.self_attn.q_norm.weight.data.uniform_(0.5, 1.5)
-            layer.self_attn.k_norm.weight.data.uniform_(0.5, 1.5)
-    ref = ref.half().cuda()
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    ref = _w4_model(model)
     ids = torch.randint(0, cfg.vocab_size, (2, 70), device="cuda")
     from fastawq.ops import layer
 
