@@ -533,3 +533,25 @@ def test_rope_decode_attention_falls_back_to_the_two_ops(qk_norm):
     assert not torch.equal(k1, k), "the new K rows were not written"
     with pytest.raises(ValueError, match="go together"):
         ops.rope_decode_attention(qkv, pos, cos, sin, k1, v1, lens, hq, hkv, d, 0.125, torch.ones(d).half(), None)
+
+
+def test_rope_form_declines_inputs_it_does_not_convert(monkeypatch):
+    # Where the compiled attention would serve, the rope form still declines fp32 norm weights,
+    # non-fp32 tables and int64 positions: rope_kv_cache's launch converts those.
+    from fastawq.ops import layer
+
+    monkeypatch.setattr(layer._ext, "has_op", lambda name: True)
+    monkeypatch.setattr(layer, "decode_attention_backend", lambda *a, **k: "cuda")
+    hq, hkv, d = 8, 2, 64
+    qkv = torch.zeros(2, 1, (hq + 2 * hkv) * d, dtype=torch.float16)
+    kc = torch.zeros(2, 16, hkv, d, dtype=torch.float16)
+    lens = torch.ones(2, dtype=torch.int32)
+    pos = torch.zeros(2, 1, dtype=torch.int32)
+    cos, sin = _rope_tables(16, d, "cpu")
+    w = torch.ones(d, dtype=torch.float16)
+    ok = dict(positions=pos, cos=cos, sin=sin, q_norm_weight=w, k_norm_weight=w)
+    assert ops.rope_attention_fused(qkv, kc, lens, hq, **ok)
+    for bad in (dict(positions=pos.long()), dict(cos=cos.half()), dict(sin=sin[:, :32].contiguous()),
+                dict(q_norm_weight=w.float()), dict(k_norm_weight=torch.ones(d + 1, dtype=torch.float16)[1:])):
+        assert not ops.rope_attention_fused(qkv, kc, lens, hq, **{**ok, **bad}), bad
+    assert not ops.rope_attention_fused(qkv[:, :, :-8], kc, lens, hq, **ok)

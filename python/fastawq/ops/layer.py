@@ -298,9 +298,14 @@ def decode_attention(
     return out
 
 
-def rope_attention_fused(qkv: torch.Tensor, k_cache: torch.Tensor, lens: torch.Tensor, num_heads: int,
-                         backend: str | None = None) -> bool:
-    """Whether rope_decode_attention runs as the one compiled launch for these inputs."""
+def rope_attention_fused(
+    qkv: torch.Tensor, k_cache: torch.Tensor, lens: torch.Tensor, num_heads: int, backend: str | None = None, *,
+    positions: torch.Tensor | None = None, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+    q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
+) -> bool:
+    """Whether rope_decode_attention runs as the one compiled launch for these inputs: a one-token
+    step the compiled decode attention serves, int32 positions, fp32 [S, D] tables and norm
+    weights in qkv's dtype (anything else takes rope_kv_cache's launch, which converts)."""
     if not (_backend.ROPE_ATTENTION_FUSED and _ext.has_op("rope_decode_attention")):
         return False
     if qkv.dim() != 3 or qkv.shape[1] != 1 or k_cache.dim() != 4:
@@ -308,6 +313,16 @@ def rope_attention_fused(qkv: torch.Tensor, k_cache: torch.Tensor, lens: torch.T
     d = k_cache.shape[3]
     if qkv.shape[-1] != (num_heads + 2 * k_cache.shape[2]) * d:
         return False
+    if positions is not None and (positions.dtype != torch.int32 or positions.numel() != qkv.shape[0]
+                                  or not positions.is_contiguous()):
+        return False
+    for table in (cos, sin):
+        if table is not None and (table.dtype != torch.float32 or table.dim() != 2 or table.shape[1] != d
+                                  or not table.is_contiguous() or table.data_ptr() % 16):
+            return False
+    for w in (q_norm_weight, k_norm_weight):
+        if w is not None and (w.dtype != qkv.dtype or w.shape != (d,) or not w.is_contiguous() or w.data_ptr() % 16):
+            return False
     q = qkv[:, 0, : num_heads * d].unflatten(-1, (num_heads, d))
     return decode_attention_backend(q, k_cache, lens, backend) == "cuda"
 
@@ -338,7 +353,9 @@ def rope_decode_attention(
     the two ops."""
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("q_norm_weight and k_norm_weight go together")
-    if tuple(positions.shape) == tuple(qkv.shape[:2]) and rope_attention_fused(qkv, k_cache, lens, num_heads, backend):
+    if tuple(positions.shape) == tuple(qkv.shape[:2]) and rope_attention_fused(
+            qkv, k_cache, lens, num_heads, backend, positions=positions, cos=cos, sin=sin,
+            q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight):
         return torch.ops.fastawq.rope_decode_attention(
             qkv, positions, cos, sin, k_cache, v_cache, lens, q_norm_weight, k_norm_weight, eps, num_heads, scale)
     q = rope_kv_cache(qkv, positions, cos, sin, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
