@@ -50,7 +50,7 @@ bool cluster_allowed() {
 // 1.4 % (0.986x), and even late it does not beat Triton on Mixtral: off, and E < 16 keeps Triton.
 bool late_trigger() {
   const char* v = std::getenv("FASTAWQ_ROUTE_LATE_TRIGGER");
-  return v != nullptr && std::string(v) == "1";
+  return v != nullptr && v[0] == '1' && v[1] == '\0';  // no allocation: it runs at every call
 }
 
 // Experts a block for the cluster kernel (route.cu), or 0 where it does not apply: sm_90, 16-byte

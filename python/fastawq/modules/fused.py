@@ -108,25 +108,20 @@ class FusedAttention(nn.Module):
         c = self.cfg
         b, seq, _ = x.shape
         qkv = self.qkv_proj(x)
-        if lens is not None and seq == 1:
-            # A decode step: rope, the cache write and attention (one compiled launch where it serves).
+        if lens is not None:
+            # A decode step: rope, the cache write and attention (one compiled launch where it
+            # serves, else rope_kv_cache and decode_attention).
             o = ops.rope_decode_attention(
                 qkv, positions, self.rope_cos, self.rope_sin, self.k_cache, self.v_cache, lens,
                 c.num_heads, c.num_kv_heads, c.head_dim, c.scale, self.q_norm_weight, self.k_norm_weight, c.eps,
                 max_len=max_len, backend=backend,
             )
-            return self.o_proj(o.reshape(b, seq, c.num_heads * c.head_dim))
-        q = ops.rope_kv_cache(
-            qkv, positions, self.rope_cos, self.rope_sin, self.k_cache, self.v_cache,
-            c.num_heads, c.num_kv_heads, c.head_dim, self.q_norm_weight, self.k_norm_weight, c.eps,
-            backend=backend,
-        )
-        if lens is not None:
-            o = ops.decode_attention(
-                q.reshape(b, c.num_heads, c.head_dim), self.k_cache, self.v_cache, lens, c.scale,
-                max_len=max_len, backend=backend,
-            )
         else:
+            q = ops.rope_kv_cache(
+                qkv, positions, self.rope_cos, self.rope_sin, self.k_cache, self.v_cache,
+                c.num_heads, c.num_kv_heads, c.head_dim, self.q_norm_weight, self.k_norm_weight, c.eps,
+                backend=backend,
+            )
             o = ops.prefill_attention(q, self.k_cache, self.v_cache, start, c.scale)
         return self.o_proj(o.reshape(b, seq, c.num_heads * c.head_dim))
 
