@@ -34,6 +34,11 @@ void awq_dequantize_into(const at::Tensor& qweight, const at::Tensor& scales, co
 // warps_per_sm 0: the grid is one wave of what fits; set, the grid's target, for a benchmark sweep.
 at::Tensor awq_gemv_packed(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n,
                            int64_t group_size, const std::optional<at::Tensor>& bias, int64_t warps_per_sm);
+// awq_gemv_packed of act(gate) * up for gate_up [M, 2K] (M <= 2, act silu / gelu_pytorch_tanh /
+// gelu), the product made in the kernel's shared memory: act_mul and the GEMV in one launch.
+at::Tensor awq_gemv_packed_act(const at::Tensor& gate_up, const at::Tensor& wpacked, const at::Tensor& szpacked,
+                               int64_t n, int64_t group_size, const std::optional<at::Tensor>& bias,
+                               const std::string& act);
 
 // The same on the tensor cores for x [M<=32, K] (csrc/gemv/awq_mma_packed.cu). chunks (32-column
 // chunks per block tile: 1, 2, 4) and warps_per_sm (the grid's target) 0: the kernel's defaults;

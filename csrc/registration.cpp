@@ -27,6 +27,8 @@ TORCH_LIBRARY(fastawq, m) {
   m.def("awq_gemm_declines(str kernel, int m, int n, int k, int group_size) -> str", &fastawq::awq_gemm_declines);
   m.def("awq_gemv_packed(Tensor x, Tensor wpacked, Tensor szpacked, int n, int group_size, Tensor? bias, "
         "int warps_per_sm=0) -> Tensor");
+  m.def("awq_gemv_packed_act(Tensor gate_up, Tensor wpacked, Tensor szpacked, int n, int group_size, Tensor? bias, "
+        "str act) -> Tensor");
   m.def("awq_mma_packed(Tensor x, Tensor wpacked, Tensor szpacked, int n, int group_size, Tensor? bias, "
         "int chunks=0, int warps_per_sm=0) -> Tensor");
   m.def("awq_gemm_packed(Tensor x, Tensor wpacked, Tensor szpacked, int n, int group_size, Tensor? bias, "
@@ -61,6 +63,7 @@ TORCH_LIBRARY_IMPL(fastawq, CUDA, m) {
   m.impl("awq_dequantize", &fastawq::awq_dequantize);
   m.impl("awq_gemm", &fastawq::awq_gemm);
   m.impl("awq_gemv_packed", &fastawq::awq_gemv_packed);
+  m.impl("awq_gemv_packed_act", &fastawq::awq_gemv_packed_act);
   m.impl("awq_mma_packed", &fastawq::awq_mma_packed);
   m.impl("awq_gemm_packed", &fastawq::awq_gemm_packed);
   m.impl("moe_gemv_w4", &fastawq::moe_gemv_w4);

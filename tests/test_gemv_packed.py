@@ -254,3 +254,64 @@ def test_bad_inputs_are_named():
         op(x, wp.cpu(), sz, n, g, None)
     with pytest.raises(RuntimeError, match="warps_per_sm must be in 1..64.*65"):
         op(x, wp, sz, n, g, None, 65)
+
+
+# --- awq_gemv_packed_act: act(gate) * up staged in the kernel (branch wip/gemv-act-prologue) ---
+
+HAS_ACT_KERNEL = HAS_KERNEL and _ext.has_op("awq_gemv_packed_act")
+requires_act_kernel = pytest.mark.skipif(not HAS_ACT_KERNEL, reason="needs CUDA and awq_gemv_packed_act")
+
+
+@requires_act_kernel
+@pytest.mark.parametrize("k,n,g", [(32, 8, 32), (256, 264, 128), (1024, 1000, 64), (11008, 520, 32), (14336, 4096, 128)])
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "gelu"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_act_kernel_matches_reference(k, n, g, m, act, dtype):
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=k + n)
+    gu = random_input((m, 2 * k), "cuda", dtype, seed=m + k) * 2
+    bias = random_input((n,), "cuda", dtype, seed=7) if n % 3 == 0 else None
+    x = reference.act_mul(gu, act)  # what act_mul's launch would hand the GEMV
+    out = _poisoned_call(gu, wp, sz, n, g, bias, act, op="awq_gemv_packed_act")
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert_close_to_reference(out, x, qw, s, qz, g, bias)
+    two = torch.ops.fastawq.awq_gemv_packed(x.contiguous(), wp, sz, n, g, bias)
+    torch.testing.assert_close(out, two, rtol=2e-2, atol=2e-2 * two.abs().max().item())
+
+
+@requires_act_kernel
+def test_act_kernel_errors():
+    qw, s, qz, wp, sz = _setup(256, 128, 64, torch.float16)
+    op = torch.ops.fastawq.awq_gemv_packed_act
+    gu = random_input((1, 512), "cuda", torch.float16, seed=1)
+    with pytest.raises(RuntimeError, match="act must be silu"):
+        op(gu, wp, sz, 128, 64, None, "relu")
+    with pytest.raises(RuntimeError, match="M <= 2"):
+        op(random_input((3, 512), "cuda", torch.float16, seed=1), wp, sz, 128, 64, None, "silu")
+    with pytest.raises(RuntimeError, match="wpacked must be int32"):
+        op(random_input((1, 256), "cuda", torch.float16, seed=1), wp, sz, 128, 64, None, "silu")
+    with pytest.raises(RuntimeError, match="gate_up must be"):
+        op(gu[:, :511], wp, sz, 128, 64, None, "silu")
+
+
+@requires_act_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_act_linear_dispatch(monkeypatch, rows):
+    # modules.fused.act_linear: the one launch where the flag is on and the GEMV serves the rows,
+    # act_mul and the projection otherwise; the two agree.
+    from fastawq import backend
+    from fastawq.modules import WQLinear
+    from fastawq.modules.fused import act_gemv_fits, act_linear
+
+    lin = torch.nn.Linear(512, 384, bias=True).half().cuda()
+    wq = WQLinear.from_linear(lin, 128)
+    wq.set_layout("packed")
+    gu = random_input((rows, 1, 1024), "cuda", torch.float16, seed=rows)
+    monkeypatch.setattr(backend, "ACT_GEMV_FUSED", False)
+    off = act_linear(gu, "silu", wq)
+    assert not act_gemv_fits(gu, "silu", wq)
+    monkeypatch.setattr(backend, "ACT_GEMV_FUSED", True)
+    assert act_gemv_fits(gu, "silu", wq) is (rows <= backend.PACKED_GEMV_MAX_M)
+    on = act_linear(gu, "silu", wq)
+    assert on.shape == off.shape == (rows, 1, 384)
+    torch.testing.assert_close(on, off, rtol=2e-2, atol=2e-2 * off.abs().max().item())

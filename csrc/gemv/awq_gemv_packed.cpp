@@ -53,15 +53,14 @@ bool mma_register_ring(int tiles) {
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
-// The checks both ops share; returns the bias pointer (nullptr without one).
-const at::Tensor* check_packed(const char* op, const at::Tensor& x, const at::Tensor& wpacked,
-                               const at::Tensor& szpacked, int64_t n, int64_t g, const std::optional<at::Tensor>& bias,
-                               int64_t max_m) {
-  FASTAWQ_CHECK(x.dim() == 2, op, ": x must be [M, K], got ", shape_str(x));
-  const int64_t m = x.size(0), k = x.size(1);
+// The checks of the weights, bias and problem for an input of m x k in `dtype` on `device`, the
+// input's own layout checked by the caller; returns the bias pointer (nullptr without one).
+const at::Tensor* check_weights(const char* op, int64_t m, int64_t k, at::ScalarType dtype, const at::Device& device,
+                                const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n, int64_t g,
+                                const std::optional<at::Tensor>& bias, int64_t max_m) {
   const auto problem = [&] { return cat("(m=", m, ", n=", n, ", k=", k, ", group_size=", g, ")"); };
-  FASTAWQ_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, op,
-                ": x must be fp16 or bf16, got ", x.scalar_type(), " ", problem());
+  FASTAWQ_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, op, ": x must be fp16 or bf16, got ", dtype, " ",
+                problem());
   FASTAWQ_CHECK(m >= 0 && m <= max_m, op, ": takes 1 <= M <= ", max_m, ", got ", problem());
   FASTAWQ_CHECK(n > 0 && n % 8 == 0 && n <= kMaxDim, op, ": n must be a positive multiple of 8 ", problem());
   FASTAWQ_CHECK(g > 0 && g % 32 == 0 && k % g == 0 && k % 32 == 0 && k <= kMaxDim, op,
@@ -70,23 +69,32 @@ const at::Tensor* check_packed(const char* op, const at::Tensor& x, const at::Te
                     wpacked.size(1) == n,
                 op, ": wpacked must be int32 [K/8=", k / 8, ", N=", n, "] from awq_gemv_repack, got ",
                 wpacked.scalar_type(), " ", shape_str(wpacked), " ", problem());
-  FASTAWQ_CHECK(szpacked.dim() == 2 && szpacked.scalar_type() == x.scalar_type() && szpacked.size(0) == k / g &&
+  FASTAWQ_CHECK(szpacked.dim() == 2 && szpacked.scalar_type() == dtype && szpacked.size(0) == k / g &&
                     szpacked.size(1) == 2 * n,
-                op, ": szpacked must be ", x.scalar_type(), " [K/G=", k / g, ", 2N=", 2 * n,
-                "] from awq_gemv_repack, got ", szpacked.scalar_type(), " ", shape_str(szpacked), " ", problem());
-  FASTAWQ_CHECK(x.is_cuda() && wpacked.device() == x.device() && szpacked.device() == x.device(), op,
-                ": x, wpacked and szpacked must be on one CUDA device, got ", x.device(), ", ", wpacked.device(), ", ",
+                op, ": szpacked must be ", dtype, " [K/G=", k / g, ", 2N=", 2 * n, "] from awq_gemv_repack, got ",
+                szpacked.scalar_type(), " ", shape_str(szpacked), " ", problem());
+  FASTAWQ_CHECK(device.is_cuda() && wpacked.device() == device && szpacked.device() == device, op,
+                ": x, wpacked and szpacked must be on one CUDA device, got ", device, ", ", wpacked.device(), ", ",
                 szpacked.device());
-  FASTAWQ_CHECK(x.is_contiguous() && wpacked.is_contiguous() && szpacked.is_contiguous(), op, ": x ", shape_str(x),
-                ", wpacked and szpacked must be contiguous ", problem());
-  FASTAWQ_CHECK(aligned16(x) && aligned16(wpacked) && aligned16(szpacked), op,
-                ": x, wpacked and szpacked must be 16-byte aligned ", problem());
+  FASTAWQ_CHECK(wpacked.is_contiguous() && szpacked.is_contiguous() && aligned16(wpacked) && aligned16(szpacked), op,
+                ": wpacked and szpacked must be contiguous and 16-byte aligned ", problem());
   if (!bias.has_value()) return nullptr;
   const at::Tensor* b = &bias.value();
-  FASTAWQ_CHECK(b->dim() == 1 && b->size(0) == n && b->scalar_type() == x.scalar_type() &&
-                    b->device() == x.device() && b->is_contiguous(),
-                op, ": bias must be a contiguous [N=", n, "] ", x.scalar_type(), " tensor on ", x.device(), ", got ",
-                shape_str(*b), " ", b->scalar_type(), " on ", b->device());
+  FASTAWQ_CHECK(b->dim() == 1 && b->size(0) == n && b->scalar_type() == dtype && b->device() == device &&
+                    b->is_contiguous(),
+                op, ": bias must be a contiguous [N=", n, "] ", dtype, " tensor on ", device, ", got ", shape_str(*b),
+                " ", b->scalar_type(), " on ", b->device());
+  return b;
+}
+
+// The checks the ops on x [M, K] share; returns the bias pointer (nullptr without one).
+const at::Tensor* check_packed(const char* op, const at::Tensor& x, const at::Tensor& wpacked,
+                               const at::Tensor& szpacked, int64_t n, int64_t g, const std::optional<at::Tensor>& bias,
+                               int64_t max_m) {
+  FASTAWQ_CHECK(x.dim() == 2, op, ": x must be [M, K], got ", shape_str(x));
+  const at::Tensor* b = check_weights(op, x.size(0), x.size(1), x.scalar_type(), x.device(), wpacked, szpacked, n, g,
+                                      bias, max_m);
+  FASTAWQ_CHECK(x.is_contiguous() && aligned16(x), op, ": x ", shape_str(x), " must be contiguous and 16-byte aligned");
   return b;
 }
 
@@ -196,6 +204,41 @@ at::Tensor awq_gemv_packed(const at::Tensor& x, const at::Tensor& wpacked, const
                              : plan_auto(n, k, kPackedTileCols, sms, gemv_packed_resident_blocks(a), kWarpsPerSm[m],
                                          kFallbackWarpsPerSm);
   fill_args(a, x, wpacked, szpacked, b, out, group_size, plan);
+  launch_awq_gemv_packed(a, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+at::Tensor awq_gemv_packed_act(const at::Tensor& gate_up, const at::Tensor& wpacked, const at::Tensor& szpacked,
+                               int64_t n, int64_t group_size, const std::optional<at::Tensor>& bias,
+                               const std::string& act) {
+  constexpr const char* op = "awq_gemv_packed_act";
+  FASTAWQ_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, op, ": gate_up must be [M, 2K], got ",
+                shape_str(gate_up));
+  const int64_t m = gate_up.size(0), k = gate_up.size(1) / 2;
+  const int code = act == "silu" ? 1 : act == "gelu_pytorch_tanh" ? 2 : act == "gelu" ? 3 : 0;
+  FASTAWQ_CHECK(code > 0, op, ": act must be silu, gelu_pytorch_tanh or gelu, got '", act, "'");
+  const at::Tensor* b = check_weights(op, m, k, gate_up.scalar_type(), gate_up.device(), wpacked, szpacked, n,
+                                      group_size, bias, kPackedActMaxM);
+  FASTAWQ_CHECK(gate_up.is_contiguous() && aligned16(gate_up), op, ": gate_up ", shape_str(gate_up),
+                " must be contiguous and 16-byte aligned");
+  const c10::cuda::CUDAGuard guard(gate_up.device());
+  at::Tensor out = at::empty({m, n}, gate_up.options());
+  if (m == 0) return out;
+  if (k == 0) return b != nullptr ? out.copy_(b->expand({m, n})) : out.zero_();
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  GemvPackedArgs a{};
+  a.dtype = gate_up.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
+  a.m = static_cast<int>(m);
+  a.act = code;
+  const SplitPlan plan = plan_auto(n, k, kPackedTileCols, sms, gemv_packed_resident_blocks(a), kWarpsPerSm[m],
+                                   kFallbackWarpsPerSm);
+  fill_args(a, gate_up, wpacked, szpacked, b, out, group_size, plan);
+  a.k = static_cast<int>(k);  // gate_up's rows are 2K wide; the GEMV's K is its half
+  const int64_t smem = m * std::min<int64_t>(4 * int64_t(plan.steps_per_warp) * kPackedBatchRows, k) * 2;
+  const int optin = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
+  FASTAWQ_CHECK(smem + 4096 <= optin, op, ": the staged input (", smem, " bytes for m=", m, ", k=", k,
+                ") does not fit a block's shared memory; use act_mul and awq_gemv_packed");
   launch_awq_gemv_packed(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

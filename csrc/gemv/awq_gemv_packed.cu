@@ -20,6 +20,7 @@
 // ptxas (sm_90a, no spills): 64 registers at M = 1 (77 with the half2 sums, kH2), 94 at 2..3,
 // 128..134 at 4..5, ~167 at 6..7, ~195 at 8. (Session 5: a minimum of 6 blocks per SM brought
 // M = 2 to 80 but spilled at M = 3.)
+#include <algorithm>
 #include <type_traits>
 
 #include "common/dtype.cuh"
@@ -41,23 +42,43 @@ __device__ __forceinline__ void load_batch(uint4 (&w)[kLoads], const uint4* __re
   for (int u = 0; u < kLoads; ++u) w[u] = col_ok ? gemv::load_stream(p + u * n4, policy) : make_uint4(0, 0, 0, 0);
 }
 
-// x[mm][row0 + 8u .. + 7] of each of the M rows: the 8 activations of one 16-byte weight load.
-template <typename T, int M>
-__device__ __forceinline__ void load_x8(uint4 (&xr)[M], const T* __restrict__ x, int k, int row0, int u) {
+// x[mm][row0 + 8u .. + 7] of each of the M rows (row stride ldx): the 8 activations of one 16-byte
+// weight load; SX: x is in shared memory (awq_gemv_packed_act's staged input).
+template <typename T, int M, bool SX = false>
+__device__ __forceinline__ void load_x8(uint4 (&xr)[M], const T* __restrict__ x, int ldx, int row0, int u) {
 #pragma unroll
   for (int mm = 0; mm < M; ++mm) {
-    xr[mm] = __ldg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(mm) * k + row0 + 8 * u));
+    const T* p = x + static_cast<int64_t>(mm) * ldx + row0 + 8 * u;
+    if constexpr (SX) {
+      xr[mm] = ld_shared128(p);
+    } else {
+      xr[mm] = __ldg(reinterpret_cast<const uint4*>(p));
+    }
+  }
+}
+
+// act(g) in fp32 as act_mul computes it (triton_kernels/norm.py, reference.py): 1 silu, 2 gelu
+// with the tanh approximation, 3 gelu.
+template <int ACT>
+__device__ __forceinline__ float act_f(float g) {
+  if constexpr (ACT == 1) {
+    return g / (1.f + expf(-g));
+  } else if constexpr (ACT == 2) {
+    const float z = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+    return 0.5f * g * (1.f + (2.f / (1.f + expf(-2.f * z)) - 1.f));
+  } else {
+    return 0.5f * g * (1.f + erff(g * 0.7071067811865476f));
   }
 }
 
 // acc += x * f over one batch (rows row0 .. row0+31), xs += x.
-template <typename T, int M>
+template <typename T, int M, bool SX = false>
 __device__ __forceinline__ void consume(const uint4 (&w)[kLoads], const T* __restrict__ x, int k, int row0,
                                         float (&acc)[M][4], float (&xs)[M]) {
 #pragma unroll
   for (int u = 0; u < kLoads; ++u) {
     uint4 xr[M];
-    load_x8<T, M>(xr, x, k, row0, u);
+    load_x8<T, M, SX>(xr, x, k, row0, u);
     const uint32_t words[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -89,7 +110,7 @@ __device__ __forceinline__ void consume(const uint4 (&w)[kLoads], const T* __res
 using gemv::H2Magic;
 
 // zc[0..3]: (even-row magic + z / 16) and (odd-row magic + z / 16) of columns (0, 2), then (1, 3).
-template <typename T, int M>
+template <typename T, int M, bool SX = false>
 __device__ __forceinline__ void consume_h2(const uint4 (&w)[kLoads], const T* __restrict__ x, int k, int row0,
                                            const typename HalfTraits<T>::T2 (&zc)[4], float (&acc)[M][4]) {
   using T2 = typename HalfTraits<T>::T2;
@@ -97,7 +118,7 @@ __device__ __forceinline__ void consume_h2(const uint4 (&w)[kLoads], const T* __
 #pragma unroll
   for (int u = 0; u < kLoads; ++u) {
     uint4 xr[M];
-    load_x8<T, M>(xr, x, k, row0, u);
+    load_x8<T, M, SX>(xr, x, k, row0, u);
     const uint32_t words[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
     T2 p02[M], p13[M];
 #pragma unroll
@@ -152,7 +173,11 @@ __device__ __forceinline__ void zero_consts(const uint4& sv, typename HalfTraits
   zc[3] = pack(Mg::kOddBase + z[1], Mg::kOddBase + z[3]);
 }
 
-template <typename T, int M, bool kH2>
+// ACT > 0 (awq_gemv_packed_act): x is gate_up [M, 2K]; after the PDL wait and the first weight
+// loads, the block writes act(gate) * up for its K range (its 4 warps' ranges, contiguous) into
+// dynamic shared memory, rounded to T as act_mul rounds it, and the main loop reads x from there:
+// act_mul's launch and its round trip through memory are gone.
+template <typename T, int M, bool kH2, int ACT = 0>
 __global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int n, int k, int group_size,
@@ -197,6 +222,30 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
   const uint4* w_next = wp + static_cast<int64_t>(b0 * kLoads) * n4 + c4;
   const int64_t n4l = n4;
   if (b0 < b1) load_batch(cur, w_next, n4l, col_ok, policy);
+  // The input the main loop reads: x itself, or (ACT) the block's staged act(gate) * up, row stride
+  // ldx, indexed by the global row (xin points kb0 rows before the staged block).
+  const T* xin = x;
+  int ldx = k;
+  if constexpr (ACT > 0) {
+    extern __shared__ __align__(16) uint8_t act_smem[];
+    T* xs_block = reinterpret_cast<T*>(act_smem);
+    const int kb0 = blockIdx.y * kWarps * batches_per_warp * kPackedBatchRows;
+    const int rows = max(min(kb0 + kWarps * batches_per_warp * kPackedBatchRows, k) - kb0, 0);
+    const int chunks = rows / 8;
+    for (int i = threadIdx.x; i < M * chunks; i += kPackedThreads) {
+      const int mm = i / chunks, c = i - mm * chunks;
+      const T* g = x + static_cast<int64_t>(mm) * 2 * k + kb0 + 8 * c;
+      float gf[8], uf[8];
+      unpack8<T>(__ldg(reinterpret_cast<const uint4*>(g)), gf);
+      unpack8<T>(__ldg(reinterpret_cast<const uint4*>(g + k)), uf);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) gf[j] = act_f<ACT>(gf[j]) * uf[j];
+      *reinterpret_cast<uint4*>(xs_block + mm * rows + 8 * c) = pack8<T>(gf);
+    }
+    __syncthreads();
+    xin = xs_block - kb0;
+    ldx = rows;
+  }
   // The group walk as counters (a division by the run-time group size per batch cost ~20
   // instructions): batches left in the current group, and that group's (scale, zero) row.
   const int batches_per_group = group_size / kPackedBatchRows;
@@ -220,9 +269,9 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
       }
     }
     if constexpr (kH2) {
-      consume_h2<T, M>(cur, x, k, b * kPackedBatchRows, zc, acc);
+      consume_h2<T, M, (ACT > 0)>(cur, xin, ldx, b * kPackedBatchRows, zc, acc);
     } else {
-      consume<T, M>(cur, x, k, b * kPackedBatchRows, acc, xs);
+      consume<T, M, (ACT > 0)>(cur, xin, ldx, b * kPackedBatchRows, acc, xs);
     }
     // Close the group when the next batch starts a new one or the warp's range ends
     // (group_size % 32 == 0: a batch never straddles groups).
@@ -276,18 +325,38 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
 // The half2 path (consume_h2) at M <= kH2MaxM, unless gemv::h2_enabled says no (FASTAWQ_GEMV_H2).
 constexpr int kH2MaxM = 2;
 
-template <typename T, int M>
-void launch_m(const GemvPackedArgs& a, cudaStream_t stream, int* resident) {
+// Shared memory of awq_gemv_packed_act's staged input: M rows of the block's K range.
+inline int act_smem_bytes(const GemvPackedArgs& a) {
+  return a.m * std::min(kWarps * a.steps_per_warp * kPackedBatchRows, a.k) * 2;
+}
+
+template <typename T, int M, int ACT>
+void launch_act(const GemvPackedArgs& a, cudaStream_t stream, int* resident) {
   constexpr bool kH2able = M <= kH2MaxM;
-  const auto kernel =
-      (kH2able && gemv::h2_enabled<T>()) ? awq_gemv_packed_kernel<T, M, kH2able> : awq_gemv_packed_kernel<T, M, false>;
+  const auto kernel = (kH2able && gemv::h2_enabled<T>()) ? awq_gemv_packed_kernel<T, M, kH2able, ACT>
+                                                          : awq_gemv_packed_kernel<T, M, false, ACT>;
+  const int smem = ACT > 0 && resident == nullptr ? act_smem_bytes(a) : 0;
   if (resident != nullptr) {
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, kPackedThreads, 0);
     return;
   }
-  launch_pdl(kernel, dim3(a.col_tiles, a.splits), dim3(kPackedThreads), 0, stream, static_cast<const T*>(a.x),
+  if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  launch_pdl(kernel, dim3(a.col_tiles, a.splits), dim3(kPackedThreads), smem, stream, static_cast<const T*>(a.x),
              reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz), static_cast<const T*>(a.bias),
              static_cast<T*>(a.out), a.workspace, a.counters, a.n, a.k, a.group_size, a.steps_per_warp);
+}
+
+template <typename T, int M>
+void launch_m(const GemvPackedArgs& a, cudaStream_t stream, int* resident) {
+  if constexpr (M <= kPackedActMaxM) {
+    switch (a.act) {
+      case 1: return launch_act<T, M, 1>(a, stream, resident);
+      case 2: return launch_act<T, M, 2>(a, stream, resident);
+      case 3: return launch_act<T, M, 3>(a, stream, resident);
+      default: break;
+    }
+  }
+  launch_act<T, M, 0>(a, stream, resident);
 }
 
 // The host entry sends only 1 <= m <= kPackedMaxM = 8.

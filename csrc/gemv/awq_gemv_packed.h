@@ -35,8 +35,13 @@ struct PackedArgs {
   int m, n, k, group_size;
   int col_tiles, splits;   // grid
   int steps_per_warp;      // 32-row steps ("batches") of K per warp
+  // awq_gemv_packed_act (M <= kPackedActMaxM): x is gate_up [M, 2K] and the GEMV's input is
+  // act(gate) * up, made in each block's shared memory for its K range. 0: none, 1: silu,
+  // 2: gelu (tanh), 3: gelu (erf).
+  int act;
 };
 using GemvPackedArgs = PackedArgs;
+constexpr int kPackedActMaxM = 2;
 
 void launch_awq_gemv_packed(const GemvPackedArgs& args, cudaStream_t stream);
 // Blocks of the kernel instance args.m (and dtype, FASTAWQ_GEMV_H2) selects that fit on one SM.

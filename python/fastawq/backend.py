@@ -123,6 +123,10 @@ ROUTE_CUDA_EXPERTS = (16, 128)
 # session 15, bench_ab.py --compare rope_attention: decode 1.008x / 1.014x Qwen3-30B-A3B at batch
 # 1 / 16, 1.003x / 1.030x Llama-3-8B, 1.006x Mixtral-8x7B. Off: the two launches.
 ROPE_ATTENTION_FUSED = True
+# modules.fused.act_linear: the fused MLP's act(gate) * up inside the down projection's GEMV
+# (fastawq::awq_gemv_packed_act, packed layout, M <= 2) rather than act_mul's launch before it.
+# Off until measured on a GPU (branch wip/gemv-act-prologue, session 15).
+ACT_GEMV_FUSED = False
 _CUDA_PREFERENCE: dict[str, list[tuple[int | None, tuple[str, ...]]]] = {
     "route": [
         (ROUTE_FUSED_MAX_T, ("cuda", "triton", "torch")),

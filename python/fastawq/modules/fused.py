@@ -126,6 +126,40 @@ class FusedAttention(nn.Module):
         return self.o_proj(o.reshape(b, seq, c.num_heads * c.head_dim))
 
 
+def act_gemv_fits(gate_up: torch.Tensor, act: str, down: WQLinear, backend: str | None = None) -> bool:
+    """Whether act_linear runs as fastawq::awq_gemv_packed_act for this call."""
+    from fastawq import _ext
+    from fastawq import backend as backend_mod
+
+    if not (backend_mod.ACT_GEMV_FUSED and _ext.has_op("awq_gemv_packed_act")) or down.layout != "packed":
+        return False
+    rows = gate_up.numel() // max(gate_up.shape[-1], 1)
+    if not gate_up.is_cuda or gate_up.dtype not in (torch.float16, torch.bfloat16) or not 1 <= rows <= 2:
+        return False
+    if act not in ("silu", "gelu_pytorch_tanh", "gelu") or gate_up.shape[-1] != 2 * down.in_features:
+        return False
+    if backend_mod.packed_kernel(rows) != "gemv" or down.group_size % 32 or down.in_features % 32:
+        return False
+    # The down projection's own dispatch must pick the compiled kernel for these rows.
+    try:
+        return backend_mod.select_backend("packed_gemm", gate_up.device, backend=backend or down.backend, m=rows) == "cuda"
+    except Exception:  # a forced backend that cannot run here: the two-launch path says why
+        return False
+
+
+def act_linear(gate_up: torch.Tensor, act: str, down: WQLinear, backend: str | None = None) -> torch.Tensor:
+    """down(act_mul(gate_up)): one launch (awq_gemv_packed_act) where backend.ACT_GEMV_FUSED and the
+    packed-layout GEMV serve these rows, else act_mul's launch and the projection."""
+    if act_gemv_fits(gate_up, act, down, backend):
+        lead = gate_up.shape[:-1]
+        gu = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
+        sz = down.szpacked if down.szpacked.dtype == gu.dtype else down.szpacked.to(gu.dtype)
+        bias = down.bias if down.bias is None or down.bias.dtype == gu.dtype else down.bias.to(gu.dtype)
+        y = torch.ops.fastawq.awq_gemv_packed_act(gu, down.wpacked, sz, down.out_features, down.group_size, bias, act)
+        return y.reshape(*lead, down.out_features)
+    return down(ops.act_mul(gate_up, act, backend=backend))
+
+
 class FusedMLP(nn.Module):
     """gate/up in one GEMM, act * mul fused, then down (a dense MLP or an MoE's shared expert)."""
 
@@ -137,7 +171,7 @@ class FusedMLP(nn.Module):
         self.act = act
 
     def forward(self, x: torch.Tensor, backend: str | None) -> torch.Tensor:
-        return self.down_proj(ops.act_mul(self.gate_up_proj(x), self.act, backend=backend))
+        return act_linear(self.gate_up_proj(x), self.act, self.down_proj, backend)
 
 
 def _wq_experts(experts: nn.Module, where: str) -> WQExperts:

@@ -241,6 +241,15 @@ def _register_fakes() -> None:
             torch._check(x.shape[0] <= MAX_M, lambda: f"awq_gemv_packed takes M <= {MAX_M}, got x {tuple(x.shape)}")
             return x.new_empty((x.shape[0], n))
 
+    if _ext.has_op("awq_gemv_packed_act"):
+
+        @torch.library.register_fake("fastawq::awq_gemv_packed_act")
+        def _(gate_up, wpacked, szpacked, n, group_size, bias, act):
+            torch._check(gate_up.dim() == 2 and gate_up.shape[1] == 2 * wpacked.shape[0] * 8,
+                         lambda: f"gate_up {tuple(gate_up.shape)} must be [M, 2K] for wpacked {tuple(wpacked.shape)}")
+            torch._check(gate_up.shape[0] <= 2, lambda: f"awq_gemv_packed_act takes M <= 2, got {tuple(gate_up.shape)}")
+            return gate_up.new_empty((gate_up.shape[0], n))
+
     if _ext.has_op("awq_mma_packed"):
 
         @torch.library.register_fake("fastawq::awq_mma_packed")
