@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
-#   stages: build tests gemm mma gemv attention sanitize profile moe ab switches e2e quantize
+#   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv e2e quantize
 #   (default: all but mma, profile, moe, ab, switches)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -129,6 +129,14 @@ if [[ " $stages " == *" switches "* ]]; then
     python benchmarks/bench_ab.py --compare env:$sw --shape qwen3-30b-a3b --batches 1 --layout packed --decode 64 \
       --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
   done
+fi
+if [[ " $stages " == *" act_gemv "* ]]; then
+  step act_gemv
+  # Branch wip/gemv-act-prologue: awq_gemv_packed_act against the reference, then act_mul inside
+  # the down projection's GEMV against its own launch, A/B in one process (~3 min).
+  python -m pytest -q -p no:cacheprovider tests/test_gemv_packed.py -k "act" 2>&1 | tail -1 || status=1
+  FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare act_gemv --shape llama-3-8b --batches 1,2 \
+    --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
 fi
 if [[ " $stages " == *" e2e "* ]] && [ -f benchmarks/bench_e2e.py ]; then
   step e2e
