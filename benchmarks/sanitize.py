@@ -57,6 +57,12 @@ def main() -> None:
                     out = getattr(ops, name)(x, wp, sz, n, g, bias, *tile)
                     assert_close_to_reference(out, x, qw, s, qz, g, bias)
                     n_calls += 1
+                if hasattr(ops, "awq_gemv_packed_act"):
+                    for m in (1, 2):  # act(gate) * up staged in shared memory
+                        gu = random_input((m, 2 * k), "cuda", dtype, seed=m + 1)
+                        out = ops.awq_gemv_packed_act(gu, wp, sz, n, g, bias, "silu")
+                        assert_close_to_reference(out, reference.act_mul(gu, "silu"), qw, s, qz, g, bias)
+                        n_calls += 1
     if hasattr(ops, "decode_attention"):
         for dtype in (torch.float16, torch.bfloat16):
             for d, hq, hkv in ((128, 32, 8), (64, 8, 8), (256, 8, 2)):
