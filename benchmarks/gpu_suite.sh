@@ -132,7 +132,7 @@ if [[ " $stages " == *" switches "* ]]; then
 fi
 if [[ " $stages " == *" act_gemv "* ]]; then
   step act_gemv
-  # Branch wip/gemv-act-prologue: awq_gemv_packed_act against the reference, then act_mul inside
+  # awq_gemv_packed_act against the reference, then act_mul inside
   # the down projection's GEMV against its own launch, A/B in one process (~3 min).
   python -m pytest -q -p no:cacheprovider tests/test_gemv_packed.py -k "act" 2>&1 | tail -1 || status=1
   FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare act_gemv --shape llama-3-8b --batches 1,2 \

@@ -125,8 +125,9 @@ ROUTE_CUDA_EXPERTS = (16, 128)
 ROPE_ATTENTION_FUSED = True
 # modules.fused.act_linear: the fused MLP's act(gate) * up inside the down projection's GEMV
 # (fastawq::awq_gemv_packed_act, packed layout, M <= 2) rather than act_mul's launch before it.
-# Off until measured on a GPU (branch wip/gemv-act-prologue, session 15).
-ACT_GEMV_FUSED = False
+# H200, RESULTS.md session 16, bench_ab.py --compare act_gemv: Llama-3-8B decode 1.035x at batch 1,
+# 1.027x at batch 2. Off: the two launches.
+ACT_GEMV_FUSED = True
 _CUDA_PREFERENCE: dict[str, list[tuple[int | None, tuple[str, ...]]]] = {
     "route": [
         (ROUTE_FUSED_MAX_T, ("cuda", "triton", "torch")),
