@@ -41,7 +41,7 @@ from fastawq.modules.qlinear import WQLinear, set_layout
 from fastawq.shapes import shape_config
 
 
-CHOICES = ("pdl", "route", "norm_route", "route_cuda", "moe_mma", "packed_gemm", "rope_attention", "act_gemv", "layout")
+CHOICES = ("pdl", "route", "norm_route", "route_cuda", "moe_mma", "packed_gemm", "rope_attention", "act_gemv", "norm_gemv", "layout")
 
 
 def env_switch(compare: str) -> tuple[str, str, str] | None:
@@ -74,6 +74,8 @@ def apply(model: torch.nn.Module, compare: str, on: bool) -> None:
         backend.ROPE_ATTENTION_FUSED = on
     elif compare == "act_gemv":
         backend.ACT_GEMV_FUSED = on
+    elif compare == "norm_gemv":
+        backend.NORM_GEMV_FUSED = on
     elif compare == "packed_gemm":
         backend.PACKED_GEMM_MAX_M = 1 << 20 if on else 0
         for module in model.modules():  # plans bound per M bucket: bind them again
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     env_before = os.environ.get(env_name)
     saved = {n: getattr(backend, n)
              for n in ("ROUTE_FUSED", "NORM_ROUTE_FUSED", "ROUTE_CUDA", "ROUTE_CUDA_EXPERTS", "MOE_MMA",
-                       "PACKED_GEMM_MAX_M", "ROPE_ATTENTION_FUSED", "ACT_GEMV_FUSED")}
+                       "PACKED_GEMM_MAX_M", "ROPE_ATTENTION_FUSED", "ACT_GEMV_FUSED", "NORM_GEMV_FUSED")}
     rows = []
     for batch in batches:
         got: dict[str, list[tuple[float, float | None]]] = {"0": [], "1": []}

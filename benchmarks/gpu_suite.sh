@@ -132,10 +132,14 @@ if [[ " $stages " == *" switches "* ]]; then
 fi
 if [[ " $stages " == *" act_gemv "* ]]; then
   step act_gemv
-  # awq_gemv_packed_act against the reference, then act_mul inside
-  # the down projection's GEMV against its own launch, A/B in one process (~3 min).
-  python -m pytest -q -p no:cacheprovider tests/test_gemv_packed.py -k "act" 2>&1 | tail -1 || status=1
-  FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare act_gemv --shape llama-3-8b --batches 1,2 \
+  # awq_gemv_packed_act / _norm against the reference, then act_mul inside down_proj's GEMV and
+  # add + RMSNorm inside QKV / gate_up's, each A/B in one process (~5 min).
+  python -m pytest -q -p no:cacheprovider tests/test_gemv_packed.py -k "act or norm or prologue" 2>&1 | tail -1 || status=1
+  for sw in act_gemv norm_gemv; do
+    FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare $sw --shape llama-3-8b --batches 1,2 \
+      --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
+  done
+  FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare norm_gemv --shape qwen3-30b-a3b --batches 1 \
     --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
 fi
 if [[ " $stages " == *" e2e "* ]] && [ -f benchmarks/bench_e2e.py ]; then

@@ -63,6 +63,16 @@ def main() -> None:
                         out = ops.awq_gemv_packed_act(gu, wp, sz, n, g, bias, "silu")
                         assert_close_to_reference(out, reference.act_mul(gu, "silu"), qw, s, qz, g, bias)
                         n_calls += 1
+                if hasattr(ops, "awq_gemv_packed_norm"):
+                    for m in (1, 2):  # add + RMSNorm staged in shared memory
+                        x = random_input((m, k), "cuda", dtype, seed=m + 2)
+                        r = random_input((m, k), "cuda", dtype, seed=m + 3)
+                        nw = random_input((k,), "cuda", dtype, seed=4)
+                        out, r_out = ops.awq_gemv_packed_norm(x, r, nw, 1e-6, 0.0, wp, sz, n, g, bias)
+                        h, want_r = reference.add_rms_norm(x, r, nw, 1e-6)
+                        assert_close_to_reference(out, h, qw, s, qz, g, bias)
+                        assert torch.equal(r_out, want_r)
+                        n_calls += 1
     if hasattr(ops, "decode_attention"):
         for dtype in (torch.float16, torch.bfloat16):
             for d, hq, hkv in ((128, 32, 8), (64, 8, 8), (256, 8, 2)):

@@ -34,6 +34,15 @@ void awq_dequantize_into(const at::Tensor& qweight, const at::Tensor& scales, co
 // warps_per_sm 0: the grid is one wave of what fits; set, the grid's target, for a benchmark sweep.
 at::Tensor awq_gemv_packed(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n,
                            int64_t group_size, const std::optional<at::Tensor>& bias, int64_t warps_per_sm);
+// awq_gemv_packed of RMSNorm(x + residual) * (norm_weight + offset) (M <= 2), the norm made in the
+// kernel's shared memory: add_rms_norm and the GEMV in one launch. Returns (out, x + residual), the
+// second empty without a residual.
+std::tuple<at::Tensor, at::Tensor> awq_gemv_packed_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                                         const at::Tensor& norm_weight, double eps, double offset,
+                                                         const at::Tensor& wpacked, const at::Tensor& szpacked,
+                                                         int64_t n, int64_t group_size,
+                                                         const std::optional<at::Tensor>& bias);
+
 // awq_gemv_packed of act(gate) * up for gate_up [M, 2K] (M <= 2, act silu / gelu_pytorch_tanh /
 // gelu), the product made in the kernel's shared memory: act_mul and the GEMV in one launch.
 at::Tensor awq_gemv_packed_act(const at::Tensor& gate_up, const at::Tensor& wpacked, const at::Tensor& szpacked,

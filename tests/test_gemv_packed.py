@@ -320,3 +320,91 @@ def test_act_linear_dispatch(monkeypatch, rows):
     on = act_linear(gu, "silu", wq)
     assert on.shape == off.shape == (rows, 1, 384)
     torch.testing.assert_close(on, off, rtol=2e-2, atol=2e-2 * off.abs().max().item())
+
+
+# --- awq_gemv_packed_norm: add + RMSNorm staged in the kernel (branch wip/gemv-act-prologue) ---
+
+HAS_NORM_KERNEL = HAS_KERNEL and _ext.has_op("awq_gemv_packed_norm")
+requires_norm_kernel = pytest.mark.skipif(not HAS_NORM_KERNEL, reason="needs CUDA and awq_gemv_packed_norm")
+
+
+@requires_norm_kernel
+@pytest.mark.parametrize("k,n,g", [(32, 8, 32), (256, 264, 128), (2048, 5120, 128), (4096, 6144, 128), (5120, 392, 64)])
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("with_residual,offset", [(True, 0.0), (False, 0.0), (True, 1.0)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_norm_kernel_matches_reference(k, n, g, m, with_residual, offset, dtype):
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=k + n)
+    x = random_input((m, k), "cuda", dtype, seed=m + k) * 3
+    res = random_input((m, k), "cuda", dtype, seed=m + k + 1) * 3 if with_residual else None
+    nw = random_input((k,), "cuda", dtype, seed=9) * 0.5 + (0.0 if offset else 1.0)
+    bias = random_input((n,), "cuda", dtype, seed=7) if n % 3 == 0 else None
+    h, r = reference.add_rms_norm(x, res, nw, 1e-6, offset)
+    torch.full((m, n), float("nan"), dtype=dtype, device="cuda")  # poison a block the outputs may reuse
+    out, r_out = torch.ops.fastawq.awq_gemv_packed_norm(x, res, nw, 1e-6, offset, wp, sz, n, g, bias)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert_close_to_reference(out, h, qw, s, qz, g, bias)
+    if with_residual:
+        assert torch.equal(r_out, r), "the new residual is x + residual rounded once"
+    else:
+        assert r_out.numel() == 0
+    two = torch.ops.fastawq.awq_gemv_packed(h.contiguous(), wp, sz, n, g, bias)
+    torch.testing.assert_close(out, two, rtol=2e-2, atol=2e-2 * two.abs().max().item())
+
+
+@requires_norm_kernel
+def test_norm_kernel_errors():
+    qw, s, qz, wp, sz = _setup(256, 128, 64, torch.float16)
+    op = torch.ops.fastawq.awq_gemv_packed_norm
+    x = random_input((1, 256), "cuda", torch.float16, seed=1)
+    nw = torch.ones(256, dtype=torch.float16, device="cuda")
+    with pytest.raises(RuntimeError, match="M <= 2"):
+        op(random_input((3, 256), "cuda", torch.float16, seed=1), None, nw, 1e-6, 0.0, wp, sz, 128, 64, None)
+    with pytest.raises(RuntimeError, match="residual must be"):
+        op(x, x[:, :128].contiguous(), nw, 1e-6, 0.0, wp, sz, 128, 64, None)
+    with pytest.raises(RuntimeError, match="norm_weight must be"):
+        op(x, None, nw.float(), 1e-6, 0.0, wp, sz, 128, 64, None)
+
+
+@requires_norm_kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_llama_with_both_prologues_matches_without(monkeypatch, dtype):
+    # The fused engine's decode with add + RMSNorm inside QKV and gate_up and act_mul inside down
+    # (backend.NORM_GEMV_FUSED, ACT_GEMV_FUSED) against the same model without them, CUDA graphs.
+    import copy
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from fastawq import backend
+    from fastawq.modules import WQLinear
+    from fastawq.modules.fused import fuse_model
+    from fastawq.modules.qlinear import set_layout
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    ref = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            for parent in (layer.self_attn, layer.mlp):
+                for name, mod in list(parent.named_children()):
+                    if isinstance(mod, torch.nn.Linear):
+                        setattr(parent, name, WQLinear.from_linear(mod.to(dtype), 32))
+    ref = ref.to(dtype).cuda()
+    set_layout(ref, "packed")
+    ids = torch.randint(0, cfg.vocab_size, (1, 40), device="cuda")
+    feed = torch.randint(0, cfg.vocab_size, (12, 1), device="cuda")  # the same tokens for both runs
+    logits = {}
+    for on in (False, True):
+        monkeypatch.setattr(backend, "NORM_GEMV_FUSED", on)
+        monkeypatch.setattr(backend, "ACT_GEMV_FUSED", on)
+        fused = fuse_model(copy.deepcopy(ref), max_seq_len=128, batch_size=1, backend="cuda", use_cuda_graphs=True)
+        rt = fused.fastawq_runtime
+        steps = [rt.prefill(ids)[:, -1].float()]
+        for tok in feed:
+            lf = rt.decode(tok)
+            assert torch.isfinite(lf).all()
+            steps.append(lf.float())
+        logits[on] = torch.stack(steps)
+    diff = float((logits[True] - logits[False]).norm() / logits[False].norm())
+    assert diff < 2e-2, f"prologues vs separate launches: relative difference {diff:.2g}"

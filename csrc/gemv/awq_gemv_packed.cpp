@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <tuple>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -207,6 +208,50 @@ at::Tensor awq_gemv_packed(const at::Tensor& x, const at::Tensor& wpacked, const
   launch_awq_gemv_packed(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> awq_gemv_packed_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                                         const at::Tensor& norm_weight, double eps, double offset,
+                                                         const at::Tensor& wpacked, const at::Tensor& szpacked,
+                                                         int64_t n, int64_t group_size,
+                                                         const std::optional<at::Tensor>& bias) {
+  constexpr const char* op = "awq_gemv_packed_norm";
+  const at::Tensor* b = check_packed(op, x, wpacked, szpacked, n, group_size, bias, kPackedActMaxM);
+  const int64_t m = x.size(0), k = x.size(1);
+  if (residual) {
+    FASTAWQ_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type() &&
+                      residual->device() == x.device() && residual->is_contiguous() && aligned16(*residual),
+                  op, ": residual must be a contiguous, aligned ", shape_str(x), " ", x.scalar_type(),
+                  " tensor like x, got ", shape_str(*residual), " ", residual->scalar_type());
+  }
+  FASTAWQ_CHECK(norm_weight.dim() == 1 && norm_weight.size(0) == k && norm_weight.scalar_type() == x.scalar_type() &&
+                    norm_weight.device() == x.device() && norm_weight.is_contiguous() && aligned16(norm_weight),
+                op, ": norm_weight must be a contiguous, aligned [K=", k, "] ", x.scalar_type(), " tensor, got ",
+                shape_str(norm_weight), " ", norm_weight.scalar_type());
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = at::empty({m, n}, x.options());
+  at::Tensor res_out = residual ? at::empty_like(x) : at::empty({0}, x.options());
+  if (m == 0) return {out, res_out};
+  FASTAWQ_CHECK(k > 0, op, ": K must be positive");
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  GemvPackedArgs a{};
+  a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
+  a.m = static_cast<int>(m);
+  a.norm_weight = norm_weight.data_ptr();
+  const SplitPlan plan = plan_auto(n, k, kPackedTileCols, sms, gemv_packed_resident_blocks(a), kWarpsPerSm[m],
+                                   kFallbackWarpsPerSm);
+  fill_args(a, x, wpacked, szpacked, b, out, group_size, plan);
+  a.residual = residual ? residual->data_ptr() : nullptr;
+  a.res_out = residual ? res_out.data_ptr() : nullptr;
+  a.eps = static_cast<float>(eps);
+  a.offset = static_cast<float>(offset);
+  const int64_t smem = m * std::min<int64_t>(4 * int64_t(plan.steps_per_warp) * kPackedBatchRows, k) * 2;
+  const int optin = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
+  FASTAWQ_CHECK(smem + 4096 <= optin, op, ": the staged input (", smem, " bytes for m=", m, ", k=", k,
+                ") does not fit a block's shared memory; use add_rms_norm and awq_gemv_packed");
+  launch_awq_gemv_packed(a, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {out, res_out};
 }
 
 at::Tensor awq_gemv_packed_act(const at::Tensor& gate_up, const at::Tensor& wpacked, const at::Tensor& szpacked,

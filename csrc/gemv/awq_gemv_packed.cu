@@ -177,11 +177,21 @@ __device__ __forceinline__ void zero_consts(const uint4& sv, typename HalfTraits
 // loads, the block writes act(gate) * up for its K range (its 4 warps' ranges, contiguous) into
 // dynamic shared memory, rounded to T as act_mul rounds it, and the main loop reads x from there:
 // act_mul's launch and its round trip through memory are gone.
+// ACT == -1 (awq_gemv_packed_norm): x is the norm's input; the block sums the squares of the whole
+// row(s) of x + residual (rounded to T, the new residual stream), then stages its K range of
+// RMSNorm(x + residual) * (norm_weight + offset) as add_rms_norm rounds it (once, from fp32).
+struct NormIn {
+  const void* residual;
+  const void* weight;
+  void* res_out;
+  float eps, offset;
+};
+
 template <typename T, int M, bool kH2, int ACT = 0>
 __global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int n, int k, int group_size,
-    int batches_per_warp) {
+    int batches_per_warp, const NormIn norm) {
   using Tr = HalfTraits<T>;
   __shared__ __align__(16) float red[kWarps][M][kPackedTileCols];
   __shared__ int is_last;
@@ -226,6 +236,100 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
   // ldx, indexed by the global row (xin points kb0 rows before the staged block).
   const T* xin = x;
   int ldx = k;
+  if constexpr (ACT < 0) {
+    // Every load of the staging is issued before the first use (the block's norm weights, then the
+    // whole row(s) of x and the residual, kU chunks a thread at a time): one L2 round trip, where a
+    // loop of dependent chunk loads made one per chunk and ate what the fused launch saved.
+    extern __shared__ __align__(16) uint8_t norm_smem[];
+    __shared__ float norm_red[kWarps][M];
+    T* xs_block = reinterpret_cast<T*>(norm_smem);
+    const int kb0 = blockIdx.y * kWarps * batches_per_warp * kPackedBatchRows;
+    const int rows = max(min(kb0 + kWarps * batches_per_warp * kPackedBatchRows, k) - kb0, 0);
+    const T* res = static_cast<const T*>(norm.residual);
+    T* res_out = static_cast<T*>(norm.res_out);
+    const T* nw = static_cast<const T*>(norm.weight);
+    // The block's rows take at most kWarps * batches * 32 / 8 chunks; a thread's first is threadIdx.x.
+    const bool nw_mine = threadIdx.x < rows / 8;
+    const uint4 nw_first = nw_mine ? __ldg(reinterpret_cast<const uint4*>(nw + kb0 + 8 * threadIdx.x))
+                                   : make_uint4(0, 0, 0, 0);
+    constexpr int kU = 4 / M;  // chunks a thread loads at once, per row
+    const int chunks = k / 8;
+    float ss[M];
+#pragma unroll
+    for (int mm = 0; mm < M; ++mm) ss[mm] = 0.f;
+    for (int c0 = threadIdx.x; c0 < chunks; c0 += kU * kPackedThreads) {
+      uint4 xv[M][kU], rv[M][kU];
+#pragma unroll
+      for (int mm = 0; mm < M; ++mm) {
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int c = c0 + u * kPackedThreads;
+          const bool ok = c < chunks;
+          const int64_t at = static_cast<int64_t>(mm) * k + 8 * (ok ? c : 0);
+          xv[mm][u] = ok ? __ldg(reinterpret_cast<const uint4*>(x + at)) : make_uint4(0, 0, 0, 0);
+          rv[mm][u] = ok && res != nullptr ? __ldg(reinterpret_cast<const uint4*>(res + at)) : make_uint4(0, 0, 0, 0);
+        }
+      }
+#pragma unroll
+      for (int mm = 0; mm < M; ++mm) {
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int c = c0 + u * kPackedThreads;
+          if (c >= chunks) continue;
+          float r[8];
+          unpack8<T>(xv[mm][u], r);
+          if (res != nullptr) {
+            float rr[8];
+            unpack8<T>(rv[mm][u], rr);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) r[j] = round_to<T>(r[j] + rr[j]);
+          }
+#pragma unroll
+          for (int j = 0; j < 8; ++j) ss[mm] = fmaf(r[j], r[j], ss[mm]);
+          const int row = 8 * c - kb0;
+          if (row >= 0 && row < rows) {
+            const uint4 packed = pack8<T>(r);
+            *reinterpret_cast<uint4*>(xs_block + mm * rows + row) = packed;
+            if (res != nullptr && blockIdx.x == 0) {
+              *reinterpret_cast<uint4*>(res_out + static_cast<int64_t>(mm) * k + 8 * c) = packed;
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int mm = 0; mm < M; ++mm) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) ss[mm] += __shfl_xor_sync(0xffffffffu, ss[mm], o);
+      if (lane == 0) norm_red[warp][mm] = ss[mm];
+    }
+    __syncthreads();
+    float rstd[M];
+#pragma unroll
+    for (int mm = 0; mm < M; ++mm) {
+      float total = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) total += norm_red[w][mm];
+      rstd[mm] = rsqrtf(total / static_cast<float>(k) + norm.eps);
+    }
+    for (int c = threadIdx.x; c < rows / 8; c += kPackedThreads) {
+      float w[8];
+      unpack8<T>(c == threadIdx.x ? nw_first : __ldg(reinterpret_cast<const uint4*>(nw + kb0 + 8 * c)), w);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) w[j] += norm.offset;
+#pragma unroll
+      for (int mm = 0; mm < M; ++mm) {
+        float r[8];
+        unpack8<T>(*reinterpret_cast<const uint4*>(xs_block + mm * rows + 8 * c), r);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) r[j] = r[j] * rstd[mm] * w[j];
+        *reinterpret_cast<uint4*>(xs_block + mm * rows + 8 * c) = pack8<T>(r);
+      }
+    }
+    __syncthreads();
+    xin = xs_block - kb0;
+    ldx = rows;
+  }
   if constexpr (ACT > 0) {
     extern __shared__ __align__(16) uint8_t act_smem[];
     T* xs_block = reinterpret_cast<T*>(act_smem);
@@ -269,9 +373,9 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
       }
     }
     if constexpr (kH2) {
-      consume_h2<T, M, (ACT > 0)>(cur, xin, ldx, b * kPackedBatchRows, zc, acc);
+      consume_h2<T, M, (ACT != 0)>(cur, xin, ldx, b * kPackedBatchRows, zc, acc);
     } else {
-      consume<T, M, (ACT > 0)>(cur, xin, ldx, b * kPackedBatchRows, acc, xs);
+      consume<T, M, (ACT != 0)>(cur, xin, ldx, b * kPackedBatchRows, acc, xs);
     }
     // Close the group when the next batch starts a new one or the warp's range ends
     // (group_size % 32 == 0: a batch never straddles groups).
@@ -335,7 +439,7 @@ void launch_act(const GemvPackedArgs& a, cudaStream_t stream, int* resident) {
   constexpr bool kH2able = M <= kH2MaxM;
   const auto kernel = (kH2able && gemv::h2_enabled<T>()) ? awq_gemv_packed_kernel<T, M, kH2able, ACT>
                                                           : awq_gemv_packed_kernel<T, M, false, ACT>;
-  const int smem = ACT > 0 && resident == nullptr ? act_smem_bytes(a) : 0;
+  const int smem = ACT != 0 && resident == nullptr ? act_smem_bytes(a) : 0;
   if (resident != nullptr) {
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, kPackedThreads, 0);
     return;
@@ -343,12 +447,14 @@ void launch_act(const GemvPackedArgs& a, cudaStream_t stream, int* resident) {
   if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   launch_pdl(kernel, dim3(a.col_tiles, a.splits), dim3(kPackedThreads), smem, stream, static_cast<const T*>(a.x),
              reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz), static_cast<const T*>(a.bias),
-             static_cast<T*>(a.out), a.workspace, a.counters, a.n, a.k, a.group_size, a.steps_per_warp);
+             static_cast<T*>(a.out), a.workspace, a.counters, a.n, a.k, a.group_size, a.steps_per_warp,
+             NormIn{a.residual, a.norm_weight, a.res_out, a.eps, a.offset});
 }
 
 template <typename T, int M>
 void launch_m(const GemvPackedArgs& a, cudaStream_t stream, int* resident) {
   if constexpr (M <= kPackedActMaxM) {
+    if (a.norm_weight != nullptr) return launch_act<T, M, -1>(a, stream, resident);
     switch (a.act) {
       case 1: return launch_act<T, M, 1>(a, stream, resident);
       case 2: return launch_act<T, M, 2>(a, stream, resident);

@@ -39,6 +39,14 @@ struct PackedArgs {
   // act(gate) * up, made in each block's shared memory for its K range. 0: none, 1: silu,
   // 2: gelu (tanh), 3: gelu (erf).
   int act;
+  // awq_gemv_packed_norm (M <= kPackedActMaxM, act == 0): the GEMV's input is RMSNorm(x + residual)
+  // * (norm_weight + offset), made in each block's shared memory for its K range from the whole row
+  // (each block sums the row's squares itself); the blocks of column tile 0 write x + residual into
+  // res_out. norm_weight null: no norm.
+  const void* residual;     // [M, K] or null
+  const void* norm_weight;  // [K]
+  void* res_out;            // [M, K], written when residual is given
+  float eps, offset;
 };
 using GemvPackedArgs = PackedArgs;
 constexpr int kPackedActMaxM = 2;

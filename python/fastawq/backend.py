@@ -128,6 +128,9 @@ ROPE_ATTENTION_FUSED = True
 # H200, RESULTS.md session 16, bench_ab.py --compare act_gemv: Llama-3-8B decode 1.035x at batch 1,
 # 1.027x at batch 2. Off: the two launches.
 ACT_GEMV_FUSED = True
+# modules.fused.norm_linear: the decoder layer's add + RMSNorm inside the QKV (and a dense MLP's
+# gate_up) GEMV (fastawq::awq_gemv_packed_norm, packed layout, M <= 2). Off until measured (same branch).
+NORM_GEMV_FUSED = False
 _CUDA_PREFERENCE: dict[str, list[tuple[int | None, tuple[str, ...]]]] = {
     "route": [
         (ROUTE_FUSED_MAX_T, ("cuda", "triton", "torch")),

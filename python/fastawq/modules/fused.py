@@ -102,12 +102,14 @@ class FusedAttention(nn.Module):
 
     # x [B, L, H] · positions [B, L] int32 · lens [B] int32 (decode) -> [B, L, H]
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, start: int, lens: torch.Tensor | None,
-        max_len: int, backend: str | None,
+        self, x: torch.Tensor | None, positions: torch.Tensor, start: int, lens: torch.Tensor | None,
+        max_len: int, backend: str | None, qkv: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """qkv: the projection already made (norm_linear); x is then unused."""
         c = self.cfg
-        b, seq, _ = x.shape
-        qkv = self.qkv_proj(x)
+        if qkv is None:
+            qkv = self.qkv_proj(x)
+        b, seq, _ = qkv.shape
         if lens is not None:
             # A decode step: rope, the cache write and attention (one compiled launch where it
             # serves, else rope_kv_cache and decode_attention).
@@ -126,25 +128,56 @@ class FusedAttention(nn.Module):
         return self.o_proj(o.reshape(b, seq, c.num_heads * c.head_dim))
 
 
-def act_gemv_fits(gate_up: torch.Tensor, act: str, down: WQLinear, backend: str | None = None) -> bool:
-    """Whether act_linear runs as fastawq::awq_gemv_packed_act for this call."""
+def _prologue_gemv_fits(flag: str, op: str, x: torch.Tensor, width: int, lin: WQLinear, backend: str | None) -> bool:
+    """Whether the packed GEMV with an input prologue (compiled `op`, switched by backend.`flag`)
+    serves x [..., width] into `lin` for this call."""
     from fastawq import _ext
     from fastawq import backend as backend_mod
 
-    if not (backend_mod.ACT_GEMV_FUSED and _ext.has_op("awq_gemv_packed_act")) or down.layout != "packed":
+    if not (getattr(backend_mod, flag) and _ext.has_op(op)) or lin.layout != "packed":
         return False
-    rows = gate_up.numel() // max(gate_up.shape[-1], 1)
-    if not gate_up.is_cuda or gate_up.dtype not in (torch.float16, torch.bfloat16) or not 1 <= rows <= 2:
+    rows = x.numel() // max(x.shape[-1], 1)
+    if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16) or not 1 <= rows <= 2:
         return False
-    if act not in ("silu", "gelu_pytorch_tanh", "gelu") or gate_up.shape[-1] != 2 * down.in_features:
+    if x.shape[-1] != width or backend_mod.packed_kernel(rows) != "gemv" or lin.group_size % 32 or lin.in_features % 32:
         return False
-    if backend_mod.packed_kernel(rows) != "gemv" or down.group_size % 32 or down.in_features % 32:
-        return False
-    # The down projection's own dispatch must pick the compiled kernel for these rows.
+    # The projection's own dispatch must pick the compiled kernel for these rows.
     try:
-        return backend_mod.select_backend("packed_gemm", gate_up.device, backend=backend or down.backend, m=rows) == "cuda"
+        return backend_mod.select_backend("packed_gemm", x.device, backend=backend or lin.backend, m=rows) == "cuda"
     except Exception:  # a forced backend that cannot run here: the two-launch path says why
         return False
+
+
+def act_gemv_fits(gate_up: torch.Tensor, act: str, down: WQLinear, backend: str | None = None) -> bool:
+    """Whether act_linear runs as fastawq::awq_gemv_packed_act for this call."""
+    return act in ("silu", "gelu_pytorch_tanh", "gelu") and _prologue_gemv_fits(
+        "ACT_GEMV_FUSED", "awq_gemv_packed_act", gate_up, 2 * down.in_features, down, backend)
+
+
+def _packed_operands(lin: WQLinear, dtype: torch.dtype):
+    sz = lin.szpacked if lin.szpacked.dtype == dtype else lin.szpacked.to(dtype)
+    bias = lin.bias if lin.bias is None or lin.bias.dtype == dtype else lin.bias.to(dtype)
+    return lin.wpacked, sz, bias
+
+
+def norm_linear(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, offset: float, lin: WQLinear,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lin(RMSNorm(x + residual) * (weight + offset)), x + residual): one launch
+    (awq_gemv_packed_norm) where backend.NORM_GEMV_FUSED and the packed GEMV serve these rows, else
+    add_rms_norm's launch and the projection."""
+    fits = _prologue_gemv_fits("NORM_GEMV_FUSED", "awq_gemv_packed_norm", x, lin.in_features, lin, backend)
+    if fits and weight.dtype == x.dtype and (residual is None or residual.shape == x.shape):
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        r2 = None if residual is None else residual.reshape(x2.shape).contiguous()
+        wp, sz, bias = _packed_operands(lin, x2.dtype)
+        y, r = torch.ops.fastawq.awq_gemv_packed_norm(x2, r2, weight.contiguous(), eps, offset, wp, sz,
+                                                      lin.out_features, lin.group_size, bias)
+        return y.reshape(*lead, lin.out_features), (x if residual is None else r.reshape(x.shape))
+    h, r = ops.add_rms_norm(x, residual, weight, eps, offset, backend=backend)
+    return lin(h), r
 
 
 def act_linear(gate_up: torch.Tensor, act: str, down: WQLinear, backend: str | None = None) -> torch.Tensor:
@@ -153,9 +186,8 @@ def act_linear(gate_up: torch.Tensor, act: str, down: WQLinear, backend: str | N
     if act_gemv_fits(gate_up, act, down, backend):
         lead = gate_up.shape[:-1]
         gu = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
-        sz = down.szpacked if down.szpacked.dtype == gu.dtype else down.szpacked.to(gu.dtype)
-        bias = down.bias if down.bias is None or down.bias.dtype == gu.dtype else down.bias.to(gu.dtype)
-        y = torch.ops.fastawq.awq_gemv_packed_act(gu, down.wpacked, sz, down.out_features, down.group_size, bias, act)
+        wp, sz, bias = _packed_operands(down, gu.dtype)
+        y = torch.ops.fastawq.awq_gemv_packed_act(gu, wp, sz, down.out_features, down.group_size, bias, act)
         return y.reshape(*lead, down.out_features)
     return down(ops.act_mul(gate_up, act, backend=backend))
 
@@ -170,8 +202,9 @@ class FusedMLP(nn.Module):
         self.down_proj = get_submodule(mlp, down)
         self.act = act
 
-    def forward(self, x: torch.Tensor, backend: str | None) -> torch.Tensor:
-        return act_linear(self.gate_up_proj(x), self.act, self.down_proj, backend)
+    def forward(self, x: torch.Tensor | None, backend: str | None, gate_up: torch.Tensor | None = None) -> torch.Tensor:
+        """gate_up: the projection already made (norm_linear); x is then unused."""
+        return act_linear(self.gate_up_proj(x) if gate_up is None else gate_up, self.act, self.down_proj, backend)
 
 
 def _wq_experts(experts: nn.Module, where: str) -> WQExperts:
@@ -256,12 +289,18 @@ class FusedDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x is the previous block's output (or the embeddings when residual is None)."""
         c = self.cfg
-        h, residual = ops.add_rms_norm(
-            x, residual, self.input_layernorm.weight, c.eps, c.norm_offset, backend=backend
+        # The norm and the projection after it: one launch where norm_linear's fused GEMV serves.
+        qkv, residual = norm_linear(
+            x, residual, self.input_layernorm.weight, c.eps, c.norm_offset, self.self_attn.qkv_proj, backend
         )
-        a = self.self_attn(h, positions, start, lens, max_len, backend)
+        a = self.self_attn(None, positions, start, lens, max_len, backend, qkv=qkv)
         if isinstance(self.mlp, FusedMoE):
             return self.mlp.forward_normed(a, residual, self.post_attention_layernorm, c.eps, c.norm_offset, backend)
+        if isinstance(self.mlp, FusedMLP):
+            gate_up, residual = norm_linear(
+                a, residual, self.post_attention_layernorm.weight, c.eps, c.norm_offset, self.mlp.gate_up_proj, backend
+            )
+            return self.mlp(None, backend, gate_up=gate_up), residual
         h, residual = ops.add_rms_norm(
             a, residual, self.post_attention_layernorm.weight, c.eps, c.norm_offset, backend=backend
         )

@@ -250,6 +250,14 @@ def _register_fakes() -> None:
             torch._check(gate_up.shape[0] <= 2, lambda: f"awq_gemv_packed_act takes M <= 2, got {tuple(gate_up.shape)}")
             return gate_up.new_empty((gate_up.shape[0], n))
 
+    if _ext.has_op("awq_gemv_packed_norm"):
+
+        @torch.library.register_fake("fastawq::awq_gemv_packed_norm")
+        def _(x, residual, norm_weight, eps, offset, wpacked, szpacked, n, group_size, bias):
+            _check_packed_call(x, wpacked, szpacked, n)
+            torch._check(x.shape[0] <= 2, lambda: f"awq_gemv_packed_norm takes M <= 2, got x {tuple(x.shape)}")
+            return x.new_empty((x.shape[0], n)), (x.new_empty(x.shape) if residual is not None else x.new_empty((0,)))
+
     if _ext.has_op("awq_mma_packed"):
 
         @torch.library.register_fake("fastawq::awq_mma_packed")
