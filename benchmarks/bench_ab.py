@@ -10,7 +10,10 @@ compiled backend was bound to); --compare packed_gemm: awq_gemm_packed (the tens
 the batch as the mma's M) for packed-layout batches above backend.PACKED_MMA_MAX_M (off: Triton
 there; with --layout packed); --compare rope_attention: the rotary embedding and cache write
 inside the compiled decode attention (backend.ROPE_ATTENTION_FUSED; off, rope_kv_cache's launch
-before it); --compare layout: the W4 layers'
+before it); --compare act_gemv / norm_gemv: act_mul inside the down projection's GEMV / add +
+RMSNorm inside the QKV and gate_up GEMVs (backend.ACT_GEMV_FUSED / NORM_GEMV_FUSED); --compare
+gemm16: awq_gemm_packed instead of awq_mma_packed for packed-layout batches of 9 to 16 rows
+(backend.PACKED_MMA_MAX_M 8, PACKED_GEMM_MAX_M 16); --compare layout: the W4 layers'
 weight layout (WQLinear.set_layout "awq" / "packed", exact both ways, converted in place; grouped
 MoE experts keep theirs). One random-weight model is built
 once; rounds alternate the setting (off on, on off, ...), each re-capturing the decode graph, and
@@ -41,7 +44,10 @@ from fastawq.modules.qlinear import WQLinear, set_layout
 from fastawq.shapes import shape_config
 
 
-CHOICES = ("pdl", "route", "norm_route", "route_cuda", "moe_mma", "packed_gemm", "rope_attention", "act_gemv", "norm_gemv", "layout")
+_SAVED_MMA_MAX_M = backend.PACKED_MMA_MAX_M
+_SAVED_GEMM_MAX_M = backend.PACKED_GEMM_MAX_M
+
+CHOICES = ("pdl", "route", "norm_route", "route_cuda", "moe_mma", "packed_gemm", "rope_attention", "act_gemv", "norm_gemv", "gemm16", "layout")
 
 
 def env_switch(compare: str) -> tuple[str, str, str] | None:
@@ -76,8 +82,12 @@ def apply(model: torch.nn.Module, compare: str, on: bool) -> None:
         backend.ACT_GEMV_FUSED = on
     elif compare == "norm_gemv":
         backend.NORM_GEMV_FUSED = on
-    elif compare == "packed_gemm":
-        backend.PACKED_GEMM_MAX_M = 1 << 20 if on else 0
+    elif compare in ("packed_gemm", "gemm16"):
+        if compare == "packed_gemm":  # on: awq_gemm_packed above the tensor-core GEMV's bucket
+            backend.PACKED_GEMM_MAX_M = 1 << 20 if on else 0
+        else:  # on: awq_gemm_packed (the batch as the mma's M) for M = 9 .. 16, not awq_mma_packed
+            backend.PACKED_MMA_MAX_M = 8 if on else _SAVED_MMA_MAX_M
+            backend.PACKED_GEMM_MAX_M = 16 if on else _SAVED_GEMM_MAX_M
         for module in model.modules():  # plans bound per M bucket: bind them again
             if isinstance(module, WQLinear):
                 module.set_backend(module.backend)
@@ -113,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     env_before = os.environ.get(env_name)
     saved = {n: getattr(backend, n)
              for n in ("ROUTE_FUSED", "NORM_ROUTE_FUSED", "ROUTE_CUDA", "ROUTE_CUDA_EXPERTS", "MOE_MMA",
-                       "PACKED_GEMM_MAX_M", "ROPE_ATTENTION_FUSED", "ACT_GEMV_FUSED", "NORM_GEMV_FUSED")}
+                       "PACKED_GEMM_MAX_M", "PACKED_MMA_MAX_M", "ROPE_ATTENTION_FUSED", "ACT_GEMV_FUSED",
+                       "NORM_GEMV_FUSED")}
     rows = []
     for batch in batches:
         got: dict[str, list[tuple[float, float | None]]] = {"0": [], "1": []}

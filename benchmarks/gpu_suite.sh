@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
-#   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv e2e quantize
-#   (default: all but mma, profile, moe, ab, switches)
+#   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_ab
+#   e2e quantize (default: all but mma, profile, moe, ab, switches, act_gemv, unrun, unrun_ab)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
 # (Triton/torch backends only), for quick kernel iterations.
@@ -141,6 +141,39 @@ if [[ " $stages " == *" act_gemv "* ]]; then
   done
   FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare norm_gemv --shape qwen3-30b-a3b --batches 1 \
     --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
+fi
+if [[ " $stages " == *" unrun "* ]]; then
+  step unrun
+  # Session 16's work that no GPU has run yet (CUDA_NOTES.md, session 16), kernels first (~5 min):
+  # awq_gemv_packed_norm's one-round-trip staging (main); on branch wip/session16-unrun also the
+  # engine's own stream, moe_mma's batched id scans (tests with 2,400 / 4,096 ids) and the decode
+  # attention's next-tile L1 prefetch (swept over FASTAWQ_ATTN_SPLIT_KEYS).
+  python -m pytest -q -p no:cacheprovider tests/test_gemv_packed.py -k "act or norm or prologue" tests/test_fused.py \
+    tests/test_moe_mma.py tests/test_cuda_attention.py 2>&1 | tail -3 || status=1
+  python benchmarks/sanitize.py 2>&1 | tail -1 || status=1
+  python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 16,256 --backends cuda --no-tune 2>&1 | tail -6 || status=1
+  for keys in 64 128 256; do
+    echo "FASTAWQ_ATTN_SPLIT_KEYS=$keys"
+    FASTAWQ_ATTN_SPLIT_KEYS=$keys python benchmarks/bench_attention.py --heads 32,4 --lens 128,256,512 \
+      --capacity 4096 2>&1 | tail -5 || status=1
+  done
+  # awq_gemm_packed (1.14x at M = 16 in session 14) against awq_mma_packed, which M = 9..16 now gets.
+  python benchmarks/gemm_table.py --kernels mma,gemm --ms 12,16 --dtypes float16,bfloat16 2>&1 | tail -8 || status=1
+fi
+if [[ " $stages " == *" unrun_ab "* ]]; then
+  step unrun_ab
+  # What session 16's switches buy in decode, each A/B in one process, then the engine's memory
+  # at max_seq_len 4096 (the 6.0 GiB target): ~6 min.
+  for shape in llama-3-8b:1,2 qwen3-30b-a3b:1; do
+    FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare norm_gemv --shape ${shape%%:*} --batches ${shape##*:} \
+      --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
+  done
+  for shape in llama-3-8b qwen3-30b-a3b; do
+    FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare gemm16 --shape $shape --batches 16 \
+      --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
+  done
+  FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_e2e.py --shape llama-3-8b --layout packed --modes fused-graphs \
+    --graph-lengths 64 --batches 1 --max-seq-len 4096 --budget 60 --out "$OUT/e2e_memory" 2>&1 | tail -4 || status=1
 fi
 if [[ " $stages " == *" e2e "* ]] && [ -f benchmarks/bench_e2e.py ]; then
   step e2e
