@@ -150,6 +150,7 @@ if [[ " $stages " == *" unrun "* ]]; then
   # attention's next-tile L1 prefetch (swept over FASTAWQ_ATTN_SPLIT_KEYS).
   python -m pytest -q -p no:cacheprovider tests/test_gemv_packed.py -k "act or norm or prologue" tests/test_fused.py \
     tests/test_moe_mma.py tests/test_cuda_attention.py 2>&1 | tail -3 || status=1
+  python -m pytest -q -p no:cacheprovider tests/test_gemm_packed.py -k shared_x 2>&1 | tail -2 || status=1
   python benchmarks/sanitize.py 2>&1 | tail -1 || status=1
   python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 16,256 --backends cuda --no-tune 2>&1 | tail -6 || status=1
   for keys in 64 128 256; do
@@ -157,8 +158,11 @@ if [[ " $stages " == *" unrun "* ]]; then
     FASTAWQ_ATTN_SPLIT_KEYS=$keys python benchmarks/bench_attention.py --heads 32,4 --lens 128,256,512 \
       --capacity 4096 2>&1 | tail -5 || status=1
   done
-  # awq_gemm_packed (1.14x at M = 16 in session 14) against awq_mma_packed, which M = 9..16 now gets.
-  python benchmarks/gemm_table.py --kernels mma,gemm --ms 12,16 --dtypes float16,bfloat16 2>&1 | tail -8 || status=1
+  # awq_gemm_packed (1.14x at M = 16 in session 14) against awq_mma_packed, which M = 9..16 now gets,
+  # then awq_gemm_packed with the block-shared x ring (FASTAWQ_GEMM_SHARE_X=1).
+  python benchmarks/gemm_table.py --kernels mma,gemm --ms 12,16,32,64 --dtypes float16,bfloat16 2>&1 | tail -10 || status=1
+  FASTAWQ_GEMM_SHARE_X=1 python benchmarks/gemm_table.py --kernels gemm --ms 12,16,32,64 --dtypes float16,bfloat16 \
+    2>&1 | tail -10 || status=1
 fi
 if [[ " $stages " == *" unrun_ab "* ]]; then
   step unrun_ab

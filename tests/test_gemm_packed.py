@@ -138,6 +138,34 @@ def test_every_tile_and_split(m_tiles, chunks, splits, m):
 
 
 @requires_kernel
+@pytest.mark.parametrize("m_tiles,chunks", [(0, 0), (1, 1), (1, 2), (2, 1), (2, 2), (4, 1)])
+@pytest.mark.parametrize("splits", [0, 1, 3, 64])
+@pytest.mark.parametrize("m", [5, 16, 17, 70])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_shared_x_ring(monkeypatch, m_tiles, chunks, splits, m, dtype):
+    # FASTAWQ_GEMM_SHARE_X=1: one ring a block, x staged once per step for the 4 warps, a barrier a
+    # step (read at each call). Automatic (0) and forced tiles and splits, down to one step a block.
+    monkeypatch.setenv("FASTAWQ_GEMM_SHARE_X", "1")
+    k, n, g = 2048, 392, 128
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=m_tiles + chunks + splits + m)
+    for seed in (m, m + 100):  # a second call: the workspace was re-zeroed
+        x = random_input((m, k), "cuda", dtype, seed=seed)
+        bias = random_input((n,), "cuda", dtype, seed=3) if seed > 100 else None
+        out = _poisoned_call(x, wp, sz, n, g, bias, m_tiles, chunks, splits)
+        assert_close_to_reference(out, x, qw, s, qz, g, bias)
+
+
+@requires_kernel
+@pytest.mark.parametrize("k,n,g", GPU_SHAPES)
+@pytest.mark.parametrize("m", [16, 33, 129])
+def test_shared_x_ring_shapes(monkeypatch, k, n, g, m):
+    monkeypatch.setenv("FASTAWQ_GEMM_SHARE_X", "1")
+    qw, s, qz, wp, sz = _setup(k, n, g, torch.float16, seed=k + n + m)
+    x = random_input((m, k), "cuda", torch.float16, seed=m)
+    assert_close_to_reference(_poisoned_call(x, wp, sz, n, g), x, qw, s, qz, g)
+
+
+@requires_kernel
 @pytest.mark.parametrize("k,n", LLAMA3_8B_SHAPES)
 @pytest.mark.parametrize("m", [16, 64, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -65,19 +65,28 @@ __device__ __forceinline__ uint32_t dequant_pair(uint32_t magic_q, typename Half
 // (CC weight loads, then x rows g and g + 8 of each m-tile), lane-contiguous so every 16-byte
 // access is conflict-free. A lane reads back only what it copied itself, so cp.async.wait_group
 // alone orders the ring (no barrier), and a block's warps never wait for each other before the tail.
-template <int MT, int CC>
-constexpr int kRingStepBytes = (CC + 2 * MT) * 32 * 16;
-template <int MT, int CC, int P>
-constexpr int kRingBytes = kPackedThreads / 32 * P * kRingStepBytes<MT, CC>;
+// kShareX (FASTAWQ_GEMM_SHARE_X=1, an A/B switch): one ring for the block, each slot the 4 warps'
+// weights (CC items a lane each) and the step's x tile once ([16 MT rows][4 chunks of 8 k], copied
+// by the block's threads a 16-byte item each): the 4 warps no longer copy and hold the same x
+// rows, so a slot is 4 CC + 2 MT KB against 4 (CC + 2 MT) KB (at MT = CC = 1, 3 KB against 6:
+// twice the blocks an SM by shared memory). The price: one barrier a step (each warp reads x
+// that other threads copied, and a slot is refilled only once every warp has consumed it).
+template <int MT, int CC, bool kShareX = false>
+constexpr int kRingStepBytes =
+    kShareX ? kPackedThreads / 32 * CC * 512 + MT * 1024 : (CC + 2 * MT) * 32 * 16;
+template <int MT, int CC, int P, bool kShareX = false>
+constexpr int kRingBytes =
+    kShareX ? P * kRingStepBytes<MT, CC, true> : kPackedThreads / 32 * P * kRingStepBytes<MT, CC, false>;
 
-template <typename T, int MT, int CC, int P>
+template <typename T, int MT, int CC, int P, bool kShareX>
 __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int m, int n, int k, int group_size,
     int steps_per_block) {
   using Tr = HalfTraits<T>;
   using T2 = typename Tr::T2;
-  constexpr int kStepBytes = kRingStepBytes<MT, CC>;
+  constexpr int kStepBytes = kRingStepBytes<MT, CC, kShareX>;
+  static_assert(!kShareX || P >= 2, "the shared ring waits for P - 2 younger steps");
   constexpr int kRows = 16 * MT;
   constexpr int kQuads = kPackedThreads / 32 * 8 * CC;  // 4-column chunks of the block's tile
   extern __shared__ __align__(16) uint8_t ring_smem[];
@@ -109,28 +118,51 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
   pdl_wait();
   pdl_launch_dependents();
 
-  // The lane's x rows: row0 + 16 mt + 8 r + g, clamped (rows past M feed only outputs never stored).
-  const T* x_next[MT][2];
+  // The x rows a thread copies (rows past M clamped to row M - 1: they feed only outputs never
+  // stored). Per warp: the lane's rows row0 + 16 mt + 8 r + g, chunk t. Shared: item j = tid + 128 q
+  // of the block's x tile, row row0 + j / 4, chunk j % 4.
+  constexpr int kXCopies = kShareX ? (MT * 64 + kPackedThreads - 1) / kPackedThreads : 2 * MT;
+  const T* x_next[kXCopies];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      x_next[mt][r] = x + static_cast<int64_t>(min(row0 + 16 * mt + 8 * r + g, m - 1)) * k + 8 * t +
-                      static_cast<int64_t>(s0) * kPackedBatchRows;
+  for (int i = 0; i < kXCopies; ++i) {
+    int row, chunk;
+    if constexpr (kShareX) {
+      const int j = min(static_cast<int>(threadIdx.x) + kPackedThreads * i, MT * 64 - 1);
+      row = row0 + (j >> 2), chunk = j & 3;
+    } else {
+      row = row0 + 16 * (i >> 1) + 8 * (i & 1) + g, chunk = t;
     }
-  // Item i of slot p at ring0 + p * kStepBytes + i * 512; global sources step one step per issue.
-  const uint32_t ring0 = pinned(smem_addr(ring_smem) + warp * (P * kStepBytes) + lane * 16);
+    x_next[i] = x + static_cast<int64_t>(min(row, m - 1)) * k + 8 * chunk + static_cast<int64_t>(s0) * kPackedBatchRows;
+  }
+  // Per warp: item i of slot p at ring0 + p * kStepBytes + i * 512. Shared: slot p at base + p *
+  // kStepBytes holds warp w's item cc at (w CC + cc) 512 + 16 lane, then the x tile, item j at
+  // 512 * 4 CC + 16 j. Global sources step one step per issue.
+  const uint32_t base = smem_addr(ring_smem);
+  const uint32_t ring0 = kShareX ? pinned(base + warp * CC * 512 + lane * 16)
+                                 : pinned(base + warp * (P * kStepBytes) + lane * 16);
+  [[maybe_unused]] const uint32_t xring0 = pinned(base + kPackedThreads / 32 * CC * 512);
+  const auto w_addr = [&](int slot, int cc) { return ring0 + slot * kStepBytes + cc * 512; };
+  const auto x_addr = [&](int slot, int mt, int r) {
+    if constexpr (kShareX) {
+      return xring0 + slot * kStepBytes + (mt * 64 + (8 * r + g) * 4 + t) * 16;
+    } else {
+      return ring0 + slot * kStepBytes + (CC + 2 * mt + r) * 512;
+    }
+  };
   const auto issue = [&](int slot) {
-    const uint32_t dst = ring0 + slot * kStepBytes;
 #pragma unroll
-    for (int cc = 0; cc < CC; ++cc) cp_async16_at(dst + cc * 512, w_next + 8 * cc, col_ok[cc]);
+    for (int cc = 0; cc < CC; ++cc) cp_async16_at(w_addr(slot, cc), w_next + 8 * cc, col_ok[cc]);
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        cp_async16_ca_at(dst + (CC + 2 * mt + r) * 512, x_next[mt][r]);
-        x_next[mt][r] += kPackedBatchRows;
+    for (int i = 0; i < kXCopies; ++i) {
+      if constexpr (kShareX) {
+        if (static_cast<int>(threadIdx.x) + kPackedThreads * i < MT * 64) {
+          cp_async16_ca_at(xring0 + slot * kStepBytes + (threadIdx.x + kPackedThreads * i) * 16, x_next[i]);
+        }
+      } else {
+        cp_async16_ca_at(x_addr(slot, i >> 1, i & 1), x_next[i]);
       }
+      x_next[i] += kPackedBatchRows;
+    }
     w_next += w_step;
   };
 
@@ -156,15 +188,15 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
 
   float acc[MT][CC][4][4] = {};
 
-  const auto consume = [&](uint32_t src) {
+  const auto consume = [&](int slot) {
     uint4 xc[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) xc[mt][r] = ld_shared128_at(src + (CC + 2 * mt + r) * 512);
+      for (int r = 0; r < 2; ++r) xc[mt][r] = ld_shared128_at(x_addr(slot, mt, r));
 #pragma unroll
     for (int cc = 0; cc < CC; ++cc) {
-      const uint4 w = ld_shared128_at(src + cc * 512);
+      const uint4 w = ld_shared128_at(w_addr(slot, cc));
       uint32_t b[2][4][2];
 #pragma unroll
       for (int h = 0; h < 2; ++h)
@@ -206,17 +238,26 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
   int slot = 0;
 #pragma unroll 1
   for (int s = s0; s < s1; ++s) {
-    // Refill the slot consumed last step with step s + P - 1, then wait for step s.
     const int refill = slot == 0 ? P - 1 : slot - 1;
-    if (s + P - 1 < s1) issue(refill);
-    cp_async_commit();
+    if constexpr (kShareX) {
+      // Wait for this thread's copies of step s, then meet: every thread's copies of step s have
+      // landed and every warp is done with step s - 1, whose slot is refilled with step s + P - 1.
+      cp_async_wait<P - 2>();
+      __syncthreads();
+      if (s + P - 1 < s1) issue(refill);
+      cp_async_commit();
+    } else {
+      // Refill the slot consumed last step with step s + P - 1, then wait for step s.
+      if (s + P - 1 < s1) issue(refill);
+      cp_async_commit();
+    }
     // The next group's (scale, zero) pairs, fetched a step before they are needed.
     if (group_left == 1 && s + 1 < s1) {
       sz_lane += n4;
       load_scales();
     }
-    cp_async_wait<P - 1>();
-    consume(ring0 + slot * kStepBytes);
+    if constexpr (!kShareX) cp_async_wait<P - 1>();
+    consume(slot);
     slot = slot == P - 1 ? 0 : slot + 1;
     if (--group_left == 0) {
       group_left = steps_per_group;
@@ -280,9 +321,10 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
 }
 
 // The ring's depth: up to 8 steps (7 in flight), 8 weight copies a lane, ~72 KB a block.
-template <int MT, int CC>
+template <int MT, int CC, bool kShareX = false>
 constexpr int gemm_ring_depth() {
-  constexpr int by_weights = 8 / CC, by_smem = 73728 / (kPackedThreads / 32 * kRingStepBytes<MT, CC>);
+  constexpr int by_weights = 8 / CC;
+  constexpr int by_smem = 73728 / (kShareX ? kRingStepBytes<MT, CC, true> : kPackedThreads / 32 * kRingStepBytes<MT, CC>);
   constexpr int p = by_weights < by_smem ? by_weights : by_smem;
   return p > 8 ? 8 : (p < 3 ? 3 : p);
 }
@@ -296,10 +338,18 @@ bool shallow_ring() {
   return on;
 }
 
-template <typename T, int MT, int CC, int kP>
+// FASTAWQ_GEMM_SHARE_X=1: one ring a block with x staged once (kShareX above; an A/B switch, read at
+// each call, so a graph reads it at capture and the split plan's occupancy query sees the same
+// instance as the launch).
+bool share_x() {
+  const char* v = std::getenv("FASTAWQ_GEMM_SHARE_X");
+  return v != nullptr && v[0] == '1' && v[1] == 0;
+}
+
+template <typename T, int MT, int CC, int kP, bool kShareX = false>
 void launch_depth(const GemmPackedArgs& a, cudaStream_t stream, int* resident) {
-  constexpr auto kernel = awq_gemm_packed_kernel<T, MT, CC, kP>;
-  constexpr int kSmem = kRingBytes<MT, CC, kP>;
+  constexpr auto kernel = awq_gemm_packed_kernel<T, MT, CC, kP, kShareX>;
+  constexpr int kSmem = kRingBytes<MT, CC, kP, kShareX>;
   // Above 48 KB of dynamic shared memory a kernel must opt in, once per instance and device.
   static std::atomic<uint64_t> opted{0};
   int device = 0;
@@ -321,6 +371,7 @@ void launch_depth(const GemmPackedArgs& a, cudaStream_t stream, int* resident) {
 
 template <typename T, int MT, int CC>
 void launch_cfg(const GemmPackedArgs& a, cudaStream_t stream, int* resident) {
+  if (share_x()) return launch_depth<T, MT, CC, gemm_ring_depth<MT, CC, true>(), true>(a, stream, resident);
   if (shallow_ring()) return launch_depth<T, MT, CC, 4>(a, stream, resident);
   launch_depth<T, MT, CC, gemm_ring_depth<MT, CC>()>(a, stream, resident);
 }
