@@ -150,8 +150,11 @@ if [[ " $stages " == *" unrun "* ]]; then
   # attention's next-tile L1 prefetch (swept over FASTAWQ_ATTN_SPLIT_KEYS).
   python -m pytest -q -p no:cacheprovider tests/test_gemv_packed.py -k "act or norm or prologue" tests/test_fused.py \
     tests/test_moe_mma.py tests/test_cuda_attention.py 2>&1 | tail -3 || status=1
-  python -m pytest -q -p no:cacheprovider tests/test_gemm_packed.py -k shared_x 2>&1 | tail -2 || status=1
-  python benchmarks/sanitize.py 2>&1 | tail -1 || status=1
+  python -m pytest -q -p no:cacheprovider tests/test_gemm_packed.py tests/test_gemv_packed.py -k "shared_x or early" \
+    2>&1 | tail -2 || status=1
+  compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py 2>&1 | tail -2 || status=1
+  FASTAWQ_GEMM_SHARE_X=1 FASTAWQ_GEMV_EARLY_LOADS=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
+    python benchmarks/sanitize.py 2>&1 | tail -2 || status=1
   python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 16,256 --backends cuda --no-tune 2>&1 | tail -6 || status=1
   for keys in 64 128 256; do
     echo "FASTAWQ_ATTN_SPLIT_KEYS=$keys"
@@ -167,10 +170,14 @@ fi
 if [[ " $stages " == *" unrun_ab "* ]]; then
   step unrun_ab
   # What session 16's switches buy in decode, each A/B in one process, then the engine's memory
-  # at max_seq_len 4096 (the 6.0 GiB target): ~6 min.
+  # at max_seq_len 4096 (the 6.0 GiB target): ~8 min.
   for shape in llama-3-8b:1,2 qwen3-30b-a3b:1; do
     FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare norm_gemv --shape ${shape%%:*} --batches ${shape##*:} \
       --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
+  done
+  for shape in llama-3-8b:1,2 qwen3-30b-a3b:1; do
+    FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare env:FASTAWQ_GEMV_EARLY_LOADS=0,1 --shape ${shape%%:*} \
+      --batches ${shape##*:} --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
   done
   for shape in llama-3-8b qwen3-30b-a3b; do
     FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare gemm16 --shape $shape --batches 16 \

@@ -147,6 +147,20 @@ def test_kernel_matches_reference(k, n, g, m, dtype):
 
 
 @requires_kernel
+@pytest.mark.parametrize("k,n,g", GPU_SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_early_loads_match_reference(monkeypatch, k, n, g, m):
+    # FASTAWQ_GEMV_EARLY_LOADS=1 (read at each call): the first weight batch is loaded before the
+    # PDL wait. The weights here were written by torch just before, as a repack writes them.
+    monkeypatch.setenv("FASTAWQ_GEMV_EARLY_LOADS", "1")
+    qw, s, qz, wp, sz = _setup(k, n, g, torch.bfloat16, seed=k + n + m)
+    for seed in (m, m + 100):  # the second call finds the workspace the first re-zeroed
+        x = random_input((m, k), "cuda", torch.bfloat16, seed=seed)
+        bias = random_input((n,), "cuda", torch.bfloat16, seed=7) if seed > 100 else None
+        assert_close_to_reference(_poisoned_call(x, wp, sz, n, g, bias), x, qw, s, qz, g, bias)
+
+
+@requires_kernel
 @pytest.mark.parametrize("k,n", LLAMA3_8B_SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

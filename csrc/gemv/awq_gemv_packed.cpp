@@ -181,6 +181,8 @@ void fill_args(PackedArgs& a, const at::Tensor& x, const at::Tensor& wpacked, co
   a.m = static_cast<int>(m), a.n = static_cast<int>(n), a.k = static_cast<int>(x.size(1));
   a.group_size = static_cast<int>(group_size);
   a.col_tiles = plan.col_tiles, a.splits = plan.splits, a.steps_per_warp = plan.steps_per_warp;
+  const char* early = std::getenv("FASTAWQ_GEMV_EARLY_LOADS");  // read at each call (a graph: at capture)
+  a.early_loads = early != nullptr && early[0] == '1' && early[1] == 0;
 }
 
 }  // namespace

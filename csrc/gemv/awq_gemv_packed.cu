@@ -191,7 +191,7 @@ template <typename T, int M, bool kH2, int ACT = 0>
 __global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int n, int k, int group_size,
-    int batches_per_warp, const NormIn norm) {
+    int batches_per_warp, const NormIn norm, const bool early_loads) {
   using Tr = HalfTraits<T>;
   __shared__ __align__(16) float red[kWarps][M][kPackedTileCols];
   __shared__ int is_last;
@@ -224,14 +224,17 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
       for (int u = 0; u < kLoads; ++u) prefetch_l2(wp + static_cast<int64_t>(b * kLoads + u) * n4 + c4);
     }
   }
-  pdl_wait();
-  pdl_launch_dependents();
   uint4 cur[kLoads], nxt[kLoads];
   // The next batch's loads step a pointer (recomputing (4b + u) n4 + c4 per load cost ~25
   // instructions a batch).
   const uint4* w_next = wp + static_cast<int64_t>(b0 * kLoads) * n4 + c4;
   const int64_t n4l = n4;
-  if (b0 < b1) load_batch(cur, w_next, n4l, col_ok, policy);
+  // early_loads (GemvPackedArgs says when that is safe): the first batch into registers while the
+  // previous kernel finishes, so the first consume after the wait does not wait for L2.
+  if (early_loads && b0 < b1) load_batch(cur, w_next, n4l, col_ok, policy);
+  pdl_wait();
+  pdl_launch_dependents();
+  if (!early_loads && b0 < b1) load_batch(cur, w_next, n4l, col_ok, policy);
   // The input the main loop reads: x itself, or (ACT) the block's staged act(gate) * up, row stride
   // ldx, indexed by the global row (xin points kb0 rows before the staged block).
   const T* xin = x;
@@ -448,7 +451,7 @@ void launch_act(const GemvPackedArgs& a, cudaStream_t stream, int* resident) {
   launch_pdl(kernel, dim3(a.col_tiles, a.splits), dim3(kPackedThreads), smem, stream, static_cast<const T*>(a.x),
              reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz), static_cast<const T*>(a.bias),
              static_cast<T*>(a.out), a.workspace, a.counters, a.n, a.k, a.group_size, a.steps_per_warp,
-             NormIn{a.residual, a.norm_weight, a.res_out, a.eps, a.offset});
+             NormIn{a.residual, a.norm_weight, a.res_out, a.eps, a.offset}, a.early_loads);
 }
 
 template <typename T, int M>

@@ -47,6 +47,11 @@ struct PackedArgs {
   const void* norm_weight;  // [K]
   void* res_out;            // [M, K], written when residual is given
   float eps, offset;
+  // FASTAWQ_GEMV_EARLY_LOADS=1 (an A/B switch, read at each call): the first batch of weights is
+  // loaded into registers before the PDL wait rather than after it (only prefetched into L2
+  // before). Safe while no kernel that can trigger this launch early writes the weights: none does
+  // (the packed layout is made by torch ops at load time).
+  bool early_loads;
 };
 using GemvPackedArgs = PackedArgs;
 constexpr int kPackedActMaxM = 2;
