@@ -754,6 +754,19 @@ def test_compiled_moe_matches_reference(case, dtype, poisoned_empty):
 
 
 @needs_compiled
+@pytest.mark.parametrize("case", COMPILED_CASES, ids=lambda c: "E{}H{}I{}G{}k{}T{}-{}".format(*c))
+def test_compiled_moe_early_loads(monkeypatch, case, poisoned_empty):
+    # FASTAWQ_GEMV_EARLY_LOADS=1 (read at each call): w2's one-token ring loads its first weights
+    # before the PDL wait.
+    monkeypatch.setenv("FASTAWQ_GEMV_EARLY_LOADS", "1")
+    e, h, i, g, k, t, load = case
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=7 * t + k + 1, dtype=torch.bfloat16, load=load)
+    for _ in range(2):
+        out = ops_moe.moe_w4(x, ids, w, *weights, g, backend="cuda")
+        check(out, x, ids, w, weights, g)
+
+
+@needs_compiled
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("scale", [20.0, 1e-3])
 def test_compiled_moe_one_token_keeps_large_and_small_activations(scale, dtype):

@@ -119,6 +119,9 @@ struct MoeArgs {
 struct MoeGemvArgs : MoeArgs {
   int tiles13, splits13, chunk13, cpb13;  // w13 grid: 256-column tiles (128 gate + 128 up), K splits,
   int tiles2, splits2, chunk2, cpb2;      // rows per warp item, warp items per block; w2 likewise
+  // FASTAWQ_GEMV_EARLY_LOADS=1 (read at each call): w2's ring loads its first weights into registers
+  // before the PDL wait (the experts' weights are written by no kernel that can launch it early).
+  bool early_loads;
 };
 
 void launch_moe_gemv(const MoeGemvArgs& args, cudaStream_t stream);

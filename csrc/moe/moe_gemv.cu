@@ -232,11 +232,13 @@ __device__ __forceinline__ void block_gemv_h2(const T* __restrict__ xrow, const 
 // group's first batch (L2-prefetched a batch before), the scales from L1 at each batch's close.
 // Loads are unconditional (no branch around them): a lane outside the columns (or of a bad id)
 // reads its row's first words and adds them with scale 0.
-template <typename T>
+// wait(): called once by every thread before x is read: after the first batch's weight loads and
+// zero words (which do not depend on the previous kernel), so a caller may put its PDL wait there.
+template <typename T, typename Wait>
 __device__ __forceinline__ void block_gemv_ring(const T* __restrict__ xrow, const uint32_t* __restrict__ qweight,
                                                 const T* __restrict__ scales, const uint32_t* __restrict__ qzeros,
                                                 int n8, int n, int k, int g, int word0, bool col_ok, int chunk_rows,
-                                                int chunks_per_block, float (&y)[1][LaneMap<2>::kCols]) {
+                                                int chunks_per_block, float (&y)[1][LaneMap<2>::kCols], Wait&& wait) {
   using L = LaneMap<2>;
   constexpr int kW = L::kWords, kRows = kBatchRows / L::kRowLanes;
   using T2 = typename HalfTraits<T>::T2;
@@ -246,7 +248,10 @@ __device__ __forceinline__ void block_gemv_ring(const T* __restrict__ xrow, cons
   for (int c = 0; c < L::kCols; ++c) y[0][c] = 0.f;
   const int c_end = min((blockIdx.y + 1) * chunks_per_block, (k + chunk_rows - 1) / chunk_rows);
   int chunk = blockIdx.y * chunks_per_block + warp;
-  if (chunk >= c_end) return;
+  if (chunk >= c_end) {
+    wait();
+    return;
+  }
   const uint64_t policy = evict_first_policy();
   const auto h2 = [](uint32_t v) { return *reinterpret_cast<const T2*>(&v); };
   const int wcol = col_ok ? word0 : 0;
@@ -259,7 +264,6 @@ __device__ __forceinline__ void block_gemv_ring(const T* __restrict__ xrow, cons
 #pragma unroll
     for (int u = 0; u < kRows; ++u) w[u].load(p + u * step, policy);
   }
-  T xl = xrow[base + lane];  // rows base .. base + 31, one a lane
   uint32_t zw[kW];
   const auto zero_words = [&](int grp) {
 #pragma unroll
@@ -267,6 +271,8 @@ __device__ __forceinline__ void block_gemv_ring(const T* __restrict__ xrow, cons
   };
   int grp = base / g;
   zero_words(grp);
+  wait();
+  T xl = xrow[base + lane];  // rows base .. base + 31, one a lane
   // One batch: sum it and, kMore, refill each row with the row of the batch at pn.
   const auto batch = [&]<bool kMore>(const uint32_t* pn) {
     T2 zc[kW][4];
@@ -342,16 +348,20 @@ __device__ __forceinline__ void block_gemv_ring(const T* __restrict__ xrow, cons
 // 2: half2 as a ring, block_gemv_ring); its sums come out in units of 1 / kSumUnit<kForm>.
 template <int kForm>
 constexpr float kSumUnit = kForm ? 16.f : 256.f;
-template <typename T, int kForm>
+// wait(): as block_gemv_ring's (the other forms call it first).
+template <typename T, int kForm, typename Wait>
 __device__ __forceinline__ void expert_gemv(const T* __restrict__ xrow, const uint32_t* __restrict__ qweight,
                                             const T* __restrict__ scales, const uint32_t* __restrict__ qzeros, int n8,
                                             int n, int k, int g, int word0, bool col_ok, int chunk_rows,
-                                            int chunks_per_block, float (&y)[1][LaneMap<kForm>::kCols]) {
+                                            int chunks_per_block, float (&y)[1][LaneMap<kForm>::kCols], Wait&& wait) {
   if constexpr (kForm == 2) {
-    block_gemv_ring<T>(xrow, qweight, scales, qzeros, n8, n, k, g, word0, col_ok, chunk_rows, chunks_per_block, y);
+    block_gemv_ring<T>(xrow, qweight, scales, qzeros, n8, n, k, g, word0, col_ok, chunk_rows, chunks_per_block, y,
+                       wait);
   } else if constexpr (kForm == 1) {
+    wait();
     block_gemv_h2<T>(xrow, qweight, scales, qzeros, n8, n, k, g, word0, col_ok, chunk_rows, chunks_per_block, y);
   } else {
+    wait();
     block_gemv<T>(xrow, qweight, scales, qzeros, n8, n, k, g, word0, col_ok, chunk_rows, chunks_per_block, y);
   }
 }
@@ -375,7 +385,7 @@ __global__ void __launch_bounds__(kGemvThreads, 4) moe_w13_gemv_kernel(MoeGemvAr
   float y[1][L::kCols];
   expert_gemv<T, kForm>(static_cast<const T*>(a.x) + static_cast<int64_t>(f / a.topk) * a.x_stride,
                       a.w13_qweight + ex * k * n8, static_cast<const T*>(a.w13_scales) + ex * (k / g) * n,
-                      a.w13_qzeros + ex * (k / g) * n8, n8, n, k, g, word0, col_ok, a.chunk13, a.cpb13, y);
+                      a.w13_qzeros + ex * (k / g) * n8, n8, n, k, g, word0, col_ok, a.chunk13, a.cpb13, y, [] {});
   reduce_tile<L::kColLanes>(y, sh);
 
   constexpr int kHalfTile = kTileCols / 2;
@@ -435,12 +445,17 @@ __global__ void __launch_bounds__(kGemvThreads, 4) moe_w2_gemv_kernel(MoeGemvArg
       }
     }
   }
-  pdl_wait();  // h comes from the w13 launch
-  pdl_launch_dependents();
+  // h comes from the w13 launch. early_loads (FASTAWQ_GEMV_EARLY_LOADS=1): the ring loads its first
+  // batch of weights (and zero words) into registers before this wait, not only into L2.
+  const auto wait = [] {
+    pdl_wait();
+    pdl_launch_dependents();
+  };
+  if (!a.early_loads) wait();
   float y[1][L::kCols];
   expert_gemv<T, kForm>(static_cast<const T*>(a.h) + static_cast<int64_t>(f) * k, w2q,
                       static_cast<const T*>(a.w2_scales) + ex * (k / g) * n, a.w2_qzeros + ex * (k / g) * n8, n8, n,
-                      k, g, word0, col_ok, a.chunk2, a.cpb2, y);
+                      k, g, word0, col_ok, a.chunk2, a.cpb2, y, wait);
   reduce_tile<L::kColLanes>(y, sh);
 
   const int col0 = tile * kTileCols, t = f / a.topk;
