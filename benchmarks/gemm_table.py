@@ -228,6 +228,8 @@ def main() -> int:
     ap.add_argument("--kernels", default="", help="comma list of compiled kernels on the packed layout, forced: "
                     "gemv, gemv:WARPS_PER_SM, mma, mma:CHUNKS:WARPS_PER_SM (a tile of the swap-AB tensor-core "
                     "kernel), gemm, or gemm:M_TILES:CHUNKS:SPLITS (the tensor-core kernel with the batch as the mma's M)")
+    ap.add_argument("--shapes", default="", help="comma list of KxN layer shapes (default: the four Llama-3-8B "
+                    "shapes of TARGETS.md), e.g. 2048x5120,4096x2048 for Qwen3-30B-A3B's attention projections")
     ap.add_argument("--dtypes", default="float16")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -247,6 +249,14 @@ def main() -> int:
         backends = []
     columns = backends + [f"layout:{v}" for v in layouts] + [f"kernel:{v}" for v in kernels]
     names = [_name(c) for c in columns]
+    if args.shapes:
+        global SHAPES
+        try:
+            SHAPES = [tuple(int(v) for v in shape.lower().split("x")) for shape in args.shapes.split(",") if shape]
+        except ValueError:
+            ap.error(f"--shapes {args.shapes!r}: write KxN,KxN (e.g. 2048x5120)")
+        if not SHAPES or any(len(s) != 2 or s[0] % GROUP or s[1] % 8 for s in SHAPES):
+            ap.error(f"--shapes {args.shapes!r}: each KxN needs K a multiple of {GROUP} and N of 8")
     ms = [int(v) for v in args.ms.split(",")]
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     print(f"# {torch.cuda.get_device_name()} · torch {torch.__version__} · g{GROUP} · columns {columns}")

@@ -167,6 +167,13 @@ if [[ " $stages " == *" unrun "* ]]; then
   python benchmarks/gemm_table.py --kernels mma,gemm --ms 12,16,32,64 --dtypes float16,bfloat16 2>&1 | tail -10 || status=1
   FASTAWQ_GEMM_SHARE_X=1 python benchmarks/gemm_table.py --kernels gemm --ms 12,16,32,64 --dtypes float16,bfloat16 \
     2>&1 | tail -10 || status=1
+  # Qwen3-30B-A3B's attention projections at batch 16 took 11.3 / 11.4 us in the step (session 15)
+  # for 5.2 / 4.2 MB: awq_mma_packed's plan there is 8 warps an SM (default_warps_per_sm), ~8-10 in
+  # all on these shapes. Its tile and warp target against awq_gemm_packed, own and shared ring.
+  python benchmarks/gemm_table.py --shapes 2048x5120,4096x2048 --kernels mma,mma:2:16,mma:2:0,mma:1:16,gemm \
+    --ms 16 2>&1 | tail -6 || status=1
+  FASTAWQ_GEMM_SHARE_X=1 python benchmarks/gemm_table.py --shapes 2048x5120,4096x2048 --kernels gemm --ms 16 \
+    2>&1 | tail -6 || status=1
 fi
 if [[ " $stages " == *" unrun_ab "* ]]; then
   step unrun_ab
