@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
-#   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_ab
-#   e2e quantize (default: all but mma, profile, moe, ab, switches, act_gemv, unrun, unrun_ab)
+#   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
+#   unrun_ab unrun_b16 e2e quantize (default: all but mma, profile, moe, ab, switches, act_gemv and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
 # (Triton/torch backends only), for quick kernel iterations.
@@ -144,18 +144,25 @@ if [[ " $stages " == *" act_gemv "* ]]; then
 fi
 if [[ " $stages " == *" unrun "* ]]; then
   step unrun
-  # Session 16's work that no GPU has run yet (CUDA_NOTES.md, session 16), kernels first (~5 min):
+  # Session 16's work that no GPU has run yet (CUDA_NOTES.md, session 16): its tests and sanitizer
+  # runs here (~6 min), its kernels timed in unrun_perf, its decode A/Bs in unrun_ab:
   # awq_gemv_packed_norm's one-round-trip staging (main); on branch wip/session16-unrun also the
   # engine's own stream, moe_mma's batched id scans (tests with 2,400 / 4,096 ids) and the decode
   # attention's next-tile L1 prefetch (swept over FASTAWQ_ATTN_SPLIT_KEYS).
-  python -m pytest -q -p no:cacheprovider tests/test_gemv_packed.py -k "act or norm or prologue" tests/test_fused.py \
-    tests/test_moe_mma.py tests/test_cuda_attention.py 2>&1 | tail -3 || status=1
+  # (-k applies to every file of a command: the filtered file runs alone.)
+  python -m pytest -q -p no:cacheprovider tests/test_gemv_packed.py -k "act or norm or prologue" 2>&1 | tail -2 || status=1
+  python -m pytest -q -p no:cacheprovider tests/test_fused.py tests/test_moe_mma.py tests/test_cuda_attention.py 2>&1 \
+    | tail -2 || status=1
   python -m pytest -q -p no:cacheprovider tests/test_gemm_packed.py tests/test_gemv_packed.py tests/test_moe_op.py \
     -k "shared_x or early" \
     2>&1 | tail -2 || status=1
   compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py 2>&1 | tail -2 || status=1
   FASTAWQ_GEMM_SHARE_X=1 FASTAWQ_GEMV_EARLY_LOADS=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
     python benchmarks/sanitize.py 2>&1 | tail -2 || status=1
+fi
+if [[ " $stages " == *" unrun_perf "* ]]; then
+  step unrun_perf
+  # The kernels of the unrun stage timed (~5 min).
   python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 16,256 --backends cuda --no-tune 2>&1 | tail -6 || status=1
   for keys in 64 128 256; do
     echo "FASTAWQ_ATTN_SPLIT_KEYS=$keys"
@@ -177,8 +184,7 @@ if [[ " $stages " == *" unrun "* ]]; then
 fi
 if [[ " $stages " == *" unrun_ab "* ]]; then
   step unrun_ab
-  # What session 16's switches buy in decode, each A/B in one process, then the engine's memory
-  # at max_seq_len 4096 (the 6.0 GiB target): ~8 min.
+  # What session 16's batch-1 switches buy in decode, each A/B in one process: ~5 min.
   for shape in llama-3-8b:1,2 qwen3-30b-a3b:1; do
     FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare norm_gemv --shape ${shape%%:*} --batches ${shape##*:} \
       --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
@@ -187,6 +193,11 @@ if [[ " $stages " == *" unrun_ab "* ]]; then
     FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare env:FASTAWQ_GEMV_EARLY_LOADS=0,1 --shape ${shape%%:*} \
       --batches ${shape##*:} --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
   done
+fi
+if [[ " $stages " == *" unrun_b16 "* ]]; then
+  step unrun_b16
+  # awq_gemm_packed for batches of 9-16 in decode (bench_ab.py --compare gemm16), then the engine's
+  # memory at max_seq_len 4096 (the 6.0 GiB target; the branch's own stream): ~4 min.
   for shape in llama-3-8b qwen3-30b-a3b; do
     FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare gemm16 --shape $shape --batches 16 \
       --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
