@@ -296,15 +296,10 @@ class FusedDecoderLayer(nn.Module):
         a = self.self_attn(None, positions, start, lens, max_len, backend, qkv=qkv)
         if isinstance(self.mlp, FusedMoE):
             return self.mlp.forward_normed(a, residual, self.post_attention_layernorm, c.eps, c.norm_offset, backend)
-        if isinstance(self.mlp, FusedMLP):
-            gate_up, residual = norm_linear(
-                a, residual, self.post_attention_layernorm.weight, c.eps, c.norm_offset, self.mlp.gate_up_proj, backend
-            )
-            return self.mlp(None, backend, gate_up=gate_up), residual
-        h, residual = ops.add_rms_norm(
-            a, residual, self.post_attention_layernorm.weight, c.eps, c.norm_offset, backend=backend
+        gate_up, residual = norm_linear(
+            a, residual, self.post_attention_layernorm.weight, c.eps, c.norm_offset, self.mlp.gate_up_proj, backend
         )
-        return self.mlp(h, backend), residual
+        return self.mlp(None, backend, gate_up=gate_up), residual
 
 
 class _DecodeGraph:
