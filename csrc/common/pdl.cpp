@@ -40,4 +40,9 @@ bool pdl_enabled() {
   return state == 2;
 }
 
+bool early_weight_loads() {
+  const char* v = std::getenv("FASTAWQ_GEMV_EARLY_LOADS");
+  return v != nullptr && v[0] == '1' && v[1] == 0;
+}
+
 }  // namespace fastawq

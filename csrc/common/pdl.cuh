@@ -12,6 +12,9 @@ namespace fastawq {
 
 // FASTAWQ_PDL is not "0"/"off"/"false" and the current device is sm_90 or newer.
 bool pdl_enabled();
+// FASTAWQ_GEMV_EARLY_LOADS=1 (an A/B switch, read at each call): the decode GEMVs load their first
+// weights into registers before the PDL wait, not only into L2 (awq_gemv_packed.h says when safe).
+bool early_weight_loads();
 
 // launch_pdl for a kernel whose blocks run in clusters of cluster_x blocks along x (sm_90; the
 // grid's x must be a multiple of cluster_x); cluster_x = 0: no cluster.

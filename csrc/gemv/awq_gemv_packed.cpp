@@ -13,6 +13,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "common/checks.h"
+#include "common/pdl.cuh"
 #include "common/workspace.h"
 #include "gemv/awq_gemv_packed.h"
 #include "ops.h"
@@ -181,8 +182,19 @@ void fill_args(PackedArgs& a, const at::Tensor& x, const at::Tensor& wpacked, co
   a.m = static_cast<int>(m), a.n = static_cast<int>(n), a.k = static_cast<int>(x.size(1));
   a.group_size = static_cast<int>(group_size);
   a.col_tiles = plan.col_tiles, a.splits = plan.splits, a.steps_per_warp = plan.steps_per_warp;
-  const char* early = std::getenv("FASTAWQ_GEMV_EARLY_LOADS");  // read at each call (a graph: at capture)
-  a.early_loads = early != nullptr && early[0] == '1' && early[1] == 0;
+  a.early_loads = early_weight_loads();  // read at each call (a graph: at capture)
+}
+
+// The grid of a staged form (awq_gemv_packed_act / _norm: a.m and the form set, so the occupancy
+// query sees its instance), checked to fit: each block stages M rows of its K range in shared memory.
+SplitPlan staged_plan(const char* op, const GemvPackedArgs& a, int64_t n, int64_t k, const char* unfused) {
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  const SplitPlan plan = plan_auto(n, k, kPackedTileCols, props->multiProcessorCount, gemv_packed_resident_blocks(a),
+                                   kWarpsPerSm[a.m], kFallbackWarpsPerSm);
+  const int64_t smem = a.m * std::min<int64_t>(4 * int64_t(plan.steps_per_warp) * kPackedBatchRows, k) * 2;
+  FASTAWQ_CHECK(smem + 4096 <= props->sharedMemPerBlockOptin, op, ": the staged input (", smem, " bytes for m=", a.m,
+                ", k=", k, ") does not fit a block's shared memory; use ", unfused, " and awq_gemv_packed");
+  return plan;
 }
 
 }  // namespace
@@ -235,22 +247,16 @@ std::tuple<at::Tensor, at::Tensor> awq_gemv_packed_norm(const at::Tensor& x, con
   at::Tensor res_out = residual ? at::empty_like(x) : at::empty({0}, x.options());
   if (m == 0) return {out, res_out};
   FASTAWQ_CHECK(k > 0, op, ": K must be positive");
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   GemvPackedArgs a{};
   a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
   a.m = static_cast<int>(m);
   a.norm_weight = norm_weight.data_ptr();
-  const SplitPlan plan = plan_auto(n, k, kPackedTileCols, sms, gemv_packed_resident_blocks(a), kWarpsPerSm[m],
-                                   kFallbackWarpsPerSm);
+  const SplitPlan plan = staged_plan(op, a, n, k, "add_rms_norm");
   fill_args(a, x, wpacked, szpacked, b, out, group_size, plan);
   a.residual = residual ? residual->data_ptr() : nullptr;
   a.res_out = residual ? res_out.data_ptr() : nullptr;
   a.eps = static_cast<float>(eps);
   a.offset = static_cast<float>(offset);
-  const int64_t smem = m * std::min<int64_t>(4 * int64_t(plan.steps_per_warp) * kPackedBatchRows, k) * 2;
-  const int optin = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
-  FASTAWQ_CHECK(smem + 4096 <= optin, op, ": the staged input (", smem, " bytes for m=", m, ", k=", k,
-                ") does not fit a block's shared memory; use add_rms_norm and awq_gemv_packed");
   launch_awq_gemv_packed(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, res_out};
@@ -273,19 +279,13 @@ at::Tensor awq_gemv_packed_act(const at::Tensor& gate_up, const at::Tensor& wpac
   at::Tensor out = at::empty({m, n}, gate_up.options());
   if (m == 0) return out;
   if (k == 0) return b != nullptr ? out.copy_(b->expand({m, n})) : out.zero_();
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   GemvPackedArgs a{};
   a.dtype = gate_up.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
   a.m = static_cast<int>(m);
   a.act = code;
-  const SplitPlan plan = plan_auto(n, k, kPackedTileCols, sms, gemv_packed_resident_blocks(a), kWarpsPerSm[m],
-                                   kFallbackWarpsPerSm);
+  const SplitPlan plan = staged_plan(op, a, n, k, "act_mul");
   fill_args(a, gate_up, wpacked, szpacked, b, out, group_size, plan);
   a.k = static_cast<int>(k);  // gate_up's rows are 2K wide; the GEMV's K is its half
-  const int64_t smem = m * std::min<int64_t>(4 * int64_t(plan.steps_per_warp) * kPackedBatchRows, k) * 2;
-  const int optin = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
-  FASTAWQ_CHECK(smem + 4096 <= optin, op, ": the staged input (", smem, " bytes for m=", m, ", k=", k,
-                ") does not fit a block's shared memory; use act_mul and awq_gemv_packed");
   launch_awq_gemv_packed(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

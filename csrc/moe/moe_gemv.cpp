@@ -12,6 +12,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "common/checks.h"
+#include "common/pdl.cuh"
 #include "common/launch.h"
 #include "common/workspace.h"
 #include "ops.h"
@@ -171,8 +172,7 @@ at::Tensor moe_gemv_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at
   const GemvSplit s2 = gemv_split(int64_t(a.tiles2) * n, static_cast<int>(i), sms, 16);
   a.chunk13 = s13.chunk_rows, a.cpb13 = s13.chunks_per_block, a.splits13 = s13.splits;
   a.chunk2 = s2.chunk_rows, a.cpb2 = s2.chunks_per_block, a.splits2 = s2.splits;
-  const char* early = std::getenv("FASTAWQ_GEMV_EARLY_LOADS");  // read at each call (a graph: at capture)
-  a.early_loads = early != nullptr && early[0] == '1' && early[1] == 0;
+  a.early_loads = early_weight_loads();  // read at each call (a graph: at capture)
   carve_workspace(a, c, x.device(), a.splits13 > 1, n * a.tiles13, a.tiles2);
   launch_moe_gemv(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
