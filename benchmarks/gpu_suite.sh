@@ -154,10 +154,13 @@ if [[ " $stages " == *" unrun "* ]]; then
   python -m pytest -q -p no:cacheprovider tests/test_fused.py tests/test_moe_mma.py tests/test_cuda_attention.py 2>&1 \
     | tail -2 || status=1
   python -m pytest -q -p no:cacheprovider tests/test_gemm_packed.py tests/test_gemv_packed.py tests/test_moe_op.py \
-    -k "shared_x or early" \
+    -k "shared_x or early or staged" \
     2>&1 | tail -2 || status=1
   compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py 2>&1 | tail -2 || status=1
   FASTAWQ_GEMM_SHARE_X=1 FASTAWQ_GEMV_EARLY_LOADS=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
+    python benchmarks/sanitize.py 2>&1 | tail -2 || status=1
+  # Session 17: awq_gemm_packed with x staged once a block in the mma's A order (FASTAWQ_GEMM_STAGE_X=1).
+  FASTAWQ_GEMM_STAGE_X=1 FASTAWQ_GEMV_EARLY_LOADS=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
     python benchmarks/sanitize.py 2>&1 | tail -2 || status=1
 fi
 if [[ " $stages " == *" unrun_perf "* ]]; then
@@ -174,12 +177,23 @@ if [[ " $stages " == *" unrun_perf "* ]]; then
   python benchmarks/gemm_table.py --kernels mma,gemm --ms 12,16,32,64 --dtypes float16,bfloat16 2>&1 | tail -10 || status=1
   FASTAWQ_GEMM_SHARE_X=1 python benchmarks/gemm_table.py --kernels gemm --ms 12,16,32,64 --dtypes float16,bfloat16 \
     2>&1 | tail -10 || status=1
+  # x staged once a block in the mma's A order (session 17; SASS: 130 / 149 / 166 instructions a step at
+  # 1 / 2 / 4 m-tiles against 154 / 217 / 304), without and with the weights' ring filled before the
+  # PDL wait, and its tiles at M = 32 / 64.
+  for early in 0 1; do
+    FASTAWQ_GEMM_STAGE_X=1 FASTAWQ_GEMV_EARLY_LOADS=$early python benchmarks/gemm_table.py --kernels gemm \
+      --ms 12,16,32,64,128 --dtypes float16,bfloat16 2>&1 | tail -12 || status=1
+  done
+  FASTAWQ_GEMM_STAGE_X=1 python benchmarks/gemm_table.py --kernels gemm:1:2:0,gemm:2:1:0,gemm:2:2:0,gemm:4:1:0 \
+    --ms 32,64 --dtypes float16 2>&1 | tail -4 || status=1
   # Qwen3-30B-A3B's attention projections at batch 16 took 11.3 / 11.4 us in the step (session 15)
   # for 5.2 / 4.2 MB: awq_mma_packed's plan there is 8 warps an SM (default_warps_per_sm), ~8-10 in
   # all on these shapes. Its tile and warp target against awq_gemm_packed, own and shared ring.
   python benchmarks/gemm_table.py --shapes 2048x5120,4096x2048 --kernels mma,mma:2:16,mma:2:0,mma:1:16,gemm \
     --ms 16 2>&1 | tail -6 || status=1
   FASTAWQ_GEMM_SHARE_X=1 python benchmarks/gemm_table.py --shapes 2048x5120,4096x2048 --kernels gemm --ms 16 \
+    2>&1 | tail -6 || status=1
+  FASTAWQ_GEMM_STAGE_X=1 python benchmarks/gemm_table.py --shapes 2048x5120,4096x2048 --kernels gemm --ms 16 \
     2>&1 | tail -6 || status=1
 fi
 if [[ " $stages " == *" unrun_ab "* ]]; then
@@ -198,9 +212,12 @@ if [[ " $stages " == *" unrun_b16 "* ]]; then
   step unrun_b16
   # awq_gemm_packed for batches of 9-16 in decode (bench_ab.py --compare gemm16), then the engine's
   # memory at max_seq_len 4096 (the 6.0 GiB target; the branch's own stream): ~4 min.
-  for shape in llama-3-8b qwen3-30b-a3b; do
-    FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare gemm16 --shape $shape --batches 16 \
-      --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
+  # gemm16's "on" runs awq_gemm_packed: its ring form, then (FASTAWQ_GEMM_STAGE_X=1) the staged form.
+  for stage in 0 1; do
+    for shape in llama-3-8b qwen3-30b-a3b; do
+      FASTAWQ_GEMM_STAGE_X=$stage FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare gemm16 --shape $shape \
+        --batches 16 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
+    done
   done
   FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_e2e.py --shape llama-3-8b --layout packed --modes fused-graphs \
     --graph-lengths 64 --batches 1 --max-seq-len 4096 --budget 60 --out "$OUT/e2e_memory" 2>&1 | tail -4 || status=1

@@ -3,9 +3,10 @@
 CPU: a bit-level emulation of the kernel's fragments (written from the kernel's comments: which
 lane loads which 16 bytes of the layout, the byte permute and mask that make a B register, its
 dequantization in x's dtype, the A registers from one 16-byte load of x per row, the C layout)
-matches the reference. GPU (skipped without CUDA and the compiled op): the kernel against
-reference.awq_gemm on shapes across every tile edge (16-row m-tiles, 16/32/64-row blocks, the
-128-column tile, the 4-column lane chunk), forced K splits, and the Llama-3-8B shapes.
+matches the reference, and the staged form's shared-memory quads are the mma's A registers. GPU
+(skipped without CUDA and the compiled op): the kernel against reference.awq_gemm on shapes across
+every tile edge (16-row m-tiles, 16/32/64-row blocks, the 128-column tile, the 4-column lane chunk),
+forced K splits, and the Llama-3-8B shapes.
 """
 from __future__ import annotations
 
@@ -79,6 +80,50 @@ def test_fragments_as_the_kernel_reads_them(m, k, n, g, dtype):
     wp, sz = awq_gemv_repack(qw, s, qz, g)
     x = random_input((m, k), dtype=dtype, seed=m)
     assert_close_to_reference(_emulate(x, wp, sz, n, g), x, qw, s, qz, g)
+
+
+def _staged_quads(x: torch.Tensor, row0: int, s0: int, s1: int, mt_count: int) -> dict[int, tuple[int, ...]]:
+    """The staged form's shared memory (FASTAWQ_GEMM_STAGE_X=1) as its 128 threads write it: the
+    16-byte quads by byte offset from the staged region, each as its four 32-bit words."""
+    m, k = x.shape
+    words = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [M, K / 2]: k pairs
+    smem: dict[int, tuple[int, ...]] = {}
+    items = (s1 - s0) * mt_count * 32
+    for tid in range(128):
+        for j in range(tid, items, 128):
+            r, mt, c, p = j // (32 * mt_count), (j >> 5) % mt_count, (j >> 3) & 3, j & 7
+            row = row0 + 16 * mt + p
+            k0 = 32 * (s0 + r) + 8 * c
+            u = words[min(row, m - 1), k0 // 2 : k0 // 2 + 4].tolist()
+            v = words[min(row + 8, m - 1), k0 // 2 : k0 // 2 + 4].tolist()
+            at = (j >> 5) * 1024 + (j & 31) * 16
+            assert at not in smem and at + 512 not in smem, "two items on one quad"
+            smem[at] = (u[0], v[0], u[1], v[1])
+            smem[at + 512] = (u[2], v[2], u[3], v[3])
+    return smem
+
+
+@pytest.mark.parametrize("m,mt_count,row0,s0,s1", [(16, 1, 0, 0, 16), (5, 1, 0, 3, 8), (40, 2, 32, 1, 9),
+                                                   (64, 4, 0, 0, 4), (70, 4, 64, 2, 5)])
+def test_staged_quads_are_the_mma_a_fragments(m, mt_count, row0, s0, s1):
+    # Lane (g, t)'s load at + 16 (8t + g) + ((r MT + mt) 2 + h) 512 must be the mma's A registers
+    # {a0, a1, a2, a3} of k-step h, under the layout's k labels (_emulate's a: slots 2t, 2t + 1 are
+    # k0, k0 + 1 and slots 2t + 8, 2t + 9 are k0 + 2, k0 + 3, k0 = 32 s + 8t + 4h): rows g and g + 8.
+    k = 32 * s1 + 64
+    x = random_input((m, k), dtype=torch.float16, seed=m + s0)
+    smem = _staged_quads(x, row0, s0, s1, mt_count)
+    assert len(smem) == (s1 - s0) * mt_count * 64
+    bits = x.view(torch.int16).to(torch.int64) & 0xFFFF
+    pair = lambda row, kk: int(bits[min(row, m - 1), kk]) | int(bits[min(row, m - 1), kk + 1]) << 16  # noqa: E731
+    for r in range(s1 - s0):
+        for mt in range(mt_count):
+            for h in range(2):
+                for lane in range(32):
+                    g, t = divmod(lane, 4)
+                    quad = smem[16 * (8 * t + g) + ((r * mt_count + mt) * 2 + h) * 512]
+                    k0 = 32 * (s0 + r) + 8 * t + 4 * h
+                    top, bottom = row0 + 16 * mt + g, row0 + 16 * mt + g + 8
+                    assert quad == (pair(top, k0), pair(bottom, k0), pair(top, k0 + 2), pair(bottom, k0 + 2))
 
 
 @pytest.mark.skipif(not _ext.has_op("awq_gemm_packed"), reason="fastawq._C is not built with awq_gemm_packed")
@@ -163,6 +208,62 @@ def test_shared_x_ring_shapes(monkeypatch, k, n, g, m):
     qw, s, qz, wp, sz = _setup(k, n, g, torch.float16, seed=k + n + m)
     x = random_input((m, k), "cuda", torch.float16, seed=m)
     assert_close_to_reference(_poisoned_call(x, wp, sz, n, g), x, qw, s, qz, g)
+
+
+@requires_kernel
+@pytest.mark.parametrize("m_tiles,chunks", [(0, 0), (1, 1), (1, 2), (2, 1), (2, 2), (4, 1)])
+@pytest.mark.parametrize("splits", [0, 1, 3, 64])
+@pytest.mark.parametrize("m", [5, 16, 17, 70])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("early", ["0", "1"])
+def test_staged_x(monkeypatch, m_tiles, chunks, splits, m, dtype, early):
+    # FASTAWQ_GEMM_STAGE_X=1: x staged once a block in the mma's A order (at most 16 / m_tiles steps
+    # a block: automatic splits are cut that fine; forced ones of 1 and 3 splits at 64 steps run the
+    # ring form, 64 splits one step a block), with and without the weights' ring filled before
+    # the PDL wait (FASTAWQ_GEMV_EARLY_LOADS=1).
+    monkeypatch.setenv("FASTAWQ_GEMM_STAGE_X", "1")
+    monkeypatch.setenv("FASTAWQ_GEMV_EARLY_LOADS", early)
+    k, n, g = 2048, 392, 128
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=m_tiles + chunks + splits + m)
+    for seed in (m, m + 100):  # a second call: the workspace was re-zeroed
+        x = random_input((m, k), "cuda", dtype, seed=seed)
+        bias = random_input((n,), "cuda", dtype, seed=3) if seed > 100 else None
+        out = _poisoned_call(x, wp, sz, n, g, bias, m_tiles, chunks, splits)
+        assert_close_to_reference(out, x, qw, s, qz, g, bias)
+
+
+@requires_kernel
+@pytest.mark.parametrize("k,n,g", GPU_SHAPES)
+@pytest.mark.parametrize("m", [16, 33, 129])
+def test_staged_x_shapes(monkeypatch, k, n, g, m):
+    monkeypatch.setenv("FASTAWQ_GEMM_STAGE_X", "1")
+    qw, s, qz, wp, sz = _setup(k, n, g, torch.bfloat16, seed=k + n + m)
+    x = random_input((m, k), "cuda", torch.bfloat16, seed=m)
+    assert_close_to_reference(_poisoned_call(x, wp, sz, n, g), x, qw, s, qz, g)
+
+
+@requires_kernel
+def test_staged_x_runs_the_staged_instance(monkeypatch):
+    # The switch reaches the launch: the kernel's last template argument is its x mode (2: staged),
+    # and a forced split too coarse for the staged region falls back to the ring form (0).
+    import re
+
+    k, n, g, m = 4096, 392, 128, 16
+    _, _, _, wp, sz = _setup(k, n, g, torch.float16)
+    x = random_input((m, k), "cuda", torch.float16)
+
+    def x_modes(splits):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            torch.ops.fastawq.awq_gemm_packed(x, wp, sz, n, g, None, 0, 0, splits)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if "awq_gemm_packed_kernel" in e.name]
+        return {int(re.search(r"awq_gemm_packed_kernel<[^<>]*, (\d+)>", name).group(1)) for name in names}
+
+    monkeypatch.setenv("FASTAWQ_GEMM_STAGE_X", "1")
+    assert x_modes(0) == {2}
+    assert x_modes(2) == {0}  # 64 steps a block: more than the staged region holds
+    monkeypatch.setenv("FASTAWQ_GEMM_STAGE_X", "0")
+    assert x_modes(0) == {0}
 
 
 @requires_kernel

@@ -43,6 +43,10 @@ __device__ __forceinline__ uint4 ld_shared128_at(uint32_t addr) {
   return v;
 }
 __device__ __forceinline__ uint4 ld_shared128(const void* p) { return ld_shared128_at(smem_addr(p)); }
+__device__ __forceinline__ void st_shared128_at(uint32_t addr, uint4 v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
 
 // p[0..3] += v (p 16-byte aligned, in global memory): one 16-byte reduction on sm_90
 // (red.global.add.v4.f32), four 4-byte atomics before.

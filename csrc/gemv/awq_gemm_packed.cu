@@ -37,6 +37,7 @@
 // cp.async's L2::cache_hint and leave the copy reading an unset uniform register as its
 // descriptor, which traps (cudaErrorIllegalInstruction) -- it did here, in the main loop's refill
 // (benchmarks/CUDA_NOTES.md, session 14; tests/test_sass.py checks every kernel's SASS for it).
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -61,31 +62,46 @@ __device__ __forceinline__ uint32_t dequant_pair(uint32_t magic_q, typename Half
   return *reinterpret_cast<const uint32_t*>(&w);
 }
 
-// The block's shared memory: per warp a ring of P steps, each step kItems 16-byte items per lane
+// Where x comes from (XMode, a template parameter; FASTAWQ_GEMM_SHARE_X / _STAGE_X pick it at each
+// call). The block's shared memory: per warp a ring of P steps, each step kItems 16-byte items per lane
 // (CC weight loads, then x rows g and g + 8 of each m-tile), lane-contiguous so every 16-byte
 // access is conflict-free. A lane reads back only what it copied itself, so cp.async.wait_group
 // alone orders the ring (no barrier), and a block's warps never wait for each other before the tail.
-// kShareX (FASTAWQ_GEMM_SHARE_X=1, an A/B switch): one ring for the block, each slot the 4 warps'
+// kXShared (FASTAWQ_GEMM_SHARE_X=1): one ring for the block, each slot the 4 warps'
 // weights (CC items a lane each) and the step's x tile once ([16 MT rows][4 chunks of 8 k], copied
 // by the block's threads a 16-byte item each): the 4 warps no longer copy and hold the same x
 // rows, so a slot is 4 CC + 2 MT KB against 4 (CC + 2 MT) KB (at MT = CC = 1, 3 KB against 6:
 // twice the blocks an SM by shared memory). The price: one barrier a step (each warp reads x
 // that other threads copied, and a slot is refilled only once every warp has consumed it).
-template <int MT, int CC, bool kShareX = false>
-constexpr int kRingStepBytes =
-    kShareX ? kPackedThreads / 32 * CC * 512 + MT * 1024 : (CC + 2 * MT) * 32 * 16;
-template <int MT, int CC, int P, bool kShareX = false>
-constexpr int kRingBytes =
-    kShareX ? P * kRingStepBytes<MT, CC, true> : kPackedThreads / 32 * P * kRingStepBytes<MT, CC, false>;
+// kXStaged (FASTAWQ_GEMM_STAGE_X=1): the per-warp ring holds weights only, and the block's x for
+// its whole K range (at most kStageBytes: 16 / MT steps) is staged once, after the PDL wait,
+// through registers in the mma's A order: the 16 bytes at (step, m-tile, h, lane (g, t)) are the
+// lane's A quad of k-step h, {x[g][k0, k0 + 1], x[g + 8][k0, k0 + 1], x[g][k0 + 2, k0 + 3],
+// x[g + 8][k0 + 2, k0 + 3]} with k0 = 8t + 4h, so a quad is one 16-byte shared load into the four
+// consecutive registers the mma reads (the other modes load rows g and g + 8 and move words into
+// quads: 28 IMAD.MOV a step in the SASS, CUDA_NOTES.md session 14). No x copies, pointers or
+// barriers in the main loop, and half the shared memory of kXPerWarp at MT = CC = 1.
+enum XMode : int { kXPerWarp = 0, kXShared = 1, kXStaged = 2 };
+constexpr int kStageBytes = 16384;
+template <int MT>
+constexpr int kStageSteps = kStageBytes / (MT * 1024);
 
-template <typename T, int MT, int CC, int P, bool kShareX>
+template <int MT, int CC, int kX = kXPerWarp>
+constexpr int kRingStepBytes = kX == kXShared   ? kPackedThreads / 32 * CC * 512 + MT * 1024
+                               : kX == kXStaged ? CC * 512
+                                                : (CC + 2 * MT) * 32 * 16;
+template <int MT, int CC, int P, int kX = kXPerWarp>
+constexpr int kRingBytes = kX == kXShared ? P * kRingStepBytes<MT, CC, kX> : kPackedThreads / 32 * P * kRingStepBytes<MT, CC, kX>;
+
+template <typename T, int MT, int CC, int P, int kX>
 __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int m, int n, int k, int group_size,
-    int steps_per_block) {
+    int steps_per_block, bool early_loads) {
   using Tr = HalfTraits<T>;
   using T2 = typename Tr::T2;
-  constexpr int kStepBytes = kRingStepBytes<MT, CC, kShareX>;
+  constexpr bool kShareX = kX == kXShared, kStaged = kX == kXStaged;
+  constexpr int kStepBytes = kRingStepBytes<MT, CC, kX>;
   static_assert(!kShareX || P >= 2, "the shared ring waits for P - 2 younger steps");
   constexpr int kRows = 16 * MT;
   constexpr int kQuads = kPackedThreads / 32 * 8 * CC;  // 4-column chunks of the block's tile
@@ -108,39 +124,18 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
   const int64_t w_step = 4 * static_cast<int64_t>(n4);
   const uint4* w_next = wp + static_cast<int64_t>(t) * n4 + c4w + g + s0 * w_step;
 
-  // L2 prefetch of the ring's first steps before the PDL wait (awq_gemv_packed.cu says why only L2).
-  for (int s = s0; s < min(s0 + P, s1); ++s) {
-#pragma unroll
-    for (int cc = 0; cc < CC; ++cc) {
-      if (col_ok[cc]) prefetch_l2(w_next + (s - s0) * w_step + 8 * cc);
-    }
-  }
-  pdl_wait();
-  pdl_launch_dependents();
-
-  // The x rows a thread copies (rows past M clamped to row M - 1: they feed only outputs never
-  // stored). Per warp: the lane's rows row0 + 16 mt + 8 r + g, chunk t. Shared: item j = tid + 128 q
-  // of the block's x tile, row row0 + j / 4, chunk j % 4.
-  constexpr int kXCopies = kShareX ? (MT * 64 + kPackedThreads - 1) / kPackedThreads : 2 * MT;
-  const T* x_next[kXCopies];
-#pragma unroll
-  for (int i = 0; i < kXCopies; ++i) {
-    int row, chunk;
-    if constexpr (kShareX) {
-      const int j = min(static_cast<int>(threadIdx.x) + kPackedThreads * i, MT * 64 - 1);
-      row = row0 + (j >> 2), chunk = j & 3;
-    } else {
-      row = row0 + 16 * (i >> 1) + 8 * (i & 1) + g, chunk = t;
-    }
-    x_next[i] = x + static_cast<int64_t>(min(row, m - 1)) * k + 8 * chunk + static_cast<int64_t>(s0) * kPackedBatchRows;
-  }
   // Per warp: item i of slot p at ring0 + p * kStepBytes + i * 512. Shared: slot p at base + p *
   // kStepBytes holds warp w's item cc at (w CC + cc) 512 + 16 lane, then the x tile, item j at
-  // 512 * 4 CC + 16 j. Global sources step one step per issue.
+  // 512 * 4 CC + 16 j. Staged: the 4 warps' rings, then the x quads from xstage0 (lane (g, t) at
+  // + 16 (8 t + g), step r's m-tile mt and k-step h at + ((r MT + mt) 2 + h) 512). Global sources
+  // step one step per issue.
   const uint32_t base = smem_addr(ring_smem);
   const uint32_t ring0 = kShareX ? pinned(base + warp * CC * 512 + lane * 16)
                                  : pinned(base + warp * (P * kStepBytes) + lane * 16);
   [[maybe_unused]] const uint32_t xring0 = pinned(base + kPackedThreads / 32 * CC * 512);
+  [[maybe_unused]] const uint32_t xstage0 = base + kPackedThreads / 32 * P * kStepBytes;
+  constexpr int kXCopies = kStaged ? 1 : (kShareX ? (MT * 64 + kPackedThreads - 1) / kPackedThreads : 2 * MT);
+  const T* x_next[kXCopies];  // set after the PDL wait (the staged form copies none)
   const auto w_addr = [&](int slot, int cc) { return ring0 + slot * kStepBytes + cc * 512; };
   const auto x_addr = [&](int slot, int mt, int r) {
     if constexpr (kShareX) {
@@ -152,19 +147,95 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
   const auto issue = [&](int slot) {
 #pragma unroll
     for (int cc = 0; cc < CC; ++cc) cp_async16_at(w_addr(slot, cc), w_next + 8 * cc, col_ok[cc]);
+    if constexpr (!kStaged) {
 #pragma unroll
-    for (int i = 0; i < kXCopies; ++i) {
-      if constexpr (kShareX) {
-        if (static_cast<int>(threadIdx.x) + kPackedThreads * i < MT * 64) {
-          cp_async16_ca_at(xring0 + slot * kStepBytes + (threadIdx.x + kPackedThreads * i) * 16, x_next[i]);
+      for (int i = 0; i < kXCopies; ++i) {
+        if constexpr (kShareX) {
+          if (static_cast<int>(threadIdx.x) + kPackedThreads * i < MT * 64) {
+            cp_async16_ca_at(xring0 + slot * kStepBytes + (threadIdx.x + kPackedThreads * i) * 16, x_next[i]);
+          }
+        } else {
+          cp_async16_ca_at(x_addr(slot, i >> 1, i & 1), x_next[i]);
         }
-      } else {
-        cp_async16_ca_at(x_addr(slot, i >> 1, i & 1), x_next[i]);
+        x_next[i] += kPackedBatchRows;
       }
-      x_next[i] += kPackedBatchRows;
     }
     w_next += w_step;
   };
+  // The ring: step s is copied into slot (s - s0) % P while P - 1 younger steps are in flight; one
+  // commit group per step (empty past the range), so wait_group counts steps. (A ring of register
+  // loads does not pipeline: ptxas tracks all of a warp's global loads on one scoreboard, so the
+  // first use of the oldest slot waits for the youngest too.)
+  const auto fill_ring = [&]() {
+#pragma unroll
+    for (int d = 0; d < P - 1; ++d) {
+      if (s0 + d < s1) issue(d);
+      cp_async_commit();
+    }
+  };
+
+  // Before the PDL wait: the staged form with FASTAWQ_GEMV_EARLY_LOADS=1 copies its first P - 1
+  // steps of weights into the ring (no kernel that can launch this one early writes weights:
+  // awq_gemv_packed.h); otherwise they are only prefetched into L2 (awq_gemv_packed.cu says why).
+  const bool early = kStaged && early_loads;
+  if (early) {
+    fill_ring();
+  } else {
+    for (int s = s0; s < min(s0 + P, s1); ++s) {
+#pragma unroll
+      for (int cc = 0; cc < CC; ++cc) {
+        if (col_ok[cc]) prefetch_l2(w_next + (s - s0) * w_step + 8 * cc);
+      }
+    }
+  }
+  pdl_wait();
+  pdl_launch_dependents();
+
+  if constexpr (kStaged) {
+    // Item j of the block's x: step j / (32 MT), m-tile (j / 32) % MT, chunk (j / 8) % 4 (t), row
+    // pair j % 8 (g); its 16-byte loads of rows g and g + 8 (clamped to row M - 1: they feed only
+    // outputs never stored) become the quads of k-steps 0 and 1 at xstage0 + 1024 (j / 32) +
+    // 16 (j % 32) and + 512. All loads are issued before the first store (one L2 round trip).
+    constexpr int kPer = kStageSteps<MT> * MT * 32 / kPackedThreads;
+    const int items = (s1 - s0) * MT * 32;
+    uint4 u[kPer], v[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int j = static_cast<int>(threadIdx.x) + kPackedThreads * i;
+      if (j < items) {
+        const int r = j / (32 * MT), mt = (j >> 5) % MT, c = (j >> 3) & 3, p = j & 7;
+        const int row = row0 + 16 * mt + p;
+        const T* src = x + static_cast<int64_t>(s0 + r) * kPackedBatchRows + 8 * c;
+        u[i] = *reinterpret_cast<const uint4*>(src + static_cast<int64_t>(min(row, m - 1)) * k);
+        v[i] = *reinterpret_cast<const uint4*>(src + static_cast<int64_t>(min(row + 8, m - 1)) * k);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int j = static_cast<int>(threadIdx.x) + kPackedThreads * i;
+      if (j < items) {
+        const uint32_t at = xstage0 + (j >> 5) * 1024 + (j & 31) * 16;
+        st_shared128_at(at, make_uint4(u[i].x, v[i].x, u[i].y, v[i].y));
+        st_shared128_at(at + 512, make_uint4(u[i].z, v[i].z, u[i].w, v[i].w));
+      }
+    }
+    __syncthreads();
+  } else {
+    // The x rows a thread copies (rows past M clamped to row M - 1: they feed only outputs never
+    // stored). Per warp: the lane's rows row0 + 16 mt + 8 r + g, chunk t. Shared: item j = tid + 128 q
+    // of the block's x tile, row row0 + j / 4, chunk j % 4.
+#pragma unroll
+    for (int i = 0; i < kXCopies; ++i) {
+      int row, chunk;
+      if constexpr (kShareX) {
+        const int j = min(static_cast<int>(threadIdx.x) + kPackedThreads * i, MT * 64 - 1);
+        row = row0 + (j >> 2), chunk = j & 3;
+      } else {
+        row = row0 + 16 * (i >> 1) + 8 * (i & 1) + g, chunk = t;
+      }
+      x_next[i] = x + static_cast<int64_t>(min(row, m - 1)) * k + 8 * chunk + static_cast<int64_t>(s0) * kPackedBatchRows;
+    }
+  }
 
   const uint4* sz_lane = sz + static_cast<int64_t>(s0 / steps_per_group) * n4 + c4w + g;
   uint4 sv_next[CC];
@@ -187,13 +258,21 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
   };
 
   float acc[MT][CC][4][4] = {};
+  // Staged: the lane's quads of the current step (advanced by MT KB a step).
+  [[maybe_unused]] uint32_t xq = kStaged ? pinned(xstage0 + (8 * t + g) * 16) : 0;
 
   const auto consume = [&](int slot) {
-    uint4 xc[MT][2];
+    uint4 xc[MT][2];  // staged: quads of k-steps 0, 1; otherwise rows g, g + 8
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) xc[mt][r] = ld_shared128_at(x_addr(slot, mt, r));
+      for (int r = 0; r < 2; ++r) {
+        if constexpr (kStaged) {
+          xc[mt][r] = ld_shared128_at(xq + (2 * mt + r) * 512);
+        } else {
+          xc[mt][r] = ld_shared128_at(x_addr(slot, mt, r));
+        }
+      }
 #pragma unroll
     for (int cc = 0; cc < CC; ++cc) {
       const uint4 w = ld_shared128_at(w_addr(slot, cc));
@@ -213,27 +292,24 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const uint32_t a[4] = {h == 0 ? xc[mt][0].x : xc[mt][0].z, h == 0 ? xc[mt][1].x : xc[mt][1].z,
-                                 h == 0 ? xc[mt][0].y : xc[mt][0].w, h == 0 ? xc[mt][1].y : xc[mt][1].w};
+          uint32_t a[4];
+          if constexpr (kStaged) {
+            a[0] = xc[mt][h].x, a[1] = xc[mt][h].y, a[2] = xc[mt][h].z, a[3] = xc[mt][h].w;
+          } else {
+            a[0] = h == 0 ? xc[mt][0].x : xc[mt][0].z, a[1] = h == 0 ? xc[mt][1].x : xc[mt][1].z;
+            a[2] = h == 0 ? xc[mt][0].y : xc[mt][0].w, a[3] = h == 0 ? xc[mt][1].y : xc[mt][1].w;
+          }
 #pragma unroll
           for (int j = 0; j < 4; ++j) Mma<T>::run(acc[mt][cc][j], a, b[h][j][0], b[h][j][1]);
         }
     }
   };
 
-  // The ring: step s is copied into slot (s - s0) % P while P - 1 younger steps are in flight; one
-  // commit group per step (empty past the range), so wait_group counts steps. (A ring of register
-  // loads does not pipeline: ptxas tracks all of a warp's global loads on one scoreboard, so the
-  // first use of the oldest slot waits for the youngest too.)
   if (s0 < s1) {
     load_scales();
     set_group();
   }
-#pragma unroll
-  for (int d = 0; d < P - 1; ++d) {
-    if (s0 + d < s1) issue(d);
-    cp_async_commit();
-  }
+  if (!early) fill_ring();
   int group_left = steps_per_group - s0 % steps_per_group;  // steps until the current group ends
   int slot = 0;
 #pragma unroll 1
@@ -258,6 +334,7 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
     }
     if constexpr (!kShareX) cp_async_wait<P - 1>();
     consume(slot);
+    if constexpr (kStaged) xq += MT * 1024;
     slot = slot == P - 1 ? 0 : slot + 1;
     if (--group_left == 0) {
       group_left = steps_per_group;
@@ -297,10 +374,14 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
   if (!split) return;
 
   // The last block of this (column tile, M block) to arrive converts the sums and zeroes them again.
-  __threadfence();
+  // The staged form fences once a block, in the thread that counts after the barrier (the barrier
+  // orders the block's reductions before that fence, and the fence is cumulative); the others fence
+  // in every thread (session 14's ncu: 1.3 of a warp's 11.6 cycles between instructions).
+  if constexpr (!kStaged) __threadfence();
   __syncthreads();
   const int tile = blockIdx.y * gridDim.x + blockIdx.x;
   if (threadIdx.x == 0) {
+    if constexpr (kStaged) __threadfence();
     const int prev = atomicAdd(counters + tile, 1);
     is_last = prev == static_cast<int>(gridDim.z) - 1;
     if (is_last) counters[tile] = 0;
@@ -321,10 +402,11 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
 }
 
 // The ring's depth: up to 8 steps (7 in flight), 8 weight copies a lane, ~72 KB a block.
-template <int MT, int CC, bool kShareX = false>
+template <int MT, int CC, int kX = kXPerWarp>
 constexpr int gemm_ring_depth() {
   constexpr int by_weights = 8 / CC;
-  constexpr int by_smem = 73728 / (kShareX ? kRingStepBytes<MT, CC, true> : kPackedThreads / 32 * kRingStepBytes<MT, CC>);
+  constexpr int by_smem =
+      73728 / (kX == kXShared ? kRingStepBytes<MT, CC, kX> : kPackedThreads / 32 * kRingStepBytes<MT, CC, kX>);
   constexpr int p = by_weights < by_smem ? by_weights : by_smem;
   return p > 8 ? 8 : (p < 3 ? 3 : p);
 }
@@ -338,40 +420,47 @@ bool shallow_ring() {
   return on;
 }
 
-// FASTAWQ_GEMM_SHARE_X=1: one ring a block with x staged once (kShareX above; an A/B switch, read at
-// each call, so a graph reads it at capture and the split plan's occupancy query sees the same
-// instance as the launch).
-bool share_x() {
-  const char* v = std::getenv("FASTAWQ_GEMM_SHARE_X");
+// FASTAWQ_GEMM_SHARE_X=1 / FASTAWQ_GEMM_STAGE_X=1: the x modes above (A/B switches, read at each
+// call, so a graph reads them at capture and the split plan's occupancy query sees the same
+// instance as the launch). The staged form is launched only where the host entry set a.stage_x
+// (its block's K range fits the staged region); it wins over the shared ring when both are set.
+bool env_on(const char* name) {
+  const char* v = std::getenv(name);
   return v != nullptr && v[0] == '1' && v[1] == 0;
 }
+bool share_x() { return env_on("FASTAWQ_GEMM_SHARE_X"); }
 
-template <typename T, int MT, int CC, int kP, bool kShareX = false>
+template <typename T, int MT, int CC, int kP, int kX = kXPerWarp>
 void launch_depth(const GemmPackedArgs& a, cudaStream_t stream, int* resident) {
-  constexpr auto kernel = awq_gemm_packed_kernel<T, MT, CC, kP, kShareX>;
-  constexpr int kSmem = kRingBytes<MT, CC, kP, kShareX>;
+  constexpr auto kernel = awq_gemm_packed_kernel<T, MT, CC, kP, kX>;
+  // The staged form's x region is sized by the launch's steps a block; the opt-in and the
+  // occupancy query take the largest (what the host plan assumes when it sizes the grid).
+  constexpr int kMaxSmem = kRingBytes<MT, CC, kP, kX> + (kX == kXStaged ? kStageBytes : 0);
   // Above 48 KB of dynamic shared memory a kernel must opt in, once per instance and device.
   static std::atomic<uint64_t> opted{0};
   int device = 0;
   cudaGetDevice(&device);
   const uint64_t bit = uint64_t{1} << (device & 63);
   if ((opted.load(std::memory_order_relaxed) & bit) == 0) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem);
     opted.fetch_or(bit, std::memory_order_relaxed);
   }
   if (resident != nullptr) {
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, kPackedThreads, kSmem);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, kPackedThreads, kMaxSmem);
     return;
   }
-  launch_pdl(kernel, dim3(a.m_blocks, a.col_tiles, a.splits), dim3(kPackedThreads), kSmem, stream,
+  const int smem =
+      kRingBytes<MT, CC, kP, kX> + (kX == kXStaged ? std::min(a.steps_per_warp, kStageSteps<MT>) * MT * 1024 : 0);
+  launch_pdl(kernel, dim3(a.m_blocks, a.col_tiles, a.splits), dim3(kPackedThreads), smem, stream,
              static_cast<const T*>(a.x), reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz),
              static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.m, a.n, a.k,
-             a.group_size, a.steps_per_warp);
+             a.group_size, a.steps_per_warp, a.early_loads);
 }
 
 template <typename T, int MT, int CC>
 void launch_cfg(const GemmPackedArgs& a, cudaStream_t stream, int* resident) {
-  if (share_x()) return launch_depth<T, MT, CC, gemm_ring_depth<MT, CC, true>(), true>(a, stream, resident);
+  if (a.stage_x) return launch_depth<T, MT, CC, gemm_ring_depth<MT, CC, kXStaged>(), kXStaged>(a, stream, resident);
+  if (share_x()) return launch_depth<T, MT, CC, gemm_ring_depth<MT, CC, kXShared>(), kXShared>(a, stream, resident);
   if (shallow_ring()) return launch_depth<T, MT, CC, 4>(a, stream, resident);
   launch_depth<T, MT, CC, gemm_ring_depth<MT, CC>()>(a, stream, resident);
 }
@@ -403,6 +492,11 @@ int gemm_packed_resident_blocks(const GemmPackedArgs& a) {
   int blocks = 0;
   gemv::by_dtype(a.dtype, [&](auto t) { launch_t<decltype(t)>(a, nullptr, &blocks); });
   return blocks > 0 ? blocks : 1;
+}
+
+int gemm_packed_stage_steps(const GemmPackedArgs& a) {
+  if (!env_on("FASTAWQ_GEMM_STAGE_X")) return 0;
+  return a.m_tiles == 1 ? kStageSteps<1> : (a.m_tiles == 2 ? kStageSteps<2> : kStageSteps<4>);
 }
 
 }  // namespace fastawq

@@ -347,6 +347,11 @@ at::Tensor awq_gemm_packed(const at::Tensor& x, const at::Tensor& wpacked, const
   a.m_tiles = static_cast<int>(m_tiles), a.chunks = static_cast<int>(chunks);
   const int64_t m_blocks = (m + 16 * m_tiles - 1) / (16 * m_tiles);
   a.m_blocks = static_cast<int>(m_blocks);
+  // FASTAWQ_GEMM_STAGE_X=1: a block stages x for its whole K range, at most stage_steps steps, so
+  // the automatic plan cuts K at least that fine (more than one wave where the column tiles alone
+  // nearly fill the GPU); a forced split whose ranges are longer runs the ring form instead.
+  const int64_t stage_steps = gemm_packed_stage_steps(a);
+  a.stage_x = stage_steps > 0;
   // One wave: (column tile, M block) slices times K splits of >= 2 steps, as many as fit at once.
   const int64_t tile_cols = kPackedTileCols * chunks;
   const int64_t col_tiles = (n + tile_cols - 1) / tile_cols, steps = k / kPackedBatchRows;
@@ -359,6 +364,8 @@ at::Tensor awq_gemm_packed(const at::Tensor& x, const at::Tensor& wpacked, const
   int64_t spb = (steps + want - 1) / want;
   if (splits == 0) spb = std::max<int64_t>(2, spb);
   spb = std::min(spb, steps);
+  if (a.stage_x && splits == 0) spb = std::min(spb, stage_steps);
+  a.stage_x = a.stage_x && spb <= stage_steps;
   fill_args(a, x, wpacked, szpacked, b, out, group_size,
             {static_cast<int>(col_tiles), static_cast<int>((steps + spb - 1) / spb), static_cast<int>(spb)},
             col_tiles * m_blocks);

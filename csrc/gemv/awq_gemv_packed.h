@@ -90,10 +90,16 @@ struct GemmPackedArgs : PackedArgs {
   int m_tiles;   // 16-row mma tiles per block
   int chunks;    // 128-column chunks per block tile
   int m_blocks;  // blocks along M: ceil(M / (16 m_tiles))
+  // x staged once a block in the mma's A order (FASTAWQ_GEMM_STAGE_X=1, awq_gemm_packed.cu): set by
+  // the host entry where steps_per_warp <= gemm_packed_stage_steps.
+  bool stage_x;
 };
 
 void launch_awq_gemm_packed(const GemmPackedArgs& args, cudaStream_t stream);
-// Blocks of the instance (dtype, m_tiles) that fit on one SM.
+// Blocks of the instance (dtype, m_tiles, chunks, stage_x) that fit on one SM.
 int gemm_packed_resident_blocks(const GemmPackedArgs& args);
+// The most 32-row steps a block may take in the staged-x form (args.m_tiles read), or 0 where
+// FASTAWQ_GEMM_STAGE_X is not 1 (read at each call).
+int gemm_packed_stage_steps(const GemmPackedArgs& args);
 
 }  // namespace fastawq
