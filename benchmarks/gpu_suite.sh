@@ -207,6 +207,10 @@ if [[ " $stages " == *" unrun_ab "* ]]; then
     FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare env:FASTAWQ_GEMV_EARLY_LOADS=0,1 --shape ${shape%%:*} \
       --batches ${shape##*:} --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
   done
+  # Session 17: each warp's whole range (a one-wave grid gives ~3-4 batches a warp at batch 1) into
+  # L2 before the PDL wait, against the default 2 batches.
+  FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare env:FASTAWQ_GEMV_PREFETCH=2,64 --shape llama-3-8b \
+    --batches 1 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
 fi
 if [[ " $stages " == *" unrun_b16 "* ]]; then
   step unrun_b16

@@ -149,10 +149,13 @@ def test_kernel_matches_reference(k, n, g, m, dtype):
 @requires_kernel
 @pytest.mark.parametrize("k,n,g", GPU_SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 5])
-def test_early_loads_match_reference(monkeypatch, k, n, g, m):
+@pytest.mark.parametrize("prefetch", ["", "0", "1000"])
+def test_early_loads_match_reference(monkeypatch, k, n, g, m, prefetch):
     # FASTAWQ_GEMV_EARLY_LOADS=1 (read at each call): the first weight batch is loaded before the
     # PDL wait. The weights here were written by torch just before, as a repack writes them.
+    # FASTAWQ_GEMV_PREFETCH: the default 2 batches into L2 before the wait, none, or a warp's range.
     monkeypatch.setenv("FASTAWQ_GEMV_EARLY_LOADS", "1")
+    monkeypatch.setenv("FASTAWQ_GEMV_PREFETCH", prefetch)
     qw, s, qz, wp, sz = _setup(k, n, g, torch.bfloat16, seed=k + n + m)
     for seed in (m, m + 100):  # the second call finds the workspace the first re-zeroed
         x = random_input((m, k), "cuda", torch.bfloat16, seed=seed)

@@ -3,6 +3,7 @@
 // can compare both settings (benchmarks/bench_pdl.py) after re-capturing its graphs.
 #include "common/pdl.cuh"
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdlib>
@@ -43,6 +44,14 @@ bool pdl_enabled() {
 bool early_weight_loads() {
   const char* v = std::getenv("FASTAWQ_GEMV_EARLY_LOADS");
   return v != nullptr && v[0] == '1' && v[1] == 0;
+}
+
+int gemv_prefetch_batches() {
+  const char* v = std::getenv("FASTAWQ_GEMV_PREFETCH");
+  if (v == nullptr || *v == '\0') return 2;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  return end != v && *end == '\0' && n >= 0 ? static_cast<int>(std::min<long>(n, 1 << 20)) : 2;
 }
 
 }  // namespace fastawq

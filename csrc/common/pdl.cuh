@@ -15,6 +15,11 @@ bool pdl_enabled();
 // FASTAWQ_GEMV_EARLY_LOADS=1 (an A/B switch, read at each call): the decode GEMVs load their first
 // weights into registers before the PDL wait, not only into L2 (awq_gemv_packed.h says when safe).
 bool early_weight_loads();
+// FASTAWQ_GEMV_PREFETCH=N (an A/B switch, read at each call): the decode GEMV brings the first N
+// 32-row batches of each warp's range into L2 before the PDL wait (default 2; a one-wave grid gives
+// a warp ~3-4 batches at batch 1, so a large N prefetches the whole range while the previous kernel
+// finishes). A value that is not a count reads as the default.
+int gemv_prefetch_batches();
 
 // launch_pdl for a kernel whose blocks run in clusters of cluster_x blocks along x (sm_90; the
 // grid's x must be a multiple of cluster_x); cluster_x = 0: no cluster.

@@ -191,7 +191,7 @@ template <typename T, int M, bool kH2, int ACT = 0>
 __global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int n, int k, int group_size,
-    int batches_per_warp, const NormIn norm, const bool early_loads) {
+    int batches_per_warp, const NormIn norm, const bool early_loads, const int prefetch_batches) {
   using Tr = HalfTraits<T>;
   __shared__ __align__(16) float red[kWarps][M][kPackedTileCols];
   __shared__ int is_last;
@@ -213,13 +213,14 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
     for (int c = 0; c < 4; ++c) y[mm][c] = acc[mm][c] = 0.f;
   }
 
-  // Before waiting for the previous kernel (PDL), bring the warp's first two batches of weights
-  // into L2, so a launch that starts early streams them while that kernel finishes. Only into L2:
+  // Before waiting for the previous kernel (PDL), bring the warp's first batches of weights into
+  // L2 (prefetch_batches: 2 unless FASTAWQ_GEMV_PREFETCH says otherwise), so a launch that starts
+  // early streams them while that kernel finishes. Only into L2:
   // L2 is where every write lands, so even weights the previous kernel just wrote (a repack) read
   // right after the wait, which registers loaded before it would not promise. x and the workspace
   // are touched only after the wait.
   if (col_ok) {
-    for (int b = b0; b < min(b0 + 2, b1); ++b) {
+    for (int b = b0; b < min(b0 + prefetch_batches, b1); ++b) {
 #pragma unroll
       for (int u = 0; u < kLoads; ++u) prefetch_l2(wp + static_cast<int64_t>(b * kLoads + u) * n4 + c4);
     }
@@ -451,7 +452,7 @@ void launch_act(const GemvPackedArgs& a, cudaStream_t stream, int* resident) {
   launch_pdl(kernel, dim3(a.col_tiles, a.splits), dim3(kPackedThreads), smem, stream, static_cast<const T*>(a.x),
              reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz), static_cast<const T*>(a.bias),
              static_cast<T*>(a.out), a.workspace, a.counters, a.n, a.k, a.group_size, a.steps_per_warp,
-             NormIn{a.residual, a.norm_weight, a.res_out, a.eps, a.offset}, a.early_loads);
+             NormIn{a.residual, a.norm_weight, a.res_out, a.eps, a.offset}, a.early_loads, a.prefetch_batches);
 }
 
 template <typename T, int M>

@@ -52,6 +52,9 @@ struct PackedArgs {
   // before). Safe while no kernel that can trigger this launch early writes the weights: none does
   // (the packed layout is made by torch ops at load time).
   bool early_loads;
+  // FASTAWQ_GEMV_PREFETCH (common/pdl.cuh, read at each call): batches a warp brings into L2
+  // before the PDL wait (the decode GEMV).
+  int prefetch_batches;
 };
 using GemvPackedArgs = PackedArgs;
 constexpr int kPackedActMaxM = 2;
