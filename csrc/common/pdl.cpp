@@ -46,12 +46,18 @@ bool early_weight_loads() {
   return v != nullptr && v[0] == '1' && v[1] == 0;
 }
 
-int gemv_prefetch_batches() {
+int gemv_prefetch_batches(int64_t weight_bytes) {
+  constexpr int kDefault = 2;
+  constexpr int64_t kL2Budget = int64_t{24} << 20;
   const char* v = std::getenv("FASTAWQ_GEMV_PREFETCH");
-  if (v == nullptr || *v == '\0') return 2;
+  if (v == nullptr || *v == '\0') return kDefault;
   char* end = nullptr;
   const long n = std::strtol(v, &end, 10);
-  return end != v && *end == '\0' && n >= 0 ? static_cast<int>(std::min<long>(n, 1 << 20)) : 2;
+  if (end == v || *end != '\0' || n < 0) return kDefault;
+  // A one-wave grid has every block resident at once: more than the default on a layer larger
+  // than about half of L2 would evict the first prefetched lines before they are read.
+  if (n > kDefault && weight_bytes > kL2Budget) return kDefault;
+  return static_cast<int>(std::min<long>(n, 1 << 20));
 }
 
 }  // namespace fastawq

@@ -4,6 +4,7 @@
 // before sm_90 the launch is a plain one. CUDA graphs keep the programmatic edge.
 #pragma once
 
+#include <cstdint>
 #include <utility>
 
 #include <cuda_runtime.h>
@@ -17,9 +18,11 @@ bool pdl_enabled();
 bool early_weight_loads();
 // FASTAWQ_GEMV_PREFETCH=N (an A/B switch, read at each call): the decode GEMV brings the first N
 // 32-row batches of each warp's range into L2 before the PDL wait (default 2; a one-wave grid gives
-// a warp ~3-4 batches at batch 1, so a large N prefetches the whole range while the previous kernel
-// finishes). A value that is not a count reads as the default.
-int gemv_prefetch_batches();
+// a warp ~3-4 batches at batch 1, so a large N prefetches the whole range while the previous kernel,
+// e.g. the decode attention before o_proj, finishes). Layers of more than 24 MB of packed weights
+// keep the default (their whole range would not stay in L2). A value that is not a count reads as
+// the default.
+int gemv_prefetch_batches(int64_t weight_bytes);
 
 // launch_pdl for a kernel whose blocks run in clusters of cluster_x blocks along x (sm_90; the
 // grid's x must be a multiple of cluster_x); cluster_x = 0: no cluster.

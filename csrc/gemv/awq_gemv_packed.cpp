@@ -183,7 +183,7 @@ void fill_args(PackedArgs& a, const at::Tensor& x, const at::Tensor& wpacked, co
   a.group_size = static_cast<int>(group_size);
   a.col_tiles = plan.col_tiles, a.splits = plan.splits, a.steps_per_warp = plan.steps_per_warp;
   a.early_loads = early_weight_loads();  // read at each call (a graph: at capture)
-  a.prefetch_batches = gemv_prefetch_batches();
+  a.prefetch_batches = gemv_prefetch_batches(wpacked.numel() * 4);
 }
 
 // The grid of a staged form (awq_gemv_packed_act / _norm: a.m and the form set, so the occupancy
