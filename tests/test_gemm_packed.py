@@ -104,7 +104,7 @@ def _staged_quads(x: torch.Tensor, row0: int, s0: int, s1: int, mt_count: int) -
 
 
 @pytest.mark.parametrize("m,mt_count,row0,s0,s1", [(16, 1, 0, 0, 16), (5, 1, 0, 3, 8), (40, 2, 32, 1, 9),
-                                                   (64, 4, 0, 0, 4), (70, 4, 64, 2, 5)])
+                                                   (64, 4, 0, 0, 8), (70, 4, 64, 2, 5)])
 def test_staged_quads_are_the_mma_a_fragments(m, mt_count, row0, s0, s1):
     # Lane (g, t)'s load at + 16 (8t + g) + ((r MT + mt) 2 + h) 512 must be the mma's A registers
     # {a0, a1, a2, a3} of k-step h, under the layout's k labels (_emulate's a: slots 2t, 2t + 1 are
@@ -217,10 +217,10 @@ def test_shared_x_ring_shapes(monkeypatch, k, n, g, m):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("early", ["0", "1"])
 def test_staged_x(monkeypatch, m_tiles, chunks, splits, m, dtype, early):
-    # FASTAWQ_GEMM_STAGE_X=1: x staged once a block in the mma's A order (at most 16 / m_tiles steps
-    # a block: automatic splits are cut that fine; forced ones of 1 and 3 splits at 64 steps run the
-    # ring form, 64 splits one step a block), with and without the weights' ring filled before
-    # the PDL wait (FASTAWQ_GEMV_EARLY_LOADS=1).
+    # FASTAWQ_GEMM_STAGE_X=1: x staged once a block in the mma's A order (at most 16 steps a block at
+    # one m-tile, 8 above: automatic splits are cut that fine; forced ones of 1 and 3 splits at 64
+    # steps run the ring form, 64 splits one step a block), with and without the weights' ring filled
+    # before the PDL wait (FASTAWQ_GEMV_EARLY_LOADS=1).
     monkeypatch.setenv("FASTAWQ_GEMM_STAGE_X", "1")
     monkeypatch.setenv("FASTAWQ_GEMV_EARLY_LOADS", early)
     k, n, g = 2048, 392, 128

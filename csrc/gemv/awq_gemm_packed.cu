@@ -74,17 +74,20 @@ __device__ __forceinline__ uint32_t dequant_pair(uint32_t magic_q, typename Half
 // twice the blocks an SM by shared memory). The price: one barrier a step (each warp reads x
 // that other threads copied, and a slot is refilled only once every warp has consumed it).
 // kXStaged (FASTAWQ_GEMM_STAGE_X=1): the per-warp ring holds weights only, and the block's x for
-// its whole K range (at most kStageBytes: 16 / MT steps) is staged once, after the PDL wait,
-// through registers in the mma's A order: the 16 bytes at (step, m-tile, h, lane (g, t)) are the
-// lane's A quad of k-step h, {x[g][k0, k0 + 1], x[g + 8][k0, k0 + 1], x[g][k0 + 2, k0 + 3],
+// its whole K range (at most kStageSteps: 16 steps at MT = 1, 8 above; 16-32 KB) is staged once,
+// after the PDL wait, through registers in the mma's A order: the 16 bytes at (step, m-tile, h,
+// lane (g, t)) are the lane's A quad of k-step h, {x[g][k0, k0 + 1], x[g + 8][k0, k0 + 1], x[g][k0 + 2, k0 + 3],
 // x[g + 8][k0 + 2, k0 + 3]} with k0 = 8t + 4h, so a quad is one 16-byte shared load into the four
 // consecutive registers the mma reads (the other modes load rows g and g + 8 and move words into
 // quads: 28 IMAD.MOV a step in the SASS, CUDA_NOTES.md session 14). No x copies, pointers or
 // barriers in the main loop, and half the shared memory of kXPerWarp at MT = CC = 1.
 enum XMode : int { kXPerWarp = 0, kXShared = 1, kXStaged = 2 };
-constexpr int kStageBytes = 16384;
+// At MT = 4 a cap of 4 steps would cut K into ranges so short that the split-K sums (M x N fp32
+// a split) outweigh the weights; 8 steps keep Llama's 4096 x 4096 at M = 64 to one wave of 16 splits.
 template <int MT>
-constexpr int kStageSteps = kStageBytes / (MT * 1024);
+constexpr int kStageSteps = MT == 1 ? 16 : 8;
+template <int MT>
+constexpr int kStageBytes = kStageSteps<MT> * MT * 1024;
 
 template <int MT, int CC, int kX = kXPerWarp>
 constexpr int kRingStepBytes = kX == kXShared   ? kPackedThreads / 32 * CC * 512 + MT * 1024
@@ -195,28 +198,33 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
     // Item j of the block's x: step j / (32 MT), m-tile (j / 32) % MT, chunk (j / 8) % 4 (t), row
     // pair j % 8 (g); its 16-byte loads of rows g and g + 8 (clamped to row M - 1: they feed only
     // outputs never stored) become the quads of k-steps 0 and 1 at xstage0 + 1024 (j / 32) +
-    // 16 (j % 32) and + 512. All loads are issued before the first store (one L2 round trip).
-    constexpr int kPer = kStageSteps<MT> * MT * 32 / kPackedThreads;
+    // 16 (j % 32) and + 512. A round's loads (up to 4 items a thread: 8 in flight) are all issued
+    // before its first store, one L2 round trip a round (one round at MT = 1 and 2, two at MT = 4,
+    // whose 8 items would hold 64 registers of x at once).
+    constexpr int kPer = kStageSteps<MT> * MT * 32 / kPackedThreads, kRound = kPer < 4 ? kPer : 4;
     const int items = (s1 - s0) * MT * 32;
-    uint4 u[kPer], v[kPer];
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int j = static_cast<int>(threadIdx.x) + kPackedThreads * i;
-      if (j < items) {
-        const int r = j / (32 * MT), mt = (j >> 5) % MT, c = (j >> 3) & 3, p = j & 7;
-        const int row = row0 + 16 * mt + p;
-        const T* src = x + static_cast<int64_t>(s0 + r) * kPackedBatchRows + 8 * c;
-        u[i] = *reinterpret_cast<const uint4*>(src + static_cast<int64_t>(min(row, m - 1)) * k);
-        v[i] = *reinterpret_cast<const uint4*>(src + static_cast<int64_t>(min(row + 8, m - 1)) * k);
+    for (int i0 = 0; i0 < kPer; i0 += kRound) {
+      uint4 u[kRound], v[kRound];
+#pragma unroll
+      for (int i = 0; i < kRound; ++i) {
+        const int j = static_cast<int>(threadIdx.x) + kPackedThreads * (i0 + i);
+        if (j < items) {
+          const int r = j / (32 * MT), mt = (j >> 5) % MT, c = (j >> 3) & 3, p = j & 7;
+          const int row = row0 + 16 * mt + p;
+          const T* src = x + static_cast<int64_t>(s0 + r) * kPackedBatchRows + 8 * c;
+          u[i] = *reinterpret_cast<const uint4*>(src + static_cast<int64_t>(min(row, m - 1)) * k);
+          v[i] = *reinterpret_cast<const uint4*>(src + static_cast<int64_t>(min(row + 8, m - 1)) * k);
+        }
       }
-    }
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int j = static_cast<int>(threadIdx.x) + kPackedThreads * i;
-      if (j < items) {
-        const uint32_t at = xstage0 + (j >> 5) * 1024 + (j & 31) * 16;
-        st_shared128_at(at, make_uint4(u[i].x, v[i].x, u[i].y, v[i].y));
-        st_shared128_at(at + 512, make_uint4(u[i].z, v[i].z, u[i].w, v[i].w));
+      for (int i = 0; i < kRound; ++i) {
+        const int j = static_cast<int>(threadIdx.x) + kPackedThreads * (i0 + i);
+        if (j < items) {
+          const uint32_t at = xstage0 + (j >> 5) * 1024 + (j & 31) * 16;
+          st_shared128_at(at, make_uint4(u[i].x, v[i].x, u[i].y, v[i].y));
+          st_shared128_at(at + 512, make_uint4(u[i].z, v[i].z, u[i].w, v[i].w));
+        }
       }
     }
     __syncthreads();
@@ -435,7 +443,7 @@ void launch_depth(const GemmPackedArgs& a, cudaStream_t stream, int* resident) {
   constexpr auto kernel = awq_gemm_packed_kernel<T, MT, CC, kP, kX>;
   // The staged form's x region is sized by the launch's steps a block; the opt-in and the
   // occupancy query take the largest (what the host plan assumes when it sizes the grid).
-  constexpr int kMaxSmem = kRingBytes<MT, CC, kP, kX> + (kX == kXStaged ? kStageBytes : 0);
+  constexpr int kMaxSmem = kRingBytes<MT, CC, kP, kX> + (kX == kXStaged ? kStageBytes<MT> : 0);
   // Above 48 KB of dynamic shared memory a kernel must opt in, once per instance and device.
   static std::atomic<uint64_t> opted{0};
   int device = 0;
