@@ -13,7 +13,8 @@ inside the compiled decode attention (backend.ROPE_ATTENTION_FUSED; off, rope_kv
 before it); --compare act_gemv / norm_gemv: act_mul inside the down projection's GEMV / add +
 RMSNorm inside the QKV and gate_up GEMVs (backend.ACT_GEMV_FUSED / NORM_GEMV_FUSED); --compare
 gemm16: awq_gemm_packed instead of awq_mma_packed for packed-layout batches of 9 to 16 rows
-(backend.PACKED_MMA_MAX_M 8, PACKED_GEMM_MAX_M 16); --compare layout: the W4 layers'
+(backend.PACKED_MMA_MAX_M 8, PACKED_GEMM_MAX_M 16); --compare gemm16_staged: the same with its
+staged-x form (FASTAWQ_GEMM_STAGE_X=1); --compare layout: the W4 layers'
 weight layout (WQLinear.set_layout "awq" / "packed", exact both ways, converted in place; grouped
 MoE experts keep theirs). One random-weight model is built
 once; rounds alternate the setting (off on, on off, ...), each re-capturing the decode graph, and
@@ -27,6 +28,11 @@ of commands/bench.py).
 
 --compare env:NAME=OFF,ON sets the environment variable NAME to OFF and ON in turn: for the
 compiled kernels' A/B switches that the host code reads at each call (a graph at its capture).
+--compare may be given several times: the model is built once and each switch is A/B'd in turn
+against the settings the process started with (a table and a JSON file each), which saves a model
+build per switch on the GPU:
+
+    python benchmarks/bench_ab.py --compare norm_gemv --compare env:FASTAWQ_GEMV_EARLY_LOADS=0,1 --batches 1,2
 """
 from __future__ import annotations
 
@@ -47,7 +53,10 @@ from fastawq.shapes import shape_config
 _SAVED_MMA_MAX_M = backend.PACKED_MMA_MAX_M
 _SAVED_GEMM_MAX_M = backend.PACKED_GEMM_MAX_M
 
-CHOICES = ("pdl", "route", "norm_route", "route_cuda", "moe_mma", "packed_gemm", "rope_attention", "act_gemv", "norm_gemv", "gemm16", "layout")
+CHOICES = ("pdl", "route", "norm_route", "route_cuda", "moe_mma", "packed_gemm", "rope_attention", "act_gemv",
+           "norm_gemv", "gemm16", "gemm16_staged", "layout")
+# Environment variables a named switch sets (restored after it).
+_SWITCH_ENV = {"pdl": "FASTAWQ_PDL", "gemm16_staged": "FASTAWQ_GEMM_STAGE_X"}
 
 
 def env_switch(compare: str) -> tuple[str, str, str] | None:
@@ -82,10 +91,12 @@ def apply(model: torch.nn.Module, compare: str, on: bool) -> None:
         backend.ACT_GEMV_FUSED = on
     elif compare == "norm_gemv":
         backend.NORM_GEMV_FUSED = on
-    elif compare in ("packed_gemm", "gemm16"):
+    elif compare in ("packed_gemm", "gemm16", "gemm16_staged"):
         if compare == "packed_gemm":  # on: awq_gemm_packed above the tensor-core GEMV's bucket
             backend.PACKED_GEMM_MAX_M = 1 << 20 if on else 0
         else:  # on: awq_gemm_packed (the batch as the mma's M) for M = 9 .. 16, not awq_mma_packed
+            if compare == "gemm16_staged":  # ... in its staged-x form
+                os.environ["FASTAWQ_GEMM_STAGE_X"] = "1" if on else "0"
             backend.PACKED_MMA_MAX_M = 8 if on else _SAVED_MMA_MAX_M
             backend.PACKED_GEMM_MAX_M = 16 if on else _SAVED_GEMM_MAX_M
         for module in model.modules():  # plans bound per M bucket: bind them again
@@ -95,9 +106,16 @@ def apply(model: torch.nn.Module, compare: str, on: bool) -> None:
         set_layout(model, "packed" if on else "awq")
 
 
+_BACKEND_SWITCHES = ("ROUTE_FUSED", "NORM_ROUTE_FUSED", "ROUTE_CUDA", "ROUTE_CUDA_EXPERTS", "MOE_MMA",
+                     "PACKED_GEMM_MAX_M", "PACKED_MMA_MAX_M", "ROPE_ATTENTION_FUSED", "ACT_GEMV_FUSED",
+                     "NORM_GEMV_FUSED")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--compare", default="pdl", help=f"one of {', '.join(CHOICES)}, or env:NAME=OFF,ON")
+    ap.add_argument("--compare", action="append", default=None,
+                    help=f"one of {', '.join(CHOICES)}, or env:NAME=OFF,ON; repeat to A/B several on one model "
+                         "(default: pdl)")
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers to build (default: all)")
     ap.add_argument("--layout", choices=("awq", "packed"), default="awq", help="(with --compare layout: ignored)")
@@ -109,28 +127,52 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda (the point), or cpu to try the script on a tiny shape")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    env = env_switch(args.compare)
-    if env is None and args.compare not in CHOICES:
-        ap.error(f"--compare {args.compare!r}: choose one of {', '.join(CHOICES)} or env:NAME=OFF,ON")
+    compares = args.compare or ["pdl"]
+    for compare in compares:
+        if env_switch(compare) is None and compare not in CHOICES:
+            ap.error(f"--compare {compare!r}: choose one of {', '.join(CHOICES)} or env:NAME=OFF,ON")
     batches = [int(b) for b in args.batches.split(",")]
     full = shape_config(args.shape).num_hidden_layers if args.layers else None
     t0 = time.time()
     model = bench.build_model("fused-graphs", None, args.shape, args.device, args.max_seq_len, max(batches),
                               layout=args.layout, num_layers=args.layers)
     print(f"built {args.shape} ({args.layers or 'all'} layers, {args.layout}) in {time.time() - t0:.0f}s", flush=True)
+    env_names = ({"FASTAWQ_PDL"} | {env_switch(c)[0] for c in compares if env_switch(c)}
+                 | {_SWITCH_ENV[c] for c in compares if c in _SWITCH_ENV})
+    env_before = {name: os.environ.get(name) for name in env_names}
+    saved = {n: getattr(backend, n) for n in _BACKEND_SWITCHES}
+
+    def restore() -> None:
+        """The settings the process started with (and the plans bound under them)."""
+        for name, value in env_before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        for n, v in saved.items():
+            setattr(backend, n, v)
+        for module in model.modules():
+            if isinstance(module, WQLinear):
+                module.set_backend(module.backend)
+
+    for compare in compares:
+        try:
+            _compare(args, model, compare, batches, full)
+        finally:
+            if compare == "layout" and len(compares) > 1:
+                set_layout(model, args.layout)
+            restore()
+    return 0
+
+
+def _compare(args, model, compare: str, batches: list[int], full: int | None) -> None:
     vocab = model.config.vocab_size
-    env_name = env[0] if env else "FASTAWQ_PDL"
-    env_before = os.environ.get(env_name)
-    saved = {n: getattr(backend, n)
-             for n in ("ROUTE_FUSED", "NORM_ROUTE_FUSED", "ROUTE_CUDA", "ROUTE_CUDA_EXPERTS", "MOE_MMA",
-                       "PACKED_GEMM_MAX_M", "PACKED_MMA_MAX_M", "ROPE_ATTENTION_FUSED", "ACT_GEMV_FUSED",
-                       "NORM_GEMV_FUSED")}
     rows = []
     for batch in batches:
         got: dict[str, list[tuple[float, float | None]]] = {"0": [], "1": []}
         for r in range(args.rounds):
             for setting in (("0", "1") if r % 2 == 0 else ("1", "0")):
-                apply(model, args.compare, setting == "1")
+                apply(model, compare, setting == "1")
                 model.fastawq_runtime._graphs.clear()  # re-captured with this setting's launches
                 row = bench.run_round(model, "fused-graphs", batch, args.prefill, args.decode, vocab,
                                       full_layers=full)
@@ -140,13 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             est = statistics.median(v[1] for v in vals) if full else None
             rows.append({"batch": batch, "on": setting, "decode_tps": tps, "decode_tps_full": est,
                          "all": [v[0] for v in vals]})
-    if env_before is None:
-        os.environ.pop(env_name, None)
-    else:
-        os.environ[env_name] = env_before
-    for n, v in saved.items():
-        setattr(backend, n, v)
-    lines = [f"| batch | {args.compare} on | decode tok/s ({args.layers or 'all'} layers) "
+    lines = [f"| batch | {compare} on | decode tok/s ({args.layers or 'all'} layers) "
              f"| full depth ({full}, est.) | rounds |",
              "|---|---|---|---|---|"]
     for r in rows:
@@ -155,18 +191,17 @@ def main(argv: list[str] | None = None) -> int:
                      f"{', '.join(f'{v:.1f}' for v in r['all'])} |")
     for batch in batches:
         off, on = (next(r for r in rows if r["batch"] == batch and r["on"] == s) for s in ("0", "1"))
-        lines.append(f"batch {batch}: {args.compare} on / off = {on['decode_tps'] / off['decode_tps']:.3f}x")
+        lines.append(f"batch {batch}: {compare} on / off = {on['decode_tps'] / off['decode_tps']:.3f}x")
     text = "\n".join(lines)
     print(text, flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
-        meta = {"compare": args.compare, "shape": args.shape, "layers": args.layers, "layout": args.layout, "gpu": gpu,
+        meta = {"compare": compare, "shape": args.shape, "layers": args.layers, "layout": args.layout, "gpu": gpu,
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-        tag = args.compare.replace(":", "_").replace("=", "_").replace(",", "_")
+        tag = compare.replace(":", "_").replace("=", "_").replace(",", "_")
         with open(os.path.join(args.out, f"ab_{tag}_{args.shape}.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

@@ -198,30 +198,25 @@ if [[ " $stages " == *" unrun_perf "* ]]; then
 fi
 if [[ " $stages " == *" unrun_ab "* ]]; then
   step unrun_ab
-  # What session 16's batch-1 switches buy in decode, each A/B in one process: ~5 min.
-  for shape in llama-3-8b:1,2 qwen3-30b-a3b:1; do
-    FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare norm_gemv --shape ${shape%%:*} --batches ${shape##*:} \
-      --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
-  done
-  for shape in llama-3-8b:1,2 qwen3-30b-a3b:1; do
-    FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare env:FASTAWQ_GEMV_EARLY_LOADS=0,1 --shape ${shape%%:*} \
-      --batches ${shape##*:} --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
-  done
-  # Session 17: each warp's whole range (a one-wave grid gives ~3-4 batches a warp at batch 1) into
-  # L2 before the PDL wait, against the default 2 batches.
-  FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare env:FASTAWQ_GEMV_PREFETCH=2,64 --shape llama-3-8b \
-    --batches 1 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
+  # What the batch-1 switches buy in decode, each A/B'd in turn on one model a shape (bench_ab.py
+  # --compare repeated): session 16's norm prologue and early weight loads, session 17's whole-range
+  # L2 prefetch of the layers up to 24 MB. ~4 min.
+  FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare norm_gemv --compare env:FASTAWQ_GEMV_EARLY_LOADS=0,1 \
+    --compare env:FASTAWQ_GEMV_PREFETCH=2,64 --shape llama-3-8b --batches 1,2 --layout packed --decode 64 --rounds 2 \
+    2>&1 | grep -E "^\||on / off" || status=1
+  FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare norm_gemv --compare env:FASTAWQ_GEMV_EARLY_LOADS=0,1 \
+    --compare env:FASTAWQ_GEMV_PREFETCH=2,64 --shape qwen3-30b-a3b --batches 1 --layout packed --decode 64 --rounds 2 \
+    2>&1 | grep -E "^\||on / off" || status=1
 fi
 if [[ " $stages " == *" unrun_b16 "* ]]; then
   step unrun_b16
   # awq_gemm_packed for batches of 9-16 in decode (bench_ab.py --compare gemm16), then the engine's
   # memory at max_seq_len 4096 (the 6.0 GiB target; the branch's own stream): ~4 min.
-  # gemm16's "on" runs awq_gemm_packed: its ring form, then (FASTAWQ_GEMM_STAGE_X=1) the staged form.
-  for stage in 0 1; do
-    for shape in llama-3-8b qwen3-30b-a3b; do
-      FASTAWQ_GEMM_STAGE_X=$stage FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare gemm16 --shape $shape \
-        --batches 16 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
-    done
+  # gemm16's "on" runs awq_gemm_packed in its ring form, gemm16_staged's in its staged-x form
+  # (session 17), each against awq_mma_packed, on one model a shape.
+  for shape in llama-3-8b qwen3-30b-a3b; do
+    FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare gemm16 --compare gemm16_staged \
+      --shape $shape --batches 16 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
   done
   FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_e2e.py --shape llama-3-8b --layout packed --modes fused-graphs \
     --graph-lengths 64 --batches 1 --max-seq-len 4096 --budget 60 --out "$OUT/e2e_memory" 2>&1 | tail -4 || status=1

@@ -111,7 +111,7 @@ def test_full_depth_scales_only_the_layers():
     assert bench.full_depth(0.001, 0.002, 8, 48) == pytest.approx(0.002)  # noise below the head
 
 
-@pytest.mark.parametrize("compare", ["pdl", "route", "norm_route", "layout"])
+@pytest.mark.parametrize("compare", ["pdl", "route", "norm_route", "layout", "gemm16_staged"])
 def test_bench_ab_alternates_one_switch(tmp_path, capsys, compare):
     # benchmarks/bench_ab.py on the tiny shape (CPU): both settings measured, the switches restored.
     import importlib.util
@@ -160,6 +160,40 @@ def test_bench_ab_env_switch(tmp_path, capsys, monkeypatch):
         ab.main(["--compare", "env:FASTAWQ_TEST_SWITCH=a", "--shape", "tiny", "--device", "cpu"])
     with pytest.raises(SystemExit):
         ab.main(["--compare", "nonsense", "--shape", "tiny", "--device", "cpu"])
+
+
+def test_bench_ab_several_switches_on_one_model(tmp_path, capsys, monkeypatch):
+    # --compare given twice: one model build, each switch A/B'd against the starting settings (the
+    # other switch at its own), a table and a JSON file each, everything restored after.
+    import importlib.util
+    import json
+    import os
+    import pathlib
+
+    from fastawq import backend
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_ab.py"
+    spec = importlib.util.spec_from_file_location("bench_ab", path)
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    monkeypatch.delenv("FASTAWQ_TEST_SWITCH", raising=False)
+    builds, seen = [], []
+    real_build, real_round = ab.bench.build_model, ab.bench.run_round
+    monkeypatch.setattr(ab.bench, "build_model", lambda *a, **k: (builds.append(1), real_build(*a, **k))[1])
+    monkeypatch.setattr(ab.bench, "run_round", lambda *a, **k: (
+        seen.append((os.environ.get("FASTAWQ_TEST_SWITCH"), backend.ROUTE_FUSED)), real_round(*a, **k))[1])
+    route_before = backend.ROUTE_FUSED
+    assert ab.main(["--compare", "env:FASTAWQ_TEST_SWITCH=a,b", "--compare", "route", "--shape", "tiny", "--device",
+                    "cpu", "--prefill", "4", "--decode", "4", "--max-seq-len", "32", "--out", str(tmp_path)]) == 0
+    assert len(builds) == 1
+    assert seen == [("a", route_before), ("b", route_before), ("b", route_before), ("a", route_before),
+                    (None, False), (None, True), (None, True), (None, False)]
+    assert backend.ROUTE_FUSED is route_before and "FASTAWQ_TEST_SWITCH" not in os.environ
+    for tag in ("env_FASTAWQ_TEST_SWITCH_a_b", "route"):
+        rows = json.loads((tmp_path / f"ab_{tag}_tiny.json").read_text())["rows"]
+        assert sorted(r["on"] for r in rows) == ["0", "1"] and all(r["decode_tps"] > 0 for r in rows)
+    out = capsys.readouterr().out
+    assert "env:FASTAWQ_TEST_SWITCH=a,b on / off =" in out and "route on / off =" in out
 
 
 def _profile_memory():
