@@ -159,14 +159,19 @@ if [[ " $stages " == *" unrun "* ]]; then
   compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py 2>&1 | tail -2 || status=1
   FASTAWQ_GEMM_SHARE_X=1 FASTAWQ_GEMV_EARLY_LOADS=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
     python benchmarks/sanitize.py 2>&1 | tail -2 || status=1
-  # Session 17: awq_gemm_packed with x staged once a block in the mma's A order (FASTAWQ_GEMM_STAGE_X=1).
-  FASTAWQ_GEMM_STAGE_X=1 FASTAWQ_GEMV_EARLY_LOADS=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
-    python benchmarks/sanitize.py 2>&1 | tail -2 || status=1
+  # Session 17: awq_gemm_packed with x staged once a block in the mma's A order (FASTAWQ_GEMM_STAGE_X=1),
+  # the decode attention's splits combining in distributed shared memory (FASTAWQ_ATTN_CLUSTER=1; its
+  # tests run in test_cuda_attention.py above).
+  FASTAWQ_GEMM_STAGE_X=1 FASTAWQ_GEMV_EARLY_LOADS=1 FASTAWQ_ATTN_CLUSTER=1 compute-sanitizer --tool memcheck \
+    --error-exitcode 1 python benchmarks/sanitize.py 2>&1 | tail -2 || status=1
 fi
 if [[ " $stages " == *" unrun_perf "* ]]; then
   step unrun_perf
   # The kernels of the unrun stage timed (~5 min).
   python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 16,256 --backends cuda --no-tune 2>&1 | tail -6 || status=1
+  echo "FASTAWQ_ATTN_CLUSTER=1"
+  FASTAWQ_ATTN_CLUSTER=1 python benchmarks/bench_attention.py --heads 32,4 --lens 64,128,256,512,1024 \
+    --capacity 4096 2>&1 | tail -6 || status=1
   for keys in 64 128 256; do
     echo "FASTAWQ_ATTN_SPLIT_KEYS=$keys"
     FASTAWQ_ATTN_SPLIT_KEYS=$keys python benchmarks/bench_attention.py --heads 32,4 --lens 128,256,512 \
@@ -200,13 +205,13 @@ if [[ " $stages " == *" unrun_ab "* ]]; then
   step unrun_ab
   # What the batch-1 switches buy in decode, each A/B'd in turn on one model a shape (bench_ab.py
   # --compare repeated): session 16's norm prologue and early weight loads, session 17's whole-range
-  # L2 prefetch of the layers up to 24 MB. ~4 min.
+  # L2 prefetch of the layers up to 24 MB and the attention's cluster combine. ~5 min.
   FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare norm_gemv --compare env:FASTAWQ_GEMV_EARLY_LOADS=0,1 \
-    --compare env:FASTAWQ_GEMV_PREFETCH=2,64 --shape llama-3-8b --batches 1,2 --layout packed --decode 64 --rounds 2 \
-    2>&1 | grep -E "^\||on / off" || status=1
+    --compare env:FASTAWQ_GEMV_PREFETCH=2,64 --compare env:FASTAWQ_ATTN_CLUSTER=0,1 --shape llama-3-8b --batches 1,2 \
+    --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
   FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare norm_gemv --compare env:FASTAWQ_GEMV_EARLY_LOADS=0,1 \
-    --compare env:FASTAWQ_GEMV_PREFETCH=2,64 --shape qwen3-30b-a3b --batches 1 --layout packed --decode 64 --rounds 2 \
-    2>&1 | grep -E "^\||on / off" || status=1
+    --compare env:FASTAWQ_GEMV_PREFETCH=2,64 --compare env:FASTAWQ_ATTN_CLUSTER=0,1 --shape qwen3-30b-a3b --batches 1 \
+    --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
 fi
 if [[ " $stages " == *" unrun_b16 "* ]]; then
   step unrun_b16

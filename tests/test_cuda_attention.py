@@ -176,6 +176,51 @@ def test_decode_attention_cuda_graph_replay(dtype):
 
 
 @needs_op
+@pytest.mark.parametrize("b,lens", [(1, (65,)), (1, (128,)), (1, (512,)), (1, (513,)), (1, (1100,)), (2, (300, 1)),
+                                    (3, (1100, 63, 1000)), (16, tuple(range(60, 1100, 66))[:16])])
+@pytest.mark.parametrize("heads", [(32, 8), (32, 4), (14, 2)])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_cluster_combine(monkeypatch, dtype, d, heads, b, lens):
+    # FASTAWQ_ATTN_CLUSTER=1: splits in clusters of up to 8 (Llama / Qwen3 / Qwen2 heads at batch 1:
+    # 32 splits, clusters of 8; batch 16: 3 or 5 splits, one cluster), combining in distributed
+    # shared memory while the working splits fit in the first cluster (65-512 keys) and through
+    # the global partials past it (513, 1100); every block of a cluster takes its barriers.
+    monkeypatch.setenv("FASTAWQ_ATTN_CLUSTER", "1")
+    hq, hkv = heads
+    k, v = _caches(b, S, hkv, d, dtype, lens, seed=d + hq + b)
+    q = torch.randn(b, hq, d, device="cuda").to(dtype)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    torch.ops.fastawq.decode_attention_out(q, k, v, lens_t, d ** -0.5, out)
+    _check(out, q, k, v, lens_t, d ** -0.5)
+
+
+@needs_op
+def test_decode_attention_cluster_graph_replay(monkeypatch):
+    # One capture with the cluster launch; replays whose lengths move between the cluster combine,
+    # the global one and a single split.
+    monkeypatch.setenv("FASTAWQ_ATTN_CLUSTER", "1")
+    b, s, hq, hkv, d, dtype = 1, 4096, 32, 4, 128, torch.bfloat16
+    k, v = _caches(b, s, hkv, d, dtype, (s,))
+    q = torch.randn(b, hq, d, device="cuda").to(dtype)
+    lens = torch.tensor([100], dtype=torch.int32, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out = ops.decode_attention(q, k, v, lens, d ** -0.5, backend="cuda")
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.decode_attention(q, k, v, lens, d ** -0.5, backend="cuda")
+    for new in (128, 4096, 65, 64, 1, 511, 2000, 129):
+        lens.fill_(new)
+        out.fill_(float("nan"))
+        graph.replay()
+        _check(out, q, k, v, lens, d ** -0.5)
+
+
+@needs_op
 def test_decode_attention_matches_triton():
     b, s, hq, hkv, d = 3, 1000, 32, 8, 128
     lens = (999, 1, 513)
@@ -341,6 +386,21 @@ def test_rope_decode_attention_matches_the_two_ops(dtype, d, heads, qk_norm, len
     _poison_allocator(b * hq * d, dtype)
     got = torch.ops.fastawq.rope_decode_attention(qkv, pos, cos, sin, k, v, lens_t, qn, kn, 1e-6, hq, d ** -0.5)
     assert got.shape == (b, hq, d) and got.dtype == dtype
+    _check_rope_form(got, k, v, want, before_k, before_v, positions, lens_t, d ** -0.5)
+
+
+@needs_rope_op
+@pytest.mark.parametrize("lens", [(65,), (128,), (200, 1), (600,)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_rope_decode_attention_cluster_combine(monkeypatch, d, lens):
+    monkeypatch.setenv("FASTAWQ_ATTN_CLUSTER", "1")
+    hq, hkv, dtype = 32, 4, torch.bfloat16
+    b = len(lens)
+    positions = [n - 1 for n in lens]
+    qkv, pos, lens_t, cos, sin, qn, kn, k, v = _rope_case(b, hq, hkv, d, dtype, lens, positions, True, seed=d)
+    want = _reference_rope(qkv, pos, cos, sin, k, v, hq, hkv, d, qn, kn)
+    before_k, before_v = k.clone(), v.clone()
+    got = torch.ops.fastawq.rope_decode_attention(qkv, pos, cos, sin, k, v, lens_t, qn, kn, 1e-6, hq, d ** -0.5)
     _check_rope_form(got, k, v, want, before_k, before_v, positions, lens_t, d ** -0.5)
 
 

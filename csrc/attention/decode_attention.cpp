@@ -1,4 +1,5 @@
 // Host entry of fastawq::decode_attention: validation, split count, partials, arrival counters.
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 
@@ -88,6 +89,17 @@ bool prefetch_kv() {
   return !(v != nullptr && v[0] == '0' && v[1] == '\0');
 }
 
+// FASTAWQ_ATTN_CLUSTER=1 (an A/B switch, read at each call like the ones above; sm_90 only): the
+// splits of a (row, KV head) run as clusters of up to kDecodeMaxCluster that combine in distributed
+// shared memory where the working splits fit in one (decode_attention.cu). Returns the cluster
+// size (0: off); the caller rounds the splits down to a multiple of it.
+int attention_cluster(int splits) {
+  const char* v = std::getenv("FASTAWQ_ATTN_CLUSTER");
+  if (v == nullptr || v[0] != '1' || v[1] != '\0' || splits < 2) return 0;
+  if (at::cuda::getCurrentDeviceProperties()->major < 9) return 0;
+  return std::min(splits, kDecodeMaxCluster);
+}
+
 // The rope form's extra inputs (rope_decode_attention), checked by its entry.
 struct RopeInputs {
   const at::Tensor& positions;
@@ -105,7 +117,9 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   if (b == 0 || hq == 0) return;
   const int64_t group = hq / hkv;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int splits = decode_attention_splits(static_cast<int>(b * hkv), static_cast<int>(s), sms);
+  int splits = decode_attention_splits(static_cast<int>(b * hkv), static_cast<int>(s), sms);
+  const int cluster = attention_cluster(splits);
+  if (cluster > 0) splits = splits / cluster * cluster;
 
   DecodeAttentionArgs a{};
   a.dtype = q.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
@@ -143,6 +157,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   a.splits = splits;
   a.min_split_keys = min_split_keys();
   a.prefetch_kv = prefetch_kv();
+  a.cluster = cluster;
   a.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   if (rope != nullptr) {
     a.rope = true;

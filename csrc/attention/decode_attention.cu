@@ -16,8 +16,17 @@
 // partials and the last of them to arrive combines them and re-arms its counter, so one launch
 // does the whole step and a graph replays it as is. The rope form (rope_decode_attention) also does
 // rope_kv_cache's work for the step's token: see RopeSmem.
+// CLUSTER (FASTAWQ_ATTN_CLUSTER=1, sm_90; an A/B switch): the grid runs in clusters of C splits of
+// one (row, KV head), and where every working split lies in the first cluster (active <= C: up to
+// 512 keys with 64-key splits) the splits meet in distributed shared memory instead: each leaves its
+// (m, l, acc) in its own shared memory, one cluster barrier, split 0 combines from its peers'
+// shared memory and writes the output, a second barrier keeps the peers' memory alive until it has.
+// The global path's chain -- fence, arrival count, the partials read back through L2 -- cost ~2.9
+// us at 128 keys (RESULTS.md session 15: 3.70 us at 64 keys, one split; 6.57 at 128, two).
 #include <cfloat>
 #include <cstdint>
+
+#include <cooperative_groups.h>
 
 #include "attention/launch_attention.h"
 #include "common/dtype.cuh"
@@ -138,8 +147,9 @@ __device__ __forceinline__ void rope_chunks(uint4 (&c)[D / 32], const RopeSmem<T
 }
 
 // PREFETCH (the default; FASTAWQ_ATTN_PREFETCH=0 turns it off): the split's K and V rows into L2
-// before the PDL wait. ROPE: the rope form (DecodeAttentionArgs::rope).
-template <typename T, int D, bool PREFETCH, bool ROPE>
+// before the PDL wait. ROPE: the rope form (DecodeAttentionArgs::rope). CLUSTER: launched in
+// clusters of a.cluster splits, combining through distributed shared memory where it can (above).
+template <typename T, int D, bool PREFETCH, bool ROPE, bool CLUSTER = false>
 __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(const DecodeAttentionArgs a) {
   constexpr int KP = D / 32;  // pairs of k-steps over D in QK: one 16-byte chunk per lane each
   constexpr int VC = D / 64;  // 16-byte chunks of a V row per lane
@@ -155,6 +165,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(con
   __shared__ float sm_w[kDecodeMaxSplits][G];
   __shared__ int sm_last;
   __shared__ __align__(16) RopeSmem<T, ROPE ? D : 8> sm_rope;
+  // CLUSTER: the block's merged (running max, sum) per head; its acc is left in sm_o[0].
+  __shared__ float sm_pm[CLUSTER ? G : 1], sm_pl[CLUSTER ? G : 1];
 
   const int split = blockIdx.x;
   const int kvh = blockIdx.y;
@@ -196,8 +208,15 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(con
   // len 0: zeros) and split 0 writes out directly; the others have nothing to do, not even arrive.
   const int active = per_split > 0 ? (len + per_split - 1) / per_split : 0;
   const bool direct = active <= 1;
+  // CLUSTER: the working splits all in this (row, KV head)'s first cluster meet there (uniform
+  // over the cluster: its blocks share b, kvh and so len). Its idle blocks still take both barriers.
+  const bool dsmem = CLUSTER && !direct && active <= a.cluster;
   if (split >= (direct ? 1 : active)) {
     if constexpr (ROPE) cp_async_wait<0>();  // no copy into shared memory outlives its block
+    if (dsmem && split < a.cluster) {
+      cooperative_groups::this_cluster().sync();
+      cooperative_groups::this_cluster().sync();
+    }
     return;
   }
   const int start = split * per_split;
@@ -405,6 +424,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(con
         acc.z *= inv;
         acc.w *= inv;
         store4<T>(out + b * a.o_sb + (head0 + h) * a.o_sh + d, acc);
+      } else if (dsmem) {  // in place: this thread alone read sm_o[.][h][d .. d + 3]
+        *reinterpret_cast<float4*>(&sm_o[0][h][d]) = acc;
+        if (d == 0) sm_pm[h] = mmax, sm_pl[h] = l;
       } else {
         *reinterpret_cast<float4*>(a.part_acc + (part + h) * D + d) = acc;
         if (d == 0) *reinterpret_cast<float2*>(a.part_ml + (part + h) * 2) = make_float2(mmax, l);
@@ -412,6 +434,41 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(con
     }
   }
   if (direct) return;
+
+  if constexpr (CLUSTER) {
+    if (dsmem) {
+      // The barrier orders every block's partial (written above) before split 0's reads of it.
+      cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+      cluster.sync();
+      if (split == 0) {
+        if (tid < group) {
+          float pm[kDecodeMaxCluster], pl[kDecodeMaxCluster];  // active <= a.cluster
+          float mmax = -INFINITY;
+          for (int s = 0; s < active; ++s) {
+            pm[s] = *cluster.map_shared_rank(&sm_pm[tid], s);
+            pl[s] = *cluster.map_shared_rank(&sm_pl[tid], s);
+            mmax = fmaxf(mmax, pm[s]);
+          }
+          float l = 0.f;
+          for (int s = 0; s < active; ++s) l += exp2f(pm[s] - mmax) * pl[s];
+          const float inv = l > 0.f ? 1.f / l : 0.f;
+          for (int s = 0; s < active; ++s) sm_w[s][tid] = exp2f(pm[s] - mmax) * inv;
+        }
+        __syncthreads();
+        for (int idx = tid; idx < group * D4; idx += NW * 32) {
+          const int h = idx / D4;
+          const int d = (idx % D4) * 4;
+          float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+          for (int s = 0; s < active; ++s) {
+            fma4(acc, sm_w[s][h], *reinterpret_cast<const float4*>(cluster.map_shared_rank(&sm_o[0][h][d], s)));
+          }
+          store4<T>(out + b * a.o_sb + (head0 + h) * a.o_sh + d, acc);
+        }
+      }
+      cluster.sync();  // the peers' shared memory stays until split 0 has read it
+      return;
+    }
+  }
 
   // Every working block arrives; the last sees all partials (fence before the count, reads
   // through L2 after it).
@@ -455,6 +512,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(con
 template <typename T, int D, bool ROPE>
 void launch_form(const DecodeAttentionArgs& a, cudaStream_t stream) {
   const dim3 grid(a.splits, a.hkv, a.batch);
+  if (a.cluster > 0) {  // the host sets it on sm_90 only, with splits a multiple of it (<= 8)
+    const auto kernel = a.prefetch_kv ? decode_attention_kernel<T, D, true, ROPE, true>
+                                      : decode_attention_kernel<T, D, false, ROPE, true>;
+    return launch_pdl_cluster(kernel, grid, dim3(kDecodeWarps * 32), 0, stream, a.cluster, a);
+  }
   if (a.prefetch_kv) {
     return launch_pdl(decode_attention_kernel<T, D, true, ROPE>, grid, dim3(kDecodeWarps * 32), 0, stream, a);
   }

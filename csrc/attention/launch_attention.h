@@ -17,6 +17,8 @@ constexpr int kDecodeWarps = 4;
 constexpr int kDecodeMaxGroup = 8;
 // Sequence splits per (row, KV head): bounds the partials the last block reads back.
 constexpr int kDecodeMaxSplits = 32;
+// The most splits in one cluster (FASTAWQ_ATTN_CLUSTER=1): the portable cluster size.
+constexpr int kDecodeMaxCluster = 8;
 // Keys a split takes at least, and the multiple it takes: one 16-key tile for each warp, so no
 // warp of a working block idles (a 16-key split ran one warp of four).
 constexpr int kDecodeSplitKeys = kDecodeWarps * kDecodeTileN;
@@ -38,6 +40,9 @@ struct DecodeAttentionArgs {
   int batch, seq_cap, hkv, group, head_dim, splits;
   int min_split_keys;   // a split takes at least this many keys (a multiple of kDecodeSplitKeys)
   bool prefetch_kv;     // bring the split's K and V rows into L2 before the PDL wait
+  // FASTAWQ_ATTN_CLUSTER=1 (sm_90): clusters of this many splits (splits is a multiple of it, <= 8),
+  // which combine in distributed shared memory when all working ones are in the first; 0: none.
+  int cluster;
   float scale_log2;     // softmax scale * log2(e)
   // The rope form (rope_decode_attention): q points into qkv rows [B, (HQ + 2 HKV) D] (q_sb their
   // stride, q_sh = D), whose q heads are rotated in registers and whose new K (rotated) and V rows
