@@ -164,6 +164,28 @@ def test_early_loads_match_reference(monkeypatch, k, n, g, m, prefetch):
 
 
 @requires_kernel
+@pytest.mark.parametrize("k,n,g", GPU_SHAPES)
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("early", ["0", "1"])
+def test_pingpong_matches_reference(monkeypatch, k, n, g, m, dtype, early):
+    # FASTAWQ_GEMV_PINGPONG=1 (read at each call): two batches an iteration, the register buffers
+    # trading roles (odd and even batch counts a warp, one batch, groups of one batch), with and
+    # without the first batch loaded before the PDL wait.
+    monkeypatch.setenv("FASTAWQ_GEMV_PINGPONG", "1")
+    monkeypatch.setenv("FASTAWQ_GEMV_EARLY_LOADS", early)
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=k + n + m)
+    for seed in (m, m + 100):
+        x = random_input((m, k), "cuda", dtype, seed=seed)
+        bias = random_input((n,), "cuda", dtype, seed=7) if seed > 100 else None
+        assert_close_to_reference(_poisoned_call(x, wp, sz, n, g, bias), x, qw, s, qz, g, bias)
+    for warps_per_sm in (1, 64):  # long warp ranges, and one batch a warp
+        x = random_input((m, k), "cuda", dtype, seed=m + 7)
+        out = torch.ops.fastawq.awq_gemv_packed(x, wp, sz, n, g, None, warps_per_sm)
+        assert_close_to_reference(out, x, qw, s, qz, g)
+
+
+@requires_kernel
 @pytest.mark.parametrize("k,n", LLAMA3_8B_SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -284,7 +306,9 @@ requires_act_kernel = pytest.mark.skipif(not HAS_ACT_KERNEL, reason="needs CUDA 
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "gelu"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_act_kernel_matches_reference(k, n, g, m, act, dtype):
+@pytest.mark.parametrize("pingpong", ["0", "1"])
+def test_act_kernel_matches_reference(monkeypatch, k, n, g, m, act, dtype, pingpong):
+    monkeypatch.setenv("FASTAWQ_GEMV_PINGPONG", pingpong)  # the two-batch loop too
     qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=k + n)
     gu = random_input((m, 2 * k), "cuda", dtype, seed=m + k) * 2
     bias = random_input((n,), "cuda", dtype, seed=7) if n % 3 == 0 else None
@@ -350,7 +374,9 @@ requires_norm_kernel = pytest.mark.skipif(not HAS_NORM_KERNEL, reason="needs CUD
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("with_residual,offset", [(True, 0.0), (False, 0.0), (True, 1.0)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_norm_kernel_matches_reference(k, n, g, m, with_residual, offset, dtype):
+@pytest.mark.parametrize("pingpong", ["0", "1"])
+def test_norm_kernel_matches_reference(monkeypatch, k, n, g, m, with_residual, offset, dtype, pingpong):
+    monkeypatch.setenv("FASTAWQ_GEMV_PINGPONG", pingpong)  # the two-batch loop too
     qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=k + n)
     x = random_input((m, k), "cuda", dtype, seed=m + k) * 3
     res = random_input((m, k), "cuda", dtype, seed=m + k + 1) * 3 if with_residual else None

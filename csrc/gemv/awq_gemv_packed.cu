@@ -21,6 +21,7 @@
 // 128..134 at 4..5, ~167 at 6..7, ~195 at 8. (Session 5: a minimum of 6 blocks per SM brought
 // M = 2 to 80 but spilled at M = 3.)
 #include <algorithm>
+#include <cstdlib>
 #include <type_traits>
 
 #include "common/dtype.cuh"
@@ -71,10 +72,11 @@ __device__ __forceinline__ float act_f(float g) {
   }
 }
 
-// acc += x * f over one batch (rows row0 .. row0+31), xs += x.
-template <typename T, int M, bool SX = false>
+// acc += x * f over one batch (rows row0 .. row0+31), xs += x. after_first() runs once the first
+// 16-byte load's weights have been used (both consumes).
+template <typename T, int M, bool SX = false, typename Hook>
 __device__ __forceinline__ void consume(const uint4 (&w)[kLoads], const T* __restrict__ x, int k, int row0,
-                                        float (&acc)[M][4], float (&xs)[M]) {
+                                        float (&acc)[M][4], float (&xs)[M], Hook&& after_first) {
 #pragma unroll
   for (int u = 0; u < kLoads; ++u) {
     uint4 xr[M];
@@ -97,6 +99,7 @@ __device__ __forceinline__ void consume(const uint4 (&w)[kLoads], const T* __res
         xs[mm] += xv.x + xv.y;
       }
     }
+    if (u == 0) after_first();
   }
 }
 
@@ -110,9 +113,10 @@ __device__ __forceinline__ void consume(const uint4 (&w)[kLoads], const T* __res
 using gemv::H2Magic;
 
 // zc[0..3]: (even-row magic + z / 16) and (odd-row magic + z / 16) of columns (0, 2), then (1, 3).
-template <typename T, int M, bool SX = false>
+template <typename T, int M, bool SX = false, typename Hook>
 __device__ __forceinline__ void consume_h2(const uint4 (&w)[kLoads], const T* __restrict__ x, int k, int row0,
-                                           const typename HalfTraits<T>::T2 (&zc)[4], float (&acc)[M][4]) {
+                                           const typename HalfTraits<T>::T2 (&zc)[4], float (&acc)[M][4],
+                                           Hook&& after_first) {
   using T2 = typename HalfTraits<T>::T2;
   const auto h2 = [](uint32_t v) { return *reinterpret_cast<const T2*>(&v); };
 #pragma unroll
@@ -151,6 +155,7 @@ __device__ __forceinline__ void consume_h2(const uint4 (&w)[kLoads], const T* __
       const float2 f13 = HalfTraits<T>::to_float2(*reinterpret_cast<const uint32_t*>(&p13[mm]));
       acc[mm][0] += f02.x, acc[mm][2] += f02.y, acc[mm][1] += f13.x, acc[mm][3] += f13.y;
     }
+    if (u == 0) after_first();
   }
 }
 
@@ -187,8 +192,14 @@ struct NormIn {
   float eps, offset;
 };
 
-template <typename T, int M, bool kH2, int ACT = 0>
-__global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
+// PINGPONG (FASTAWQ_GEMV_PINGPONG=1; an A/B switch): the main loop two batches an iteration with
+// the register buffers trading roles, and the next batch's loads issued after the current batch's
+// first use. In the one-batch loop the `cur = nxt` copy lets the register allocator give both
+// the same registers, which forces the next batch's loads below the current batch's last use: the
+// SASS issues them at the end of the body and the first instruction of the next batch waits for
+// them, so no weight load is in flight while a warp sums (CUDA_NOTES.md, session 17).
+template <typename T, int M, bool kH2, int ACT = 0, bool PINGPONG = false>
+__global__ void __launch_bounds__(kPackedThreads, PINGPONG && M == 1 ? 6 : 0) awq_gemv_packed_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int n, int k, int group_size,
     int batches_per_warp, const NormIn norm, const bool early_loads, const int prefetch_batches) {
@@ -367,19 +378,39 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
     if (col_ok && b0 < b1) sv_cur = __ldg(sz_lane);
     zero_consts<T>(sv_cur, zc);
   }
-#pragma unroll 1
-  for (int b = b0; b < b1; ++b) {
-    if (b + 1 < b1) {
-      w_next += kLoads * n4l;
-      load_batch(nxt, w_next, n4l, col_ok, policy);
-      if constexpr (kH2) {
-        if (group_left == 1 && col_ok) sv_nxt = __ldg(sz_lane + n4);
+  [[maybe_unused]] bool zc_stale = false;  // PINGPONG: zc still holds the closed group's constants
+  // One batch: issue the loads of the next one into `fill`, and sum `use`. PINGPONG issues them
+  // after the first use of `use`: every weight load of a warp gets the same scoreboard, so the first
+  // use waits for all loads in flight; issued before it, the next batch's would be among them.
+  const auto step = [&](const uint4 (&use)[kLoads], uint4 (&fill)[kLoads], int b) {
+    const bool more = b + 1 < b1;
+    const auto fetch = [&]() {
+      if (more) {
+        w_next += kLoads * n4l;
+        load_batch(fill, w_next, n4l, col_ok, policy);
+        if constexpr (kH2) {
+          if (group_left == 1 && col_ok) sv_nxt = __ldg(sz_lane + n4);
+        }
+      }
+    };
+    if constexpr (!PINGPONG) fetch();
+    const auto after_first = [&]() {
+      if constexpr (PINGPONG) fetch();
+    };
+    if constexpr (PINGPONG && kH2) {
+      // The group's zero constants, from pairs fetched with the previous batch's weights: made here,
+      // where the first use of `use` waits for that fetch anyway (at the close they would wait for
+      // the next batch's loads, on the same scoreboard).
+      if (zc_stale) {
+        sv_cur = sv_nxt;
+        zero_consts<T>(sv_cur, zc);
+        zc_stale = false;
       }
     }
     if constexpr (kH2) {
-      consume_h2<T, M, (ACT != 0)>(cur, xin, ldx, b * kPackedBatchRows, zc, acc);
+      consume_h2<T, M, (ACT != 0)>(use, xin, ldx, b * kPackedBatchRows, zc, acc, after_first);
     } else {
-      consume<T, M, (ACT != 0)>(cur, xin, ldx, b * kPackedBatchRows, acc, xs);
+      consume<T, M, (ACT != 0)>(use, xin, ldx, b * kPackedBatchRows, acc, xs, after_first);
     }
     // Close the group when the next batch starts a new one or the warp's range ends
     // (group_size % 32 == 0: a batch never straddles groups).
@@ -392,8 +423,12 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
 #pragma unroll
           for (int mm = 0; mm < M; ++mm) y[mm][c] = fmaf(sc, acc[mm][c], y[mm][c]);
         }
-        sv_cur = sv_nxt;
-        zero_consts<T>(sv_cur, zc);
+        if constexpr (PINGPONG) {
+          zc_stale = true;
+        } else {
+          sv_cur = sv_nxt;
+          zero_consts<T>(sv_cur, zc);
+        }
       } else if (col_ok) {
         const uint4 sv = __ldg(sz_lane);
         const T* p = reinterpret_cast<const T*>(&sv);
@@ -414,8 +449,22 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemv_packed_kernel(
       group_left = batches_per_group;
       sz_lane += n4;
     }
+  };
+  if constexpr (PINGPONG) {
+    // Two batches an iteration, the buffers trading roles: no copy joins them, so the register
+    // allocator keeps them apart and the next batch's loads leave before the current one's math.
+#pragma unroll 1
+    for (int b = b0; b < b1; b += 2) {
+      step(cur, nxt, b);
+      if (b + 1 < b1) step(nxt, cur, b + 1);
+    }
+  } else {
+#pragma unroll 1
+    for (int b = b0; b < b1; ++b) {
+      step(cur, nxt, b);
 #pragma unroll
-    for (int u = 0; u < kLoads; ++u) cur[u] = nxt[u];
+      for (int u = 0; u < kLoads; ++u) cur[u] = nxt[u];
+    }
   }
 
   // The 4 warps of the tile meet in shared memory (warps with an empty range add zeros).
@@ -438,11 +487,23 @@ inline int act_smem_bytes(const GemvPackedArgs& a) {
   return a.m * std::min(kWarps * a.steps_per_warp * kPackedBatchRows, a.k) * 2;
 }
 
+// FASTAWQ_GEMV_PINGPONG=1: the two-batch main loop (PINGPONG above; read at each call, so a graph
+// reads it at capture and the split plan's occupancy query sees the instance the launch runs).
+bool pingpong_enabled() {
+  const char* v = std::getenv("FASTAWQ_GEMV_PINGPONG");
+  return v != nullptr && v[0] == '1' && v[1] == '\0';
+}
+
 template <typename T, int M, int ACT>
 void launch_act(const GemvPackedArgs& a, cudaStream_t stream, int* resident) {
   constexpr bool kH2able = M <= kH2MaxM;
-  const auto kernel = (kH2able && gemv::h2_enabled<T>()) ? awq_gemv_packed_kernel<T, M, kH2able, ACT>
-                                                          : awq_gemv_packed_kernel<T, M, false, ACT>;
+  // The two-batch loop only where the GEMV serves decode (M <= 2): fewer instances.
+  constexpr bool kPPable = M <= kH2MaxM;
+  const bool h2 = kH2able && gemv::h2_enabled<T>(), pp = kPPable && pingpong_enabled();
+  const auto kernel = h2 ? (pp ? awq_gemv_packed_kernel<T, M, kH2able, ACT, kPPable>
+                               : awq_gemv_packed_kernel<T, M, kH2able, ACT>)
+                         : (pp ? awq_gemv_packed_kernel<T, M, false, ACT, kPPable>
+                               : awq_gemv_packed_kernel<T, M, false, ACT>);
   const int smem = ACT != 0 && resident == nullptr ? act_smem_bytes(a) : 0;
   if (resident != nullptr) {
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, kPackedThreads, 0);
