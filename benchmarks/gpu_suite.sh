@@ -154,7 +154,7 @@ if [[ " $stages " == *" unrun "* ]]; then
   python -m pytest -q -p no:cacheprovider tests/test_fused.py tests/test_moe_mma.py tests/test_cuda_attention.py 2>&1 \
     | tail -2 || status=1
   python -m pytest -q -p no:cacheprovider tests/test_gemm_packed.py tests/test_gemv_packed.py tests/test_moe_op.py \
-    -k "shared_x or early or staged or pingpong" \
+    -k "shared_x or early or staged or pingpong or deferred" \
     2>&1 | tail -2 || status=1
   compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py 2>&1 | tail -2 || status=1
   FASTAWQ_GEMM_SHARE_X=1 FASTAWQ_GEMV_EARLY_LOADS=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
@@ -162,7 +162,7 @@ if [[ " $stages " == *" unrun "* ]]; then
   # Session 17: awq_gemm_packed with x staged once a block in the mma's A order (FASTAWQ_GEMM_STAGE_X=1),
   # the decode attention's splits combining in distributed shared memory (FASTAWQ_ATTN_CLUSTER=1; its
   # tests run in test_cuda_attention.py above).
-  FASTAWQ_GEMM_STAGE_X=1 FASTAWQ_GEMV_EARLY_LOADS=1 FASTAWQ_ATTN_CLUSTER=1 FASTAWQ_GEMV_PINGPONG=1 \
+  FASTAWQ_GEMM_STAGE_X=1 FASTAWQ_GEMV_EARLY_LOADS=1 FASTAWQ_ATTN_CLUSTER=1 FASTAWQ_GEMV_PINGPONG=1 FASTAWQ_MMA_DEFER=1 \
     compute-sanitizer --tool memcheck \
     --error-exitcode 1 python benchmarks/sanitize.py 2>&1 | tail -2 || status=1
 fi
@@ -178,10 +178,11 @@ if [[ " $stages " == *" unrun_perf "* ]]; then
     FASTAWQ_ATTN_SPLIT_KEYS=$keys python benchmarks/bench_attention.py --heads 32,4 --lens 128,256,512 \
       --capacity 4096 2>&1 | tail -5 || status=1
   done
-  # The decode GEMV's two-batch loop (session 17) against the one-batch loop, M = 1 and 2.
-  for pp in 0 1; do
-    FASTAWQ_GEMV_PINGPONG=$pp python benchmarks/gemm_table.py --kernels gemv --ms 1,2 --dtypes float16,bfloat16 \
-      2>&1 | tail -4 || status=1
+  # The decode GEMV's two-batch loop and awq_mma_packed's deferred refills (session 17), each against
+  # the current form: M = 1, 2 (GEMV) and 2, 4, 8 (mma, its register ring).
+  for on in 0 1; do
+    FASTAWQ_GEMV_PINGPONG=$on FASTAWQ_MMA_DEFER=$on python benchmarks/gemm_table.py --kernels gemv,mma \
+      --ms 1,2,4,8 --dtypes float16,bfloat16 2>&1 | tail -6 || status=1
   done
   # awq_gemm_packed (1.14x at M = 16 in session 14) against awq_mma_packed, which M = 9..16 now gets,
   # then awq_gemm_packed with the block-shared x ring (FASTAWQ_GEMM_SHARE_X=1).
@@ -216,6 +217,9 @@ if [[ " $stages " == *" unrun_ab "* ]]; then
   FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare env:FASTAWQ_GEMV_PINGPONG=0,1 --compare norm_gemv \
     --compare env:FASTAWQ_GEMV_EARLY_LOADS=0,1 --compare env:FASTAWQ_GEMV_PREFETCH=2,64 \
     --compare env:FASTAWQ_ATTN_CLUSTER=0,1 --shape llama-3-8b --batches 1,2 \
+    --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
+  FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare env:FASTAWQ_MMA_DEFER=0,1 --shape llama-3-8b \
+    --batches 4,8 \
     --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
   FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare env:FASTAWQ_GEMV_PINGPONG=0,1 --compare norm_gemv \
     --compare env:FASTAWQ_GEMV_EARLY_LOADS=0,1 --compare env:FASTAWQ_GEMV_PREFETCH=2,64 \

@@ -169,6 +169,34 @@ def test_every_tile(chunks, warps, m):
 
 
 @requires_kernel
+@pytest.mark.parametrize("k,n,g", GPU_SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 5, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_deferred_refills_match_reference(monkeypatch, k, n, g, m, dtype):
+    # FASTAWQ_MMA_DEFER=1 (read at each call): the register ring refills each slot after the next
+    # slot's first use and loads a group's pairs at its first step (groups of one step included).
+    monkeypatch.setenv("FASTAWQ_MMA_DEFER", "1")
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=k + n + m)
+    for seed in (m, m + 100):
+        x = random_input((m, k), "cuda", dtype, seed=seed)
+        bias = random_input((n,), "cuda", dtype, seed=7) if seed > 100 else None
+        assert_close_to_reference(_poisoned_call(x, wp, sz, n, g, bias), x, qw, s, qz, g, bias)
+
+
+@requires_kernel
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+@pytest.mark.parametrize("warps", [4, 32, 128])
+@pytest.mark.parametrize("m", [3, 8])
+def test_deferred_refills_every_tile(monkeypatch, chunks, warps, m):
+    # Long warp ranges (several passes over the ring) down to one or two steps a warp.
+    monkeypatch.setenv("FASTAWQ_MMA_DEFER", "1")
+    k, n, g = 4096, 392, 64
+    qw, s, qz, wp, sz = _setup(k, n, g, torch.float16, seed=chunks + warps + m)
+    x = random_input((m, k), "cuda", torch.float16, seed=m)
+    assert_close_to_reference(_poisoned_call(x, wp, sz, n, g, None, chunks, warps), x, qw, s, qz, g)
+
+
+@requires_kernel
 @pytest.mark.parametrize("k,n", LLAMA3_8B_SHAPES)
 @pytest.mark.parametrize("m", [2, 8, 16, 32])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -32,6 +32,8 @@
 // instruction count (204 -> 131 SASS instructions a step changed it by 5 %). At M = 16 the
 // cp.async ring stays (1.03 against 0.95). So the kernel serves M = 3..16 (backend.py); the
 // CUDA-core GEMV, with its half2 sums, keeps M = 1 and 2 (2.18 / 1.72 against 1.76 / 1.66, session 11).
+#include <cstdlib>
+
 #include "common/dtype.cuh"
 #include "common/pdl.cuh"
 #include "common/ptx.cuh"
@@ -73,8 +75,13 @@ struct MmaSmem {
 // kRegs: the ring is P steps of registers instead (P - 1 steps in flight while one is consumed):
 // each lane's 16-byte loads land in its own registers, with no shared-memory round trip and no
 // cp.async bookkeeping; shared memory then holds only the tail's partial sums.
-template <typename T, int NT, int CC, int P, bool kRegs>
-__global__ void __launch_bounds__(kPackedThreads) awq_mma_packed_kernel(
+// DEFER (FASTAWQ_MMA_DEFER=1, with kRegs; an A/B switch): each slot's refill waits until the next
+// slot's first use. Every weight load of a warp gets one scoreboard, so a slot's first use waits for
+// all loads in flight; refilled right after its own use, the previous slot's load was among them and
+// each step waited a whole memory latency (SASS, CUDA_NOTES.md session 17). Deferred, the loads a
+// first use waits for were issued a step of math earlier.
+template <typename T, int NT, int CC, int P, bool kRegs, bool DEFER = false>
+__global__ void __launch_bounds__(kPackedThreads, DEFER && NT == 1 && CC == 1 ? 5 : 0) awq_mma_packed_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int m, int n, int k, int group_size,
     int steps_per_warp) {
@@ -161,7 +168,8 @@ __global__ void __launch_bounds__(kPackedThreads) awq_mma_packed_kernel(
     }
   }
 
-  const auto consume = [&](const uint4(&wc)[CC], const uint4(&xc)[NT]) {
+  // after_first(): once chunk 0's weights of k-step 0 are in use.
+  const auto consume = [&](const uint4(&wc)[CC], const uint4(&xc)[NT], auto&& after_first) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       uint32_t b0[NT], b1[NT];
@@ -184,6 +192,7 @@ __global__ void __launch_bounds__(kPackedThreads) awq_mma_packed_kernel(
           Mma<T>::run(acc[cc][0][nt], a0, b0[nt], b1[nt]);
           Mma<T>::run(acc[cc][1][nt], a1, b0[nt], b1[nt]);
         }
+        if (h == 0 && cc == 0) after_first();
       }
     }
   };
@@ -217,12 +226,21 @@ __global__ void __launch_bounds__(kPackedThreads) awq_mma_packed_kernel(
   int group_left = steps_per_group - s0 % steps_per_group;  // steps until the current group ends
   // After step s: close the group when the next step starts a new one or the warp's range ends
   // (group_size % 32 == 0: a step never straddles groups).
+  // DEFER: the next group's pairs are loaded at its first step's first use, not at the close (there
+  // the next step's first use would wait for them, on the weights' scoreboard).
+  [[maybe_unused]] bool scales_due = false;
   const auto after_step = [&](int s) {
     if (--group_left == 0 || s + 1 == s1) {
       close_group();
       group_left = steps_per_group;
       sz_lane += n4;
-      if (s + 1 < s1) load_scales(sv);
+      if (s + 1 < s1) {
+        if constexpr (DEFER) {
+          scales_due = true;
+        } else {
+          load_scales(sv);
+        }
+      }
     }
   };
   if constexpr (kRegs) {
@@ -251,8 +269,17 @@ __global__ void __launch_bounds__(kPackedThreads) awq_mma_packed_kernel(
             xc[nt] = __ldg(reinterpret_cast<const uint4*>(x_next[nt]));
             x_next[nt] += kPackedBatchRows;
           }
-          consume(rw[r], xc);
-          if (s + r + P < s1) fetch(rw[r]);
+          if constexpr (DEFER) {
+            // The previous slot's refill (step s + r - 1 + P), after this slot's first use.
+            const int sp = s + r - 1;
+            consume(rw[r], xc, [&]() {
+              if (sp >= s0 && sp + P < s1) fetch(rw[(r + P - 1) % P]);
+              if (scales_due) load_scales(sv), scales_due = false;
+            });
+          } else {
+            consume(rw[r], xc, []() {});
+            if (s + r + P < s1) fetch(rw[r]);
+          }
           after_step(s + r);
         }
       }
@@ -272,7 +299,7 @@ __global__ void __launch_bounds__(kPackedThreads) awq_mma_packed_kernel(
       for (int cc = 0; cc < CC; ++cc) wc[cc] = ld_shared128_at(src + cc * 512);
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) xc[nt] = ld_shared128_at(src + (CC + nt) * 512);
-      consume(wc, xc);
+      consume(wc, xc, []() {});
       slot = slot == P - 1 ? 0 : slot + 1;
       after_step(s);
     }
@@ -304,8 +331,16 @@ constexpr int register_ring_depth() {
   return d > 6 ? 6 : (d < 2 ? 2 : d);
 }
 
+// FASTAWQ_MMA_DEFER=1: the register ring's deferred refills (DEFER above; read at each call, so a
+// graph reads it at capture and the split plan's occupancy query sees the launch's instance).
+bool mma_defer() {
+  const char* v = std::getenv("FASTAWQ_MMA_DEFER");
+  return v != nullptr && v[0] == '1' && v[1] == '\0';
+}
+
 template <typename T, int NT, int CC>
 auto kernel_of(bool regs) {
+  if (regs && mma_defer()) return awq_mma_packed_kernel<T, NT, CC, register_ring_depth<NT, CC>(), true, true>;
   return regs ? awq_mma_packed_kernel<T, NT, CC, register_ring_depth<NT, CC>(), true>
               : awq_mma_packed_kernel<T, NT, CC, ring_depth<NT, CC>(), false>;
 }
