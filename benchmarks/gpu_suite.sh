@@ -146,7 +146,7 @@ if [[ " $stages " == *" unrun "* ]]; then
   step unrun
   # Session 16's work that no GPU has run yet (CUDA_NOTES.md, session 16): its tests and sanitizer
   # runs here (~6 min), its kernels timed in unrun_perf, its decode A/Bs in unrun_ab:
-  # awq_gemv_packed_norm's one-round-trip staging (main); on branch wip/session16-unrun also the
+  # awq_gemv_packed_norm's one-round-trip staging (main); on branch wip/session17-unrun also the
   # engine's own stream, moe_mma's batched id scans (tests with 2,400 / 4,096 ids) and the decode
   # attention's next-tile L1 prefetch (swept over FASTAWQ_ATTN_SPLIT_KEYS).
   # (-k applies to every file of a command: the filtered file runs alone.)
