@@ -97,9 +97,13 @@ def test_decode_attention_matches_sdpa(dtype, d, heads, lens):
 @pytest.mark.parametrize("b", [1, 2, 8])
 def test_decode_attention_llama3_8b_long_cache(dtype, b):
     # Cache capacity of 8192: the most splits, and lengths anywhere in it.
-    s, hq, hkv, d = 8192, 32, 8, 128
-    lens = [8192, 4097, 17, 4096, 1, 2049, 8191, 300][:b]
-    k, v = _caches(b, s, hkv, d, dtype, lens, seed=b)
+    _out_matches_sdpa(8192, 32, 8, 128, dtype, [8192, 4097, 17, 4096, 1, 2049, 8191, 300][:b], seed=b)
+
+
+def _out_matches_sdpa(s, hq, hkv, d, dtype, lens, seed):
+    """decode_attention_out into a NaN-poisoned out, against SDPA."""
+    b = len(lens)
+    k, v = _caches(b, s, hkv, d, dtype, lens, seed=seed)
     q = torch.randn(b, hq, d, device="cuda").to(dtype)
     lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
     out = torch.full_like(q, float("nan"))
@@ -188,12 +192,8 @@ def test_decode_attention_cluster_combine(monkeypatch, dtype, d, heads, b, lens)
     # the global partials past it (513, 1100); every block of a cluster takes its barriers.
     monkeypatch.setenv("FASTAWQ_ATTN_CLUSTER", "1")
     hq, hkv = heads
-    k, v = _caches(b, S, hkv, d, dtype, lens, seed=d + hq + b)
-    q = torch.randn(b, hq, d, device="cuda").to(dtype)
-    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    out = torch.full_like(q, float("nan"))
-    torch.ops.fastawq.decode_attention_out(q, k, v, lens_t, d ** -0.5, out)
-    _check(out, q, k, v, lens_t, d ** -0.5)
+    assert len(lens) == b
+    _out_matches_sdpa(S, hq, hkv, d, dtype, list(lens), seed=d + hq + b)
 
 
 @needs_op

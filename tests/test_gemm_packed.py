@@ -182,15 +182,28 @@ def test_every_tile_and_split(m_tiles, chunks, splits, m):
     assert_close_to_reference(out, x, qw, s, qz, g, bias)
 
 
+# The x modes of awq_gemm_packed's A/B switches (read at each call): FASTAWQ_GEMM_SHARE_X=1, one
+# ring a block with x staged once per step for the 4 warps and a barrier a step; FASTAWQ_GEMM_STAGE_X=1,
+# x staged once a block in the mma's A order (at most 16 steps a block at one m-tile, 8 above:
+# automatic splits are cut that fine, forced ones of 1 and 3 splits at 64 steps run the ring form),
+# with and without its weight ring filled before the PDL wait (FASTAWQ_GEMV_EARLY_LOADS=1).
+X_MODES = {
+    "shared_x": {"FASTAWQ_GEMM_SHARE_X": "1"},
+    "staged_x": {"FASTAWQ_GEMM_STAGE_X": "1"},
+    "staged_x_early": {"FASTAWQ_GEMM_STAGE_X": "1", "FASTAWQ_GEMV_EARLY_LOADS": "1"},
+}
+
+
 @requires_kernel
+@pytest.mark.parametrize("mode", list(X_MODES))
 @pytest.mark.parametrize("m_tiles,chunks", [(0, 0), (1, 1), (1, 2), (2, 1), (2, 2), (4, 1)])
 @pytest.mark.parametrize("splits", [0, 1, 3, 64])
 @pytest.mark.parametrize("m", [5, 16, 17, 70])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_shared_x_ring(monkeypatch, m_tiles, chunks, splits, m, dtype):
-    # FASTAWQ_GEMM_SHARE_X=1: one ring a block, x staged once per step for the 4 warps, a barrier a
-    # step (read at each call). Automatic (0) and forced tiles and splits, down to one step a block.
-    monkeypatch.setenv("FASTAWQ_GEMM_SHARE_X", "1")
+def test_x_modes(monkeypatch, mode, m_tiles, chunks, splits, m, dtype):
+    # Automatic (0) and forced tiles and splits, down to one step a block (64 splits).
+    for name, value in X_MODES[mode].items():
+        monkeypatch.setenv(name, value)
     k, n, g = 2048, 392, 128
     qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=m_tiles + chunks + splits + m)
     for seed in (m, m + 100):  # a second call: the workspace was re-zeroed
@@ -201,44 +214,14 @@ def test_shared_x_ring(monkeypatch, m_tiles, chunks, splits, m, dtype):
 
 
 @requires_kernel
+@pytest.mark.parametrize("mode,dtype", [("shared_x", torch.float16), ("staged_x", torch.bfloat16)])
 @pytest.mark.parametrize("k,n,g", GPU_SHAPES)
 @pytest.mark.parametrize("m", [16, 33, 129])
-def test_shared_x_ring_shapes(monkeypatch, k, n, g, m):
-    monkeypatch.setenv("FASTAWQ_GEMM_SHARE_X", "1")
-    qw, s, qz, wp, sz = _setup(k, n, g, torch.float16, seed=k + n + m)
-    x = random_input((m, k), "cuda", torch.float16, seed=m)
-    assert_close_to_reference(_poisoned_call(x, wp, sz, n, g), x, qw, s, qz, g)
-
-
-@requires_kernel
-@pytest.mark.parametrize("m_tiles,chunks", [(0, 0), (1, 1), (1, 2), (2, 1), (2, 2), (4, 1)])
-@pytest.mark.parametrize("splits", [0, 1, 3, 64])
-@pytest.mark.parametrize("m", [5, 16, 17, 70])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("early", ["0", "1"])
-def test_staged_x(monkeypatch, m_tiles, chunks, splits, m, dtype, early):
-    # FASTAWQ_GEMM_STAGE_X=1: x staged once a block in the mma's A order (at most 16 steps a block at
-    # one m-tile, 8 above: automatic splits are cut that fine; forced ones of 1 and 3 splits at 64
-    # steps run the ring form, 64 splits one step a block), with and without the weights' ring filled
-    # before the PDL wait (FASTAWQ_GEMV_EARLY_LOADS=1).
-    monkeypatch.setenv("FASTAWQ_GEMM_STAGE_X", "1")
-    monkeypatch.setenv("FASTAWQ_GEMV_EARLY_LOADS", early)
-    k, n, g = 2048, 392, 128
-    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=m_tiles + chunks + splits + m)
-    for seed in (m, m + 100):  # a second call: the workspace was re-zeroed
-        x = random_input((m, k), "cuda", dtype, seed=seed)
-        bias = random_input((n,), "cuda", dtype, seed=3) if seed > 100 else None
-        out = _poisoned_call(x, wp, sz, n, g, bias, m_tiles, chunks, splits)
-        assert_close_to_reference(out, x, qw, s, qz, g, bias)
-
-
-@requires_kernel
-@pytest.mark.parametrize("k,n,g", GPU_SHAPES)
-@pytest.mark.parametrize("m", [16, 33, 129])
-def test_staged_x_shapes(monkeypatch, k, n, g, m):
-    monkeypatch.setenv("FASTAWQ_GEMM_STAGE_X", "1")
-    qw, s, qz, wp, sz = _setup(k, n, g, torch.bfloat16, seed=k + n + m)
-    x = random_input((m, k), "cuda", torch.bfloat16, seed=m)
+def test_x_modes_shapes(monkeypatch, mode, dtype, k, n, g, m):
+    for name, value in X_MODES[mode].items():
+        monkeypatch.setenv(name, value)
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=k + n + m)
+    x = random_input((m, k), "cuda", dtype, seed=m)
     assert_close_to_reference(_poisoned_call(x, wp, sz, n, g), x, qw, s, qz, g)
 
 
