@@ -36,6 +36,16 @@
 namespace fastawq {
 namespace {
 
+// Thread-block clusters and distributed shared memory exist from sm_90; the CLUSTER instances built
+// for older GPUs keep the global combine (the host launches them on sm_90 only).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+constexpr bool kClusterArch = true;
+__device__ __forceinline__ void cluster_sync() { cooperative_groups::this_cluster().sync(); }
+#else
+constexpr bool kClusterArch = false;
+__device__ __forceinline__ void cluster_sync() {}
+#endif
+
 // Positions past a split's end are never read (their memory may hold anything, even NaN):
 // the predicated load leaves zeros, which the -inf scores then weigh by exactly 0.
 __device__ __forceinline__ uint4 ld16(const void* p, bool ok) {
@@ -210,12 +220,12 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(con
   const bool direct = active <= 1;
   // CLUSTER: the working splits all in this (row, KV head)'s first cluster meet there (uniform
   // over the cluster: its blocks share b, kvh and so len). Its idle blocks still take both barriers.
-  const bool dsmem = CLUSTER && !direct && active <= a.cluster;
+  const bool dsmem = CLUSTER && kClusterArch && !direct && active <= a.cluster;
   if (split >= (direct ? 1 : active)) {
     if constexpr (ROPE) cp_async_wait<0>();  // no copy into shared memory outlives its block
     if (dsmem && split < a.cluster) {
-      cooperative_groups::this_cluster().sync();
-      cooperative_groups::this_cluster().sync();
+      cluster_sync();
+      cluster_sync();
     }
     return;
   }
@@ -435,6 +445,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(con
   }
   if (direct) return;
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if constexpr (CLUSTER) {
     if (dsmem) {
       // The barrier orders every block's partial (written above) before split 0's reads of it.
@@ -469,6 +480,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(con
       return;
     }
   }
+#endif
 
   // Every working block arrives; the last sees all partials (fence before the count, reads
   // through L2 after it).
