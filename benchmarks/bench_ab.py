@@ -14,7 +14,8 @@ before it); --compare act_gemv / norm_gemv: act_mul inside the down projection's
 RMSNorm inside the QKV and gate_up GEMVs (backend.ACT_GEMV_FUSED / NORM_GEMV_FUSED); --compare
 gemm16: awq_gemm_packed instead of awq_mma_packed for packed-layout batches of 9 to 16 rows
 (backend.PACKED_MMA_MAX_M 8, PACKED_GEMM_MAX_M 16); --compare gemm16_staged: the same with its
-staged-x form (FASTAWQ_GEMM_STAGE_X=1); --compare layout: the W4 layers'
+staged-x form (FASTAWQ_GEMM_STAGE_X=1), gemm16_staged_early with its weight ring also filled
+before the PDL wait (FASTAWQ_GEMV_EARLY_LOADS=1); --compare layout: the W4 layers'
 weight layout (WQLinear.set_layout "awq" / "packed", exact both ways, converted in place; grouped
 MoE experts keep theirs). One random-weight model is built
 once; rounds alternate the setting (off on, on off, ...), each re-capturing the decode graph, and
@@ -54,9 +55,10 @@ _SAVED_MMA_MAX_M = backend.PACKED_MMA_MAX_M
 _SAVED_GEMM_MAX_M = backend.PACKED_GEMM_MAX_M
 
 CHOICES = ("pdl", "route", "norm_route", "route_cuda", "moe_mma", "packed_gemm", "rope_attention", "act_gemv",
-           "norm_gemv", "gemm16", "gemm16_staged", "layout")
+           "norm_gemv", "gemm16", "gemm16_staged", "gemm16_staged_early", "layout")
 # Environment variables a named switch sets (restored after it).
-_SWITCH_ENV = {"pdl": "FASTAWQ_PDL", "gemm16_staged": "FASTAWQ_GEMM_STAGE_X"}
+_SWITCH_ENV = {"pdl": ("FASTAWQ_PDL",), "gemm16_staged": ("FASTAWQ_GEMM_STAGE_X",),
+               "gemm16_staged_early": ("FASTAWQ_GEMM_STAGE_X", "FASTAWQ_GEMV_EARLY_LOADS")}
 
 
 def env_switch(compare: str) -> tuple[str, str, str] | None:
@@ -91,12 +93,13 @@ def apply(model: torch.nn.Module, compare: str, on: bool) -> None:
         backend.ACT_GEMV_FUSED = on
     elif compare == "norm_gemv":
         backend.NORM_GEMV_FUSED = on
-    elif compare in ("packed_gemm", "gemm16", "gemm16_staged"):
+    elif compare in ("packed_gemm", "gemm16", "gemm16_staged", "gemm16_staged_early"):
         if compare == "packed_gemm":  # on: awq_gemm_packed above the tensor-core GEMV's bucket
             backend.PACKED_GEMM_MAX_M = 1 << 20 if on else 0
         else:  # on: awq_gemm_packed (the batch as the mma's M) for M = 9 .. 16, not awq_mma_packed
-            if compare == "gemm16_staged":  # ... in its staged-x form
-                os.environ["FASTAWQ_GEMM_STAGE_X"] = "1" if on else "0"
+            if compare.startswith("gemm16_staged"):  # ... in its staged-x form (with its ring filled early)
+                for name in _SWITCH_ENV[compare]:
+                    os.environ[name] = "1" if on else "0"
             backend.PACKED_MMA_MAX_M = 8 if on else _SAVED_MMA_MAX_M
             backend.PACKED_GEMM_MAX_M = 16 if on else _SAVED_GEMM_MAX_M
         for module in model.modules():  # plans bound per M bucket: bind them again
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                               layout=args.layout, num_layers=args.layers)
     print(f"built {args.shape} ({args.layers or 'all'} layers, {args.layout}) in {time.time() - t0:.0f}s", flush=True)
     env_names = ({"FASTAWQ_PDL"} | {env_switch(c)[0] for c in compares if env_switch(c)}
-                 | {_SWITCH_ENV[c] for c in compares if c in _SWITCH_ENV})
+                 | {name for c in compares for name in _SWITCH_ENV.get(c, ())})
     env_before = {name: os.environ.get(name) for name in env_names}
     saved = {n: getattr(backend, n) for n in _BACKEND_SWITCHES}
 

@@ -234,6 +234,7 @@ if [[ " $stages " == *" unrun_b16 "* ]]; then
   # (session 17), each against awq_mma_packed, on one model a shape.
   for shape in llama-3-8b qwen3-30b-a3b; do
     FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_ab.py --compare gemm16 --compare gemm16_staged \
+      --compare gemm16_staged_early \
       --shape $shape --batches 16 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
   done
   FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_e2e.py --shape llama-3-8b --layout packed --modes fused-graphs \

@@ -111,7 +111,7 @@ def test_full_depth_scales_only_the_layers():
     assert bench.full_depth(0.001, 0.002, 8, 48) == pytest.approx(0.002)  # noise below the head
 
 
-@pytest.mark.parametrize("compare", ["pdl", "route", "norm_route", "layout", "gemm16_staged"])
+@pytest.mark.parametrize("compare", ["pdl", "route", "norm_route", "layout", "gemm16_staged", "gemm16_staged_early"])
 def test_bench_ab_alternates_one_switch(tmp_path, capsys, compare):
     # benchmarks/bench_ab.py on the tiny shape (CPU): both settings measured, the switches restored.
     import importlib.util
@@ -126,8 +126,11 @@ def test_bench_ab_alternates_one_switch(tmp_path, capsys, compare):
     ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ab)
     pdl_before, route_before = os.environ.get("FASTAWQ_PDL"), backend.ROUTE_FUSED
+    envs = ("FASTAWQ_GEMM_STAGE_X", "FASTAWQ_GEMV_EARLY_LOADS")
+    envs_before = {name: os.environ.get(name) for name in envs}
     assert ab.main(["--compare", compare, "--shape", "tiny", "--device", "cpu", "--prefill", "4", "--decode", "4",
                     "--max-seq-len", "32", "--out", str(tmp_path)]) == 0
+    assert {name: os.environ.get(name) for name in envs} == envs_before
     rows = json.loads((tmp_path / f"ab_{compare}_tiny.json").read_text())["rows"]
     assert sorted(r["on"] for r in rows) == ["0", "1"] and all(r["decode_tps"] > 0 for r in rows)
     assert f"batch 1: {compare} on / off =" in capsys.readouterr().out
