@@ -379,23 +379,27 @@ __global__ void __launch_bounds__(kPackedThreads, PINGPONG && M == 1 ? 6 : 0) aw
     zero_consts<T>(sv_cur, zc);
   }
   [[maybe_unused]] bool zc_stale = false;  // PINGPONG: zc still holds the closed group's constants
+  [[maybe_unused]] const uint32_t runtime_zero = static_cast<uint32_t>(n) >> 31;  // n >= 0: zero, unknown to ptxas
   // One batch: issue the loads of the next one into `fill`, and sum `use`. PINGPONG issues them
   // after the first use of `use`: every weight load of a warp gets the same scoreboard, so the first
   // use waits for all loads in flight; issued before it, the next batch's would be among them.
   const auto step = [&](const uint4 (&use)[kLoads], uint4 (&fill)[kLoads], int b) {
     const bool more = b + 1 < b1;
-    const auto fetch = [&]() {
+    const auto fetch = [&](int dep) {
       if (more) {
-        w_next += kLoads * n4l;
+        w_next += kLoads * n4l + dep;
         load_batch(fill, w_next, n4l, col_ok, policy);
         if constexpr (kH2) {
-          if (group_left == 1 && col_ok) sv_nxt = __ldg(sz_lane + n4);
+          if (group_left == 1 && col_ok) sv_nxt = __ldg(sz_lane + n4 + dep);
         }
       }
     };
-    if constexpr (!PINGPONG) fetch();
+    if constexpr (!PINGPONG) fetch(0);
     const auto after_first = [&]() {
-      if constexpr (PINGPONG) fetch();
+      // A zero the loads' addresses depend on, made from the first load's sums: without it ptxas
+      // may hoist the loads above that load's first use (it did at M = 2, where an x load's use
+      // then waited on the new weight loads' scoreboard).
+      if constexpr (PINGPONG) fetch(static_cast<int>(__float_as_uint(acc[0][0]) & runtime_zero));
     };
     if constexpr (PINGPONG && kH2) {
       // The group's zero constants, from pairs fetched with the previous batch's weights: made here,
