@@ -94,7 +94,8 @@ constexpr int kRingStepBytes = kX == kXShared   ? kPackedThreads / 32 * CC * 512
                                : kX == kXStaged ? CC * 512
                                                 : (CC + 2 * MT) * 32 * 16;
 template <int MT, int CC, int P, int kX = kXPerWarp>
-constexpr int kRingBytes = kX == kXShared ? P * kRingStepBytes<MT, CC, kX> : kPackedThreads / 32 * P * kRingStepBytes<MT, CC, kX>;
+constexpr int kRingBytes =
+    kX == kXShared ? P * kRingStepBytes<MT, CC, kX> : kPackedThreads / 32 * P * kRingStepBytes<MT, CC, kX>;
 
 template <typename T, int MT, int CC, int P, int kX>
 __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
@@ -241,7 +242,8 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
       } else {
         row = row0 + 16 * (i >> 1) + 8 * (i & 1) + g, chunk = t;
       }
-      x_next[i] = x + static_cast<int64_t>(min(row, m - 1)) * k + 8 * chunk + static_cast<int64_t>(s0) * kPackedBatchRows;
+      x_next[i] =
+          x + static_cast<int64_t>(min(row, m - 1)) * k + 8 * chunk + static_cast<int64_t>(s0) * kPackedBatchRows;
     }
   }
 

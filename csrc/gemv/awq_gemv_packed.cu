@@ -10,10 +10,11 @@
 //
 // Work: a block is 4 warps on one 128-column tile (32 lanes x 4 columns); each warp walks its own
 // contiguous range of `batches_per_warp` 32-row batches. Bytes in flight come from registers, not
-// shared memory: the next batch (4 independent 16-byte loads per lane) is issued before the current
-// one is consumed, so 8 loads per lane are in flight with ~40 registers of payload at M = 1, and the
-// low register count leaves room for many resident warps (cp.async would add a barrier and shared
-// memory traffic for no reuse: each byte is read by one lane once). The host picks the range so the
+// shared memory: the source issues the next batch (4 independent 16-byte loads per lane) before the
+// current one is consumed -- though in the compiled one-batch loop they land at the end of the body
+// and the next batch waits for them (PINGPONG below, which keeps them in flight while the warp sums)
+// -- and the low register count leaves room for many resident warps (cp.async would add a barrier
+// and shared memory traffic for no reuse: each byte is read by one lane once). The host picks the range so the
 // grid is one wave of the blocks that fit (awq_gemv_packed.cpp plan_auto). Tail: warps meet in
 // shared memory, split-K blocks add into the zeroed fp32 workspace with one atomic per (row,
 // column), and the last block of a tile converts and re-zeroes it (graph-safe, no extra launch).
