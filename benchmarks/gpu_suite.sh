@@ -153,8 +153,8 @@ if [[ " $stages " == *" unrun "* ]]; then
   python -m pytest -q -p no:cacheprovider tests/test_gemv_packed.py -k "act or norm or prologue" 2>&1 | tail -2 || status=1
   python -m pytest -q -p no:cacheprovider tests/test_fused.py tests/test_moe_mma.py tests/test_cuda_attention.py 2>&1 \
     | tail -2 || status=1
-  python -m pytest -q -p no:cacheprovider tests/test_gemm_packed.py tests/test_gemv_packed.py tests/test_moe_op.py \
-    -k "x_modes or early or staged or pingpong or deferred" \
+  python -m pytest -q -p no:cacheprovider tests/test_gemm_packed.py tests/test_gemv_packed.py tests/test_mma_packed.py \
+    tests/test_moe_op.py -k "x_modes or early or staged or pingpong or deferred" \
     2>&1 | tail -2 || status=1
   compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py 2>&1 | tail -2 || status=1
   FASTAWQ_GEMM_SHARE_X=1 FASTAWQ_GEMV_EARLY_LOADS=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
