@@ -297,6 +297,12 @@ def test_bad_inputs_are_named():
 
 # --- awq_gemv_packed_act: act(gate) * up staged in the kernel (branch wip/gemv-act-prologue) ---
 
+def _matches_the_plain_gemv(out, x, wp, sz, n, g, bias):
+    """A fused-prologue GEMV's output against awq_gemv_packed on the input it stages."""
+    two = torch.ops.fastawq.awq_gemv_packed(x.contiguous(), wp, sz, n, g, bias)
+    torch.testing.assert_close(out, two, rtol=2e-2, atol=2e-2 * two.abs().max().item())
+
+
 HAS_ACT_KERNEL = HAS_KERNEL and _ext.has_op("awq_gemv_packed_act")
 requires_act_kernel = pytest.mark.skipif(not HAS_ACT_KERNEL, reason="needs CUDA and awq_gemv_packed_act")
 
@@ -321,8 +327,7 @@ def test_act_kernel_matches_reference(monkeypatch, k, n, g, m, act, dtype, pingp
     w = reference.dequantize(qw, s, qz, g).float()
     slack = ((x.float().abs() * ulp) @ w.abs()).max().item()
     assert_close_to_reference(out, x, qw, s, qz, g, bias, slack=slack)
-    two = torch.ops.fastawq.awq_gemv_packed(x.contiguous(), wp, sz, n, g, bias)
-    torch.testing.assert_close(out, two, rtol=2e-2, atol=2e-2 * two.abs().max().item())
+    _matches_the_plain_gemv(out, x, wp, sz, n, g, bias)
 
 
 @requires_act_kernel
@@ -391,8 +396,7 @@ def test_norm_kernel_matches_reference(monkeypatch, k, n, g, m, with_residual, o
         assert torch.equal(r_out, r), "the new residual is x + residual rounded once"
     else:
         assert r_out.numel() == 0
-    two = torch.ops.fastawq.awq_gemv_packed(h.contiguous(), wp, sz, n, g, bias)
-    torch.testing.assert_close(out, two, rtol=2e-2, atol=2e-2 * two.abs().max().item())
+    _matches_the_plain_gemv(out, h, wp, sz, n, g, bias)
 
 
 @requires_norm_kernel

@@ -11,6 +11,7 @@
 #include "attention/attention_ops.h"
 #include "attention/launch_attention.h"
 #include "common/checks.h"
+#include "common/pdl.cuh"
 #include "common/workspace.h"
 
 namespace fastawq {
@@ -94,8 +95,7 @@ bool prefetch_kv() {
 // shared memory where the working splits fit in one (decode_attention.cu). Returns the cluster
 // size (0: off); the caller rounds the splits down to a multiple of it.
 int attention_cluster(int splits) {
-  const char* v = std::getenv("FASTAWQ_ATTN_CLUSTER");
-  if (v == nullptr || v[0] != '1' || v[1] != '\0' || splits < 2) return 0;
+  if (!env_flag_on("FASTAWQ_ATTN_CLUSTER") || splits < 2) return 0;
   if (at::cuda::getCurrentDeviceProperties()->major < 9) return 0;
   return std::min(splits, kDecodeMaxCluster);
 }

@@ -41,10 +41,12 @@ bool pdl_enabled() {
   return state == 2;
 }
 
-bool early_weight_loads() {
-  const char* v = std::getenv("FASTAWQ_GEMV_EARLY_LOADS");
-  return v != nullptr && v[0] == '1' && v[1] == 0;
+bool env_flag_on(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && v[0] == '1' && v[1] == '\0';
 }
+
+bool early_weight_loads() { return env_flag_on("FASTAWQ_GEMV_EARLY_LOADS"); }
 
 int gemv_prefetch_batches(int64_t weight_bytes) {
   constexpr int kDefault = 2;

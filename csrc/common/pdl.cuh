@@ -13,6 +13,9 @@ namespace fastawq {
 
 // FASTAWQ_PDL is not "0"/"off"/"false" and the current device is sm_90 or newer.
 bool pdl_enabled();
+// Whether the A/B switch `name` is set to exactly "1" (read at each call, so a CUDA graph keeps the
+// setting it was captured with): the one reader of the compiled kernels' on/off switches.
+bool env_flag_on(const char* name);
 // FASTAWQ_GEMV_EARLY_LOADS=1 (an A/B switch, read at each call): the decode GEMVs load their first
 // weights into registers before the PDL wait, not only into L2 (awq_gemv_packed.h says when safe).
 bool early_weight_loads();

@@ -434,11 +434,7 @@ bool shallow_ring() {
 // call, so a graph reads them at capture and the split plan's occupancy query sees the same
 // instance as the launch). The staged form is launched only where the host entry set a.stage_x
 // (its block's K range fits the staged region); it wins over the shared ring when both are set.
-bool env_on(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && v[0] == '1' && v[1] == 0;
-}
-bool share_x() { return env_on("FASTAWQ_GEMM_SHARE_X"); }
+bool share_x() { return env_flag_on("FASTAWQ_GEMM_SHARE_X"); }
 
 template <typename T, int MT, int CC, int kP, int kX = kXPerWarp>
 void launch_depth(const GemmPackedArgs& a, cudaStream_t stream, int* resident) {
@@ -505,7 +501,7 @@ int gemm_packed_resident_blocks(const GemmPackedArgs& a) {
 }
 
 int gemm_packed_stage_steps(const GemmPackedArgs& a) {
-  if (!env_on("FASTAWQ_GEMM_STAGE_X")) return 0;
+  if (!env_flag_on("FASTAWQ_GEMM_STAGE_X")) return 0;
   return a.m_tiles == 1 ? kStageSteps<1> : (a.m_tiles == 2 ? kStageSteps<2> : kStageSteps<4>);
 }
 

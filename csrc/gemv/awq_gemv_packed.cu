@@ -22,7 +22,6 @@
 // 128..134 at 4..5, ~167 at 6..7, ~195 at 8. (Session 5: a minimum of 6 blocks per SM brought
 // M = 2 to 80 but spilled at M = 3.)
 #include <algorithm>
-#include <cstdlib>
 #include <type_traits>
 
 #include "common/dtype.cuh"
@@ -494,10 +493,7 @@ inline int act_smem_bytes(const GemvPackedArgs& a) {
 
 // FASTAWQ_GEMV_PINGPONG=1: the two-batch main loop (PINGPONG above; read at each call, so a graph
 // reads it at capture and the split plan's occupancy query sees the instance the launch runs).
-bool pingpong_enabled() {
-  const char* v = std::getenv("FASTAWQ_GEMV_PINGPONG");
-  return v != nullptr && v[0] == '1' && v[1] == '\0';
-}
+bool pingpong_enabled() { return env_flag_on("FASTAWQ_GEMV_PINGPONG"); }
 
 template <typename T, int M, int ACT>
 void launch_act(const GemvPackedArgs& a, cudaStream_t stream, int* resident) {

@@ -32,8 +32,6 @@
 // instruction count (204 -> 131 SASS instructions a step changed it by 5 %). At M = 16 the
 // cp.async ring stays (1.03 against 0.95). So the kernel serves M = 3..16 (backend.py); the
 // CUDA-core GEMV, with its half2 sums, keeps M = 1 and 2 (2.18 / 1.72 against 1.76 / 1.66, session 11).
-#include <cstdlib>
-
 #include "common/dtype.cuh"
 #include "common/pdl.cuh"
 #include "common/ptx.cuh"
@@ -333,10 +331,7 @@ constexpr int register_ring_depth() {
 
 // FASTAWQ_MMA_DEFER=1: the register ring's deferred refills (DEFER above; read at each call, so a
 // graph reads it at capture and the split plan's occupancy query sees the launch's instance).
-bool mma_defer() {
-  const char* v = std::getenv("FASTAWQ_MMA_DEFER");
-  return v != nullptr && v[0] == '1' && v[1] == '\0';
-}
+bool mma_defer() { return env_flag_on("FASTAWQ_MMA_DEFER"); }
 
 template <typename T, int NT, int CC>
 auto kernel_of(bool regs) {
