@@ -189,6 +189,9 @@ CASES = [
     (8, 4096, 1024, 128, 2, 16, "random"),
     (8, 256, 320, 64, 2, 47, "one_expert"),  # passes of 16 and 8 both end part-full
     (16, 2048, 768, 128, 8, 64, "random"),  # 32 per expert: no split of K
+    # More ids than one batch of the id scans (kIdBatch * 128 = 2,048), the last one part-full.
+    (16, 256, 128, 64, 8, 300, "random"),
+    (8, 128, 96, 32, 2, 2048, "few_experts"),  # 4,096 ids: the kernel's limit
 ]
 
 

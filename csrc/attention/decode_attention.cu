@@ -287,6 +287,19 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(con
     float l_run = 0.f;        // this lane's share of head g's running sum
 
     for (int r0 = start + warp * kDecodeTileN; r0 < end; r0 += NW * kDecodeTileN) {
+      // The warp's next tile into L1 (its K and V lines, 128 bytes a lane) while this one is
+      // loaded and used: a warp with several tiles (long splits) then reads them from L1, not L2.
+      if (const int rn = r0 + NW * kDecodeTileN; rn < end) {
+        constexpr int kLines = D * 2 / 128;  // 128-byte lines of a row
+#pragma unroll
+        for (int i = lane; i < kDecodeTileN * kLines; i += 32) {
+          const int row = rn + i / kLines, off = (i % kLines) * 64;
+          if (row < end) {
+            prefetch_l1(kbase + row * a.k_ss + off);
+            prefetch_l1(vbase + row * a.v_ss + off);
+          }
+        }
+      }
       // K: key rows r0 + g and r0 + 8 + g (the two n-tiles), the same chunks as the Q fragment.
       uint4 kf[2][KP];
 #pragma unroll

@@ -15,6 +15,7 @@ SDPA. The fused model's device is fixed at fuse time.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import types
 import warnings
@@ -319,13 +320,14 @@ class _DecodeGraph:
 
     def capture(self) -> None:
         # Warm-up runs compile and autotune every kernel outside the capture; their cache writes
-        # land on the position the first replay writes again. They run on the current stream, not
-        # a fresh side stream: cuBLAS keeps a workspace (32 MiB on Hopper) for every stream it has
+        # land on the position the first replay writes again. Warm-up and capture run on the
+        # current stream (the runtime's own, FusedRuntime._on_stream), not torch.cuda.graph's
+        # default side stream: cuBLAS keeps a workspace (32 MiB on Hopper) for every stream it has
         # run on, for the life of the process, and the prefill's lm_head made this stream's already.
         for _ in range(2):
             self._step()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, stream=torch.cuda.current_stream()):
             self.logits = self._step()
 
 
@@ -362,11 +364,31 @@ class FusedRuntime:
         self.batch = 0
         self._graphs: dict[int, _DecodeGraph] = {}
         self._workspaces: tuple = ()
+        self._stream: torch.cuda.Stream | None = None
         self.cpu_step = None  # fused_cpu.CPUDecodeStep where it serves the model (set by fuse_model)
 
     @property
     def device(self) -> torch.device:
         return self.embed.weight.device
+
+    @contextlib.contextmanager
+    def _on_stream(self):
+        """Run the block on the runtime's own CUDA stream (no-op off CUDA), ordered after the
+        caller's stream on entry and before it on exit. Prefill, warm-up, capture and replay all
+        share it, so cuBLAS keeps one workspace for the engine (torch.cuda.graph's own capture
+        stream would hold a second 32 MiB one) and capture never runs on the legacy default stream."""
+        if self.device.type != "cuda":
+            yield None
+            return
+        if self._stream is None or self._stream.device != self.device:
+            self._stream = torch.cuda.Stream(self.device)
+        caller = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(self._stream):
+                yield caller
+        finally:
+            caller.wait_stream(self._stream)
 
     def check_fits(self, batch: int, total_len: int) -> None:
         c = self.cfg
@@ -417,6 +439,17 @@ class FusedRuntime:
         # Chunks bound the activations (the gate/up output alone is L x 2I) so long prompts fit
         # the same memory as short ones; each chunk attends to the cache written before it.
         chunk = self.prefill_chunk or seq
+        with self._on_stream() as caller:
+            logits = self._prefill_chunks(ids, start, keep, chunk)
+            if caller is not None and logits is not None:
+                logits.record_stream(caller)  # allocated on the runtime's stream, read on the caller's
+        if self._graphs and _external_workspaces() != self._workspaces:
+            # A GEMM backend replaced a scratch buffer (regrown, or released after tuning): recapture.
+            self._graphs.clear()
+        return logits
+
+    def _prefill_chunks(self, ids: torch.Tensor, start: int, keep: int, chunk: int) -> torch.Tensor | None:
+        b, seq = ids.shape
         logits = None
         for c0 in range(0, seq, chunk):
             c1 = min(seq, c0 + chunk)
@@ -437,9 +470,6 @@ class FusedRuntime:
                 at = c1 - (seq - keep)
                 logits[:, at - n:at].copy_(out)
             del out
-        if self._graphs and _external_workspaces() != self._workspaces:
-            # A GEMM backend replaced a scratch buffer (regrown, or released after tuning): recapture.
-            self._graphs.clear()
         return logits
 
     @torch.inference_mode()
@@ -452,17 +482,19 @@ class FusedRuntime:
         self.check_fits(b, self.length + 1)
         pos = self.length
         if self.use_cuda_graphs and self.device.type == "cuda":
-            g = self._graphs.get(b)
-            if g is None or g.ids.device != self.device:
-                g = self._graphs[b] = _DecodeGraph(self, b, self.device)
-            g.ids.copy_(ids)
-            g.positions.fill_(pos)
-            g.lens.fill_(pos + 1)
-            if g.graph is None:
-                g.capture()
-                self._workspaces = _external_workspaces()
-            g.graph.replay()
-            logits = g.logits.clone()  # the static output is overwritten by the next replay
+            with self._on_stream() as caller:
+                g = self._graphs.get(b)
+                if g is None or g.ids.device != self.device:
+                    g = self._graphs[b] = _DecodeGraph(self, b, self.device)
+                g.ids.copy_(ids)
+                g.positions.fill_(pos)
+                g.lens.fill_(pos + 1)
+                if g.graph is None:
+                    g.capture()
+                    self._workspaces = _external_workspaces()
+                g.graph.replay()
+                logits = g.logits.clone()  # the static output is overwritten by the next replay
+                logits.record_stream(caller)
         elif self.cpu_step is not None:
             logits = self.cpu_step(ids, pos)
         else:
