@@ -15,7 +15,9 @@ RMSNorm inside the QKV and gate_up GEMVs (backend.ACT_GEMV_FUSED / NORM_GEMV_FUS
 gemm16: awq_gemm_packed instead of awq_mma_packed for packed-layout batches of 9 to 16 rows
 (backend.PACKED_MMA_MAX_M 8, PACKED_GEMM_MAX_M 16); --compare gemm16_staged: the same with its
 staged-x form (FASTAWQ_GEMM_STAGE_X=1), gemm16_staged_early with its weight ring also filled
-before the PDL wait (FASTAWQ_GEMV_EARLY_LOADS=1); --compare layout: the W4 layers'
+before the PDL wait (FASTAWQ_GEMV_EARLY_LOADS=1); --compare defaults18: session 17's defaults (off)
+against session 18's (on: gemm16, the deferred mma refills, the two-batch GEMV loop at M = 2, early
+weight loads, the attention's cluster combine at small batches); --compare layout: the W4 layers'
 weight layout (WQLinear.set_layout "awq" / "packed", exact both ways, converted in place; grouped
 MoE experts keep theirs). One random-weight model is built
 once; rounds alternate the setting (off on, on off, ...), each re-capturing the decode graph, and
@@ -51,14 +53,16 @@ from fastawq.modules.qlinear import WQLinear, set_layout
 from fastawq.shapes import shape_config
 
 
-_SAVED_MMA_MAX_M = backend.PACKED_MMA_MAX_M
-_SAVED_GEMM_MAX_M = backend.PACKED_GEMM_MAX_M
 
 CHOICES = ("pdl", "route", "norm_route", "route_cuda", "moe_mma", "packed_gemm", "rope_attention", "act_gemv",
-           "norm_gemv", "gemm16", "gemm16_staged", "gemm16_staged_early", "layout")
+           "norm_gemv", "gemm16", "gemm16_staged", "gemm16_staged_early", "defaults18", "layout")
 # Environment variables a named switch sets (restored after it).
 _SWITCH_ENV = {"pdl": ("FASTAWQ_PDL",), "gemm16_staged": ("FASTAWQ_GEMM_STAGE_X",),
                "gemm16_staged_early": ("FASTAWQ_GEMM_STAGE_X", "FASTAWQ_GEMV_EARLY_LOADS")}
+# defaults18 off: the switches session 18 turned on by default, set to their session-17 values.
+_DEFAULTS18_OFF = {"FASTAWQ_MMA_DEFER": "0", "FASTAWQ_GEMV_PINGPONG": "0", "FASTAWQ_GEMV_EARLY_LOADS": "0",
+                   "FASTAWQ_ATTN_CLUSTER": "0"}
+_SWITCH_ENV["defaults18"] = tuple(_DEFAULTS18_OFF)
 
 
 def env_switch(compare: str) -> tuple[str, str, str] | None:
@@ -93,6 +97,16 @@ def apply(model: torch.nn.Module, compare: str, on: bool) -> None:
         backend.ACT_GEMV_FUSED = on
     elif compare == "norm_gemv":
         backend.NORM_GEMV_FUSED = on
+    elif compare == "defaults18":
+        for name, off in _DEFAULTS18_OFF.items():
+            if on:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = off
+        backend.PACKED_MMA_MAX_M, backend.PACKED_GEMM_MAX_M = (8, 16) if on else (16, 0)
+        for module in model.modules():
+            if isinstance(module, WQLinear):
+                module.set_backend(module.backend)
     elif compare in ("packed_gemm", "gemm16", "gemm16_staged", "gemm16_staged_early"):
         if compare == "packed_gemm":  # on: awq_gemm_packed above the tensor-core GEMV's bucket
             backend.PACKED_GEMM_MAX_M = 1 << 20 if on else 0
@@ -100,8 +114,8 @@ def apply(model: torch.nn.Module, compare: str, on: bool) -> None:
             if compare.startswith("gemm16_staged"):  # ... in its staged-x form (with its ring filled early)
                 for name in _SWITCH_ENV[compare]:
                     os.environ[name] = "1" if on else "0"
-            backend.PACKED_MMA_MAX_M = 8 if on else _SAVED_MMA_MAX_M
-            backend.PACKED_GEMM_MAX_M = 16 if on else _SAVED_GEMM_MAX_M
+            backend.PACKED_MMA_MAX_M = 8 if on else 16
+            backend.PACKED_GEMM_MAX_M = 16 if on else 0
         for module in model.modules():  # plans bound per M bucket: bind them again
             if isinstance(module, WQLinear):
                 module.set_backend(module.backend)

@@ -185,12 +185,14 @@ def test_decode_attention_cuda_graph_replay(dtype):
 @pytest.mark.parametrize("heads", [(32, 8), (32, 4), (14, 2)])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_cluster_combine(monkeypatch, dtype, d, heads, b, lens):
+@pytest.mark.parametrize("cluster", ["0", "1"])
+def test_decode_attention_cluster_combine(monkeypatch, cluster, dtype, d, heads, b, lens):
     # FASTAWQ_ATTN_CLUSTER=1: splits in clusters of up to 8 (Llama / Qwen3 / Qwen2 heads at batch 1:
     # 32 splits, clusters of 8; batch 16: 3 or 5 splits, one cluster), combining in distributed
     # shared memory while the working splits fit in the first cluster (65-512 keys) and through
-    # the global partials past it (513, 1100); every block of a cluster takes its barriers.
-    monkeypatch.setenv("FASTAWQ_ATTN_CLUSTER", "1")
+    # the global partials past it (513, 1100); every block of a cluster takes its barriers. "0": the
+    # global combine everywhere (unset: clusters where rows x KV heads <= 16).
+    monkeypatch.setenv("FASTAWQ_ATTN_CLUSTER", cluster)
     hq, hkv = heads
     assert len(lens) == b
     _out_matches_sdpa(S, hq, hkv, d, dtype, list(lens), seed=d + hq + b)

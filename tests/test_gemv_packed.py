@@ -150,11 +150,12 @@ def test_kernel_matches_reference(k, n, g, m, dtype):
 @pytest.mark.parametrize("k,n,g", GPU_SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 5])
 @pytest.mark.parametrize("prefetch", ["", "0", "1000"])
-def test_early_loads_match_reference(monkeypatch, k, n, g, m, prefetch):
-    # FASTAWQ_GEMV_EARLY_LOADS=1 (read at each call): the first weight batch is loaded before the
-    # PDL wait. The weights here were written by torch just before, as a repack writes them.
+@pytest.mark.parametrize("early", ["0", "1"])
+def test_early_loads_match_reference(monkeypatch, k, n, g, m, prefetch, early):
+    # FASTAWQ_GEMV_EARLY_LOADS (on unless "0"; read at each call): the first weight batch is loaded
+    # before the PDL wait. The weights here were written by torch just before, as a repack writes them.
     # FASTAWQ_GEMV_PREFETCH: the default 2 batches into L2 before the wait, none, or a warp's range.
-    monkeypatch.setenv("FASTAWQ_GEMV_EARLY_LOADS", "1")
+    monkeypatch.setenv("FASTAWQ_GEMV_EARLY_LOADS", early)
     monkeypatch.setenv("FASTAWQ_GEMV_PREFETCH", prefetch)
     qw, s, qz, wp, sz = _setup(k, n, g, torch.bfloat16, seed=k + n + m)
     for seed in (m, m + 100):  # the second call finds the workspace the first re-zeroed
@@ -168,11 +169,12 @@ def test_early_loads_match_reference(monkeypatch, k, n, g, m, prefetch):
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("early", ["0", "1"])
-def test_pingpong_matches_reference(monkeypatch, k, n, g, m, dtype, early):
-    # FASTAWQ_GEMV_PINGPONG=1 (read at each call): two batches an iteration, the register buffers
-    # trading roles (odd and even batch counts a warp, one batch, groups of one batch), with and
-    # without the first batch loaded before the PDL wait.
-    monkeypatch.setenv("FASTAWQ_GEMV_PINGPONG", "1")
+@pytest.mark.parametrize("pingpong", ["0", "1"])
+def test_pingpong_matches_reference(monkeypatch, k, n, g, m, dtype, early, pingpong):
+    # FASTAWQ_GEMV_PINGPONG=1 / 0 (read at each call; unset: at M = 2 only): two batches an iteration,
+    # the register buffers trading roles (odd and even batch counts a warp, one batch, groups of one
+    # batch), or one; with and without the first batch loaded before the PDL wait.
+    monkeypatch.setenv("FASTAWQ_GEMV_PINGPONG", pingpong)
     monkeypatch.setenv("FASTAWQ_GEMV_EARLY_LOADS", early)
     qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=k + n + m)
     for seed in (m, m + 100):
@@ -391,7 +393,12 @@ def test_norm_kernel_matches_reference(monkeypatch, k, n, g, m, with_residual, o
     torch.full((m, n), float("nan"), dtype=dtype, device="cuda")  # poison a block the outputs may reuse
     out, r_out = torch.ops.fastawq.awq_gemv_packed_norm(x, res, nw, 1e-6, offset, wp, sz, n, g, bias)
     assert out.shape == (m, n) and out.dtype == dtype
-    assert_close_to_reference(out, h, qw, s, qz, g, bias)
+    # The kernel's rsqrt and sum order may round an element of h to a neighbouring 16-bit value (K =
+    # 32 fp16 went 3 % over the budget without this on the H200): one ulp of every h element through |W|.
+    ulp = 2**-7 if dtype == torch.bfloat16 else 2**-10
+    w = reference.dequantize(qw, s, qz, g).float()
+    slack = ((h.float().abs() * ulp) @ w.abs()).max().item()
+    assert_close_to_reference(out, h, qw, s, qz, g, bias, slack=slack)
     if with_residual:
         assert torch.equal(r_out, r), "the new residual is x + residual rounded once"
     else:
@@ -425,7 +432,6 @@ def test_fused_llama_with_both_prologues_matches_without(monkeypatch, dtype):
     from fastawq import backend
     from fastawq.modules import WQLinear
     from fastawq.modules.fused import fuse_model
-    from fastawq.modules.qlinear import set_layout
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -437,8 +443,7 @@ def test_fused_llama_with_both_prologues_matches_without(monkeypatch, dtype):
                 for name, mod in list(parent.named_children()):
                     if isinstance(mod, torch.nn.Linear):
                         setattr(parent, name, WQLinear.from_linear(mod.to(dtype), 32))
-    ref = ref.to(dtype).cuda()
-    set_layout(ref, "packed")
+    ref = ref.to(dtype).cuda()  # fuse_model takes the AWQ layout and repacks for decode itself
     ids = torch.randint(0, cfg.vocab_size, (1, 40), device="cuda")
     feed = torch.randint(0, cfg.vocab_size, (12, 1), device="cuda")  # the same tokens for both runs
     logits = {}
@@ -446,6 +451,8 @@ def test_fused_llama_with_both_prologues_matches_without(monkeypatch, dtype):
         monkeypatch.setattr(backend, "NORM_GEMV_FUSED", on)
         monkeypatch.setattr(backend, "ACT_GEMV_FUSED", on)
         fused = fuse_model(copy.deepcopy(ref), max_seq_len=128, batch_size=1, backend="cuda", use_cuda_graphs=True)
+        layouts = {mod.layout for mod in fused.modules() if isinstance(mod, WQLinear)}
+        assert layouts == {"packed"}, f"the prologues need the packed layout, fused decode has {layouts}"
         rt = fused.fastawq_runtime
         steps = [rt.prefill(ids)[:, -1].float()]
         for tok in feed:

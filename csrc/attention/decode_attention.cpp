@@ -90,12 +90,17 @@ bool prefetch_kv() {
   return !(v != nullptr && v[0] == '0' && v[1] == '\0');
 }
 
-// FASTAWQ_ATTN_CLUSTER=1 (an A/B switch, read at each call like the ones above; sm_90 only): the
+// FASTAWQ_ATTN_CLUSTER=1 / 0 (read at each call like the ones above; sm_90 only) forces it: the
 // splits of a (row, KV head) run as clusters of up to kDecodeMaxCluster that combine in distributed
 // shared memory where the working splits fit in one (decode_attention.cu). Returns the cluster
 // size (0: off); the caller rounds the splits down to a multiple of it.
-int attention_cluster(int splits) {
-  if (!env_flag_on("FASTAWQ_ATTN_CLUSTER") || splits < 2) return 0;
+// Unset: on where rows x KV heads <= kClusterMaxWork. H200, session 18 (RESULTS.md): decode +1.4 % on
+// Qwen3-30B-A3B at batch 1 (4 KV heads), +0.4 / +0.5 % on the Llama-3-8B shape at batch 1 / 2 (8 KV
+// heads), but -4.5 % at batch 4 and 8 there.
+constexpr int kClusterMaxWork = 16;
+int attention_cluster(int splits, int64_t work) {
+  const int sw = env_switch("FASTAWQ_ATTN_CLUSTER");
+  if (!(sw < 0 ? work <= kClusterMaxWork : sw == 1) || splits < 2) return 0;
   if (at::cuda::getCurrentDeviceProperties()->major < 9) return 0;
   return std::min(splits, kDecodeMaxCluster);
 }
@@ -118,7 +123,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t group = hq / hkv;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   int splits = decode_attention_splits(static_cast<int>(b * hkv), static_cast<int>(s), sms);
-  const int cluster = attention_cluster(splits);
+  const int cluster = attention_cluster(splits, b * hkv);
   if (cluster > 0) splits = splits / cluster * cluster;
 
   DecodeAttentionArgs a{};

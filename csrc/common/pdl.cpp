@@ -41,12 +41,15 @@ bool pdl_enabled() {
   return state == 2;
 }
 
-bool env_flag_on(const char* name) {
+int env_switch(const char* name) {
   const char* v = std::getenv(name);
-  return v != nullptr && v[0] == '1' && v[1] == '\0';
+  if (v == nullptr || (v[0] != '0' && v[0] != '1') || v[1] != '\0') return -1;
+  return v[0] - '0';
 }
 
-bool early_weight_loads() { return env_flag_on("FASTAWQ_GEMV_EARLY_LOADS"); }
+bool env_flag_on(const char* name) { return env_switch(name) == 1; }
+
+bool early_weight_loads() { return env_switch("FASTAWQ_GEMV_EARLY_LOADS") != 0; }
 
 int gemv_prefetch_batches(int64_t weight_bytes) {
   constexpr int kDefault = 2;

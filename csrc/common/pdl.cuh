@@ -13,11 +13,16 @@ namespace fastawq {
 
 // FASTAWQ_PDL is not "0"/"off"/"false" and the current device is sm_90 or newer.
 bool pdl_enabled();
-// Whether the A/B switch `name` is set to exactly "1" (read at each call, so a CUDA graph keeps the
-// setting it was captured with): the one reader of the compiled kernels' on/off switches.
+// The A/B switch `name` (read at each call, so a CUDA graph keeps the setting it was captured with):
+// 1 when set to exactly "1", 0 when "0", -1 otherwise (unset: the caller's default). The one reader
+// of the compiled kernels' on/off switches.
+int env_switch(const char* name);
+// Whether `name` is set to exactly "1" (switches that are off by default).
 bool env_flag_on(const char* name);
-// FASTAWQ_GEMV_EARLY_LOADS=1 (an A/B switch, read at each call): the decode GEMVs load their first
+// FASTAWQ_GEMV_EARLY_LOADS (on unless "0"; read at each call): the decode GEMVs load their first
 // weights into registers before the PDL wait, not only into L2 (awq_gemv_packed.h says when safe).
+// H200, session 18: Llama-3-8B shape decode 473.2 -> 475.7 tokens/s at batch 1, Qwen3-30B-A3B
+// 466.5 -> 469.4 (RESULTS.md).
 bool early_weight_loads();
 // FASTAWQ_GEMV_PREFETCH=N (an A/B switch, read at each call): the decode GEMV brings the first N
 // 32-row batches of each warp's range into L2 before the PDL wait (default 2; a one-wave grid gives

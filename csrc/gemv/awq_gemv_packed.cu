@@ -491,16 +491,21 @@ inline int act_smem_bytes(const GemvPackedArgs& a) {
   return a.m * std::min(kWarps * a.steps_per_warp * kPackedBatchRows, a.k) * 2;
 }
 
-// FASTAWQ_GEMV_PINGPONG=1: the two-batch main loop (PINGPONG above; read at each call, so a graph
-// reads it at capture and the split plan's occupancy query sees the instance the launch runs).
-bool pingpong_enabled() { return env_flag_on("FASTAWQ_GEMV_PINGPONG"); }
+// The two-batch main loop (PINGPONG above) at M = 2; FASTAWQ_GEMV_PINGPONG=1 / 0 at both M / neither
+// (read at each call, so a graph reads it at capture and the split plan's occupancy query sees the
+// instance the launch runs). H200, session 18 (RESULTS.md): Llama-3-8B shape decode 759.2 -> 795.9
+// tokens/s at batch 2, but 473.3 -> 458.7 at batch 1 (kernel table: M = 1 2.34x -> 2.18x of cuBLAS).
+bool pingpong_enabled(int m) {
+  const int s = env_switch("FASTAWQ_GEMV_PINGPONG");
+  return s < 0 ? m == 2 : s == 1;
+}
 
 template <typename T, int M, int ACT>
 void launch_act(const GemvPackedArgs& a, cudaStream_t stream, int* resident) {
   constexpr bool kH2able = M <= kH2MaxM;
   // The two-batch loop only where the GEMV serves decode (M <= 2): fewer instances.
   constexpr bool kPPable = M <= kH2MaxM;
-  const bool h2 = kH2able && gemv::h2_enabled<T>(), pp = kPPable && pingpong_enabled();
+  const bool h2 = kH2able && gemv::h2_enabled<T>(), pp = kPPable && pingpong_enabled(M);
   const auto kernel = h2 ? (pp ? awq_gemv_packed_kernel<T, M, kH2able, ACT, kPPable>
                                : awq_gemv_packed_kernel<T, M, kH2able, ACT>)
                          : (pp ? awq_gemv_packed_kernel<T, M, false, ACT, kPPable>

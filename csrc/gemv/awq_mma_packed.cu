@@ -329,9 +329,10 @@ constexpr int register_ring_depth() {
   return d > 6 ? 6 : (d < 2 ? 2 : d);
 }
 
-// FASTAWQ_MMA_DEFER=1: the register ring's deferred refills (DEFER above; read at each call, so a
-// graph reads it at capture and the split plan's occupancy query sees the launch's instance).
-bool mma_defer() { return env_flag_on("FASTAWQ_MMA_DEFER"); }
+// The register ring's deferred refills (DEFER above), unless FASTAWQ_MMA_DEFER=0 (read at each call,
+// so a graph reads it at capture and the split plan's occupancy query sees the launch's instance).
+// H200, session 18 (RESULTS.md): Llama-3-8B shape decode +1.7 % at batch 4, +1.8 % at batch 8.
+bool mma_defer() { return env_switch("FASTAWQ_MMA_DEFER") != 0; }
 
 template <typename T, int NT, int CC>
 auto kernel_of(bool regs) {

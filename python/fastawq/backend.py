@@ -54,12 +54,14 @@ CUDA_GEMM_KERNEL_BY_M = {1: "gemv", 2: "gemv_staged"}
 # M = 8 (session 10); at M = 16 it (1.03) edges the AWQ layout's Triton kernels (0.87-0.98,
 # session 5), above 16 it does not win (M = 32: 0.77 vs 0.77).
 PACKED_GEMV_MAX_M = 2
-PACKED_MMA_MAX_M = 16
-# awq_gemm_packed: not in the automatic choice (a bound not above PACKED_MMA_MAX_M leaves it out).
-# H200, RESULTS.md session 13, geomean x cuBLAS fp16 / bf16 with its best tile: M = 16 1.06 / 1.04
+PACKED_MMA_MAX_M = 8
+# awq_gemm_packed for M = 9 .. 16 (a bound not above PACKED_MMA_MAX_M leaves it out). H200,
+# RESULTS.md session 13, geomean x cuBLAS fp16 / bf16 with its best tile: M = 16 1.06 / 1.04
 # (awq_mma_packed 1.02 / 1.01), M = 32 0.81 (awq_mma_packed 0.88), M = 64 0.53 (the AWQ layout's
 # Triton GEMM 0.72): its register ring keeps about one step of loads in flight (CUDA_NOTES.md).
-PACKED_GEMM_MAX_M = 0
+# Session 18, decode at batch 16 against awq_mma_packed there: Llama-3-8B shape 3,808 -> 4,041
+# tokens/s, Qwen3-30B-A3B 2,351 -> 2,435 (bench_ab.py --compare gemm16).
+PACKED_GEMM_MAX_M = 16
 # moe_w4 is sized by its load, ceil(T * k / E) assignments per expert, not by T: the compiled MoE
 # decode kernel (csrc/moe/, which reads an expert once per assignment) serves up to
 # MOE_GEMV_MAX_LOAD, the Triton grouped GEMM (each expert once per block of rows) above. H200,
