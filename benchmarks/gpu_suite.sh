@@ -2,7 +2,8 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 e2e quantize (default: all but mma, profile, moe, ab, switches, act_gemv and the unrun ones)
+#   unrun_ab unrun_b16 verify18 e2e quantize (default: all but mma, profile, moe, ab, switches, act_gemv,
+#   verify18 and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
 # (Triton/torch backends only), for quick kernel iterations.
@@ -239,6 +240,29 @@ if [[ " $stages " == *" unrun_b16 "* ]]; then
   done
   FASTAWQ_TRITON_TUNE=0 python benchmarks/bench_e2e.py --shape llama-3-8b --layout packed --modes fused-graphs \
     --graph-lengths 64 --batches 1 --max-seq-len 4096 --budget 60 --out "$OUT/e2e_memory" 2>&1 | tail -4 || status=1
+fi
+if [[ " $stages " == *" verify18 "* ]]; then
+  step verify18
+  # The session-18 defaults (2b75c9f) together, never run as one tree: each came from its own A/B
+  # (RESULTS.md session 18). In priority order, each bounded, ~6 min: the engine's memory at
+  # max_seq_len 4096 (target 6.0 GiB; the engine's own stream), the GPU tests of what the defaults
+  # route through (three test fixes of 2b75c9f among them), T = 256 MoE (target 1.5x), decode with
+  # the session-17 defaults against the session-18 ones, memcheck.
+  FASTAWQ_TRITON_TUNE=0 timeout 90 python benchmarks/bench_e2e.py --shape llama-3-8b --layout packed \
+    --modes fused-graphs --graph-lengths 64 --batches 1 --max-seq-len 4096 --budget 40 --out "$OUT/e2e_memory" \
+    2>&1 | tail -4 || status=1
+  timeout 150 python -m pytest -p no:cacheprovider -q --tb=short -rf tests/test_gemv_packed.py \
+    tests/test_mma_packed.py tests/test_gemm_packed.py tests/test_cuda_attention.py tests/test_fused.py \
+    > "$OUT/verify18_tests.txt" 2>&1 || status=1
+  grep -E "^FAILED|passed|failed" "$OUT/verify18_tests.txt" | head -20 | cut -c1-300
+  timeout 60 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 256 --backends cuda --no-tune 2>&1 \
+    | tail -4 || status=1
+  for shape in llama-3-8b qwen3-30b-a3b; do
+    FASTAWQ_TRITON_TUNE=0 timeout 120 python benchmarks/bench_ab.py --compare defaults18 --shape $shape \
+      --batches 1,16 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
+  done
+  timeout 60 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py 2>&1 | tail -2 \
+    || status=1
 fi
 if [[ " $stages " == *" e2e "* ]] && [ -f benchmarks/bench_e2e.py ]; then
   step e2e
