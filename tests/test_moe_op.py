@@ -766,6 +766,57 @@ def test_compiled_moe_without_early_loads(monkeypatch, case, poisoned_empty):
         check(out, x, ids, w, weights, g)
 
 
+ONE_TOKEN_CASES = [c for c in COMPILED_CASES if c[5] == 1]
+
+
+def poison_allocator_cache() -> None:
+    """Hand the caching allocator's free blocks back full of NaN: a buffer the op allocates in C++
+    (at::empty, which poisoned_empty does not reach) then shows an element no kernel wrote, rather
+    than the last call's value at the same address."""
+    for numel in (1 << 12, 1 << 15, 1 << 18, 1 << 20):
+        torch.full((numel,), float("nan"), device="cuda")
+    torch.cuda.synchronize()
+
+
+@needs_compiled
+@pytest.mark.parametrize("early", ["0", "1"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", ONE_TOKEN_CASES, ids=lambda c: "E{}H{}I{}G{}k{}T{}-{}".format(*c))
+def test_compiled_moe_h_partials(monkeypatch, case, dtype, early, poisoned_empty):
+    # FASTAWQ_MOE_H_PARTIALS=1 (read at each call): at one token a split w13 stores its split sums
+    # and w2 adds them as it builds h (H = 288, 4096 and 256 split w13 into 3, 32 and 2; the others
+    # do not split and keep the usual path). Both settings of early loads, which move w2's wait.
+    monkeypatch.setenv("FASTAWQ_MOE_H_PARTIALS", "1")
+    monkeypatch.setenv("FASTAWQ_GEMV_EARLY_LOADS", early)
+    e, h, i, g, k, t, load = case
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=5 * k + 3, dtype=dtype, load=load)
+    for _ in range(2):  # the second call reuses the workspace (the partials need no zeroing)
+        poison_allocator_cache()
+        out = ops_moe.moe_w4(x, ids, w, *weights, g, backend="cuda")
+        check(out, x, ids, w, weights, g)
+
+
+@needs_compiled
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
+def test_compiled_moe_h_partials_activations_bad_ids_and_graph(monkeypatch, act):
+    # w2 applies w13's activation when it reads the partials: each activation, an id outside
+    # [0, E) (zeros, as without the switch), then the Qwen3-30B-A3B shape under a CUDA graph.
+    monkeypatch.setenv("FASTAWQ_MOE_H_PARTIALS", "1")
+    e, h, i, g, k, t = 8, 1024, 128, 64, 4, 1
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=31)
+    check(ops_moe.moe_w4(x, ids, w, *weights, g, act, backend="cuda"), x, ids, w, weights, g, act)
+    bad = ids.clone()
+    bad[0, 1] = e
+    keep = (bad >= 0) & (bad < e)
+    out = ops_moe.moe_w4(x, bad, w, *weights, g, act, backend="cuda")
+    check(out, x, ids.where(keep, 0), w * keep, weights, g, act)
+    if act == "silu":
+        e, h, i, g, k, t = 128, 2048, 768, 128, 8, 1
+        weights, x, ids, w = moe_case(e, h, i, g, k, t, 61)
+        plan = ops_moe.moe_w4_plan(x, *weights, g)
+        replay_checks(lambda: plan(x, ids, w), x, ids, w, weights, g, 3, 71)
+
+
 @needs_compiled
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("scale", [20.0, 1e-3])

@@ -122,9 +122,16 @@ struct MoeGemvArgs : MoeArgs {
   // FASTAWQ_GEMV_EARLY_LOADS=1 (read at each call): w2's ring loads its first weights into registers
   // before the PDL wait (the experts' weights are written by no kernel that can launch it early).
   bool early_loads;
+  // FASTAWQ_MOE_H_PARTIALS=1 at one token with splits13 > 1: [splits13, T * topk, 2I] fp32, w13's
+  // split sums (plain stores, every element written), which w2 adds as it reads h; else null.
+  float* h_part;
 };
 
 void launch_moe_gemv(const MoeGemvArgs& args, cudaStream_t stream);
+// The w2 kernel that reads h_part builds h for each warp's rows in shared memory: at most this
+// many a warp (its ceil(cpb2 / 4) chunks of chunk2 rows), else the host keeps h_part off.
+constexpr int kMoeHPartWarpRows = 64;
+inline bool moe_h_part_fits(const MoeGemvArgs& a) { return (a.cpb2 + 3) / 4 * a.chunk2 <= kMoeHPartWarpRows; }
 
 // On the tensor cores (csrc/moe/moe_mma.cu): one block row per expert the ids reach (and one for
 // ids outside [0, E)), each block gathering the assignments routed to its expert, so an expert is

@@ -10,6 +10,10 @@
 //       column tile converts it, writes out and zeroes the workspace again (graph-safe).
 // Split K works the same way for w13 (the last of a tile's splits applies the activation). An id
 // outside [0, E) contributes zeros but still arrives, so the counters always return to zero.
+// FASTAWQ_MOE_H_PARTIALS=1 (an A/B switch, one token, split w13): w13's splits store their sums
+// with plain stores into h_part [splits13, T * topk, 2I] and exit, and w2 sums them and applies the
+// activation as it reads h: no atomics, fence, arrival or last-block pass at the end of w13, whose
+// last block gates w2's PDL wait (the chain is ~3 dependent L2 round trips a launch).
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -234,8 +238,9 @@ __device__ __forceinline__ void block_gemv_h2(const T* __restrict__ xrow, const 
 // reads its row's first words and adds them with scale 0.
 // wait(): called once by every thread before x is read: after the first batch's weight loads and
 // zero words (which do not depend on the previous kernel), so a caller may put its PDL wait there.
-template <typename T, typename Wait>
-__device__ __forceinline__ void block_gemv_ring(const T* __restrict__ xrow, const uint32_t* __restrict__ qweight,
+// load_x(row) -> T: the input's element `row` (by default xrow[row]).
+template <typename T, typename Wait, typename XLoad>
+__device__ __forceinline__ void block_gemv_ring(XLoad&& load_x, const uint32_t* __restrict__ qweight,
                                                 const T* __restrict__ scales, const uint32_t* __restrict__ qzeros,
                                                 int n8, int n, int k, int g, int word0, bool col_ok, int chunk_rows,
                                                 int chunks_per_block, float (&y)[1][LaneMap<2>::kCols], Wait&& wait) {
@@ -272,7 +277,7 @@ __device__ __forceinline__ void block_gemv_ring(const T* __restrict__ xrow, cons
   int grp = base / g;
   zero_words(grp);
   wait();
-  T xl = xrow[base + lane];  // rows base .. base + 31, one a lane
+  T xl = load_x(base + lane);  // rows base .. base + 31, one a lane
   // One batch: sum it and, kMore, refill each row with the row of the batch at pn.
   const auto batch = [&]<bool kMore>(const uint32_t* pn) {
     T2 zc[kW][4];
@@ -331,7 +336,7 @@ __device__ __forceinline__ void block_gemv_ring(const T* __restrict__ xrow, cons
       nbase = chunk * chunk_rows;
       row_end = min(nbase + chunk_rows, k);
     }
-    const T xn = xrow[nbase + lane];
+    const T xn = load_x(nbase + lane);
     const int ngrp = nbase / g;
     if (ngrp != grp && col_ok) {  // into L2 for the next group's first batch
       prefetch_l2(qzeros + static_cast<int64_t>(ngrp) * n8 + word0);
@@ -355,8 +360,8 @@ __device__ __forceinline__ void expert_gemv(const T* __restrict__ xrow, const ui
                                             int n, int k, int g, int word0, bool col_ok, int chunk_rows,
                                             int chunks_per_block, float (&y)[1][LaneMap<kForm>::kCols], Wait&& wait) {
   if constexpr (kForm == 2) {
-    block_gemv_ring<T>(xrow, qweight, scales, qzeros, n8, n, k, g, word0, col_ok, chunk_rows, chunks_per_block, y,
-                       wait);
+    block_gemv_ring<T>([xrow](int r) { return xrow[r]; }, qweight, scales, qzeros, n8, n, k, g, word0, col_ok,
+                       chunk_rows, chunks_per_block, y, wait);
   } else if constexpr (kForm == 1) {
     wait();
     block_gemv_h2<T>(xrow, qweight, scales, qzeros, n8, n, k, g, word0, col_ok, chunk_rows, chunks_per_block, y);
@@ -366,7 +371,8 @@ __device__ __forceinline__ void expert_gemv(const T* __restrict__ xrow, const ui
   }
 }
 
-template <typename T, typename Id, int ACT, int kForm>
+// kPart: the split sums go to a.h_part (FASTAWQ_MOE_H_PARTIALS; launched only with splits13 > 1).
+template <typename T, typename Id, int ACT, int kForm, bool kPart = false>
 __global__ void __launch_bounds__(kGemvThreads, 4) moe_w13_gemv_kernel(MoeGemvArgs a) {
   constexpr float kUnit = kSumUnit<kForm>;
   using Tr = HalfTraits<T>;
@@ -394,6 +400,15 @@ __global__ void __launch_bounds__(kGemvThreads, 4) moe_w13_gemv_kernel(MoeGemvAr
   const auto write = [&](int tc, float gate, float up) {
     h[col0 + tc] = Tr::from_float(act_fn<ACT>(kUnit * gate) * (kUnit * up));
   };
+  if constexpr (kPart) {  // this split's sums, in units of 1 / kUnit; w2 adds the splits
+    float* part = a.h_part + (static_cast<int64_t>(blockIdx.y) * a.n_assign + f) * n;
+    for (int tc = threadIdx.x; tc < kHalfTile; tc += kGemvThreads) {
+      if (col0 + tc >= inter) continue;
+      __stcg(part + col0 + tc, tile_sum(sh, tc));
+      __stcg(part + inter + col0 + tc, tile_sum(sh, kHalfTile + tc));
+    }
+    return;
+  }
   if (gridDim.y == 1) {
     for (int tc = threadIdx.x; tc < kHalfTile; tc += kGemvThreads) {
       if (col0 + tc < inter) write(tc, tile_sum(sh, tc), tile_sum(sh, kHalfTile + tc));
@@ -418,8 +433,11 @@ __global__ void __launch_bounds__(kGemvThreads, 4) moe_w13_gemv_kernel(MoeGemvAr
   }
 }
 
-template <typename T, typename Id, int kForm>
+// kPartAct >= 0 (the ring form only): h is read as w13's split sums in a.h_part, added here and
+// passed through activation kPartAct (FASTAWQ_MOE_H_PARTIALS), rounded to T as w13 rounds h.
+template <typename T, typename Id, int kForm, int kPartAct = -1>
 __global__ void __launch_bounds__(kGemvThreads, 4) moe_w2_gemv_kernel(MoeGemvArgs a) {
+  static_assert(kPartAct < 0 || kForm == 2, "h from split sums: the ring form only");
   constexpr float kUnit = kSumUnit<kForm>;
   using Tr = HalfTraits<T>;
   __shared__ TileRed sh;
@@ -451,11 +469,65 @@ __global__ void __launch_bounds__(kGemvThreads, 4) moe_w2_gemv_kernel(MoeGemvArg
     pdl_wait();
     pdl_launch_dependents();
   };
-  if (!a.early_loads) wait();
   float y[1][L::kCols];
-  expert_gemv<T, kForm>(static_cast<const T*>(a.h) + static_cast<int64_t>(f) * k, w2q,
-                      static_cast<const T*>(a.w2_scales) + ex * (k / g) * n, a.w2_qzeros + ex * (k / g) * n8, n8, n,
-                      k, g, word0, col_ok, a.chunk2, a.cpb2, y, wait);
+  if constexpr (kPartAct >= 0) {
+    // h over the warp's own rows (its chunks, at most kMoeHPartWarpRows: the host's rule), built
+    // into the warp's slice of shared memory right after the wait: a lane a row, the splits' gate
+    // and up sums (through L2: w13 wrote them) loaded 8 splits at a time and added in split order,
+    // the activation applied and rounded to T as w13 rounds h. The ring then reads h from there.
+    // wait_fill runs once per thread (the first call; the ring calls it after its first weight
+    // loads, or it ran before the ring without early loads); only the warp meets after it.
+    __shared__ __align__(16) T h_s[kWarps * kMoeHPartWarpRows];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, chunk = a.chunk2;
+    const int c_first = blockIdx.y * a.cpb2 + warp;
+    const int c_end = min((blockIdx.y + 1) * a.cpb2, (k + chunk - 1) / chunk);
+    T* h_w = h_s + warp * kMoeHPartWarpRows;
+    const float* part = a.h_part + static_cast<int64_t>(f) * 2 * k;
+    const int64_t split_stride = static_cast<int64_t>(a.n_assign) * 2 * k;
+    const int splits13 = a.splits13;
+    const auto h_of = [&](int r) {
+      float gate = 0.f, up = 0.f;
+      for (int s0 = 0; s0 < splits13; s0 += 8) {
+        float gv[8], uv[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const float* p = part + (s0 + u) * split_stride + r;
+          const bool ok = s0 + u < splits13;
+          gv[u] = ok ? __ldcg(p) : 0.f;
+          uv[u] = ok ? __ldcg(p + k) : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) gate += gv[u], up += uv[u];
+      }
+      constexpr float kUnit13 = kSumUnit<2>;  // the units of w13's ring sums
+      return Tr::from_float(act_fn<kPartAct>(kUnit13 * gate) * (kUnit13 * up));
+    };
+    bool filled = false;
+    const auto wait_fill = [&] {
+      if (filled) return;
+      filled = true;
+      wait();
+      int slot = 0;
+      for (int c = c_first; c < c_end; c += kWarps, slot += chunk) {
+        const int r0 = c * chunk, r1 = min(r0 + chunk, k);
+        for (int r = r0 + lane; r < r1; r += 32) h_w[slot + r - r0] = h_of(r);
+      }
+      __syncwarp();
+    };
+    // Row r (of the warp's chunks) in h_w: the warp's i-th chunk at i * chunk.
+    const auto load_h = [h_w, c_first, chunk](int r) {
+      const int c = r / chunk;
+      return h_w[(c - c_first) / kWarps * chunk + (r - c * chunk)];
+    };
+    if (!a.early_loads) wait_fill();
+    block_gemv_ring<T>(load_h, w2q, static_cast<const T*>(a.w2_scales) + ex * (k / g) * n,
+                       a.w2_qzeros + ex * (k / g) * n8, n8, n, k, g, word0, col_ok, a.chunk2, a.cpb2, y, wait_fill);
+  } else {
+    if (!a.early_loads) wait();
+    expert_gemv<T, kForm>(static_cast<const T*>(a.h) + static_cast<int64_t>(f) * k, w2q,
+                          static_cast<const T*>(a.w2_scales) + ex * (k / g) * n, a.w2_qzeros + ex * (k / g) * n8, n8,
+                          n, k, g, word0, col_ok, a.chunk2, a.cpb2, y, wait);
+  }
   reduce_tile<L::kColLanes>(y, sh);
 
   const int col0 = tile * kTileCols, t = f / a.topk;
@@ -498,7 +570,10 @@ void launch_typed(const MoeGemvArgs& a, cudaStream_t stream) {
   // unless FASTAWQ_MOE_RING=0 (H200, RESULTS.md session 13: Mixtral-8x7B experts 84.2 -> 68.9 us,
   // Qwen3-30B-A3B 20.3 -> 16.9 us; Mixtral decode 271.8 -> 313.4 tokens/s).
   if (a.n_assign == a.topk && gemv::h2_enabled<T>()) {
-    if (ring_enabled()) {
+    if (ring_enabled() && a.h_part != nullptr) {  // FASTAWQ_MOE_H_PARTIALS=1, splits13 > 1 (the host)
+      launch_pdl(moe_w13_gemv_kernel<T, Id, ACT, 2, true>, grid13, dim3(kGemvThreads), 0, stream, a);
+      launch_pdl(moe_w2_gemv_kernel<T, Id, 2, ACT>, grid2, dim3(kGemvThreads), 0, stream, a);
+    } else if (ring_enabled()) {
       launch_pdl(moe_w13_gemv_kernel<T, Id, ACT, 2>, grid13, dim3(kGemvThreads), 0, stream, a);
       launch_pdl(moe_w2_gemv_kernel<T, Id, 2>, grid2, dim3(kGemvThreads), 0, stream, a);
     } else {
