@@ -2,8 +2,8 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 e2e quantize (default: all but mma, profile, moe, ab, switches, act_gemv,
-#   verify18 and the unrun ones)
+#   unrun_ab unrun_b16 verify18 unrun19 e2e quantize (default: all but mma, profile, moe, ab, switches,
+#   act_gemv, verify18 and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
 # (Triton/torch backends only), for quick kernel iterations.
@@ -263,6 +263,42 @@ if [[ " $stages " == *" verify18 "* ]]; then
   done
   timeout 60 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py 2>&1 | tail -2 \
     || status=1
+fi
+if [[ " $stages " == *" unrun19 "* ]]; then
+  step unrun19
+  # Session 19's work, not yet run on a GPU (CUDA_NOTES.md, session 19), ~6 min: the MoE decode
+  # kernel's w13 split sums handed to w2 (FASTAWQ_MOE_H_PARTIALS=1, main) and, on branch
+  # wip/session19-unrun, moe_mma blocks taking several column tiles (FASTAWQ_MOE_MMA_TILES=N); then
+  # two engine rows of issue 11 not measured since session 3 (prefill 2048 against fp16 on the packed
+  # layout the engine now takes, and batch 64).
+  python -m pytest -q -p no:cacheprovider tests/test_moe_op.py -k "partials or without_early_loads" 2>&1 | tail -2 \
+    || status=1
+  FASTAWQ_MOE_H_PARTIALS=1 timeout 60 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py \
+    2>&1 | tail -2 || status=1
+  for p in 0 1; do
+    echo "FASTAWQ_MOE_H_PARTIALS=$p"
+    FASTAWQ_MOE_H_PARTIALS=$p python benchmarks/bench_moe.py --ts 1 --backends cuda --no-tune 2>&1 | tail -4 || status=1
+  done
+  FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:FASTAWQ_MOE_H_PARTIALS=0,1 \
+    --shape qwen3-30b-a3b --batches 1 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
+  if grep -q FASTAWQ_MOE_MMA_TILES csrc/moe/moe_gemv.cpp; then
+    python -m pytest -q -p no:cacheprovider tests/test_moe_mma.py 2>&1 | tail -2 || status=1
+    FASTAWQ_MOE_MMA_TILES=2 timeout 60 compute-sanitizer --tool memcheck --error-exitcode 1 \
+      python benchmarks/sanitize.py 2>&1 | tail -2 || status=1
+    for tiles in 1 2 4; do
+      echo "FASTAWQ_MOE_MMA_TILES=$tiles"
+      FASTAWQ_MOE_MMA_TILES=$tiles python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 16,256 --backends cuda \
+        --no-tune 2>&1 | tail -4 || status=1
+    done
+    FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:FASTAWQ_MOE_MMA_TILES=1,2 \
+      --shape qwen3-30b-a3b --batches 16 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" \
+      || status=1
+  fi
+  FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/bench_e2e.py --shape llama-3-8b --layout packed \
+    --modes fused-graphs,fp16 --graph-lengths 2048 --other-len 2048 --batches 1 --budget 150 --out "$OUT/e2e_prefill" \
+    2>&1 | tail -6 || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 120 python benchmarks/bench_e2e.py --shape llama-3-8b --modes fused-graphs \
+    --graph-lengths 64 --batches 64 --budget 90 --out "$OUT/e2e_b64" 2>&1 | tail -4 || status=1
 fi
 if [[ " $stages " == *" e2e "* ]] && [ -f benchmarks/bench_e2e.py ]; then
   step e2e
