@@ -71,6 +71,15 @@ at::Tensor moe_gemv_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at
                        const at::Tensor& w2_qweight, const at::Tensor& w2_scales, const at::Tensor& w2_qzeros,
                        int64_t group_size, const std::string& act);
 
+// moe_gemv_w4's weighted sum before its rounding to x's dtype: [T, H] fp32. At one token (the ring
+// form) w2 leaves it unconverted, with no arrival or last-block pass; rounded to x's dtype it is
+// moe_gemv_w4's output up to the order of the fp32 additions. The fused engine's next add_rms_norm
+// reads it (python/fastawq/modules/fused.py, FASTAWQ_MOE_SUMS).
+at::Tensor moe_gemv_w4_sums(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                            const at::Tensor& w13_qweight, const at::Tensor& w13_scales, const at::Tensor& w13_qzeros,
+                            const at::Tensor& w2_qweight, const at::Tensor& w2_scales, const at::Tensor& w2_qzeros,
+                            int64_t group_size, const std::string& act);
+
 // The same on the tensor cores, each expert read once per call (csrc/moe/moe_mma.cu); T * k at most
 // kMoeMmaMaxAssign (common/launch.h), x 16-byte aligned; pass_rows (8 or 16) tokens of an expert
 // per pass over its weights (python/fastawq/backend.py's moe_pass_rows picks it).

@@ -59,14 +59,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _match_over_decode(arch: str, experts: str, backend: str | None, steps: int, device: str = "cpu",
-                       dtype: torch.dtype = torch.float32, graphs: bool = False, tol: float = 1e-4) -> None:
+                       dtype: torch.dtype = torch.float32, graphs: bool = False, tol: float = 1e-4,
+                       batch: int = 2) -> None:
     ref = tiny_w4_moe(arch, experts, device=device, dtype=dtype)
-    fused = fuse_model(copy.deepcopy(ref), max_seq_len=64, batch_size=2, backend=backend, use_cuda_graphs=graphs)
+    fused = fuse_model(copy.deepcopy(ref), max_seq_len=64, batch_size=batch, backend=backend, use_cuda_graphs=graphs)
     layers = fused.fastawq_runtime.layers
     assert any(isinstance(f.mlp, FusedMoE) for f in layers)
     if arch == "qwen3_moe":
         assert isinstance(layers[1].mlp, FusedMLP) and isinstance(layers[0].mlp, FusedMoE)
-    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1)).to(device)
+    ids = torch.randint(0, VOCAB, (batch, 11), generator=torch.Generator().manual_seed(1)).to(device)
     rt = fused.fastawq_runtime
     hf = HFStepper(ref)
     lf, lr = rt.prefill(ids)[:, -1], hf.prefill(ids)
@@ -144,6 +145,32 @@ def test_fused_moe_cuda_graph_decode_matches_unfused(arch, experts):
     # fp16 on the GPU: the fused engine's fp32 norms and rope round differently from
     # transformers' fp16 ones (the dense tests see ~2.5e-3).
     _match_over_decode(arch, experts, None, 24, device="cuda", dtype=torch.float16, graphs=True, tol=1e-2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("arch", FUSED)
+def test_fused_moe_sums_handed_to_the_next_norm(monkeypatch, arch):
+    # FASTAWQ_MOE_SUMS=1 (read at each call): at one token an MoE block without a shared expert ends
+    # with the experts' fp32 sums (moe_gemv_w4_sums), which the next add_rms_norm rounds as it reads
+    # them: decode with CUDA graphs still matches transformers, and the sums path ran (Qwen2-MoE's
+    # shared expert keeps the usual one).
+    from fastawq.ops import moe as ops_moe
+
+    monkeypatch.setenv("FASTAWQ_MOE_SUMS", "1")
+    calls = []
+    real = ops_moe.moe_w4_sums
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(ops_moe, "moe_w4_sums", spy)
+    _match_over_decode(arch, "grouped", None, 12, device="cuda", dtype=torch.float16, graphs=True, tol=1e-2, batch=1)
+    if arch == "qwen2_moe":
+        assert not calls
+    else:
+        assert calls and set(calls) == {torch.float32}
 
 
 @needs_cuda

@@ -797,6 +797,56 @@ def test_compiled_moe_h_partials(monkeypatch, case, dtype, early, poisoned_empty
 
 
 @needs_compiled
+@pytest.mark.parametrize("partials", ["0", "1"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", ONE_TOKEN_CASES + [(8, 128, 96, 32, 2, 3, "random")],
+                         ids=lambda c: "E{}H{}I{}G{}k{}T{}-{}".format(*c))
+def test_compiled_moe_sums(monkeypatch, case, dtype, partials, poisoned_empty):
+    # moe_gemv_w4_sums: the weighted sum in fp32, unconverted (one token: w13 zeroes it, w2 adds into
+    # it), alone and with the w13 partials; at 3 tokens (another form) moe_gemv_w4's output widened.
+    # Rounded, it is moe_gemv_w4's output up to the order of the fp32 additions.
+    monkeypatch.setenv("FASTAWQ_MOE_H_PARTIALS", partials)
+    e, h, i, g, k, t, load = case
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=9 * k + 1, dtype=dtype, load=load)
+    bad = ids.clone()
+    bad[0, 0] = e  # adds nothing
+    keep = bad < e
+    for _ in range(2):  # the buffer is new each call and zeroed by w13: poison what it is carved from
+        poison_allocator_cache()
+        sums = torch.ops.fastawq.moe_gemv_w4_sums(x, ids, w.float(), *weights, g, "silu")
+        assert sums.dtype == torch.float32 and sums.shape == x.shape
+        check(sums.to(dtype), x, ids, w, weights, g)
+        out = torch.ops.fastawq.moe_gemv_w4(x, ids, w.float(), *weights, g, "silu")
+        ulp = 2.0 ** (-10 if dtype == torch.float16 else -7)
+        assert ((sums.to(dtype).float() - out.float()).abs() <= 2 * ulp * out.float().abs() + 1e-6).all()
+    poison_allocator_cache()
+    sums = torch.ops.fastawq.moe_gemv_w4_sums(x, bad, w.float(), *weights, g, "silu")
+    check(sums.to(dtype), x, ids.where(keep, 0), w * keep, weights, g)
+
+
+@needs_compiled
+def test_compiled_moe_sums_under_graph_and_opcheck():
+    e, h, i, g, k, t = 128, 2048, 768, 128, 8, 1
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, 62)
+    wf = w.float()
+    sums = ops_moe.moe_w4_sums(x, ids, wf, *weights, g)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sums = ops_moe.moe_w4_sums(x, ids, wf, *weights, g)
+    for r in range(3):
+        new_ids, new_w = routing("random", t, e, k, seed=80 + r)
+        ids.copy_(new_ids)
+        wf.copy_(new_w)
+        x.copy_(random_input((t, h), "cuda", x.dtype, seed=90 + r))
+        sums.fill_(float("nan"))
+        graph.replay()
+        check(sums.to(x.dtype), x, ids, wf, weights, g)
+    e, h, i, g, k, t = 4, 64, 64, 32, 2, 1
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=91)
+    torch.library.opcheck(torch.ops.fastawq.moe_gemv_w4_sums.default, (x, ids, w.float(), *weights, g, "silu"))
+
+
+@needs_compiled
 @pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
 def test_compiled_moe_h_partials_activations_bad_ids_and_graph(monkeypatch, act):
     # w2 applies w13's activation when it reads the partials: each activation, an id outside

@@ -22,8 +22,10 @@ def _add_rms_norm_kernel(
     mask = cols < n
     x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0)
     if HAS_RES:
-        # Round the sum to the activation dtype first: the residual stream is stored in it.
-        x = x + tl.load(res_ptr + row * n + cols, mask=mask, other=0.0)
+        # x in fp32 (an MoE block's unconverted sums) is rounded to the residual's dtype first, as the
+        # block's own conversion would; then the sum is rounded to it too: the residual stream is
+        # stored in it.
+        x = x.to(res_out_ptr.dtype.element_ty) + tl.load(res_ptr + row * n + cols, mask=mask, other=0.0)
         tl.store(res_out_ptr + row * n + cols, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / n
@@ -50,19 +52,22 @@ def _act_mul_kernel(gu_ptr, out_ptr, inter, ACT: tl.constexpr, BLOCK: tl.constex
     tl.store(out_ptr + row * inter + cols, (a * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# x [..., H] · residual [..., H] or None · weight [H]  ->  (y [..., H], x + residual [..., H] or None)
+# x [..., H] · residual [..., H] or None · weight [H]  ->  (y [..., H], x + residual [..., H] or None);
+# with a residual, x may be fp32 (rounded to the residual's dtype first) and both outputs take that dtype
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, offset: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm(x + residual) * (weight + offset); the new residual is None when `residual` is."""
     h = x.shape[-1]
     x2 = x.reshape(-1, h).contiguous()
-    y = torch.empty_like(x2)
     if residual is None:
+        y = torch.empty_like(x2)
         res_in, res_out = x2, x2  # unread and unwritten (HAS_RES=False)
     else:
+        # The outputs take the residual's dtype (x may be fp32 sums: see the kernel).
         res_in = residual.reshape(-1, h).contiguous()
-        res_out = torch.empty_like(x2)
+        y = torch.empty_like(res_in)
+        res_out = torch.empty_like(res_in)
     block = triton.next_power_of_2(h)
     _add_rms_norm_kernel[(x2.shape[0],)](
         x2, res_in, weight.contiguous(), y, res_out, h, eps, offset,

@@ -125,9 +125,13 @@ struct MoeGemvArgs : MoeArgs {
   // FASTAWQ_MOE_H_PARTIALS=1 at one token with splits13 > 1: [splits13, T * topk, 2I] fp32, w13's
   // split sums (plain stores, every element written), which w2 adds as it reads h; else null.
   float* h_part;
+  // moe_gemv_w4_sums: [T, H] fp32, zeroed by w13 and added into by w2 (the ring form); else null.
+  float* out_sums;
 };
 
-void launch_moe_gemv(const MoeGemvArgs& args, cudaStream_t stream);
+// Returns whether it wrote args.out_sums (asked for, and the one-token ring form ran) rather than
+// args.out.
+bool launch_moe_gemv(const MoeGemvArgs& args, cudaStream_t stream);
 // The w2 kernel that reads h_part builds h for each warp's rows in shared memory: at most this
 // many a warp (its ceil(cpb2 / 4) chunks of chunk2 rows), else the host keeps h_part off.
 constexpr int kMoeHPartWarpRows = 64;

@@ -153,15 +153,19 @@ void mma_split(int64_t blocks, int64_t k, int sms, int per_sm, int& splits, int&
 
 }  // namespace
 
-at::Tensor moe_gemv_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-                       const at::Tensor& w13_qweight, const at::Tensor& w13_scales, const at::Tensor& w13_qzeros,
-                       const at::Tensor& w2_qweight, const at::Tensor& w2_scales, const at::Tensor& w2_qzeros,
-                       int64_t group_size, const std::string& act) {
+namespace {
+
+// moe_gemv_w4 and moe_gemv_w4_sums: `sums` asks for the fp32 weighted sum [T, H] (the ring form
+// writes it; any other form's converted output is widened).
+at::Tensor moe_gemv_call(const char* op, bool sums, const at::Tensor& x, const at::Tensor& topk_ids,
+                         const at::Tensor& topk_weights, const at::Tensor& w13_qweight, const at::Tensor& w13_scales,
+                         const at::Tensor& w13_qzeros, const at::Tensor& w2_qweight, const at::Tensor& w2_scales,
+                         const at::Tensor& w2_qzeros, int64_t group_size, const std::string& act) {
   MoeGemvArgs a{};
   const c10::cuda::CUDAGuard guard(x.device());
-  MoeCall c = prepare("moe_gemv_w4", a, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight,
+  MoeCall c = prepare(op, a, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight,
                       w2_scales, w2_qzeros, group_size, act);
-  if (c.n == 0) return c.out;
+  if (c.n == 0) return sums ? c.out.to(at::kFloat) : c.out;
   const int64_t n = c.n, h = c.h, i = c.i;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   // w13 tiles: 128 gate + 128 up columns; w2 tiles: 256 columns. The grid of each fills the SMs
@@ -182,10 +186,35 @@ at::Tensor moe_gemv_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at
     h_part = at::empty({a.splits13, n, 2 * i}, x.options().dtype(at::kFloat));
     a.h_part = h_part.data_ptr<float>();
   }
+  at::Tensor out_sums;
+  a.out_sums = nullptr;
+  if (sums) {
+    out_sums = at::empty({c.t, h}, x.options().dtype(at::kFloat));
+    a.out_sums = out_sums.data_ptr<float>();
+  }
   carve_workspace(a, c, x.device(), a.splits13 > 1, n * a.tiles13, a.tiles2);
-  launch_moe_gemv(a, at::cuda::getCurrentCUDAStream());
+  const bool wrote_sums = launch_moe_gemv(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return c.out;
+  if (!sums) return c.out;
+  return wrote_sums ? out_sums : c.out.to(at::kFloat);
+}
+
+}  // namespace
+
+at::Tensor moe_gemv_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                       const at::Tensor& w13_qweight, const at::Tensor& w13_scales, const at::Tensor& w13_qzeros,
+                       const at::Tensor& w2_qweight, const at::Tensor& w2_scales, const at::Tensor& w2_qzeros,
+                       int64_t group_size, const std::string& act) {
+  return moe_gemv_call("moe_gemv_w4", false, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros,
+                       w2_qweight, w2_scales, w2_qzeros, group_size, act);
+}
+
+at::Tensor moe_gemv_w4_sums(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                            const at::Tensor& w13_qweight, const at::Tensor& w13_scales, const at::Tensor& w13_qzeros,
+                            const at::Tensor& w2_qweight, const at::Tensor& w2_scales, const at::Tensor& w2_qzeros,
+                            int64_t group_size, const std::string& act) {
+  return moe_gemv_call("moe_gemv_w4_sums", true, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros,
+                       w2_qweight, w2_scales, w2_qzeros, group_size, act);
 }
 
 at::Tensor moe_mma_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,

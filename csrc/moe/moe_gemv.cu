@@ -14,6 +14,9 @@
 // with plain stores into h_part [splits13, T * topk, 2I] and exit, and w2 sums them and applies the
 // activation as it reads h: no atomics, fence, arrival or last-block pass at the end of w13, whose
 // last block gates w2's PDL wait (the chain is ~3 dependent L2 round trips a launch).
+// moe_gemv_w4_sums (the ring form): w13 zeroes an fp32 out_sums [T, H] after its wait, w2 adds its
+// weighted tiles into it and exits: no arrival, reread or conversion at the end of w2, the last
+// kernel of the MoE block; the consumer (add_rms_norm) rounds the sums to x's dtype as it reads them.
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -372,13 +375,21 @@ __device__ __forceinline__ void expert_gemv(const T* __restrict__ xrow, const ui
 }
 
 // kPart: the split sums go to a.h_part (FASTAWQ_MOE_H_PARTIALS; launched only with splits13 > 1).
-template <typename T, typename Id, int ACT, int kForm, bool kPart = false>
+// kZero: the block zeroes its share of a.out_sums (moe_gemv_w4_sums), which w2 adds into.
+template <typename T, typename Id, int ACT, int kForm, bool kPart = false, bool kZero = false>
 __global__ void __launch_bounds__(kGemvThreads, 4) moe_w13_gemv_kernel(MoeGemvArgs a) {
   constexpr float kUnit = kSumUnit<kForm>;
   using Tr = HalfTraits<T>;
   __shared__ TileRed sh;
   pdl_wait();  // the ids come from the routing kernel before this one
   pdl_launch_dependents();
+  if constexpr (kZero) {  // after the wait: the buffer may be memory an earlier kernel still read
+    const int64_t total = static_cast<int64_t>(a.n_assign / a.topk) * a.hidden;
+    const int64_t blocks = static_cast<int64_t>(gridDim.x) * gridDim.y * gridDim.z;
+    const int64_t b = (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    const int64_t per = (total + blocks - 1) / blocks, end = min(total, (b + 1) * per);
+    for (int64_t i = b * per + threadIdx.x; i < end; i += kGemvThreads) a.out_sums[i] = 0.f;
+  }
   const auto [f, valid, ex] = assignment<Id>(a);
   using L = LaneMap<kForm>;
   const int tile = blockIdx.x, cl = threadIdx.x % L::kColLanes;
@@ -435,7 +446,8 @@ __global__ void __launch_bounds__(kGemvThreads, 4) moe_w13_gemv_kernel(MoeGemvAr
 
 // kPartAct >= 0 (the ring form only): h is read as w13's split sums in a.h_part, added here and
 // passed through activation kPartAct (FASTAWQ_MOE_H_PARTIALS), rounded to T as w13 rounds h.
-template <typename T, typename Id, int kForm, int kPartAct = -1>
+// kSums: the weighted tiles go into a.out_sums (zeroed by w13) and the block exits.
+template <typename T, typename Id, int kForm, int kPartAct = -1, bool kSums = false>
 __global__ void __launch_bounds__(kGemvThreads, 4) moe_w2_gemv_kernel(MoeGemvArgs a) {
   static_assert(kPartAct < 0 || kForm == 2, "h from split sums: the ring form only");
   constexpr float kUnit = kSumUnit<kForm>;
@@ -532,6 +544,13 @@ __global__ void __launch_bounds__(kGemvThreads, 4) moe_w2_gemv_kernel(MoeGemvArg
 
   const int col0 = tile * kTileCols, t = f / a.topk;
   const float rw = valid ? kUnit * a.topk_weights[f] : 0.f;
+  if constexpr (kSums) {
+    float* sums = a.out_sums + static_cast<int64_t>(t) * n;
+    for (int tc = threadIdx.x; tc < kTileCols; tc += kGemvThreads) {
+      if (col0 + tc < n) atomicAdd(sums + col0 + tc, rw * tile_sum(sh, tc));
+    }
+    return;
+  }
   T* out = static_cast<T*>(a.out) + static_cast<int64_t>(t) * n;
   if (a.topk == 1 && gridDim.y == 1) {
     for (int tc = threadIdx.x; tc < kTileCols; tc += kGemvThreads) {
@@ -562,32 +581,48 @@ bool ring_enabled() {
   return on;
 }
 
+// The ring form's launches: split sums handed to w2 (kPart) or not, and the output as fp32 sums
+// (kSums) or converted.
+template <typename T, typename Id, int ACT, bool kPart, bool kSums>
+void launch_ring(const MoeGemvArgs& a, const dim3& grid13, const dim3& grid2, cudaStream_t stream) {
+  launch_pdl(moe_w13_gemv_kernel<T, Id, ACT, 2, kPart, kSums>, grid13, dim3(kGemvThreads), 0, stream, a);
+  launch_pdl(moe_w2_gemv_kernel<T, Id, 2, kPart ? ACT : -1, kSums>, grid2, dim3(kGemvThreads), 0, stream, a);
+}
+
+// Returns whether it wrote a.out_sums (the ring form, when asked) rather than a.out.
 template <typename T, typename Id, int ACT>
-void launch_typed(const MoeGemvArgs& a, cudaStream_t stream) {
+bool launch_typed(const MoeGemvArgs& a, cudaStream_t stream) {
   const dim3 grid13(a.tiles13, a.splits13, a.n_assign), grid2(a.tiles2, a.splits2, a.n_assign);
   // The half2 form at one token only (H200, RESULTS.md session 11: Mixtral-8x7B experts 88.9 ->
   // 83.7 us at T = 1, but 268.2 -> 279.0 at T = 4; Qwen3-30B-A3B unchanged at both), as a ring
   // unless FASTAWQ_MOE_RING=0 (H200, RESULTS.md session 13: Mixtral-8x7B experts 84.2 -> 68.9 us,
   // Qwen3-30B-A3B 20.3 -> 16.9 us; Mixtral decode 271.8 -> 313.4 tokens/s).
   if (a.n_assign == a.topk && gemv::h2_enabled<T>()) {
-    if (ring_enabled() && a.h_part != nullptr) {  // FASTAWQ_MOE_H_PARTIALS=1, splits13 > 1 (the host)
-      launch_pdl(moe_w13_gemv_kernel<T, Id, ACT, 2, true>, grid13, dim3(kGemvThreads), 0, stream, a);
-      launch_pdl(moe_w2_gemv_kernel<T, Id, 2, ACT>, grid2, dim3(kGemvThreads), 0, stream, a);
-    } else if (ring_enabled()) {
-      launch_pdl(moe_w13_gemv_kernel<T, Id, ACT, 2>, grid13, dim3(kGemvThreads), 0, stream, a);
-      launch_pdl(moe_w2_gemv_kernel<T, Id, 2>, grid2, dim3(kGemvThreads), 0, stream, a);
-    } else {
-      launch_pdl(moe_w13_gemv_kernel<T, Id, ACT, 1>, grid13, dim3(kGemvThreads), 0, stream, a);
-      launch_pdl(moe_w2_gemv_kernel<T, Id, 1>, grid2, dim3(kGemvThreads), 0, stream, a);
+    if (ring_enabled()) {
+      // h_part: FASTAWQ_MOE_H_PARTIALS=1 with w13 split (the host); out_sums: moe_gemv_w4_sums.
+      const bool part = a.h_part != nullptr, sums = a.out_sums != nullptr;
+      if (part && sums) {
+        launch_ring<T, Id, ACT, true, true>(a, grid13, grid2, stream);
+      } else if (part) {
+        launch_ring<T, Id, ACT, true, false>(a, grid13, grid2, stream);
+      } else if (sums) {
+        launch_ring<T, Id, ACT, false, true>(a, grid13, grid2, stream);
+      } else {
+        launch_ring<T, Id, ACT, false, false>(a, grid13, grid2, stream);
+      }
+      return sums;
     }
+    launch_pdl(moe_w13_gemv_kernel<T, Id, ACT, 1>, grid13, dim3(kGemvThreads), 0, stream, a);
+    launch_pdl(moe_w2_gemv_kernel<T, Id, 1>, grid2, dim3(kGemvThreads), 0, stream, a);
   } else {
     launch_pdl(moe_w13_gemv_kernel<T, Id, ACT, 0>, grid13, dim3(kGemvThreads), 0, stream, a);
     launch_pdl(moe_w2_gemv_kernel<T, Id, 0>, grid2, dim3(kGemvThreads), 0, stream, a);
   }
+  return false;
 }
 
 template <typename T, typename Id>
-void launch_act(const MoeGemvArgs& a, cudaStream_t stream) {
+bool launch_act(const MoeGemvArgs& a, cudaStream_t stream) {
   switch (a.act) {
     case 0: return launch_typed<T, Id, 0>(a, stream);
     case 1: return launch_typed<T, Id, 1>(a, stream);
@@ -596,14 +631,14 @@ void launch_act(const MoeGemvArgs& a, cudaStream_t stream) {
 }
 
 template <typename T>
-void launch_ids(const MoeGemvArgs& a, cudaStream_t stream) {
+bool launch_ids(const MoeGemvArgs& a, cudaStream_t stream) {
   if (a.ids_int64) return launch_act<T, int64_t>(a, stream);
   return launch_act<T, int32_t>(a, stream);
 }
 
 }  // namespace
 
-void launch_moe_gemv(const MoeGemvArgs& a, cudaStream_t stream) {
+bool launch_moe_gemv(const MoeGemvArgs& a, cudaStream_t stream) {
   if (a.dtype == HalfType::kHalf) return launch_ids<__half>(a, stream);
   return launch_ids<__nv_bfloat16>(a, stream);
 }

@@ -292,8 +292,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, offset: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # The sum is rounded to x's dtype first: the residual stream is stored in it.
-    r = x if residual is None else x + residual
+    # The sum is rounded to the stream's dtype: the residual stream is stored in it. x in fp32 beside
+    # a half residual (an MoE block's unconverted sums) is rounded to that dtype first.
+    r = x if residual is None else x.to(residual.dtype) + residual
     return rms_norm(r, weight, eps, offset), r
 
 

@@ -222,6 +222,15 @@ def _wq_experts(experts: nn.Module, where: str) -> WQExperts:
     raise TypeError(f"{where} is {type(experts).__name__}, not packed W4 experts: quantize the model before fusing")
 
 
+def moe_sums_out() -> bool:
+    """FASTAWQ_MOE_SUMS=1 (an A/B switch, off; read at each call, so a captured graph keeps the
+    setting it was captured with): an MoE block without a shared expert hands its one-token output
+    to the next add_rms_norm as fp32 sums (WQExperts.sums)."""
+    from fastawq import backend as backend_mod
+
+    return backend_mod.env_switch(b"FASTAWQ_MOE_SUMS") == "1"
+
+
 class FusedMoE(nn.Module):
     """A mixture-of-experts block: the router in full precision, top-k routing, the routed experts
     in one grouped W4 op (WQExperts -> ops.moe_w4), and the shared expert with its sigmoid gate
@@ -261,6 +270,12 @@ class FusedMoE(nn.Module):
 
     # h [T, H] routed to (weights, ids) -> [T, H]: the experts, plus the shared expert where there is one
     def run(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, backend: str | None) -> torch.Tensor:
+        if self.shared is None and moe_sums_out():
+            # One token on the compiled kernel: the experts' sum stays fp32 (no conversion pass at
+            # the end of the block); the next add_rms_norm rounds it to the activation dtype.
+            sums = self.experts.sums(h, ids, weights)
+            if sums is not None:
+                return sums
         out = self.experts(h, ids, weights)
         if self.shared is not None:
             s = self.shared(h, backend)

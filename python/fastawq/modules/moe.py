@@ -58,6 +58,8 @@ class WQExperts(nn.Module):
         self.backend: str | None = None
         self._plan = None
         self._plan_key = None
+        self._sums_ok = False
+        self._sums_key = None
         i32 = dict(dtype=torch.int32, device=device)
         self.register_buffer("w13_qweight", torch.zeros(e, h, 2 * i // 8, **i32))
         self.register_buffer("w13_scales", torch.zeros(e, h // g13, 2 * i, dtype=dtype, device=device))
@@ -82,6 +84,25 @@ class WQExperts(nn.Module):
             self._plan = ops_moe.moe_w4_plan(x, *buffers, self.group_size, self.act, backend=self.backend)
             self._plan_key = key
         return self._plan(x, ids, w).reshape(hidden_states.shape)
+
+    # hidden_states [T, H] · topk_ids [T, k] · topk_weights [T, k]  ->  [T, H] fp32, or None
+    def sums(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor | None:
+        """The routed experts' weighted sum in fp32, before its rounding to x's dtype, where the
+        compiled one-token kernel serves the call (fastawq::moe_gemv_w4_sums: the MoE block then ends
+        without its arrival and conversion pass, and the next add_rms_norm rounds the sums as it reads
+        them); None where it does not (a batch, another backend, a traced call): use forward."""
+        if torch.compiler.is_compiling() or hidden_states.dim() != 2 or hidden_states.shape[0] != 1:
+            return None
+        x = hidden_states
+        buffers = (self.w13_qweight, self.w13_scales, self.w13_qzeros, self.w2_qweight, self.w2_scales, self.w2_qzeros)
+        key = (x.device, x.dtype, self.backend, topk_ids.shape[-1], *((t.data_ptr(), t._version) for t in buffers))
+        if self._sums_key != key:
+            self._sums_ok = ops_moe.sums_kernel_serves(x, topk_ids.shape[-1], buffers, self.group_size, self.act,
+                                                       self.backend)
+            self._sums_key = key
+        if not self._sums_ok:
+            return None
+        return ops_moe.moe_w4_sums(x, topk_ids, topk_weights, *buffers, self.group_size, self.act)
 
     @classmethod
     def from_experts(

@@ -58,7 +58,7 @@ _add_rms_norm_op = torch.library.custom_op("fastawq::add_rms_norm", _add_rms_nor
 def _(x, residual, weight, eps, offset, backend):
     torch._check(residual.shape == x.shape, lambda: f"residual {tuple(residual.shape)} vs x {tuple(x.shape)}")
     torch._check(weight.shape == (x.shape[-1],), lambda: f"norm weight {tuple(weight.shape)} vs x {tuple(x.shape)}")
-    return x.new_empty(x.shape), x.new_empty(x.shape)
+    return residual.new_empty(x.shape), residual.new_empty(x.shape)
 
 
 # x [..., H] · residual [..., H] or None · weight [H]  ->  (y [..., H], residual' = x + residual)
@@ -72,12 +72,17 @@ def add_rms_norm(
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm(x + residual) * (weight + offset), and the new residual stream (x + residual; x
-    itself when residual is None). offset is 1.0 for Gemma's (1 + weight) norms."""
+    itself when residual is None). offset is 1.0 for Gemma's (1 + weight) norms. With a residual, x
+    may be fp32 beside a half-precision residual (an MoE block's unconverted sums, WQExperts.sums):
+    it is rounded to the residual's dtype first, and both outputs take that dtype."""
     h = x.shape[-1]
     if tuple(weight.shape) != (h,):
         raise ValueError(f"norm weight {tuple(weight.shape)} does not match hidden size {h} of x {tuple(x.shape)}")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+    if residual is not None and x.dtype != residual.dtype and x.dtype != torch.float32:
+        raise ValueError(f"x is {x.dtype} and the residual {residual.dtype}: x must have the residual's dtype, "
+                         "or be fp32 sums")
     device = check_same_device(x=x, residual=residual, weight=weight)
     be = select_backend("add_rms_norm", device, backend=backend)
     if residual is None:

@@ -156,6 +156,30 @@ def moe_w4_plan(
     return run
 
 
+def sums_kernel_serves(x: torch.Tensor, k: int, weights: tuple, group_size: int, act: str, backend: str | None) -> bool:
+    """Whether moe_w4_sums serves one token x [1, H] routed to k experts: the compiled one-token
+    kernel is what moe_w4's automatic (or forced) choice runs for it."""
+    if not (x.is_cuda and x.dtype in _HALF and _ext.has_op("moe_gemv_w4_sums")) or x.shape[0] != 1:
+        return False
+    e = weights[0].shape[0]
+    try:
+        chosen = _select(x, weights, group_size, act, backend, _load(1, k, e))
+    except Exception:  # a forced backend that cannot serve: moe_w4 says why
+        return False
+    return chosen == "cuda" and _backend.moe_kernel(1, k, e) == "gemv"
+
+
+# As moe_w4 for one token on the compiled kernel (sums_kernel_serves), but returns the weighted sum
+# in fp32 [1, H], before its rounding to x's dtype.
+def moe_w4_sums(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13_qweight: torch.Tensor,
+                w13_scales: torch.Tensor, w13_qzeros: torch.Tensor, w2_qweight: torch.Tensor, w2_scales: torch.Tensor,
+                w2_qzeros: torch.Tensor, group_size: int, act: str = "silu") -> torch.Tensor:
+    _check_routing(x, topk_ids, topk_weights, x.shape[-1])
+    return torch.ops.fastawq.moe_gemv_w4_sums(
+        x if x.stride(-1) == 1 else x.contiguous(), topk_ids.contiguous(), topk_weights.to(torch.float32).contiguous(),
+        w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros, group_size, act)
+
+
 def _load(t: int, k: int, e: int) -> int:
     """Assignments per expert, rounded up: what moe_w4's automatic choice is sized by. Past the
     CUDA-core kernel's loads, a call the tensor-core kernel cannot take (more than
@@ -240,24 +264,29 @@ def _(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight
     return x.new_empty(x.shape)
 
 
+def _moe_fake(sums: bool):
+    """The fake of a compiled MoE kernel: x's shape, in fp32 for moe_gemv_w4_sums."""
+
+    def fake(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros,
+             group_size, act, pass_rows=8):  # pass_rows: moe_mma_w4's only
+        torch._check(x.dim() == 2 and w13_qweight.dim() == 3 and w2_qweight.dim() == 3,
+                     lambda: f"x {tuple(x.shape)} must be [T, H], the stacked weights 3-D")
+        torch._check(w2_qweight.shape[2] * 8 == x.shape[1],
+                     lambda: f"w2 {tuple(w2_qweight.shape)} vs x {tuple(x.shape)}")
+        torch._check(topk_weights.dtype == torch.float32,
+                     lambda: f"topk_weights must be fp32, got {topk_weights.dtype}")
+        torch._check(topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == x.shape[0],
+                     lambda: f"topk_ids {tuple(topk_ids.shape)} and weights must be [T={x.shape[0]}, k]")
+        return x.new_empty(x.shape, dtype=torch.float32 if sums else x.dtype)
+
+    return fake
+
+
 def _register_fakes() -> None:
     """Output shape of the compiled MoE kernels, so they trace and pass opcheck."""
-    for name in ("moe_gemv_w4", "moe_mma_w4"):
-        if not _ext.has_op(name):
-            continue
-
-        @torch.library.register_fake(f"fastawq::{name}")
-        def _(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros,
-              group_size, act, pass_rows=8):  # pass_rows: moe_mma_w4's only
-            torch._check(x.dim() == 2 and w13_qweight.dim() == 3 and w2_qweight.dim() == 3,
-                         lambda: f"x {tuple(x.shape)} must be [T, H], the stacked weights 3-D")
-            torch._check(w2_qweight.shape[2] * 8 == x.shape[1],
-                         lambda: f"w2 {tuple(w2_qweight.shape)} vs x {tuple(x.shape)}")
-            torch._check(topk_weights.dtype == torch.float32,
-                         lambda: f"topk_weights must be fp32, got {topk_weights.dtype}")
-            torch._check(topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == x.shape[0],
-                         lambda: f"topk_ids {tuple(topk_ids.shape)} and weights must be [T={x.shape[0]}, k]")
-            return x.new_empty(x.shape)
+    for name in ("moe_gemv_w4", "moe_mma_w4", "moe_gemv_w4_sums"):
+        if _ext.has_op(name):
+            torch.library.register_fake(f"fastawq::{name}")(_moe_fake(name.endswith("_sums")))
 
 
 _register_fakes()
