@@ -271,16 +271,24 @@ if [[ " $stages " == *" unrun19 "* ]]; then
   # wip/session19-unrun, moe_mma blocks taking several column tiles (FASTAWQ_MOE_MMA_TILES=N); then
   # two engine rows of issue 11 not measured since session 3 (prefill 2048 against fp16 on the packed
   # layout the engine now takes, and batch 64).
-  python -m pytest -q -p no:cacheprovider tests/test_moe_op.py -k "partials or without_early_loads" 2>&1 | tail -2 \
-    || status=1
+  # and the block's output handed to the next add_rms_norm as fp32 sums (FASTAWQ_MOE_SUMS=1, main).
+  python -m pytest -q -p no:cacheprovider tests/test_moe_op.py -k "partials or without_early_loads or sums" 2>&1 \
+    | tail -2 || status=1
+  python -m pytest -q -p no:cacheprovider tests/test_fused_moe.py tests/test_layer_ops.py 2>&1 | tail -2 || status=1
   FASTAWQ_MOE_H_PARTIALS=1 timeout 60 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py \
     2>&1 | tail -2 || status=1
   for p in 0 1; do
     echo "FASTAWQ_MOE_H_PARTIALS=$p"
     FASTAWQ_MOE_H_PARTIALS=$p python benchmarks/bench_moe.py --ts 1 --backends cuda --no-tune 2>&1 | tail -4 || status=1
   done
-  FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:FASTAWQ_MOE_H_PARTIALS=0,1 \
-    --shape qwen3-30b-a3b --batches 1 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/bench_ab.py --compare env:FASTAWQ_MOE_H_PARTIALS=0,1 \
+    --compare env:FASTAWQ_MOE_SUMS=0,1 --shape qwen3-30b-a3b --batches 1 --layout packed --decode 64 --rounds 2 2>&1 \
+    | grep -E "^\||on / off" || status=1
+  FASTAWQ_MOE_H_PARTIALS=1 FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py \
+    --compare env:FASTAWQ_MOE_SUMS=0,1 --shape qwen3-30b-a3b --batches 1 --layout packed --decode 64 --rounds 2 2>&1 \
+    | grep -E "^\||on / off" || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:FASTAWQ_MOE_SUMS=0,1 \
+    --shape mixtral-8x7b --batches 1 --layout packed --decode 64 --rounds 1 2>&1 | grep -E "^\||on / off" || status=1
   if grep -q FASTAWQ_MOE_MMA_TILES csrc/moe/moe_gemv.cpp; then
     python -m pytest -q -p no:cacheprovider tests/test_moe_mma.py 2>&1 | tail -2 || status=1
     FASTAWQ_MOE_MMA_TILES=2 timeout 60 compute-sanitizer --tool memcheck --error-exitcode 1 \

@@ -108,13 +108,15 @@ def main() -> None:
         # kernel, both widths).
         cases = ((8, 288, 160, 32, 2, 1), (16, 1024, 96, 32, 4, 3), (4, 64, 1024, -1, 2, 2), (4, 128, 96, 32, 3, 19))
         variants = [(name, ()) for name in moe_ops] + ([("moe_mma_w4", (16,))] if "moe_mma_w4" in moe_ops else [])
+        if hasattr(ops, "moe_gemv_w4_sums"):  # fp32 sums, checked once rounded
+            variants.append(("moe_gemv_w4_sums", ()))
         for name, extra in variants:
             op = getattr(ops, name)
             for dtype in (torch.float16, torch.bfloat16):
                 for e, h, i, g, k, t in cases:
                     weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=h + i, dtype=dtype)
                     out = op(x, ids.to(torch.int32), w, *weights, g, "silu", *extra)
-                    check(out, x, ids, w, weights, g)
+                    check(out.to(dtype), x, ids, w, weights, g)
                     bad = ids.clone()
                     bad[0, 0] = e
                     op(x, bad, w, *weights, g, "gelu", *extra)
