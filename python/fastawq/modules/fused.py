@@ -258,7 +258,8 @@ class FusedMoE(nn.Module):
         weights, ids = ops.route(h, self.router_weight, self.top_k, self.renormalize, backend=backend)
         return self.run(h, weights, ids, backend).reshape(x.shape)
 
-    # a [B, L, H] (the attention output), residual [B, L, H] -> (block output, a + residual)
+    # a [B, L, H] (the attention output), residual [B, L, H] -> (block output, a + residual); the block
+    # output may be fp32 sums (run's sums_ok): the next add_rms_norm takes them
     def forward_normed(self, a: torch.Tensor, residual: torch.Tensor, norm: nn.Module, eps: float, offset: float,
                        backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The block on add_rms_norm(a, residual, norm) with the norm in the routing launch."""
@@ -266,11 +267,13 @@ class FusedMoE(nn.Module):
         h, residual, weights, ids = ops.add_rms_norm_route(
             a.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1]), norm.weight, eps, offset, self.router_weight,
             self.top_k, self.renormalize, backend=backend)
-        return self.run(h, weights, ids, backend).reshape(shape), residual.reshape(shape)
+        return self.run(h, weights, ids, backend, sums_ok=True).reshape(shape), residual.reshape(shape)
 
-    # h [T, H] routed to (weights, ids) -> [T, H]: the experts, plus the shared expert where there is one
-    def run(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, backend: str | None) -> torch.Tensor:
-        if self.shared is None and moe_sums_out():
+    # h [T, H] routed to (weights, ids) -> [T, H]: the experts, plus the shared expert where there is one;
+    # sums_ok (a caller whose output goes to add_rms_norm): one token may come back as fp32 sums
+    def run(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, backend: str | None,
+            sums_ok: bool = False) -> torch.Tensor:
+        if sums_ok and self.shared is None and moe_sums_out():
             # One token on the compiled kernel: the experts' sum stays fp32 (no conversion pass at
             # the end of the block); the next add_rms_norm rounds it to the activation dtype.
             sums = self.experts.sums(h, ids, weights)
