@@ -2,8 +2,8 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 e2e quantize (default: all but mma, profile, moe, ab, switches,
-#   act_gemv, verify18 and the unrun ones)
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_tiles unrun19_e2e e2e quantize (default: all but mma, profile, moe, ab,
+#   switches, act_gemv, verify18 and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
 # (Triton/torch backends only), for quick kernel iterations.
@@ -266,15 +266,15 @@ if [[ " $stages " == *" verify18 "* ]]; then
 fi
 if [[ " $stages " == *" unrun19 "* ]]; then
   step unrun19
-  # Session 19's work, not yet run on a GPU (CUDA_NOTES.md, session 19), ~6 min: the MoE decode
-  # kernel's w13 split sums handed to w2 (FASTAWQ_MOE_H_PARTIALS=1, main) and, on branch
-  # wip/session19-unrun, moe_mma blocks taking several column tiles (FASTAWQ_MOE_MMA_TILES=N); then
-  # two engine rows of issue 11 not measured since session 3 (prefill 2048 against fp16 on the packed
-  # layout the engine now takes, and batch 64).
-  # and the block's output handed to the next add_rms_norm as fp32 sums (FASTAWQ_MOE_SUMS=1, main).
+  # Session 19's switches on main, not yet run on a GPU (CUDA_NOTES.md, session 19), ~8 min: the MoE
+  # decode kernel's w13 split sums handed to w2 (FASTAWQ_MOE_H_PARTIALS=1), the MoE block's output
+  # handed to the next add_rms_norm as fp32 sums (FASTAWQ_MOE_SUMS=1), and the dense layer's o_proj
+  # and down projection doing the same (FASTAWQ_DENSE_SUMS=1): tests, memcheck, A/Bs.
   python -m pytest -q -p no:cacheprovider tests/test_moe_op.py -k "partials or without_early_loads or sums" 2>&1 \
     | tail -2 || status=1
   python -m pytest -q -p no:cacheprovider tests/test_fused_moe.py tests/test_layer_ops.py 2>&1 | tail -2 || status=1
+  python -m pytest -q -p no:cacheprovider tests/test_gemv_packed.py -k sums 2>&1 | tail -2 || status=1
+  python -m pytest -q -p no:cacheprovider tests/test_fused.py -k "dense_sums or cuda_graph" 2>&1 | tail -2 || status=1
   FASTAWQ_MOE_H_PARTIALS=1 timeout 60 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py \
     2>&1 | tail -2 || status=1
   for p in 0 1; do
@@ -289,6 +289,13 @@ if [[ " $stages " == *" unrun19 "* ]]; then
     | grep -E "^\||on / off" || status=1
   FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:FASTAWQ_MOE_SUMS=0,1 \
     --shape mixtral-8x7b --batches 1 --layout packed --decode 64 --rounds 1 2>&1 | grep -E "^\||on / off" || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/bench_ab.py --compare env:FASTAWQ_DENSE_SUMS=0,1 \
+    --shape llama-3-8b --batches 1,2 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
+fi
+if [[ " $stages " == *" unrun19_tiles "* ]]; then
+  step unrun19_tiles
+  # Branch wip/session19-unrun only (~3 min): moe_mma blocks taking several column tiles
+  # (FASTAWQ_MOE_MMA_TILES=N); N = 1 against main's numbers at the same T.
   if grep -q FASTAWQ_MOE_MMA_TILES csrc/moe/moe_gemv.cpp; then
     python -m pytest -q -p no:cacheprovider tests/test_moe_mma.py 2>&1 | tail -2 || status=1
     FASTAWQ_MOE_MMA_TILES=2 timeout 60 compute-sanitizer --tool memcheck --error-exitcode 1 \
@@ -302,6 +309,11 @@ if [[ " $stages " == *" unrun19 "* ]]; then
       --shape qwen3-30b-a3b --batches 16 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" \
       || status=1
   fi
+fi
+if [[ " $stages " == *" unrun19_e2e "* ]]; then
+  step unrun19_e2e
+  # Two engine rows of issue 11 not measured since session 3 (~4 min): prefill 2048 against fp16 on
+  # the packed layout the engine now takes, and batch-64 decode.
   FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/bench_e2e.py --shape llama-3-8b --layout packed \
     --modes fused-graphs,fp16 --graph-lengths 2048 --other-len 2048 --batches 1 --budget 150 --out "$OUT/e2e_prefill" \
     2>&1 | tail -6 || status=1

@@ -63,6 +63,17 @@ def main() -> None:
                         out = ops.awq_gemv_packed_act(gu, wp, sz, n, g, bias, "silu")
                         assert_close_to_reference(out, reference.act_mul(gu, "silu"), qw, s, qz, g, bias)
                         n_calls += 1
+                if hasattr(ops, "awq_gemv_packed_sums"):
+                    for m in (1, 2):  # added into zeroed fp32 sums (FASTAWQ_DENSE_SUMS)
+                        x = random_input((m, k), "cuda", dtype, seed=m + 5)
+                        sums = torch.zeros(m, n, device="cuda")
+                        ops.awq_gemv_packed_sums(x, wp, sz, n, g, bias, sums)
+                        assert_close_to_reference(sums.to(dtype), x, qw, s, qz, g, bias)
+                        gu = random_input((m, 2 * k), "cuda", dtype, seed=m + 6)
+                        sums = torch.zeros(m, n, device="cuda")
+                        ops.awq_gemv_packed_act_sums(gu, wp, sz, n, g, bias, "silu", sums)
+                        assert_close_to_reference(sums.to(dtype), reference.act_mul(gu, "silu"), qw, s, qz, g, bias)
+                        n_calls += 2
                 if hasattr(ops, "awq_gemv_packed_norm"):
                     for m in (1, 2):  # add + RMSNorm staged in shared memory
                         x = random_input((m, k), "cuda", dtype, seed=m + 2)

@@ -49,6 +49,16 @@ at::Tensor awq_gemv_packed_act(const at::Tensor& gate_up, const at::Tensor& wpac
                                int64_t n, int64_t group_size, const std::optional<at::Tensor>& bias,
                                const std::string& act);
 
+// awq_gemv_packed / awq_gemv_packed_act (M <= 2) adding y = x W + bias into sums [M, N] fp32, which
+// an earlier kernel zeroed (add_rms_norm_zero in the fused engine), instead of returning y: the
+// blocks add their tiles and exit, with no fence, arrival or conversion pass; the consumer rounds
+// the sums (add_rms_norm takes fp32 x). FASTAWQ_DENSE_SUMS in python/fastawq/modules/fused.py.
+void awq_gemv_packed_sums(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n,
+                          int64_t group_size, const std::optional<at::Tensor>& bias, at::Tensor& sums);
+void awq_gemv_packed_act_sums(const at::Tensor& gate_up, const at::Tensor& wpacked, const at::Tensor& szpacked,
+                              int64_t n, int64_t group_size, const std::optional<at::Tensor>& bias,
+                              const std::string& act, at::Tensor& sums);
+
 // The same on the tensor cores for x [M<=32, K] (csrc/gemv/awq_mma_packed.cu). chunks (32-column
 // chunks per block tile: 1, 2, 4) and warps_per_sm (the grid's target) 0: the kernel's defaults;
 // set, they let a benchmark sweep the tile.

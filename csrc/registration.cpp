@@ -29,6 +29,10 @@ TORCH_LIBRARY(fastawq, m) {
         "int warps_per_sm=0) -> Tensor");
   m.def("awq_gemv_packed_act(Tensor gate_up, Tensor wpacked, Tensor szpacked, int n, int group_size, Tensor? bias, "
         "str act) -> Tensor");
+  m.def("awq_gemv_packed_sums(Tensor x, Tensor wpacked, Tensor szpacked, int n, int group_size, Tensor? bias, "
+        "Tensor(a!) sums) -> ()");
+  m.def("awq_gemv_packed_act_sums(Tensor gate_up, Tensor wpacked, Tensor szpacked, int n, int group_size, "
+        "Tensor? bias, str act, Tensor(a!) sums) -> ()");
   m.def("awq_gemv_packed_norm(Tensor x, Tensor? residual, Tensor norm_weight, float eps, float offset, "
         "Tensor wpacked, Tensor szpacked, int n, int group_size, Tensor? bias) -> (Tensor, Tensor)");
   m.def("awq_mma_packed(Tensor x, Tensor wpacked, Tensor szpacked, int n, int group_size, Tensor? bias, "
@@ -68,6 +72,8 @@ TORCH_LIBRARY_IMPL(fastawq, CUDA, m) {
   m.impl("awq_gemm", &fastawq::awq_gemm);
   m.impl("awq_gemv_packed", &fastawq::awq_gemv_packed);
   m.impl("awq_gemv_packed_act", &fastawq::awq_gemv_packed_act);
+  m.impl("awq_gemv_packed_sums", &fastawq::awq_gemv_packed_sums);
+  m.impl("awq_gemv_packed_act_sums", &fastawq::awq_gemv_packed_act_sums);
   m.impl("awq_gemv_packed_norm", &fastawq::awq_gemv_packed_norm);
   m.impl("awq_mma_packed", &fastawq::awq_mma_packed);
   m.impl("awq_gemm_packed", &fastawq::awq_gemm_packed);

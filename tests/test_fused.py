@@ -104,6 +104,31 @@ def test_fused_cuda_graph_decode_matches_unfused(arch):
     _match_over_decode(arch, None, 32, device="cuda", graphs=True)
 
 
+@needs_cuda
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma", "phi3"])
+def test_fused_dense_sums_decode_matches_unfused(monkeypatch, arch):
+    # FASTAWQ_DENSE_SUMS=1 (read at each call): o_proj and down add into fp32 sums that the norm before
+    # each zeroes and the norm after each rounds (FusedDecoderLayer._forward_sums); decode with CUDA
+    # graphs still matches transformers (Qwen2's biases, Gemma's offset norms and gelu, Phi-3's
+    # fused gate_up), and the sums kernels ran where the compiled GEMV forms exist.
+    from fastawq import _ext
+
+    monkeypatch.setenv("FASTAWQ_DENSE_SUMS", "1")
+    calls = []
+    for name in ("awq_gemv_packed_sums", "awq_gemv_packed_act_sums"):
+        if _ext.has_op(name):
+            real = getattr(torch.ops.fastawq, name)
+
+            def spy(*args, _real=real, _name=name):
+                calls.append(_name)
+                return _real(*args)
+
+            monkeypatch.setattr(torch.ops.fastawq, name, spy)
+    _match_over_decode(arch, None, 24, device="cuda", graphs=True)
+    if _ext.has_op("awq_gemv_packed_sums"):
+        assert set(calls) == {"awq_gemv_packed_sums", "awq_gemv_packed_act_sums"}
+
+
 def test_full_logits_forward_matches_unfused():
     ref = tiny_w4_model("qwen2", seed=1)
     fused = fuse_model(copy.deepcopy(ref), max_seq_len=32, batch_size=1, backend="torch")

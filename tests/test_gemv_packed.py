@@ -462,3 +462,68 @@ def test_fused_llama_with_both_prologues_matches_without(monkeypatch, dtype):
         logits[on] = torch.stack(steps)
     diff = float((logits[True] - logits[False]).norm() / logits[False].norm())
     assert diff < 2e-2, f"prologues vs separate launches: relative difference {diff:.2g}"
+
+
+# --- awq_gemv_packed_sums / _act_sums: the projection added into fp32 sums (FASTAWQ_DENSE_SUMS) ---
+
+HAS_SUMS_KERNEL = HAS_KERNEL and _ext.has_op("awq_gemv_packed_sums")
+requires_sums_kernel = pytest.mark.skipif(not HAS_SUMS_KERNEL, reason="needs CUDA and awq_gemv_packed_sums")
+
+
+@requires_sums_kernel
+@pytest.mark.parametrize("k,n,g", [(32, 8, 32), (256, 264, 128), (1024, 1000, 64), (4096, 4104, 128), (14336, 4096, 128)])
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("pingpong", ["0", "1"])
+def test_sums_kernels_add_the_projection(monkeypatch, k, n, g, m, dtype, pingpong):
+    # The blocks add their tiles (split 0 the bias) into sums and write nothing else: sums that start
+    # at c end at c + y (c random, so a tile added twice or not at all shows), for the plain GEMV and
+    # the act prologue, both loop forms. Rounded, the sums are the ordinary ops' outputs up to the
+    # order of the fp32 additions.
+    monkeypatch.setenv("FASTAWQ_GEMV_PINGPONG", pingpong)
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=k + 3 * n)
+    bias = random_input((n,), "cuda", dtype, seed=9) if n % 3 == 0 else None
+    x = random_input((m, k), "cuda", dtype, seed=m + k)
+    c = random_input((m, n), "cuda", torch.float32, seed=5)
+    sums = c.clone()
+    torch.ops.fastawq.awq_gemv_packed_sums(x, wp, sz, n, g, bias, sums)
+    assert_close_to_reference((sums - c).to(dtype), x, qw, s, qz, g, bias)
+    plain = torch.ops.fastawq.awq_gemv_packed(x, wp, sz, n, g, bias)
+    ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
+    assert ((sums - c).to(dtype).float() - plain.float()).abs().le(2 * ulp * plain.float().abs() + 1e-3).all()
+
+    gu = random_input((m, 2 * k), "cuda", dtype, seed=m + 2 * k) * 2
+    sums = c.clone()
+    torch.ops.fastawq.awq_gemv_packed_act_sums(gu, wp, sz, n, g, bias, "silu", sums)
+    act = torch.ops.fastawq.awq_gemv_packed_act(gu, wp, sz, n, g, bias, "silu")
+    assert ((sums - c).to(dtype).float() - act.float()).abs().le(2 * ulp * act.float().abs() + 1e-3).all()
+
+
+@requires_sums_kernel
+def test_sums_kernels_errors_opcheck_and_graph():
+    qw, s, qz, wp, sz = _setup(256, 128, 64, torch.float16)
+    x = random_input((2, 256), "cuda", torch.float16, seed=1)
+    op, act_op = torch.ops.fastawq.awq_gemv_packed_sums, torch.ops.fastawq.awq_gemv_packed_act_sums
+    with pytest.raises(RuntimeError, match=r"sums must be a contiguous fp32 \[M=2, N=128\]"):
+        op(x, wp, sz, 128, 64, None, torch.zeros(2, 128, dtype=torch.float16, device="cuda"))
+    with pytest.raises(RuntimeError, match=r"sums must be a contiguous fp32 \[M=2, N=128\]"):
+        op(x, wp, sz, 128, 64, None, torch.zeros(1, 128, device="cuda"))
+    with pytest.raises(RuntimeError, match="M <= 2"):
+        op(random_input((3, 256), "cuda", torch.float16, seed=1), wp, sz, 128, 64, None, torch.zeros(3, 128, device="cuda"))
+    with pytest.raises(RuntimeError, match="act must be silu"):
+        act_op(random_input((2, 512), "cuda", torch.float16, seed=1), wp, sz, 128, 64, None, "relu",
+               torch.zeros(2, 128, device="cuda"))
+    torch.library.opcheck(op.default, (x, wp, sz, 128, 64, None, torch.zeros(2, 128, device="cuda")))
+    torch.library.opcheck(act_op.default, (random_input((2, 512), "cuda", torch.float16, seed=2), wp, sz, 128, 64,
+                                           None, "silu", torch.zeros(2, 128, device="cuda")))
+    # Under a graph: the sums are re-zeroed between replays by the caller (the norm in the engine).
+    sums = torch.zeros(2, 128, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    op(x, wp, sz, 128, 64, None, sums)
+    with torch.cuda.graph(graph):
+        op(x, wp, sz, 128, 64, None, sums)
+    for r in range(3):
+        x.copy_(random_input((2, 256), "cuda", torch.float16, seed=20 + r))
+        sums.zero_()
+        graph.replay()
+        assert_close_to_reference(sums.half(), x, qw, s, qz, 64, None)

@@ -57,6 +57,25 @@ def test_add_rms_norm_takes_fp32_sums(be, dtype):
 
 
 @pytest.mark.parametrize("be", BACKENDS)
+def test_add_rms_norm_zeroes_a_later_projections_sums(be):
+    # zero= (FASTAWQ_DENSE_SUMS): the same launch fills a later projection's fp32 sums with zeros;
+    # the norm's outputs are those of the call without it, with x in the activation dtype or fp32.
+    h = 200
+    r = torch.randn(3, h, dtype=torch.float16, device=DEV)
+    w = torch.randn(h, dtype=torch.float16, device=DEV)
+    for x in (torch.randn(3, h, dtype=torch.float16, device=DEV), torch.randn(3, h, device=DEV) * 30):
+        zero = torch.full((3, h), float("nan"), device=DEV)
+        y, r_out = ops.add_rms_norm(x, r, w, 1e-5, 1.0, backend=be, zero=zero)
+        y_want, r_want = ops.add_rms_norm(x, r, w, 1e-5, 1.0, backend=be)
+        assert torch.equal(zero, torch.zeros_like(zero))
+        assert torch.equal(y, y_want) and torch.equal(r_out, r_want)
+    with pytest.raises(ValueError, match="zero must be a contiguous fp32 tensor of x's shape"):
+        ops.add_rms_norm(x, r, w, 1e-5, backend=be, zero=torch.zeros(3, h, dtype=torch.float16, device=DEV))
+    with pytest.raises(ValueError, match="zero must be a contiguous fp32 tensor of x's shape"):
+        ops.add_rms_norm(x, None, w, 1e-5, backend=be, zero=torch.zeros(3, h, device=DEV))
+
+
+@pytest.mark.parametrize("be", BACKENDS)
 @pytest.mark.parametrize("act", ops.ACTIVATIONS)
 def test_act_mul_matches_reference(be, act):
     gu = torch.randn(3, 2, 2 * 1100, dtype=torch.float16, device=DEV)  # I = 1100 straddles 1024-column blocks
@@ -129,6 +148,7 @@ def _opcheck_cases(be: str):
     yield torch.ops.fastawq.rms_norm.default, (x, w, 1e-5, 1.0, be)
     yield torch.ops.fastawq.add_rms_norm.default, (x, r, w, 1e-5, 0.0, be)
     yield torch.ops.fastawq.add_rms_norm.default, (x.float(), r, w, 1e-5, 0.0, be)  # fp32 sums
+    yield torch.ops.fastawq.add_rms_norm_zero.default, (x, r, w, 1e-5, 0.0, be, torch.ones(3, h, device=DEV))
     yield torch.ops.fastawq.act_mul.default, (torch.randn(3, 2 * 24, dtype=torch.float16, device=DEV), "silu", be)
     qkv, positions, cos, sin, (kc, vc), heads, wn = _rope_inputs(True)
     kc, vc = kc.nan_to_num(), vc.nan_to_num()  # opcheck compares cache contents, NaN != NaN

@@ -13,13 +13,17 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, n, eps, offset,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, zero_ptr, n, eps, offset,
+    HAS_RES: tl.constexpr, ZERO: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
+    if ZERO:
+        # A later projection's fp32 sums [rows, n], zeroed here (after the PDL wait: earlier kernels
+        # are done with the memory) for its blocks to add into.
+        tl.store(zero_ptr + row * n + cols, tl.zeros([BLOCK], dtype=tl.float32), mask=mask)
     x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0)
     if HAS_RES:
         # x in fp32 (an MoE block's unconverted sums) is rounded to the residual's dtype first, as the
@@ -55,9 +59,12 @@ def _act_mul_kernel(gu_ptr, out_ptr, inter, ACT: tl.constexpr, BLOCK: tl.constex
 # x [..., H] · residual [..., H] or None · weight [H]  ->  (y [..., H], x + residual [..., H] or None);
 # with a residual, x may be fp32 (rounded to the residual's dtype first) and both outputs take that dtype
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, offset: float = 0.0
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, offset: float = 0.0,
+    zero: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """RMSNorm(x + residual) * (weight + offset); the new residual is None when `residual` is."""
+    """RMSNorm(x + residual) * (weight + offset); the new residual is None when `residual` is.
+    zero: a contiguous fp32 tensor of x's shape that the kernel fills with zeros (for a later
+    projection's sums, awq_gemv_packed_sums)."""
     h = x.shape[-1]
     x2 = x.reshape(-1, h).contiguous()
     if residual is None:
@@ -70,8 +77,8 @@ def add_rms_norm(
         res_out = torch.empty_like(res_in)
     block = triton.next_power_of_2(h)
     _add_rms_norm_kernel[(x2.shape[0],)](
-        x2, res_in, weight.contiguous(), y, res_out, h, eps, offset,
-        HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        x2, res_in, weight.contiguous(), y, res_out, x2 if zero is None else zero, h, eps, offset,
+        HAS_RES=residual is not None, ZERO=zero is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
         **launch_options(x2.device),
     )
     return y.reshape(x.shape), (None if residual is None else res_out.reshape(x.shape))

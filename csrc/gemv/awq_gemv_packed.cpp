@@ -200,6 +200,18 @@ SplitPlan staged_plan(const char* op, const GemvPackedArgs& a, int64_t n, int64_
 
 }  // namespace
 
+namespace {
+
+// The sums tensor of awq_gemv_packed_sums / _act_sums: fp32 [M, N] on x's device, contiguous.
+void check_sums(const char* op, const at::Tensor& sums, int64_t m, int64_t n, const c10::Device& device) {
+  FASTAWQ_CHECK(sums.dim() == 2 && sums.size(0) == m && sums.size(1) == n && sums.scalar_type() == at::kFloat &&
+                    sums.is_contiguous() && sums.device() == device,
+                op, ": sums must be a contiguous fp32 [M=", m, ", N=", n, "] tensor on ", device, ", got ",
+                sums.scalar_type(), " ", shape_str(sums), " on ", sums.device());
+}
+
+}  // namespace
+
 at::Tensor awq_gemv_packed(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n,
                            int64_t group_size, const std::optional<at::Tensor>& bias, int64_t warps_per_sm) {
   const at::Tensor* b = check_packed("awq_gemv_packed", x, wpacked, szpacked, n, group_size, bias, kPackedMaxM);
@@ -290,6 +302,60 @@ at::Tensor awq_gemv_packed_act(const at::Tensor& gate_up, const at::Tensor& wpac
   launch_awq_gemv_packed(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
+}
+
+void awq_gemv_packed_sums(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n,
+                          int64_t group_size, const std::optional<at::Tensor>& bias, at::Tensor& sums) {
+  constexpr const char* op = "awq_gemv_packed_sums";
+  const at::Tensor* b = check_packed(op, x, wpacked, szpacked, n, group_size, bias, kPackedActMaxM);
+  const int64_t m = x.size(0), k = x.size(1);
+  check_sums(op, sums, m, n, x.device());
+  FASTAWQ_CHECK(k > 0, op, ": K must be positive");
+  if (m == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  GemvPackedArgs a{};
+  a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
+  a.m = static_cast<int>(m);
+  a.sums = sums.data_ptr<float>();  // before the plan: its occupancy query sees the sums instance
+  const SplitPlan plan =
+      plan_auto(n, k, kPackedTileCols, sms, gemv_packed_resident_blocks(a), kWarpsPerSm[m], kFallbackWarpsPerSm);
+  at::Tensor shape_of = sums;  // fill_args reads N and an output pointer from it (unused by the sums form)
+  fill_args(a, x, wpacked, szpacked, b, shape_of, group_size, plan);
+  a.sums = sums.data_ptr<float>();
+  launch_awq_gemv_packed(a, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void awq_gemv_packed_act_sums(const at::Tensor& gate_up, const at::Tensor& wpacked, const at::Tensor& szpacked,
+                              int64_t n, int64_t group_size, const std::optional<at::Tensor>& bias,
+                              const std::string& act, at::Tensor& sums) {
+  constexpr const char* op = "awq_gemv_packed_act_sums";
+  FASTAWQ_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, op, ": gate_up must be [M, 2K], got ",
+                shape_str(gate_up));
+  const int64_t m = gate_up.size(0), k = gate_up.size(1) / 2;
+  const int code = act == "silu" ? 1 : act == "gelu_pytorch_tanh" ? 2 : act == "gelu" ? 3 : 0;
+  FASTAWQ_CHECK(code > 0, op, ": act must be silu, gelu_pytorch_tanh or gelu, got '", act, "'");
+  const at::Tensor* b = check_weights(op, m, k, gate_up.scalar_type(), gate_up.device(), wpacked, szpacked, n,
+                                      group_size, bias, kPackedActMaxM);
+  FASTAWQ_CHECK(gate_up.is_contiguous() && aligned16(gate_up), op, ": gate_up ", shape_str(gate_up),
+                " must be contiguous and 16-byte aligned");
+  check_sums(op, sums, m, n, gate_up.device());
+  FASTAWQ_CHECK(k > 0, op, ": K must be positive");
+  if (m == 0) return;
+  const c10::cuda::CUDAGuard guard(gate_up.device());
+  GemvPackedArgs a{};
+  a.dtype = gate_up.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
+  a.m = static_cast<int>(m);
+  a.act = code;
+  a.sums = sums.data_ptr<float>();  // before the plan: its occupancy query sees the sums instance
+  const SplitPlan plan = staged_plan(op, a, n, k, "act_mul");
+  at::Tensor shape_of = sums;
+  fill_args(a, gate_up, wpacked, szpacked, b, shape_of, group_size, plan);
+  a.k = static_cast<int>(k);  // gate_up's rows are 2K wide; the GEMV's K is its half
+  a.sums = sums.data_ptr<float>();
+  launch_awq_gemv_packed(a, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 at::Tensor awq_mma_packed(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n,

@@ -198,11 +198,15 @@ struct NormIn {
 // the same registers, which forces the next batch's loads below the current batch's last use: the
 // SASS issues them at the end of the body and the first instruction of the next batch waits for
 // them, so no weight load is in flight while a warp sums (CUDA_NOTES.md, session 17).
-template <typename T, int M, bool kH2, int ACT = 0, bool PINGPONG = false>
+// kSums (awq_gemv_packed_sums / _act_sums, M <= 2): each block adds its tile (and split 0 the bias)
+// into sums [M, N] fp32, which an earlier kernel zeroed, and exits: no workspace, fence, arrival
+// or conversion pass; the consumer (add_rms_norm) rounds the sums as it reads them.
+template <typename T, int M, bool kH2, int ACT = 0, bool PINGPONG = false, bool kSums = false>
 __global__ void __launch_bounds__(kPackedThreads, PINGPONG && M == 1 ? 6 : 0) awq_gemv_packed_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int n, int k, int group_size,
-    int batches_per_warp, const NormIn norm, const bool early_loads, const int prefetch_batches) {
+    int batches_per_warp, const NormIn norm, const bool early_loads, const int prefetch_batches,
+    float* __restrict__ sums) {
   using Tr = HalfTraits<T>;
   __shared__ __align__(16) float red[kWarps][M][kPackedTileCols];
   __shared__ int is_last;
@@ -479,6 +483,20 @@ __global__ void __launch_bounds__(kPackedThreads, PINGPONG && M == 1 ? 6 : 0) aw
   __syncthreads();
 
   // Units of the sums: 1/256 (decode_bytes), or 1/16 (consume_h2).
+  if constexpr (kSums) {
+    const float unit = kH2 ? 16.f : 256.f;
+    const int col0 = blockIdx.x * kPackedTileCols;
+    for (int e = threadIdx.x; e < M * kPackedTileCols; e += kPackedThreads) {
+      const int mm = e / kPackedTileCols, tc = e % kPackedTileCols, col = col0 + tc;
+      if (col >= n) continue;
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) v += red[w][mm][tc];
+      const float b = bias != nullptr && blockIdx.y == 0 ? Tr::to_float(bias[col]) : 0.f;
+      atomicAdd(sums + static_cast<int64_t>(mm) * n + col, fmaf(unit, v, b));
+    }
+    return;
+  }
   gemv::store_tile<T, M, kPackedThreads, kWarps, kPackedTileCols>(red, is_last, bias, out, ws, counters, n,
                                                                   blockIdx.x * kPackedTileCols, M, kH2 ? 16.f : 256.f);
 }
@@ -506,10 +524,19 @@ void launch_act(const GemvPackedArgs& a, cudaStream_t stream, int* resident) {
   // The two-batch loop only where the GEMV serves decode (M <= 2): fewer instances.
   constexpr bool kPPable = M <= kH2MaxM;
   const bool h2 = kH2able && gemv::h2_enabled<T>(), pp = kPPable && pingpong_enabled(M);
-  const auto kernel = h2 ? (pp ? awq_gemv_packed_kernel<T, M, kH2able, ACT, kPPable>
-                               : awq_gemv_packed_kernel<T, M, kH2able, ACT>)
-                         : (pp ? awq_gemv_packed_kernel<T, M, false, ACT, kPPable>
-                               : awq_gemv_packed_kernel<T, M, false, ACT>);
+  auto kernel = h2 ? (pp ? awq_gemv_packed_kernel<T, M, kH2able, ACT, kPPable>
+                         : awq_gemv_packed_kernel<T, M, kH2able, ACT>)
+                   : (pp ? awq_gemv_packed_kernel<T, M, false, ACT, kPPable>
+                         : awq_gemv_packed_kernel<T, M, false, ACT>);
+  // The sums form (awq_gemv_packed_sums / _act_sums; the host sends it M <= kH2MaxM, no norm).
+  if constexpr (kH2able && ACT >= 0) {
+    if (a.sums != nullptr) {
+      kernel = h2 ? (pp ? awq_gemv_packed_kernel<T, M, true, ACT, true, true>
+                        : awq_gemv_packed_kernel<T, M, true, ACT, false, true>)
+                  : (pp ? awq_gemv_packed_kernel<T, M, false, ACT, true, true>
+                        : awq_gemv_packed_kernel<T, M, false, ACT, false, true>);
+    }
+  }
   const int smem = ACT != 0 && resident == nullptr ? act_smem_bytes(a) : 0;
   if (resident != nullptr) {
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, kPackedThreads, 0);
@@ -519,7 +546,8 @@ void launch_act(const GemvPackedArgs& a, cudaStream_t stream, int* resident) {
   launch_pdl(kernel, dim3(a.col_tiles, a.splits), dim3(kPackedThreads), smem, stream, static_cast<const T*>(a.x),
              reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz), static_cast<const T*>(a.bias),
              static_cast<T*>(a.out), a.workspace, a.counters, a.n, a.k, a.group_size, a.steps_per_warp,
-             NormIn{a.residual, a.norm_weight, a.res_out, a.eps, a.offset}, a.early_loads, a.prefetch_batches);
+             NormIn{a.residual, a.norm_weight, a.res_out, a.eps, a.offset}, a.early_loads, a.prefetch_batches,
+             a.sums);
 }
 
 template <typename T, int M>

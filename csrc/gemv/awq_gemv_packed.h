@@ -55,6 +55,9 @@ struct PackedArgs {
   // FASTAWQ_GEMV_PREFETCH (common/pdl.cuh, read at each call): batches a warp brings into L2
   // before the PDL wait (the decode GEMV).
   int prefetch_batches;
+  // awq_gemv_packed_sums / _act_sums (the GEMV, M <= kPackedActMaxM): [M, N] fp32 zeroed by an
+  // earlier kernel, which the blocks add their tiles into instead of writing out; else null.
+  float* sums;
 };
 using GemvPackedArgs = PackedArgs;
 constexpr int kPackedActMaxM = 2;

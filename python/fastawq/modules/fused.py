@@ -107,9 +107,14 @@ class FusedAttention(nn.Module):
         max_len: int, backend: str | None, qkv: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """qkv: the projection already made (norm_linear); x is then unused."""
-        c = self.cfg
         if qkv is None:
             qkv = self.qkv_proj(x)
+        return self.o_proj(self.attend(qkv, positions, start, lens, max_len, backend))
+
+    # qkv [B, L, (HQ + 2 HKV) D] -> the attention's output [B, L, HQ D], before o_proj
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, start: int, lens: torch.Tensor | None,
+               max_len: int, backend: str | None) -> torch.Tensor:
+        c = self.cfg
         b, seq, _ = qkv.shape
         if lens is not None:
             # A decode step: rope, the cache write and attention (one compiled launch where it
@@ -126,25 +131,34 @@ class FusedAttention(nn.Module):
                 backend=backend,
             )
             o = ops.prefill_attention(q, self.k_cache, self.v_cache, start, c.scale)
-        return self.o_proj(o.reshape(b, seq, c.num_heads * c.head_dim))
+        return o.reshape(b, seq, c.num_heads * c.head_dim)
 
 
 def _prologue_gemv_fits(flag: str, op: str, x: torch.Tensor, width: int, lin: WQLinear, backend: str | None) -> bool:
     """Whether the packed GEMV with an input prologue (compiled `op`, switched by backend.`flag`)
     serves x [..., width] into `lin` for this call."""
+    from fastawq import backend as backend_mod
+
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (getattr(backend_mod, flag) and x.shape[-1] == width
+            and _gemv_form_fits(op, rows, x.dtype, x.device, lin, backend))
+
+
+def _gemv_form_fits(op: str, rows: int, dtype: torch.dtype, device: torch.device, lin: WQLinear,
+                    backend: str | None) -> bool:
+    """Whether the compiled packed-GEMV form `op` serves `rows` rows of `dtype` on `device` into
+    `lin`: the layer is packed and its own dispatch picks the compiled GEMV for these rows."""
     from fastawq import _ext
     from fastawq import backend as backend_mod
 
-    if not (getattr(backend_mod, flag) and _ext.has_op(op)) or lin.layout != "packed":
+    if not _ext.has_op(op) or lin.layout != "packed":
         return False
-    rows = x.numel() // max(x.shape[-1], 1)
-    if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16) or not 1 <= rows <= 2:
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or not 1 <= rows <= 2:
         return False
-    if x.shape[-1] != width or backend_mod.packed_kernel(rows) != "gemv" or lin.group_size % 32 or lin.in_features % 32:
+    if backend_mod.packed_kernel(rows) != "gemv" or lin.group_size % 32 or lin.in_features % 32:
         return False
-    # The projection's own dispatch must pick the compiled kernel for these rows.
     try:
-        return backend_mod.select_backend("packed_gemm", x.device, backend=backend or lin.backend, m=rows) == "cuda"
+        return backend_mod.select_backend("packed_gemm", device, backend=backend or lin.backend, m=rows) == "cuda"
     except Exception:  # a forced backend that cannot run here: the two-launch path says why
         return False
 
@@ -306,7 +320,12 @@ class FusedDecoderLayer(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, start: int,
         lens: torch.Tensor | None, max_len: int, backend: str | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x is the previous block's output (or the embeddings when residual is None)."""
+        """x is the previous block's output (or the embeddings when residual is None); it and the
+        returned output may be fp32 sums (dense_sums_out, WQExperts.sums), which add_rms_norm takes."""
+        if isinstance(self.mlp, FusedMLP) and residual is not None and dense_sums_out():
+            out = self._forward_sums(x, residual, positions, start, lens, max_len, backend)
+            if out is not None:
+                return out
         c = self.cfg
         # The norm and the projection after it: one launch where norm_linear's fused GEMV serves.
         qkv, residual = norm_linear(
@@ -319,6 +338,49 @@ class FusedDecoderLayer(nn.Module):
             a, residual, self.post_attention_layernorm.weight, c.eps, c.norm_offset, self.mlp.gate_up_proj, backend
         )
         return self.mlp(None, backend, gate_up=gate_up), residual
+
+
+    def _forward_sums(
+        self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, start: int,
+        lens: torch.Tensor | None, max_len: int, backend: str | None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The dense layer with o_proj and down adding into fp32 sums (awq_gemv_packed_sums /
+        _act_sums) that the norm before each zeroes in its own launch and the norm after each reads:
+        neither projection ends with a fence, arrival count and conversion pass. None where the
+        compiled GEMV forms do not serve these rows (then the usual path)."""
+        c, attn, mlp = self.cfg, self.self_attn, self.mlp
+        h = x.shape[-1]
+        rows, dtype = x.numel() // h, residual.dtype
+        if mlp.act not in ("silu", "gelu_pytorch_tanh", "gelu") or attn.o_proj.out_features != h \
+                or mlp.down_proj.out_features != h:
+            return None
+        if not (_gemv_form_fits("awq_gemv_packed_sums", rows, dtype, x.device, attn.o_proj, backend)
+                and _gemv_form_fits("awq_gemv_packed_act_sums", rows, dtype, x.device, mlp.down_proj, backend)):
+            return None
+        o_sums = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        h1, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, c.eps, c.norm_offset,
+                                        backend=backend, zero=o_sums)
+        o = attn.attend(attn.qkv_proj(h1), positions, start, lens, max_len, backend)
+        wp, sz, bias = _packed_operands(attn.o_proj, dtype)
+        torch.ops.fastawq.awq_gemv_packed_sums(o.reshape(rows, -1).contiguous(), wp, sz, h, attn.o_proj.group_size,
+                                               bias, o_sums.view(rows, h))
+        d_sums = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        h2, residual = ops.add_rms_norm(o_sums, residual, self.post_attention_layernorm.weight, c.eps, c.norm_offset,
+                                        backend=backend, zero=d_sums)
+        gate_up = mlp.gate_up_proj(h2)
+        wp, sz, bias = _packed_operands(mlp.down_proj, dtype)
+        torch.ops.fastawq.awq_gemv_packed_act_sums(gate_up.reshape(rows, -1).contiguous(), wp, sz, h,
+                                                   mlp.down_proj.group_size, bias, mlp.act, d_sums.view(rows, h))
+        return d_sums, residual
+
+
+def dense_sums_out() -> bool:
+    """FASTAWQ_DENSE_SUMS=1 (an A/B switch, off; read at each call, so a captured graph keeps the
+    setting it was captured with): a dense layer's o_proj and down projection at one or two rows add
+    into fp32 sums that the next add_rms_norm rounds (FusedDecoderLayer._forward_sums)."""
+    from fastawq import backend as backend_mod
+
+    return backend_mod.env_switch(b"FASTAWQ_DENSE_SUMS") == "1"
 
 
 class _DecodeGraph:

@@ -61,6 +61,29 @@ def _(x, residual, weight, eps, offset, backend):
     return residual.new_empty(x.shape), residual.new_empty(x.shape)
 
 
+def _add_rms_norm_zero_impl(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, backend: str,
+    zero: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x, residual = x.contiguous(), residual.contiguous()
+    if backend == "triton":
+        return _triton().add_rms_norm(x, residual, weight, eps, offset, zero=zero)
+    zero.zero_()
+    return reference.add_rms_norm(x, residual, weight, eps, offset)
+
+
+_add_rms_norm_zero_op = torch.library.custom_op(
+    "fastawq::add_rms_norm_zero", _add_rms_norm_zero_impl, mutates_args=("zero",)
+)
+
+
+@_add_rms_norm_zero_op.register_fake
+def _(x, residual, weight, eps, offset, backend, zero):
+    torch._check(residual.shape == x.shape, lambda: f"residual {tuple(residual.shape)} vs x {tuple(x.shape)}")
+    torch._check(weight.shape == (x.shape[-1],), lambda: f"norm weight {tuple(weight.shape)} vs x {tuple(x.shape)}")
+    return residual.new_empty(x.shape), residual.new_empty(x.shape)
+
+
 # x [..., H] · residual [..., H] or None · weight [H]  ->  (y [..., H], residual' = x + residual)
 def add_rms_norm(
     x: torch.Tensor,
@@ -70,11 +93,14 @@ def add_rms_norm(
     offset: float = 0.0,
     *,
     backend: str | None = None,
+    zero: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm(x + residual) * (weight + offset), and the new residual stream (x + residual; x
     itself when residual is None). offset is 1.0 for Gemma's (1 + weight) norms. With a residual, x
-    may be fp32 beside a half-precision residual (an MoE block's unconverted sums, WQExperts.sums):
-    it is rounded to the residual's dtype first, and both outputs take that dtype."""
+    may be fp32 beside a half-precision residual (an MoE block's unconverted sums, WQExperts.sums,
+    or a projection's, awq_gemv_packed_sums): it is rounded to the residual's dtype first, and both
+    outputs take that dtype. zero (with a residual): a contiguous fp32 tensor of x's shape, filled
+    with zeros in the same launch, for a later projection's sums to be added into."""
     h = x.shape[-1]
     if tuple(weight.shape) != (h,):
         raise ValueError(f"norm weight {tuple(weight.shape)} does not match hidden size {h} of x {tuple(x.shape)}")
@@ -85,6 +111,13 @@ def add_rms_norm(
                          "or be fp32 sums")
     device = check_same_device(x=x, residual=residual, weight=weight)
     be = select_backend("add_rms_norm", device, backend=backend)
+    if zero is not None:
+        if residual is None or zero.shape != x.shape or zero.dtype != torch.float32 or not zero.is_contiguous():
+            raise ValueError(f"zero must be a contiguous fp32 tensor of x's shape {tuple(x.shape)} beside a residual, "
+                             f"got {zero.dtype} {tuple(zero.shape)}")
+        check_same_device(x=x, zero=zero)
+        return _call(torch.ops.fastawq.add_rms_norm_zero, _add_rms_norm_zero_impl, x, residual, weight, eps, offset,
+                     be, zero)
     if residual is None:
         return _call(torch.ops.fastawq.rms_norm, _rms_norm_impl, x, weight, eps, offset, be), x
     y, r = _call(torch.ops.fastawq.add_rms_norm, _add_rms_norm_impl, x, residual, weight, eps, offset, be)
