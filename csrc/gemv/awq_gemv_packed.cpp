@@ -275,10 +275,16 @@ std::tuple<at::Tensor, at::Tensor> awq_gemv_packed_norm(const at::Tensor& x, con
   return {out, res_out};
 }
 
-at::Tensor awq_gemv_packed_act(const at::Tensor& gate_up, const at::Tensor& wpacked, const at::Tensor& szpacked,
-                               int64_t n, int64_t group_size, const std::optional<at::Tensor>& bias,
-                               const std::string& act) {
-  constexpr const char* op = "awq_gemv_packed_act";
+namespace {
+
+// awq_gemv_packed_act / _act_sums: gate_up [M, 2K] and act checked against the weights.
+struct ActCall {
+  int64_t m, k;
+  int code;
+  const at::Tensor* bias;
+};
+ActCall check_act_call(const char* op, const at::Tensor& gate_up, const at::Tensor& wpacked, const at::Tensor& szpacked,
+                       int64_t n, int64_t group_size, const std::optional<at::Tensor>& bias, const std::string& act) {
   FASTAWQ_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, op, ": gate_up must be [M, 2K], got ",
                 shape_str(gate_up));
   const int64_t m = gate_up.size(0), k = gate_up.size(1) / 2;
@@ -288,19 +294,38 @@ at::Tensor awq_gemv_packed_act(const at::Tensor& gate_up, const at::Tensor& wpac
                                       group_size, bias, kPackedActMaxM);
   FASTAWQ_CHECK(gate_up.is_contiguous() && aligned16(gate_up), op, ": gate_up ", shape_str(gate_up),
                 " must be contiguous and 16-byte aligned");
+  return {m, k, code, b};
+}
+
+// The act GEMV of a checked call (m, k > 0) into out, or (sums non-null) added into sums, for which
+// out only gives N.
+void launch_act_call(const char* op, const ActCall& c, const at::Tensor& gate_up, const at::Tensor& wpacked,
+                     const at::Tensor& szpacked, int64_t group_size, at::Tensor& out, float* sums) {
   const c10::cuda::CUDAGuard guard(gate_up.device());
-  at::Tensor out = at::empty({m, n}, gate_up.options());
-  if (m == 0) return out;
-  if (k == 0) return b != nullptr ? out.copy_(b->expand({m, n})) : out.zero_();
   GemvPackedArgs a{};
   a.dtype = gate_up.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
-  a.m = static_cast<int>(m);
-  a.act = code;
-  const SplitPlan plan = staged_plan(op, a, n, k, "act_mul");
-  fill_args(a, gate_up, wpacked, szpacked, b, out, group_size, plan);
-  a.k = static_cast<int>(k);  // gate_up's rows are 2K wide; the GEMV's K is its half
+  a.m = static_cast<int>(c.m);
+  a.act = c.code;
+  a.sums = sums;  // before the plan: its occupancy query sees the instance the launch runs
+  const SplitPlan plan = staged_plan(op, a, out.size(1), c.k, "act_mul");
+  fill_args(a, gate_up, wpacked, szpacked, c.bias, out, group_size, plan);
+  a.k = static_cast<int>(c.k);  // gate_up's rows are 2K wide; the GEMV's K is its half
   launch_awq_gemv_packed(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+at::Tensor awq_gemv_packed_act(const at::Tensor& gate_up, const at::Tensor& wpacked, const at::Tensor& szpacked,
+                               int64_t n, int64_t group_size, const std::optional<at::Tensor>& bias,
+                               const std::string& act) {
+  constexpr const char* op = "awq_gemv_packed_act";
+  const ActCall c = check_act_call(op, gate_up, wpacked, szpacked, n, group_size, bias, act);
+  const c10::cuda::CUDAGuard guard(gate_up.device());
+  at::Tensor out = at::empty({c.m, n}, gate_up.options());
+  if (c.m == 0) return out;
+  if (c.k == 0) return c.bias != nullptr ? out.copy_(c.bias->expand({c.m, n})) : out.zero_();
+  launch_act_call(op, c, gate_up, wpacked, szpacked, group_size, out, nullptr);
   return out;
 }
 
@@ -320,9 +345,7 @@ void awq_gemv_packed_sums(const at::Tensor& x, const at::Tensor& wpacked, const 
   a.sums = sums.data_ptr<float>();  // before the plan: its occupancy query sees the sums instance
   const SplitPlan plan =
       plan_auto(n, k, kPackedTileCols, sms, gemv_packed_resident_blocks(a), kWarpsPerSm[m], kFallbackWarpsPerSm);
-  at::Tensor shape_of = sums;  // fill_args reads N and an output pointer from it (unused by the sums form)
-  fill_args(a, x, wpacked, szpacked, b, shape_of, group_size, plan);
-  a.sums = sums.data_ptr<float>();
+  fill_args(a, x, wpacked, szpacked, b, sums, group_size, plan);  // N from sums (its pointer as out: unused)
   launch_awq_gemv_packed(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -331,31 +354,11 @@ void awq_gemv_packed_act_sums(const at::Tensor& gate_up, const at::Tensor& wpack
                               int64_t n, int64_t group_size, const std::optional<at::Tensor>& bias,
                               const std::string& act, at::Tensor& sums) {
   constexpr const char* op = "awq_gemv_packed_act_sums";
-  FASTAWQ_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, op, ": gate_up must be [M, 2K], got ",
-                shape_str(gate_up));
-  const int64_t m = gate_up.size(0), k = gate_up.size(1) / 2;
-  const int code = act == "silu" ? 1 : act == "gelu_pytorch_tanh" ? 2 : act == "gelu" ? 3 : 0;
-  FASTAWQ_CHECK(code > 0, op, ": act must be silu, gelu_pytorch_tanh or gelu, got '", act, "'");
-  const at::Tensor* b = check_weights(op, m, k, gate_up.scalar_type(), gate_up.device(), wpacked, szpacked, n,
-                                      group_size, bias, kPackedActMaxM);
-  FASTAWQ_CHECK(gate_up.is_contiguous() && aligned16(gate_up), op, ": gate_up ", shape_str(gate_up),
-                " must be contiguous and 16-byte aligned");
-  check_sums(op, sums, m, n, gate_up.device());
-  FASTAWQ_CHECK(k > 0, op, ": K must be positive");
-  if (m == 0) return;
-  const c10::cuda::CUDAGuard guard(gate_up.device());
-  GemvPackedArgs a{};
-  a.dtype = gate_up.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
-  a.m = static_cast<int>(m);
-  a.act = code;
-  a.sums = sums.data_ptr<float>();  // before the plan: its occupancy query sees the sums instance
-  const SplitPlan plan = staged_plan(op, a, n, k, "act_mul");
-  at::Tensor shape_of = sums;
-  fill_args(a, gate_up, wpacked, szpacked, b, shape_of, group_size, plan);
-  a.k = static_cast<int>(k);  // gate_up's rows are 2K wide; the GEMV's K is its half
-  a.sums = sums.data_ptr<float>();
-  launch_awq_gemv_packed(a, at::cuda::getCurrentCUDAStream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const ActCall c = check_act_call(op, gate_up, wpacked, szpacked, n, group_size, bias, act);
+  check_sums(op, sums, c.m, n, gate_up.device());
+  FASTAWQ_CHECK(c.k > 0, op, ": K must be positive");
+  if (c.m == 0) return;
+  launch_act_call(op, c, gate_up, wpacked, szpacked, group_size, sums, sums.data_ptr<float>());
 }
 
 at::Tensor awq_mma_packed(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n,
