@@ -294,7 +294,8 @@ if [[ " $stages " == *" unrun19 "* ]]; then
 fi
 if [[ " $stages " == *" unrun19_tiles "* ]]; then
   step unrun19_tiles
-  # Branch wip/session19-unrun only (~3 min): moe_mma blocks taking several column tiles
+  # Branch wip/session19-unrun only, or main with benchmarks/wip/session19-moe-mma-tiles.patch applied
+  # (~3 min): moe_mma blocks taking several column tiles
   # (FASTAWQ_MOE_MMA_TILES=N); N = 1 against main's numbers at the same T.
   if grep -q FASTAWQ_MOE_MMA_TILES csrc/moe/moe_gemv.cpp; then
     python -m pytest -q -p no:cacheprovider tests/test_moe_mma.py 2>&1 | tail -2 || status=1
