@@ -483,22 +483,9 @@ __global__ void __launch_bounds__(kPackedThreads, PINGPONG && M == 1 ? 6 : 0) aw
   __syncthreads();
 
   // Units of the sums: 1/256 (decode_bytes), or 1/16 (consume_h2).
-  if constexpr (kSums) {
-    const float unit = kH2 ? 16.f : 256.f;
-    const int col0 = blockIdx.x * kPackedTileCols;
-    for (int e = threadIdx.x; e < M * kPackedTileCols; e += kPackedThreads) {
-      const int mm = e / kPackedTileCols, tc = e % kPackedTileCols, col = col0 + tc;
-      if (col >= n) continue;
-      float v = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) v += red[w][mm][tc];
-      const float b = bias != nullptr && blockIdx.y == 0 ? Tr::to_float(bias[col]) : 0.f;
-      atomicAdd(sums + static_cast<int64_t>(mm) * n + col, fmaf(unit, v, b));
-    }
-    return;
-  }
-  gemv::store_tile<T, M, kPackedThreads, kWarps, kPackedTileCols>(red, is_last, bias, out, ws, counters, n,
-                                                                  blockIdx.x * kPackedTileCols, M, kH2 ? 16.f : 256.f);
+  gemv::store_tile<T, M, kPackedThreads, kWarps, kPackedTileCols, kSums>(red, is_last, bias, out, ws, counters, n,
+                                                                         blockIdx.x * kPackedTileCols, M,
+                                                                         kH2 ? 16.f : 256.f, sums);
 }
 
 // The half2 path (consume_h2) at M <= kH2MaxM, unless gemv::h2_enabled says no (FASTAWQ_GEMV_H2).

@@ -124,12 +124,14 @@ __device__ __forceinline__ float fold_unit(float s) { return fabsf(s) < 0x1p-60f
 // (<= M) and column col0 + c; the caller has filled it and synchronised the block. Sum the warps
 // and write out = unit * sum + bias, or with split K (gridDim.y > 1) add into the zeroed fp32
 // workspace [rows, n]: the last block of the column tile to arrive converts the sums and zeroes
-// them again (graph-safe, no extra launch).
-template <typename T, int M, int kThreads, int kWarps, int kTileCols>
+// them again (graph-safe, no extra launch). kSums: add unit * sum (split 0 also the bias) into
+// sums [rows, n] fp32, which an earlier kernel zeroed, and return (awq_gemv_packed_sums): no
+// workspace, arrival or conversion.
+template <typename T, int M, int kThreads, int kWarps, int kTileCols, bool kSums = false>
 __device__ __forceinline__ void store_tile(const float (&red)[kWarps][M][kTileCols], int& is_last,
                                            const T* __restrict__ bias, T* __restrict__ out, float* __restrict__ ws,
                                            int* __restrict__ counters, int n, int col0, int rows = M,
-                                           float unit = 256.f) {
+                                           float unit = 256.f, float* __restrict__ sums = nullptr) {
   using Tr = HalfTraits<T>;
   const auto write = [&](int mm, int col, float v) {
     const float b = bias != nullptr ? Tr::to_float(bias[col]) : 0.f;
@@ -142,12 +144,16 @@ __device__ __forceinline__ void store_tile(const float (&red)[kWarps][M][kTileCo
     float v = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) v += red[w][mm][tc];
-    if (split) {
+    if constexpr (kSums) {
+      const float b = bias != nullptr && blockIdx.y == 0 ? Tr::to_float(bias[col]) : 0.f;
+      atomicAdd(sums + static_cast<int64_t>(mm) * n + col, fmaf(unit, v, b));
+    } else if (split) {
       atomicAdd(ws + static_cast<int64_t>(mm) * n + col, v);
     } else {
       write(mm, col, v);
     }
   }
+  if constexpr (kSums) return;
   if (!split) return;
 
   __threadfence();

@@ -339,7 +339,6 @@ class FusedDecoderLayer(nn.Module):
         )
         return self.mlp(None, backend, gate_up=gate_up), residual
 
-
     def _forward_sums(
         self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, start: int,
         lens: torch.Tensor | None, max_len: int, backend: str | None,

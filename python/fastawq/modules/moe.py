@@ -79,11 +79,16 @@ class WQExperts(nn.Module):
             return out.reshape(hidden_states.shape)
         # Validated and dispatched once per activation device/dtype and per identity and version of
         # the buffers (a .to(), a load or an in-place edit makes a new plan), as WQLinear does.
-        key = (x.device, x.dtype, self.backend, *((t.data_ptr(), t._version) for t in buffers))
+        key = self._call_key(x, buffers)
         if self._plan_key != key:
             self._plan = ops_moe.moe_w4_plan(x, *buffers, self.group_size, self.act, backend=self.backend)
             self._plan_key = key
         return self._plan(x, ids, w).reshape(hidden_states.shape)
+
+    def _call_key(self, x: torch.Tensor, buffers: tuple) -> tuple:
+        """What a cached plan depends on: x's device and dtype, the forced backend, and the identity
+        and version of each buffer."""
+        return (x.device, x.dtype, self.backend, *((t.data_ptr(), t._version) for t in buffers))
 
     # hidden_states [T, H] · topk_ids [T, k] · topk_weights [T, k]  ->  [T, H] fp32, or None
     def sums(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor | None:
@@ -95,7 +100,7 @@ class WQExperts(nn.Module):
             return None
         x = hidden_states
         buffers = (self.w13_qweight, self.w13_scales, self.w13_qzeros, self.w2_qweight, self.w2_scales, self.w2_qzeros)
-        key = (x.device, x.dtype, self.backend, topk_ids.shape[-1], *((t.data_ptr(), t._version) for t in buffers))
+        key = (topk_ids.shape[-1], *self._call_key(x, buffers))
         if self._sums_key != key:
             self._sums_ok = ops_moe.sums_kernel_serves(x, topk_ids.shape[-1], buffers, self.group_size, self.act,
                                                        self.backend)
