@@ -43,19 +43,21 @@ GROUP = 128
 
 
 # Compiled kernels on the packed layout a `--kernels` column may force, and their largest M.
-KERNEL_MAX_M = {"gemv": repack.MAX_M, "mma": repack.MMA_MAX_M, "gemm": 1 << 30}
+KERNEL_MAX_M = {"gemv": repack.MAX_M, "mma": repack.MMA_MAX_M, "gemm": 1 << 30, "wgmma": 1 << 30}
 _PACKED: dict[int, list] = {}
 
 
 def _kernel_caller(col: str, awq: list[tuple], x: torch.Tensor, n: int):
-    """fn(i) for a "kernel:gemv[:WARPS_PER_SM]", "kernel:mma[:CHUNKS:WARPS_PER_SM]" or
-    "kernel:gemm[:M_TILES:CHUNKS:SPLITS]" column (None where M is beyond the kernel); 0 or nothing: the
+    """fn(i) for a "kernel:gemv[:WARPS_PER_SM]", "kernel:mma[:CHUNKS:WARPS_PER_SM]",
+    "kernel:gemm[:M_TILES:CHUNKS:SPLITS]" or "kernel:wgmma[:TOKENS:SPLITS]" column (None where M is beyond the kernel); 0 or nothing: the
     kernel's automatic tile and grid."""
     name, *tile = col.removeprefix("kernel:").split(":")
     if name == "gemv":
         chunks, warps = 0, (int(tile[0]) if tile else 0)
     elif name == "gemm":
         m_tiles, chunks, splits = map(int, tile) if tile else (0, 0, 0)
+    elif name == "wgmma":
+        tokens, splits = map(int, tile) if tile else (0, 0)
     else:
         chunks, warps = (int(tile[0]), int(tile[1])) if tile else (0, 0)
     if x.shape[0] > KERNEL_MAX_M[name] or (name == "mma" and chunks == 4 and x.shape[0] > 16):  # <= 2 mma tiles
@@ -69,6 +71,8 @@ def _kernel_caller(col: str, awq: list[tuple], x: torch.Tensor, n: int):
         return lambda i: torch.ops.fastawq.awq_gemv_packed(x, *packed[i], n, GROUP, None, warps)
     if name == "gemm":
         return lambda i: torch.ops.fastawq.awq_gemm_packed(x, *packed[i], n, GROUP, None, m_tiles, chunks, splits)
+    if name == "wgmma":
+        return lambda i: torch.ops.fastawq.awq_wgmma_packed(x, *packed[i], n, GROUP, None, tokens, splits)
     return lambda i: torch.ops.fastawq.awq_mma_packed(x, *packed[i], n, GROUP, None, chunks, warps)
 
 
@@ -227,7 +231,8 @@ def main() -> int:
     ap.add_argument("--layouts", default="", help="comma list of awq, packed: automatic dispatch on that layout")
     ap.add_argument("--kernels", default="", help="comma list of compiled kernels on the packed layout, forced: "
                     "gemv, gemv:WARPS_PER_SM, mma, mma:CHUNKS:WARPS_PER_SM (a tile of the swap-AB tensor-core "
-                    "kernel), gemm, or gemm:M_TILES:CHUNKS:SPLITS (the tensor-core kernel with the batch as the mma's M)")
+                    "kernel), gemm, gemm:M_TILES:CHUNKS:SPLITS (the tensor-core kernel with the batch as the mma's M), "
+                    "wgmma or wgmma:TOKENS:SPLITS (the warpgroup-MMA kernel, sm_90a)")
     ap.add_argument("--shapes", default="", help="comma list of KxN layer shapes (default: the four Llama-3-8B "
                     "shapes of TARGETS.md), e.g. 2048x5120,4096x2048 for Qwen3-30B-A3B's attention projections")
     ap.add_argument("--dtypes", default="float16")

@@ -2,8 +2,8 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_tiles unrun19_e2e e2e quantize (default: all but mma, profile, moe, ab,
-#   switches, act_gemv, verify18 and the unrun ones)
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_tiles unrun19_e2e wgmma wgmma_e2e e2e quantize (default: all but mma,
+#   profile, moe, ab, switches, act_gemv, verify18, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
 # (Triton/torch backends only), for quick kernel iterations.
@@ -320,6 +320,23 @@ if [[ " $stages " == *" unrun19_e2e "* ]]; then
     2>&1 | tail -6 || status=1
   FASTAWQ_TRITON_TUNE=0 timeout 120 python benchmarks/bench_e2e.py --shape llama-3-8b --modes fused-graphs \
     --graph-lengths 64 --batches 64 --budget 90 --out "$OUT/e2e_b64" 2>&1 | tail -4 || status=1
+fi
+if [[ " $stages " == *" wgmma "* ]]; then
+  step wgmma
+  # awq_wgmma_packed (sm_90a warpgroup MMA, session 20), ~4 min: its tests up to the first failure,
+  # memcheck on a few calls, and the kernel table against cuBLAS and awq_gemm_packed at M >= 16.
+  timeout 200 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py 2>&1 | tail -15 || status=1
+  timeout 90 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py 2>&1 | tail -2 \
+    || status=1
+  timeout 150 python benchmarks/gemm_table.py --kernels wgmma,wgmma:64:0,wgmma:128:0,gemm --dtypes float16,bfloat16 \
+    --ms 16,32,64,128,256,1024,4096 --out "$OUT/wgmma" 2>&1 | grep -A30 "^| dtype" || status=1
+fi
+if [[ " $stages " == *" wgmma_e2e "* ]]; then
+  step wgmma_e2e
+  # awq_wgmma_packed in the fused engine (~3 min): batch 32 and 64 decode with it above the
+  # compiled buckets against Triton there (backend.PACKED_WGMMA), packed layout.
+  FASTAWQ_TRITON_TUNE=0 timeout 220 python benchmarks/bench_ab.py --compare wgmma --shape llama-3-8b --batches 32,64 \
+    --layout packed --decode 64 --rounds 1 2>&1 | grep -E "^\||on / off" || status=1
 fi
 if [[ " $stages " == *" e2e "* ]] && [ -f benchmarks/bench_e2e.py ]; then
   step e2e

@@ -52,6 +52,9 @@ def main() -> None:
                 calls += [(m, "awq_mma_packed", ()) for m in (3, 12, 32)]
                 calls += [(m, "awq_gemm_packed", tile) for m in (1, 17, 70)
                           for tile in ((), (1, 1, 1), (2, 2, k // 32), (4, 1, 3), (1, 2, 0))]
+                if hasattr(ops, "awq_wgmma_packed") and not ops.awq_wgmma_packed_declines():
+                    calls += [(m, "awq_wgmma_packed", tile) for m in (1, 17, 70, 130)
+                              for tile in ((), (32, 1), (64, k // 32), (128, 3))]
                 for m, name, tile in calls:
                     x = random_input((m, k), "cuda", dtype, seed=m)
                     out = getattr(ops, name)(x, wp, sz, n, g, bias, *tile)

@@ -73,6 +73,14 @@ at::Tensor awq_gemm_packed(const at::Tensor& x, const at::Tensor& wpacked, const
                            int64_t group_size, const std::optional<at::Tensor>& bias, int64_t m_tiles, int64_t chunks,
                            int64_t splits);
 
+// The same on Hopper's warpgroup MMA (sm_90a builds and devices only; csrc/gemv/awq_wgmma_packed_sm90.cu).
+// tokens (batch rows a block: 32, 64, 128) and splits (K splits) 0: by M, and one wave of what fits.
+at::Tensor awq_wgmma_packed(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n,
+                            int64_t group_size, const std::optional<at::Tensor>& bias, int64_t tokens, int64_t splits);
+// Why awq_wgmma_packed cannot run on the current CUDA device ("" when it can): not built for
+// sm_90a, or the device is not sm_90. Needs a CUDA device.
+std::string awq_wgmma_packed_declines();
+
 // MoE decode on the CUDA cores (csrc/moe/): x [T, H] fp16|bf16 · topk_ids [T, k] int32|int64 ·
 // topk_weights [T, k] fp32 · stacked AWQ expert weights as fastawq::moe_w4 (scales in x's dtype)
 // -> [T, H] = sum_j w[:, j] * down_e(act(gate_e(x)) * up_e(x)). Ids outside [0, E) add nothing.

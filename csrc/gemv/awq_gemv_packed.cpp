@@ -444,4 +444,72 @@ at::Tensor awq_gemm_packed(const at::Tensor& x, const at::Tensor& wpacked, const
   return out;
 }
 
+#ifdef FASTAWQ_NO_AWQ_WGMMA_PACKED_SM90
+// No listed arch reaches sm_90: CMake left the kernel's file out (awq_wgmma_packed_declines says so).
+void launch_awq_wgmma_packed(const WgmmaPackedArgs&, cudaStream_t) {}
+int wgmma_packed_resident_blocks(const WgmmaPackedArgs&) { return 1; }
+#endif
+
+std::string awq_wgmma_packed_declines() {
+#if defined(FASTAWQ_HAVE_SM90A) && !defined(FASTAWQ_NO_AWQ_WGMMA_PACKED_SM90)
+  constexpr bool built = true;
+#else
+  constexpr bool built = false;
+#endif
+  if (!built) {
+    return "fastawq._C was not compiled for sm_90a (FASTAWQ_CUDA_ARCHS lacks 9.0a), which wgmma needs";
+  }
+  if (!at::cuda::is_available()) return "no CUDA device";
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  if (props->major != 9 || props->minor != 0) {
+    return cat("awq_wgmma_packed runs on sm_90 (Hopper) only; this device is sm_", props->major, props->minor);
+  }
+  return "";
+}
+
+at::Tensor awq_wgmma_packed(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n,
+                            int64_t group_size, const std::optional<at::Tensor>& bias, int64_t tokens, int64_t splits) {
+  constexpr const char* op = "awq_wgmma_packed";
+  const at::Tensor* b = check_packed(op, x, wpacked, szpacked, n, group_size, bias, kMaxDim);
+  const int64_t m = x.size(0), k = x.size(1);
+  // The kernel holds x's row offsets (row * K) in 32 bits.
+  FASTAWQ_CHECK(m * k < (int64_t{1} << 31), op, ": needs M * K < 2^31, got (m=", m, ", n=", n, ", k=", k,
+                ", group_size=", group_size, ")");
+  if (tokens == 0) tokens = wgmma_packed_tokens(m);
+  FASTAWQ_CHECK(wgmma_packed_tokens_ok(tokens), op, ": tokens must be 32, 64 or 128 (0: by M), got ", tokens);
+  const int64_t steps = k / kPackedBatchRows;
+  FASTAWQ_CHECK(splits >= 0 && splits <= std::max<int64_t>(1, steps), op,
+                ": splits must be in 1..K/32 (0: one wave), got ", splits, " at k=", k);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const std::string declines = awq_wgmma_packed_declines();
+  FASTAWQ_CHECK(declines.empty(), op, ": ", declines);
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  if (k == 0) return b != nullptr ? out.copy_(b->expand({m, n})) : out.zero_();
+
+  WgmmaPackedArgs a{};
+  a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
+  a.tokens = static_cast<int>(tokens);
+  const int64_t token_tiles = (m + tokens - 1) / tokens;
+  a.token_tiles = static_cast<int>(token_tiles);
+  // One wave: (token tile, column tile) slices times K splits of >= 4 steps (the ring's depth less
+  // its two steps of lead), as many as fit at once.
+  const int64_t col_tiles = (n + kWgmmaPackedTileCols - 1) / kWgmmaPackedTileCols;
+  int64_t want = splits;
+  if (want == 0) {
+    const int64_t capacity = int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) *
+                             wgmma_packed_resident_blocks(a);
+    want = std::max<int64_t>(1, capacity / (col_tiles * token_tiles));
+  }
+  int64_t spb = (steps + want - 1) / want;
+  if (splits == 0) spb = std::max<int64_t>(4, spb);
+  spb = std::min(spb, steps);
+  fill_args(a, x, wpacked, szpacked, b, out, group_size,
+            {static_cast<int>(col_tiles), static_cast<int>((steps + spb - 1) / spb), static_cast<int>(spb)},
+            col_tiles * token_tiles);
+  launch_awq_wgmma_packed(a, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
 }  // namespace fastawq

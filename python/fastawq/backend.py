@@ -62,6 +62,12 @@ PACKED_MMA_MAX_M = 8
 # Session 18, decode at batch 16 against awq_mma_packed there: Llama-3-8B shape 3,808 -> 4,041
 # tokens/s, Qwen3-30B-A3B 2,351 -> 2,435 (bench_ab.py --compare gemm16).
 PACKED_GEMM_MAX_M = 16
+# awq_wgmma_packed (Hopper's warpgroup MMA, sm_90a builds on sm_90 devices) for every M above the
+# compiled buckets, in place of the Triton GEMM, and the fused engine's packed layout at any batch.
+# Off until a same-run GPU measurement shows it ahead (benchmarks/RESULTS.md session 20: first form
+# 0.77x cuBLAS at M = 64, 0.39x at 4096 on an H100); FASTAWQ_PACKED_WGMMA=1 (read at import) turns
+# it on for a benchmark, bench_ab.py --compare wgmma A/Bs it in one process.
+PACKED_WGMMA = os.environ.get("FASTAWQ_PACKED_WGMMA", "0") == "1"
 # moe_w4 is sized by its load, ceil(T * k / E) assignments per expert, not by T: the compiled MoE
 # decode kernel (csrc/moe/, which reads an expert once per assignment) serves up to
 # MOE_GEMV_MAX_LOAD, the Triton grouped GEMM (each expert once per block of rows) above. H200,
@@ -156,7 +162,14 @@ def _preference(op: str) -> list[tuple[int | None, tuple[str, ...]]]:
     if op != "packed_gemm":
         return _CUDA_PREFERENCE.get(op, [])
     compiled = [PACKED_GEMV_MAX_M, PACKED_MMA_MAX_M] + ([PACKED_GEMM_MAX_M] if PACKED_GEMM_MAX_M > PACKED_MMA_MAX_M else [])
-    return [(bound, ("cuda", "triton", "torch")) for bound in compiled] + [(None, ("triton", "torch"))]
+    above = ("cuda", "triton", "torch") if _wgmma_on() else ("triton", "torch")
+    return [(bound, ("cuda", "triton", "torch")) for bound in compiled] + [(None, above)]
+
+
+def _wgmma_on() -> bool:
+    """PACKED_WGMMA, where the build has awq_wgmma_packed (whether the device is sm_90 the op's fit
+    check says: ops/repack.py)."""
+    return PACKED_WGMMA and _ext.has_op("awq_wgmma_packed")
 
 # Where layout "auto" picks the packed layout on CUDA devices (with the compiled kernels).
 # Everywhere only once the GPU benchmark (benchmarks/gemm_table.py --layouts awq,packed) shows it
@@ -172,6 +185,8 @@ def packed_fused_max_batch() -> int:
     """The largest fused-engine batch whose decode steps the compiled packed kernels serve."""
     if not _ext.has_op("awq_mma_packed"):
         return PACKED_GEMV_MAX_M
+    if _wgmma_on():
+        return 1 << 20
     return max(PACKED_MMA_MAX_M, PACKED_GEMM_MAX_M if _ext.has_op("awq_gemm_packed") else 0)
 
 
@@ -182,10 +197,15 @@ def cuda_gemm_kernel(m: int | None) -> str:
 
 def packed_kernel(m: int | None) -> str:
     """The compiled packed_gemm kernel for an M bucket: "gemv" (awq_gemv_packed), "mma"
-    (awq_mma_packed) or "gemm" (awq_gemm_packed, also above every bucket: the compiled backend forced)."""
+    (awq_mma_packed), "gemm" (awq_gemm_packed, also above every bucket: the compiled backend forced)
+    or, above every bucket with PACKED_WGMMA, "wgmma" (awq_wgmma_packed)."""
     if m is not None and m <= PACKED_GEMV_MAX_M:
         return "gemv"
-    return "mma" if m is not None and m <= PACKED_MMA_MAX_M else "gemm"
+    if m is not None and m <= PACKED_MMA_MAX_M:
+        return "mma"
+    if _wgmma_on() and (m is None or m > max(PACKED_MMA_MAX_M, PACKED_GEMM_MAX_M)):
+        return "wgmma"
+    return "gemm"
 
 
 def moe_reuse(t: int, k: int, e: int) -> float:

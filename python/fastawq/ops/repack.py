@@ -122,6 +122,11 @@ def _packed_gemm_fits(be: str, x2: torch.Tensor, wpacked, szpacked, n: int, k: i
             return f"{op} takes M <= {limit}, the triton backend serves larger M"
         if not _ext.has_op(op):
             return f"fastawq._C was built without {op}"
+        if op == "awq_wgmma_packed":
+            with torch.cuda.device(x2.device):
+                why = torch.ops.fastawq.awq_wgmma_packed_declines()
+            if why:
+                return why
         if g % 32 or k % 32:
             return f"{op} needs group_size and K multiples of 32, got group_size={g}, K={k}"
         if any(t.data_ptr() % 16 or not t.is_contiguous() for t in (wpacked, szpacked)):
@@ -132,7 +137,8 @@ def _packed_gemm_fits(be: str, x2: torch.Tensor, wpacked, szpacked, n: int, k: i
     return None
 
 
-_COMPILED_PACKED_OPS = {"gemv": "awq_gemv_packed", "mma": "awq_mma_packed", "gemm": "awq_gemm_packed"}
+_COMPILED_PACKED_OPS = {"gemv": "awq_gemv_packed", "mma": "awq_mma_packed", "gemm": "awq_gemm_packed",
+                        "wgmma": "awq_wgmma_packed"}
 
 
 def _compiled_packed_op(rows: int | None) -> str:
@@ -290,6 +296,13 @@ def _register_fakes() -> None:
 
         @torch.library.register_fake("fastawq::awq_gemm_packed")
         def _(x, wpacked, szpacked, n, group_size, bias, m_tiles=0, chunks=0, splits=0):
+            _check_packed_call(x, wpacked, szpacked, n)
+            return x.new_empty((x.shape[0], n))
+
+    if _ext.has_op("awq_wgmma_packed"):
+
+        @torch.library.register_fake("fastawq::awq_wgmma_packed")
+        def _(x, wpacked, szpacked, n, group_size, bias, tokens=0, splits=0):
             _check_packed_call(x, wpacked, szpacked, n)
             return x.new_empty((x.shape[0], n))
 

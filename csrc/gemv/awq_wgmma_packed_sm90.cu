@@ -1,0 +1,484 @@
+// W4A16 for batches of 17 rows and more on Hopper's warpgroup MMA (wgmma, sm_90a), on the
+// load-time repacked layout of awq_gemv_packed.h: y^T[N, M] = W^T[N, K] x^T[K, M], "swap AB" as
+// awq_mma_packed.cu, with output channels as the wgmma's M (64 a warpgroup instruction) and the
+// batch as its N (NT = 32, 64 or 128 rows a block). The weights are the A operand, dequantized in
+// registers (wgmma takes A from registers); x is the B operand, read by the tensor cores from shared
+// memory through a matrix descriptor. Dequantize + cuBLAS (what the Triton path picks at M >= 64)
+// reads 4x the weight bytes and caps that range at 0.8-0.94x cuBLAS fp16 (issue 11); mma.sync
+// kernels (awq_gemm_packed.cu) are bound by their instructions a warp (0.52x at M = 64).
+//
+// Fragments straight from the layout (the k order inside a 32-row step is a free label, as in
+// awq_mma_packed.cu):
+//   A: lane (g, t) of warp w of a warpgroup loads the 16 bytes at (kb = 4s + t, c4): rows
+//      32s + 8t .. +7 of columns 4c4 .. 4c4 + 3, c4 = the block's first + 8 * warp + g. The wgmma A
+//      fragment of a warp is mma.m16n8k16's (rows g and g + 8 of the warp's 16, k labels 2t, 2t + 1
+//      and 2t + 8, 2t + 9), so column 2i of the lane's four is row g of m-tile i and column 2i + 1 row
+//      g + 8, and k-step h's labels 2t, 2t + 1 are rows 8t + 4h, +1 (word 2h), 2t + 8, 2t + 9 rows
+//      8t + 4h + 2, +3 (word 2h + 1). Dequantized exactly as awq_gemm_packed's B (prmt, lop3, hsub2,
+//      hmul2: what dequantize-then-matmul rounds to).
+//   B: x in the same labels, K-major without swizzle: core matrices of 8 rows (tokens) x 8 labels
+//      (16 bytes). The 16-byte load of x[token][32s + 8t' ..] holds the four words j = 2h + kc (k-step
+//      h, core column kc) at label pair t' of each: four 4-byte shared stores into four planes of
+//      core matrices (plane j at j * NT * 16 bytes, token group at 128 bytes, token row at 16, label
+//      pair t' at 4 t'), conflict-free for a warp's 8 tokens x 4 chunks. k-step h's descriptor starts
+//      at plane 2h, its K neighbour (LBO) one plane on, its N neighbours (SBO) 128 bytes on.
+//   D: lane (g, t) of warp w ends with rows g, g + 8 of the warp's 16 in each m-tile, i.e. the four
+//      columns 4c4 .. 4c4 + 3, for tokens 8j + 2t + e: one 8-byte store (or 16-byte reduction) each.
+//
+// Work: a block is 2 warpgroups (256 threads) on a 256-column tile (128 columns each) and NT tokens,
+// both on one contiguous range of 32-row steps (blockIdx.z splits K); grid (token tiles, column
+// tiles, splits), token tiles adjacent so a column tile's weights come from L2 after the first.
+// A ring of P slots in shared memory, P - 1 steps in flight: each slot one step's weights (16 bytes a
+// lane) and x (16-byte items, a thread's side by side), both copied by cp.async, one commit group a
+// step, and read back only by the thread that copied them, so wait_group alone orders them. After
+// its wgmmas are issued, a step puts the next step's x in label order (a thread's own items: one
+// 16-byte shared load, four 4-byte stores into the planes). One barrier a step: it publishes those
+// planes (fence.proxy.async first: the tensor cores read shared memory through the async proxy) and
+// tells every warpgroup that the other has finished the wgmmas of three steps ago (so a slot's planes
+// are rewritten only after every wgmma that read them). A registers alternate between two sets (the
+// loop runs two steps an iteration): a step waits only for the wgmmas of two steps ago (wait_group 1)
+// before it dequantizes into their set, so up to two steps of wgmmas are queued while it does.
+// (x loaded into registers P - 2 steps ahead and stored after the wgmmas, the first form, measured
+// 0.39x cuBLAS at M = 4096 on an H100: each step waited an L2 round trip before its stores.)
+//
+// No L2 eviction hint on the weights' copies (ptxas 13.x, awq_gemm_packed.cu says why).
+#include <atomic>
+#include <cstdint>
+#include <type_traits>
+
+#include "common/dtype.cuh"
+#include "common/pdl.cuh"
+#include "common/ptx.cuh"
+#include "gemv/awq_gemv_packed.h"
+#include "gemv/gemv_common.cuh"
+
+// wgmma exists on sm_90a only; other targets of this file compile the launcher and an empty kernel
+// (the host entry refuses to launch it: awq_wgmma_packed_declines()).
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FASTAWQ_WGMMA_DEVICE 1
+#endif
+
+namespace fastawq {
+namespace {
+
+using gemv::column_pair;
+
+constexpr int kThreads = kWgmmaPackedThreads;
+constexpr int kTileC4 = kWgmmaPackedTileCols / 4;  // 4-column chunks of a block's tile
+
+__device__ __forceinline__ uint32_t dequant_pair_wg(uint32_t magic_q, uint32_t zm, uint32_t s, __half) {
+  const __half2 w = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&magic_q), *reinterpret_cast<const __half2*>(&zm)),
+                            *reinterpret_cast<const __half2*>(&s));
+  return *reinterpret_cast<const uint32_t*>(&w);
+}
+__device__ __forceinline__ uint32_t dequant_pair_wg(uint32_t magic_q, uint32_t zm, uint32_t s, __nv_bfloat16) {
+  const __nv_bfloat162 w = __hmul2(__hsub2(*reinterpret_cast<const __nv_bfloat162*>(&magic_q),
+                                           *reinterpret_cast<const __nv_bfloat162*>(&zm)),
+                                   *reinterpret_cast<const __nv_bfloat162*>(&s));
+  return *reinterpret_cast<const uint32_t*>(&w);
+}
+
+__device__ __forceinline__ void st_shared32_at(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+// The shared-memory matrix descriptor of a no-swizzle ("interleave") operand: start address, the
+// byte distance of core matrices adjacent in K (LBO) and in M/N (SBO), each in 16-byte units.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(sbo >> 4) << 32);
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#ifdef FASTAWQ_WGMMA_DEVICE
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#ifdef FASTAWQ_WGMMA_DEVICE
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#ifdef FASTAWQ_WGMMA_DEVICE
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+__device__ __forceinline__ void fence_proxy_async_shared() {
+#ifdef FASTAWQ_WGMMA_DEVICE
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+// Keeps the compiler from moving an accumulator across the asynchronous wgmma (what would make
+// ptxas serialize them): an empty asm that "reads and writes" it.
+__device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// D[64 x NT] += A[64 x 16] (registers, 4 a lane) * B[16 x NT] (shared memory, K-major, by
+// descriptor), fp32 accumulators, NT / 2 a lane. The fp16 and bf16 forms differ in the PTX type.
+#define FASTAWQ_D8(i)                                                                                      \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+      "+f"(d[i + 7])
+#define FASTAWQ_A4_DESC "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1)
+#ifdef FASTAWQ_WGMMA_DEVICE
+#define FASTAWQ_WGMMA_RUN(AB)                                                                                  \
+  __device__ __forceinline__ static void run(float (&d)[16], const uint32_t (&a)[4], uint64_t desc) {          \
+    asm volatile(                                                                                              \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                                           \
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32." AB "." AB                                                \
+        " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, " \
+        "p, 1, 1, 0;\n}\n"                                                                                     \
+        : FASTAWQ_D8(0), FASTAWQ_D8(8)                                                                         \
+        : FASTAWQ_A4_DESC);                                                                                    \
+  }                                                                                                            \
+  __device__ __forceinline__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {          \
+    asm volatile(                                                                                              \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                           \
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." AB "." AB                                                \
+        " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "    \
+        "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"  \
+        : FASTAWQ_D8(0), FASTAWQ_D8(8), FASTAWQ_D8(16), FASTAWQ_D8(24)                                         \
+        : FASTAWQ_A4_DESC);                                                                                    \
+  }                                                                                                            \
+  __device__ __forceinline__ static void run(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {          \
+    asm volatile(                                                                                              \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                           \
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." AB "." AB                                               \
+        " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "    \
+        "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, " \
+        "%41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, " \
+        "%61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"                                          \
+        : FASTAWQ_D8(0), FASTAWQ_D8(8), FASTAWQ_D8(16), FASTAWQ_D8(24), FASTAWQ_D8(32), FASTAWQ_D8(40),       \
+          FASTAWQ_D8(48), FASTAWQ_D8(56)                                                                       \
+        : FASTAWQ_A4_DESC);                                                                                    \
+  }
+#else
+#define FASTAWQ_WGMMA_RUN(AB)                                                                 \
+  template <int R>                                                                            \
+  __device__ __forceinline__ static void run(float (&)[R], const uint32_t (&)[4], uint64_t) { \
+    __trap();                                                                                 \
+  }
+#endif
+
+template <typename T>
+struct Wgmma;
+template <>
+struct Wgmma<__half> {
+  FASTAWQ_WGMMA_RUN("f16")
+};
+template <>
+struct Wgmma<__nv_bfloat16> {
+  FASTAWQ_WGMMA_RUN("bf16")
+};
+#undef FASTAWQ_WGMMA_RUN
+#undef FASTAWQ_A4_DESC
+#undef FASTAWQ_D8
+
+// One slot of the ring: the step's x in the wgmma's order (NT tokens x 32 labels, 4 planes of NT x
+// 16 bytes), the same x as copied (a thread's 16-byte items side by side), then the block's
+// weights (16 bytes a lane).
+template <int NT>
+constexpr int kXBytes = NT * 64;
+template <int NT>
+constexpr int kSlotBytes = 2 * kXBytes<NT> + kThreads * 16;
+
+template <typename T, int NT, int P>
+__global__ void __launch_bounds__(kThreads, NT <= 64 ? 2 : 1) awq_wgmma_packed_kernel(
+    const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
+    T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int m, int n, int k, int group_size,
+    int steps_per_block) {
+#ifdef FASTAWQ_WGMMA_DEVICE
+  using Tr = HalfTraits<T>;
+  using T2 = typename Tr::T2;
+  static_assert(P >= 4, "a slot's planes are rewritten only once every warpgroup is past its wgmmas");
+  constexpr int kPlane = NT * 16;  // bytes between the x planes (core matrices adjacent in K)
+  constexpr int kXItems = 4 * NT;  // 16-byte loads of x a step
+  constexpr int kXPer = (kXItems + kThreads - 1) / kThreads;
+  extern __shared__ __align__(128) uint8_t ring_smem[];
+  __shared__ int is_last;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int n4 = n >> 2;
+  const int tok0 = blockIdx.x * NT;
+  const int c4 = static_cast<int>(pinned(blockIdx.y * kTileC4 + warp * 8 + g));
+  const bool col_ok = c4 < n4;  // n % 8 == 0: whole 4-column chunks
+  const int s_total = k / kPackedBatchRows;
+  const int s0 = blockIdx.z * steps_per_block;
+  const int s1 = min(s0 + steps_per_block, s_total);
+  const int steps_per_group = group_size / kPackedBatchRows;
+  const int64_t w_step = 4 * static_cast<int64_t>(n4);
+  const uint4* w_next = wp + static_cast<int64_t>(t) * n4 + c4 + s0 * w_step;
+
+  const uint32_t base = pinned(smem_addr(ring_smem));
+  const uint32_t w_own = 2 * kXBytes<NT> + tid * 16;  // the lane's weights in a slot
+  const auto slot_at = [&](int slot) { return base + slot * kSlotBytes<NT>; };
+  const auto issue_w = [&](int slot) {
+    cp_async16_at(slot_at(slot) + w_own, w_next, col_ok);
+    w_next += w_step;
+  };
+
+  // The thread's x items: item j = tid + kThreads * i is token j / 4 (clamped to row M - 1: it feeds
+  // only outputs never stored), chunk j % 4; copied to the slot's copy region at 16 j, then put in
+  // the wgmma's order at its offset in each of the 4 planes.
+  const T* x_src[kXPer];
+  uint32_t x_dst[kXPer];
+#pragma unroll
+  for (int i = 0; i < kXPer; ++i) {
+    const int j = min(tid + kThreads * i, kXItems - 1), tok = j >> 2, tc = j & 3;
+    x_src[i] = x + static_cast<int64_t>(min(tok0 + tok, m - 1)) * k + 8 * tc +
+               static_cast<int64_t>(s0) * kPackedBatchRows;
+    x_dst[i] = (tok >> 3) * 128 + (tok & 7) * 16 + 4 * tc;
+  }
+  const auto x_on = [&](int i) { return kXPer * kThreads == kXItems || tid + kThreads * i < kXItems; };
+  const auto issue_x = [&](int slot) {
+    const uint32_t at = slot_at(slot) + kXBytes<NT> + tid * 16;
+#pragma unroll
+    for (int i = 0; i < kXPer; ++i) {
+      if (x_on(i)) cp_async16_ca_at(at + kThreads * 16 * i, x_src[i]);
+      x_src[i] += kPackedBatchRows;
+    }
+  };
+  // The thread's own copies of the slot's step, into the planes (cp.async.wait_group orders them).
+  const auto permute_x = [&](int slot) {
+    const uint32_t xs = slot_at(slot);
+#pragma unroll
+    for (int i = 0; i < kXPer; ++i) {
+      if (!x_on(i)) continue;
+      const uint4 r = ld_shared128_at(xs + kXBytes<NT> + (tid + kThreads * i) * 16);
+      st_shared32_at(xs + x_dst[i], r.x);
+      st_shared32_at(xs + x_dst[i] + kPlane, r.y);
+      st_shared32_at(xs + x_dst[i] + 2 * kPlane, r.z);
+      st_shared32_at(xs + x_dst[i] + 3 * kPlane, r.w);
+    }
+  };
+
+  // The weights of the first P - 1 steps, before the PDL wait (no kernel that can launch this one
+  // early writes weights: awq_gemv_packed.h), a commit group each; after it, their x in one group,
+  // waited for at once, and the first step's planes.
+#pragma unroll
+  for (int d = 0; d < P - 1; ++d) {
+    if (s0 + d < s1) issue_w(d);
+    cp_async_commit();
+  }
+  pdl_wait();
+  pdl_launch_dependents();
+#pragma unroll
+  for (int d = 0; d < P - 1; ++d) {
+    if (s0 + d < s1) issue_x(d);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  if (s0 < s1) permute_x(0);
+  fence_proxy_async_shared();
+
+  // (scale, zero) of the lane's four columns for the current group, fetched a step ahead.
+  const uint4* sz_lane = sz + static_cast<int64_t>(s0 / steps_per_group) * n4 + c4;
+  uint4 sv_next = make_uint4(0, 0, 0, 0);
+  const auto load_scales = [&]() {
+    if (col_ok) sv_next = __ldg(sz_lane);
+  };
+  uint32_t zm[4], sc[4];  // per column: (magic + z) and s in both halves
+  const auto set_group = [&]() {
+    const T* p = reinterpret_cast<const T*>(&sv_next);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const T z = __hadd(Tr::from_float(Tr::kMagic), p[2 * j + 1]);  // magic + z, exact
+      const T2 zz{z, z}, ss{p[2 * j], p[2 * j]};
+      zm[j] = *reinterpret_cast<const uint32_t*>(&zz);
+      sc[j] = *reinterpret_cast<const uint32_t*>(&ss);
+    }
+  };
+  if (s0 < s1) {
+    load_scales();
+    set_group();
+  }
+  int group_left = steps_per_group - s0 % steps_per_group;
+
+  float acc[2][NT / 2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int r = 0; r < NT / 2; ++r) acc[i][r] = 0.f;
+  uint32_t af[2][2][2][4];  // [set][m-tile i][k-step h][register]
+
+  // Step s from slot `slot` into A register set SET.
+  const auto step = [&](int s, int slot, auto set_c) {
+    constexpr int SET = decltype(set_c)::value;
+    // Step s's planes are published (put there a step ago); both warpgroups are past step s - 3's
+    // wgmmas (each waited for them before its step s - 1 dequantization). This lane's weights of
+    // step s landed by the last step's wait.
+    __syncthreads();
+    if (s + P - 1 < s1) {  // into the slot step s - 1 used (its planes stay: only copies land)
+      const int refill = slot == 0 ? P - 1 : slot - 1;
+      issue_w(refill);
+      issue_x(refill);
+    }
+    cp_async_commit();
+    if (group_left == 1 && s + 1 < s1) {
+      sz_lane += n4;
+      load_scales();
+    }
+    const uint4 w = ld_shared128_at(slot_at(slot) + w_own);
+    // Step s - 2's wgmmas are done (step s - 1's may still run): this step's register set is free.
+    wgmma_wait<1>();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t lo = h == 0 ? w.x : w.z, hi = h == 0 ? w.y : w.w;  // words 2h, 2h + 1
+      const uint32_t lo4 = lo >> 4, hi4 = hi >> 4;
+      af[SET][0][h][0] = dequant_pair_wg(column_pair<T, 0>(lo, lo4), zm[0], sc[0], T{});
+      af[SET][0][h][1] = dequant_pair_wg(column_pair<T, 1>(lo, lo4), zm[1], sc[1], T{});
+      af[SET][0][h][2] = dequant_pair_wg(column_pair<T, 0>(hi, hi4), zm[0], sc[0], T{});
+      af[SET][0][h][3] = dequant_pair_wg(column_pair<T, 1>(hi, hi4), zm[1], sc[1], T{});
+      af[SET][1][h][0] = dequant_pair_wg(column_pair<T, 2>(lo, lo4), zm[2], sc[2], T{});
+      af[SET][1][h][1] = dequant_pair_wg(column_pair<T, 3>(lo, lo4), zm[3], sc[3], T{});
+      af[SET][1][h][2] = dequant_pair_wg(column_pair<T, 2>(hi, hi4), zm[2], sc[2], T{});
+      af[SET][1][h][3] = dequant_pair_wg(column_pair<T, 3>(hi, hi4), zm[3], sc[3], T{});
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int r = 0; r < NT / 2; ++r) fence_operand(acc[i][r]);
+    wgmma_fence();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint64_t desc = smem_desc(slot_at(slot) + 2 * h * kPlane, kPlane, 128);
+      Wgmma<T>::run(acc[0], af[SET][0][h], desc);
+      Wgmma<T>::run(acc[1], af[SET][1][h], desc);
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int r = 0; r < NT / 2; ++r) fence_operand(acc[i][r]);
+    // Groups newer than the one of step s + 1 (issued at step s + 2 - P, or before the loop): P - 2.
+    cp_async_wait<P - 2>();
+    if (s + 1 < s1) {  // step s + 1's planes, in a slot last read by step s + 1 - P <= s - 3's wgmmas
+      permute_x(slot == P - 1 ? 0 : slot + 1);
+      fence_proxy_async_shared();
+    }
+    if (--group_left == 0) {
+      group_left = steps_per_group;
+      set_group();
+    }
+  };
+
+  int slot = 0, s = s0;
+  const auto next = [&](int p) { return p == P - 1 ? 0 : p + 1; };
+#pragma unroll 1
+  for (; s + 1 < s1; s += 2) {
+    step(s, slot, std::integral_constant<int, 0>{});
+    slot = next(slot);
+    step(s + 1, slot, std::integral_constant<int, 1>{});
+    slot = next(slot);
+  }
+  if (s < s1) step(s, slot, std::integral_constant<int, 0>{});
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int r = 0; r < NT / 2; ++r) fence_operand(acc[i][r]);
+  cp_async_wait<0>();
+
+  // out[token][4 c4 .. + 3] = v + bias, one 8-byte store.
+  const auto store4 = [&](int64_t at, int c4o, const float (&v)[4]) {
+    T o[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) o[j] = Tr::from_float(bias != nullptr ? v[j] + Tr::to_float(bias[4 * c4o + j]) : v[j]);
+    *reinterpret_cast<uint2*>(out + at) = *reinterpret_cast<const uint2*>(o);
+  };
+  // acc[i][4 j + 2 hr + e]: row g + 8 hr of the warp's 16 in m-tile i (column 4 c4 + 2 i + hr), token
+  // tok0 + 8 j + 2 t + e.
+  const bool split = gridDim.z > 1;
+#pragma unroll
+  for (int j = 0; j < NT / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int tok = tok0 + 8 * j + 2 * t + e;
+      if (tok >= m || !col_ok) continue;
+      const float v[4] = {acc[0][4 * j + e], acc[0][4 * j + 2 + e], acc[1][4 * j + e], acc[1][4 * j + 2 + e]};
+      const int64_t at = static_cast<int64_t>(tok) * n + 4 * c4;
+      if (split) {
+        red_add4(ws + at, make_float4(v[0], v[1], v[2], v[3]));
+      } else {
+        store4(at, c4, v);
+      }
+    }
+  if (!split) return;
+
+  // The last block of this (token tile, column tile) to arrive converts the sums and zeroes them
+  // again (one fence a block, in the thread that counts after the barrier: the barrier orders the
+  // block's reductions before it, and the fence is cumulative).
+  __syncthreads();
+  const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+  if (tid == 0) {
+    __threadfence();
+    const int prev = atomicAdd(counters + tile, 1);
+    is_last = prev == static_cast<int>(gridDim.z) - 1;
+    if (is_last) counters[tile] = 0;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  const int c4_0 = blockIdx.y * kTileC4;
+  for (int e = tid; e < NT * kTileC4; e += kThreads) {
+    const int tok = tok0 + e / kTileC4, c4o = c4_0 + e % kTileC4;
+    if (tok >= m || c4o >= n4) continue;
+    const int64_t at = static_cast<int64_t>(tok) * n + 4 * c4o;
+    float4* p = reinterpret_cast<float4*>(ws + at);
+    const float4 v = __ldcg(p);
+    __stcg(p, make_float4(0.f, 0.f, 0.f, 0.f));
+    store4(at, c4o, {v.x, v.y, v.z, v.w});
+  }
+#endif
+}
+
+// The ring's depth: 6 slots (5 steps of weights and x in flight while one is consumed), 48 / 72 /
+// 120 KB a block at NT = 32 / 64 / 128.
+constexpr int kRingDepth = 6;
+
+template <typename T, int NT>
+void launch_nt(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
+  constexpr auto kernel = awq_wgmma_packed_kernel<T, NT, kRingDepth>;
+  constexpr int kSmem = kRingDepth * kSlotBytes<NT>;
+  // Above 48 KB of dynamic shared memory a kernel must opt in, once per instance and device.
+  static std::atomic<uint64_t> opted{0};
+  int device = 0;
+  cudaGetDevice(&device);
+  const uint64_t bit = uint64_t{1} << (device & 63);
+  if ((opted.load(std::memory_order_relaxed) & bit) == 0) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    opted.fetch_or(bit, std::memory_order_relaxed);
+  }
+  if (resident != nullptr) {
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, kThreads, kSmem);
+    return;
+  }
+  launch_pdl(kernel, dim3(a.token_tiles, a.col_tiles, a.splits), dim3(kThreads), kSmem, stream,
+             static_cast<const T*>(a.x), reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz),
+             static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.m, a.n, a.k,
+             a.group_size, a.steps_per_warp);
+}
+
+template <typename T>
+void launch_t(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
+  switch (a.tokens) {
+    case 32: return launch_nt<T, 32>(a, stream, resident);
+    case 64: return launch_nt<T, 64>(a, stream, resident);
+    default: return launch_nt<T, 128>(a, stream, resident);
+  }
+}
+
+}  // namespace
+
+void launch_awq_wgmma_packed(const WgmmaPackedArgs& a, cudaStream_t stream) {
+  gemv::by_dtype(a.dtype, [&](auto t) { launch_t<decltype(t)>(a, stream, nullptr); });
+}
+
+int wgmma_packed_resident_blocks(const WgmmaPackedArgs& a) {
+  int blocks = 0;
+  gemv::by_dtype(a.dtype, [&](auto t) { launch_t<decltype(t)>(a, nullptr, &blocks); });
+  return blocks > 0 ? blocks : 1;
+}
+
+}  // namespace fastawq

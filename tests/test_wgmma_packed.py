@@ -1,0 +1,309 @@
+"""The warpgroup-MMA kernel (awq_wgmma_packed, csrc/gemv/awq_wgmma_packed_sm90.cu, sm_90a only).
+
+CPU: an emulation of the kernel's data flow written from its comments -- the four planes of core
+matrices each thread's 16-byte load of x is stored into, the matrix descriptor's addressing of
+them (start, LBO, SBO), the A fragments each lane dequantizes from its 16 bytes of the layout, the
+wgmma's D layout, and the epilogue's map back to (token, column) -- matches the reference. GPU
+(skipped without an sm_90 device and a build for sm_90a): the kernel against reference.awq_gemm
+across every tile edge (32 / 64 / 128-token blocks, the 256-column block and 128-column warpgroup
+tiles, the 4-column lane chunk), forced K splits down to one step a block, bias, graph replay,
+opcheck, bad inputs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import LLAMA3_8B_SHAPES, assert_close_to_reference, random_awq, random_input
+from fastawq import _ext
+from fastawq.ops.repack import awq_gemv_repack
+from test_gemv_packed import _poisoned_call as poisoned_call
+from test_gemv_packed import _setup, check_graph_replay
+from test_mma_packed import MAGIC, _column_pair, _halves
+
+
+def _declines() -> str:
+    if not _ext.has_op("awq_wgmma_packed"):
+        return "fastawq._C is not built with awq_wgmma_packed"
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    return torch.ops.fastawq.awq_wgmma_packed_declines()
+
+
+requires_kernel = pytest.mark.skipif(bool(_declines()), reason=_declines() or "runs")
+
+
+def _x_smem(x: torch.Tensor, tok0: int, s: int, nt: int) -> torch.Tensor:
+    """One slot's x region (NT * 64 bytes, as int32 words) as the block's threads store it. Item j is
+    token j / 4 (clamped to row M - 1), chunk t' = j % 4; its 16-byte load's word w goes to plane w
+    at byte (token / 8) 128 + (token % 8) 16 + 4 t'. Words no item writes stay -1 (NaN halves)."""
+    m, _ = x.shape
+    words = x.contiguous().view(torch.int32)  # [M, K / 2]
+    plane = nt * 16
+    smem = torch.full((nt * 16,), -1, dtype=torch.int32)
+    written = set()
+    for j in range(4 * nt):
+        tok, tc = divmod(j, 4)
+        row = min(tok0 + tok, m - 1)
+        k0 = 32 * s + 8 * tc
+        for w in range(4):
+            at = w * plane + (tok >> 3) * 128 + (tok & 7) * 16 + 4 * tc
+            assert at not in written, "two stores to one word"
+            written.add(at)
+            smem[at // 4] = words[row, k0 // 2 + w]
+    assert len(written) == nt * 16
+    return smem
+
+
+def _b_from_descriptor(smem: torch.Tensor, start: int, lbo: int, sbo: int, nt: int, dtype) -> torch.Tensor:
+    """B [16 labels, NT tokens] as a K-major no-swizzle descriptor addresses it: element (label l,
+    token n) at byte start + (l // 8) LBO + (n // 8) SBO + (n % 8) 16 + (l % 8) 2."""
+    halves = smem.view(dtype).float()
+    b = torch.empty(16, nt)
+    for n_ in range(nt):
+        for l in range(16):
+            at = start + (l // 8) * lbo + (n_ // 8) * sbo + (n_ % 8) * 16 + (l % 8) * 2
+            b[l, n_] = halves[at // 2]
+    return b
+
+
+def _emulate(x: torch.Tensor, wp: torch.Tensor, sz: torch.Tensor, n: int, g: int, nt: int) -> torch.Tensor:
+    """y [M, N] as the kernel computes it, one warpgroup (128 columns) and one wgmma at a time."""
+    dtype = x.dtype
+    magic_bits, magic = MAGIC[dtype]
+    m, k = x.shape
+    n4 = n // 4
+    words = (wp.view(k // 8, n4, 4).to(torch.int64) & 0xFFFFFFFF).tolist()
+    pairs = sz.view(k // g, n4, 4, 2)
+    y = torch.full((m, n), float("nan"))
+    plane = nt * 16
+    for tok0 in range(0, m, nt):
+        for c4q in range(0, n4, 32):  # a warpgroup: 4 warps x 8 lanes g
+            acc = [torch.zeros(64, nt) for _ in range(2)]  # m-tile i: D rows 16 w + r
+            for s in range(k // 32):
+                smem = _x_smem(x, tok0, s, nt)
+                grp = 32 * s // g
+                for h in range(2):
+                    b = _b_from_descriptor(smem, 2 * h * plane, plane, 128, nt, dtype)
+                    for i in range(2):
+                        a = torch.zeros(64, 16)
+                        for warp in range(4):
+                            for lane in range(32):
+                                gq, t = divmod(lane, 4)
+                                c4 = c4q + 8 * warp + gq
+                                if c4 >= n4:
+                                    continue  # the kernel's zero-filled copy
+                                w = words[4 * s + t][c4]
+                                regs = [(2 * i, w[2 * h]), (2 * i + 1, w[2 * h]),
+                                        (2 * i, w[2 * h + 1]), (2 * i + 1, w[2 * h + 1])]
+                                for r, (col, word) in enumerate(regs):
+                                    scale, zero = pairs[grp, c4, col]
+                                    mq = torch.tensor(_halves(_column_pair(word, col, magic_bits), dtype), dtype=dtype)
+                                    wv = ((mq - (magic + zero)) * scale).float()
+                                    # mma.m16n8k16's A, which wgmma's is per warp: registers 0, 1
+                                    # rows g, g + 8 at labels 2t, 2t + 1; registers 2, 3 at 2t + 8, 2t + 9
+                                    row = 16 * warp + gq + 8 * (r % 2)
+                                    kl = 2 * t + 8 * (r // 2)
+                                    a[row, kl : kl + 2] = wv
+                        acc[i] += a @ b
+            for warp in range(4):
+                for lane in range(32):
+                    gq, t = divmod(lane, 4)
+                    c4 = c4q + 8 * warp + gq
+                    if c4 >= n4:
+                        continue
+                    for j in range(nt // 8):
+                        for e in range(2):
+                            tok = tok0 + 8 * j + 2 * t + e
+                            if tok >= m:
+                                continue
+                            r0, r8 = 16 * warp + gq, 16 * warp + gq + 8
+                            col = 8 * j + 2 * t + e
+                            y[tok, 4 * c4 : 4 * c4 + 4] = torch.stack(
+                                [acc[0][r0, col], acc[0][r8, col], acc[1][r0, col], acc[1][r8, col]])
+    return y.to(dtype)
+
+
+@pytest.mark.parametrize("m,k,n,g,nt", [(5, 64, 136, 32, 32), (40, 64, 8, 64, 32), (70, 32, 264, 32, 64),
+                                        (17, 128, 40, 128, 32)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fragments_and_descriptors_as_the_kernel_uses_them(m, k, n, g, nt, dtype):
+    # Token tiles past M, a partial warpgroup (N = 8, 40, 136: lanes without columns), two column
+    # blocks (N = 264), groups of 32 (a new group every step).
+    qw, s, qz = random_awq(k, n, g, dtype=dtype, seed=m + k + n)
+    wp, sz = awq_gemv_repack(qw, s, qz, g)
+    x = random_input((m, k), dtype=dtype, seed=m)
+    assert_close_to_reference(_emulate(x, wp, sz, n, g, nt), x, qw, s, qz, g)
+
+
+def test_x_planes_cover_each_label_once():
+    # Each (token, label) of a step is one address, none shared: the descriptor's view of the stores.
+    nt = 32
+    x = torch.arange(nt * 32, dtype=torch.float32).view(nt, 32).to(torch.float16)
+    smem = _x_smem(x, 0, 0, nt)
+    seen = set()
+    for h in range(2):
+        b = _b_from_descriptor(smem, 2 * h * nt * 16, nt * 16, 128, nt, torch.float16)
+        for n_ in range(nt):
+            for l in range(16):
+                t, kc, j = (l % 8) // 2, l // 8, l % 2
+                assert b[l, n_] == x[n_, 8 * t + 4 * h + 2 * kc + j].float()  # the layout's k labels
+                seen.add((n_, 8 * t + 4 * h + 2 * kc + j))
+    assert len(seen) == nt * 32
+
+
+@pytest.mark.skipif(not _ext.has_op("awq_wgmma_packed"), reason="fastawq._C is not built with awq_wgmma_packed")
+def test_fake_impl_gives_the_output_shape():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(300, 256, dtype=torch.bfloat16)
+        wp = torch.empty(32, 136, dtype=torch.int32)
+        sz = torch.empty(4, 272, dtype=torch.bfloat16)
+        out = torch.ops.fastawq.awq_wgmma_packed(x, wp, sz, 136, 64, None)
+        assert tuple(out.shape) == (300, 136) and out.dtype == torch.bfloat16
+
+
+# --- GPU ---
+
+def _poisoned_call(x, wp, sz, n, g, bias=None, tokens=0, splits=0):
+    return poisoned_call(x, wp, sz, n, g, bias, tokens, splits, op="awq_wgmma_packed")
+
+
+# Edges: N below one 4-column chunk pair, across the 128-column warpgroup and 256-column block
+# tiles; K one step, one group, across groups of every size, split K.
+GPU_SHAPES = [
+    (32, 8, 32), (64, 136, 32), (128, 40, 64), (256, 264, 128), (1024, 1000, 64), (2048, 392, 128),
+    (8192, 128, 128), (11008, 520, 32), (4096, 4104, 128),
+]
+# Across the 32 / 64 / 128-token blocks and several 128-token blocks.
+MS = [1, 17, 31, 32, 33, 63, 64, 65, 100, 128, 129, 300]
+
+
+@requires_kernel
+@pytest.mark.parametrize("k,n,g", GPU_SHAPES)
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_matches_reference(k, n, g, m, dtype):
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=k + n + m)
+    x = random_input((m, k), "cuda", dtype, seed=m)
+    assert_close_to_reference(_poisoned_call(x, wp, sz, n, g), x, qw, s, qz, g)
+    bias = random_input((n,), "cuda", dtype, seed=7)
+    x2 = random_input((m, k), "cuda", dtype, seed=m + 100)  # a second call: the workspace was re-zeroed
+    assert_close_to_reference(_poisoned_call(x2, wp, sz, n, g, bias), x2, qw, s, qz, g, bias)
+
+
+@requires_kernel
+@pytest.mark.parametrize("tokens", [32, 64, 128])
+@pytest.mark.parametrize("splits", [1, 3, 5, 64])
+@pytest.mark.parametrize("m", [5, 70, 200])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_tile_and_split(tokens, splits, m, dtype):
+    # A forced token tile on any M and forced K splits (64 of 64 steps: one step a block, shorter
+    # than the ring; 5: ranges of 13 steps, odd, so the loop's last step runs alone).
+    k, n, g = 2048, 392, 128
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=tokens + splits + m)
+    x = random_input((m, k), "cuda", dtype, seed=m)
+    bias = random_input((n,), "cuda", dtype, seed=3)
+    assert_close_to_reference(_poisoned_call(x, wp, sz, n, g, bias, tokens, splits), x, qw, s, qz, g, bias)
+
+
+@requires_kernel
+@pytest.mark.parametrize("k,n", LLAMA3_8B_SHAPES)
+@pytest.mark.parametrize("m", [64, 256, 1024])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_llama_shapes(k, n, m, dtype):
+    g = 128
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=m)
+    x = random_input((m, k), "cuda", dtype, seed=m)
+    assert_close_to_reference(_poisoned_call(x, wp, sz, n, g), x, qw, s, qz, g)
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scale", [300.0, 1e-3])
+def test_large_and_small_activations(scale, dtype):
+    k, n, g, m = 4096, 264, 128, 40
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=5)
+    x = (random_input((m, k), "cuda", torch.float32, seed=m) * scale).to(dtype)
+    x[:, 7] = 4000.0 if scale > 1 else x[:, 7]
+    assert_close_to_reference(_poisoned_call(x, wp, sz, n, g), x, qw, s, qz, g)
+
+
+@requires_kernel
+@pytest.mark.parametrize("m", [40, 130])
+def test_cuda_graph_replay_with_changed_inputs(m):
+    check_graph_replay(torch.ops.fastawq.awq_wgmma_packed, m)
+
+
+@requires_kernel
+@pytest.mark.parametrize("m", [1, 33, 130])
+def test_opcheck(m):
+    k, n, g = 256, 136, 64
+    _, _, _, wp, sz = _setup(k, n, g, torch.float16)
+    x = random_input((m, k), "cuda", torch.float16)
+    bias = random_input((n,), "cuda", torch.float16)
+    torch.library.opcheck(torch.ops.fastawq.awq_wgmma_packed.default, (x, wp, sz, n, g, bias))
+    torch.library.opcheck(torch.ops.fastawq.awq_wgmma_packed.default, (x, wp, sz, n, g, None, 64, 4))
+
+
+@requires_kernel
+def test_bad_inputs_are_named():
+    k, n, g = 256, 136, 64
+    _, _, _, wp, sz = _setup(k, n, g, torch.float16)
+    x = random_input((20, k), "cuda", torch.float16)
+    op = torch.ops.fastawq.awq_wgmma_packed
+    with pytest.raises(RuntimeError, match="tokens must be 32, 64 or 128.*got 48"):
+        op(x, wp, sz, n, g, None, 48, 0)
+    with pytest.raises(RuntimeError, match="splits must be in 1..K/32.*9"):
+        op(x, wp, sz, n, g, None, 0, 9)
+    with pytest.raises(RuntimeError, match="wpacked must be int32"):
+        op(x, wp[:16], sz, n, g, None)
+    with pytest.raises(RuntimeError, match="szpacked must be"):
+        op(x, wp, sz.to(torch.bfloat16), n, g, None)
+    with pytest.raises(RuntimeError, match="group_size"):
+        op(x, wp, sz, n, 48, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        op(x, wp, sz, n, g, random_input((n + 8,), "cuda", torch.float16))
+
+
+@pytest.mark.skipif(not _ext.has_op("awq_wgmma_packed") or not torch.cuda.is_available()
+                    or not _declines().startswith("awq_wgmma_packed runs on sm_90"), reason="a non-Hopper GPU")
+def test_other_gpus_are_refused_by_name():
+    k, n, g = 256, 136, 64
+    _, _, _, wp, sz = _setup(k, n, g, torch.float16)
+    with pytest.raises(RuntimeError, match="runs on sm_90"):
+        torch.ops.fastawq.awq_wgmma_packed(random_input((20, k), "cuda", torch.float16), wp, sz, n, g, None)
+
+
+def test_dispatch_takes_wgmma_above_the_buckets_when_switched_on(monkeypatch):
+    # backend.PACKED_WGMMA (off by default): the compiled backend first above every compiled bucket,
+    # served by awq_wgmma_packed, and the fused engine's packed layout at any batch.
+    from fastawq import backend
+    from fastawq.ops.repack import _compiled_packed_op
+
+    monkeypatch.setattr(backend._ext, "has_op", lambda name: True)
+    monkeypatch.setattr(backend, "PACKED_WGMMA", False)
+    assert _compiled_packed_op(None) == "awq_gemm_packed"
+    assert backend._preference("packed_gemm")[-1] == (None, ("triton", "torch"))
+    monkeypatch.setattr(backend, "PACKED_WGMMA", True)
+    assert _compiled_packed_op(None) == "awq_wgmma_packed"
+    assert _compiled_packed_op(backend.PACKED_GEMM_MAX_M) == "awq_gemm_packed"
+    assert _compiled_packed_op(backend.PACKED_MMA_MAX_M) == "awq_mma_packed"
+    assert backend._preference("packed_gemm")[-1] == (None, ("cuda", "triton", "torch"))
+    assert backend.packed_fused_max_batch() == 1 << 20
+    monkeypatch.setattr(backend._ext, "has_op", lambda name: name != "awq_wgmma_packed")
+    assert _compiled_packed_op(None) == "awq_gemm_packed"
+
+
+@requires_kernel
+@pytest.mark.parametrize("m", [17, 64, 300])
+def test_packed_gemm_takes_it_when_switched_on(monkeypatch, m):
+    from fastawq import backend, ops
+
+    monkeypatch.setattr(backend, "PACKED_WGMMA", True)
+    k, n, g = 1024, 392, 128
+    qw, s, qz, wp, sz = _setup(k, n, g, torch.float16, seed=m)
+    x = random_input((m, k), "cuda", torch.float16, seed=m)
+    plan = ops.packed_gemm_plan(x, wp, sz, n, g)
+    assert_close_to_reference(plan(x), x, qw, s, qz, g)
