@@ -333,10 +333,14 @@ if [[ " $stages " == *" wgmma "* ]]; then
 fi
 if [[ " $stages " == *" wgmma_e2e "* ]]; then
   step wgmma_e2e
-  # awq_wgmma_packed in the fused engine (~3 min): batch 32 and 64 decode with it above the
-  # compiled buckets against Triton there (backend.PACKED_WGMMA), packed layout.
+  # awq_wgmma_packed in the fused engine (~6 min): batch 32 and 64 decode with it above the
+  # compiled buckets against Triton there (backend.PACKED_WGMMA), packed layout; prefill 2048 with it.
   FASTAWQ_TRITON_TUNE=0 timeout 220 python benchmarks/bench_ab.py --compare wgmma --shape llama-3-8b --batches 32,64 \
     --layout packed --decode 64 --rounds 1 2>&1 | grep -E "^\||on / off" || status=1
+  # Prefill 2048 on the packed layout with it (every GEMM of the prompt above the buckets) against fp16.
+  FASTAWQ_PACKED_WGMMA=1 FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/bench_e2e.py --shape llama-3-8b \
+    --layout packed --modes fused-graphs,fp16 --graph-lengths 2048 --other-len 2048 --batches 1 --budget 150 \
+    --out "$OUT/e2e_prefill_wgmma" 2>&1 | tail -6 || status=1
 fi
 if [[ " $stages " == *" e2e "* ]] && [ -f benchmarks/bench_e2e.py ]; then
   step e2e

@@ -472,9 +472,6 @@ at::Tensor awq_wgmma_packed(const at::Tensor& x, const at::Tensor& wpacked, cons
   constexpr const char* op = "awq_wgmma_packed";
   const at::Tensor* b = check_packed(op, x, wpacked, szpacked, n, group_size, bias, kMaxDim);
   const int64_t m = x.size(0), k = x.size(1);
-  // The kernel holds x's row offsets (row * K) in 32 bits.
-  FASTAWQ_CHECK(m * k < (int64_t{1} << 31), op, ": needs M * K < 2^31, got (m=", m, ", n=", n, ", k=", k,
-                ", group_size=", group_size, ")");
   if (tokens == 0) tokens = wgmma_packed_tokens(m);
   FASTAWQ_CHECK(wgmma_packed_tokens_ok(tokens), op, ": tokens must be 32, 64 or 128 (0: by M), got ", tokens);
   const int64_t steps = k / kPackedBatchRows;
