@@ -326,6 +326,7 @@ if [[ " $stages " == *" wgmma "* ]]; then
   # awq_wgmma_packed (sm_90a warpgroup MMA, session 20), ~4 min: its tests up to the first failure,
   # the kernel table against cuBLAS and awq_gemm_packed at M >= 16, memcheck.
   timeout 200 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py 2>&1 | tail -15 || status=1
+  timeout 90 python -m pytest -q -p no:cacheprovider tests/test_fused.py -k wgmma 2>&1 | tail -2 || status=1
   timeout 150 python benchmarks/gemm_table.py --kernels wgmma,wgmma:64:0,wgmma:128:0,gemm --dtypes float16,bfloat16 \
     --ms 16,32,64,128,256,1024,4096 --out "$OUT/wgmma" 2>&1 | grep -A30 "^| dtype" || status=1
   timeout 90 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py 2>&1 | tail -2 \

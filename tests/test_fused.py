@@ -8,6 +8,7 @@ import torch
 
 from fastawq import ops
 from fastawq.modules import WQLinear
+from fastawq.modules.qlinear import set_layout
 from fastawq.modules.fused import CacheOverflowError, fuse_model
 from fastawq.generate import HFStepper
 
@@ -69,10 +70,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def _match_over_decode(arch: str, backend: str | None, steps: int, device: str = "cpu", graphs: bool = False) -> None:
+def _match_over_decode(arch: str, backend: str | None, steps: int, device: str = "cpu", graphs: bool = False,
+                       batch: int = 2, layout: str | None = None) -> None:
     ref = tiny_w4_model(arch, device=device)
-    fused = fuse_model(copy.deepcopy(ref), max_seq_len=64, batch_size=2, backend=backend, use_cuda_graphs=graphs)
-    ids = torch.randint(0, COMMON["vocab_size"], (2, 11), device=device)
+    fused = fuse_model(copy.deepcopy(ref), max_seq_len=64, batch_size=batch, backend=backend, use_cuda_graphs=graphs)
+    if layout is not None:
+        set_layout(fused, layout)  # after fusing, which concatenates AWQ tensors (as commands/bench.py)
+    ids = torch.randint(0, COMMON["vocab_size"], (batch, 11), device=device)
     rt = fused.fastawq_runtime
     hf = HFStepper(ref)
     lf = rt.prefill(ids)[:, -1]
@@ -127,6 +131,33 @@ def test_fused_dense_sums_decode_matches_unfused(monkeypatch, arch):
     _match_over_decode(arch, None, 24, device="cuda", graphs=True)
     if _ext.has_op("awq_gemv_packed_sums"):
         assert set(calls) == {"awq_gemv_packed_sums", "awq_gemv_packed_act_sums"}
+
+
+@needs_cuda
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_wgmma_decode_matches_unfused(monkeypatch, arch):
+    # backend.PACKED_WGMMA (off by default): at a batch of 20, above the compiled buckets, the fused
+    # engine's packed layers run awq_wgmma_packed for the prefill (220 rows) and every decode step
+    # (20 rows), with CUDA graphs, and still match transformers (Qwen2: biases). Where the op cannot
+    # run (no sm_90a build or not an sm_90 GPU) the plans fall back to Triton and only the match is
+    # checked.
+    from fastawq import _ext
+    from fastawq import backend as backend_mod
+
+    monkeypatch.setattr(backend_mod, "PACKED_WGMMA", True)
+    calls = []
+    runs = _ext.has_op("awq_wgmma_packed") and not torch.ops.fastawq.awq_wgmma_packed_declines()
+    if runs:
+        real = torch.ops.fastawq.awq_wgmma_packed
+
+        def spy(x, *args):
+            calls.append(x.shape[0])
+            return real(x, *args)
+
+        monkeypatch.setattr(torch.ops.fastawq, "awq_wgmma_packed", spy)
+    _match_over_decode(arch, None, 12, device="cuda", graphs=True, batch=20, layout="packed")
+    if runs:
+        assert {20, 220} <= set(calls)
 
 
 def test_full_logits_forward_matches_unfused():
