@@ -209,6 +209,21 @@ def test_every_tile_and_split(tokens, splits, m, dtype):
 
 
 @requires_kernel
+@pytest.mark.parametrize("depth", ["4", "8"])
+@pytest.mark.parametrize("tokens", [32, 64, 128])
+@pytest.mark.parametrize("splits", [0, 3, 64])
+def test_ring_depths(monkeypatch, depth, tokens, splits):
+    # FASTAWQ_WGMMA_DEPTH (read at each call): rings of 4 and 8 slots, on every token tile, the
+    # automatic split and forced ones down to one step a block (shorter than either ring).
+    monkeypatch.setenv("FASTAWQ_WGMMA_DEPTH", depth)
+    k, n, g, m = 2048, 392, 128, 150
+    qw, s, qz, wp, sz = _setup(k, n, g, torch.bfloat16, seed=tokens + splits)
+    for seed in (1, 2):  # a second call: the workspace was re-zeroed
+        x = random_input((m, k), "cuda", torch.bfloat16, seed=seed)
+        assert_close_to_reference(_poisoned_call(x, wp, sz, n, g, None, tokens, splits), x, qw, s, qz, g)
+
+
+@requires_kernel
 @pytest.mark.parametrize("k,n", LLAMA3_8B_SHAPES)
 @pytest.mark.parametrize("m", [64, 256, 1024])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -44,6 +44,7 @@
 // No L2 eviction hint on the weights' copies (ptxas 13.x, awq_gemm_packed.cu says why).
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "common/dtype.cuh"
@@ -433,14 +434,20 @@ __global__ void __launch_bounds__(kThreads, NT <= 64 ? 2 : 1) awq_wgmma_packed_k
 #endif
 }
 
-// The ring's depth: 6 slots (5 steps of weights and x in flight while one is consumed), 48 / 72 /
-// 120 KB a block at NT = 32 / 64 / 128.
-constexpr int kRingDepth = 6;
+// The ring's depth: 6 slots by default (5 steps of weights and x in flight while one is consumed),
+// 48 / 72 / 120 KB a block at NT = 32 / 64 / 128. FASTAWQ_WGMMA_DEPTH=4 or 8 (an A/B switch, read at
+// each call, so a graph keeps the one it was captured with, and the plan's occupancy query sees the
+// instance the launch runs) picks 4 (32 / 48 / 80 KB) or 8 (64 / 96 / 160 KB).
+int ring_depth() {
+  const char* v = std::getenv("FASTAWQ_WGMMA_DEPTH");
+  if (v != nullptr && v[0] != '\0' && v[1] == '\0' && (v[0] == '4' || v[0] == '8')) return v[0] - '0';
+  return 6;
+}
 
-template <typename T, int NT>
-void launch_nt(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
-  constexpr auto kernel = awq_wgmma_packed_kernel<T, NT, kRingDepth>;
-  constexpr int kSmem = kRingDepth * kSlotBytes<NT>;
+template <typename T, int NT, int P>
+void launch_p(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
+  constexpr auto kernel = awq_wgmma_packed_kernel<T, NT, P>;
+  constexpr int kSmem = P * kSlotBytes<NT>;
   // Above 48 KB of dynamic shared memory a kernel must opt in, once per instance and device.
   static std::atomic<uint64_t> opted{0};
   int device = 0;
@@ -458,6 +465,15 @@ void launch_nt(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
              static_cast<const T*>(a.x), reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz),
              static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.m, a.n, a.k,
              a.group_size, a.steps_per_warp);
+}
+
+template <typename T, int NT>
+void launch_nt(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
+  switch (ring_depth()) {
+    case 4: return launch_p<T, NT, 4>(a, stream, resident);
+    case 8: return launch_p<T, NT, 8>(a, stream, resident);
+    default: return launch_p<T, NT, 6>(a, stream, resident);
+  }
 }
 
 template <typename T>
