@@ -53,14 +53,7 @@ namespace fastawq {
 namespace {
 
 using gemv::column_pair;
-
-template <typename T>
-__device__ __forceinline__ uint32_t dequant_pair(uint32_t magic_q, typename HalfTraits<T>::T2 zm,
-                                                 typename HalfTraits<T>::T2 s) {
-  using T2 = typename HalfTraits<T>::T2;
-  const T2 w = __hmul2(__hsub2(*reinterpret_cast<const T2*>(&magic_q), zm), s);
-  return *reinterpret_cast<const uint32_t*>(&w);
-}
+using gemv::dequant_pair;
 
 // Where x comes from (XMode, a template parameter; FASTAWQ_GEMM_SHARE_X / _STAGE_X pick it at each
 // call). The block's shared memory: per warp a ring of P steps, each step kItems 16-byte items per lane

@@ -63,21 +63,10 @@ namespace fastawq {
 namespace {
 
 using gemv::column_pair;
+using gemv::dequant_pair;
 
 constexpr int kThreads = kWgmmaPackedThreads;
 constexpr int kTileC4 = kWgmmaPackedTileCols / 4;  // 4-column chunks of a block's tile
-
-__device__ __forceinline__ uint32_t dequant_pair_wg(uint32_t magic_q, uint32_t zm, uint32_t s, __half) {
-  const __half2 w = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&magic_q), *reinterpret_cast<const __half2*>(&zm)),
-                            *reinterpret_cast<const __half2*>(&s));
-  return *reinterpret_cast<const uint32_t*>(&w);
-}
-__device__ __forceinline__ uint32_t dequant_pair_wg(uint32_t magic_q, uint32_t zm, uint32_t s, __nv_bfloat16) {
-  const __nv_bfloat162 w = __hmul2(__hsub2(*reinterpret_cast<const __nv_bfloat162*>(&magic_q),
-                                           *reinterpret_cast<const __nv_bfloat162*>(&zm)),
-                                   *reinterpret_cast<const __nv_bfloat162*>(&s));
-  return *reinterpret_cast<const uint32_t*>(&w);
-}
 
 __device__ __forceinline__ void st_shared32_at(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
@@ -279,15 +268,14 @@ __global__ void __launch_bounds__(kThreads, NT <= 64 ? 2 : 1) awq_wgmma_packed_k
   const auto load_scales = [&]() {
     if (col_ok) sv_next = __ldg(sz_lane);
   };
-  uint32_t zm[4], sc[4];  // per column: (magic + z) and s in both halves
+  T2 zm[4], sc[4];  // per column: (magic + z) and s in both halves
   const auto set_group = [&]() {
     const T* p = reinterpret_cast<const T*>(&sv_next);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const T z = __hadd(Tr::from_float(Tr::kMagic), p[2 * j + 1]);  // magic + z, exact
-      const T2 zz{z, z}, ss{p[2 * j], p[2 * j]};
-      zm[j] = *reinterpret_cast<const uint32_t*>(&zz);
-      sc[j] = *reinterpret_cast<const uint32_t*>(&ss);
+      zm[j] = T2{z, z};
+      sc[j] = T2{p[2 * j], p[2 * j]};
     }
   };
   if (s0 < s1) {
@@ -327,14 +315,14 @@ __global__ void __launch_bounds__(kThreads, NT <= 64 ? 2 : 1) awq_wgmma_packed_k
     for (int h = 0; h < 2; ++h) {
       const uint32_t lo = h == 0 ? w.x : w.z, hi = h == 0 ? w.y : w.w;  // words 2h, 2h + 1
       const uint32_t lo4 = lo >> 4, hi4 = hi >> 4;
-      af[SET][0][h][0] = dequant_pair_wg(column_pair<T, 0>(lo, lo4), zm[0], sc[0], T{});
-      af[SET][0][h][1] = dequant_pair_wg(column_pair<T, 1>(lo, lo4), zm[1], sc[1], T{});
-      af[SET][0][h][2] = dequant_pair_wg(column_pair<T, 0>(hi, hi4), zm[0], sc[0], T{});
-      af[SET][0][h][3] = dequant_pair_wg(column_pair<T, 1>(hi, hi4), zm[1], sc[1], T{});
-      af[SET][1][h][0] = dequant_pair_wg(column_pair<T, 2>(lo, lo4), zm[2], sc[2], T{});
-      af[SET][1][h][1] = dequant_pair_wg(column_pair<T, 3>(lo, lo4), zm[3], sc[3], T{});
-      af[SET][1][h][2] = dequant_pair_wg(column_pair<T, 2>(hi, hi4), zm[2], sc[2], T{});
-      af[SET][1][h][3] = dequant_pair_wg(column_pair<T, 3>(hi, hi4), zm[3], sc[3], T{});
+      af[SET][0][h][0] = dequant_pair<T>(column_pair<T, 0>(lo, lo4), zm[0], sc[0]);
+      af[SET][0][h][1] = dequant_pair<T>(column_pair<T, 1>(lo, lo4), zm[1], sc[1]);
+      af[SET][0][h][2] = dequant_pair<T>(column_pair<T, 0>(hi, hi4), zm[0], sc[0]);
+      af[SET][0][h][3] = dequant_pair<T>(column_pair<T, 1>(hi, hi4), zm[1], sc[1]);
+      af[SET][1][h][0] = dequant_pair<T>(column_pair<T, 2>(lo, lo4), zm[2], sc[2]);
+      af[SET][1][h][1] = dequant_pair<T>(column_pair<T, 3>(lo, lo4), zm[3], sc[3]);
+      af[SET][1][h][2] = dequant_pair<T>(column_pair<T, 2>(hi, hi4), zm[2], sc[2]);
+      af[SET][1][h][3] = dequant_pair<T>(column_pair<T, 3>(hi, hi4), zm[3], sc[3]);
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i)

@@ -63,6 +63,17 @@ __device__ __forceinline__ uint32_t column_pair(uint32_t lo, uint32_t hi) {
   return and_or(__byte_perm(lo, hi, kSel), 0x000F000Fu, HalfTraits<T>::kMagic2);
 }
 
+// A column_pair register dequantized in x's dtype: (magic + q - (magic + z)) * s, the subtraction
+// exact, the product rounded as dequantize-then-matmul rounds it (awq_gemm_packed.cu's B registers,
+// awq_wgmma_packed_sm90.cu's A registers).
+template <typename T>
+__device__ __forceinline__ uint32_t dequant_pair(uint32_t magic_q, typename HalfTraits<T>::T2 zm,
+                                                 typename HalfTraits<T>::T2 s) {
+  using T2 = typename HalfTraits<T>::T2;
+  const T2 w = __hmul2(__hsub2(*reinterpret_cast<const T2*>(&magic_q), zm), s);
+  return *reinterpret_cast<const uint32_t*>(&w);
+}
+
 // The half2 GEMV forms (awq_gemv_packed.cu consume_h2, moe/moe_gemv.cu block_gemv_h2) turn a
 // packed word's 8 nibbles into 4 pairs of (magic + q / 16) in x's dtype: w & 0x000F000F holds
 // nibbles 0 and 4, and so on, shifted by 4, 8 and 12 (what the pairs are, rows or columns, is the
