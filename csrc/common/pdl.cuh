@@ -4,6 +4,7 @@
 // before sm_90 the launch is a plain one. CUDA graphs keep the programmatic edge.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <utility>
 
@@ -58,6 +59,20 @@ void launch_pdl_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, size_t
   cfg.numAttrs = n;
   // An error stays the runtime's last error, which the host entry checks after the launch.
   (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
+// Above 48 KB of dynamic shared memory a kernel must opt in, up to `bytes`: once per kernel (the
+// template argument) and device.
+template <auto kKernel>
+void opt_in_shared_memory(int bytes) {
+  static std::atomic<uint64_t> opted{0};
+  int device = 0;
+  cudaGetDevice(&device);
+  const uint64_t bit = uint64_t{1} << (device & 63);
+  if ((opted.load(std::memory_order_relaxed) & bit) == 0) {
+    cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    opted.fetch_or(bit, std::memory_order_relaxed);
+  }
 }
 
 template <typename... Params, typename... Args>

@@ -38,7 +38,6 @@
 // descriptor, which traps (cudaErrorIllegalInstruction) -- it did here, in the main loop's refill
 // (benchmarks/CUDA_NOTES.md, session 14; tests/test_sass.py checks every kernel's SASS for it).
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -435,15 +434,7 @@ void launch_depth(const GemmPackedArgs& a, cudaStream_t stream, int* resident) {
   // The staged form's x region is sized by the launch's steps a block; the opt-in and the
   // occupancy query take the largest (what the host plan assumes when it sizes the grid).
   constexpr int kMaxSmem = kRingBytes<MT, CC, kP, kX> + (kX == kXStaged ? kStageBytes<MT> : 0);
-  // Above 48 KB of dynamic shared memory a kernel must opt in, once per instance and device.
-  static std::atomic<uint64_t> opted{0};
-  int device = 0;
-  cudaGetDevice(&device);
-  const uint64_t bit = uint64_t{1} << (device & 63);
-  if ((opted.load(std::memory_order_relaxed) & bit) == 0) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem);
-    opted.fetch_or(bit, std::memory_order_relaxed);
-  }
+  opt_in_shared_memory<kernel>(kMaxSmem);
   if (resident != nullptr) {
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, kPackedThreads, kMaxSmem);
     return;

@@ -42,7 +42,6 @@
 // 0.39x cuBLAS at M = 4096 on an H100: each step waited an L2 round trip before its stores.)
 //
 // No L2 eviction hint on the weights' copies (ptxas 13.x, awq_gemm_packed.cu says why).
-#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <type_traits>
@@ -436,15 +435,7 @@ template <typename T, int NT, int P>
 void launch_p(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
   constexpr auto kernel = awq_wgmma_packed_kernel<T, NT, P>;
   constexpr int kSmem = P * kSlotBytes<NT>;
-  // Above 48 KB of dynamic shared memory a kernel must opt in, once per instance and device.
-  static std::atomic<uint64_t> opted{0};
-  int device = 0;
-  cudaGetDevice(&device);
-  const uint64_t bit = uint64_t{1} << (device & 63);
-  if ((opted.load(std::memory_order_relaxed) & bit) == 0) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    opted.fetch_or(bit, std::memory_order_relaxed);
-  }
+  opt_in_shared_memory<kernel>(kSmem);
   if (resident != nullptr) {
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, kThreads, kSmem);
     return;
