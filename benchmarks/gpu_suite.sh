@@ -329,9 +329,9 @@ if [[ " $stages " == *" wgmma "* ]]; then
   timeout 90 python -m pytest -q -p no:cacheprovider tests/test_fused.py -k wgmma 2>&1 | tail -2 || status=1
   timeout 150 python benchmarks/gemm_table.py --kernels wgmma,wgmma:64:0,wgmma:128:0,gemm --dtypes float16,bfloat16 \
     --ms 16,32,64,128,256,1024,4096 --out "$OUT/wgmma" 2>&1 | grep -A30 "^| dtype" || status=1
-  for depth in 4 8; do  # the ring's depth (default 6)
-    FASTAWQ_WGMMA_DEPTH=$depth timeout 60 python benchmarks/gemm_table.py --kernels wgmma --ms 32,64,256,4096 \
-      --out "$OUT/wgmma_depth$depth" 2>&1 | grep -A6 "^| dtype" | sed "s/^/depth $depth /" || status=1
+  for sw in DEPTH=4 DEPTH=8 WARPGROUPS=1; do  # the ring's depth (default 6), one-warpgroup blocks (default 2)
+    env FASTAWQ_WGMMA_$sw timeout 60 python benchmarks/gemm_table.py --kernels wgmma --ms 32,64,256,4096 \
+      --out "$OUT/wgmma_$sw" 2>&1 | grep -A6 "^| dtype" | sed "s/^/$sw /" || status=1
   done
   timeout 90 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py 2>&1 | tail -2 \
     || status=1

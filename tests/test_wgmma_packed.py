@@ -224,6 +224,24 @@ def test_ring_depths(monkeypatch, depth, tokens, splits):
 
 
 @requires_kernel
+@pytest.mark.parametrize("tokens", [32, 64, 128])
+@pytest.mark.parametrize("splits", [0, 3, 64])
+@pytest.mark.parametrize("k,n,g", [(2048, 392, 128), (256, 136, 32)])
+def test_one_warpgroup_blocks(monkeypatch, tokens, splits, k, n, g):
+    # FASTAWQ_WGMMA_WARPGROUPS=1 (read at each call): blocks of one warpgroup on 128 columns (N = 392:
+    # a partial fourth tile; 136: a partial second), every token tile, forced splits.
+    monkeypatch.setenv("FASTAWQ_WGMMA_WARPGROUPS", "1")
+    if splits > k // 32:
+        splits = k // 32
+    qw, s, qz, wp, sz = _setup(k, n, g, torch.float16, seed=tokens + splits + k)
+    bias = random_input((n,), "cuda", torch.float16, seed=4)
+    for seed in (1, 2):
+        x = random_input((150, k), "cuda", torch.float16, seed=seed)
+        out = _poisoned_call(x, wp, sz, n, g, bias, tokens, splits)
+        assert_close_to_reference(out, x, qw, s, qz, g, bias)
+
+
+@requires_kernel
 @pytest.mark.parametrize("k,n", LLAMA3_8B_SHAPES)
 @pytest.mark.parametrize("m", [64, 256, 1024])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -487,11 +487,15 @@ at::Tensor awq_wgmma_packed(const at::Tensor& x, const at::Tensor& wpacked, cons
   WgmmaPackedArgs a{};
   a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
   a.tokens = static_cast<int>(tokens);
+  // FASTAWQ_WGMMA_WARPGROUPS=1 (an A/B switch, read at each call): blocks of one warpgroup on 128
+  // columns, several an SM, instead of two sharing x on 256.
+  a.warpgroups = env_switch("FASTAWQ_WGMMA_WARPGROUPS") == 1 ? 1 : 2;
   const int64_t token_tiles = (m + tokens - 1) / tokens;
   a.token_tiles = static_cast<int>(token_tiles);
   // One wave: (token tile, column tile) slices times K splits of >= 4 steps (the ring's depth less
   // its two steps of lead), as many as fit at once.
-  const int64_t col_tiles = (n + kWgmmaPackedTileCols - 1) / kWgmmaPackedTileCols;
+  const int64_t tile_cols = wgmma_packed_tile_cols(a.warpgroups);
+  const int64_t col_tiles = (n + tile_cols - 1) / tile_cols;
   int64_t want = splits;
   if (want == 0) {
     const int64_t capacity = int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) *

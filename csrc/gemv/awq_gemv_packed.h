@@ -109,17 +109,17 @@ int gemm_packed_resident_blocks(const GemmPackedArgs& args);
 int gemm_packed_stage_steps(const GemmPackedArgs& args);
 
 // The warpgroup-MMA kernel (csrc/gemv/awq_wgmma_packed_sm90.cu, sm_90a only), for M >= 17: the
-// batch as the wgmma's N in tiles of `tokens` rows (32, 64 or 128), a block 2 warpgroups on
-// kWgmmaPackedTileCols columns, all on one range of steps_per_warp 32-row steps (here: steps per
+// batch as the wgmma's N in tiles of `tokens` rows (32, 64 or 128), a block `warpgroups` warpgroups
+// (1 or 2) on 128 columns each, all on one range of steps_per_warp 32-row steps (here: steps per
 // block); grid (token_tiles, col_tiles, splits).
-constexpr int kWgmmaPackedThreads = 256;
-constexpr int kWgmmaPackedTileCols = 256;
 inline int wgmma_packed_tokens(int64_t m) { return m <= 32 ? 32 : (m <= 64 ? 64 : 128); }
 inline bool wgmma_packed_tokens_ok(int64_t tokens) { return tokens == 32 || tokens == 64 || tokens == 128; }
+inline int wgmma_packed_tile_cols(int warpgroups) { return 128 * warpgroups; }
 
 struct WgmmaPackedArgs : PackedArgs {
   int tokens;       // batch rows a block
   int token_tiles;  // blocks along M: ceil(M / tokens)
+  int warpgroups;   // 1 or 2 (FASTAWQ_WGMMA_WARPGROUPS, read at each call; default 2)
 };
 
 void launch_awq_wgmma_packed(const WgmmaPackedArgs& args, cudaStream_t stream);

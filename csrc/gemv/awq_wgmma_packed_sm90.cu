@@ -28,6 +28,9 @@
 // Work: a block is 2 warpgroups (256 threads) on a 256-column tile (128 columns each) and NT tokens,
 // both on one contiguous range of 32-row steps (blockIdx.z splits K); grid (token tiles, column
 // tiles, splits), token tiles adjacent so a column tile's weights come from L2 after the first.
+// FASTAWQ_WGMMA_WARPGROUPS=1 (WG = 1, an A/B switch): blocks of one warpgroup on 128 columns, 2 to 4
+// an SM, whose barriers and latencies other blocks fill (at NT = 128 a 2-warpgroup block is alone on
+// its SM), at the price of x copied and permuted once per 128 columns instead of 256.
 // A ring of P slots in shared memory, P - 1 steps in flight: each slot one step's weights (16 bytes a
 // lane) and x (16-byte items, a thread's side by side), both copied by cp.async, one commit group a
 // step, and read back only by the thread that copied them, so wait_group alone orders them. After
@@ -64,8 +67,11 @@ namespace {
 using gemv::column_pair;
 using gemv::dequant_pair;
 
-constexpr int kThreads = kWgmmaPackedThreads;
-constexpr int kTileC4 = kWgmmaPackedTileCols / 4;  // 4-column chunks of a block's tile
+// A block of WG warpgroups: its threads, and the 4-column chunks of its tile (128 columns each).
+template <int WG>
+constexpr int kThreads = 128 * WG;
+template <int WG>
+constexpr int kTileC4 = 32 * WG;
 
 __device__ __forceinline__ void st_shared32_at(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
@@ -168,11 +174,16 @@ struct Wgmma<__nv_bfloat16> {
 // weights (16 bytes a lane).
 template <int NT>
 constexpr int kXBytes = NT * 64;
-template <int NT>
-constexpr int kSlotBytes = 2 * kXBytes<NT> + kThreads * 16;
+template <int NT, int WG>
+constexpr int kSlotBytes = 2 * kXBytes<NT> + kThreads<WG> * 16;
 
-template <typename T, int NT, int P>
-__global__ void __launch_bounds__(kThreads, NT <= 64 ? 2 : 1) awq_wgmma_packed_kernel(
+// Blocks an SM the registers must allow: at 2 warpgroups 2 at NT <= 64 (128 registers), 1 at 128;
+// at one warpgroup 4 / 3 / 2 at NT = 32 / 64 / 128 (at 4, NT = 64 would spill).
+template <int NT, int WG>
+constexpr int kMinBlocks = WG == 2 ? (NT <= 64 ? 2 : 1) : (NT <= 32 ? 4 : (NT == 64 ? 3 : 2));
+
+template <typename T, int NT, int P, int WG>
+__global__ void __launch_bounds__(kThreads<WG>, kMinBlocks<NT, WG>) awq_wgmma_packed_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int m, int n, int k, int group_size,
     int steps_per_block) {
@@ -182,7 +193,8 @@ __global__ void __launch_bounds__(kThreads, NT <= 64 ? 2 : 1) awq_wgmma_packed_k
   static_assert(P >= 4, "a slot's planes are rewritten only once every warpgroup is past its wgmmas");
   constexpr int kPlane = NT * 16;  // bytes between the x planes (core matrices adjacent in K)
   constexpr int kXItems = 4 * NT;  // 16-byte loads of x a step
-  constexpr int kXPer = (kXItems + kThreads - 1) / kThreads;
+  constexpr int kBlock = kThreads<WG>, kC4 = kTileC4<WG>;
+  constexpr int kXPer = (kXItems + kBlock - 1) / kBlock;
   extern __shared__ __align__(128) uint8_t ring_smem[];
   __shared__ int is_last;
 
@@ -190,7 +202,7 @@ __global__ void __launch_bounds__(kThreads, NT <= 64 ? 2 : 1) awq_wgmma_packed_k
   const int g = lane >> 2, t = lane & 3;
   const int n4 = n >> 2;
   const int tok0 = blockIdx.x * NT;
-  const int c4 = static_cast<int>(pinned(blockIdx.y * kTileC4 + warp * 8 + g));
+  const int c4 = static_cast<int>(pinned(blockIdx.y * kC4 + warp * 8 + g));
   const bool col_ok = c4 < n4;  // n % 8 == 0: whole 4-column chunks
   const int s_total = k / kPackedBatchRows;
   const int s0 = blockIdx.z * steps_per_block;
@@ -201,30 +213,30 @@ __global__ void __launch_bounds__(kThreads, NT <= 64 ? 2 : 1) awq_wgmma_packed_k
 
   const uint32_t base = pinned(smem_addr(ring_smem));
   const uint32_t w_own = 2 * kXBytes<NT> + tid * 16;  // the lane's weights in a slot
-  const auto slot_at = [&](int slot) { return base + slot * kSlotBytes<NT>; };
+  const auto slot_at = [&](int slot) { return base + slot * kSlotBytes<NT, WG>; };
   const auto issue_w = [&](int slot) {
     cp_async16_at(slot_at(slot) + w_own, w_next, col_ok);
     w_next += w_step;
   };
 
-  // The thread's x items: item j = tid + kThreads * i is token j / 4 (clamped to row M - 1: it feeds
+  // The thread's x items: item j = tid + kBlock * i is token j / 4 (clamped to row M - 1: it feeds
   // only outputs never stored), chunk j % 4; copied to the slot's copy region at 16 j, then put in
   // the wgmma's order at its offset in each of the 4 planes.
   const T* x_src[kXPer];
   uint32_t x_dst[kXPer];
 #pragma unroll
   for (int i = 0; i < kXPer; ++i) {
-    const int j = min(tid + kThreads * i, kXItems - 1), tok = j >> 2, tc = j & 3;
+    const int j = min(tid + kBlock * i, kXItems - 1), tok = j >> 2, tc = j & 3;
     x_src[i] = x + static_cast<int64_t>(min(tok0 + tok, m - 1)) * k + 8 * tc +
                static_cast<int64_t>(s0) * kPackedBatchRows;
     x_dst[i] = (tok >> 3) * 128 + (tok & 7) * 16 + 4 * tc;
   }
-  const auto x_on = [&](int i) { return kXPer * kThreads == kXItems || tid + kThreads * i < kXItems; };
+  const auto x_on = [&](int i) { return kXPer * kBlock == kXItems || tid + kBlock * i < kXItems; };
   const auto issue_x = [&](int slot) {
     const uint32_t at = slot_at(slot) + kXBytes<NT> + tid * 16;
 #pragma unroll
     for (int i = 0; i < kXPer; ++i) {
-      if (x_on(i)) cp_async16_ca_at(at + kThreads * 16 * i, x_src[i]);
+      if (x_on(i)) cp_async16_ca_at(at + kBlock * 16 * i, x_src[i]);
       x_src[i] += kPackedBatchRows;
     }
   };
@@ -234,7 +246,7 @@ __global__ void __launch_bounds__(kThreads, NT <= 64 ? 2 : 1) awq_wgmma_packed_k
 #pragma unroll
     for (int i = 0; i < kXPer; ++i) {
       if (!x_on(i)) continue;
-      const uint4 r = ld_shared128_at(xs + kXBytes<NT> + (tid + kThreads * i) * 16);
+      const uint4 r = ld_shared128_at(xs + kXBytes<NT> + (tid + kBlock * i) * 16);
       st_shared32_at(xs + x_dst[i], r.x);
       st_shared32_at(xs + x_dst[i] + kPlane, r.y);
       st_shared32_at(xs + x_dst[i] + 2 * kPlane, r.z);
@@ -408,9 +420,9 @@ __global__ void __launch_bounds__(kThreads, NT <= 64 ? 2 : 1) awq_wgmma_packed_k
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  const int c4_0 = blockIdx.y * kTileC4;
-  for (int e = tid; e < NT * kTileC4; e += kThreads) {
-    const int tok = tok0 + e / kTileC4, c4o = c4_0 + e % kTileC4;
+  const int c4_0 = blockIdx.y * kC4;
+  for (int e = tid; e < NT * kC4; e += kBlock) {
+    const int tok = tok0 + e / kC4, c4o = c4_0 + e % kC4;
     if (tok >= m || c4o >= n4) continue;
     const int64_t at = static_cast<int64_t>(tok) * n + 4 * c4o;
     float4* p = reinterpret_cast<float4*>(ws + at);
@@ -431,28 +443,34 @@ int ring_depth() {
   return 6;
 }
 
-template <typename T, int NT, int P>
+template <typename T, int NT, int P, int WG>
 void launch_p(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
-  constexpr auto kernel = awq_wgmma_packed_kernel<T, NT, P>;
-  constexpr int kSmem = P * kSlotBytes<NT>;
+  constexpr auto kernel = awq_wgmma_packed_kernel<T, NT, P, WG>;
+  constexpr int kSmem = P * kSlotBytes<NT, WG>;
   opt_in_shared_memory<kernel>(kSmem);
   if (resident != nullptr) {
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, kThreads, kSmem);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, kThreads<WG>, kSmem);
     return;
   }
-  launch_pdl(kernel, dim3(a.token_tiles, a.col_tiles, a.splits), dim3(kThreads), kSmem, stream,
+  launch_pdl(kernel, dim3(a.token_tiles, a.col_tiles, a.splits), dim3(kThreads<WG>), kSmem, stream,
              static_cast<const T*>(a.x), reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz),
              static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.m, a.n, a.k,
              a.group_size, a.steps_per_warp);
 }
 
+template <typename T, int NT, int WG>
+void launch_wg(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
+  switch (ring_depth()) {
+    case 4: return launch_p<T, NT, 4, WG>(a, stream, resident);
+    case 8: return launch_p<T, NT, 8, WG>(a, stream, resident);
+    default: return launch_p<T, NT, 6, WG>(a, stream, resident);
+  }
+}
+
 template <typename T, int NT>
 void launch_nt(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
-  switch (ring_depth()) {
-    case 4: return launch_p<T, NT, 4>(a, stream, resident);
-    case 8: return launch_p<T, NT, 8>(a, stream, resident);
-    default: return launch_p<T, NT, 6>(a, stream, resident);
-  }
+  if (a.warpgroups == 1) return launch_wg<T, NT, 1>(a, stream, resident);
+  launch_wg<T, NT, 2>(a, stream, resident);
 }
 
 template <typename T>
