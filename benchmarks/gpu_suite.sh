@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_tiles unrun19_e2e wgmma wgmma_e2e e2e quantize (default: all but mma,
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_tiles unrun19_e2e wgmma wgmma_e2e wgmma_profile e2e quantize (default: all but mma,
 #   profile, moe, ab, switches, act_gemv, verify18, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -335,6 +335,16 @@ if [[ " $stages " == *" wgmma "* ]]; then
   done
   timeout 90 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py 2>&1 | tail -2 \
     || status=1
+fi
+if [[ " $stages " == *" wgmma_profile "* ]]; then
+  step wgmma_profile
+  # Nsight Compute on awq_wgmma_packed at M = 64 and 4096 on two Llama-3-8B shapes (~1.5 min): where a
+  # step's time goes (tensor pipe busy, stall reasons, occupancy).
+  timeout 150 ncu --clock-control none --kernel-name regex:awq_wgmma_packed --section SpeedOfLight \
+    --section Occupancy --section WarpStateStats --section LaunchStats --section ComputeWorkloadAnalysis \
+    python benchmarks/profile_gemm_packed.py --kernel wgmma --ms 64,4096 > "$OUT/ncu_wgmma.txt" 2>&1 || status=1
+  grep -E "awq_wgmma|Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Warp Cycles Per Issued|Registers" \
+    "$OUT/ncu_wgmma.txt" | head -40
 fi
 if [[ " $stages " == *" wgmma_e2e "* ]]; then
   step wgmma_e2e
