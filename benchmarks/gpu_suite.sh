@@ -2,8 +2,8 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_tiles unrun19_e2e wgmma wgmma_e2e wgmma_profile e2e quantize (default: all but mma,
-#   profile, moe, ab, switches, act_gemv, verify18, the wgmma ones and the unrun ones)
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_tiles unrun19_e2e wgmma wgmma_e2e wgmma_profile e2e quantize
+#   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
 # (Triton/torch backends only), for quick kernel iterations.
