@@ -376,31 +376,10 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
   if (!split) return;
 
   // The last block of this (column tile, M block) to arrive converts the sums and zeroes them again.
-  // The staged form fences once a block, in the thread that counts after the barrier (the barrier
-  // orders the block's reductions before that fence, and the fence is cumulative); the others fence
-  // in every thread (session 14's ncu: 1.3 of a warp's 11.6 cycles between instructions).
-  if constexpr (!kStaged) __threadfence();
-  __syncthreads();
-  const int tile = blockIdx.y * gridDim.x + blockIdx.x;
-  if (threadIdx.x == 0) {
-    if constexpr (kStaged) __threadfence();
-    const int prev = atomicAdd(counters + tile, 1);
-    is_last = prev == static_cast<int>(gridDim.z) - 1;
-    if (is_last) counters[tile] = 0;
-  }
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  const int c4_0 = blockIdx.y * kQuads;
-  for (int e = threadIdx.x; e < kRows * kQuads; e += kPackedThreads) {
-    const int row = row0 + e / kQuads, c4o = c4_0 + e % kQuads;
-    if (row >= m || c4o >= n4) continue;
-    const int64_t at = static_cast<int64_t>(row) * n + 4 * c4o;
-    float4* p = reinterpret_cast<float4*>(ws + at);
-    const float4 v = __ldcg(p);
-    __stcg(p, make_float4(0.f, 0.f, 0.f, 0.f));
-    store4(at, c4o, {v.x, v.y, v.z, v.w});
-  }
+  // The staged form fences once a block; the others fence in every thread (session 14's ncu: 1.3 of
+  // a warp's 11.6 cycles between instructions).
+  gemv::convert_when_last<!kStaged, kPackedThreads>(ws, counters, is_last, row0, kRows, m, blockIdx.y * kQuads,
+                                                    kQuads, n, store4);
 }
 
 // The ring's depth: up to 8 steps (7 in flight), 8 weight copies a lane, ~72 KB a block.

@@ -407,29 +407,8 @@ __global__ void __launch_bounds__(kThreads<WG>, kMinBlocks<NT, WG>) awq_wgmma_pa
   if (!split) return;
 
   // The last block of this (token tile, column tile) to arrive converts the sums and zeroes them
-  // again (one fence a block, in the thread that counts after the barrier: the barrier orders the
-  // block's reductions before it, and the fence is cumulative).
-  __syncthreads();
-  const int tile = blockIdx.y * gridDim.x + blockIdx.x;
-  if (tid == 0) {
-    __threadfence();
-    const int prev = atomicAdd(counters + tile, 1);
-    is_last = prev == static_cast<int>(gridDim.z) - 1;
-    if (is_last) counters[tile] = 0;
-  }
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  const int c4_0 = blockIdx.y * kC4;
-  for (int e = tid; e < NT * kC4; e += kBlock) {
-    const int tok = tok0 + e / kC4, c4o = c4_0 + e % kC4;
-    if (tok >= m || c4o >= n4) continue;
-    const int64_t at = static_cast<int64_t>(tok) * n + 4 * c4o;
-    float4* p = reinterpret_cast<float4*>(ws + at);
-    const float4 v = __ldcg(p);
-    __stcg(p, make_float4(0.f, 0.f, 0.f, 0.f));
-    store4(at, c4o, {v.x, v.y, v.z, v.w});
-  }
+  // again (one fence a block).
+  gemv::convert_when_last<false, kBlock>(ws, counters, is_last, tok0, NT, m, blockIdx.y * kC4, kC4, n, store4);
 #endif
 }
 

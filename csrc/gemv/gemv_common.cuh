@@ -187,5 +187,40 @@ __device__ __forceinline__ void store_tile(const float (&red)[kWarps][M][kTileCo
   }
 }
 
+// The end of split K for the tensor-core GEMMs (awq_gemm_packed.cu, awq_wgmma_packed_sm90.cu), called
+// by every thread of a block after its 16-byte reductions of a tile into the zeroed fp32 workspace
+// ws [M, N]: the tile's rows row0 .. row0 + rows - 1 (below m) and 4-column chunks c4_0 .. c4_0 +
+// quads - 1 (below n / 4). The last of the grid's z blocks of the tile to arrive (counted at
+// counters[blockIdx.y * gridDim.x + blockIdx.x], reset to 0 by it) converts the sums with
+// store4(at, c4, {4 sums}) and zeroes them again; the others return. kFenceAll: each thread fences
+// its own reductions before the barrier; otherwise one fence a block, in the thread that counts
+// after it (the barrier orders the block's reductions before that fence, and the fence is cumulative).
+template <bool kFenceAll, int kBlockThreads, typename Store>
+__device__ __forceinline__ void convert_when_last(float* ws, int* counters, int& is_last, int row0, int rows, int m,
+                                                  int c4_0, int quads, int n, Store&& store4) {
+  if constexpr (kFenceAll) __threadfence();
+  __syncthreads();
+  const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+  if (threadIdx.x == 0) {
+    if constexpr (!kFenceAll) __threadfence();
+    const int prev = atomicAdd(counters + tile, 1);
+    is_last = prev == static_cast<int>(gridDim.z) - 1;
+    if (is_last) counters[tile] = 0;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  const int n4 = n >> 2;
+  for (int e = threadIdx.x; e < rows * quads; e += kBlockThreads) {
+    const int row = row0 + e / quads, c4o = c4_0 + e % quads;
+    if (row >= m || c4o >= n4) continue;
+    const int64_t at = static_cast<int64_t>(row) * n + 4 * c4o;
+    float4* p = reinterpret_cast<float4*>(ws + at);
+    const float4 v = __ldcg(p);
+    __stcg(p, make_float4(0.f, 0.f, 0.f, 0.f));
+    store4(at, c4o, {v.x, v.y, v.z, v.w});
+  }
+}
+
 }  // namespace gemv
 }  // namespace fastawq
