@@ -249,28 +249,52 @@ def test_staged_x_runs_the_staged_instance(monkeypatch):
     assert x_modes(0) == {0}
 
 
+def check_llama_shape(call, k: int, n: int, m: int, dtype) -> None:
+    """call(x, wp, sz, n, g) on a Llama-3-8B layer shape (g128) against the reference."""
+    g = 128
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=m)
+    x = random_input((m, k), "cuda", dtype, seed=m)
+    assert_close_to_reference(call(x, wp, sz, n, g), x, qw, s, qz, g)
+
+
+def check_extreme_activations(call, scale: float, dtype) -> None:
+    """Weights dequantized to x's dtype before the mma (fp32 sums): activations in the thousands and
+    tiny ones both stay within what dequantize-then-matmul in that dtype gets."""
+    k, n, g, m = 4096, 264, 128, 40
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=5)
+    x = (random_input((m, k), "cuda", torch.float32, seed=m) * scale).to(dtype)
+    x[:, 7] = 4000.0 if scale > 1 else x[:, 7]
+    assert_close_to_reference(call(x, wp, sz, n, g), x, qw, s, qz, g)
+
+
+def check_weight_errors_are_named(op, m: int = 20) -> None:
+    """The layout checks every packed op shares, with their messages."""
+    k, n, g = 256, 136, 64
+    _, _, _, wp, sz = _setup(k, n, g, torch.float16)
+    x = random_input((m, k), "cuda", torch.float16)
+    with pytest.raises(RuntimeError, match="wpacked must be int32"):
+        op(x, wp[:16], sz, n, g, None)
+    with pytest.raises(RuntimeError, match="szpacked must be"):
+        op(x, wp, sz.to(torch.bfloat16), n, g, None)
+    with pytest.raises(RuntimeError, match="group_size"):
+        op(x, wp, sz, n, 48, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        op(x, wp, sz, n, g, random_input((n + 8,), "cuda", torch.float16))
+
+
 @requires_kernel
 @pytest.mark.parametrize("k,n", LLAMA3_8B_SHAPES)
 @pytest.mark.parametrize("m", [16, 64, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_kernel_llama_shapes(k, n, m, dtype):
-    g = 128
-    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=m)
-    x = random_input((m, k), "cuda", dtype, seed=m)
-    assert_close_to_reference(_poisoned_call(x, wp, sz, n, g), x, qw, s, qz, g)
+    check_llama_shape(_poisoned_call, k, n, m, dtype)
 
 
 @requires_kernel
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("scale", [300.0, 1e-3])
 def test_large_and_small_activations(scale, dtype):
-    # Weights are dequantized to x's dtype before the mma (fp32 sums): activations in the thousands
-    # and tiny ones both stay within what dequantize-then-matmul in that dtype gets.
-    k, n, g, m = 4096, 264, 128, 40
-    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=5)
-    x = (random_input((m, k), "cuda", torch.float32, seed=m) * scale).to(dtype)
-    x[:, 7] = 4000.0 if scale > 1 else x[:, 7]
-    assert_close_to_reference(_poisoned_call(x, wp, sz, n, g), x, qw, s, qz, g)
+    check_extreme_activations(_poisoned_call, scale, dtype)
 
 
 @requires_kernel
@@ -302,14 +326,7 @@ def test_bad_inputs_are_named():
         op(x, wp, sz, n, g, None, 4, 2, 0)
     with pytest.raises(RuntimeError, match="splits must be in 1..K/32.*9"):
         op(x, wp, sz, n, g, None, 0, 0, 9)
-    with pytest.raises(RuntimeError, match="wpacked must be int32"):
-        op(x, wp[:16], sz, n, g, None)
-    with pytest.raises(RuntimeError, match="szpacked must be"):
-        op(x, wp, sz.to(torch.bfloat16), n, g, None)
-    with pytest.raises(RuntimeError, match="group_size"):
-        op(x, wp, sz, n, 48, None)
-    with pytest.raises(RuntimeError, match="bias"):
-        op(x, wp, sz, n, g, random_input((n + 8,), "cuda", torch.float16))
+    check_weight_errors_are_named(op)
 
 
 def test_dispatch_names_the_kernel_above_the_swap_ab_bucket(monkeypatch):

@@ -17,6 +17,7 @@ import torch
 from conftest import LLAMA3_8B_SHAPES, assert_close_to_reference, random_awq, random_input
 from fastawq import _ext
 from fastawq.ops.repack import awq_gemv_repack
+from test_gemm_packed import check_extreme_activations, check_llama_shape, check_weight_errors_are_named
 from test_gemv_packed import _poisoned_call as poisoned_call
 from test_gemv_packed import _setup, check_graph_replay
 from test_mma_packed import MAGIC, _column_pair, _halves
@@ -246,21 +247,14 @@ def test_one_warpgroup_blocks(monkeypatch, tokens, splits, k, n, g):
 @pytest.mark.parametrize("m", [64, 256, 1024])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_kernel_llama_shapes(k, n, m, dtype):
-    g = 128
-    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=m)
-    x = random_input((m, k), "cuda", dtype, seed=m)
-    assert_close_to_reference(_poisoned_call(x, wp, sz, n, g), x, qw, s, qz, g)
+    check_llama_shape(_poisoned_call, k, n, m, dtype)
 
 
 @requires_kernel
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("scale", [300.0, 1e-3])
 def test_large_and_small_activations(scale, dtype):
-    k, n, g, m = 4096, 264, 128, 40
-    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=5)
-    x = (random_input((m, k), "cuda", torch.float32, seed=m) * scale).to(dtype)
-    x[:, 7] = 4000.0 if scale > 1 else x[:, 7]
-    assert_close_to_reference(_poisoned_call(x, wp, sz, n, g), x, qw, s, qz, g)
+    check_extreme_activations(_poisoned_call, scale, dtype)
 
 
 @requires_kernel
@@ -290,14 +284,7 @@ def test_bad_inputs_are_named():
         op(x, wp, sz, n, g, None, 48, 0)
     with pytest.raises(RuntimeError, match="splits must be in 1..K/32.*9"):
         op(x, wp, sz, n, g, None, 0, 9)
-    with pytest.raises(RuntimeError, match="wpacked must be int32"):
-        op(x, wp[:16], sz, n, g, None)
-    with pytest.raises(RuntimeError, match="szpacked must be"):
-        op(x, wp, sz.to(torch.bfloat16), n, g, None)
-    with pytest.raises(RuntimeError, match="group_size"):
-        op(x, wp, sz, n, 48, None)
-    with pytest.raises(RuntimeError, match="bias"):
-        op(x, wp, sz, n, g, random_input((n + 8,), "cuda", torch.float16))
+    check_weight_errors_are_named(op)
 
 
 @pytest.mark.skipif(not _ext.has_op("awq_wgmma_packed") or not torch.cuda.is_available()
