@@ -43,6 +43,9 @@ __device__ __forceinline__ uint4 ld_shared128_at(uint32_t addr) {
   return v;
 }
 __device__ __forceinline__ uint4 ld_shared128(const void* p) { return ld_shared128_at(smem_addr(p)); }
+__device__ __forceinline__ void st_shared32_at(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
 __device__ __forceinline__ void st_shared128_at(uint32_t addr, uint4 v) {
   asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");

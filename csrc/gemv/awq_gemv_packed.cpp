@@ -186,6 +186,20 @@ void fill_args(PackedArgs& a, const at::Tensor& x, const at::Tensor& wpacked, co
   a.prefetch_batches = gemv_prefetch_batches(wpacked.numel() * 4);
 }
 
+// Steps a block of the tensor-core GEMMs takes (awq_gemm_packed, awq_wgmma_packed): a forced split
+// count as given, else one wave: `slices` (column tile, row block) pairs times as many K splits as
+// `resident` blocks an SM fit at once, each of at least min_steps steps; at most all of K.
+int64_t gemm_steps_per_block(int64_t splits, int64_t steps, int64_t slices, int resident, int64_t min_steps) {
+  int64_t want = splits;
+  if (want == 0) {
+    const int64_t capacity = int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * resident;
+    want = std::max<int64_t>(1, capacity / slices);
+  }
+  int64_t spb = (steps + want - 1) / want;
+  if (splits == 0) spb = std::max<int64_t>(min_steps, spb);
+  return std::min(spb, steps);
+}
+
 // The grid of a staged form (awq_gemv_packed_act / _norm: a.m and the form set, so the occupancy
 // query sees its instance), checked to fit: each block stages M rows of its K range in shared memory.
 SplitPlan staged_plan(const char* op, const GemvPackedArgs& a, int64_t n, int64_t k, const char* unfused) {
@@ -425,15 +439,8 @@ at::Tensor awq_gemm_packed(const at::Tensor& x, const at::Tensor& wpacked, const
   // One wave: (column tile, M block) slices times K splits of >= 2 steps, as many as fit at once.
   const int64_t tile_cols = kPackedTileCols * chunks;
   const int64_t col_tiles = (n + tile_cols - 1) / tile_cols, steps = k / kPackedBatchRows;
-  int64_t want = splits;
-  if (want == 0) {
-    const int64_t capacity = int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) *
-                             gemm_packed_resident_blocks(a);
-    want = std::max<int64_t>(1, capacity / (col_tiles * m_blocks));
-  }
-  int64_t spb = (steps + want - 1) / want;
-  if (splits == 0) spb = std::max<int64_t>(2, spb);
-  spb = std::min(spb, steps);
+  int64_t spb = gemm_steps_per_block(splits, steps, col_tiles * m_blocks,
+                                     splits == 0 ? gemm_packed_resident_blocks(a) : 0, 2);
   if (a.stage_x && splits == 0) spb = std::min(spb, stage_steps);
   a.stage_x = a.stage_x && spb <= stage_steps;
   fill_args(a, x, wpacked, szpacked, b, out, group_size,
@@ -496,15 +503,8 @@ at::Tensor awq_wgmma_packed(const at::Tensor& x, const at::Tensor& wpacked, cons
   // its two steps of lead), as many as fit at once.
   const int64_t tile_cols = wgmma_packed_tile_cols(a.warpgroups);
   const int64_t col_tiles = (n + tile_cols - 1) / tile_cols;
-  int64_t want = splits;
-  if (want == 0) {
-    const int64_t capacity = int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) *
-                             wgmma_packed_resident_blocks(a);
-    want = std::max<int64_t>(1, capacity / (col_tiles * token_tiles));
-  }
-  int64_t spb = (steps + want - 1) / want;
-  if (splits == 0) spb = std::max<int64_t>(4, spb);
-  spb = std::min(spb, steps);
+  const int64_t spb = gemm_steps_per_block(splits, steps, col_tiles * token_tiles,
+                                           splits == 0 ? wgmma_packed_resident_blocks(a) : 0, 4);
   fill_args(a, x, wpacked, szpacked, b, out, group_size,
             {static_cast<int>(col_tiles), static_cast<int>((steps + spb - 1) / spb), static_cast<int>(spb)},
             col_tiles * token_tiles);

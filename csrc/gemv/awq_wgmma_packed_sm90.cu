@@ -73,10 +73,6 @@ constexpr int kThreads = 128 * WG;
 template <int WG>
 constexpr int kTileC4 = 32 * WG;
 
-__device__ __forceinline__ void st_shared32_at(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
-
 // The shared-memory matrix descriptor of a no-swizzle ("interleave") operand: start address, the
 // byte distance of core matrices adjacent in K (LBO) and in M/N (SBO), each in 16-byte units.
 __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
