@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_tiles unrun19_e2e wgmma wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_tiles unrun19_e2e wgmma wgmma_auto wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -345,6 +345,16 @@ if [[ " $stages " == *" wgmma_profile "* ]]; then
     python benchmarks/profile_gemm_packed.py --kernel wgmma --ms 64,4096 > "$OUT/ncu_wgmma.txt" 2>&1 || status=1
   grep -E "awq_wgmma|Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Warp Cycles Per Issued|Registers" \
     "$OUT/ncu_wgmma.txt" | head -40
+fi
+if [[ " $stages " == *" wgmma_auto "* ]]; then
+  step wgmma_auto
+  # Whether awq_wgmma_packed should take M = 17..128 from Triton (session 21, ~6 min): the kernel table
+  # against the automatic choice on both layouts (Triton there, tuned), then the engine at batch
+  # 32 / 64 / 128 with it against Triton (bench_ab.py --compare wgmma), same run.
+  timeout 200 python benchmarks/gemm_table.py --layouts awq,packed --kernels wgmma --dtypes float16,bfloat16 \
+    --ms 32,64,128,256 --out "$OUT/wgmma_auto" 2>&1 | grep -A12 "^| dtype" || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 240 python benchmarks/bench_ab.py --compare wgmma --shape llama-3-8b \
+    --batches 32,64,128 --layout packed --decode 64 --rounds 1 2>&1 | grep -E "^\||on / off" || status=1
 fi
 if [[ " $stages " == *" wgmma_e2e "* ]]; then
   step wgmma_e2e
