@@ -18,8 +18,8 @@ staged-x form (FASTAWQ_GEMM_STAGE_X=1), gemm16_staged_early with its weight ring
 before the PDL wait (FASTAWQ_GEMV_EARLY_LOADS=1); --compare defaults18: session 17's defaults (off)
 against session 18's (on: gemm16, the deferred mma refills, the two-batch GEMV loop at M = 2, early
 weight loads, the attention's cluster combine at small batches); --compare wgmma: awq_wgmma_packed
-(sm_90a) above the compiled buckets instead of Triton (backend.PACKED_WGMMA; with --layout packed, e.g.
-batch 64); --compare layout: the W4 layers'
+(sm_90a) at every M above the compiled buckets instead of Triton (backend.PACKED_WGMMA, with
+PACKED_WGMMA_MAX_M None; with --layout packed, e.g. batch 64); --compare layout: the W4 layers'
 weight layout (WQLinear.set_layout "awq" / "packed", exact both ways, converted in place; grouped
 MoE experts keep theirs). One random-weight model is built
 once; rounds alternate the setting (off on, on off, ...), each re-capturing the decode graph, and
@@ -110,8 +110,8 @@ def apply(model: torch.nn.Module, compare: str, on: bool) -> None:
             if isinstance(module, WQLinear):
                 module.set_backend(module.backend)
     elif compare in ("packed_gemm", "gemm16", "gemm16_staged", "gemm16_staged_early", "wgmma"):
-        if compare == "wgmma":  # on: awq_wgmma_packed above the compiled buckets (off: Triton there)
-            backend.PACKED_WGMMA = on
+        if compare == "wgmma":  # on: awq_wgmma_packed at every M above the compiled buckets (off: Triton)
+            backend.PACKED_WGMMA, backend.PACKED_WGMMA_MAX_M = on, None
         elif compare == "packed_gemm":  # on: awq_gemm_packed above the tensor-core GEMV's bucket
             backend.PACKED_GEMM_MAX_M = 1 << 20 if on else 0
         else:  # on: awq_gemm_packed (the batch as the mma's M) for M = 9 .. 16, not awq_mma_packed
@@ -129,7 +129,7 @@ def apply(model: torch.nn.Module, compare: str, on: bool) -> None:
 
 _BACKEND_SWITCHES = ("ROUTE_FUSED", "NORM_ROUTE_FUSED", "ROUTE_CUDA", "ROUTE_CUDA_EXPERTS", "MOE_MMA",
                      "PACKED_GEMM_MAX_M", "PACKED_MMA_MAX_M", "ROPE_ATTENTION_FUSED", "ACT_GEMV_FUSED",
-                     "NORM_GEMV_FUSED", "PACKED_WGMMA")
+                     "NORM_GEMV_FUSED", "PACKED_WGMMA", "PACKED_WGMMA_MAX_M")
 
 
 def main(argv: list[str] | None = None) -> int:

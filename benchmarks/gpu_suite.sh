@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_tiles unrun19_e2e wgmma wgmma_auto wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_tiles unrun19_e2e wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -355,6 +355,16 @@ if [[ " $stages " == *" wgmma_auto "* ]]; then
     --ms 32,64,128,256 --out "$OUT/wgmma_auto" 2>&1 | grep -A12 "^| dtype" || status=1
   FASTAWQ_TRITON_TUNE=0 timeout 240 python benchmarks/bench_ab.py --compare wgmma --shape llama-3-8b \
     --batches 32,64,128 --layout packed --decode 64 --rounds 1 2>&1 | grep -E "^\||on / off" || status=1
+fi
+if [[ " $stages " == *" wgmma_on "* ]]; then
+  step wgmma_on
+  # awq_wgmma_packed in the automatic choice for M = 17..32 (session 21), ~4 min: the dispatch and engine
+  # tests, then the old default against the new at batch 24 / 32: the AWQ layout with Triton (tuned)
+  # against the packed layout with awq_wgmma_packed (bench_ab.py --compare layout).
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_wgmma_packed.py tests/test_packed_layout.py \
+    tests/test_fused.py -k "dispatch or switched or layout or wgmma or cuda_graph" 2>&1 | tail -2 || status=1
+  timeout 200 python benchmarks/bench_ab.py --compare layout --shape llama-3-8b --batches 24,32 --decode 64 \
+    --rounds 1 2>&1 | grep -E "^\||on / off" || status=1
 fi
 if [[ " $stages " == *" wgmma_e2e "* ]]; then
   step wgmma_e2e

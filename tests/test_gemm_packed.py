@@ -332,9 +332,11 @@ def test_bad_inputs_are_named():
 def test_dispatch_names_the_kernel_above_the_swap_ab_bucket(monkeypatch):
     # Above backend.PACKED_MMA_MAX_M the compiled backend (when forced, or once PACKED_GEMM_MAX_M
     # puts it in the automatic choice) is awq_gemm_packed; a bound not above the swap-AB one adds
-    # no bucket.
+    # no bucket. (awq_wgmma_packed's own bucket off: test_wgmma_packed.py checks it.)
     from fastawq import backend
     from fastawq.ops.repack import _compiled_packed_op
+
+    monkeypatch.setattr(backend, "PACKED_WGMMA", False)
 
     assert _compiled_packed_op(None) == "awq_gemm_packed"
     assert _compiled_packed_op(backend.PACKED_MMA_MAX_M) == "awq_mma_packed"

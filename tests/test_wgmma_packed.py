@@ -297,23 +297,32 @@ def test_other_gpus_are_refused_by_name():
 
 
 def test_dispatch_takes_wgmma_above_the_buckets_when_switched_on(monkeypatch):
-    # backend.PACKED_WGMMA (off by default): the compiled backend first above every compiled bucket,
-    # served by awq_wgmma_packed, and the fused engine's packed layout at any batch.
+    # backend.PACKED_WGMMA (on by default): the compiled backend first above the compiled buckets up
+    # to PACKED_WGMMA_MAX_M (None: every M), served by awq_wgmma_packed, Triton above, and the fused
+    # engine's packed layout up to that batch; off, Triton above the buckets.
     from fastawq import backend
     from fastawq.ops.repack import _compiled_packed_op
 
+    cuda = torch.device("cuda")
     monkeypatch.setattr(backend._ext, "has_op", lambda name: True)
     monkeypatch.setattr(backend, "PACKED_WGMMA", False)
     assert _compiled_packed_op(None) == "awq_gemm_packed"
     assert backend._preference("packed_gemm")[-1] == (None, ("triton", "torch"))
     monkeypatch.setattr(backend, "PACKED_WGMMA", True)
-    assert _compiled_packed_op(None) == "awq_wgmma_packed"
+    monkeypatch.setattr(backend, "PACKED_WGMMA_MAX_M", 32)
+    assert backend.size_buckets("packed_gemm")[-2:] == [32, None]
+    assert backend._preference("packed_gemm")[-2:] == [(32, ("cuda", "triton", "torch")), (None, ("triton", "torch"))]
+    assert _compiled_packed_op(32) == _compiled_packed_op(None) == "awq_wgmma_packed"
     assert _compiled_packed_op(backend.PACKED_GEMM_MAX_M) == "awq_gemm_packed"
     assert _compiled_packed_op(backend.PACKED_MMA_MAX_M) == "awq_mma_packed"
+    assert backend.packed_fused_max_batch() == 32
+    assert [backend.preferred_layout(cuda, b) for b in (17, 32, 33)] == ["packed", "packed", "awq"]
+    monkeypatch.setattr(backend, "PACKED_WGMMA_MAX_M", None)
     assert backend._preference("packed_gemm")[-1] == (None, ("cuda", "triton", "torch"))
     assert backend.packed_fused_max_batch() == 1 << 20
     monkeypatch.setattr(backend._ext, "has_op", lambda name: name != "awq_wgmma_packed")
     assert _compiled_packed_op(None) == "awq_gemm_packed"
+    assert backend.packed_fused_max_batch() == backend.PACKED_GEMM_MAX_M
 
 
 @requires_kernel
@@ -322,6 +331,7 @@ def test_packed_gemm_takes_it_when_switched_on(monkeypatch, m):
     from fastawq import backend, ops
 
     monkeypatch.setattr(backend, "PACKED_WGMMA", True)
+    monkeypatch.setattr(backend, "PACKED_WGMMA_MAX_M", None)
     k, n, g = 1024, 392, 128
     qw, s, qz, wp, sz = _setup(k, n, g, torch.float16, seed=m)
     x = random_input((m, k), "cuda", torch.float16, seed=m)

@@ -62,12 +62,17 @@ PACKED_MMA_MAX_M = 8
 # Session 18, decode at batch 16 against awq_mma_packed there: Llama-3-8B shape 3,808 -> 4,041
 # tokens/s, Qwen3-30B-A3B 2,351 -> 2,435 (bench_ab.py --compare gemm16).
 PACKED_GEMM_MAX_M = 16
-# awq_wgmma_packed (Hopper's warpgroup MMA, sm_90a builds on sm_90 devices) for every M above the
-# compiled buckets, in place of the Triton GEMM, and the fused engine's packed layout at any batch.
-# Off until a same-run GPU measurement shows it ahead (benchmarks/RESULTS.md session 20: first form
-# 0.77x cuBLAS at M = 64, 0.39x at 4096 on an H100); FASTAWQ_PACKED_WGMMA=1 (read at import) turns
-# it on for a benchmark, bench_ab.py --compare wgmma A/Bs it in one process.
-PACKED_WGMMA = os.environ.get("FASTAWQ_PACKED_WGMMA", "0") == "1"
+# awq_wgmma_packed (Hopper's warpgroup MMA, sm_90a builds on sm_90 devices) for M above the compiled
+# buckets up to PACKED_WGMMA_MAX_M (None: every M), in place of the Triton GEMM, and the fused
+# engine's packed layout up to that batch. H100 (the H200 was not lent), RESULTS.md session 21,
+# geomean x cuBLAS fp16 / bf16 against the automatic choice on the AWQ layout (Triton, tuned), same
+# run: M = 32 1.13 / 1.13 against 1.01 / 0.99, M = 64 0.84 against 0.96 / 0.98, M = 128 0.61
+# against 0.57 / 0.56, M = 256 0.38 against 0.44 / 0.50; the fused engine (packed layout, Llama-3-8B
+# shape) decodes 1.36x / 1.23x / 1.19x faster with it at batch 32 / 64 / 128 than with the untuned
+# Triton GEMM (bench_ab.py --compare wgmma). So it takes M = 17..32. FASTAWQ_PACKED_WGMMA=0 (read
+# at import) turns it off; bench_ab.py --compare wgmma A/Bs it in one process.
+PACKED_WGMMA = os.environ.get("FASTAWQ_PACKED_WGMMA", "1") == "1"
+PACKED_WGMMA_MAX_M: int | None = 32
 # moe_w4 is sized by its load, ceil(T * k / E) assignments per expert, not by T: the compiled MoE
 # decode kernel (csrc/moe/, which reads an expert once per assignment) serves up to
 # MOE_GEMV_MAX_LOAD, the Triton grouped GEMM (each expert once per block of rows) above. H200,
@@ -162,7 +167,9 @@ def _preference(op: str) -> list[tuple[int | None, tuple[str, ...]]]:
     if op != "packed_gemm":
         return _CUDA_PREFERENCE.get(op, [])
     compiled = [PACKED_GEMV_MAX_M, PACKED_MMA_MAX_M] + ([PACKED_GEMM_MAX_M] if PACKED_GEMM_MAX_M > PACKED_MMA_MAX_M else [])
-    above = ("cuda", "triton", "torch") if _wgmma_on() else ("triton", "torch")
+    if _wgmma_on() and PACKED_WGMMA_MAX_M is not None and PACKED_WGMMA_MAX_M > compiled[-1]:
+        compiled.append(PACKED_WGMMA_MAX_M)
+    above = ("cuda", "triton", "torch") if _wgmma_on() and PACKED_WGMMA_MAX_M is None else ("triton", "torch")
     return [(bound, ("cuda", "triton", "torch")) for bound in compiled] + [(None, above)]
 
 
@@ -186,7 +193,7 @@ def packed_fused_max_batch() -> int:
     if not _ext.has_op("awq_mma_packed"):
         return PACKED_GEMV_MAX_M
     if _wgmma_on():
-        return 1 << 20
+        return 1 << 20 if PACKED_WGMMA_MAX_M is None else max(PACKED_WGMMA_MAX_M, PACKED_GEMM_MAX_M)
     return max(PACKED_MMA_MAX_M, PACKED_GEMM_MAX_M if _ext.has_op("awq_gemm_packed") else 0)
 
 
@@ -198,7 +205,8 @@ def cuda_gemm_kernel(m: int | None) -> str:
 def packed_kernel(m: int | None) -> str:
     """The compiled packed_gemm kernel for an M bucket: "gemv" (awq_gemv_packed), "mma"
     (awq_mma_packed), "gemm" (awq_gemm_packed, also above every bucket: the compiled backend forced)
-    or, above every bucket with PACKED_WGMMA, "wgmma" (awq_wgmma_packed)."""
+    or, above them with PACKED_WGMMA, "wgmma" (awq_wgmma_packed; also above every bucket: the
+    compiled backend forced, where it beats awq_gemm_packed at every M measured)."""
     if m is not None and m <= PACKED_GEMV_MAX_M:
         return "gemv"
     if m is not None and m <= PACKED_MMA_MAX_M:
