@@ -361,7 +361,7 @@ if [[ " $stages " == *" wgmma_on "* ]]; then
   # awq_wgmma_packed in the automatic choice for M = 17..32 (session 21), ~4 min: the dispatch and engine
   # tests, then the old default against the new at batch 24 / 32: the AWQ layout with Triton (tuned)
   # against the packed layout with awq_wgmma_packed (bench_ab.py --compare layout).
-  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_wgmma_packed.py tests/test_packed_layout.py \
+  timeout 240 python -m pytest -q -p no:cacheprovider tests/test_wgmma_packed.py tests/test_packed_layout.py \
     tests/test_fused.py -k "dispatch or switched or layout or wgmma or cuda_graph" 2>&1 | tail -2 || status=1
   timeout 200 python benchmarks/bench_ab.py --compare layout --shape llama-3-8b --batches 24,32 --decode 64 \
     --rounds 1 2>&1 | grep -E "^\||on / off" || status=1
