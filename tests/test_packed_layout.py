@@ -219,7 +219,7 @@ def test_auto_layout_follows_the_backend_choice(monkeypatch):
     cuda = torch.device("cuda")
     monkeypatch.setattr(backend._ext, "has_op", lambda name: True)
     # Packed where it was measured to win: the fused engine's decode at batch <= 16.
-    top = backend.packed_fused_max_batch()
+    top = backend.packed_fused_max_batch(cuda)
     assert [backend.preferred_layout(cuda, b) for b in (1, 4, top, top + 1, None)] == [
         "packed", "packed", "packed", "awq", "awq"]
     assert backend.preferred_layout(torch.device("cpu"), 1) == "awq"

@@ -188,13 +188,19 @@ PACKED_LAYOUT_BY_DEFAULT = False
 PACKED_LAYOUT_FOR_FUSED_DECODE = True
 
 
-def packed_fused_max_batch() -> int:
-    """The largest fused-engine batch whose decode steps the compiled packed kernels serve."""
+def packed_fused_max_batch(device: torch.device | None = None) -> int:
+    """The largest fused-engine batch whose decode steps the compiled packed kernels serve (on
+    `device`: awq_wgmma_packed's bucket counts on sm_90 devices only)."""
     if not _ext.has_op("awq_mma_packed"):
         return PACKED_GEMV_MAX_M
-    if _wgmma_on():
+    if _wgmma_on() and (device is None or _is_sm90(device)):
         return 1 << 20 if PACKED_WGMMA_MAX_M is None else max(PACKED_WGMMA_MAX_M, PACKED_GEMM_MAX_M)
     return max(PACKED_MMA_MAX_M, PACKED_GEMM_MAX_M if _ext.has_op("awq_gemm_packed") else 0)
+
+
+def _is_sm90(device: torch.device) -> bool:
+    """Whether `device` is a Hopper GPU (what awq_wgmma_packed runs on)."""
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) == (9, 0)
 
 
 def cuda_gemm_kernel(m: int | None) -> str:
@@ -251,7 +257,7 @@ def preferred_layout(device: torch.device, fused_batch: int | None = None) -> st
     the batch size of the fused engine the layers will serve (None: not fused)."""
     if device.type != "cuda" or not _ext.has_op(COMPILED_OPS["packed_gemm"]):
         return "awq"
-    fused_decode = fused_batch is not None and fused_batch <= packed_fused_max_batch()
+    fused_decode = fused_batch is not None and fused_batch <= packed_fused_max_batch(device)
     return "packed" if PACKED_LAYOUT_BY_DEFAULT or (PACKED_LAYOUT_FOR_FUSED_DECODE and fused_decode) else "awq"
 
 
