@@ -352,7 +352,7 @@ if [[ " $stages " == *" wgmma_auto "* ]]; then
   # against the automatic choice on both layouts (Triton there, tuned), then the engine at batch
   # 32 / 64 / 128 with it against Triton (bench_ab.py --compare wgmma), same run.
   timeout 200 python benchmarks/gemm_table.py --layouts awq,packed --kernels wgmma --dtypes float16,bfloat16 \
-    --ms 32,48,64,96,128,256 --out "$OUT/wgmma_auto" 2>&1 | grep -A12 "^| dtype" || status=1
+    --ms 32,48,64,96,128,256 --out "$OUT/wgmma_auto" 2>&1 | grep -A16 "^| dtype" || status=1
   FASTAWQ_TRITON_TUNE=0 timeout 240 python benchmarks/bench_ab.py --compare wgmma --shape llama-3-8b \
     --batches 32,64,128 --layout packed --decode 64 --rounds 1 2>&1 | grep -E "^\||on / off" || status=1
 fi
