@@ -136,11 +136,11 @@ def test_fused_dense_sums_decode_matches_unfused(monkeypatch, arch):
 @needs_cuda
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_fused_wgmma_decode_matches_unfused(monkeypatch, arch):
-    # backend.PACKED_WGMMA at every M (PACKED_WGMMA_MAX_M None): at a batch of 20, above the compiled buckets, the fused
-    # engine's packed layers run awq_wgmma_packed for the prefill (220 rows) and every decode step
-    # (20 rows), with CUDA graphs, and still match transformers (Qwen2: biases). Where the op cannot
-    # run (no sm_90a build or not an sm_90 GPU) the plans fall back to Triton and only the match is
-    # checked.
+    # backend.PACKED_WGMMA at every M (PACKED_WGMMA_MAX_M None): at a batch of 20, above the compiled
+    # buckets, the fused engine's packed layers run awq_wgmma_packed for the prefill (220 rows) and
+    # every decode step (20 rows), with CUDA graphs, and still match transformers (Qwen2: biases).
+    # Where the op cannot run (no sm_90a build or not an sm_90 GPU) the plans fall back to Triton and
+    # only the match is checked.
     from fastawq import _ext
     from fastawq import backend as backend_mod
 

@@ -316,10 +316,10 @@ def test_dispatch_takes_wgmma_above_the_buckets_when_switched_on(monkeypatch):
     assert _compiled_packed_op(backend.PACKED_GEMM_MAX_M) == "awq_gemm_packed"
     assert _compiled_packed_op(backend.PACKED_MMA_MAX_M) == "awq_mma_packed"
     assert backend.packed_fused_max_batch() == 32
-    monkeypatch.setattr(backend, "_is_sm90", lambda device: True)
+    monkeypatch.setattr(backend, "is_sm90", lambda device: True)
     assert [backend.preferred_layout(cuda, b) for b in (17, 32, 33)] == ["packed", "packed", "awq"]
     # Not a Hopper GPU: the op would decline, so the engine's packed layout stops at the other buckets.
-    monkeypatch.setattr(backend, "_is_sm90", lambda device: False)
+    monkeypatch.setattr(backend, "is_sm90", lambda device: False)
     assert backend.packed_fused_max_batch(cuda) == backend.PACKED_GEMM_MAX_M
     assert backend.preferred_layout(cuda, backend.PACKED_GEMM_MAX_M + 1) == "awq"
     monkeypatch.setattr(backend, "PACKED_WGMMA_MAX_M", None)

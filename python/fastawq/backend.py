@@ -167,9 +167,10 @@ def _preference(op: str) -> list[tuple[int | None, tuple[str, ...]]]:
     if op != "packed_gemm":
         return _CUDA_PREFERENCE.get(op, [])
     compiled = [PACKED_GEMV_MAX_M, PACKED_MMA_MAX_M] + ([PACKED_GEMM_MAX_M] if PACKED_GEMM_MAX_M > PACKED_MMA_MAX_M else [])
-    if _wgmma_on() and PACKED_WGMMA_MAX_M is not None and PACKED_WGMMA_MAX_M > compiled[-1]:
+    wgmma = _wgmma_on()
+    if wgmma and PACKED_WGMMA_MAX_M is not None and PACKED_WGMMA_MAX_M > compiled[-1]:
         compiled.append(PACKED_WGMMA_MAX_M)
-    above = ("cuda", "triton", "torch") if _wgmma_on() and PACKED_WGMMA_MAX_M is None else ("triton", "torch")
+    above = ("cuda", "triton", "torch") if wgmma and PACKED_WGMMA_MAX_M is None else ("triton", "torch")
     return [(bound, ("cuda", "triton", "torch")) for bound in compiled] + [(None, above)]
 
 
@@ -193,13 +194,13 @@ def packed_fused_max_batch(device: torch.device | None = None) -> int:
     `device`: awq_wgmma_packed's bucket counts on sm_90 devices only)."""
     if not _ext.has_op("awq_mma_packed"):
         return PACKED_GEMV_MAX_M
-    if _wgmma_on() and (device is None or _is_sm90(device)):
+    if _wgmma_on() and (device is None or is_sm90(device)):
         return 1 << 20 if PACKED_WGMMA_MAX_M is None else max(PACKED_WGMMA_MAX_M, PACKED_GEMM_MAX_M)
     return max(PACKED_MMA_MAX_M, PACKED_GEMM_MAX_M if _ext.has_op("awq_gemm_packed") else 0)
 
 
-def _is_sm90(device: torch.device) -> bool:
-    """Whether `device` is a Hopper GPU (what awq_wgmma_packed runs on)."""
+def is_sm90(device: torch.device) -> bool:
+    """Whether `device` is a Hopper GPU (sm_90: what awq_wgmma_packed and the router's cluster form run on)."""
     return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) == (9, 0)
 
 

@@ -432,8 +432,7 @@ def _route_cuda_measured(x: torch.Tensor, e: int) -> bool:
     (backend.ROUTE_CUDA_EXPERTS)."""
     lo, hi = _backend.ROUTE_CUDA_EXPERTS
     h = x.shape[1]
-    return (lo <= e <= hi and h % 8 == 0 and h <= 4096 and x.is_cuda
-            and torch.cuda.get_device_capability(x.device) == (9, 0))
+    return lo <= e <= hi and h % 8 == 0 and h <= 4096 and _backend.is_sm90(x.device)
 
 
 def _route_backend(x: torch.Tensor, router_weight: torch.Tensor, k: int, scoring: str,
