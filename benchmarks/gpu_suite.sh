@@ -2,8 +2,8 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_tiles unrun19_e2e wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
-#   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, the wgmma ones and the unrun ones)
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e targets wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
 # (Triton/torch backends only), for quick kernel iterations.
@@ -275,7 +275,7 @@ if [[ " $stages " == *" unrun19 "* ]]; then
   python -m pytest -q -p no:cacheprovider tests/test_fused_moe.py tests/test_layer_ops.py 2>&1 | tail -2 || status=1
   python -m pytest -q -p no:cacheprovider tests/test_gemv_packed.py -k sums 2>&1 | tail -2 || status=1
   python -m pytest -q -p no:cacheprovider tests/test_fused.py -k "dense_sums or cuda_graph" 2>&1 | tail -2 || status=1
-  FASTAWQ_MOE_H_PARTIALS=1 timeout 60 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py \
+  FASTAWQ_MOE_H_PARTIALS=1 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py \
     2>&1 | tail -2 || status=1
   for p in 0 1; do
     echo "FASTAWQ_MOE_H_PARTIALS=$p"
@@ -291,25 +291,6 @@ if [[ " $stages " == *" unrun19 "* ]]; then
     --shape mixtral-8x7b --batches 1 --layout packed --decode 64 --rounds 1 2>&1 | grep -E "^\||on / off" || status=1
   FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/bench_ab.py --compare env:FASTAWQ_DENSE_SUMS=0,1 \
     --shape llama-3-8b --batches 1,2 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
-fi
-if [[ " $stages " == *" unrun19_tiles "* ]]; then
-  step unrun19_tiles
-  # Branch wip/session19-unrun only, or main with benchmarks/wip/session19-moe-mma-tiles.patch applied
-  # (~3 min): moe_mma blocks taking several column tiles
-  # (FASTAWQ_MOE_MMA_TILES=N); N = 1 against main's numbers at the same T.
-  if grep -q FASTAWQ_MOE_MMA_TILES csrc/moe/moe_gemv.cpp; then
-    python -m pytest -q -p no:cacheprovider tests/test_moe_mma.py 2>&1 | tail -2 || status=1
-    FASTAWQ_MOE_MMA_TILES=2 timeout 60 compute-sanitizer --tool memcheck --error-exitcode 1 \
-      python benchmarks/sanitize.py 2>&1 | tail -2 || status=1
-    for tiles in 1 2 4; do
-      echo "FASTAWQ_MOE_MMA_TILES=$tiles"
-      FASTAWQ_MOE_MMA_TILES=$tiles python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 16,256 --backends cuda \
-        --no-tune 2>&1 | tail -4 || status=1
-    done
-    FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:FASTAWQ_MOE_MMA_TILES=1,2 \
-      --shape qwen3-30b-a3b --batches 16 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" \
-      || status=1
-  fi
 fi
 if [[ " $stages " == *" unrun19_e2e "* ]]; then
   step unrun19_e2e
@@ -376,6 +357,30 @@ if [[ " $stages " == *" wgmma_e2e "* ]]; then
   FASTAWQ_PACKED_WGMMA=1 FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/bench_e2e.py --shape llama-3-8b \
     --layout packed --modes fused-graphs,fp16 --graph-lengths 2048 --other-len 2048 --batches 1 --budget 150 \
     --out "$OUT/e2e_prefill_wgmma" 2>&1 | tail -6 || status=1
+fi
+if [[ " $stages " == *" targets "* ]]; then
+  step targets
+  # The engine and MoE rows of issues 11 and 12 on this tree, ~7 min (RESULTS.md "Where the targets
+  # stand"): Llama-3-8B shape decode at batch 1 with the memory row (max_seq_len 4096) and at batch
+  # 16 / 64, Qwen3-30B-A3B and Mixtral-8x7B decode, the grouped MoE op at T = 1 / 16 / 256. Packed
+  # layout up to batch 32 (the engine's own choice), heuristic Triton configs, all layers built.
+  FASTAWQ_TRITON_TUNE=0 timeout 100 python benchmarks/bench_e2e.py --shape llama-3-8b --layout packed \
+    --modes fused-graphs --graph-lengths 64 --batches 1 --max-seq-len 4096 --budget 60 --out "$OUT/t_llama_b1" \
+    2>&1 | grep -E "^\| (Mode|fused)" | head -4 || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 100 python benchmarks/bench_e2e.py --shape llama-3-8b --layout packed \
+    --modes fused-graphs --graph-lengths 64 --batches 16 --max-seq-len 256 --budget 60 --out "$OUT/t_llama_b16" \
+    2>&1 | grep -E "^\| fused" | head -3 || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 100 python benchmarks/bench_e2e.py --shape llama-3-8b \
+    --modes fused-graphs --graph-lengths 64 --batches 64 --max-seq-len 256 --budget 60 --out "$OUT/t_llama_b64" \
+    2>&1 | grep -E "^\| fused" | head -3 || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 140 python benchmarks/bench_e2e.py --shape qwen3-30b-a3b --layout packed \
+    --modes fused-graphs --graph-lengths 64 --batches 1,16 --max-seq-len 256 --budget 100 --out "$OUT/t_qwen3" \
+    2>&1 | grep -E "^\| fused" | head -6 || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 100 python benchmarks/bench_e2e.py --shape mixtral-8x7b --layout packed \
+    --modes fused-graphs --graph-lengths 64 --batches 1 --max-seq-len 256 --budget 60 --out "$OUT/t_mixtral" \
+    2>&1 | grep -E "^\| fused" | head -3 || status=1
+  timeout 60 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 1,16,256 --backends cuda --no-tune 2>&1 \
+    | tail -5 || status=1
 fi
 if [[ " $stages " == *" e2e "* ]] && [ -f benchmarks/bench_e2e.py ]; then
   step e2e

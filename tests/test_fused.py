@@ -128,7 +128,7 @@ def test_fused_dense_sums_decode_matches_unfused(monkeypatch, arch):
                 return _real(*args)
 
             monkeypatch.setattr(torch.ops.fastawq, name, spy)
-    _match_over_decode(arch, None, 24, device="cuda", graphs=True)
+    _match_over_decode(arch, None, 24, device="cuda", graphs=True, layout="packed")
     if _ext.has_op("awq_gemv_packed_sums"):
         assert set(calls) == {"awq_gemv_packed_sums", "awq_gemv_packed_act_sums"}
 

@@ -122,7 +122,7 @@ struct MoeGemvArgs : MoeArgs {
   // FASTAWQ_GEMV_EARLY_LOADS=1 (read at each call): w2's ring loads its first weights into registers
   // before the PDL wait (the experts' weights are written by no kernel that can launch it early).
   bool early_loads;
-  // FASTAWQ_MOE_H_PARTIALS=1 at one token with splits13 > 1: [splits13, T * topk, 2I] fp32, w13's
+  // FASTAWQ_MOE_H_PARTIALS (on unless "0") at one token with splits13 > 1: [splits13, T * topk, 2I] fp32, w13's
   // split sums (plain stores, every element written), which w2 adds as it reads h; else null.
   float* h_part;
   // moe_gemv_w4_sums: [T, H] fp32, zeroed by w13 and added into by w2 (the ring form); else null.

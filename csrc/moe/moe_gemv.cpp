@@ -177,12 +177,13 @@ at::Tensor moe_gemv_call(const char* op, bool sums, const at::Tensor& x, const a
   a.chunk13 = s13.chunk_rows, a.cpb13 = s13.chunks_per_block, a.splits13 = s13.splits;
   a.chunk2 = s2.chunk_rows, a.cpb2 = s2.chunks_per_block, a.splits2 = s2.splits;
   a.early_loads = early_weight_loads();  // read at each call (a graph: at capture)
-  // FASTAWQ_MOE_H_PARTIALS=1 (an A/B switch, read at each call): at one token a split w13 hands its
-  // split sums to w2 (moe_gemv.cu). The ring form, which one token takes, reads them; the others
+  // FASTAWQ_MOE_H_PARTIALS (on unless "0", read at each call): at one token a split w13 hands its
+  // split sums to w2 (moe_gemv.cu). H100, session 22: Qwen3-30B-A3B decode 427.8 -> 449.1 tok/s at
+  // batch 1 (RESULTS.md). The ring form, which one token takes, reads them; the others
   // keep the zeroed workspace, carved either way.
   at::Tensor h_part;
   a.h_part = nullptr;
-  if (c.t == 1 && a.splits13 > 1 && moe_h_part_fits(a) && env_switch("FASTAWQ_MOE_H_PARTIALS") == 1) {
+  if (c.t == 1 && a.splits13 > 1 && moe_h_part_fits(a) && env_switch("FASTAWQ_MOE_H_PARTIALS") != 0) {
     h_part = at::empty({a.splits13, n, 2 * i}, x.options().dtype(at::kFloat));
     a.h_part = h_part.data_ptr<float>();
   }

@@ -10,7 +10,7 @@
 //       column tile converts it, writes out and zeroes the workspace again (graph-safe).
 // Split K works the same way for w13 (the last of a tile's splits applies the activation). An id
 // outside [0, E) contributes zeros but still arrives, so the counters always return to zero.
-// FASTAWQ_MOE_H_PARTIALS=1 (an A/B switch, one token, split w13): w13's splits store their sums
+// FASTAWQ_MOE_H_PARTIALS (on unless "0"; one token, split w13): w13's splits store their sums
 // with plain stores into h_part [splits13, T * topk, 2I] and exit, and w2 sums them and applies the
 // activation as it reads h: no atomics, fence, arrival or last-block pass at the end of w13, whose
 // last block gates w2's PDL wait (the chain is ~3 dependent L2 round trips a launch).
