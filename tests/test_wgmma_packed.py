@@ -225,13 +225,16 @@ def test_ring_depths(monkeypatch, depth, tokens, splits):
 
 
 @requires_kernel
+@pytest.mark.parametrize("warpgroups", ["1", "2"])
 @pytest.mark.parametrize("tokens", [32, 64, 128])
 @pytest.mark.parametrize("splits", [0, 3, 64])
 @pytest.mark.parametrize("k,n,g", [(2048, 392, 128), (256, 136, 32)])
-def test_one_warpgroup_blocks(monkeypatch, tokens, splits, k, n, g):
-    # FASTAWQ_WGMMA_WARPGROUPS=1 (read at each call): blocks of one warpgroup on 128 columns (N = 392:
-    # a partial fourth tile; 136: a partial second), every token tile, forced splits.
-    monkeypatch.setenv("FASTAWQ_WGMMA_WARPGROUPS", "1")
+def test_forced_warpgroup_blocks(monkeypatch, warpgroups, tokens, splits, k, n, g):
+    # FASTAWQ_WGMMA_WARPGROUPS=1 / 2 (read at each call) forces blocks of one warpgroup on 128 columns
+    # or two on 256 (the defaults: one at the 32-token tile, two above), at every token tile (N = 392:
+    # a partial fourth 128-column tile, a partial second 256-column one; 136: a partial second / first),
+    # forced splits.
+    monkeypatch.setenv("FASTAWQ_WGMMA_WARPGROUPS", warpgroups)
     if splits > k // 32:
         splits = k // 32
     qw, s, qz, wp, sz = _setup(k, n, g, torch.float16, seed=tokens + splits + k)

@@ -216,6 +216,17 @@ SplitPlan staged_plan(const char* op, const GemvPackedArgs& a, int64_t n, int64_
 
 namespace {
 
+// awq_wgmma_packed's warpgroups a block: FASTAWQ_WGMMA_WARPGROUPS = 1 or 2 (read at each call) forces
+// one; unset, blocks of one warpgroup on 128 columns (several an SM) at the 32-token tile and two
+// sharing x on 256 columns above. H100, RESULTS.md session 21 (geomean x cuBLAS fp16, same call):
+// one warpgroup 1.25 / 0.86 / 0.35 / 0.41 against two 1.13 / 0.84 / 0.37 / 0.48 at M = 32 / 64 /
+// 256 / 4096; at 64 tokens the two are within noise and two keep x's copy shared.
+int wgmma_warpgroups(int64_t tokens) {
+  const char* v = std::getenv("FASTAWQ_WGMMA_WARPGROUPS");
+  if (v != nullptr && v[0] != '\0' && v[1] == '\0' && (v[0] == '1' || v[0] == '2')) return v[0] - '0';
+  return tokens <= 32 ? 1 : 2;
+}
+
 // The sums tensor of awq_gemv_packed_sums / _act_sums: fp32 [M, N] on x's device, contiguous.
 void check_sums(const char* op, const at::Tensor& sums, int64_t m, int64_t n, const c10::Device& device) {
   FASTAWQ_CHECK(sums.dim() == 2 && sums.size(0) == m && sums.size(1) == n && sums.scalar_type() == at::kFloat &&
@@ -494,9 +505,7 @@ at::Tensor awq_wgmma_packed(const at::Tensor& x, const at::Tensor& wpacked, cons
   WgmmaPackedArgs a{};
   a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
   a.tokens = static_cast<int>(tokens);
-  // FASTAWQ_WGMMA_WARPGROUPS=1 (an A/B switch, read at each call): blocks of one warpgroup on 128
-  // columns, several an SM, instead of two sharing x on 256.
-  a.warpgroups = env_switch("FASTAWQ_WGMMA_WARPGROUPS") == 1 ? 1 : 2;
+  a.warpgroups = wgmma_warpgroups(tokens);
   const int64_t token_tiles = (m + tokens - 1) / tokens;
   a.token_tiles = static_cast<int>(token_tiles);
   // One wave: (token tile, column tile) slices times K splits of >= 4 steps (the ring's depth less
