@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e targets wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 targets wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -357,6 +357,25 @@ if [[ " $stages " == *" wgmma_e2e "* ]]; then
   FASTAWQ_PACKED_WGMMA=1 FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/bench_e2e.py --shape llama-3-8b \
     --layout packed --modes fused-graphs,fp16 --graph-lengths 2048 --other-len 2048 --batches 1 --budget 150 \
     --out "$OUT/e2e_prefill_wgmma" 2>&1 | tail -6 || status=1
+fi
+if [[ " $stages " == *" unrun22 "* ]]; then
+  step unrun22
+  # Session 22's two changes no GPU has run (CUDA_NOTES.md session 22), ~5 min: gate_up's end handed
+  # to the down projection as fp32 sums (FASTAWQ_DENSE_GU_SUMS=1, off) and awq_wgmma_packed's
+  # one-warpgroup blocks at the 32-token tile (the new default): tests, memcheck, A/Bs.
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_gemv_packed.py -k sums 2>&1 | tail -2 || status=1
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_fused.py -k "dense_sums or dense_gu_sums" 2>&1 \
+    | tail -2 || status=1
+  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_wgmma_packed.py -k "warpgroup or llama or dispatch" \
+    2>&1 | tail -2 || status=1
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py 2>&1 | tail -2 \
+    || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:FASTAWQ_DENSE_GU_SUMS=0,1 \
+    --shape llama-3-8b --batches 1,2 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
+  timeout 90 python benchmarks/gemm_table.py --kernels wgmma --ms 17,24,32 --out "$OUT/wgmma_wg" 2>&1 \
+    | grep -A8 "^| dtype" || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_WARPGROUPS=2,1 \
+    --shape llama-3-8b --batches 24,32 --layout packed --decode 64 --rounds 1 2>&1 | grep -E "^\||on / off" || status=1
 fi
 if [[ " $stages " == *" targets "* ]]; then
   step targets

@@ -83,13 +83,17 @@ def main() -> None:
                     for m in (1, 2):  # added into zeroed fp32 sums (FASTAWQ_DENSE_SUMS)
                         x = random_input((m, k), "cuda", dtype, seed=m + 5)
                         sums = torch.zeros(m, n, device="cuda")
-                        ops.awq_gemv_packed_sums(x, wp, sz, n, g, bias, sums)
+                        zero = torch.ones(m, 2 * n, device="cuda")  # a later projection's sums (FASTAWQ_DENSE_GU_SUMS)
+                        ops.awq_gemv_packed_sums(x, wp, sz, n, g, bias, sums, zero)
                         assert_close_to_reference(sums.to(dtype), x, qw, s, qz, g, bias)
+                        assert not zero.any()
                         gu = random_input((m, 2 * k), "cuda", dtype, seed=m + 6)
-                        sums = torch.zeros(m, n, device="cuda")
-                        ops.awq_gemv_packed_act_sums(gu, wp, sz, n, g, bias, "silu", sums)
-                        assert_close_to_reference(sums.to(dtype), reference.act_mul(gu, "silu"), qw, s, qz, g, bias)
-                        n_calls += 2
+                        for gate_up in (gu, gu.float()):  # fp32: gate_up's own sums
+                            sums = torch.zeros(m, n, device="cuda")
+                            ops.awq_gemv_packed_act_sums(gate_up, wp, sz, n, g, bias, "silu", sums)
+                            assert_close_to_reference(sums.to(dtype), reference.act_mul(gu, "silu"), qw, s, qz, g,
+                                                      bias)
+                        n_calls += 3
                 if hasattr(ops, "awq_gemv_packed_norm"):
                     for m in (1, 2):  # add + RMSNorm staged in shared memory
                         x = random_input((m, k), "cuda", dtype, seed=m + 2)

@@ -53,8 +53,13 @@ at::Tensor awq_gemv_packed_act(const at::Tensor& gate_up, const at::Tensor& wpac
 // an earlier kernel zeroed (add_rms_norm_zero in the fused engine), instead of returning y: the
 // blocks add their tiles and exit, with no fence, arrival or conversion pass; the consumer rounds
 // the sums (add_rms_norm takes fp32 x). FASTAWQ_DENSE_SUMS in python/fastawq/modules/fused.py.
+// zero (optional, fp32, 16-byte aligned, numel % 4 == 0, apart from sums): filled with zeros by the
+// launch, after its PDL wait, for a later projection's sums. _act_sums also takes gate_up as fp32
+// sums [M, 2K] (the activation dtype is then szpacked's), rounded to it as they are read
+// (FASTAWQ_DENSE_GU_SUMS).
 void awq_gemv_packed_sums(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n,
-                          int64_t group_size, const std::optional<at::Tensor>& bias, at::Tensor& sums);
+                          int64_t group_size, const std::optional<at::Tensor>& bias, at::Tensor& sums,
+                          const std::optional<at::Tensor>& zero);
 void awq_gemv_packed_act_sums(const at::Tensor& gate_up, const at::Tensor& wpacked, const at::Tensor& szpacked,
                               int64_t n, int64_t group_size, const std::optional<at::Tensor>& bias,
                               const std::string& act, at::Tensor& sums);

@@ -30,7 +30,7 @@ TORCH_LIBRARY(fastawq, m) {
   m.def("awq_gemv_packed_act(Tensor gate_up, Tensor wpacked, Tensor szpacked, int n, int group_size, Tensor? bias, "
         "str act) -> Tensor");
   m.def("awq_gemv_packed_sums(Tensor x, Tensor wpacked, Tensor szpacked, int n, int group_size, Tensor? bias, "
-        "Tensor(a!) sums) -> ()");
+        "Tensor(a!) sums, Tensor(b!)? zero=None) -> ()");
   m.def("awq_gemv_packed_act_sums(Tensor gate_up, Tensor wpacked, Tensor szpacked, int n, int group_size, "
         "Tensor? bias, str act, Tensor(a!) sums) -> ()");
   m.def("awq_gemv_packed_norm(Tensor x, Tensor? residual, Tensor norm_weight, float eps, float offset, "

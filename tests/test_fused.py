@@ -134,6 +134,35 @@ def test_fused_dense_sums_decode_matches_unfused(monkeypatch, arch):
 
 
 @needs_cuda
+@pytest.mark.parametrize("arch", ["llama", "gemma", "phi3"])
+def test_fused_dense_gu_sums_decode_matches_unfused(monkeypatch, arch):
+    # FASTAWQ_DENSE_GU_SUMS=1 on top of the dense sums: gate_up adds into fp32 sums that o_proj's
+    # launch zeroes (its `zero` argument) and the down projection's act prologue reads as fp32;
+    # decode with CUDA graphs still matches transformers (Gemma: gelu, Phi-3: its own fused gate_up).
+    from fastawq import _ext
+
+    monkeypatch.setenv("FASTAWQ_DENSE_SUMS", "1")
+    monkeypatch.setenv("FASTAWQ_DENSE_GU_SUMS", "1")
+    zeroing, f32_gate_up = [], []
+    if _ext.has_op("awq_gemv_packed_sums"):
+        sums_op, act_op = torch.ops.fastawq.awq_gemv_packed_sums, torch.ops.fastawq.awq_gemv_packed_act_sums
+
+        def sums_spy(*args):
+            zeroing.append(len(args) > 7 and args[7] is not None)
+            return sums_op(*args)
+
+        def act_spy(gate_up, *args):
+            f32_gate_up.append(gate_up.dtype == torch.float32)
+            return act_op(gate_up, *args)
+
+        monkeypatch.setattr(torch.ops.fastawq, "awq_gemv_packed_sums", sums_spy)
+        monkeypatch.setattr(torch.ops.fastawq, "awq_gemv_packed_act_sums", act_spy)
+    _match_over_decode(arch, None, 24, device="cuda", graphs=True, layout="packed")
+    if _ext.has_op("awq_gemv_packed_sums"):
+        assert any(zeroing) and f32_gate_up and all(f32_gate_up)
+
+
+@needs_cuda
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_fused_wgmma_decode_matches_unfused(monkeypatch, arch):
     # backend.PACKED_WGMMA at every M (PACKED_WGMMA_MAX_M None): at a batch of 20, above the compiled

@@ -498,6 +498,35 @@ def test_sums_kernels_add_the_projection(monkeypatch, k, n, g, m, dtype, pingpon
     act = torch.ops.fastawq.awq_gemv_packed_act(gu, wp, sz, n, g, bias, "silu")
     assert ((sums - c).to(dtype).float() - act.float()).abs().le(2 * ulp * act.float().abs() + 1e-3).all()
 
+    # gate_up as fp32 sums (FASTAWQ_DENSE_GU_SUMS): rounded to dtype as they are read, so sums off
+    # the dtype grid give what their rounding gives, up to the order of the fp32 additions.
+    gu32 = gu.float() + random_input((m, 2 * k), "cuda", torch.float32, seed=7) * gu.float().abs() * 1e-4
+    sums32 = c.clone()
+    torch.ops.fastawq.awq_gemv_packed_act_sums(gu32, wp, sz, n, g, bias, "silu", sums32)
+    sums_rounded = c.clone()
+    torch.ops.fastawq.awq_gemv_packed_act_sums(gu32.to(dtype), wp, sz, n, g, bias, "silu", sums_rounded)
+    assert ((sums32 - sums_rounded).abs() <= 1e-5 * sums_rounded.abs() + 1e-4).all()
+
+
+@requires_sums_kernel
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("zero_len", [4, 4100, 2 * 28672])
+def test_sums_kernel_zeroes_the_next_sums(m, zero_len):
+    # awq_gemv_packed_sums(zero=): the launch also fills `zero` (a later projection's sums, any
+    # length a multiple of 4, from one float4 to more than the grid's threads) with zeros, and its
+    # own sums are what they are without it.
+    k, n, g = 1024, 4096, 128
+    qw, s, qz, wp, sz = _setup(k, n, g, torch.float16, seed=11)
+    x = random_input((m, k), "cuda", torch.float16, seed=12)
+    c = random_input((m, n), "cuda", torch.float32, seed=13)
+    sums = c.clone()
+    full = random_input((zero_len + 8,), "cuda", torch.float32, seed=14)
+    before = full.clone()
+    torch.ops.fastawq.awq_gemv_packed_sums(x, wp, sz, n, g, None, sums, full[4:4 + zero_len])  # 16-byte aligned
+    assert (full[4:4 + zero_len] == 0).all()
+    assert torch.equal(full[:4], before[:4]) and torch.equal(full[4 + zero_len:], before[4 + zero_len:])
+    assert_close_to_reference((sums - c).half(), x, qw, s, qz, g, None)
+
 
 @requires_sums_kernel
 def test_sums_kernels_errors_opcheck_and_graph():
@@ -513,7 +542,22 @@ def test_sums_kernels_errors_opcheck_and_graph():
     with pytest.raises(RuntimeError, match="act must be silu"):
         act_op(random_input((2, 512), "cuda", torch.float16, seed=1), wp, sz, 128, 64, None, "relu",
                torch.zeros(2, 128, device="cuda"))
+    with pytest.raises(RuntimeError, match=r"zero must be a contiguous, 16-byte aligned fp32 tensor"):
+        op(x, wp, sz, 128, 64, None, torch.zeros(2, 128, device="cuda"), torch.zeros(8, dtype=torch.float16,
+                                                                                   device="cuda"))
+    with pytest.raises(RuntimeError, match=r"zero must be .* multiple of 4 elements"):
+        op(x, wp, sz, 128, 64, None, torch.zeros(2, 128, device="cuda"), torch.zeros(6, device="cuda"))
+    both = torch.zeros(2, 256, device="cuda")
+    with pytest.raises(RuntimeError, match="overlaps sums"):
+        op(x, wp, sz, 128, 64, None, both.view(-1)[:256].view(2, 128), both.view(-1)[128:])
+    with pytest.raises(RuntimeError, match="x must be fp16 or bf16"):
+        torch.ops.fastawq.awq_gemv_packed_act(random_input((2, 512), "cuda", torch.float32, seed=1), wp, sz, 128, 64,
+                                              None, "silu")  # fp32 gate_up: the sums form only
     torch.library.opcheck(op.default, (x, wp, sz, 128, 64, None, torch.zeros(2, 128, device="cuda")))
+    torch.library.opcheck(op.default, (x, wp, sz, 128, 64, None, torch.zeros(2, 128, device="cuda"),
+                                       torch.zeros(64, device="cuda")))
+    torch.library.opcheck(act_op.default, (random_input((2, 512), "cuda", torch.float32, seed=3), wp, sz, 128, 64,
+                                           None, "silu", torch.zeros(2, 128, device="cuda")))
     torch.library.opcheck(act_op.default, (random_input((2, 512), "cuda", torch.float16, seed=2), wp, sz, 128, 64,
                                            None, "silu", torch.zeros(2, 128, device="cuda")))
     # Under a graph: the sums are re-zeroed between replays by the caller (the norm in the engine).

@@ -308,32 +308,38 @@ struct ActCall {
   int code;
   const at::Tensor* bias;
 };
+// f32_ok (_act_sums): gate_up may be fp32 sums, the activation dtype then szpacked's.
 ActCall check_act_call(const char* op, const at::Tensor& gate_up, const at::Tensor& wpacked, const at::Tensor& szpacked,
-                       int64_t n, int64_t group_size, const std::optional<at::Tensor>& bias, const std::string& act) {
+                       int64_t n, int64_t group_size, const std::optional<at::Tensor>& bias, const std::string& act,
+                       bool f32_ok = false) {
   FASTAWQ_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, op, ": gate_up must be [M, 2K], got ",
                 shape_str(gate_up));
   const int64_t m = gate_up.size(0), k = gate_up.size(1) / 2;
   const int code = act == "silu" ? 1 : act == "gelu_pytorch_tanh" ? 2 : act == "gelu" ? 3 : 0;
   FASTAWQ_CHECK(code > 0, op, ": act must be silu, gelu_pytorch_tanh or gelu, got '", act, "'");
-  const at::Tensor* b = check_weights(op, m, k, gate_up.scalar_type(), gate_up.device(), wpacked, szpacked, n,
-                                      group_size, bias, kPackedActMaxM);
+  const bool f32 = f32_ok && gate_up.scalar_type() == at::kFloat;
+  const at::Tensor* b = check_weights(op, m, k, f32 ? szpacked.scalar_type() : gate_up.scalar_type(),
+                                      gate_up.device(), wpacked, szpacked, n, group_size, bias, kPackedActMaxM);
   FASTAWQ_CHECK(gate_up.is_contiguous() && aligned16(gate_up), op, ": gate_up ", shape_str(gate_up),
                 " must be contiguous and 16-byte aligned");
   return {m, k, code, b};
 }
 
 // The act GEMV of a checked call (m, k > 0) into out, or (sums non-null) added into sums, for which
-// out only gives N.
+// out only gives N. The activation dtype is szpacked's (gate_up's, or fp32 sums with _act_sums).
 void launch_act_call(const char* op, const ActCall& c, const at::Tensor& gate_up, const at::Tensor& wpacked,
                      const at::Tensor& szpacked, int64_t group_size, at::Tensor& out, float* sums) {
   const c10::cuda::CUDAGuard guard(gate_up.device());
   GemvPackedArgs a{};
-  a.dtype = gate_up.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
+  const HalfType dtype = szpacked.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
+  a.dtype = dtype;
   a.m = static_cast<int>(c.m);
   a.act = c.code;
   a.sums = sums;  // before the plan: its occupancy query sees the instance the launch runs
   const SplitPlan plan = staged_plan(op, a, out.size(1), c.k, "act_mul");
   fill_args(a, gate_up, wpacked, szpacked, c.bias, out, group_size, plan);
+  a.dtype = dtype;  // fill_args reads it off gate_up, which may be fp32 sums
+  a.x_f32 = gate_up.scalar_type() == at::kFloat;
   a.k = static_cast<int>(c.k);  // gate_up's rows are 2K wide; the GEMV's K is its half
   launch_awq_gemv_packed(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -355,13 +361,27 @@ at::Tensor awq_gemv_packed_act(const at::Tensor& gate_up, const at::Tensor& wpac
 }
 
 void awq_gemv_packed_sums(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n,
-                          int64_t group_size, const std::optional<at::Tensor>& bias, at::Tensor& sums) {
+                          int64_t group_size, const std::optional<at::Tensor>& bias, at::Tensor& sums,
+                          const std::optional<at::Tensor>& zero) {
   constexpr const char* op = "awq_gemv_packed_sums";
   const at::Tensor* b = check_packed(op, x, wpacked, szpacked, n, group_size, bias, kPackedActMaxM);
   const int64_t m = x.size(0), k = x.size(1);
   check_sums(op, sums, m, n, x.device());
   FASTAWQ_CHECK(k > 0, op, ": K must be positive");
-  if (m == 0) return;
+  if (zero) {
+    FASTAWQ_CHECK(zero->scalar_type() == at::kFloat && zero->is_contiguous() && zero->numel() % 4 == 0 &&
+                      aligned16(*zero) && zero->device() == x.device(),
+                  op, ": zero must be a contiguous, 16-byte aligned fp32 tensor of a multiple of 4 elements on ",
+                  x.device(), ", got ", zero->scalar_type(), " ", shape_str(*zero), " on ", zero->device());
+    const auto* z0 = static_cast<const char*>(zero->data_ptr());
+    const auto* s0 = static_cast<const char*>(sums.data_ptr());
+    FASTAWQ_CHECK(z0 + zero->numel() * 4 <= s0 || s0 + sums.numel() * 4 <= z0, op,
+                  ": zero ", shape_str(*zero), " overlaps sums ", shape_str(sums));
+  }
+  if (m == 0) {
+    if (zero) zero->zero_();
+    return;
+  }
   const c10::cuda::CUDAGuard guard(x.device());
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   GemvPackedArgs a{};
@@ -371,6 +391,7 @@ void awq_gemv_packed_sums(const at::Tensor& x, const at::Tensor& wpacked, const 
   const SplitPlan plan =
       plan_auto(n, k, kPackedTileCols, sms, gemv_packed_resident_blocks(a), kWarpsPerSm[m], kFallbackWarpsPerSm);
   fill_args(a, x, wpacked, szpacked, b, sums, group_size, plan);  // N from sums (its pointer as out: unused)
+  if (zero) a.zero = zero->data_ptr<float>(), a.zero_len4 = zero->numel() / 4;
   launch_awq_gemv_packed(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -379,7 +400,7 @@ void awq_gemv_packed_act_sums(const at::Tensor& gate_up, const at::Tensor& wpack
                               int64_t n, int64_t group_size, const std::optional<at::Tensor>& bias,
                               const std::string& act, at::Tensor& sums) {
   constexpr const char* op = "awq_gemv_packed_act_sums";
-  const ActCall c = check_act_call(op, gate_up, wpacked, szpacked, n, group_size, bias, act);
+  const ActCall c = check_act_call(op, gate_up, wpacked, szpacked, n, group_size, bias, act, /*f32_ok=*/true);
   check_sums(op, sums, c.m, n, gate_up.device());
   FASTAWQ_CHECK(c.k > 0, op, ": K must be positive");
   if (c.m == 0) return;

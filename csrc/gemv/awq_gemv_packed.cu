@@ -191,6 +191,11 @@ struct NormIn {
   void* res_out;
   float eps, offset;
 };
+struct SumsSide {
+  float4* zero;       // zero_len4 float4s, or null
+  int64_t zero_len4;
+  bool x_f32;         // ACT > 0: gate_up is fp32 [M, 2K]
+};
 
 // PINGPONG (FASTAWQ_GEMV_PINGPONG=1; an A/B switch): the main loop two batches an iteration with
 // the register buffers trading roles, and the next batch's loads issued after the current batch's
@@ -200,13 +205,16 @@ struct NormIn {
 // them, so no weight load is in flight while a warp sums (CUDA_NOTES.md, session 17).
 // kSums (awq_gemv_packed_sums / _act_sums, M <= 2): each block adds its tile (and split 0 the bias)
 // into sums [M, N] fp32, which an earlier kernel zeroed, and exits: no workspace, fence, arrival
-// or conversion pass; the consumer (add_rms_norm) rounds the sums as it reads them.
+// or conversion pass; the consumer (add_rms_norm) rounds the sums as it reads them. The sums
+// instances alone also take `side` (SumsSide): a buffer to zero for a later projection's sums, and
+// (ACT > 0) gate_up as fp32 sums, which the prologue rounds to T as the GEMV that made them would
+// have (FASTAWQ_DENSE_GU_SUMS: gate_up's end handed to the down projection).
 template <typename T, int M, bool kH2, int ACT = 0, bool PINGPONG = false, bool kSums = false>
 __global__ void __launch_bounds__(kPackedThreads, PINGPONG && M == 1 ? 6 : 0) awq_gemv_packed_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int n, int k, int group_size,
     int batches_per_warp, const NormIn norm, const bool early_loads, const int prefetch_batches,
-    float* __restrict__ sums) {
+    float* __restrict__ sums, const SumsSide side) {
   using Tr = HalfTraits<T>;
   __shared__ __align__(16) float red[kWarps][M][kPackedTileCols];
   __shared__ int is_last;
@@ -251,6 +259,17 @@ __global__ void __launch_bounds__(kPackedThreads, PINGPONG && M == 1 ? 6 : 0) aw
   pdl_wait();
   pdl_launch_dependents();
   if (!early_loads && b0 < b1) load_batch(cur, w_next, n4l, col_ok, policy);
+  if constexpr (kSums) {
+    // A later projection's sums, zeroed by the whole grid after the wait: whatever kernel last used
+    // that memory (the caching allocator reuses it) has finished.
+    if (side.zero != nullptr) {
+      const int64_t nthreads = int64_t(gridDim.x) * gridDim.y * kPackedThreads;
+      for (int64_t i = (int64_t(blockIdx.y) * gridDim.x + blockIdx.x) * kPackedThreads + threadIdx.x;
+           i < side.zero_len4; i += nthreads) {
+        __stcg(side.zero + i, make_float4(0.f, 0.f, 0.f, 0.f));
+      }
+    }
+  }
   // The input the main loop reads: x itself, or (ACT) the block's staged act(gate) * up, row stride
   // ldx, indexed by the global row (xin points kb0 rows before the staged block).
   const T* xin = x;
@@ -357,10 +376,23 @@ __global__ void __launch_bounds__(kPackedThreads, PINGPONG && M == 1 ? 6 : 0) aw
     const int chunks = rows / 8;
     for (int i = threadIdx.x; i < M * chunks; i += kPackedThreads) {
       const int mm = i / chunks, c = i - mm * chunks;
-      const T* g = x + static_cast<int64_t>(mm) * 2 * k + kb0 + 8 * c;
+      const int64_t at = static_cast<int64_t>(mm) * 2 * k + kb0 + 8 * c;
       float gf[8], uf[8];
-      unpack8<T>(__ldg(reinterpret_cast<const uint4*>(g)), gf);
-      unpack8<T>(__ldg(reinterpret_cast<const uint4*>(g + k)), uf);
+      bool f32 = false;
+      if constexpr (kSums) f32 = side.x_f32;
+      if (f32) {
+        // gate_up's fp32 sums: rounded to T first, as the GEMV's own conversion would have.
+        const float4* g4 = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(x) + at);
+        const float4* u4 = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(x) + at + k);
+        const float4 ga = __ldcg(g4), gb = __ldcg(g4 + 1), ua = __ldcg(u4), ub = __ldcg(u4 + 1);
+        const float gv[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
+        const float uv[8] = {ua.x, ua.y, ua.z, ua.w, ub.x, ub.y, ub.z, ub.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) gf[j] = round_to<T>(gv[j]), uf[j] = round_to<T>(uv[j]);
+      } else {
+        unpack8<T>(__ldg(reinterpret_cast<const uint4*>(x + at)), gf);
+        unpack8<T>(__ldg(reinterpret_cast<const uint4*>(x + at + k)), uf);
+      }
 #pragma unroll
       for (int j = 0; j < 8; ++j) gf[j] = act_f<ACT>(gf[j]) * uf[j];
       *reinterpret_cast<uint4*>(xs_block + mm * rows + 8 * c) = pack8<T>(gf);
@@ -534,7 +566,7 @@ void launch_act(const GemvPackedArgs& a, cudaStream_t stream, int* resident) {
              reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz), static_cast<const T*>(a.bias),
              static_cast<T*>(a.out), a.workspace, a.counters, a.n, a.k, a.group_size, a.steps_per_warp,
              NormIn{a.residual, a.norm_weight, a.res_out, a.eps, a.offset}, a.early_loads, a.prefetch_batches,
-             a.sums);
+             a.sums, SumsSide{reinterpret_cast<float4*>(a.zero), a.zero_len4, a.x_f32});
 }
 
 template <typename T, int M>

@@ -58,6 +58,12 @@ struct PackedArgs {
   // awq_gemv_packed_sums / _act_sums (the GEMV, M <= kPackedActMaxM): [M, N] fp32 zeroed by an
   // earlier kernel, which the blocks add their tiles into instead of writing out; else null.
   float* sums;
+  // The sums forms only. zero: zero_len4 float4s (16-byte aligned) the blocks fill with zeros after
+  // their PDL wait, a later projection's sums (awq_gemv_packed_sums' `zero`; else null). x_f32:
+  // (_act_sums) gate_up is fp32 sums [M, 2K], rounded to the activation dtype as it is read.
+  float* zero;
+  int64_t zero_len4;
+  bool x_f32;
 };
 using GemvPackedArgs = PackedArgs;
 constexpr int kPackedActMaxM = 2;

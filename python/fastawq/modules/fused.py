@@ -347,7 +347,9 @@ class FusedDecoderLayer(nn.Module):
         """The dense layer with o_proj and down adding into fp32 sums (awq_gemv_packed_sums /
         _act_sums) that the norm before each zeroes in its own launch and the norm after each reads:
         neither projection ends with a fence, arrival count and conversion pass. None where the
-        compiled GEMV forms do not serve these rows (then the usual path)."""
+        compiled GEMV forms do not serve these rows (then the usual path). With dense_gu_sums_out,
+        gate_up adds into fp32 sums too (zeroed by o_proj's launch), which the down projection's
+        act prologue rounds as it reads them."""
         c, attn, mlp = self.cfg, self.self_attn, self.mlp
         h = x.shape[-1]
         rows, dtype = x.numel() // h, residual.dtype
@@ -357,21 +359,43 @@ class FusedDecoderLayer(nn.Module):
         if not (_gemv_form_fits("awq_gemv_packed_sums", rows, dtype, x.device, attn.o_proj, backend)
                 and _gemv_form_fits("awq_gemv_packed_act_sums", rows, dtype, x.device, mlp.down_proj, backend)):
             return None
+        gu = mlp.gate_up_proj
+        gu_sums = None
+        if dense_gu_sums_out() and gu.out_features == 2 * mlp.down_proj.in_features \
+                and _gemv_form_fits("awq_gemv_packed_sums", rows, dtype, x.device, gu, backend):
+            gu_sums = torch.empty((rows, gu.out_features), dtype=torch.float32, device=x.device)
         o_sums = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         h1, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, c.eps, c.norm_offset,
                                         backend=backend, zero=o_sums)
         o = attn.attend(attn.qkv_proj(h1), positions, start, lens, max_len, backend)
         wp, sz, bias = _packed_operands(attn.o_proj, dtype)
         torch.ops.fastawq.awq_gemv_packed_sums(o.reshape(rows, -1).contiguous(), wp, sz, h, attn.o_proj.group_size,
-                                               bias, o_sums.view(rows, h))
+                                               bias, o_sums.view(rows, h), gu_sums)
         d_sums = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         h2, residual = ops.add_rms_norm(o_sums, residual, self.post_attention_layernorm.weight, c.eps, c.norm_offset,
                                         backend=backend, zero=d_sums)
-        gate_up = mlp.gate_up_proj(h2)
+        if gu_sums is not None:
+            wp, sz, bias = _packed_operands(gu, dtype)
+            torch.ops.fastawq.awq_gemv_packed_sums(h2.reshape(rows, -1).contiguous(), wp, sz, gu.out_features,
+                                                   gu.group_size, bias, gu_sums)
+            gate_up = gu_sums
+        else:
+            gate_up = gu(h2)
         wp, sz, bias = _packed_operands(mlp.down_proj, dtype)
         torch.ops.fastawq.awq_gemv_packed_act_sums(gate_up.reshape(rows, -1).contiguous(), wp, sz, h,
                                                    mlp.down_proj.group_size, bias, mlp.act, d_sums.view(rows, h))
         return d_sums, residual
+
+
+def dense_gu_sums_out() -> bool:
+    """FASTAWQ_DENSE_GU_SUMS=1 (an A/B switch, off, not yet measured on a GPU; read at each call, so
+    a captured graph keeps the setting it was captured with): in the dense-sums layer
+    (dense_sums_out) gate_up also adds into fp32 sums, which o_proj's launch zeroes and the down
+    projection's act prologue rounds as it reads them: gate_up's launch ends without its fence,
+    arrival count and conversion pass, as o_proj's and down's do."""
+    from fastawq import backend as backend_mod
+
+    return backend_mod.env_switch(b"FASTAWQ_DENSE_GU_SUMS") == "1"
 
 
 def dense_sums_out() -> bool:

@@ -259,18 +259,25 @@ def _register_fakes() -> None:
     if _ext.has_op("awq_gemv_packed_sums"):
 
         @torch.library.register_fake("fastawq::awq_gemv_packed_sums")
-        def _(x, wpacked, szpacked, n, group_size, bias, sums):
+        def _(x, wpacked, szpacked, n, group_size, bias, sums, zero=None):
             _check_packed_call(x, wpacked, szpacked, n)
             torch._check(x.shape[0] <= 2 and tuple(sums.shape) == (x.shape[0], n) and sums.dtype == torch.float32,
                          lambda: f"awq_gemv_packed_sums: x {tuple(x.shape)} (M <= 2), sums {tuple(sums.shape)} "
                                  f"{sums.dtype} (fp32 [M, {n}])")
+            if zero is not None:
+                torch._check(zero.dtype == torch.float32 and zero.numel() % 4 == 0,
+                             lambda: f"awq_gemv_packed_sums: zero {tuple(zero.shape)} {zero.dtype} must be fp32, "
+                                     "a multiple of 4 elements")
 
     if _ext.has_op("awq_gemv_packed_act_sums"):
 
         @torch.library.register_fake("fastawq::awq_gemv_packed_act_sums")
         def _(gate_up, wpacked, szpacked, n, group_size, bias, act, sums):
+            # gate_up: the activation dtype (szpacked's), or fp32 sums (FASTAWQ_DENSE_GU_SUMS).
             torch._check(gate_up.dim() == 2 and gate_up.shape[1] == 2 * wpacked.shape[0] * 8 and gate_up.shape[0] <= 2,
                          lambda: f"gate_up {tuple(gate_up.shape)} must be [M <= 2, 2K] for wpacked {tuple(wpacked.shape)}")
+            torch._check(gate_up.dtype in (szpacked.dtype, torch.float32),
+                         lambda: f"gate_up {gate_up.dtype} must be {szpacked.dtype} (szpacked's) or fp32 sums")
             torch._check(tuple(sums.shape) == (gate_up.shape[0], n) and sums.dtype == torch.float32,
                          lambda: f"sums {tuple(sums.shape)} {sums.dtype} must be fp32 [M, {n}]")
 
