@@ -43,20 +43,21 @@ GROUP = 128
 
 
 # Compiled kernels on the packed layout a `--kernels` column may force, and their largest M.
-KERNEL_MAX_M = {"gemv": repack.MAX_M, "mma": repack.MMA_MAX_M, "gemm": 1 << 30, "wgmma": 1 << 30}
+KERNEL_MAX_M = {"gemv": repack.MAX_M, "mma": repack.MMA_MAX_M, "gemm": 1 << 30, "wgmma": 1 << 30, "wgmmaws": 1 << 30}
 _PACKED: dict[int, list] = {}
 
 
 def _kernel_caller(col: str, awq: list[tuple], x: torch.Tensor, n: int):
     """fn(i) for a "kernel:gemv[:WARPS_PER_SM]", "kernel:mma[:CHUNKS:WARPS_PER_SM]",
     "kernel:gemm[:M_TILES:CHUNKS:SPLITS]" or "kernel:wgmma[:TOKENS:SPLITS]" column (None where M is beyond the kernel); 0 or nothing: the
-    kernel's automatic tile and grid."""
+    kernel's automatic tile and grid. "wgmmaws" is wgmma in its warp-specialized form
+    (FASTAWQ_WGMMA_FORM=ws, set around each call: the host reads it at each call, a graph at capture)."""
     name, *tile = col.removeprefix("kernel:").split(":")
     if name == "gemv":
         chunks, warps = 0, (int(tile[0]) if tile else 0)
     elif name == "gemm":
         m_tiles, chunks, splits = map(int, tile) if tile else (0, 0, 0)
-    elif name == "wgmma":
+    elif name in ("wgmma", "wgmmaws"):
         tokens, splits = map(int, tile) if tile else (0, 0)
     else:
         chunks, warps = (int(tile[0]), int(tile[1])) if tile else (0, 0)
@@ -73,6 +74,18 @@ def _kernel_caller(col: str, awq: list[tuple], x: torch.Tensor, n: int):
         return lambda i: torch.ops.fastawq.awq_gemm_packed(x, *packed[i], n, GROUP, None, m_tiles, chunks, splits)
     if name == "wgmma":
         return lambda i: torch.ops.fastawq.awq_wgmma_packed(x, *packed[i], n, GROUP, None, tokens, splits)
+    if name == "wgmmaws":
+        def ws_call(i):
+            before = os.environ.get("FASTAWQ_WGMMA_FORM")
+            os.environ["FASTAWQ_WGMMA_FORM"] = "ws"
+            try:
+                return torch.ops.fastawq.awq_wgmma_packed(x, *packed[i], n, GROUP, None, tokens, splits)
+            finally:
+                if before is None:
+                    del os.environ["FASTAWQ_WGMMA_FORM"]
+                else:
+                    os.environ["FASTAWQ_WGMMA_FORM"] = before
+        return ws_call
     return lambda i: torch.ops.fastawq.awq_mma_packed(x, *packed[i], n, GROUP, None, chunks, warps)
 
 
@@ -232,7 +245,7 @@ def main() -> int:
     ap.add_argument("--kernels", default="", help="comma list of compiled kernels on the packed layout, forced: "
                     "gemv, gemv:WARPS_PER_SM, mma, mma:CHUNKS:WARPS_PER_SM (a tile of the swap-AB tensor-core "
                     "kernel), gemm, gemm:M_TILES:CHUNKS:SPLITS (the tensor-core kernel with the batch as the mma's M), "
-                    "wgmma or wgmma:TOKENS:SPLITS (the warpgroup-MMA kernel, sm_90a)")
+                    "wgmma or wgmma:TOKENS:SPLITS (the warpgroup-MMA kernel, sm_90a; wgmmaws: its warp-specialized form)")
     ap.add_argument("--shapes", default="", help="comma list of KxN layer shapes (default: the four Llama-3-8B "
                     "shapes of TARGETS.md), e.g. 2048x5120,4096x2048 for Qwen3-30B-A3B's attention projections")
     ap.add_argument("--dtypes", default="float16")

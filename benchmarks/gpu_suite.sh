@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 targets wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 targets wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -376,6 +376,20 @@ if [[ " $stages " == *" unrun22 "* ]]; then
     | grep -A8 "^| dtype" || status=1
   FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_WARPGROUPS=2,1 \
     --shape llama-3-8b --batches 24,32 --layout packed --decode 64 --rounds 1 2>&1 | grep -E "^\||on / off" || status=1
+fi
+if [[ " $stages " == *" wgmma_ws "* ]]; then
+  step wgmma_ws
+  # awq_wgmma_packed's warp-specialized form (FASTAWQ_WGMMA_FORM=ws, session 22, never run), ~5 min:
+  # its tests up to the first failure (each bounded: an mbarrier protocol error hangs, it does not
+  # fail), memcheck, then the kernel table against the session-21 form and cuBLAS in one run.
+  FASTAWQ_WGMMA_FORM=ws timeout 60 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py \
+    -k "warp_specialized_every" 2>&1 | tail -6 || status=1
+  timeout 150 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "warp_specialized" 2>&1 \
+    | tail -6 || status=1
+  FASTAWQ_WGMMA_FORM=ws timeout 120 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py \
+    2>&1 | tail -3 || status=1
+  timeout 200 python benchmarks/gemm_table.py --kernels wgmma,wgmmaws --dtypes float16,bfloat16 \
+    --ms 32,64,128,256,1024,4096 --out "$OUT/wgmma_ws" 2>&1 | grep -A16 "^| dtype" || status=1
 fi
 if [[ " $stages " == *" targets "* ]]; then
   step targets

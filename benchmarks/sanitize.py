@@ -62,17 +62,23 @@ def main() -> None:
                     assert_close_to_reference(out, x, qw, s, qz, g, bias)
                     n_calls += 1
                 if hasattr(ops, "awq_wgmma_packed") and not ops.awq_wgmma_packed_declines():
-                    # Its A/B switches (read at each call): one-warpgroup blocks, the 4- and 8-slot rings.
-                    for env in ({"FASTAWQ_WGMMA_WARPGROUPS": "1"}, {"FASTAWQ_WGMMA_DEPTH": "4"},
-                                {"FASTAWQ_WGMMA_DEPTH": "8"}):
+                    # Its A/B switches (read at each call): one- and two-warpgroup blocks, the 4- and
+                    # 8-slot rings, the warp-specialized form.
+                    for env in ({"FASTAWQ_WGMMA_WARPGROUPS": "1"}, {"FASTAWQ_WGMMA_WARPGROUPS": "2"},
+                                {"FASTAWQ_WGMMA_DEPTH": "4"}, {"FASTAWQ_WGMMA_DEPTH": "8"},
+                                {"FASTAWQ_WGMMA_FORM": "ws"}):
+                        before = {name: os.environ.get(name) for name in env}
                         os.environ.update(env)
                         for m, tile in ((17, ()), (130, (128, 3)), (70, (64, k // 32))):
                             x = random_input((m, k), "cuda", dtype, seed=m)
                             out = ops.awq_wgmma_packed(x, wp, sz, n, g, bias, *tile)
                             assert_close_to_reference(out, x, qw, s, qz, g, bias)
                             n_calls += 1
-                        for name in env:
-                            del os.environ[name]
+                        for name, value in before.items():  # what the caller set stays set
+                            if value is None:
+                                del os.environ[name]
+                            else:
+                                os.environ[name] = value
                 if hasattr(ops, "awq_gemv_packed_act"):
                     for m in (1, 2):  # act(gate) * up staged in shared memory
                         gu = random_input((m, 2 * k), "cuda", dtype, seed=m + 1)

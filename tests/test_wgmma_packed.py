@@ -210,6 +210,39 @@ def test_every_tile_and_split(tokens, splits, m, dtype):
 
 
 @requires_kernel
+@pytest.mark.parametrize("k,n,g", GPU_SHAPES)
+@pytest.mark.parametrize("m", [1, 17, 33, 65, 129, 300])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_warp_specialized_form_matches_reference(monkeypatch, k, n, g, m, dtype):
+    # FASTAWQ_WGMMA_FORM=ws (read at each call): two consumer warpgroups fed through mbarriers by a
+    # producer warpgroup, on every edge shape and across the token tiles; a second call with a bias
+    # (the split-K workspace was re-zeroed, the producer warpgroup joined the conversion).
+    monkeypatch.setenv("FASTAWQ_WGMMA_FORM", "ws")
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=k + n + m + 1)
+    x = random_input((m, k), "cuda", dtype, seed=m + 1)
+    assert_close_to_reference(_poisoned_call(x, wp, sz, n, g), x, qw, s, qz, g)
+    bias = random_input((n,), "cuda", dtype, seed=8)
+    x2 = random_input((m, k), "cuda", dtype, seed=m + 101)
+    assert_close_to_reference(_poisoned_call(x2, wp, sz, n, g, bias), x2, qw, s, qz, g, bias)
+
+
+@requires_kernel
+@pytest.mark.parametrize("tokens", [32, 64, 128])
+@pytest.mark.parametrize("splits", [1, 3, 5, 64])
+@pytest.mark.parametrize("m", [5, 70, 200])
+def test_warp_specialized_every_tile_and_split(monkeypatch, tokens, splits, m):
+    # The ws form on forced tiles and splits: 64 of 64 steps is one step a block (shorter than the
+    # producer's lead of 5), 5 gives odd ranges of 13 (the consumers' last step alone), 1 the whole
+    # K through the 8-slot ring many times (every mbarrier phase flips).
+    monkeypatch.setenv("FASTAWQ_WGMMA_FORM", "ws")
+    k, n, g = 2048, 392, 128
+    qw, s, qz, wp, sz = _setup(k, n, g, torch.float16, seed=tokens + splits + m + 1)
+    x = random_input((m, k), "cuda", torch.float16, seed=m + 2)
+    bias = random_input((n,), "cuda", torch.float16, seed=5)
+    assert_close_to_reference(_poisoned_call(x, wp, sz, n, g, bias, tokens, splits), x, qw, s, qz, g, bias)
+
+
+@requires_kernel
 @pytest.mark.parametrize("depth", ["4", "8"])
 @pytest.mark.parametrize("tokens", [32, 64, 128])
 @pytest.mark.parametrize("splits", [0, 3, 64])

@@ -227,6 +227,13 @@ int wgmma_warpgroups(int64_t tokens) {
   return tokens <= 32 ? 1 : 2;
 }
 
+// FASTAWQ_WGMMA_FORM=ws (an A/B switch, read at each call): awq_wgmma_packed's warp-specialized form
+// (awq_wgmma_packed_sm90.cu; session 22, not yet run on a GPU); anything else the form of session 21.
+bool wgmma_ws_form() {
+  const char* v = std::getenv("FASTAWQ_WGMMA_FORM");
+  return v != nullptr && std::string(v) == "ws";
+}
+
 // The sums tensor of awq_gemv_packed_sums / _act_sums: fp32 [M, N] on x's device, contiguous.
 void check_sums(const char* op, const at::Tensor& sums, int64_t m, int64_t n, const c10::Device& device) {
   FASTAWQ_CHECK(sums.dim() == 2 && sums.size(0) == m && sums.size(1) == n && sums.scalar_type() == at::kFloat &&
@@ -526,7 +533,8 @@ at::Tensor awq_wgmma_packed(const at::Tensor& x, const at::Tensor& wpacked, cons
   WgmmaPackedArgs a{};
   a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
   a.tokens = static_cast<int>(tokens);
-  a.warpgroups = wgmma_warpgroups(tokens);
+  a.ws = wgmma_ws_form();
+  a.warpgroups = a.ws ? 2 : wgmma_warpgroups(tokens);
   const int64_t token_tiles = (m + tokens - 1) / tokens;
   a.token_tiles = static_cast<int>(token_tiles);
   // One wave: (token tile, column tile) slices times K splits of >= 4 steps (the ring's depth less

@@ -125,7 +125,10 @@ inline int wgmma_packed_tile_cols(int warpgroups) { return 128 * warpgroups; }
 struct WgmmaPackedArgs : PackedArgs {
   int tokens;       // batch rows a block
   int token_tiles;  // blocks along M: ceil(M / tokens)
-  int warpgroups;   // 1 or 2 (FASTAWQ_WGMMA_WARPGROUPS, read at each call; default 2)
+  int warpgroups;   // 1 or 2 (wgmma_warpgroups in awq_gemv_packed.cpp)
+  // The warp-specialized form (FASTAWQ_WGMMA_FORM=ws, read at each call): two consumer warpgroups
+  // on 256 columns and a producer warp doing the copies, meeting through mbarriers.
+  bool ws;
 };
 
 void launch_awq_wgmma_packed(const WgmmaPackedArgs& args, cudaStream_t stream);

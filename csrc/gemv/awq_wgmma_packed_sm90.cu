@@ -409,6 +409,316 @@ __global__ void __launch_bounds__(kThreads<WG>, kMinBlocks<NT, WG>) awq_wgmma_pa
 #endif
 }
 
+// --- The warp-specialized form (FASTAWQ_WGMMA_FORM=ws, an A/B switch; session 22, not yet run) ---
+// Session 21's profile of the form above: one 8-warp block an SM, ~167 instructions a warp a step
+// at 8.1 cycles between issues, against 512 tensor-core cycles a step at 128 tokens: each warp's
+// own stream (the block barrier, its cp.async copies and waits, x's permutation, the dequantization)
+// sets the step. Here two warpgroups (the consumers) only dequantize and issue wgmmas, and a third
+// (the producer) does every copy and x's permutation; they meet through mbarriers, not a block
+// barrier. setmaxnreg moves registers from the producer (kWsProducerRegs) to the consumers
+// (kWsConsumerRegs): ptxas allots a 384-thread block 168 a thread, fewer than the 211 the 128-token
+// accumulators and two A sets need.
+//   full[slot] (128 arrivals, the producer's threads): the slot's weights (cp.async, 16 bytes for
+//     each consumer thread) have landed and x's planes are written (st.shared, then
+//     fence.proxy.async so the wgmmas' async-proxy reads see them); each producer thread's
+//     wait_group and its arrive's release order both before the consumers' acquiring wait.
+//   empty[slot] (8 arrivals, one a consumer warp): every wgmma that read the slot's planes is done
+//     (the warp waited for its warpgroup's groups up to it).
+// A consumer step: wait full, one 16-byte shared load of its weights, wgmma_wait<1> (the step two
+// back is done: its register set is free and its slot is released), dequantize, 4 wgmmas, commit.
+// The producer keeps D = P - 3 steps of copies in flight: it refills a slot once the step P before
+// is released, which the consumers do two steps after consuming it, so a lead of D <= P - 3 cannot
+// wait on itself. x comes through a private ring of D + 1 raw slots (cp.async, each thread's own
+// 16-byte items, read back by the same thread: wait_group alone orders them) and is permuted into
+// the planes as in the form above.
+template <int NT>
+constexpr int kWsSlotBytes = kXBytes<NT> + 256 * 16;  // the planes, then the consumers' weights
+constexpr int kWsThreads = 384;
+constexpr int kWsProducerRegs = 56, kWsConsumerRegs = 224;  // 128 x 56 + 256 x 224 <= 65,536
+template <int NT, int P>
+constexpr int kWsSmem = P * kWsSlotBytes<NT> + (P - 2) * kXBytes<NT>;
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+#ifdef FASTAWQ_WGMMA_DEVICE
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+#ifdef FASTAWQ_WGMMA_DEVICE
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
+#endif
+}
+// Spin until the phase of parity `parity` of the barrier has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+#ifdef FASTAWQ_WGMMA_DEVICE
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+#endif
+}
+template <int R>
+__device__ __forceinline__ void set_max_regs_dec() {
+#ifdef FASTAWQ_WGMMA_DEVICE
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
+#endif
+}
+template <int R>
+__device__ __forceinline__ void set_max_regs_inc() {
+#ifdef FASTAWQ_WGMMA_DEVICE
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
+#endif
+}
+
+template <typename T, int NT, int P>
+__global__ void __launch_bounds__(kWsThreads, 1) awq_wgmma_ws_kernel(
+    const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
+    T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int m, int n, int k, int group_size,
+    int steps_per_block) {
+#ifdef FASTAWQ_WGMMA_DEVICE
+  using Tr = HalfTraits<T>;
+  using T2 = typename Tr::T2;
+  static_assert(P >= 4, "the producer's lead is P - 3 steps");
+  constexpr int D = P - 3;          // steps of copies in flight ahead of the step being published
+  constexpr int R = D + 1;          // the producer's raw x slots
+  constexpr int kPlane = NT * 16;   // bytes between the x planes (core matrices adjacent in K)
+  constexpr int kC4 = 64;           // 4-column chunks of the block's tile (2 warpgroups x 128 columns)
+  constexpr int kXq = NT / 32;      // a producer thread's 16-byte x items a step (4 NT in all)
+  extern __shared__ __align__(128) uint8_t ring_smem[];
+  __shared__ __align__(8) uint64_t full_bar[P], empty_bar[P];
+  __shared__ int is_last;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int n4 = n >> 2;
+  const int tok0 = blockIdx.x * NT;
+  const int s_total = k / kPackedBatchRows;
+  const int s0 = blockIdx.z * steps_per_block;
+  const int s1 = min(s0 + steps_per_block, s_total);
+  const int nsteps = max(s1 - s0, 0);
+  const uint32_t base = pinned(smem_addr(ring_smem));
+  const auto slot_at = [&](int slot) { return base + slot * kWsSlotBytes<NT>; };
+  const uint32_t full0 = smem_addr(&full_bar[0]), empty0 = smem_addr(&empty_bar[0]);
+  if (tid == 0) {
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      mbar_init(full0 + 8 * i, 128);
+      mbar_init(empty0 + 8 * i, 8);
+    }
+  }
+  __syncthreads();
+
+  if (warp >= 8) {
+    // ---- the producer warpgroup ----
+    set_max_regs_dec<kWsProducerRegs>();
+    const int pt = tid - 256;
+    const int64_t w_step = 4 * static_cast<int64_t>(n4);
+    // Weights: items pt and pt + 128 of the step's 256 (16 bytes each): item i is row 4 s + t of
+    // wpacked (t = i / 64) at chunk c4_base + i % 64, for consumer thread 32 (c / 8) + 4 (c % 8) + t
+    // (c = i % 64; the thread's c4 in the form above): a warp's 32 items are 512 contiguous bytes.
+    const int c = pt & 63, t0 = pt >> 6;
+    const int c4w = blockIdx.y * kC4 + c;
+    const bool w_ok = c4w < n4;
+    const uint4* w_src = wp + (static_cast<int64_t>(s0) * 4 + t0) * n4 + (w_ok ? c4w : 0);
+    const uint32_t w_dst = kXBytes<NT> + (32 * (c >> 3) + 4 * (c & 7) + t0) * 16;
+    const auto issue_w = [&](int slot, int i) {  // step s0 + i's weights into slot
+      const uint4* src = w_src + static_cast<int64_t>(i) * w_step;
+      cp_async16_at(slot_at(slot) + w_dst, src, w_ok);
+      cp_async16_at(slot_at(slot) + w_dst + 2 * 16, src + 2 * static_cast<int64_t>(n4), w_ok);  // t0 + 2
+    };
+    // x: items pt + 128 q (q < NT / 32) of the step's 4 NT: token j / 4 (clamped to row M - 1: it
+    // feeds only outputs never stored), 16-byte chunk j % 4 of the step's 32 k; raw at 16 j of its
+    // raw slot, in the planes at (token / 8) 128 + (token % 8) 16 + 4 (j % 4) (+ plane h for word h).
+    const uint32_t raw0 = base + P * kWsSlotBytes<NT>;
+    const T* x_row[kXq];
+    uint32_t x_dst[kXq];
+#pragma unroll
+    for (int q = 0; q < kXq; ++q) {
+      const int j = pt + 128 * q, tok = j >> 2, tc = j & 3;
+      x_row[q] = x + static_cast<int64_t>(min(tok0 + tok, m - 1)) * k + 8 * tc +
+                 static_cast<int64_t>(s0) * kPackedBatchRows;
+      x_dst[q] = (tok >> 3) * 128 + (tok & 7) * 16 + 4 * tc;
+    }
+    const auto issue_x = [&](int raw, int i) {
+#pragma unroll
+      for (int q = 0; q < kXq; ++q) {
+        cp_async16_at(raw0 + raw * kXBytes<NT> + (pt + 128 * q) * 16, x_row[q] + i * kPackedBatchRows, true);
+      }
+    };
+    const auto permute_x = [&](int raw, int slot) {
+#pragma unroll
+      for (int q = 0; q < kXq; ++q) {
+        const uint4 r = ld_shared128_at(raw0 + raw * kXBytes<NT> + (pt + 128 * q) * 16);
+        const uint32_t at = slot_at(slot) + x_dst[q];
+        st_shared32_at(at, r.x);
+        st_shared32_at(at + kPlane, r.y);
+        st_shared32_at(at + 2 * kPlane, r.z);
+        st_shared32_at(at + 3 * kPlane, r.w);
+      }
+    };
+    // The first D steps' weights before the PDL wait (no kernel that can launch this one early
+    // writes weights: awq_gemv_packed.h), their x after it; all waited for at the first step.
+    for (int i = 0; i < D && i < nsteps; ++i) issue_w(i, i);
+    cp_async_commit();
+    pdl_wait();
+    pdl_launch_dependents();
+    for (int i = 0; i < D && i < nsteps; ++i) issue_x(i, i);
+    cp_async_commit();
+    cp_async_wait<0>();
+#pragma unroll 1
+    for (int i = 0; i < nsteps; ++i) {
+      const int ahead = i + D;  // the step whose copies go out now
+      if (ahead < nsteps) {
+        const int slot = ahead % P;
+        if (ahead >= P) mbar_wait(empty0 + 8 * slot, ((ahead - P) / P) & 1);  // step ahead - P released
+        issue_w(slot, ahead);
+        issue_x(ahead % R, ahead);
+      }
+      cp_async_commit();
+      cp_async_wait<D>();  // step i's copies (committed D groups ago, or in the prologue) landed
+      permute_x(i % R, i % P);
+      fence_proxy_async_shared();
+      mbar_arrive(full0 + 8 * (i % P));
+    }
+    cp_async_wait<0>();
+  } else {
+    // ---- the consumers: two warpgroups on 128 columns each ----
+    set_max_regs_inc<kWsConsumerRegs>();
+    const int g = lane >> 2, t = lane & 3;
+    const int c4 = static_cast<int>(pinned(blockIdx.y * kC4 + warp * 8 + g));
+    const bool col_ok = c4 < n4;  // n % 8 == 0: whole 4-column chunks
+    const int steps_per_group = group_size / kPackedBatchRows;
+    pdl_wait();
+    pdl_launch_dependents();
+
+    const uint4* sz_lane = sz + static_cast<int64_t>(s0 / steps_per_group) * n4 + c4;
+    uint4 sv_next = make_uint4(0, 0, 0, 0);
+    const auto load_scales = [&]() {
+      if (col_ok) sv_next = __ldg(sz_lane);
+    };
+    T2 zm[4], sc[4];  // per column: (magic + z) and s in both halves
+    const auto set_group = [&]() {
+      const T* p = reinterpret_cast<const T*>(&sv_next);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const T z = __hadd(Tr::from_float(Tr::kMagic), p[2 * j + 1]);  // magic + z, exact
+        zm[j] = T2{z, z};
+        sc[j] = T2{p[2 * j], p[2 * j]};
+      }
+    };
+    if (nsteps > 0) {
+      load_scales();
+      set_group();
+    }
+    int group_left = steps_per_group - s0 % steps_per_group;
+
+    float acc[2][NT / 2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int r = 0; r < NT / 2; ++r) acc[i][r] = 0.f;
+    uint32_t af[2][2][2][4];  // [set][m-tile i][k-step h][register]
+
+    const auto step = [&](int i, auto set_c) {
+      constexpr int SET = decltype(set_c)::value;
+      const int slot = i % P;
+      mbar_wait(full0 + 8 * slot, (i / P) & 1);
+      if (group_left == 1 && i + 1 < nsteps) {
+        sz_lane += n4;
+        load_scales();
+      }
+      const uint4 w = ld_shared128_at(slot_at(slot) + kXBytes<NT> + tid * 16);
+      // Step i - 2's wgmmas are done (step i - 1's may still run): its register set is free and its
+      // slot goes back to the producer.
+      wgmma_wait<1>();
+      if (i >= 2) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty0 + 8 * ((i - 2) % P));
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t lo = h == 0 ? w.x : w.z, hi = h == 0 ? w.y : w.w;  // words 2h, 2h + 1
+        const uint32_t lo4 = lo >> 4, hi4 = hi >> 4;
+        af[SET][0][h][0] = dequant_pair<T>(column_pair<T, 0>(lo, lo4), zm[0], sc[0]);
+        af[SET][0][h][1] = dequant_pair<T>(column_pair<T, 1>(lo, lo4), zm[1], sc[1]);
+        af[SET][0][h][2] = dequant_pair<T>(column_pair<T, 0>(hi, hi4), zm[0], sc[0]);
+        af[SET][0][h][3] = dequant_pair<T>(column_pair<T, 1>(hi, hi4), zm[1], sc[1]);
+        af[SET][1][h][0] = dequant_pair<T>(column_pair<T, 2>(lo, lo4), zm[2], sc[2]);
+        af[SET][1][h][1] = dequant_pair<T>(column_pair<T, 3>(lo, lo4), zm[3], sc[3]);
+        af[SET][1][h][2] = dequant_pair<T>(column_pair<T, 2>(hi, hi4), zm[2], sc[2]);
+        af[SET][1][h][3] = dequant_pair<T>(column_pair<T, 3>(hi, hi4), zm[3], sc[3]);
+      }
+#pragma unroll
+      for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int r = 0; r < NT / 2; ++r) fence_operand(acc[a][r]);
+      wgmma_fence();
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint64_t desc = smem_desc(slot_at(slot) + 2 * h * kPlane, kPlane, 128);
+        Wgmma<T>::run(acc[0], af[SET][0][h], desc);
+        Wgmma<T>::run(acc[1], af[SET][1][h], desc);
+      }
+      wgmma_commit();
+#pragma unroll
+      for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int r = 0; r < NT / 2; ++r) fence_operand(acc[a][r]);
+      if (--group_left == 0) {
+        group_left = steps_per_group;
+        set_group();
+      }
+    };
+
+    int i = 0;
+#pragma unroll 1
+    for (; i + 1 < nsteps; i += 2) {
+      step(i, std::integral_constant<int, 0>{});
+      step(i + 1, std::integral_constant<int, 1>{});
+    }
+    if (i < nsteps) step(i, std::integral_constant<int, 0>{});
+    wgmma_wait<0>();
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+      for (int r = 0; r < NT / 2; ++r) fence_operand(acc[a][r]);
+
+    const bool split = gridDim.z > 1;
+#pragma unroll
+    for (int j = 0; j < NT / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int tok = tok0 + 8 * j + 2 * t + e;
+        if (tok >= m || !col_ok) continue;
+        const float v[4] = {acc[0][4 * j + e], acc[0][4 * j + 2 + e], acc[1][4 * j + e], acc[1][4 * j + 2 + e]};
+        const int64_t at = static_cast<int64_t>(tok) * n + 4 * c4;
+        if (split) {
+          red_add4(ws + at, make_float4(v[0], v[1], v[2], v[3]));
+        } else {
+          T o[4];
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj) {
+            o[jj] = Tr::from_float(bias != nullptr ? v[jj] + Tr::to_float(bias[4 * c4 + jj]) : v[jj]);
+          }
+          *reinterpret_cast<uint2*>(out + at) = *reinterpret_cast<const uint2*>(o);
+        }
+      }
+  }
+  if (gridDim.z == 1) return;
+
+  // The last block of this (token tile, column tile) to arrive converts the sums and zeroes them
+  // again (one fence a block; the producer warpgroup joins its barriers and conversion).
+  const auto store4 = [&](int64_t at, int c4o, const float (&v)[4]) {
+    T o[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) o[j] = Tr::from_float(bias != nullptr ? v[j] + Tr::to_float(bias[4 * c4o + j]) : v[j]);
+    *reinterpret_cast<uint2*>(out + at) = *reinterpret_cast<const uint2*>(o);
+  };
+  gemv::convert_when_last<false, kWsThreads>(ws, counters, is_last, tok0, NT, m, blockIdx.y * kC4, kC4, n, store4);
+#endif
+}
+
 // The ring's depth: 6 slots by default (5 steps of weights and x in flight while one is consumed),
 // 48 / 72 / 120 KB a block at NT = 32 / 64 / 128. FASTAWQ_WGMMA_DEPTH=4 or 8 (an A/B switch, read at
 // each call, so a graph keeps the one it was captured with, and the plan's occupancy query sees the
@@ -443,8 +753,26 @@ void launch_wg(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
   }
 }
 
+// The warp-specialized form: 8 slots (a lead of 5 steps), 96 + 48 KB a block at NT = 128.
+template <typename T, int NT>
+void launch_ws(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
+  constexpr int P = 8;
+  constexpr auto kernel = awq_wgmma_ws_kernel<T, NT, P>;
+  constexpr int kSmem = kWsSmem<NT, P>;
+  opt_in_shared_memory<kernel>(kSmem);
+  if (resident != nullptr) {
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, kWsThreads, kSmem);
+    return;
+  }
+  launch_pdl(kernel, dim3(a.token_tiles, a.col_tiles, a.splits), dim3(kWsThreads), kSmem, stream,
+             static_cast<const T*>(a.x), reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz),
+             static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.m, a.n, a.k,
+             a.group_size, a.steps_per_warp);
+}
+
 template <typename T, int NT>
 void launch_nt(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
+  if (a.ws) return launch_ws<T, NT>(a, stream, resident);
   if (a.warpgroups == 1) return launch_wg<T, NT, 1>(a, stream, resident);
   launch_wg<T, NT, 2>(a, stream, resident);
 }
