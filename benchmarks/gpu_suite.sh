@@ -360,10 +360,14 @@ if [[ " $stages " == *" wgmma_e2e "* ]]; then
 fi
 if [[ " $stages " == *" unrun22 "* ]]; then
   step unrun22
-  # Session 22's two changes no GPU has run (CUDA_NOTES.md session 22), ~5 min: gate_up's end handed
-  # to the down projection as fp32 sums (FASTAWQ_DENSE_GU_SUMS=1, off) and awq_wgmma_packed's
+  # Session 22's changes no GPU has run (CUDA_NOTES.md session 22), ~7 min: gate_up's end handed
+  # to the down projection as fp32 sums (FASTAWQ_DENSE_GU_SUMS=1, off), an MoE layer's o_proj handed
+  # to the compiled router as fp32 sums (FASTAWQ_MOE_O_SUMS=1, off) and awq_wgmma_packed's
   # one-warpgroup blocks at the 32-token tile (the new default): tests, memcheck, A/Bs.
   timeout 150 python -m pytest -q -p no:cacheprovider tests/test_gemv_packed.py -k sums 2>&1 | tail -2 || status=1
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_moe_op.py -k "fp32_sums or compiled_route" 2>&1 \
+    | tail -2 || status=1
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -k "sums" 2>&1 | tail -2 || status=1
   timeout 150 python -m pytest -q -p no:cacheprovider tests/test_fused.py -k "dense_sums or dense_gu_sums" 2>&1 \
     | tail -2 || status=1
   timeout 200 python -m pytest -q -p no:cacheprovider tests/test_wgmma_packed.py -k "warpgroup or llama or dispatch" \
@@ -372,6 +376,8 @@ if [[ " $stages " == *" unrun22 "* ]]; then
     || status=1
   FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:FASTAWQ_DENSE_GU_SUMS=0,1 \
     --shape llama-3-8b --batches 1,2 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 180 python benchmarks/bench_ab.py --compare env:FASTAWQ_MOE_O_SUMS=0,1 \
+    --shape qwen3-30b-a3b --batches 1,2 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
   timeout 90 python benchmarks/gemm_table.py --kernels wgmma --ms 17,24,32 --out "$OUT/wgmma_wg" 2>&1 \
     | grep -A8 "^| dtype" || status=1
   FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_WARPGROUPS=2,1 \

@@ -14,6 +14,7 @@ from fastawq.generate import HFStepper
 from fastawq.models import architecture_of
 from fastawq.models.moe import moe_spec_of, router_names, unfuse_model, use_fast_experts
 from fastawq.modules.fused import FusedMLP, FusedMoE, fuse_model
+from fastawq.modules.qlinear import set_layout
 from fastawq.quantize import QuantConfig, pack_model
 
 from test_moe_models import tiny_moe
@@ -60,9 +61,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _match_over_decode(arch: str, experts: str, backend: str | None, steps: int, device: str = "cpu",
                        dtype: torch.dtype = torch.float32, graphs: bool = False, tol: float = 1e-4,
-                       batch: int = 2) -> None:
+                       batch: int = 2, layout: str | None = None) -> None:
     ref = tiny_w4_moe(arch, experts, device=device, dtype=dtype)
     fused = fuse_model(copy.deepcopy(ref), max_seq_len=64, batch_size=batch, backend=backend, use_cuda_graphs=graphs)
+    if layout is not None:
+        set_layout(fused, layout)  # after fusing, which concatenates AWQ tensors
     layers = fused.fastawq_runtime.layers
     assert any(isinstance(f.mlp, FusedMoE) for f in layers)
     if arch == "qwen3_moe":
@@ -171,6 +174,34 @@ def test_fused_moe_sums_handed_to_the_next_norm(monkeypatch, arch):
         assert not calls
     else:
         assert calls and set(calls) == {torch.float32}
+
+
+@needs_cuda
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_fused_moe_o_proj_sums_into_the_router(monkeypatch, arch):
+    # FASTAWQ_MOE_O_SUMS=1 (read at each call): an MoE layer's o_proj adds into fp32 sums that the
+    # input norm zeroes and the compiled router's norm reads (moe_route on fp32 x); decode with CUDA
+    # graphs still matches transformers. The tiny configs' 8 experts take the compiled router only
+    # once ROUTE_CUDA_EXPERTS admits them (the automatic choice, measured, starts at 16); its
+    # cluster form, which alone reads fp32 x, needs sm_90.
+    from fastawq import _ext
+    from fastawq import backend as backend_mod
+
+    monkeypatch.setenv("FASTAWQ_MOE_O_SUMS", "1")
+    monkeypatch.setattr(backend_mod, "ROUTE_CUDA_EXPERTS", (1, 1 << 30))
+    f32 = []
+    if _ext.has_op("moe_route"):
+        real = torch.ops.fastawq.moe_route
+
+        def spy(x, *args):
+            f32.append(x.dtype == torch.float32)
+            return real(x, *args)
+
+        monkeypatch.setattr(torch.ops.fastawq, "moe_route", spy)
+    _match_over_decode(arch, "grouped", None, 12, device="cuda", dtype=torch.float16, graphs=True, tol=1e-2, batch=1,
+                       layout="packed")
+    if _ext.has_op("awq_gemv_packed_sums") and backend_mod.is_sm90(torch.device("cuda")):
+        assert any(f32)
 
 
 @needs_cuda

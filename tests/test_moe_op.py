@@ -506,6 +506,40 @@ def test_compiled_route_matches_reference(dtype, t, h, e, k, scoring, renorm, bi
 
 
 @needs_compiled_route
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("t,h,e,k", [(1, 2048, 128, 8), (2, 4096, 8, 2), (2, 6144, 60, 4)])
+def test_compiled_route_takes_fp32_sums(dtype, t, h, e, k):
+    # x as fp32 sums (FASTAWQ_MOE_O_SUMS: o_proj's) beside a half residual: the cluster form rounds x
+    # to the residual's dtype as it reads it, so the call is the one on x rounded first, exactly;
+    # sums off the dtype grid make the rounding matter. Elsewhere the op refuses fp32 x, by name.
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the cluster form (sm_90) alone reads fp32 x")
+    x, res, nw = unit_norm_inputs(t, h, dtype, seed=e + 1)
+    _, w = exact_router(t, h, e, dtype, seed=h + e)
+    x32 = x.float() + random_input((t, h), DEVICE, torch.float32, seed=3) * 1e-3
+    poison_cuda_allocator()
+    got = torch.ops.fastawq.moe_route(x32, res, nw, 1e-6, 0.0, w, k, True, "softmax", None, 1.0)
+    want = torch.ops.fastawq.moe_route(x32.to(dtype), res, nw, 1e-6, 0.0, w, k, True, "softmax", None, 1.0)
+    assert got[2].dtype == dtype and got[3].dtype == dtype
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    # ops.add_rms_norm_route sends fp32 x to the compiled router where it serves (E from 16 to 128 on
+    # its own, H <= 4096), norm_route_takes_sums says so, and the outputs keep the residual's dtype.
+    if 16 <= e <= 128 and h <= 4096:
+        assert ops_moe.norm_route_takes_sums(x32, nw, w, k, "softmax", None, None)
+        h_out, r_out, _, ids = ops_moe.add_rms_norm_route(x32, res, nw, 1e-6, 0.0, w, k)
+        assert h_out.dtype == dtype and torch.equal(h_out, want[2]) and torch.equal(ids, want[1])
+    else:
+        assert not ops_moe.norm_route_takes_sums(x32, nw, w, k, "softmax", None, None)
+    with pytest.raises(RuntimeError, match="fp32 sums beside an fp16 / bf16 residual"):
+        torch.ops.fastawq.moe_route(x32, None, None, 0.0, 0.0, w, k, True, "softmax", None, 1.0)
+    with pytest.raises(RuntimeError, match="cluster form only"):
+        big = torch.ops.fastawq.moe_route  # E = 300: past the cluster form's experts
+        _, w300 = exact_router(t, h, 300, dtype, seed=2)
+        big(x32, res, nw, 1e-6, 0.0, w300, k, True, "softmax", None, 1.0)
+
+
+@needs_compiled_route
 def test_compiled_route_errors_name_the_shapes(monkeypatch):
     x, w = exact_router(2, 64, 8, torch.float16, seed=1)
     with pytest.raises(RuntimeError, match=r"router_weight \[8, 64\] BFloat16"):

@@ -184,6 +184,8 @@ struct RouteArgs {
   bool vec;                 // every row 16-byte aligned and H % 8 == 0: 16-byte loads
   int cluster_experts;      // > 0: the cluster kernel (sm_90), this many experts a block; 0: parts
   bool late_trigger;        // cluster kernel: let the next kernel launch only as the blocks exit
+  bool x_f32;               // cluster kernel with the norm: x is fp32 sums [T, H] (FASTAWQ_MOE_O_SUMS),
+                            // dtype the residual's; rounded to it as read
 };
 
 // The cluster form of moe_route (route.cu): up to 8 blocks of 8 warps a token, 1 to 16 experts a

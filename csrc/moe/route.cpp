@@ -85,9 +85,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(
                 "moe_route: needs x [T, H] with unit column stride and router_weight [E, H]; got ", shapes());
   FASTAWQ_CHECK(x.is_cuda() && router_weight.device() == x.device(), "moe_route: x and router_weight must be on one "
                 "CUDA device, got ", x.device(), " and ", router_weight.device());
-  FASTAWQ_CHECK((x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16) &&
-                    router_weight.scalar_type() == x.scalar_type() && router_weight.is_contiguous(),
-                "moe_route: x must be fp16 or bf16 and router_weight contiguous in x's dtype; got ", shapes());
+  // x may be fp32 sums with the norm (FASTAWQ_MOE_O_SUMS, the cluster form only): the activation
+  // dtype is then the residual's.
+  const bool x_f32 = x.scalar_type() == at::kFloat && residual.has_value();
+  const at::ScalarType dt = x_f32 ? residual->scalar_type() : x.scalar_type();
+  FASTAWQ_CHECK((dt == at::kHalf || dt == at::kBFloat16) && router_weight.scalar_type() == dt &&
+                    router_weight.is_contiguous(),
+                "moe_route: x must be fp16 or bf16 (or fp32 sums beside an fp16 / bf16 residual) and router_weight "
+                "contiguous in that dtype; got ", shapes());
   FASTAWQ_CHECK(residual.has_value() == norm_weight.has_value(),
                 "moe_route: residual and norm_weight come together (the norm) or not at all; got ", shapes());
   const int64_t t = x.size(0), h = x.size(1), e = router_weight.size(0);
@@ -97,11 +102,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(
                 scoring);
   FASTAWQ_CHECK(t < 65536, "moe_route: T=", t, " tokens exceed the grid (65535); ", shapes());
   if (residual) {
-    FASTAWQ_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
-                      residual->scalar_type() == x.scalar_type() && residual->device() == x.device(),
-                  "moe_route: residual must be contiguous, shaped and typed like x; got ", shapes());
+    FASTAWQ_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() && residual->scalar_type() == dt &&
+                      residual->device() == x.device(),
+                  "moe_route: residual must be contiguous, shaped like x and in its dtype (fp16 / bf16); got ",
+                  shapes());
     FASTAWQ_CHECK(norm_weight->dim() == 1 && norm_weight->size(0) == h && norm_weight->is_contiguous() &&
-                      norm_weight->scalar_type() == x.scalar_type() && norm_weight->device() == x.device(),
+                      norm_weight->scalar_type() == dt && norm_weight->device() == x.device(),
                   "moe_route: norm_weight must be a contiguous [H] in x's dtype; got ", shapes());
   }
   at::Tensor bias;
@@ -116,12 +122,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(
   const c10::cuda::CUDAGuard guard(x.device());
   const auto f32 = x.options().dtype(at::kFloat);
   at::Tensor weights = at::empty({t, k}, f32), ids = at::empty({t, k}, x.options().dtype(at::kLong));
-  at::Tensor hout = residual ? at::empty({t, h}, x.options()) : at::empty({0}, x.options());
-  at::Tensor rout = residual ? at::empty({t, h}, x.options()) : at::empty({0}, x.options());
+  const auto act = x.options().dtype(dt);
+  at::Tensor hout = residual ? at::empty({t, h}, act) : at::empty({0}, act);
+  at::Tensor rout = residual ? at::empty({t, h}, act) : at::empty({0}, act);
   if (t == 0) return {weights, ids, hout, rout};
 
   RouteArgs a{};
-  a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
+  a.dtype = dt == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
+  a.x_f32 = x_f32;
   a.x = x.data_ptr(), a.x_stride = x.stride(0);
   a.router = router_weight.data_ptr();
   a.bias = correction_bias ? bias.data_ptr<float>() : nullptr;
@@ -139,6 +147,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(
   a.eps = static_cast<float>(eps), a.offset = static_cast<float>(offset), a.scale = static_cast<float>(scale);
   a.renorm = renormalize, a.sigmoid = scoring == "sigmoid";
   a.cluster_experts = cluster_experts(x, vec, h, e, residual.has_value());
+  FASTAWQ_CHECK(!x_f32 || a.cluster_experts > 0, "moe_route: fp32 x (sums) runs on the cluster form only (sm_90, "
+                "16-byte rows, H <= ", kRouteClusterMaxHidden, ", E <= ", kRouteClusterMaxBlocks *
+                kRouteClusterMaxBlockExperts, "); got ", shapes());
   a.late_trigger = late_trigger();
   at::Tensor logits;
   if (a.parts > 1 && a.cluster_experts == 0) {

@@ -348,10 +348,27 @@ __global__ void __launch_bounds__(kRouteClusterThreads) moe_route_cluster_kernel
   if (!a.late_trigger) pdl_launch_dependents();
   const T* xr = static_cast<const T*>(a.x) + int64_t(tok) * a.x_stride;
   uint4 hw[J];  // the thread's chunks threadIdx.x + 256 j of the routed input (zeros past the row)
+  if (NORM && a.x_f32) {
+    // x is fp32 sums (FASTAWQ_MOE_O_SUMS: o_proj's), rounded to T as add_rms_norm rounds fp32 x.
+    const float* xf = static_cast<const float*>(a.x) + int64_t(tok) * a.x_stride;
 #pragma unroll
-  for (int j = 0; j < J; ++j) {
-    const int c = threadIdx.x + kRouteClusterThreads * j;
-    hw[j] = c < chunks ? *reinterpret_cast<const uint4*>(xr + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
+    for (int j = 0; j < J; ++j) {
+      const int c = threadIdx.x + kRouteClusterThreads * j;
+      if (c < chunks) {
+        const float4 lo = __ldcg(reinterpret_cast<const float4*>(xf + 8 * c));
+        const float4 hi = __ldcg(reinterpret_cast<const float4*>(xf + 8 * c) + 1);
+        const float f[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        hw[j] = pack8<T>(f);
+      } else {
+        hw[j] = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const int c = threadIdx.x + kRouteClusterThreads * j;
+      hw[j] = c < chunks ? *reinterpret_cast<const uint4*>(xr + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
+    }
   }
   if constexpr (NORM) {
     const T* rr = static_cast<const T*>(a.residual) + int64_t(tok) * H;

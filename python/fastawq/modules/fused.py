@@ -327,6 +327,10 @@ class FusedDecoderLayer(nn.Module):
             out = self._forward_sums(x, residual, positions, start, lens, max_len, backend)
             if out is not None:
                 return out
+        if isinstance(self.mlp, FusedMoE) and residual is not None and moe_o_sums_out():
+            out = self._forward_moe_o_sums(x, residual, positions, start, lens, max_len, backend)
+            if out is not None:
+                return out
         c = self.cfg
         # The norm and the projection after it: one launch where norm_linear's fused GEMV serves.
         qkv, residual = norm_linear(
@@ -385,6 +389,45 @@ class FusedDecoderLayer(nn.Module):
         torch.ops.fastawq.awq_gemv_packed_act_sums(gate_up.reshape(rows, -1).contiguous(), wp, sz, h,
                                                    mlp.down_proj.group_size, bias, mlp.act, d_sums.view(rows, h))
         return d_sums, residual
+
+    def _forward_moe_o_sums(
+        self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, start: int,
+        lens: torch.Tensor | None, max_len: int, backend: str | None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The MoE layer with o_proj adding into fp32 sums (awq_gemv_packed_sums) that the input norm
+        zeroes in its own launch and the compiled router's add + RMSNorm reads (moe_route on fp32 x):
+        o_proj ends without its fence, arrival count and conversion pass. None where the compiled
+        GEMV form or the cluster router does not serve these rows (then the usual path)."""
+        c, attn, moe = self.cfg, self.self_attn, self.mlp
+        h = x.shape[-1]
+        rows, dtype = x.numel() // h, residual.dtype
+        if attn.o_proj.out_features != h \
+                or not _gemv_form_fits("awq_gemv_packed_sums", rows, dtype, x.device, attn.o_proj, backend):
+            return None
+        from fastawq.ops import moe as ops_moe
+
+        o_sums = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        norm = self.post_attention_layernorm.weight
+        if norm.dtype != dtype or not ops_moe.norm_route_takes_sums(o_sums.view(rows, h), norm, moe.router_weight,
+                                                                    moe.top_k, "softmax", None, backend):
+            return None
+        h1, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, c.eps, c.norm_offset,
+                                        backend=backend, zero=o_sums)
+        o = attn.attend(attn.qkv_proj(h1), positions, start, lens, max_len, backend)
+        wp, sz, bias = _packed_operands(attn.o_proj, dtype)
+        torch.ops.fastawq.awq_gemv_packed_sums(o.reshape(rows, -1).contiguous(), wp, sz, h, attn.o_proj.group_size,
+                                               bias, o_sums.view(rows, h))
+        return moe.forward_normed(o_sums, residual, self.post_attention_layernorm, c.eps, c.norm_offset, backend)
+
+
+def moe_o_sums_out() -> bool:
+    """FASTAWQ_MOE_O_SUMS=1 (an A/B switch, off, not yet measured on a GPU; read at each call, so a
+    captured graph keeps the setting it was captured with): an MoE layer's o_proj at one or two rows
+    adds into fp32 sums that the input norm zeroes and the compiled router's norm reads
+    (FusedDecoderLayer._forward_moe_o_sums)."""
+    from fastawq import backend as backend_mod
+
+    return backend_mod.env_switch(b"FASTAWQ_MOE_O_SUMS") == "1"
 
 
 def dense_gu_sums_out() -> bool:

@@ -405,8 +405,21 @@ _add_rms_norm_route_op = torch.library.custom_op("fastawq::add_rms_norm_route", 
 def _(x, residual, norm_weight, eps, offset, router_weight, k, renormalize, scoring, correction_bias, scale, backend):
     torch._check(residual.shape == x.shape, lambda: f"residual {tuple(residual.shape)} vs x {tuple(x.shape)}")
     t = x.shape[0]
-    return (x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty((t, k), dtype=torch.float32),
+    # h and the new residual come in the residual's dtype (x may be fp32 sums beside it).
+    return (residual.new_empty(x.shape), residual.new_empty(x.shape), x.new_empty((t, k), dtype=torch.float32),
             x.new_empty((t, k), dtype=torch.int64))
+
+
+def norm_route_takes_sums(x: torch.Tensor, norm_weight: torch.Tensor, router_weight: torch.Tensor, k: int,
+                          scoring: str, correction_bias: torch.Tensor | None, backend: str | None) -> bool:
+    """Whether add_rms_norm_route would run x, fp32 sums [T, H] beside a residual in norm_weight's
+    dtype, on the compiled cluster router, the one form that reads them (FASTAWQ_MOE_O_SUMS)."""
+    if not _ext.has_op("moe_route") or x.dtype != torch.float32:
+        return False
+    try:
+        return _route_backend(x, router_weight, k, scoring, correction_bias, backend, _HALF, norm_weight) == "cuda"
+    except Exception:  # a forced backend that cannot run here: the usual path says why
+        return False
 
 
 # x [T, H] · residual [T, H] · norm_weight [H] · router_weight [E, H]
@@ -453,11 +466,17 @@ def _route_backend(x: torch.Tensor, router_weight: torch.Tensor, k: int, scoring
                 lo, hi = _backend.ROUTE_CUDA_EXPERTS
                 return (f"the automatic choice takes the compiled router on sm_90 for {lo} <= E <= {hi} "
                         f"and H % 8 == 0, H <= 4096 (where it was measured faster); E={e}, H={x.shape[1]}")
-            if x.dtype not in _HALF or router_weight.dtype != x.dtype or x.stride(-1) != 1:
+            # fp32 x: sums beside a half residual (FASTAWQ_MOE_O_SUMS), on the cluster form only.
+            sums = x.dtype == torch.float32 and norm_weight is not None and norm_weight.dtype in _HALF
+            act = norm_weight.dtype if sums else x.dtype
+            if sums and not _route_cuda_measured(x, e):
+                return ("the compiled router takes fp32 x (sums) only in its cluster form (sm_90, 16 <= E <= 128, "
+                        f"H % 8 == 0, H <= 4096), got E={e}, H={x.shape[1]}")
+            if act not in _HALF or router_weight.dtype != act or x.stride(-1) != 1:
                 return (f"the compiled router takes fp16/bf16 x with unit column stride and the router in x's dtype, "
                         f"got x {x.dtype} {tuple(x.stride())}, router_weight {router_weight.dtype}")
-            if norm_weight is not None and norm_weight.dtype != x.dtype:
-                return f"the compiled router takes the norm weight in x's dtype {x.dtype}, got {norm_weight.dtype}"
+            if norm_weight is not None and norm_weight.dtype != act:
+                return f"the compiled router takes the norm weight in x's dtype {act}, got {norm_weight.dtype}"
             return torch.ops.fastawq.moe_route_declines(e, x.shape[1], k) or None
         if b == "triton" and triton_dtypes and x.dtype not in triton_dtypes:
             return f"x is {x.dtype}"
