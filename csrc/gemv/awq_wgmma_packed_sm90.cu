@@ -166,6 +166,102 @@ struct Wgmma<__nv_bfloat16> {
 #undef FASTAWQ_A4_DESC
 #undef FASTAWQ_D8
 
+// The pieces both kernels below share: a lane's group constants, a step's dequantization into A
+// fragments, a step's wgmmas, and the accumulators' stores.
+//
+// (magic + z) and s of the lane's four columns in both halves, from their (scale, zero) pairs
+// (szpacked's 16 bytes at the lane's chunk).
+template <typename T>
+struct GroupConsts {
+  typename HalfTraits<T>::T2 zm[4], sc[4];
+  __device__ __forceinline__ void set(const uint4& sv) {
+    using Tr = HalfTraits<T>;
+    using T2 = typename Tr::T2;
+    const T* p = reinterpret_cast<const T*>(&sv);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const T z = __hadd(Tr::from_float(Tr::kMagic), p[2 * j + 1]);  // magic + z, exact
+      zm[j] = T2{z, z};
+      sc[j] = T2{p[2 * j], p[2 * j]};
+    }
+  }
+};
+
+// A lane's 16 bytes of a step (words 2h, 2h + 1 for k-step h) into the A fragments of both m-tiles.
+template <typename T>
+__device__ __forceinline__ void dequant_step(const uint4 w, const GroupConsts<T>& gc, uint32_t (&af)[2][2][4]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t lo = h == 0 ? w.x : w.z, hi = h == 0 ? w.y : w.w;  // words 2h, 2h + 1
+    const uint32_t lo4 = lo >> 4, hi4 = hi >> 4;
+    af[0][h][0] = dequant_pair<T>(column_pair<T, 0>(lo, lo4), gc.zm[0], gc.sc[0]);
+    af[0][h][1] = dequant_pair<T>(column_pair<T, 1>(lo, lo4), gc.zm[1], gc.sc[1]);
+    af[0][h][2] = dequant_pair<T>(column_pair<T, 0>(hi, hi4), gc.zm[0], gc.sc[0]);
+    af[0][h][3] = dequant_pair<T>(column_pair<T, 1>(hi, hi4), gc.zm[1], gc.sc[1]);
+    af[1][h][0] = dequant_pair<T>(column_pair<T, 2>(lo, lo4), gc.zm[2], gc.sc[2]);
+    af[1][h][1] = dequant_pair<T>(column_pair<T, 3>(lo, lo4), gc.zm[3], gc.sc[3]);
+    af[1][h][2] = dequant_pair<T>(column_pair<T, 2>(hi, hi4), gc.zm[2], gc.sc[2]);
+    af[1][h][3] = dequant_pair<T>(column_pair<T, 3>(hi, hi4), gc.zm[3], gc.sc[3]);
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void fence_accumulators(float (&acc)[2][NT / 2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int r = 0; r < NT / 2; ++r) fence_operand(acc[i][r]);
+}
+
+// A step's wgmmas, one commit group: both m-tiles, both k-steps, B from x's planes at `planes`
+// (k-step h's at plane 2h, its K neighbour one plane on, its N neighbours 128 bytes on).
+template <typename T, int NT>
+__device__ __forceinline__ void issue_step(float (&acc)[2][NT / 2], const uint32_t (&af)[2][2][4], uint32_t planes) {
+  constexpr int kPlane = NT * 16;
+  fence_accumulators<NT>(acc);
+  wgmma_fence();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint64_t desc = smem_desc(planes + 2 * h * kPlane, kPlane, 128);
+    Wgmma<T>::run(acc[0], af[0][h], desc);
+    Wgmma<T>::run(acc[1], af[1][h], desc);
+  }
+  wgmma_commit();
+  fence_accumulators<NT>(acc);
+}
+
+// out[at .. + 3] = v + bias[4 c4 .. + 3], one 8-byte store.
+template <typename T>
+__device__ __forceinline__ void store4_out(T* out, const T* bias, int64_t at, int c4, const float (&v)[4]) {
+  using Tr = HalfTraits<T>;
+  T o[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) o[j] = Tr::from_float(bias != nullptr ? v[j] + Tr::to_float(bias[4 * c4 + j]) : v[j]);
+  *reinterpret_cast<uint2*>(out + at) = *reinterpret_cast<const uint2*>(o);
+}
+
+// The lane's accumulators out: acc[i][4 j + 2 hr + e] is row g + 8 hr of the warp's 16 in m-tile i
+// (column 4 c4 + 2 i + hr), token tok0 + 8 j + 2 t + e; into out (+ bias), or with split K added
+// into the fp32 workspace ws.
+template <typename T, int NT>
+__device__ __forceinline__ void store_accumulators(const float (&acc)[2][NT / 2], int tok0, int t, int m, int n, int c4,
+                                                   bool col_ok, bool split, float* ws, T* out, const T* bias) {
+#pragma unroll
+  for (int j = 0; j < NT / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int tok = tok0 + 8 * j + 2 * t + e;
+      if (tok >= m || !col_ok) continue;
+      const float v[4] = {acc[0][4 * j + e], acc[0][4 * j + 2 + e], acc[1][4 * j + e], acc[1][4 * j + 2 + e]};
+      const int64_t at = static_cast<int64_t>(tok) * n + 4 * c4;
+      if (split) {
+        red_add4(ws + at, make_float4(v[0], v[1], v[2], v[3]));
+      } else {
+        store4_out<T>(out, bias, at, c4, v);
+      }
+    }
+}
+
 // One slot of the ring: the step's x in the wgmma's order (NT tokens x 32 labels, 4 planes of NT x
 // 16 bytes), the same x as copied (a thread's 16-byte items side by side), then the block's
 // weights (16 bytes a lane).
@@ -276,19 +372,10 @@ __global__ void __launch_bounds__(kThreads<WG>, kMinBlocks<NT, WG>) awq_wgmma_pa
   const auto load_scales = [&]() {
     if (col_ok) sv_next = __ldg(sz_lane);
   };
-  T2 zm[4], sc[4];  // per column: (magic + z) and s in both halves
-  const auto set_group = [&]() {
-    const T* p = reinterpret_cast<const T*>(&sv_next);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const T z = __hadd(Tr::from_float(Tr::kMagic), p[2 * j + 1]);  // magic + z, exact
-      zm[j] = T2{z, z};
-      sc[j] = T2{p[2 * j], p[2 * j]};
-    }
-  };
+  GroupConsts<T> gc;
   if (s0 < s1) {
     load_scales();
-    set_group();
+    gc.set(sv_next);
   }
   int group_left = steps_per_group - s0 % steps_per_group;
 
@@ -319,35 +406,8 @@ __global__ void __launch_bounds__(kThreads<WG>, kMinBlocks<NT, WG>) awq_wgmma_pa
     const uint4 w = ld_shared128_at(slot_at(slot) + w_own);
     // Step s - 2's wgmmas are done (step s - 1's may still run): this step's register set is free.
     wgmma_wait<1>();
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t lo = h == 0 ? w.x : w.z, hi = h == 0 ? w.y : w.w;  // words 2h, 2h + 1
-      const uint32_t lo4 = lo >> 4, hi4 = hi >> 4;
-      af[SET][0][h][0] = dequant_pair<T>(column_pair<T, 0>(lo, lo4), zm[0], sc[0]);
-      af[SET][0][h][1] = dequant_pair<T>(column_pair<T, 1>(lo, lo4), zm[1], sc[1]);
-      af[SET][0][h][2] = dequant_pair<T>(column_pair<T, 0>(hi, hi4), zm[0], sc[0]);
-      af[SET][0][h][3] = dequant_pair<T>(column_pair<T, 1>(hi, hi4), zm[1], sc[1]);
-      af[SET][1][h][0] = dequant_pair<T>(column_pair<T, 2>(lo, lo4), zm[2], sc[2]);
-      af[SET][1][h][1] = dequant_pair<T>(column_pair<T, 3>(lo, lo4), zm[3], sc[3]);
-      af[SET][1][h][2] = dequant_pair<T>(column_pair<T, 2>(hi, hi4), zm[2], sc[2]);
-      af[SET][1][h][3] = dequant_pair<T>(column_pair<T, 3>(hi, hi4), zm[3], sc[3]);
-    }
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int r = 0; r < NT / 2; ++r) fence_operand(acc[i][r]);
-    wgmma_fence();
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint64_t desc = smem_desc(slot_at(slot) + 2 * h * kPlane, kPlane, 128);
-      Wgmma<T>::run(acc[0], af[SET][0][h], desc);
-      Wgmma<T>::run(acc[1], af[SET][1][h], desc);
-    }
-    wgmma_commit();
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int r = 0; r < NT / 2; ++r) fence_operand(acc[i][r]);
+    dequant_step<T>(w, gc, af[SET]);
+    issue_step<T, NT>(acc, af[SET], slot_at(slot));
     // Groups newer than the one of step s + 1 (issued at step s + 2 - P, or before the loop): P - 2.
     cp_async_wait<P - 2>();
     if (s + 1 < s1) {  // step s + 1's planes, in a slot last read by step s + 1 - P <= s - 3's wgmmas
@@ -356,7 +416,7 @@ __global__ void __launch_bounds__(kThreads<WG>, kMinBlocks<NT, WG>) awq_wgmma_pa
     }
     if (--group_left == 0) {
       group_left = steps_per_group;
-      set_group();
+      gc.set(sv_next);
     }
   };
 
@@ -371,40 +431,16 @@ __global__ void __launch_bounds__(kThreads<WG>, kMinBlocks<NT, WG>) awq_wgmma_pa
   }
   if (s < s1) step(s, slot, std::integral_constant<int, 0>{});
   wgmma_wait<0>();
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int r = 0; r < NT / 2; ++r) fence_operand(acc[i][r]);
+  fence_accumulators<NT>(acc);
   cp_async_wait<0>();
 
-  // out[token][4 c4 .. + 3] = v + bias, one 8-byte store.
-  const auto store4 = [&](int64_t at, int c4o, const float (&v)[4]) {
-    T o[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) o[j] = Tr::from_float(bias != nullptr ? v[j] + Tr::to_float(bias[4 * c4o + j]) : v[j]);
-    *reinterpret_cast<uint2*>(out + at) = *reinterpret_cast<const uint2*>(o);
-  };
-  // acc[i][4 j + 2 hr + e]: row g + 8 hr of the warp's 16 in m-tile i (column 4 c4 + 2 i + hr), token
-  // tok0 + 8 j + 2 t + e.
   const bool split = gridDim.z > 1;
-#pragma unroll
-  for (int j = 0; j < NT / 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int tok = tok0 + 8 * j + 2 * t + e;
-      if (tok >= m || !col_ok) continue;
-      const float v[4] = {acc[0][4 * j + e], acc[0][4 * j + 2 + e], acc[1][4 * j + e], acc[1][4 * j + 2 + e]};
-      const int64_t at = static_cast<int64_t>(tok) * n + 4 * c4;
-      if (split) {
-        red_add4(ws + at, make_float4(v[0], v[1], v[2], v[3]));
-      } else {
-        store4(at, c4, v);
-      }
-    }
+  store_accumulators<T, NT>(acc, tok0, t, m, n, c4, col_ok, split, ws, out, bias);
   if (!split) return;
 
   // The last block of this (token tile, column tile) to arrive converts the sums and zeroes them
   // again (one fence a block).
+  const auto store4 = [&](int64_t at, int c4o, const float (&v)[4]) { store4_out<T>(out, bias, at, c4o, v); };
   gemv::convert_when_last<false, kBlock>(ws, counters, is_last, tok0, NT, m, blockIdx.y * kC4, kC4, n, store4);
 #endif
 }
@@ -597,19 +633,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) awq_wgmma_ws_kernel(
     const auto load_scales = [&]() {
       if (col_ok) sv_next = __ldg(sz_lane);
     };
-    T2 zm[4], sc[4];  // per column: (magic + z) and s in both halves
-    const auto set_group = [&]() {
-      const T* p = reinterpret_cast<const T*>(&sv_next);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const T z = __hadd(Tr::from_float(Tr::kMagic), p[2 * j + 1]);  // magic + z, exact
-        zm[j] = T2{z, z};
-        sc[j] = T2{p[2 * j], p[2 * j]};
-      }
-    };
+    GroupConsts<T> gc;
     if (nsteps > 0) {
       load_scales();
-      set_group();
+      gc.set(sv_next);
     }
     int group_left = steps_per_group - s0 % steps_per_group;
 
@@ -636,38 +663,11 @@ __global__ void __launch_bounds__(kWsThreads, 1) awq_wgmma_ws_kernel(
         __syncwarp();
         if (lane == 0) mbar_arrive(empty0 + 8 * ((i - 2) % P));
       }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t lo = h == 0 ? w.x : w.z, hi = h == 0 ? w.y : w.w;  // words 2h, 2h + 1
-        const uint32_t lo4 = lo >> 4, hi4 = hi >> 4;
-        af[SET][0][h][0] = dequant_pair<T>(column_pair<T, 0>(lo, lo4), zm[0], sc[0]);
-        af[SET][0][h][1] = dequant_pair<T>(column_pair<T, 1>(lo, lo4), zm[1], sc[1]);
-        af[SET][0][h][2] = dequant_pair<T>(column_pair<T, 0>(hi, hi4), zm[0], sc[0]);
-        af[SET][0][h][3] = dequant_pair<T>(column_pair<T, 1>(hi, hi4), zm[1], sc[1]);
-        af[SET][1][h][0] = dequant_pair<T>(column_pair<T, 2>(lo, lo4), zm[2], sc[2]);
-        af[SET][1][h][1] = dequant_pair<T>(column_pair<T, 3>(lo, lo4), zm[3], sc[3]);
-        af[SET][1][h][2] = dequant_pair<T>(column_pair<T, 2>(hi, hi4), zm[2], sc[2]);
-        af[SET][1][h][3] = dequant_pair<T>(column_pair<T, 3>(hi, hi4), zm[3], sc[3]);
-      }
-#pragma unroll
-      for (int a = 0; a < 2; ++a)
-#pragma unroll
-        for (int r = 0; r < NT / 2; ++r) fence_operand(acc[a][r]);
-      wgmma_fence();
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint64_t desc = smem_desc(slot_at(slot) + 2 * h * kPlane, kPlane, 128);
-        Wgmma<T>::run(acc[0], af[SET][0][h], desc);
-        Wgmma<T>::run(acc[1], af[SET][1][h], desc);
-      }
-      wgmma_commit();
-#pragma unroll
-      for (int a = 0; a < 2; ++a)
-#pragma unroll
-        for (int r = 0; r < NT / 2; ++r) fence_operand(acc[a][r]);
+      dequant_step<T>(w, gc, af[SET]);
+      issue_step<T, NT>(acc, af[SET], slot_at(slot));
       if (--group_left == 0) {
         group_left = steps_per_group;
-        set_group();
+        gc.set(sv_next);
       }
     };
 
@@ -679,42 +679,14 @@ __global__ void __launch_bounds__(kWsThreads, 1) awq_wgmma_ws_kernel(
     }
     if (i < nsteps) step(i, std::integral_constant<int, 0>{});
     wgmma_wait<0>();
-#pragma unroll
-    for (int a = 0; a < 2; ++a)
-#pragma unroll
-      for (int r = 0; r < NT / 2; ++r) fence_operand(acc[a][r]);
-
-    const bool split = gridDim.z > 1;
-#pragma unroll
-    for (int j = 0; j < NT / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int tok = tok0 + 8 * j + 2 * t + e;
-        if (tok >= m || !col_ok) continue;
-        const float v[4] = {acc[0][4 * j + e], acc[0][4 * j + 2 + e], acc[1][4 * j + e], acc[1][4 * j + 2 + e]};
-        const int64_t at = static_cast<int64_t>(tok) * n + 4 * c4;
-        if (split) {
-          red_add4(ws + at, make_float4(v[0], v[1], v[2], v[3]));
-        } else {
-          T o[4];
-#pragma unroll
-          for (int jj = 0; jj < 4; ++jj) {
-            o[jj] = Tr::from_float(bias != nullptr ? v[jj] + Tr::to_float(bias[4 * c4 + jj]) : v[jj]);
-          }
-          *reinterpret_cast<uint2*>(out + at) = *reinterpret_cast<const uint2*>(o);
-        }
-      }
+    fence_accumulators<NT>(acc);
+    store_accumulators<T, NT>(acc, tok0, t, m, n, c4, col_ok, gridDim.z > 1, ws, out, bias);
   }
   if (gridDim.z == 1) return;
 
   // The last block of this (token tile, column tile) to arrive converts the sums and zeroes them
   // again (one fence a block; the producer warpgroup joins its barriers and conversion).
-  const auto store4 = [&](int64_t at, int c4o, const float (&v)[4]) {
-    T o[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) o[j] = Tr::from_float(bias != nullptr ? v[j] + Tr::to_float(bias[4 * c4o + j]) : v[j]);
-    *reinterpret_cast<uint2*>(out + at) = *reinterpret_cast<const uint2*>(o);
-  };
+  const auto store4 = [&](int64_t at, int c4o, const float (&v)[4]) { store4_out<T>(out, bias, at, c4o, v); };
   gemv::convert_when_last<false, kWsThreads>(ws, counters, is_last, tok0, NT, m, blockIdx.y * kC4, kC4, n, store4);
 #endif
 }
