@@ -5,6 +5,11 @@ which then reads a uniform register nothing wrote as its memory descriptor (`des
 traps with cudaErrorIllegalInstruction, on some shapes only (awq_gemm_packed's cp.async ring hit
 it in session 13; benchmarks/CUDA_NOTES.md, session 14). Every memory instruction's descriptor
 register must be written somewhere in its function.
+
+A wgmma (HGMMA) names its descriptors by the first of four uniform registers, gdesc[URn]: URn:URn+1
+hold A's shared-memory descriptor and URn+2:URn+3 B's. With A in registers (HGMMA Rd, Ra, gdesc[URn],
+...; awq_wgmma_packed) only B's pair is read, so only URn+2 must be written (ptxas leaves URn as it
+finds it: in session 22's warp-specialized form nothing else happened to write it).
 """
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ import pytest
 
 _INSTR = re.compile(r"^\s+/\*[0-9a-f]{4}\*/\s*(.*?)\s*;")
 _OP = re.compile(r"^(?:@!?U?P[T0-9]+\s+)?([A-Z0-9_.]+)\s*(.*)$")
-_DESC = re.compile(r"desc\[UR(\d+)\]")
+_DESC = re.compile(r"(?<!g)desc\[UR(\d+)\]")
+_GDESC = re.compile(r"gdesc\[UR(\d+)\]")
 
 
 def undefined_descriptors(sass: str) -> dict[str, list[int]]:
@@ -42,6 +48,10 @@ def undefined_descriptors(sass: str) -> dict[str, list[int]]:
                 if ".64" in opcode:
                     written.add(r + 1)
             used.update(int(d) for d in _DESC.findall(args))
+            for d in _GDESC.findall(args):  # a wgmma's descriptors: A's pair at URn, B's at URn + 2
+                operands = [a.strip() for a in args.split(",")]
+                a_in_registers = len(operands) > 1 and re.fullmatch(r"R\d+", operands[1]) is not None
+                used.update({int(d) + 2} if a_in_registers else {int(d), int(d) + 2})
         missing = sorted(used - written)
         if missing:
             bad[name] = missing
@@ -77,6 +87,27 @@ _MISCOMPILED = """
 
 def test_checker_finds_the_unset_descriptor():
     assert undefined_descriptors(_MISCOMPILED) == {"ring_kernel": [1]}
+
+
+# wgmma with A in registers reads only B's descriptor pair (URn+2:URn+3) of gdesc[URn]; with A from
+# shared memory both pairs.
+_WGMMA = """
+	Function : b_only
+        /*0010*/                   UMOV UR19, 0x8 ;                      /* 0x0 */
+        /*0020*/                   UMOV UR18, UR4 ;                      /* 0x0 */
+        /*0030*/                   HGMMA.64x32x16.F32 R24, R56, gdesc[UR16], R24 ;   /* 0x0 */
+	Function : b_unset
+        /*0010*/                   UMOV UR7, 0x8 ;                       /* 0x0 */
+        /*0030*/                   HGMMA.64x32x16.F32 R24, R56, gdesc[UR4], R24 ;    /* 0x0 */
+	Function : a_from_smem
+        /*0010*/                   UMOV UR10, UR4 ;                      /* 0x0 */
+        /*0020*/                   UMOV UR11, 0x8 ;                      /* 0x0 */
+        /*0030*/                   HGMMA.64x32x16.F32 R24, gdesc[UR8], R24 ;         /* 0x0 */
+"""
+
+
+def test_checker_reads_wgmma_descriptors():
+    assert undefined_descriptors(_WGMMA) == {"b_unset": [6], "a_from_smem": [8]}
 
 
 def _cuobjdump() -> str | None:
