@@ -153,6 +153,32 @@ def test_x_planes_cover_each_label_once():
     assert len(seen) == nt * 32
 
 
+@pytest.mark.parametrize("nt", [32, 64, 128])
+def test_ws_producer_items_land_where_the_consumers_read(nt):
+    # The warp-specialized form's producer warpgroup (128 threads, pt) copies for the 256 consumer
+    # threads (awq_wgmma_ws_kernel): its weight items pt and pt + 128 (row t = i // 64 of the step's 4,
+    # chunk c = i % 64 of the tile) land at consumer thread 32 (c // 8) + 4 (c % 8) + t, which in the
+    # session-21 form copied row t of chunk 8 warp + g itself; its x items pt + 128 q are the 4 NT
+    # items _x_smem stores, each once. (The kernel's index arithmetic, written out.)
+    weights = {}
+    for pt in range(128):
+        c, t0 = pt & 63, pt >> 6
+        for jj in range(2):
+            i = pt + 128 * jj
+            t = t0 + 2 * jj
+            assert t == i // 64 and c == i % 64
+            consumer = 32 * (c >> 3) + 4 * (c & 7) + t
+            assert consumer not in weights
+            weights[consumer] = (t, c)
+    assert sorted(weights) == list(range(256))
+    for tid, (row, chunk) in weights.items():
+        warp, lane = divmod(tid, 32)
+        g, t = divmod(lane, 4)
+        assert (row, chunk) == (t, 8 * warp + g)
+    items = [pt + 128 * q for pt in range(128) for q in range(nt // 32)]
+    assert sorted(items) == list(range(4 * nt))
+
+
 @pytest.mark.skipif(not _ext.has_op("awq_wgmma_packed"), reason="fastawq._C is not built with awq_wgmma_packed")
 def test_fake_impl_gives_the_output_shape():
     from torch._subclasses.fake_tensor import FakeTensorMode
