@@ -550,6 +550,8 @@ def test_sums_kernels_errors_opcheck_and_graph():
     both = torch.zeros(2, 256, device="cuda")
     with pytest.raises(RuntimeError, match="overlaps sums"):
         op(x, wp, sz, 128, 64, None, both.view(-1)[:256].view(2, 128), both.view(-1)[128:])
+    with pytest.raises(RuntimeError, match="overlaps sums .* or x"):
+        op(x, wp, sz, 128, 64, None, torch.zeros(2, 128, device="cuda"), x.view(torch.float32).view(-1)[:64])
     with pytest.raises(RuntimeError, match="x must be fp16 or bf16"):
         torch.ops.fastawq.awq_gemv_packed_act(random_input((2, 512), "cuda", torch.float32, seed=1), wp, sz, 128, 64,
                                               None, "silu")  # fp32 gate_up: the sums form only

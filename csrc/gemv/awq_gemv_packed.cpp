@@ -4,6 +4,7 @@
 // One validation (messages name the op, m, n, k, group_size) and one way to size grids: one wave.
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <tuple>
 
@@ -231,7 +232,7 @@ int wgmma_warpgroups(int64_t tokens) {
 // (awq_wgmma_packed_sm90.cu; session 22, not yet run on a GPU); anything else the form of session 21.
 bool wgmma_ws_form() {
   const char* v = std::getenv("FASTAWQ_WGMMA_FORM");
-  return v != nullptr && std::string(v) == "ws";
+  return v != nullptr && std::strcmp(v, "ws") == 0;  // no allocation: it runs at every call
 }
 
 // The sums tensor of awq_gemv_packed_sums / _act_sums: fp32 [M, N] on x's device, contiguous.
@@ -380,10 +381,14 @@ void awq_gemv_packed_sums(const at::Tensor& x, const at::Tensor& wpacked, const 
                       aligned16(*zero) && zero->device() == x.device(),
                   op, ": zero must be a contiguous, 16-byte aligned fp32 tensor of a multiple of 4 elements on ",
                   x.device(), ", got ", zero->scalar_type(), " ", shape_str(*zero), " on ", zero->device());
-    const auto* z0 = static_cast<const char*>(zero->data_ptr());
-    const auto* s0 = static_cast<const char*>(sums.data_ptr());
-    FASTAWQ_CHECK(z0 + zero->numel() * 4 <= s0 || s0 + sums.numel() * 4 <= z0, op,
-                  ": zero ", shape_str(*zero), " overlaps sums ", shape_str(sums));
+    // The launch zeroes it while it reads x and adds into sums: it may share memory with neither.
+    const auto apart = [&](const at::Tensor& t) {
+      const auto* z0 = static_cast<const char*>(zero->data_ptr());
+      const auto* t0 = static_cast<const char*>(t.data_ptr());
+      return z0 + zero->nbytes() <= t0 || t0 + t.nbytes() <= z0;
+    };
+    FASTAWQ_CHECK(apart(sums) && apart(x), op, ": zero ", shape_str(*zero), " overlaps sums ", shape_str(sums),
+                  " or x ", shape_str(x));
   }
   if (m == 0) {
     if (zero) zero->zero_();

@@ -206,6 +206,14 @@ __device__ __forceinline__ void dequant_step(const uint4 w, const GroupConsts<T>
 }
 
 template <int NT>
+__device__ __forceinline__ void zero_accumulators(float (&acc)[2][NT / 2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int r = 0; r < NT / 2; ++r) acc[i][r] = 0.f;
+}
+
+template <int NT>
 __device__ __forceinline__ void fence_accumulators(float (&acc)[2][NT / 2]) {
 #pragma unroll
   for (int i = 0; i < 2; ++i)
@@ -281,8 +289,6 @@ __global__ void __launch_bounds__(kThreads<WG>, kMinBlocks<NT, WG>) awq_wgmma_pa
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int m, int n, int k, int group_size,
     int steps_per_block) {
 #ifdef FASTAWQ_WGMMA_DEVICE
-  using Tr = HalfTraits<T>;
-  using T2 = typename Tr::T2;
   static_assert(P >= 4, "a slot's planes are rewritten only once every warpgroup is past its wgmmas");
   constexpr int kPlane = NT * 16;  // bytes between the x planes (core matrices adjacent in K)
   constexpr int kXItems = 4 * NT;  // 16-byte loads of x a step
@@ -380,10 +386,7 @@ __global__ void __launch_bounds__(kThreads<WG>, kMinBlocks<NT, WG>) awq_wgmma_pa
   int group_left = steps_per_group - s0 % steps_per_group;
 
   float acc[2][NT / 2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int r = 0; r < NT / 2; ++r) acc[i][r] = 0.f;
+  zero_accumulators<NT>(acc);
   uint32_t af[2][2][2][4];  // [set][m-tile i][k-step h][register]
 
   // Step s from slot `slot` into A register set SET.
@@ -514,8 +517,6 @@ __global__ void __launch_bounds__(kWsThreads, 1) awq_wgmma_ws_kernel(
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int m, int n, int k, int group_size,
     int steps_per_block) {
 #ifdef FASTAWQ_WGMMA_DEVICE
-  using Tr = HalfTraits<T>;
-  using T2 = typename Tr::T2;
   static_assert(P >= 4, "the producer's lead is P - 3 steps");
   constexpr int D = P - 3;          // steps of copies in flight ahead of the step being published
   constexpr int R = D + 1;          // the producer's raw x slots
@@ -641,10 +642,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) awq_wgmma_ws_kernel(
     int group_left = steps_per_group - s0 % steps_per_group;
 
     float acc[2][NT / 2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int r = 0; r < NT / 2; ++r) acc[i][r] = 0.f;
+    zero_accumulators<NT>(acc);
     uint32_t af[2][2][2][4];  // [set][m-tile i][k-step h][register]
 
     const auto step = [&](int i, auto set_c) {

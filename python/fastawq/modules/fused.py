@@ -404,13 +404,9 @@ class FusedDecoderLayer(nn.Module):
         if attn.o_proj.out_features != h \
                 or not _gemv_form_fits("awq_gemv_packed_sums", rows, dtype, x.device, attn.o_proj, backend):
             return None
-        from fastawq.ops import moe as ops_moe
-
-        o_sums = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        norm = self.post_attention_layernorm.weight
-        if norm.dtype != dtype or not ops_moe.norm_route_takes_sums(o_sums.view(rows, h), norm, moe.router_weight,
-                                                                    moe.top_k, "softmax", None, backend):
+        if not self._router_takes_sums(rows, h, dtype, x.device, backend):
             return None
+        o_sums = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         h1, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, c.eps, c.norm_offset,
                                         backend=backend, zero=o_sums)
         o = attn.attend(attn.qkv_proj(h1), positions, start, lens, max_len, backend)
@@ -418,6 +414,21 @@ class FusedDecoderLayer(nn.Module):
         torch.ops.fastawq.awq_gemv_packed_sums(o.reshape(rows, -1).contiguous(), wp, sz, h, attn.o_proj.group_size,
                                                bias, o_sums.view(rows, h))
         return moe.forward_normed(o_sums, residual, self.post_attention_layernorm, c.eps, c.norm_offset, backend)
+
+    def _router_takes_sums(self, rows: int, h: int, dtype: torch.dtype, device: torch.device,
+                           backend: str | None) -> bool:
+        """Whether the MoE block's add_rms_norm_route runs fp32 sums [rows, h] on the compiled router
+        (ops.moe.norm_route_takes_sums), asked once per (rows, dtype, backend) rather than every step."""
+        key = (rows, dtype, backend)
+        cache = self.__dict__.setdefault("_router_sums_cache", {})
+        if key not in cache:
+            from fastawq.ops import moe as ops_moe
+
+            norm, moe = self.post_attention_layernorm.weight, self.mlp
+            probe = torch.empty((rows, h), dtype=torch.float32, device=device)
+            cache[key] = norm.dtype == dtype and ops_moe.norm_route_takes_sums(
+                probe, norm, moe.router_weight, moe.top_k, "softmax", None, backend)
+        return cache[key]
 
 
 def moe_o_sums_out() -> bool:
