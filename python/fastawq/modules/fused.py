@@ -368,13 +368,7 @@ class FusedDecoderLayer(nn.Module):
         if dense_gu_sums_out() and gu.out_features == 2 * mlp.down_proj.in_features \
                 and _gemv_form_fits("awq_gemv_packed_sums", rows, dtype, x.device, gu, backend):
             gu_sums = torch.empty((rows, gu.out_features), dtype=torch.float32, device=x.device)
-        o_sums = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        h1, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, c.eps, c.norm_offset,
-                                        backend=backend, zero=o_sums)
-        o = attn.attend(attn.qkv_proj(h1), positions, start, lens, max_len, backend)
-        wp, sz, bias = _packed_operands(attn.o_proj, dtype)
-        torch.ops.fastawq.awq_gemv_packed_sums(o.reshape(rows, -1).contiguous(), wp, sz, h, attn.o_proj.group_size,
-                                               bias, o_sums.view(rows, h), gu_sums)
+        o_sums, residual = self._attention_sums(x, residual, positions, start, lens, max_len, backend, gu_sums)
         d_sums = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         h2, residual = ops.add_rms_norm(o_sums, residual, self.post_attention_layernorm.weight, c.eps, c.norm_offset,
                                         backend=backend, zero=d_sums)
@@ -406,14 +400,27 @@ class FusedDecoderLayer(nn.Module):
             return None
         if not self._router_takes_sums(rows, h, dtype, x.device, backend):
             return None
+        o_sums, residual = self._attention_sums(x, residual, positions, start, lens, max_len, backend)
+        return moe.forward_normed(o_sums, residual, self.post_attention_layernorm, c.eps, c.norm_offset, backend)
+
+    def _attention_sums(
+        self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, start: int,
+        lens: torch.Tensor | None, max_len: int, backend: str | None, zero: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input norm (zeroing the fp32 sums o_proj adds into), QKV, attention and o_proj as
+        awq_gemv_packed_sums (which also zeroes `zero`, a later projection's sums): (o_proj's fp32
+        sums shaped like x, x + residual). The callers checked that the compiled form serves."""
+        c, attn = self.cfg, self.self_attn
+        h = x.shape[-1]
+        rows = x.numel() // h
         o_sums = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         h1, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, c.eps, c.norm_offset,
                                         backend=backend, zero=o_sums)
         o = attn.attend(attn.qkv_proj(h1), positions, start, lens, max_len, backend)
-        wp, sz, bias = _packed_operands(attn.o_proj, dtype)
+        wp, sz, bias = _packed_operands(attn.o_proj, residual.dtype)
         torch.ops.fastawq.awq_gemv_packed_sums(o.reshape(rows, -1).contiguous(), wp, sz, h, attn.o_proj.group_size,
-                                               bias, o_sums.view(rows, h))
-        return moe.forward_normed(o_sums, residual, self.post_attention_layernorm, c.eps, c.norm_offset, backend)
+                                               bias, o_sums.view(rows, h), zero)
+        return o_sums, residual
 
     def _router_takes_sums(self, rows: int, h: int, dtype: torch.dtype, device: torch.device,
                            backend: str | None) -> bool:
