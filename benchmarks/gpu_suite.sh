@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 targets wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 s23 targets wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -396,6 +396,31 @@ if [[ " $stages " == *" wgmma_ws "* ]]; then
     2>&1 | tail -3 || status=1
   timeout 200 python benchmarks/gemm_table.py --kernels wgmma,wgmmaws --dtypes float16,bfloat16 \
     --ms 32,64,128,256,1024,4096 --out "$OUT/wgmma_ws" 2>&1 | grep -A16 "^| dtype" || status=1
+fi
+if [[ " $stages " == *" s23 "* ]]; then
+  step s23
+  # Session 23's one call after two lost starts: the ws form's tests and kernel table first, then
+  # session 22's two unrun handoffs (tests, one-round A/Bs), then the ws form's memcheck. Each
+  # piece is bounded; the call's own limit may cut the tail (logs land in $OUT as they go).
+  FASTAWQ_WGMMA_FORM=ws timeout 60 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py \
+    -k "warp_specialized_every" 2>&1 | tail -4 && ws_ok=1 || { ws_ok=0; status=1; }
+  if [ "$ws_ok" = 1 ]; then
+    timeout 150 python benchmarks/gemm_table.py --kernels wgmma,wgmmaws --dtypes float16 \
+      --ms 32,64,128,256,1024,4096 --out "$OUT/wgmma_ws" 2>&1 | grep -A10 "^| dtype" || status=1
+  fi
+  step s23_sums
+  timeout 90 python -m pytest -q -p no:cacheprovider tests/test_gemv_packed.py -k sums 2>&1 | tail -2 || status=1
+  timeout 90 python -m pytest -q -p no:cacheprovider tests/test_moe_op.py -k "fp32_sums" 2>&1 | tail -2 || status=1
+  timeout 90 python -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -k "sums" 2>&1 | tail -2 || status=1
+  timeout 90 python -m pytest -q -p no:cacheprovider tests/test_fused.py -k "dense_gu_sums" 2>&1 | tail -2 || status=1
+  step s23_ab
+  FASTAWQ_TRITON_TUNE=0 timeout 100 python benchmarks/bench_ab.py --compare env:FASTAWQ_DENSE_GU_SUMS=0,1 \
+    --shape llama-3-8b --batches 1 --layout packed --decode 64 --rounds 1 2>&1 | grep -E "^\||on / off" || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 120 python benchmarks/bench_ab.py --compare env:FASTAWQ_MOE_O_SUMS=0,1 \
+    --shape qwen3-30b-a3b --batches 1 --layout packed --decode 64 --rounds 1 2>&1 | grep -E "^\||on / off" || status=1
+  step s23_memcheck
+  FASTAWQ_DENSE_GU_SUMS=1 FASTAWQ_MOE_O_SUMS=1 FASTAWQ_WGMMA_FORM=ws timeout 120 compute-sanitizer --tool memcheck \
+    --error-exitcode 1 python benchmarks/sanitize.py 2>&1 | tail -3 || status=1
 fi
 if [[ " $stages " == *" targets "* ]]; then
   step targets
