@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 s23 targets wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 s23 moe_ncu targets wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -421,6 +421,17 @@ if [[ " $stages " == *" s23 "* ]]; then
   step s23_memcheck
   FASTAWQ_DENSE_GU_SUMS=1 FASTAWQ_MOE_O_SUMS=1 FASTAWQ_WGMMA_FORM=ws timeout 120 compute-sanitizer --tool memcheck \
     --error-exitcode 1 python benchmarks/sanitize.py 2>&1 | tail -3 || status=1
+fi
+if [[ " $stages " == *" moe_ncu "* ]]; then
+  step moe_ncu
+  # Issue 12's batch-16 row: moe_mma_w4's two launches at Qwen3-30B-A3B, T = 16 (CUDA_NOTES.md
+  # session 22's grid arithmetic: is a busy block's fixed part or the wave tail what costs?), ~1 min.
+  PROFILE_MOE_SHAPES=qwen3-30b-a3b timeout 150 ncu --clock-control none --kernel-name regex:moe_mma \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis --section SchedulerStats python benchmarks/profile_moe.py \
+    > "$OUT/ncu_moe.txt" 2>&1 || status=1
+  grep -E "moe_mma|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Warp Cycles Per Issued|Grid Size|Registers|Stall|Eligible|Issued Warp|Waves" \
+    "$OUT/ncu_moe.txt" | head -60
 fi
 if [[ " $stages " == *" targets "* ]]; then
   step targets

@@ -1,6 +1,7 @@
 """One call of each compiled MoE kernel family (moe_gemv_w4, moe_mma_w4) at the Qwen3-30B-A3B and
 Mixtral-8x7B expert shapes, 16 tokens (PROFILE_MOE_T), for Nsight Compute (GPU only); moe_mma_w4
-with backend.moe_pass_rows' pass (PROFILE_MOE_PASS: 8 or 16 forces one):
+with backend.moe_pass_rows' pass (PROFILE_MOE_PASS: 8 or 16 forces one); PROFILE_MOE_SHAPES (comma-separated)
+picks the shapes:
 
     ncu --clock-control none --kernel-name regex:moe_ --section SpeedOfLight --section Occupancy \
         --section WarpStateStats --section LaunchStats python benchmarks/profile_moe.py
@@ -20,7 +21,7 @@ from fastawq import _ext, backend  # noqa: E402
 if not _ext.has_op("moe_mma_w4"):
     raise SystemExit(f"fastawq._C without moe_mma_w4: {_ext.status()}")
 t = int(os.environ.get("PROFILE_MOE_T", "16"))
-for name in ("qwen3-30b-a3b", "mixtral-8x7b"):
+for name in os.environ.get("PROFILE_MOE_SHAPES", "qwen3-30b-a3b,mixtral-8x7b").split(","):
     e, k, h, i, g = SHAPES[name]
     weights = packed_experts(e, h, i, g, "cuda")
     ids, w = routings(t, e, k, "cuda", 1)[0]
