@@ -399,14 +399,15 @@ if [[ " $stages " == *" wgmma_ws "* ]]; then
 fi
 if [[ " $stages " == *" s23 "* ]]; then
   step s23
-  # Session 23's one call after two lost starts: the ws form's tests and kernel table first, then
+  # Session 23's one call after two lost starts: the ws form's tests and kernel table first (with the
+  # 16-token tile of both forms against awq_gemm_packed, the automatic choice at M = 9..16), then
   # session 22's two unrun handoffs (tests, one-round A/Bs), then the ws form's memcheck. Each
   # piece is bounded; the call's own limit may cut the tail (logs land in $OUT as they go).
   FASTAWQ_WGMMA_FORM=ws timeout 60 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py \
     -k "warp_specialized_every" 2>&1 | tail -4 && ws_ok=1 || { ws_ok=0; status=1; }
   if [ "$ws_ok" = 1 ]; then
-    timeout 150 python benchmarks/gemm_table.py --kernels wgmma,wgmmaws --dtypes float16 \
-      --ms 32,64,128,256,1024,4096 --out "$OUT/wgmma_ws" 2>&1 | grep -A10 "^| dtype" || status=1
+    timeout 150 python benchmarks/gemm_table.py --kernels gemm,wgmma,wgmmaws --dtypes float16 \
+      --ms 16,32,64,128,256,1024,4096 --out "$OUT/wgmma_ws" 2>&1 | grep -A10 "^| dtype" || status=1
   fi
   step s23_sums
   timeout 90 python -m pytest -q -p no:cacheprovider tests/test_gemv_packed.py -k sums 2>&1 | tail -2 || status=1

@@ -126,7 +126,7 @@ def _emulate(x: torch.Tensor, wp: torch.Tensor, sz: torch.Tensor, n: int, g: int
 
 
 @pytest.mark.parametrize("m,k,n,g,nt", [(5, 64, 136, 32, 32), (40, 64, 8, 64, 32), (70, 32, 264, 32, 64),
-                                        (17, 128, 40, 128, 32)])
+                                        (17, 128, 40, 128, 32), (13, 64, 136, 32, 16), (20, 32, 264, 32, 16)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_fragments_and_descriptors_as_the_kernel_uses_them(m, k, n, g, nt, dtype):
     # Token tiles past M, a partial warpgroup (N = 8, 40, 136: lanes without columns), two column
@@ -137,9 +137,9 @@ def test_fragments_and_descriptors_as_the_kernel_uses_them(m, k, n, g, nt, dtype
     assert_close_to_reference(_emulate(x, wp, sz, n, g, nt), x, qw, s, qz, g)
 
 
-def test_x_planes_cover_each_label_once():
+@pytest.mark.parametrize("nt", [16, 32])
+def test_x_planes_cover_each_label_once(nt):
     # Each (token, label) of a step is one address, none shared: the descriptor's view of the stores.
-    nt = 32
     x = torch.arange(nt * 32, dtype=torch.float32).view(nt, 32).to(torch.float16)
     smem = _x_smem(x, 0, 0, nt)
     seen = set()
@@ -153,13 +153,14 @@ def test_x_planes_cover_each_label_once():
     assert len(seen) == nt * 32
 
 
-@pytest.mark.parametrize("nt", [32, 64, 128])
+@pytest.mark.parametrize("nt", [16, 32, 64, 128])
 def test_ws_producer_items_land_where_the_consumers_read(nt):
     # The warp-specialized form's producer warpgroup (128 threads, pt) copies for the 256 consumer
     # threads (awq_wgmma_ws_kernel): its weight items pt and pt + 128 (row t = i // 64 of the step's 4,
     # chunk c = i % 64 of the tile) land at consumer thread 32 (c // 8) + 4 (c % 8) + t, which in the
-    # session-21 form copied row t of chunk 8 warp + g itself; its x items pt + 128 q are the 4 NT
-    # items _x_smem stores, each once. (The kernel's index arithmetic, written out.)
+    # session-21 form copied row t of chunk 8 warp + g itself; its x items pt + 128 q (q < kXq, those
+    # below 4 NT: at NT = 16 the first 64 threads) are the 4 NT items _x_smem stores, each once. (The
+    # kernel's index arithmetic, written out.)
     weights = {}
     for pt in range(128):
         c, t0 = pt & 63, pt >> 6
@@ -175,8 +176,10 @@ def test_ws_producer_items_land_where_the_consumers_read(nt):
         warp, lane = divmod(tid, 32)
         g, t = divmod(lane, 4)
         assert (row, chunk) == (t, 8 * warp + g)
-    items = [pt + 128 * q for pt in range(128) for q in range(nt // 32)]
-    assert sorted(items) == list(range(4 * nt))
+    items_per_step = 4 * nt
+    xq = (items_per_step + 127) // 128
+    items = [pt + 128 * q for pt in range(128) for q in range(xq) if pt + 128 * q < items_per_step]
+    assert sorted(items) == list(range(items_per_step))
 
 
 @pytest.mark.skipif(not _ext.has_op("awq_wgmma_packed"), reason="fastawq._C is not built with awq_wgmma_packed")
@@ -203,8 +206,8 @@ GPU_SHAPES = [
     (32, 8, 32), (64, 136, 32), (128, 40, 64), (256, 264, 128), (1024, 1000, 64), (2048, 392, 128),
     (8192, 128, 128), (11008, 520, 32), (4096, 4104, 128),
 ]
-# Across the 32 / 64 / 128-token blocks and several 128-token blocks.
-MS = [1, 17, 31, 32, 33, 63, 64, 65, 100, 128, 129, 300]
+# Across the 16 / 32 / 64 / 128-token blocks and several 128-token blocks.
+MS = [1, 9, 16, 17, 31, 32, 33, 63, 64, 65, 100, 128, 129, 300]
 
 
 @requires_kernel
@@ -221,7 +224,7 @@ def test_kernel_matches_reference(k, n, g, m, dtype):
 
 
 @requires_kernel
-@pytest.mark.parametrize("tokens", [32, 64, 128])
+@pytest.mark.parametrize("tokens", [16, 32, 64, 128])
 @pytest.mark.parametrize("splits", [1, 3, 5, 64])
 @pytest.mark.parametrize("m", [5, 70, 200])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -237,7 +240,7 @@ def test_every_tile_and_split(tokens, splits, m, dtype):
 
 @requires_kernel
 @pytest.mark.parametrize("k,n,g", GPU_SHAPES)
-@pytest.mark.parametrize("m", [1, 17, 33, 65, 129, 300])
+@pytest.mark.parametrize("m", [1, 16, 17, 33, 65, 129, 300])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_warp_specialized_form_matches_reference(monkeypatch, k, n, g, m, dtype):
     # FASTAWQ_WGMMA_FORM=ws (read at each call): two consumer warpgroups fed through mbarriers by a
@@ -253,14 +256,17 @@ def test_warp_specialized_form_matches_reference(monkeypatch, k, n, g, m, dtype)
 
 
 @requires_kernel
-@pytest.mark.parametrize("tokens", [32, 64, 128])
+@pytest.mark.parametrize("tokens", [16, 32, 64, 128])
 @pytest.mark.parametrize("splits", [1, 3, 5, 64])
 @pytest.mark.parametrize("m", [5, 70, 200])
-def test_warp_specialized_every_tile_and_split(monkeypatch, tokens, splits, m):
-    # The ws form on forced tiles and splits: 64 of 64 steps is one step a block (shorter than the
-    # producer's lead of 5), 5 gives odd ranges of 13 (the consumers' last step alone), 1 the whole
-    # K through the 8-slot ring many times (every mbarrier phase flips).
+@pytest.mark.parametrize("depth", ["8", "12"])
+def test_warp_specialized_every_tile_and_split(monkeypatch, tokens, splits, m, depth):
+    # The ws form on forced tiles and splits, both rings (FASTAWQ_WGMMA_WS_DEPTH, read at each call):
+    # 64 of 64 steps is one step a block (shorter than the producer's lead of 5 or 9), 5 gives odd
+    # ranges of 13 (the consumers' last step alone), 1 the whole K through the 8- or 12-slot ring
+    # many times (every mbarrier phase flips).
     monkeypatch.setenv("FASTAWQ_WGMMA_FORM", "ws")
+    monkeypatch.setenv("FASTAWQ_WGMMA_WS_DEPTH", depth)
     k, n, g = 2048, 392, 128
     qw, s, qz, wp, sz = _setup(k, n, g, torch.float16, seed=tokens + splits + m + 1)
     x = random_input((m, k), "cuda", torch.float16, seed=m + 2)
@@ -270,7 +276,7 @@ def test_warp_specialized_every_tile_and_split(monkeypatch, tokens, splits, m):
 
 @requires_kernel
 @pytest.mark.parametrize("depth", ["4", "8"])
-@pytest.mark.parametrize("tokens", [32, 64, 128])
+@pytest.mark.parametrize("tokens", [16, 32, 64, 128])
 @pytest.mark.parametrize("splits", [0, 3, 64])
 def test_ring_depths(monkeypatch, depth, tokens, splits):
     # FASTAWQ_WGMMA_DEPTH (read at each call): rings of 4 and 8 slots, on every token tile, the
@@ -285,7 +291,7 @@ def test_ring_depths(monkeypatch, depth, tokens, splits):
 
 @requires_kernel
 @pytest.mark.parametrize("warpgroups", ["1", "2"])
-@pytest.mark.parametrize("tokens", [32, 64, 128])
+@pytest.mark.parametrize("tokens", [16, 32, 64, 128])
 @pytest.mark.parametrize("splits", [0, 3, 64])
 @pytest.mark.parametrize("k,n,g", [(2048, 392, 128), (256, 136, 32)])
 def test_forced_warpgroup_blocks(monkeypatch, warpgroups, tokens, splits, k, n, g):
@@ -342,7 +348,7 @@ def test_bad_inputs_are_named():
     _, _, _, wp, sz = _setup(k, n, g, torch.float16)
     x = random_input((20, k), "cuda", torch.float16)
     op = torch.ops.fastawq.awq_wgmma_packed
-    with pytest.raises(RuntimeError, match="tokens must be 32, 64 or 128.*got 48"):
+    with pytest.raises(RuntimeError, match="tokens must be 16, 32, 64 or 128.*got 48"):
         op(x, wp, sz, n, g, None, 48, 0)
     with pytest.raises(RuntimeError, match="splits must be in 1..K/32.*9"):
         op(x, wp, sz, n, g, None, 0, 9)

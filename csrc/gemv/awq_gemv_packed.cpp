@@ -524,7 +524,7 @@ at::Tensor awq_wgmma_packed(const at::Tensor& x, const at::Tensor& wpacked, cons
   const at::Tensor* b = check_packed(op, x, wpacked, szpacked, n, group_size, bias, kMaxDim);
   const int64_t m = x.size(0), k = x.size(1);
   if (tokens == 0) tokens = wgmma_packed_tokens(m);
-  FASTAWQ_CHECK(wgmma_packed_tokens_ok(tokens), op, ": tokens must be 32, 64 or 128 (0: by M), got ", tokens);
+  FASTAWQ_CHECK(wgmma_packed_tokens_ok(tokens), op, ": tokens must be 16, 32, 64 or 128 (0: by M), got ", tokens);
   const int64_t steps = k / kPackedBatchRows;
   FASTAWQ_CHECK(splits >= 0 && splits <= std::max<int64_t>(1, steps), op,
                 ": splits must be in 1..K/32 (0: one wave), got ", splits, " at k=", k);

@@ -114,12 +114,15 @@ int gemm_packed_resident_blocks(const GemmPackedArgs& args);
 // FASTAWQ_GEMM_STAGE_X is not 1 (read at each call).
 int gemm_packed_stage_steps(const GemmPackedArgs& args);
 
-// The warpgroup-MMA kernel (csrc/gemv/awq_wgmma_packed_sm90.cu, sm_90a only), for M >= 17: the
-// batch as the wgmma's N in tiles of `tokens` rows (32, 64 or 128), a block `warpgroups` warpgroups
+// The warpgroup-MMA kernel (csrc/gemv/awq_wgmma_packed_sm90.cu, sm_90a only), for M >= 17 (16-row tiles
+// on request: tokens = 16, or M <= 16 with tokens = 0, which the dispatch does not send): the
+// batch as the wgmma's N in tiles of `tokens` rows (16, 32, 64 or 128), a block `warpgroups` warpgroups
 // (1 or 2) on 128 columns each, all on one range of steps_per_warp 32-row steps (here: steps per
 // block); grid (token_tiles, col_tiles, splits).
-inline int wgmma_packed_tokens(int64_t m) { return m <= 32 ? 32 : (m <= 64 ? 64 : 128); }
-inline bool wgmma_packed_tokens_ok(int64_t tokens) { return tokens == 32 || tokens == 64 || tokens == 128; }
+inline int wgmma_packed_tokens(int64_t m) { return m <= 16 ? 16 : (m <= 32 ? 32 : (m <= 64 ? 64 : 128)); }
+inline bool wgmma_packed_tokens_ok(int64_t tokens) {
+  return tokens == 16 || tokens == 32 || tokens == 64 || tokens == 128;
+}
 inline int wgmma_packed_tile_cols(int warpgroups) { return 128 * warpgroups; }
 
 struct WgmmaPackedArgs : PackedArgs {

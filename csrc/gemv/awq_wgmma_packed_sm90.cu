@@ -1,7 +1,7 @@
 // W4A16 for batches of 17 rows and more on Hopper's warpgroup MMA (wgmma, sm_90a), on the
 // load-time repacked layout of awq_gemv_packed.h: y^T[N, M] = W^T[N, K] x^T[K, M], "swap AB" as
 // awq_mma_packed.cu, with output channels as the wgmma's M (64 a warpgroup instruction) and the
-// batch as its N (NT = 32, 64 or 128 rows a block). The weights are the A operand, dequantized in
+// batch as its N (NT = 16, 32, 64 or 128 rows a block). The weights are the A operand, dequantized in
 // registers (wgmma takes A from registers); x is the B operand, read by the tensor cores from shared
 // memory through a matrix descriptor. Dequantize + cuBLAS (what the Triton path picks at M >= 64)
 // reads 4x the weight bytes and caps that range at 0.8-0.94x cuBLAS fp16 (issue 11); mma.sync
@@ -48,6 +48,7 @@
 // No L2 eviction hint on the weights' copies (ptxas 13.x, awq_gemm_packed.cu says why).
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "common/dtype.cuh"
@@ -114,6 +115,14 @@ __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"
 #define FASTAWQ_A4_DESC "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1)
 #ifdef FASTAWQ_WGMMA_DEVICE
 #define FASTAWQ_WGMMA_RUN(AB)                                                                                  \
+  __device__ __forceinline__ static void run(float (&d)[8], const uint32_t (&a)[4], uint64_t desc) {           \
+    asm volatile(                                                                                              \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"                                                           \
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32." AB "." AB                                                \
+        " {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"                           \
+        : FASTAWQ_D8(0)                                                                                        \
+        : FASTAWQ_A4_DESC);                                                                                    \
+  }                                                                                                            \
   __device__ __forceinline__ static void run(float (&d)[16], const uint32_t (&a)[4], uint64_t desc) {          \
     asm volatile(                                                                                              \
         "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                                           \
@@ -279,7 +288,7 @@ template <int NT, int WG>
 constexpr int kSlotBytes = 2 * kXBytes<NT> + kThreads<WG> * 16;
 
 // Blocks an SM the registers must allow: at 2 warpgroups 2 at NT <= 64 (128 registers), 1 at 128;
-// at one warpgroup 4 / 3 / 2 at NT = 32 / 64 / 128 (at 4, NT = 64 would spill).
+// at one warpgroup 4 / 3 / 2 at NT <= 32 / 64 / 128 (at 4, NT = 64 would spill).
 template <int NT, int WG>
 constexpr int kMinBlocks = WG == 2 ? (NT <= 64 ? 2 : 1) : (NT <= 32 ? 4 : (NT == 64 ? 3 : 2));
 
@@ -522,7 +531,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) awq_wgmma_ws_kernel(
   constexpr int R = D + 1;          // the producer's raw x slots
   constexpr int kPlane = NT * 16;   // bytes between the x planes (core matrices adjacent in K)
   constexpr int kC4 = 64;           // 4-column chunks of the block's tile (2 warpgroups x 128 columns)
-  constexpr int kXq = NT / 32;      // a producer thread's 16-byte x items a step (4 NT in all)
+  constexpr int kXItems = 4 * NT;   // 16-byte x items a step
+  constexpr int kXq = (kXItems + 127) / 128;  // a producer thread's (at NT = 16 the first 64 threads')
   extern __shared__ __align__(128) uint8_t ring_smem[];
   __shared__ __align__(8) uint64_t full_bar[P], empty_bar[P];
   __shared__ int is_last;
@@ -564,7 +574,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) awq_wgmma_ws_kernel(
       cp_async16_at(slot_at(slot) + w_dst, src, w_ok);
       cp_async16_at(slot_at(slot) + w_dst + 2 * 16, src + 2 * static_cast<int64_t>(n4), w_ok);  // t0 + 2
     };
-    // x: items pt + 128 q (q < NT / 32) of the step's 4 NT: token j / 4 (clamped to row M - 1: it
+    // x: items pt + 128 q (q < kXq, below 4 NT) of the step's 4 NT: token j / 4 (clamped to row M - 1: it
     // feeds only outputs never stored), 16-byte chunk j % 4 of the step's 32 k; raw at 16 j of its
     // raw slot, in the planes at (token / 8) 128 + (token % 8) 16 + 4 (j % 4) (+ plane h for word h).
     const uint32_t raw0 = base + P * kWsSlotBytes<NT>;
@@ -572,20 +582,23 @@ __global__ void __launch_bounds__(kWsThreads, 1) awq_wgmma_ws_kernel(
     uint32_t x_dst[kXq];
 #pragma unroll
     for (int q = 0; q < kXq; ++q) {
-      const int j = pt + 128 * q, tok = j >> 2, tc = j & 3;
+      const int j = min(pt + 128 * q, kXItems - 1), tok = j >> 2, tc = j & 3;
       x_row[q] = x + static_cast<int64_t>(min(tok0 + tok, m - 1)) * k + 8 * tc +
                  static_cast<int64_t>(s0) * kPackedBatchRows;
       x_dst[q] = (tok >> 3) * 128 + (tok & 7) * 16 + 4 * tc;
     }
+    const auto x_on = [&](int q) { return kXq * 128 == kXItems || pt + 128 * q < kXItems; };
     const auto issue_x = [&](int raw, int i) {
 #pragma unroll
       for (int q = 0; q < kXq; ++q) {
-        cp_async16_at(raw0 + raw * kXBytes<NT> + (pt + 128 * q) * 16, x_row[q] + i * kPackedBatchRows, true);
+        if (x_on(q))
+          cp_async16_at(raw0 + raw * kXBytes<NT> + (pt + 128 * q) * 16, x_row[q] + i * kPackedBatchRows, true);
       }
     };
     const auto permute_x = [&](int raw, int slot) {
 #pragma unroll
       for (int q = 0; q < kXq; ++q) {
+        if (!x_on(q)) continue;
         const uint4 r = ld_shared128_at(raw0 + raw * kXBytes<NT> + (pt + 128 * q) * 16);
         const uint32_t at = slot_at(slot) + x_dst[q];
         st_shared32_at(at, r.x);
@@ -723,10 +736,21 @@ void launch_wg(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
   }
 }
 
-// The warp-specialized form: 8 slots (a lead of 5 steps), 96 + 48 KB a block at NT = 128.
-template <typename T, int NT>
-void launch_ws(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
-  constexpr int P = 8;
+// The warp-specialized form's ring: 12 slots (a lead of 9 steps) up to 64 tokens, 8 (a lead of 5)
+// at 128. One block an SM streams 4 KB of weights a step; below 128 tokens a step's wgmmas are short
+// (64 tokens: ~256 tensor-core cycles), so about 1.5 us of copy latency at the SM's share of the
+// bandwidth (~25 GB/s) needs ~37 KB, 9 steps, in flight; at 128 a step's 512 cycles cover it with 5.
+// FASTAWQ_WGMMA_WS_DEPTH=8 or 12 (an A/B switch, read at each call) forces either: 70 / 136 / 224 KB
+// a block at 12 slots and NT = 16 / 64 / 128, 46 / 88 / 144 KB at 8.
+int ws_ring_depth(int tokens) {
+  const char* v = std::getenv("FASTAWQ_WGMMA_WS_DEPTH");
+  if (v != nullptr && std::strcmp(v, "8") == 0) return 8;
+  if (v != nullptr && std::strcmp(v, "12") == 0) return 12;
+  return tokens <= 64 ? 12 : 8;
+}
+
+template <typename T, int NT, int P>
+void launch_ws_p(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
   constexpr auto kernel = awq_wgmma_ws_kernel<T, NT, P>;
   constexpr int kSmem = kWsSmem<NT, P>;
   opt_in_shared_memory<kernel>(kSmem);
@@ -741,6 +765,12 @@ void launch_ws(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
 }
 
 template <typename T, int NT>
+void launch_ws(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
+  if (ws_ring_depth(NT) == 8) return launch_ws_p<T, NT, 8>(a, stream, resident);
+  launch_ws_p<T, NT, 12>(a, stream, resident);
+}
+
+template <typename T, int NT>
 void launch_nt(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
   if (a.ws) return launch_ws<T, NT>(a, stream, resident);
   if (a.warpgroups == 1) return launch_wg<T, NT, 1>(a, stream, resident);
@@ -750,6 +780,7 @@ void launch_nt(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
 template <typename T>
 void launch_t(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
   switch (a.tokens) {
+    case 16: return launch_nt<T, 16>(a, stream, resident);
     case 32: return launch_nt<T, 32>(a, stream, resident);
     case 64: return launch_nt<T, 64>(a, stream, resident);
     default: return launch_nt<T, 128>(a, stream, resident);
