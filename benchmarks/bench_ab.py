@@ -19,7 +19,9 @@ before the PDL wait (FASTAWQ_GEMV_EARLY_LOADS=1); --compare defaults18: session 
 against session 18's (on: gemm16, the deferred mma refills, the two-batch GEMV loop at M = 2, early
 weight loads, the attention's cluster combine at small batches); --compare wgmma: awq_wgmma_packed
 (sm_90a) at every M above the compiled buckets instead of Triton (backend.PACKED_WGMMA, with
-PACKED_WGMMA_MAX_M None; with --layout packed, e.g. batch 64); --compare layout: the W4 layers'
+PACKED_WGMMA_MAX_M None; with --layout packed, e.g. batch 64); --compare wgmma16: awq_wgmma_packed's
+16-token tile (either form: FASTAWQ_WGMMA_FORM) for packed-layout batches of 9 to 16 rows instead of
+awq_gemm_packed (on: backend.PACKED_GEMM_MAX_M 8, off: 16); --compare layout: the W4 layers'
 weight layout (WQLinear.set_layout "awq" / "packed", exact both ways, converted in place; grouped
 MoE experts keep theirs). One random-weight model is built
 once; rounds alternate the setting (off on, on off, ...), each re-capturing the decode graph, and
@@ -57,7 +59,7 @@ from fastawq.shapes import shape_config
 
 
 CHOICES = ("pdl", "route", "norm_route", "route_cuda", "moe_mma", "packed_gemm", "rope_attention", "act_gemv",
-           "norm_gemv", "gemm16", "gemm16_staged", "gemm16_staged_early", "defaults18", "wgmma", "layout")
+           "norm_gemv", "gemm16", "gemm16_staged", "gemm16_staged_early", "defaults18", "wgmma", "wgmma16", "layout")
 # Environment variables a named switch sets (restored after it).
 _SWITCH_ENV = {"pdl": ("FASTAWQ_PDL",), "gemm16_staged": ("FASTAWQ_GEMM_STAGE_X",),
                "gemm16_staged_early": ("FASTAWQ_GEMM_STAGE_X", "FASTAWQ_GEMV_EARLY_LOADS")}
@@ -109,9 +111,11 @@ def apply(model: torch.nn.Module, compare: str, on: bool) -> None:
         for module in model.modules():
             if isinstance(module, WQLinear):
                 module.set_backend(module.backend)
-    elif compare in ("packed_gemm", "gemm16", "gemm16_staged", "gemm16_staged_early", "wgmma"):
+    elif compare in ("packed_gemm", "gemm16", "gemm16_staged", "gemm16_staged_early", "wgmma", "wgmma16"):
         if compare == "wgmma":  # on: awq_wgmma_packed at every M above the compiled buckets (off: Triton)
             backend.PACKED_WGMMA, backend.PACKED_WGMMA_MAX_M = on, None
+        elif compare == "wgmma16":  # on: awq_wgmma_packed (16-token tile) for M = 9 .. 16, not awq_gemm_packed
+            backend.PACKED_GEMM_MAX_M = 8 if on else 16
         elif compare == "packed_gemm":  # on: awq_gemm_packed above the tensor-core GEMV's bucket
             backend.PACKED_GEMM_MAX_M = 1 << 20 if on else 0
         else:  # on: awq_gemm_packed (the batch as the mma's M) for M = 9 .. 16, not awq_mma_packed

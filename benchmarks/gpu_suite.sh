@@ -407,8 +407,13 @@ if [[ " $stages " == *" s23 "* ]]; then
     -k "warp_specialized_every" 2>&1 | tail -4 && ws_ok=1 || { ws_ok=0; status=1; }
   if [ "$ws_ok" = 1 ]; then
     timeout 150 python benchmarks/gemm_table.py --kernels gemm,wgmma,wgmmaws --dtypes float16 \
-      --ms 16,32,64,128,256,1024,4096 --out "$OUT/wgmma_ws" 2>&1 | grep -A10 "^| dtype" || status=1
+      --ms 16,32,64,256,4096 --out "$OUT/wgmma_ws" 2>&1 | grep -A10 "^| dtype" || status=1
   fi
+  timeout 60 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "every_tile and not warp" \
+    2>&1 | tail -2 || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 100 python benchmarks/bench_ab.py --compare wgmma16 \
+    --compare env:FASTAWQ_WGMMA_FORM=0,ws --shape llama-3-8b --batches 16,32 --layout packed --decode 64 --rounds 1 \
+    2>&1 | grep -E "^\||on / off" || status=1
   step s23_sums
   timeout 90 python -m pytest -q -p no:cacheprovider tests/test_gemv_packed.py -k sums 2>&1 | tail -2 || status=1
   timeout 90 python -m pytest -q -p no:cacheprovider tests/test_moe_op.py -k "fp32_sums" 2>&1 | tail -2 || status=1

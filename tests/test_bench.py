@@ -111,7 +111,8 @@ def test_full_depth_scales_only_the_layers():
     assert bench.full_depth(0.001, 0.002, 8, 48) == pytest.approx(0.002)  # noise below the head
 
 
-@pytest.mark.parametrize("compare", ["pdl", "route", "norm_route", "layout", "gemm16_staged", "gemm16_staged_early"])
+@pytest.mark.parametrize("compare", ["pdl", "route", "norm_route", "layout", "gemm16_staged", "gemm16_staged_early",
+                                     "wgmma16"])
 def test_bench_ab_alternates_one_switch(tmp_path, capsys, compare):
     # benchmarks/bench_ab.py on the tiny shape (CPU): both settings measured, the switches restored.
     import importlib.util
