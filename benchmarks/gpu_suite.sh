@@ -397,6 +397,17 @@ if [[ " $stages " == *" wgmma_ws "* ]]; then
   timeout 200 python benchmarks/gemm_table.py --kernels wgmma,wgmmaws --dtypes float16,bfloat16 \
     --ms 32,64,128,256,1024,4096 --out "$OUT/wgmma_ws" 2>&1 | grep -A16 "^| dtype" || status=1
 fi
+if [[ " $stages " == *" moe_ncu "* ]]; then
+  step moe_ncu
+  # Issue 12's batch-16 row: moe_mma_w4's two launches at Qwen3-30B-A3B, T = 16 (CUDA_NOTES.md
+  # session 22's grid arithmetic: is a busy block's fixed part or the wave tail what costs?), ~1 min.
+  PROFILE_MOE_SHAPES=qwen3-30b-a3b timeout 150 ncu --clock-control none --kernel-name regex:moe_mma \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis --section SchedulerStats python benchmarks/profile_moe.py \
+    > "$OUT/ncu_moe.txt" 2>&1 || status=1
+  grep -E "moe_mma|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Warp Cycles Per Issued|Grid Size|Registers|Stall|Eligible|Issued Warp|Waves" \
+    "$OUT/ncu_moe.txt" | head -60
+fi
 if [[ " $stages " == *" s23 "* ]]; then
   step s23
   # Session 23's one call after two lost starts: the ws form's tests and kernel table first (with the
@@ -427,17 +438,6 @@ if [[ " $stages " == *" s23 "* ]]; then
   step s23_memcheck
   FASTAWQ_DENSE_GU_SUMS=1 FASTAWQ_MOE_O_SUMS=1 FASTAWQ_WGMMA_FORM=ws timeout 120 compute-sanitizer --tool memcheck \
     --error-exitcode 1 python benchmarks/sanitize.py 2>&1 | tail -3 || status=1
-fi
-if [[ " $stages " == *" moe_ncu "* ]]; then
-  step moe_ncu
-  # Issue 12's batch-16 row: moe_mma_w4's two launches at Qwen3-30B-A3B, T = 16 (CUDA_NOTES.md
-  # session 22's grid arithmetic: is a busy block's fixed part or the wave tail what costs?), ~1 min.
-  PROFILE_MOE_SHAPES=qwen3-30b-a3b timeout 150 ncu --clock-control none --kernel-name regex:moe_mma \
-    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section MemoryWorkloadAnalysis --section SchedulerStats python benchmarks/profile_moe.py \
-    > "$OUT/ncu_moe.txt" 2>&1 || status=1
-  grep -E "moe_mma|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Warp Cycles Per Issued|Grid Size|Registers|Stall|Eligible|Issued Warp|Waves" \
-    "$OUT/ncu_moe.txt" | head -60
 fi
 if [[ " $stages " == *" targets "* ]]; then
   step targets
