@@ -403,9 +403,11 @@ if [[ " $stages " == *" moe_ncu "* ]]; then
   # session 22's grid arithmetic: is a busy block's fixed part or the wave tail what costs?), ~1 min.
   PROFILE_MOE_SHAPES=qwen3-30b-a3b timeout 150 ncu --clock-control none --kernel-name regex:moe_mma \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section MemoryWorkloadAnalysis --section SchedulerStats python benchmarks/profile_moe.py \
+    --section MemoryWorkloadAnalysis --section SchedulerStats \
+    --metrics dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_requests_srcunit_tex_op_read.sum \
+    python benchmarks/profile_moe.py \
     > "$OUT/ncu_moe.txt" 2>&1 || status=1
-  grep -E "moe_mma|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Warp Cycles Per Issued|Grid Size|Registers|Stall|Eligible|Issued Warp|Waves" \
+  grep -E "moe_mma|Duration|DRAM Throughput|Memory Throughput|L2 Hit|Achieved Occupancy|Warp Cycles Per Issued|Grid Size|Registers|Eligible|Issued Warp|Waves|dram__|lts__" \
     "$OUT/ncu_moe.txt" | head -60
 fi
 if [[ " $stages " == *" s23 "* ]]; then
