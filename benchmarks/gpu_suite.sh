@@ -409,6 +409,11 @@ if [[ " $stages " == *" moe_ncu "* ]]; then
     > "$OUT/ncu_moe.txt" 2>&1 || status=1
   grep -E "moe_mma|Duration|DRAM Throughput|Memory Throughput|L2 Hit|Achieved Occupancy|Warp Cycles Per Issued|Grid Size|Registers|Eligible|Issued Warp|Waves|dram__|lts__" \
     "$OUT/ncu_moe.txt" | head -60
+  for ev in first normal; do  # the weights' L2 priority (FASTAWQ_MOE_MMA_EVICT), same run
+    echo "FASTAWQ_MOE_MMA_EVICT=$ev"
+    FASTAWQ_MOE_MMA_EVICT=$ev timeout 60 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 16,256 \
+      --backends cuda --no-tune 2>&1 | grep -E "^\| qwen3" || status=1
+  done
 fi
 if [[ " $stages " == *" s23 "* ]]; then
   step s23

@@ -150,6 +150,10 @@ struct MoeMmaArgs : MoeArgs {
   int pass_rows;                   // tokens per pass: 8 or 16 (two mma n-tiles)
   int tiles13, splits13, steps13;  // w13 grid and 32-row steps of K per warp
   int tiles2, splits2, steps2;     // w2 likewise
+  // FASTAWQ_MOE_MMA_EVICT=normal (an A/B switch, read at each call): the weights' copies at L2's
+  // normal priority instead of evict_first. A block's tile is a 32-byte stripe of each AWQ row
+  // (4 tiles share a 128-byte line): is a line evicted before its neighbours' blocks read it?
+  bool evict_normal;
 };
 // Blocks an SM of the kernel for a pass of pass_rows tokens (its __launch_bounds__; the host sizes
 // the K split by it).

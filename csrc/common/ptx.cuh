@@ -86,6 +86,12 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
   return policy;
 }
+// The default priority as an explicit policy (for A/B switches against evict_first).
+__device__ __forceinline__ uint64_t evict_normal_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
 
 // Programmatic dependent launch (sm_90; no-ops on older GPUs and when a kernel was launched
 // without it, common/pdl.cuh). pdl_wait: block until the grids this one depends on have completed

@@ -4,6 +4,8 @@
 // shape rules are moe_gemv_w4_declines, here, for both.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include <ATen/ATen.h>
@@ -243,6 +245,8 @@ at::Tensor moe_mma_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at:
   const int64_t hit = std::min(e, n);
   a.rows = static_cast<int>(hit + 1);
   a.pass_rows = static_cast<int>(pass_rows);
+  const char* evict = std::getenv("FASTAWQ_MOE_MMA_EVICT");
+  a.evict_normal = evict != nullptr && std::strcmp(evict, "normal") == 0;
   a.tiles13 = static_cast<int>((i + kMoeMmaTile13 - 1) / kMoeMmaTile13);
   a.tiles2 = static_cast<int>((h + kMoeMmaTile2 - 1) / kMoeMmaTile2);
   const int per_sm = moe_mma_blocks_per_sm(static_cast<int>(pass_rows));

@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
   const int steps = kW13 ? a.steps13 : a.steps2;
   const int s0 = (blockIdx.y * kWarps + warp) * steps, s1 = min(s0 + steps, k / kStepRows);
   const int steps_per_group = gsize / kStepRows;
-  const uint64_t policy = evict_first_policy();
+  const uint64_t policy = a.evict_normal ? evict_normal_policy() : evict_first_policy();
   const uint32_t ones[4] = {Tr::kOne2, Tr::kOne2, Tr::kOne2, Tr::kOne2};
 
   // Column (within the block's tile) of nibble i of the lane's word of group j.
