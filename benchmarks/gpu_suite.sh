@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 s23 moe_ncu targets wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 s23 moe_ncu targets wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -396,6 +396,22 @@ if [[ " $stages " == *" wgmma_ws "* ]]; then
     2>&1 | tail -3 || status=1
   timeout 200 python benchmarks/gemm_table.py --kernels wgmma,wgmmaws --dtypes float16,bfloat16 \
     --ms 32,64,128,256,1024,4096 --out "$OUT/wgmma_ws" 2>&1 | grep -A16 "^| dtype" || status=1
+fi
+if [[ " $stages " == *" unrun23 "* ]]; then
+  step unrun23
+  # Session 23's QKV handoff (FASTAWQ_QKV_SUMS=1, off, never run), ~5 min: the rope attention on fp32
+  # qkv sums (exact against qkv rounded first), the engine tests, memcheck, then A/Bs at batch 1 / 2
+  # (Qwen3 with FASTAWQ_MOE_O_SUMS=1 in both arms: its attention takes the sums path only there).
+  timeout 120 python -m pytest -q -p no:cacheprovider tests/test_cuda_attention.py -k "fp32" 2>&1 | tail -2 \
+    || status=1
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_fused.py -k "qkv_sums" 2>&1 | tail -2 || status=1
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py 2>&1 | tail -2 \
+    || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:FASTAWQ_QKV_SUMS=0,1 \
+    --shape llama-3-8b --batches 1,2 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
+  FASTAWQ_MOE_O_SUMS=1 FASTAWQ_TRITON_TUNE=0 timeout 180 python benchmarks/bench_ab.py \
+    --compare env:FASTAWQ_QKV_SUMS=0,1 --shape qwen3-30b-a3b --batches 1 --layout packed --decode 64 --rounds 2 \
+    2>&1 | grep -E "^\||on / off" || status=1
 fi
 if [[ " $stages " == *" moe_ncu "* ]]; then
   step moe_ncu

@@ -136,6 +136,12 @@ def main() -> None:
                         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
                         torch.testing.assert_close(kw, kr, rtol=1e-2, atol=1e-2)
                         n_calls += 1
+                        # qkv as fp32 sums (FASTAWQ_QKV_SUMS): read as the caches' dtype, exactly.
+                        kf, vf = kc.clone(), vc.clone()
+                        got_f = ops.rope_decode_attention(qkv.float(), pos, cos, sin, kf, vf, lens, *norms, 1e-6, hq,
+                                                          d ** -0.5)
+                        assert torch.equal(got_f, got) and torch.equal(kf, kw) and torch.equal(vf, vw)
+                        n_calls += 1
     moe_ops = [name for name in ("moe_gemv_w4", "moe_mma_w4") if hasattr(ops, name)]
     if moe_ops:
         from test_moe_op import check, moe_case

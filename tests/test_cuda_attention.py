@@ -447,6 +447,50 @@ def test_rope_decode_attention_in_a_cuda_graph():
 
 
 @needs_rope_op
+@pytest.mark.parametrize("lens", [(1,), (65,), (200, 1), (1100, 63, 1000)])
+@pytest.mark.parametrize("heads,qk_norm,d", [((32, 4), True, 128), ((14, 2), False, 64), ((32, 8), False, 128),
+                                             ((8, 8), True, 256)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_decode_attention_reads_fp32_qkv_sums(dtype, d, heads, qk_norm, lens):
+    # qkv as the QKV projection's fp32 sums (FASTAWQ_QKV_SUMS): the kernel rounds them to the caches'
+    # dtype as it reads them, so output and cache rows are bit-for-bit those of qkv rounded first.
+    # Sums with low bits the rounding drops, ~1e3 in size; the row has a pad (stride != width).
+    hq, hkv = heads
+    b = len(lens)
+    positions = [n - 1 for n in lens]
+    qkv, pos, lens_t, cos, sin, qn, kn, k, v = _rope_case(b, hq, hkv, d, dtype, lens, positions, qk_norm, seed=d + 3)
+    w = qkv.shape[-1]
+    gen = torch.Generator().manual_seed(hq + d)
+    sums = (torch.randn(b, 1, w + 8, generator=gen) * 300).to("cuda")[..., :w]
+    k2, v2 = k.clone(), v.clone()
+    _poison_allocator(b * hq * d, dtype)
+    got = torch.ops.fastawq.rope_decode_attention(sums, pos, cos, sin, k, v, lens_t, qn, kn, 1e-6, hq, d ** -0.5)
+    want = torch.ops.fastawq.rope_decode_attention(sums.to(dtype), pos, cos, sin, k2, v2, lens_t, qn, kn, 1e-6, hq,
+                                                   d ** -0.5)
+    assert got.dtype == dtype and got.shape == (b, hq, d)
+    assert torch.equal(got, want) and torch.equal(k, k2) and torch.equal(v, v2)
+    # The op's own path with fp32 qkv (the compiled launch where it serves, else rounded first).
+    k3, v3 = k2.clone(), v2.clone()
+    out = ops.rope_decode_attention(sums, pos, cos, sin, k3, v3, lens_t, hq, hkv, d, d ** -0.5, qn, kn)
+    assert torch.equal(out, want)
+
+
+@needs_rope_op
+def test_rope_decode_attention_fp32_qkv_errors_name_the_dtypes():
+    hq, hkv, d = 8, 2, 64
+    qkv, pos, lens_t, cos, sin, qn, kn, k, v = _rope_case(2, hq, hkv, d, torch.float16, (100, 7), (99, 6), True, s=128)
+    op = torch.ops.fastawq.rope_decode_attention
+    sums = qkv.float()
+    torch.library.opcheck(op.default, (sums, pos, cos, sin, k, v, lens_t, qn, kn, 1e-6, hq, 0.125))
+    _err(lambda: op(sums, pos, cos, sin, k.float(), v.float(), lens_t, qn, kn, 1e-6, hq, 0.1),
+         r"with fp32 qkv sums the caches must be fp16 or bf16")
+    _err(lambda: op(sums, pos, cos, sin, k, v, lens_t, qn.float(), kn.float(), 1e-6, hq, 0.1),
+         r"norm weights must be .* in the caches' dtype")
+    _err(lambda: torch.ops.fastawq.decode_attention(sums[:, 0, : hq * d].reshape(2, hq, d), k, v, lens_t, 0.1),
+         r"q must be fp16 or bf16")
+
+
+@needs_rope_op
 def test_rope_decode_attention_opcheck_and_errors():
     hq, hkv, d = 8, 2, 64
     qkv, pos, lens_t, cos, sin, qn, kn, k, v = _rope_case(2, hq, hkv, d, torch.float16, (100, 7), (99, 6), True, s=128)

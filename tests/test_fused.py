@@ -163,6 +163,31 @@ def test_fused_dense_gu_sums_decode_matches_unfused(monkeypatch, arch):
 
 
 @needs_cuda
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma"])
+def test_fused_qkv_sums_decode_matches_unfused(monkeypatch, arch):
+    # FASTAWQ_QKV_SUMS=1 on top of the dense sums: a decode step's QKV projection adds into fp32 sums
+    # beside o_proj's (one buffer the input norm zeroes) and the compiled rope attention reads them;
+    # decode with CUDA graphs still matches transformers (Qwen2: the QKV bias, added once; Qwen3: the
+    # q/k norms of the rope form; Gemma: offset norms), and the rope form saw fp32 qkv.
+    from fastawq import _ext
+
+    monkeypatch.setenv("FASTAWQ_DENSE_SUMS", "1")
+    monkeypatch.setenv("FASTAWQ_QKV_SUMS", "1")
+    f32_qkv = []
+    if _ext.has_op("rope_decode_attention"):
+        real = torch.ops.fastawq.rope_decode_attention
+
+        def spy(qkv, *args):
+            f32_qkv.append(qkv.dtype == torch.float32)
+            return real(qkv, *args)
+
+        monkeypatch.setattr(torch.ops.fastawq, "rope_decode_attention", spy)
+    _match_over_decode(arch, None, 24, device="cuda", graphs=True, layout="packed")
+    if _ext.has_op("awq_gemv_packed_sums") and _ext.has_op("rope_decode_attention"):
+        assert any(f32_qkv)
+
+
+@needs_cuda
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_fused_wgmma_decode_matches_unfused(monkeypatch, arch):
     # backend.PACKED_WGMMA at every M (PACKED_WGMMA_MAX_M None): at a batch of 20, above the compiled

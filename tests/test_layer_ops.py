@@ -63,16 +63,23 @@ def test_add_rms_norm_zeroes_a_later_projections_sums(be):
     h = 200
     r = torch.randn(3, h, dtype=torch.float16, device=DEV)
     w = torch.randn(h, dtype=torch.float16, device=DEV)
+    # Widths other than H (FASTAWQ_QKV_SUMS: o_proj's sums and the QKV projection's side by side, a
+    # row of H + 3.5 H here; one narrower than the norm's block; several blocks a row), in a buffer
+    # whose neighbours must stay as they are.
     for x in (torch.randn(3, h, dtype=torch.float16, device=DEV), torch.randn(3, h, device=DEV) * 30):
-        zero = torch.full((3, h), float("nan"), device=DEV)
-        y, r_out = ops.add_rms_norm(x, r, w, 1e-5, 1.0, backend=be, zero=zero)
-        y_want, r_want = ops.add_rms_norm(x, r, w, 1e-5, 1.0, backend=be)
-        assert torch.equal(zero, torch.zeros_like(zero))
-        assert torch.equal(y, y_want) and torch.equal(r_out, r_want)
-    with pytest.raises(ValueError, match="zero must be a contiguous fp32 tensor of x's shape"):
+        for width in (h, 7, 3 * h + 100):
+            buf = torch.full((3 * width + 5,), float("nan"), device=DEV)
+            zero = buf[:3 * width].view(3, width)
+            y, r_out = ops.add_rms_norm(x, r, w, 1e-5, 1.0, backend=be, zero=zero)
+            y_want, r_want = ops.add_rms_norm(x, r, w, 1e-5, 1.0, backend=be)
+            assert torch.equal(zero, torch.zeros_like(zero)) and buf[3 * width:].isnan().all()
+            assert torch.equal(y, y_want) and torch.equal(r_out, r_want)
+    with pytest.raises(ValueError, match=r"zero must be a contiguous fp32 tensor \[rows=3, Z\]"):
         ops.add_rms_norm(x, r, w, 1e-5, backend=be, zero=torch.zeros(3, h, dtype=torch.float16, device=DEV))
-    with pytest.raises(ValueError, match="zero must be a contiguous fp32 tensor of x's shape"):
+    with pytest.raises(ValueError, match=r"zero must be a contiguous fp32 tensor \[rows=3, Z\]"):
         ops.add_rms_norm(x, None, w, 1e-5, backend=be, zero=torch.zeros(3, h, device=DEV))
+    with pytest.raises(ValueError, match=r"zero must be a contiguous fp32 tensor \[rows=3, Z\]"):
+        ops.add_rms_norm(x, r, w, 1e-5, backend=be, zero=torch.zeros(4, h, device=DEV))
 
 
 @pytest.mark.parametrize("be", BACKENDS)
@@ -226,3 +233,31 @@ def test_python_custom_ops_never_count_as_compiled(op, monkeypatch):
 @pytest.mark.parametrize("op", ["add_rms_norm", "act_mul", "rope_kv_cache"])
 def test_layer_ops_run_triton_on_cuda_by_default(op):
     assert backend.select_backend(op, torch.device("cuda")) == "triton"
+
+
+@pytest.mark.parametrize("be", BACKENDS)
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_decode_attention_takes_fp32_qkv_sums(be, qk_norm):
+    # qkv as the QKV projection's fp32 sums (FASTAWQ_QKV_SUMS) beside fp16 caches: rounded to the
+    # caches' dtype (as read by the compiled launch, first on the other paths), so output and caches
+    # are exactly those of qkv rounded first.
+    b, hq, hkv, d, s = 2, 8, 2, 64, 32
+    gen = torch.Generator().manual_seed(5)
+    sums = (torch.randn(b, 1, (hq + 2 * hkv) * d, generator=gen) * 30).to(DEV)
+    pos = torch.tensor([[5], [17]], dtype=torch.int32, device=DEV)
+    lens = torch.tensor([6, 18], dtype=torch.int32, device=DEV)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    ang = torch.arange(s, dtype=torch.float32)[:, None] * inv[None, :]
+    cos, sin = (torch.cat([f(ang), f(ang)], dim=-1).to(DEV) for f in (torch.cos, torch.sin))
+    qn = kn = None
+    if qk_norm:
+        qn = (1 + 0.2 * torch.randn(d, generator=gen)).to(DEV, torch.float16)
+        kn = (1 + 0.2 * torch.randn(d, generator=gen)).to(DEV, torch.float16)
+    k = torch.randn(b, s, hkv, d, generator=gen).to(DEV, torch.float16)
+    v = torch.randn(b, s, hkv, d, generator=gen).to(DEV, torch.float16)
+    k2, v2 = k.clone(), v.clone()
+    got = ops.rope_decode_attention(sums, pos, cos, sin, k, v, lens, hq, hkv, d, 0.125, qn, kn, max_len=s, backend=be)
+    want = ops.rope_decode_attention(sums.half(), pos, cos, sin, k2, v2, lens, hq, hkv, d, 0.125, qn, kn, max_len=s,
+                                     backend=be)
+    assert got.dtype == torch.float16
+    assert torch.equal(got, want) and torch.equal(k, k2) and torch.equal(v, v2)

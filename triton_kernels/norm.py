@@ -13,7 +13,7 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, zero_ptr, n, eps, offset,
+    x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, zero_ptr, n, zn, eps, offset,
     HAS_RES: tl.constexpr, ZERO: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
@@ -21,9 +21,11 @@ def _add_rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     if ZERO:
-        # A later projection's fp32 sums [rows, n], zeroed here (after the PDL wait: earlier kernels
-        # are done with the memory) for its blocks to add into.
-        tl.store(zero_ptr + row * n + cols, tl.zeros([BLOCK], dtype=tl.float32), mask=mask)
+        # Later projections' fp32 sums, zn a row ([rows, zn]: o_proj's alone, or the QKV projection's
+        # beside them), zeroed here (after the PDL wait: earlier kernels are done with the memory) for
+        # their blocks to add into.
+        for z0 in range(0, zn, BLOCK):
+            tl.store(zero_ptr + row * zn + z0 + cols, tl.zeros([BLOCK], dtype=tl.float32), mask=z0 + cols < zn)
     x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0)
     if HAS_RES:
         # x in fp32 (an MoE block's unconverted sums) is rounded to the residual's dtype first, as the
@@ -63,8 +65,8 @@ def add_rms_norm(
     zero: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm(x + residual) * (weight + offset); the new residual is None when `residual` is.
-    zero: a contiguous fp32 tensor of x's shape that the kernel fills with zeros (for a later
-    projection's sums, awq_gemv_packed_sums)."""
+    zero: a contiguous fp32 tensor [rows, Z] (any Z; rows those of x) that the kernel fills with zeros
+    (for later projections' sums, awq_gemv_packed_sums)."""
     h = x.shape[-1]
     x2 = x.reshape(-1, h).contiguous()
     if residual is None:
@@ -77,7 +79,8 @@ def add_rms_norm(
         res_out = torch.empty_like(res_in)
     block = triton.next_power_of_2(h)
     _add_rms_norm_kernel[(x2.shape[0],)](
-        x2, res_in, weight.contiguous(), y, res_out, x2 if zero is None else zero, h, eps, offset,
+        x2, res_in, weight.contiguous(), y, res_out, x2 if zero is None else zero, h,
+        0 if zero is None else zero.numel() // max(x2.shape[0], 1), eps, offset,
         HAS_RES=residual is not None, ZERO=zero is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
         **launch_options(x2.device),
     )

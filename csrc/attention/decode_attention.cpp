@@ -34,8 +34,9 @@ std::string problem(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
              shape_str(v_cache), ", lens ", shape_str(lens), ")");
 }
 
+// q_sums (the rope form only): q is the QKV projection's fp32 sums, read in the caches' dtype.
 void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& lens) {
+                  const at::Tensor& lens, bool q_sums = false) {
   // Built only when a check fails (TORCH_CHECK evaluates its message lazily).
   const auto p = [&] { return problem(q, k_cache, v_cache, lens); };
   FASTAWQ_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, p(),
@@ -44,11 +45,17 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                     lens.device() == q.device(),
                 p(), ": q, k_cache, v_cache and lens must be on one CUDA device, got ", q.device(), ", ",
                 k_cache.device(), ", ", v_cache.device(), ", ", lens.device());
-  FASTAWQ_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, p(),
-                ": q must be fp16 or bf16, got ", q.scalar_type());
-  FASTAWQ_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(), p(),
-                ": k_cache and v_cache must have q's dtype ", q.scalar_type(), ", got ", k_cache.scalar_type(),
-                " and ", v_cache.scalar_type());
+  if (q_sums) {
+    FASTAWQ_CHECK(k_cache.scalar_type() == at::kHalf || k_cache.scalar_type() == at::kBFloat16, p(),
+                  ": with fp32 qkv sums the caches must be fp16 or bf16, got ", k_cache.scalar_type());
+  } else {
+    FASTAWQ_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, p(),
+                  ": q must be fp16 or bf16, got ", q.scalar_type());
+  }
+  const at::ScalarType dtype = q_sums ? k_cache.scalar_type() : q.scalar_type();
+  FASTAWQ_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype, p(),
+                ": k_cache and v_cache must have q's dtype ", dtype, ", got ", k_cache.scalar_type(), " and ",
+                v_cache.scalar_type());
   FASTAWQ_CHECK(lens.scalar_type() == at::kInt, p(), ": lens must be int32, got ", lens.scalar_type());
   FASTAWQ_CHECK(k_cache.sizes() == v_cache.sizes(), p(), ": k_cache and v_cache must have one shape");
   const int64_t b = q.size(0), hq = q.size(1), d = q.size(2);
@@ -127,7 +134,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   if (cluster > 0) splits = splits / cluster * cluster;
 
   DecodeAttentionArgs a{};
-  a.dtype = q.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
+  a.dtype = out.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;  // q's, or the caches'
+  a.qkv_f32 = q.scalar_type() == at::kFloat;  // the rope form's entry admits it there only
   a.q = q.data_ptr();
   a.k_cache = k_cache.data_ptr();
   a.v_cache = v_cache.data_ptr();
@@ -222,9 +230,13 @@ at::Tensor rope_decode_attention(const at::Tensor& qkv, const at::Tensor& positi
   FASTAWQ_CHECK(num_heads > 0 && qkv.size(2) == (num_heads + 2 * hkv) * d, p(), ": qkv's width ", qkv.size(2),
                 " is not (", num_heads, " + 2 x ", hkv, ") heads of ", d);
   FASTAWQ_CHECK(qkv.stride(2) == 1, p(), ": qkv needs unit stride in its last dimension");
+  // qkv in fp32: the QKV projection's sums (awq_gemv_packed_sums; FASTAWQ_QKV_SUMS), rounded to the
+  // caches' dtype as the kernel reads them. Everything else then takes the caches' dtype.
+  const bool sums = qkv.scalar_type() == at::kFloat;
+  const at::ScalarType dtype = sums ? k_cache.scalar_type() : qkv.scalar_type();
   // q: the first num_heads heads of each qkv row, as decode_attention reads them.
   const at::Tensor q = qkv.select(1, 0).view({b, num_heads + 2 * hkv, d}).narrow(1, 0, num_heads);
-  check_inputs(q, k_cache, v_cache, lens);
+  check_inputs(q, k_cache, v_cache, lens, sums);
   FASTAWQ_CHECK(positions.scalar_type() == at::kInt && positions.numel() == b && positions.is_contiguous() &&
                     positions.device() == qkv.device(),
                 p(), ": positions must be a contiguous int32 [B] or [B, 1] tensor on ", qkv.device(), ", got ",
@@ -240,15 +252,15 @@ at::Tensor rope_decode_attention(const at::Tensor& qkv, const at::Tensor& positi
   for (const auto* w : {&q_norm_weight, &k_norm_weight}) {
     if (!w->has_value()) continue;
     const at::Tensor& t = **w;
-    FASTAWQ_CHECK(t.dim() == 1 && t.size(0) == d && t.scalar_type() == qkv.scalar_type() && t.is_contiguous() &&
+    FASTAWQ_CHECK(t.dim() == 1 && t.size(0) == d && t.scalar_type() == dtype && t.is_contiguous() &&
                       aligned16(t) && t.device() == qkv.device(),
-                  p(), ": the q/k norm weights must be contiguous, aligned [", d, "] tensors in qkv's dtype ",
-                  qkv.scalar_type(), ", got ", shape_str(t), " ", t.scalar_type());
+                  p(), ": the q/k norm weights must be contiguous, aligned [", d, "] tensors in ",
+                  sums ? "the caches' dtype " : "qkv's dtype ", dtype, ", got ", shape_str(t), " ", t.scalar_type());
   }
   FASTAWQ_CHECK(!k_cache.is_alias_of(qkv) && !v_cache.is_alias_of(qkv), p(),
                 ": the caches must not share memory with qkv (the kernel writes them while reading it)");
   const c10::cuda::CUDAGuard guard(qkv.device());
-  at::Tensor out = at::empty({b, num_heads, d}, qkv.options());
+  at::Tensor out = at::empty({b, num_heads, d}, qkv.options().dtype(dtype));
   const RopeInputs rope{positions, cos, sin, q_norm_weight, k_norm_weight, eps};
   run(q, k_cache, v_cache, lens, scale, out, &rope);
   return out;

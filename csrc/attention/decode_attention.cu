@@ -54,6 +54,17 @@ __device__ __forceinline__ uint4 ld16(const void* p, bool ok) {
   return v;
 }
 
+// The rope form with qkv_f32: eight fp32 sums at p (32-byte aligned), rounded to T as read (what
+// the QKV projection's split-K tail would have stored), through L2 (__ldcg: the projection's
+// reductions went there).
+template <typename T>
+__device__ __forceinline__ uint4 ld16_from_f32(const float* p, bool ok) {
+  if (!ok) return make_uint4(0u, 0u, 0u, 0u);
+  const float4 lo = __ldcg(reinterpret_cast<const float4*>(p)), hi = __ldcg(reinterpret_cast<const float4*>(p) + 1);
+  const float f[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  return pack8<T>(f);
+}
+
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
 }
@@ -242,19 +253,33 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_attention_kernel(con
     // Q fragment of head g: in k-step 2p the lane's logical k {2t, 2t+1, 2t+8, 2t+9} are the
     // physical dims 8c + {0, 1, 2, 3} of chunk c = 4p + t, in k-step 2p+1 dims 8c + {4..7}.
     uint4 qf[KP];
-    {
-      const T* qrow = q + b * a.q_sb + (head0 + g) * a.q_sh;
-#pragma unroll
-      for (int p = 0; p < KP; ++p) qf[p] = ld16(qrow + (4 * p + t) * 8, g < group);
-    }
     // The rope form: the new K row in Q's chunks (every head group the same) and V's chunks g + 8i.
     uint4 knew[ROPE ? KP : 1], vnew[ROPE ? VC : 1];
+    const int64_t qat = b * a.q_sb + (head0 + g) * a.q_sh;  // elements of q (or of the fp32 sums)
     if constexpr (ROPE) {
-      const T* row = q + b * a.q_sb;
+      if (a.qkv_f32) {  // block-uniform: the QKV projection's fp32 sums (FASTAWQ_QKV_SUMS)
+        const float* qs = static_cast<const float*>(a.q);
+        const float* row = qs + b * a.q_sb;
 #pragma unroll
-      for (int p = 0; p < KP; ++p) knew[p] = ld16(row + (a.hq + kvh) * D + (4 * p + t) * 8, true);
+        for (int p = 0; p < KP; ++p) qf[p] = ld16_from_f32<T>(qs + qat + (4 * p + t) * 8, g < group);
 #pragma unroll
-      for (int i = 0; i < VC; ++i) vnew[i] = ld16(row + (a.hq + a.hkv + kvh) * D + (g + 8 * i) * 8, true);
+        for (int p = 0; p < KP; ++p) knew[p] = ld16_from_f32<T>(row + (a.hq + kvh) * D + (4 * p + t) * 8, true);
+#pragma unroll
+        for (int i = 0; i < VC; ++i) vnew[i] = ld16_from_f32<T>(row + (a.hq + a.hkv + kvh) * D + (g + 8 * i) * 8, true);
+      } else {
+        const T* row = q + b * a.q_sb;
+#pragma unroll
+        for (int p = 0; p < KP; ++p) qf[p] = ld16(q + qat + (4 * p + t) * 8, g < group);
+#pragma unroll
+        for (int p = 0; p < KP; ++p) knew[p] = ld16(row + (a.hq + kvh) * D + (4 * p + t) * 8, true);
+#pragma unroll
+        for (int i = 0; i < VC; ++i) vnew[i] = ld16(row + (a.hq + a.hkv + kvh) * D + (g + 8 * i) * 8, true);
+      }
+    } else {
+#pragma unroll
+      for (int p = 0; p < KP; ++p) qf[p] = ld16(q + qat + (4 * p + t) * 8, g < group);
+    }
+    if constexpr (ROPE) {
       const int moved = __ldcg(a.positions + b);  // the position, now that the step's writes are in
       if (moved != pos) {  // block-uniform; each thread restages the chunks it staged
         cp_async_wait<0>();  // the first copies land before the second overwrite them

@@ -56,6 +56,9 @@ struct DecodeAttentionArgs {
   float norm_eps;
   int rope_rows;
   int hq;                 // query heads (the K rows of qkv start at column hq * D)
+  // The rope form only: q points into fp32 sums [B, (HQ + 2 HKV) D] (the QKV projection's, added by
+  // awq_gemv_packed_sums; FASTAWQ_QKV_SUMS), rounded to dtype as read; q_sb, q_sh count floats.
+  bool qkv_f32;
 };
 
 // Splits for a batch of `rows_heads` (B * HKV) pairs over a cache of `seq_cap` positions: about two

@@ -409,18 +409,59 @@ class FusedDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The input norm (zeroing the fp32 sums o_proj adds into), QKV, attention and o_proj as
         awq_gemv_packed_sums (which also zeroes `zero`, a later projection's sums): (o_proj's fp32
-        sums shaped like x, x + residual). The callers checked that the compiled form serves."""
+        sums shaped like x, x + residual). The callers checked that the compiled form serves. With
+        qkv_sums_out, a decode step's QKV projection adds into fp32 sums too (beside o_proj's in one
+        buffer, which the norm zeroes in its launch), which the compiled rope attention rounds as it
+        reads them: the projection ends without its fence, arrival count and conversion pass."""
         c, attn = self.cfg, self.self_attn
         h = x.shape[-1]
-        rows = x.numel() // h
-        o_sums = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        h1, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, c.eps, c.norm_offset,
-                                        backend=backend, zero=o_sums)
-        o = attn.attend(attn.qkv_proj(h1), positions, start, lens, max_len, backend)
+        rows, dtype = x.numel() // h, residual.dtype
+        qkv_lin = attn.qkv_proj
+        if lens is not None and qkv_sums_out() and self._qkv_takes_sums(rows, h, dtype, x.device, backend):
+            wq = qkv_lin.out_features
+            buf = torch.empty(rows * (h + wq), dtype=torch.float32, device=x.device)
+            o_sums = buf[: rows * h].view(x.shape)
+            qkv_sums = buf[rows * h:].view(rows, wq)
+            h1, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, c.eps, c.norm_offset,
+                                            backend=backend, zero=buf.view(rows, h + wq))
+            wp, sz, bias = _packed_operands(qkv_lin, dtype)
+            torch.ops.fastawq.awq_gemv_packed_sums(h1.reshape(rows, h).contiguous(), wp, sz, wq, qkv_lin.group_size,
+                                                   bias, qkv_sums)
+            qkv = qkv_sums.view(*x.shape[:-1], wq)
+        else:
+            o_sums = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+            h1, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, c.eps, c.norm_offset,
+                                            backend=backend, zero=o_sums)
+            qkv = qkv_lin(h1)
+        o = attn.attend(qkv, positions, start, lens, max_len, backend)
         wp, sz, bias = _packed_operands(attn.o_proj, residual.dtype)
         torch.ops.fastawq.awq_gemv_packed_sums(o.reshape(rows, -1).contiguous(), wp, sz, h, attn.o_proj.group_size,
                                                bias, o_sums.view(rows, h), zero)
         return o_sums, residual
+
+    def _qkv_takes_sums(self, rows: int, h: int, dtype: torch.dtype, device: torch.device,
+                        backend: str | None) -> bool:
+        """Whether a decode step of `rows` rows runs the QKV projection as awq_gemv_packed_sums into
+        fp32 sums that the compiled rope attention reads (ops.layer.rope_attention_fused on fp32
+        qkv), asked once per (rows, dtype, backend) rather than every step."""
+        key = (rows, dtype, backend)
+        cache = self.__dict__.setdefault("_qkv_sums_cache", {})
+        if key not in cache:
+            from fastawq.ops.layer import rope_attention_fused
+
+            c, attn, lin = self.cfg, self.self_attn, self.self_attn.qkv_proj
+            wq = lin.out_features
+            ok = h % 8 == 0 and wq % 8 == 0 and _gemv_form_fits("awq_gemv_packed_sums", rows, dtype, device, lin, backend)
+            if ok:
+                # Shapes and dtypes only (no fill: this may run under a graph's capture).
+                probe = torch.empty((rows, 1, wq), dtype=torch.float32, device=device)
+                lens = torch.empty(rows, dtype=torch.int32, device=device)
+                positions = torch.empty((rows, 1), dtype=torch.int32, device=device)
+                ok = attn.k_cache.dtype == dtype and rope_attention_fused(
+                    probe, attn.k_cache, lens, c.num_heads, backend, positions=positions, cos=attn.rope_cos,
+                    sin=attn.rope_sin, q_norm_weight=attn.q_norm_weight, k_norm_weight=attn.k_norm_weight)
+            cache[key] = ok
+        return cache[key]
 
     def _router_takes_sums(self, rows: int, h: int, dtype: torch.dtype, device: torch.device,
                            backend: str | None) -> bool:
@@ -436,6 +477,16 @@ class FusedDecoderLayer(nn.Module):
             cache[key] = norm.dtype == dtype and ops_moe.norm_route_takes_sums(
                 probe, norm, moe.router_weight, moe.top_k, "softmax", None, backend)
         return cache[key]
+
+
+def qkv_sums_out() -> bool:
+    """FASTAWQ_QKV_SUMS=1 (an A/B switch, off, not yet measured on a GPU; read at each call, so a
+    captured graph keeps the setting it was captured with): in the sums layers (dense_sums_out,
+    moe_o_sums_out) a decode step's QKV projection adds into fp32 sums that the input norm zeroes
+    and the compiled rope attention rounds as it reads them (FusedDecoderLayer._attention_sums)."""
+    from fastawq import backend as backend_mod
+
+    return backend_mod.env_switch(b"FASTAWQ_QKV_SUMS") == "1"
 
 
 def moe_o_sums_out() -> bool:

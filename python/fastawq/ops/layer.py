@@ -96,8 +96,9 @@ def add_rms_norm(
     itself when residual is None). offset is 1.0 for Gemma's (1 + weight) norms. With a residual, x
     may be fp32 beside a half-precision residual (an MoE block's unconverted sums, WQExperts.sums,
     or a projection's, awq_gemv_packed_sums): it is rounded to the residual's dtype first, and both
-    outputs take that dtype. zero (with a residual): a contiguous fp32 tensor of x's shape, filled
-    with zeros in the same launch, for a later projection's sums to be added into."""
+    outputs take that dtype. zero (with a residual): a contiguous fp32 tensor [rows, Z] (rows those of
+    x, any width Z: o_proj's sums of x's shape, or those beside the QKV projection's), filled with
+    zeros in the same launch, for later projections' sums to be added into."""
     h = x.shape[-1]
     if tuple(weight.shape) != (h,):
         raise ValueError(f"norm weight {tuple(weight.shape)} does not match hidden size {h} of x {tuple(x.shape)}")
@@ -109,9 +110,11 @@ def add_rms_norm(
     device = check_same_device(x=x, residual=residual, weight=weight)
     be = select_backend("add_rms_norm", device, backend=backend)
     if zero is not None:
-        if residual is None or zero.shape != x.shape or zero.dtype != torch.float32 or not zero.is_contiguous():
-            raise ValueError(f"zero must be a contiguous fp32 tensor of x's shape {tuple(x.shape)} beside a residual, "
-                             f"got {zero.dtype} {tuple(zero.shape)}")
+        rows = x.numel() // h if h else 0
+        if (residual is None or zero.dtype != torch.float32 or not zero.is_contiguous() or zero.dim() < 1
+                or zero.shape[-1] < 1 or zero.numel() != rows * zero.shape[-1]):
+            raise ValueError(f"zero must be a contiguous fp32 tensor [rows={rows}, Z] (x {tuple(x.shape)}) beside a "
+                             f"residual, got {zero.dtype} {tuple(zero.shape)}")
         check_same_device(x=x, zero=zero)
         return _call(torch.ops.fastawq.add_rms_norm_zero, _add_rms_norm_zero_impl, x, residual, weight, eps, offset,
                      be, zero)
@@ -262,10 +265,13 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
 
 
-def cuda_decode_declines(q: torch.Tensor, k_cache: torch.Tensor, lens: torch.Tensor) -> str | None:
-    """None when the compiled decode-attention kernel takes these shapes and dtypes, else why not."""
+def cuda_decode_declines(q: torch.Tensor, k_cache: torch.Tensor, lens: torch.Tensor,
+                         q_sums: bool = False) -> str | None:
+    """None when the compiled decode-attention kernel takes these shapes and dtypes, else why not.
+    q_sums: q is the QKV projection's fp32 sums, read in the caches' dtype (the rope form only)."""
     d, hq, hkv = q.shape[-1], q.shape[-2], k_cache.shape[-2]
-    if q.dtype not in HALF or k_cache.dtype != q.dtype:
+    q_dtype = k_cache.dtype if q_sums and q.dtype == torch.float32 else q.dtype
+    if q_dtype not in HALF or k_cache.dtype != q_dtype:
         return f"q {q.dtype} / cache {k_cache.dtype}: the kernel takes fp16 or bf16"
     if d not in (64, 128, 256):
         return f"head_dim {d} (the kernel takes 64, 128, 256)"
@@ -279,12 +285,13 @@ def cuda_decode_declines(q: torch.Tensor, k_cache: torch.Tensor, lens: torch.Ten
 
 
 def decode_attention_backend(
-    q: torch.Tensor, k_cache: torch.Tensor, lens: torch.Tensor, backend: str | None = None
+    q: torch.Tensor, k_cache: torch.Tensor, lens: torch.Tensor, backend: str | None = None, q_sums: bool = False
 ) -> str:
-    """"cuda", "triton" or "torch" for one decode_attention call (compiled > Triton > torch)."""
+    """"cuda", "triton" or "torch" for one decode_attention call (compiled > Triton > torch); q_sums
+    as cuda_decode_declines."""
     return select_backend(
         "decode_attention", q.device, backend=backend,
-        shapes_ok=lambda b: cuda_decode_declines(q, k_cache, lens) if b == "cuda" else None,
+        shapes_ok=lambda b: cuda_decode_declines(q, k_cache, lens, q_sums) if b == "cuda" else None,
     )
 
 
@@ -340,9 +347,13 @@ def rope_attention_fused(
 ) -> bool:
     """Whether rope_decode_attention runs as the one compiled launch for these inputs: a one-token
     step the compiled decode attention serves, int32 positions, fp32 [S, D] tables and norm
-    weights in qkv's dtype (anything else takes rope_kv_cache's launch, which converts)."""
+    weights in qkv's dtype (anything else takes rope_kv_cache's launch, which converts). qkv may be
+    the QKV projection's fp32 sums (FASTAWQ_QKV_SUMS) beside fp16 / bf16 caches: the kernel rounds
+    them to the caches' dtype as it reads them, and the norm weights take that dtype."""
     if not (_backend.ROPE_ATTENTION_FUSED and _ext.has_op("rope_decode_attention")):
         return False
+    sums = qkv.dtype == torch.float32
+    dtype = k_cache.dtype if sums else qkv.dtype
     if qkv.dim() != 3 or qkv.shape[1] != 1 or k_cache.dim() != 4:
         return False
     d = k_cache.shape[3]
@@ -356,10 +367,10 @@ def rope_attention_fused(
                                   or not table.is_contiguous() or table.data_ptr() % 16):
             return False
     for w in (q_norm_weight, k_norm_weight):
-        if w is not None and (w.dtype != qkv.dtype or w.shape != (d,) or not w.is_contiguous() or w.data_ptr() % 16):
+        if w is not None and (w.dtype != dtype or w.shape != (d,) or not w.is_contiguous() or w.data_ptr() % 16):
             return False
     q = qkv[:, 0, : num_heads * d].unflatten(-1, (num_heads, d))
-    return decode_attention_backend(q, k_cache, lens, backend) == "cuda"
+    return decode_attention_backend(q, k_cache, lens, backend, q_sums=sums) == "cuda"
 
 
 # qkv [B, 1, (HQ + 2 HKV) D] · positions [B, 1] int32 · cos/sin [S, D] fp32 · caches · lens [B]
@@ -385,9 +396,15 @@ def rope_decode_attention(
 ) -> torch.Tensor:
     """rope_kv_cache, then decode_attention of the rotated q [B, HQ, D]: one compiled launch
     where the CUDA decode attention serves a one-token step (backend.ROPE_ATTENTION_FUSED), else
-    the two ops."""
+    the two ops. qkv may be fp32 sums (the QKV projection's, FASTAWQ_QKV_SUMS) beside fp16 / bf16
+    caches: rounded to the caches' dtype as read (the compiled launch) or first (the two ops)."""
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("q_norm_weight and k_norm_weight go together")
+    if qkv.dtype == torch.float32 and k_cache.dtype in HALF:
+        if not (tuple(positions.shape) == tuple(qkv.shape[:2]) and rope_attention_fused(
+                qkv, k_cache, lens, num_heads, backend, positions=positions, cos=cos, sin=sin,
+                q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight)):
+            qkv = qkv.to(k_cache.dtype)
     if tuple(positions.shape) == tuple(qkv.shape[:2]) and rope_attention_fused(
             qkv, k_cache, lens, num_heads, backend, positions=positions, cos=cos, sin=sin,
             q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight):
@@ -446,7 +463,8 @@ def _register_fakes() -> None:
         @torch.library.register_fake("fastawq::rope_decode_attention")
         def _(qkv, positions, cos, sin, k_cache, v_cache, lens, q_norm_weight, k_norm_weight, eps, num_heads, scale):
             torch._check(qkv.dim() == 3, lambda: f"qkv {tuple(qkv.shape)} must be [B, 1, W]")
-            return qkv.new_empty((qkv.shape[0], num_heads, k_cache.shape[-1]))
+            dtype = k_cache.dtype if qkv.dtype == torch.float32 else qkv.dtype  # fp32 sums: the caches'
+            return qkv.new_empty((qkv.shape[0], num_heads, k_cache.shape[-1]), dtype=dtype)
 
 
 _register_fakes()
