@@ -90,3 +90,20 @@ def assert_close_to_reference(out, x, qweight, scales, qzeros, g, bias=None, fac
         2**-8 if x.dtype == torch.float16 else 2**-5
     )
     assert err <= budget, f"max error {err:.4g} > budget {budget:.4g} (ref max {ref.abs().max().item():.4g})"
+
+
+def spy_fp32_first_argument(monkeypatch, op_name: str) -> list[bool]:
+    """Wrap torch.ops.fastawq.<op_name> where it is built: each call appends to the returned list
+    whether its first argument is fp32 (the sums handoffs' checks that the fp32 path ran)."""
+    from fastawq import _ext
+
+    seen: list[bool] = []
+    if _ext.has_op(op_name):
+        real = getattr(torch.ops.fastawq, op_name)
+
+        def spy(first, *args):
+            seen.append(first.dtype == torch.float32)
+            return real(first, *args)
+
+        monkeypatch.setattr(torch.ops.fastawq, op_name, spy)
+    return seen

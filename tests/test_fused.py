@@ -12,6 +12,8 @@ from fastawq.modules.qlinear import set_layout
 from fastawq.modules.fused import CacheOverflowError, fuse_model
 from fastawq.generate import HFStepper
 
+from conftest import spy_fp32_first_argument
+
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 needs_triton = pytest.mark.skipif(not (CUDA or INTERPRET), reason="Triton needs CUDA or TRITON_INTERPRET=1")
@@ -173,15 +175,7 @@ def test_fused_qkv_sums_decode_matches_unfused(monkeypatch, arch):
 
     monkeypatch.setenv("FASTAWQ_DENSE_SUMS", "1")
     monkeypatch.setenv("FASTAWQ_QKV_SUMS", "1")
-    f32_qkv = []
-    if _ext.has_op("rope_decode_attention"):
-        real = torch.ops.fastawq.rope_decode_attention
-
-        def spy(qkv, *args):
-            f32_qkv.append(qkv.dtype == torch.float32)
-            return real(qkv, *args)
-
-        monkeypatch.setattr(torch.ops.fastawq, "rope_decode_attention", spy)
+    f32_qkv = spy_fp32_first_argument(monkeypatch, "rope_decode_attention")
     _match_over_decode(arch, None, 24, device="cuda", graphs=True, layout="packed")
     if _ext.has_op("awq_gemv_packed_sums") and _ext.has_op("rope_decode_attention"):
         assert any(f32_qkv)

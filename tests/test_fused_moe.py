@@ -17,6 +17,7 @@ from fastawq.modules.fused import FusedMLP, FusedMoE, fuse_model
 from fastawq.modules.qlinear import set_layout
 from fastawq.quantize import QuantConfig, pack_model
 
+from conftest import spy_fp32_first_argument
 from test_moe_models import tiny_moe
 
 CUDA = torch.cuda.is_available()
@@ -189,15 +190,7 @@ def test_fused_moe_o_proj_sums_into_the_router(monkeypatch, arch):
 
     monkeypatch.setenv("FASTAWQ_MOE_O_SUMS", "1")
     monkeypatch.setattr(backend_mod, "ROUTE_CUDA_EXPERTS", (1, 1 << 30))
-    f32 = []
-    if _ext.has_op("moe_route"):
-        real = torch.ops.fastawq.moe_route
-
-        def spy(x, *args):
-            f32.append(x.dtype == torch.float32)
-            return real(x, *args)
-
-        monkeypatch.setattr(torch.ops.fastawq, "moe_route", spy)
+    f32 = spy_fp32_first_argument(monkeypatch, "moe_route")
     _match_over_decode(arch, "grouped", None, 12, device="cuda", dtype=torch.float16, graphs=True, tol=1e-2, batch=1,
                        layout="packed")
     if _ext.has_op("awq_gemv_packed_sums") and backend_mod.is_sm90(torch.device("cuda")):
