@@ -464,7 +464,7 @@ if [[ " $stages " == *" s23 "* ]]; then
 fi
 if [[ " $stages " == *" targets "* ]]; then
   step targets
-  # The engine and MoE rows of issues 11 and 12 on this tree, ~7 min (RESULTS.md "Where the targets
+  # The engine and MoE rows of issues 11 and 12 on this tree, ~8 min (RESULTS.md "Where the targets
   # stand"): Llama-3-8B shape decode at batch 1 with the memory row (max_seq_len 4096) and at batch
   # 16 / 64, Qwen3-30B-A3B and Mixtral-8x7B decode, the grouped MoE op at T = 1 / 16 / 256. Packed
   # layout up to batch 32 (the engine's own choice), heuristic Triton configs, all layers built.
@@ -485,6 +485,9 @@ if [[ " $stages " == *" targets "* ]]; then
     2>&1 | grep -E "^\| fused" | head -3 || status=1
   timeout 60 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 1,16,256 --backends cuda --no-tune 2>&1 \
     | tail -5 || status=1
+  # The memory row's 0.02 GiB over: what is live at the measured peak (~1 min).
+  FASTAWQ_TRITON_TUNE=0 timeout 90 python benchmarks/profile_memory.py --shape llama-3-8b --prompt 64 --layout packed \
+    --out "$OUT/memory.json" 2>&1 | tail -25 || status=1
 fi
 if [[ " $stages " == *" e2e "* ]] && [ -f benchmarks/bench_e2e.py ]; then
   step e2e
