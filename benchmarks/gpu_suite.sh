@@ -425,6 +425,17 @@ if [[ " $stages " == *" moe_ncu "* ]]; then
     > "$OUT/ncu_moe.txt" 2>&1 || status=1
   grep -E "moe_mma|Duration|DRAM Throughput|Memory Throughput|L2 Hit|Achieved Occupancy|Warp Cycles Per Issued|Grid Size|Registers|Eligible|Issued Warp|Waves|dram__|lts__" \
     "$OUT/ncu_moe.txt" | head -60
+  # What the warps wait on (a separate run: a metric name this ncu lacks fails only this one).
+  PROFILE_MOE_SHAPES=qwen3-30b-a3b timeout 90 ncu --clock-control none --kernel-name regex:moe_mma --metrics \
+smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_membar_per_issue_active.ratio \
+    python benchmarks/profile_moe.py > "$OUT/ncu_moe_stalls.txt" 2>&1 || status=1
+  grep -E "moe_mma|stalled|ERR" "$OUT/ncu_moe_stalls.txt" | head -24
   for ev in first normal; do  # the weights' L2 priority (FASTAWQ_MOE_MMA_EVICT), same run
     echo "FASTAWQ_MOE_MMA_EVICT=$ev"
     FASTAWQ_MOE_MMA_EVICT=$ev timeout 60 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 16,256 \
