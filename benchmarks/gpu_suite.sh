@@ -448,16 +448,16 @@ if [[ " $stages " == *" s23 "* ]]; then
   # 16-token tile of both forms against awq_gemm_packed, the automatic choice at M = 9..16), then
   # session 22's two unrun handoffs (tests, one-round A/Bs), then the ws form's memcheck. Each
   # piece is bounded; the call's own limit may cut the tail (logs land in $OUT as they go).
-  # 96 cases (4 tiles x 4 splits x 3 M x 2 ring depths); a hang (an mbarrier protocol error) ends
-  # at the timeout and skips the table.
-  FASTAWQ_WGMMA_FORM=ws timeout 150 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py \
-    -k "warp_specialized_every" 2>&1 | tail -4 && ws_ok=1 || { ws_ok=0; status=1; }
-  if [ "$ws_ok" = 1 ]; then
-    timeout 150 python benchmarks/gemm_table.py --kernels gemm,wgmma,wgmmaws --dtypes float16 \
-      --ms 16,32,64,256,4096 --out "$OUT/wgmma_ws" 2>&1 | grep -A10 "^| dtype" || status=1
-  fi
+  # Each form's forced tiles first (96 cases each, the 16-token tile among them; the ws form's at
+  # both ring depths): a hang (an mbarrier protocol error) ends at the timeout, and a form that
+  # fails stays out of the kernel table.
+  kernels=gemm
   timeout 150 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "every_tile and not warp" \
-    2>&1 | tail -2 || status=1
+    2>&1 | tail -2 && kernels=$kernels,wgmma || status=1
+  FASTAWQ_WGMMA_FORM=ws timeout 150 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py \
+    -k "warp_specialized_every" 2>&1 | tail -4 && kernels=$kernels,wgmmaws || status=1
+  timeout 150 python benchmarks/gemm_table.py --kernels $kernels --dtypes float16 \
+    --ms 16,32,64,256,4096 --out "$OUT/wgmma_ws" 2>&1 | grep -A10 "^| dtype" || status=1
   FASTAWQ_TRITON_TUNE=0 timeout 100 python benchmarks/bench_ab.py --compare wgmma16 \
     --compare env:FASTAWQ_WGMMA_FORM=0,ws --shape llama-3-8b --batches 16,32 --layout packed --decode 64 --rounds 1 \
     2>&1 | grep -E "^\||on / off" || status=1
