@@ -436,6 +436,13 @@ smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,\
 smsp__average_warps_issue_stalled_membar_per_issue_active.ratio \
     python benchmarks/profile_moe.py > "$OUT/ncu_moe_stalls.txt" 2>&1 || status=1
   grep -E "moe_mma|stalled|ERR" "$OUT/ncu_moe_stalls.txt" | head -24
+  # T = 256 (issue 12's 1.5x row, 1.49x on the H200): 270 us against ~71 us of bytes and ~30 us of
+  # mma work at the tensor cores' rate, so neither bound: what do the warps wait on there?
+  PROFILE_MOE_SHAPES=qwen3-30b-a3b PROFILE_MOE_T=256 timeout 120 ncu --clock-control none --kernel-name regex:moe_mma \
+    --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy \
+    --metrics dram__bytes_read.sum python benchmarks/profile_moe.py > "$OUT/ncu_moe256.txt" 2>&1 || status=1
+  grep -E "moe_mma|Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Warp Cycles Per Issued|Grid Size|Waves|dram__" \
+    "$OUT/ncu_moe256.txt" | head -30
   for ev in first normal; do  # the weights' L2 priority (FASTAWQ_MOE_MMA_EVICT), same run
     echo "FASTAWQ_MOE_MMA_EVICT=$ev"
     FASTAWQ_MOE_MMA_EVICT=$ev timeout 60 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 16,256 \
