@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 s23 moe_ncu targets wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 moe_ncu targets wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -412,6 +412,18 @@ if [[ " $stages " == *" unrun23 "* ]]; then
   FASTAWQ_MOE_O_SUMS=1 FASTAWQ_TRITON_TUNE=0 timeout 180 python benchmarks/bench_ab.py \
     --compare env:FASTAWQ_QKV_SUMS=0,1 --shape qwen3-30b-a3b --batches 1 --layout packed --decode 64 --rounds 2 \
     2>&1 | grep -E "^\||on / off" || status=1
+fi
+if [[ " $stages " == *" b64 "* ]]; then
+  step b64
+  # Issue 11's batch-64 row (16,000 tok/s; the engine takes the AWQ layout above batch 32): the
+  # packed layout with awq_wgmma_packed at M = 64 in each form against Triton on it, and the two
+  # layouts as the engine runs them now, ~4 min. A win moves PACKED_WGMMA_MAX_M (backend.py).
+  for form in 0 ws; do
+    FASTAWQ_WGMMA_FORM=$form FASTAWQ_TRITON_TUNE=0 timeout 120 python benchmarks/bench_ab.py --compare wgmma \
+      --shape llama-3-8b --batches 64 --layout packed --decode 64 --rounds 1 2>&1 | grep -E "^\||on / off" || status=1
+  done
+  FASTAWQ_TRITON_TUNE=0 timeout 120 python benchmarks/bench_ab.py --compare layout --shape llama-3-8b --batches 64 \
+    --decode 64 --rounds 1 2>&1 | grep -E "^\||on / off" || status=1
 fi
 if [[ " $stages " == *" moe_ncu "* ]]; then
   step moe_ncu
