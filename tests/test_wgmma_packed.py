@@ -182,6 +182,102 @@ def test_ws_producer_items_land_where_the_consumers_read(nt):
     assert sorted(items) == list(range(items_per_step))
 
 
+class _MBarrier:
+    """An mbarrier as the ws form uses it: `count` arrivals complete a phase; try_wait.parity(p)
+    passes while the phase in progress has the other parity. `want` is the phase the waiter means:
+    the check fails where the parity test would answer for another phase (two phases ahead)."""
+
+    def __init__(self, count: int):
+        self.count, self.pending, self.phase = count, 0, 0  # phase: the one in progress
+
+    def arrive(self):
+        self.pending += 1
+        if self.pending == self.count:
+            self.pending, self.phase = 0, self.phase + 1
+
+    def passes(self, want: int) -> bool:
+        hardware = (self.phase & 1) != (want & 1)
+        assert self.phase <= want + 1, f"phase {want} waited for after phase {self.phase - 1} completed (parity ABA)"
+        assert hardware == (self.phase > want)
+        return hardware
+
+
+def _ws_protocol(p: int, nsteps: int, seed: int, warps: int = 8) -> None:
+    """awq_wgmma_ws_kernel's slot protocol, its index arithmetic written out, under a random
+    interleaving of the producer warpgroup and the consumer warps: every wait ends (no deadlock),
+    a consumer reads a slot's weights and planes only once the producer published that step there,
+    and the producer rewrites a slot's weights or planes only after every warp is done with the
+    step before (the planes: after the warp's wgmmas of it, which end two steps later)."""
+    import random
+
+    d = p - 3  # the producer's lead
+    full = [_MBarrier(1) for _ in range(p)]  # the producer's 128 arrivals, as one
+    empty = [_MBarrier(warps) for _ in range(p)]
+    w_tag, x_tag = [None] * p, [None] * p  # the step whose weights / planes a slot holds
+    reading = [set() for _ in range(p)]  # warps whose wgmmas may still read a slot's planes
+    done = [-1] * warps  # the last step each warp read the weights of
+
+    def producer():
+        for i in range(min(d, nsteps)):  # the prologue: the first D steps' weights (and x)
+            w_tag[i % p] = i
+            yield None
+        for i in range(nsteps):
+            ahead = i + d
+            if ahead < nsteps:
+                slot = ahead % p
+                if ahead >= p:
+                    yield (empty[slot], (ahead - p) // p)
+                assert all(done[w] >= ahead - p for w in range(warps)), "weights rewritten before read"
+                w_tag[slot] = ahead
+            yield None
+            slot = i % p
+            assert not reading[slot], f"planes of slot {slot} rewritten under a wgmma"
+            x_tag[slot] = i
+            full[slot].arrive()
+            yield None
+
+    def consumer(w):
+        for i in range(nsteps):
+            slot = i % p
+            yield (full[slot], i // p)
+            assert w_tag[slot] == i and x_tag[slot] == i, f"warp {w} read slot {slot} at step {i}"
+            done[w] = i
+            yield None
+            if i >= 2:  # wgmma_wait<1>: step i - 2's wgmmas are over; its slot goes back
+                reading[(i - 2) % p].discard(w)
+                empty[(i - 2) % p].arrive()
+            reading[slot].add(w)  # step i's wgmmas read the planes until step i + 2
+            yield None
+        for s in range(p):
+            reading[s].discard(w)  # wgmma_wait<0>
+
+    rng = random.Random(seed)
+    agents = [producer()] + [consumer(w) for w in range(warps)]
+    blocked = [None] * len(agents)
+    live = set(range(len(agents)))
+    while live:
+        runnable = [a for a in live if blocked[a] is None or blocked[a][0].passes(blocked[a][1])]
+        assert runnable, f"deadlock at P={p}, {nsteps} steps"
+        a = rng.choice(runnable)
+        blocked[a] = None
+        try:
+            blocked[a] = next(agents[a])
+        except StopIteration:
+            live.discard(a)
+
+
+@pytest.mark.parametrize("p", [4, 8, 12])
+def test_ws_slot_protocol_never_deadlocks_or_races(p):
+    # The ring depths the ws form instantiates (8, 12) and the least it allows (4), from one step (shorter
+    # than the lead) to many laps of the ring (every barrier's parity flips), several interleavings each.
+    # (Checked against mutations: a lead of P - 2 or P - 1 deadlocks, a slot released as its wgmmas
+    # are issued is rewritten under them, a wait one phase early or late and a skipped wait are all
+    # caught; a release one step early is not a race at a lead of P - 3, which leaves that slack.)
+    for nsteps in (1, 2, 3, p - 3, p - 1, p, p + 1, 2 * p + 3, 5 * p):
+        for seed in range(6):
+            _ws_protocol(p, nsteps, seed)
+
+
 @pytest.mark.skipif(not _ext.has_op("awq_wgmma_packed"), reason="fastawq._C is not built with awq_wgmma_packed")
 def test_fake_impl_gives_the_output_shape():
     from torch._subclasses.fake_tensor import FakeTensorMode
