@@ -400,16 +400,14 @@ def rope_decode_attention(
     caches: rounded to the caches' dtype as read (the compiled launch) or first (the two ops)."""
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("q_norm_weight and k_norm_weight go together")
-    if qkv.dtype == torch.float32 and k_cache.dtype in HALF:
-        if not (tuple(positions.shape) == tuple(qkv.shape[:2]) and rope_attention_fused(
-                qkv, k_cache, lens, num_heads, backend, positions=positions, cos=cos, sin=sin,
-                q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight)):
-            qkv = qkv.to(k_cache.dtype)
-    if tuple(positions.shape) == tuple(qkv.shape[:2]) and rope_attention_fused(
-            qkv, k_cache, lens, num_heads, backend, positions=positions, cos=cos, sin=sin,
-            q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight):
+    fused = tuple(positions.shape) == tuple(qkv.shape[:2]) and rope_attention_fused(
+        qkv, k_cache, lens, num_heads, backend, positions=positions, cos=cos, sin=sin,
+        q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight)
+    if fused:
         return torch.ops.fastawq.rope_decode_attention(
             qkv, positions, cos, sin, k_cache, v_cache, lens, q_norm_weight, k_norm_weight, eps, num_heads, scale)
+    if qkv.dtype == torch.float32 and k_cache.dtype in HALF:  # fp32 sums: rounded as the launch would
+        qkv = qkv.to(k_cache.dtype)
     q = rope_kv_cache(qkv, positions, cos, sin, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
                       q_norm_weight, k_norm_weight, eps, backend=backend)
     return decode_attention(q.reshape(qkv.shape[0], num_heads, head_dim), k_cache, v_cache, lens, scale,
