@@ -9,6 +9,7 @@ Results are also checked against the reference, so a clean run is clean and righ
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -18,6 +19,21 @@ sys.path.insert(0, "tests")
 from conftest import assert_close_to_reference, random_awq, random_input  # noqa: E402
 
 from fastawq import _ext, reference  # noqa: E402
+
+
+@contextlib.contextmanager
+def env_set(env: dict[str, str]):
+    """The A/B switches the kernels read at each call, set for a block; what the caller set stays."""
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def main() -> None:
@@ -67,18 +83,12 @@ def main() -> None:
                     for env in ({"FASTAWQ_WGMMA_WARPGROUPS": "1"}, {"FASTAWQ_WGMMA_WARPGROUPS": "2"},
                                 {"FASTAWQ_WGMMA_DEPTH": "4"}, {"FASTAWQ_WGMMA_DEPTH": "8"},
                                 {"FASTAWQ_WGMMA_FORM": "ws"}):
-                        before = {name: os.environ.get(name) for name in env}
-                        os.environ.update(env)
-                        for m, tile in ((17, ()), (130, (128, 3)), (70, (64, k // 32))):
-                            x = random_input((m, k), "cuda", dtype, seed=m)
-                            out = ops.awq_wgmma_packed(x, wp, sz, n, g, bias, *tile)
-                            assert_close_to_reference(out, x, qw, s, qz, g, bias)
-                            n_calls += 1
-                        for name, value in before.items():  # what the caller set stays set
-                            if value is None:
-                                del os.environ[name]
-                            else:
-                                os.environ[name] = value
+                        with env_set(env):
+                            for m, tile in ((17, ()), (130, (128, 3)), (70, (64, k // 32))):
+                                x = random_input((m, k), "cuda", dtype, seed=m)
+                                out = ops.awq_wgmma_packed(x, wp, sz, n, g, bias, *tile)
+                                assert_close_to_reference(out, x, qw, s, qz, g, bias)
+                                n_calls += 1
                 if hasattr(ops, "awq_gemv_packed_act"):
                     for m in (1, 2):  # act(gate) * up staged in shared memory
                         gu = random_input((m, 2 * k), "cuda", dtype, seed=m + 1)
@@ -150,20 +160,28 @@ def main() -> None:
         # outside [0, E), int32 ids; 19 tokens on 3 experts: passes of 8 and of 16 (the tensor-core
         # kernel, both widths).
         cases = ((8, 288, 160, 32, 2, 1), (16, 1024, 96, 32, 4, 3), (4, 64, 1024, -1, 2, 2), (4, 128, 96, 32, 3, 19))
-        variants = [(name, ()) for name in moe_ops] + ([("moe_mma_w4", (16,))] if "moe_mma_w4" in moe_ops else [])
+        variants = [(name, (), {}) for name in moe_ops]
+        if "moe_mma_w4" in moe_ops:
+            variants.append(("moe_mma_w4", (16,), {}))
+            # The persistent form (one launch, ordered work items), with as many blocks as fit and
+            # with three taking every item.
+            persistent = {"FASTAWQ_MOE_MMA_PERSISTENT": "1"}
+            variants += [("moe_mma_w4", (8,), persistent), ("moe_mma_w4", (16,), persistent),
+                         ("moe_mma_w4", (8,), {**persistent, "FASTAWQ_MOE_MMA_GRID": "3"})]
         if hasattr(ops, "moe_gemv_w4_sums"):  # fp32 sums, checked once rounded
-            variants.append(("moe_gemv_w4_sums", ()))
-        for name, extra in variants:
+            variants.append(("moe_gemv_w4_sums", (), {}))
+        for name, extra, env in variants:
             op = getattr(ops, name)
-            for dtype in (torch.float16, torch.bfloat16):
-                for e, h, i, g, k, t in cases:
-                    weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=h + i, dtype=dtype)
-                    out = op(x, ids.to(torch.int32), w, *weights, g, "silu", *extra)
-                    check(out.to(dtype), x, ids, w, weights, g)
-                    bad = ids.clone()
-                    bad[0, 0] = e
-                    op(x, bad, w, *weights, g, "gelu", *extra)
-                    n_calls += 2
+            with env_set(env):
+                for dtype in (torch.float16, torch.bfloat16):
+                    for e, h, i, g, k, t in cases:
+                        weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=h + i, dtype=dtype)
+                        out = op(x, ids.to(torch.int32), w, *weights, g, "silu", *extra)
+                        check(out.to(dtype), x, ids, w, weights, g)
+                        bad = ids.clone()
+                        bad[0, 0] = e
+                        op(x, bad, w, *weights, g, "gelu", *extra)
+                        n_calls += 2
     if hasattr(ops, "moe_route"):
         from test_moe_op import exact_router, unit_norm_inputs
 

@@ -157,6 +157,116 @@ def test_ring_layout_holds_a_step_and_reads_conflict_free():
             assert len(banks) == 32
 
 
+def _expert_rows(ids: list[int], e: int) -> tuple[list[int], list[int], int, int]:
+    """expert_rows of the kernel: the bitmap of valid ids, each word's prefix of set bits, the
+    distinct count and whether any id lies outside [0, E)."""
+    words = (e + 31) // 32
+    present = [0] * 32
+    bad = 0
+    for i in ids:
+        if 0 <= i < e:
+            present[i >> 5] |= 1 << (i & 31)
+        else:
+            bad = 1
+    counts = [bin(present[w]).count("1") if w < words else 0 for w in range(32)]
+    prefix = [sum(counts[:w]) for w in range(32)]
+    return present, prefix, sum(counts), bad
+
+
+def _row_expert(present: list[int], prefix: list[int], distinct: int, e: int, z: int) -> int:
+    """row_expert of the kernel: a binary search for the last word whose prefix is <= z, then the
+    (z - prefix)-th set bit of it."""
+    if z >= distinct:
+        return e
+    lo, hi = 0, (e + 31) // 32 - 1
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        lo, hi = (mid, hi) if prefix[mid] <= z else (lo, mid - 1)
+    m = present[lo]
+    for _ in range(z - prefix[lo]):
+        m &= m - 1
+    return 32 * lo + (m & -m).bit_length() - 1
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_persistent_schedule_never_deadlocks_and_reads_h_when_final(seed):
+    """moe_mma_persistent_kernel's schedule, run on the CPU: its row list and item arithmetic, and
+    blocks that each take the next item from a counter, interleaved at random. A w2 item starts
+    only once its row's w13 tiles published (tiles13 publishes: the tile's block with one split,
+    else its splits' last arrival), every item runs once, nothing deadlocks with 1 to 9 blocks, and
+    the last block out leaves every counter zeroed."""
+    import random
+
+    rnd = random.Random(seed)
+    e = rnd.choice([8, 60, 128, 1024])
+    n = rnd.choice([1, 5, 64, 300])
+    ids = [rnd.randrange(e) for _ in range(n)]
+    if seed % 2:
+        ids[rnd.randrange(n)] = rnd.choice([-1, e, 10**6])  # a bad id: one more row
+    present, prefix, distinct, bad = _expert_rows(ids, e)
+    experts = sorted({i for i in ids if 0 <= i < e})
+    assert [_row_expert(present, prefix, distinct, e, z) for z in range(distinct + bad)] == experts + [e] * bad
+    rows = distinct + bad
+    tiles13, splits13, tiles2, splits2 = rnd.randint(1, 5), rnd.randint(1, 3), rnd.randint(1, 5), rnd.randint(1, 2)
+    per13, per2 = tiles13 * splits13, tiles2 * splits2
+    items13 = rows * per13
+    items = items13 + rows * per2
+    blocks = rnd.randint(1, 9)
+    state = {"next": 0, "exits": 0}
+    done13 = [0] * rows
+    arrivals = {}
+    ran = []
+
+    def block():
+        while True:
+            item = state["next"]
+            state["next"] += 1
+            if item >= items:
+                break
+            w13 = item < items13
+            local = item if w13 else item - items13
+            per = per13 if w13 else per2
+            tiles = tiles13 if w13 else tiles2
+            z, r = divmod(local, per)
+            expert = _row_expert(present, prefix, distinct, e, z)
+            tile, split = r % tiles, r // tiles
+            real = expert < e
+            if not w13 and real:
+                while done13[z] < tiles13:
+                    yield "wait"
+            yield "run"
+            ran.append(("w13" if w13 else "w2", z, tile, split))
+            if w13 and real:
+                if splits13 == 1:
+                    done13[z] += 1
+                else:
+                    key = (z, tile)
+                    arrivals[key] = arrivals.get(key, 0) + 1
+                    if arrivals[key] == splits13:
+                        arrivals[key] = 0
+                        done13[z] += 1
+            if not w13 and real:
+                assert done13[z] == tiles13, "a w2 item ran before its row's h was final"
+        state["exits"] += 1
+        if state["exits"] == blocks:  # the last block out resets
+            done13[:] = [0] * rows
+            state["next"] = state["exits"] = 0
+
+    live = [block() for _ in range(blocks)]
+    ticks = 0
+    while live:
+        ticks += 1
+        assert ticks < 100_000, "the schedule deadlocked"
+        b = rnd.choice(live)
+        try:
+            next(b)
+        except StopIteration:
+            live.remove(b)
+    assert sorted(ran) == sorted([("w13", z, t, s) for z in range(rows) for s in range(splits13) for t in range(tiles13)]
+                                 + [("w2", z, t, s) for z in range(rows) for s in range(splits2) for t in range(tiles2)])
+    assert state == {"next": 0, "exits": 0} and done13 == [0] * rows and not any(arrivals.values())
+
+
 def test_moe_kernel_choice(monkeypatch):
     assert backend.moe_reuse(1, 8, 128) == 1.0
     assert backend.moe_reuse(16, 2, 8) == pytest.approx(32 / (8 * (1 - 0.75**16)))
@@ -199,11 +309,20 @@ def _op(x, ids, w, weights, g, act="silu", pass_rows=8):
     return torch.ops.fastawq.moe_mma_w4(x, ids, w.float().contiguous(), *weights, g, act, pass_rows)
 
 
+@pytest.fixture(params=["two_launches", "persistent"])
+def form(request, monkeypatch):
+    """The kernel's two forms: w13 and w2 as two grids (the default), or one persistent launch whose
+    blocks take both grids' blocks as ordered work items (FASTAWQ_MOE_MMA_PERSISTENT=1)."""
+    monkeypatch.setenv("FASTAWQ_MOE_MMA_PERSISTENT", "1" if request.param == "persistent" else "0")
+    monkeypatch.delenv("FASTAWQ_MOE_MMA_GRID", raising=False)
+    return request.param
+
+
 @requires_kernel
 @pytest.mark.parametrize("pass_rows", [8, 16])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "E{}H{}I{}G{}k{}T{}-{}".format(*c))
-def test_kernel_matches_reference(case, dtype, pass_rows, poisoned_empty):
+def test_kernel_matches_reference(case, dtype, pass_rows, form, poisoned_empty):
     e, h, i, g, k, t, load = case
     weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=5 * t + k, dtype=dtype, load=load)
     for _ in range(2):  # the second call finds the workspace and counters the first left zeroed
@@ -218,9 +337,27 @@ def test_other_activations_and_int32_ids(act):
 
 
 @requires_kernel
+@pytest.mark.parametrize("blocks", ["1", "3", "7"])
+@pytest.mark.parametrize("case", [c for c in CASES if c[5] in (2, 16, 19, 300)],
+                         ids=lambda c: "E{}H{}I{}G{}k{}T{}-{}".format(*c))
+def test_persistent_form_with_few_blocks(case, blocks, monkeypatch, poisoned_empty):
+    # A few blocks take every item in turn: one block runs all of w13 before its first w2 item, and
+    # with three or seven a w2 item waits for w13 tiles that other blocks still hold (no deadlock,
+    # h read only once final). Twice: the last block out left the counters zeroed.
+    monkeypatch.setenv("FASTAWQ_MOE_MMA_PERSISTENT", "1")
+    monkeypatch.setenv("FASTAWQ_MOE_MMA_GRID", blocks)
+    e, h, i, g, k, t, load = case
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=3 * t + k + int(blocks), load=load)
+    for pass_rows in (8, 16):
+        check(_op(x, ids, w, weights, g, pass_rows=pass_rows), x, ids, w, weights, g)
+    monkeypatch.setenv("FASTAWQ_MOE_MMA_PERSISTENT", "0")
+    check(_op(x, ids, w, weights, g), x, ids, w, weights, g)  # and the two launches after it
+
+
+@requires_kernel
 @pytest.mark.parametrize("pass_rows", [8, 16])
 @pytest.mark.parametrize("h", [128, 4096])  # without and with K splits
-def test_ids_out_of_range_add_nothing(h, pass_rows):
+def test_ids_out_of_range_add_nothing(h, pass_rows, form):
     e, i, g, k, t = 8, 96, 32, 4, 3
     weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=14)
     bad = ids.clone()
@@ -231,7 +368,7 @@ def test_ids_out_of_range_add_nothing(h, pass_rows):
 
 
 @requires_kernel
-def test_top1_writes_out_directly_and_zeros_for_bad_ids():
+def test_top1_writes_out_directly_and_zeros_for_bad_ids(form):
     e, h, i, g, k, t = 8, 128, 96, 32, 1, 9
     weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=15)
     bad = ids.clone()
@@ -241,7 +378,7 @@ def test_top1_writes_out_directly_and_zeros_for_bad_ids():
 
 
 @requires_kernel
-def test_dispatch_and_graph_replay():
+def test_dispatch_and_graph_replay(form):
     e, h, i, g, k, t = 128, 2048, 768, 128, 8, 16
     weights, x, ids, w = moe_case(e, h, i, g, k, t, 61)
     assert backend.moe_kernel(t, k, e) == "mma"
@@ -281,3 +418,11 @@ def test_opcheck_and_errors():
         _op(wide[:, 4:], ids, w, weights, g)
     with pytest.raises(RuntimeError, match="moe_mma_w4: pass_rows must be 8 or 16, got 12"):
         _op(x, ids, w, weights, g, pass_rows=12)
+
+
+@requires_kernel
+def test_persistent_form_opcheck(monkeypatch):
+    monkeypatch.setenv("FASTAWQ_MOE_MMA_PERSISTENT", "1")
+    weights, x, ids, w = moe_case(8, 128, 96, 32, 2, 5, seed=92)
+    for rows in (8, 16):
+        torch.library.opcheck(torch.ops.fastawq.moe_mma_w4.default, (x, ids, w.float(), *weights, 32, "silu", rows))

@@ -154,6 +154,13 @@ struct MoeMmaArgs : MoeArgs {
   // normal priority instead of evict_first. A block's tile is a 32-byte stripe of each AWQ row
   // (4 tiles share a 128-byte line): is a line evicted before its neighbours' blocks read it?
   bool evict_normal;
+  // FASTAWQ_MOE_MMA_PERSISTENT=1 (an A/B switch, read at each call): > 0 runs w13 and w2 as one
+  // persistent launch of this many blocks, each taking work items (a block of either grid) in
+  // order from a counter, all of w13's before any of w2's; a w2 item waits until its expert's
+  // w13 tiles are final. sched: [2 + rows] zeroed ints (the item counter, the exit counter, and
+  // per block row the w13 tiles finished), left zeroed by the launch's last block.
+  int persistent_blocks;
+  int* sched;
 };
 // Blocks an SM of the kernel for a pass of pass_rows tokens (its __launch_bounds__; the host sizes
 // the K split by it).

@@ -109,6 +109,19 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// A flag between blocks of one grid (sm_70 and newer): the writer's block meets at a barrier, then
+// one thread adds with release semantics at GPU scope, which publishes every store of the block
+// that happened before the barrier; the reader's one thread spins with acquire loads, then its
+// block meets, so its other threads' reads (through L2: cp.async.cg, __ldcg) come after.
+__device__ __forceinline__ void red_release_gpu(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // Bring a line of read-only data (weights) into L2 without holding a register for it.
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p)); }

@@ -133,14 +133,21 @@ MoeCall prepare(const char* op, MoeArgs& a, const at::Tensor& x, const at::Tenso
 }
 
 // One fp32 buffer and one counter buffer, carved per call (the kernels leave them zeroed): ws13
-// [n, 2I] when w13 splits K, ws2 [T, H]; counters13 (n13 of them), then counters2 [T, tiles2].
-void carve_workspace(MoeArgs& a, const MoeCall& c, const c10::Device& device, bool split13, int64_t n13,
-                     int64_t tiles2) {
+// [n, 2I] when w13 splits K, ws2 [T, H]; counters13 (n13 of them), then counters2 [T, tiles2], then
+// `extra` more (returned).
+int* carve_workspace(MoeArgs& a, const MoeCall& c, const c10::Device& device, bool split13, int64_t n13,
+                     int64_t tiles2, int64_t extra = 0) {
   const int64_t sums13 = split13 ? c.n * 2 * c.i : 0;
   float* sums = zeroed_sums(Workspace::kMoeSums, device, sums13 + c.t * c.h);
   a.ws13 = sums, a.ws2 = sums + sums13;
-  int* counters = zeroed_counters(Workspace::kMoeCounters, device, n13 + c.t * tiles2);
+  int* counters = zeroed_counters(Workspace::kMoeCounters, device, n13 + c.t * tiles2 + extra);
   a.counters13 = counters, a.counters2 = counters + n13;
+  return counters + n13 + c.t * tiles2;
+}
+
+// Work items of moe_mma's persistent form at most: the blocks of both grids over all block rows.
+int64_t persistent_items(const MoeMmaArgs& a) {
+  return int64_t(a.rows) * (int64_t(a.tiles13) * a.splits13 + int64_t(a.tiles2) * a.splits2);
 }
 
 // K splits and 32-row steps per warp for `blocks` block rows of tiles over k rows: about as many
@@ -252,7 +259,21 @@ at::Tensor moe_mma_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at:
   const int per_sm = moe_mma_blocks_per_sm(static_cast<int>(pass_rows));
   mma_split(hit * a.tiles13, h, sms, per_sm, a.splits13, a.steps13);
   mma_split(hit * a.tiles2, i, sms, per_sm, a.splits2, a.steps2);
-  carve_workspace(a, c, x.device(), a.splits13 > 1, e * a.tiles13, a.tiles2);
+  // FASTAWQ_MOE_MMA_PERSISTENT=1 (an A/B switch, read at each call; a graph: at capture): w13 and
+  // w2 in one launch of as many blocks as fit, taking the blocks of both grids as work items in
+  // order (moe_mma.cu). FASTAWQ_MOE_MMA_GRID=n caps its blocks (tests: a few blocks take many items).
+  a.persistent_blocks = 0;
+  if (env_switch("FASTAWQ_MOE_MMA_PERSISTENT") == 1) {
+    const int64_t items = persistent_items(a);
+    int64_t blocks = int64_t(sms) * per_sm;
+    if (const char* cap = std::getenv("FASTAWQ_MOE_MMA_GRID"); cap != nullptr && std::atoi(cap) > 0) {
+      blocks = std::min<int64_t>(blocks, std::atoi(cap));
+    }
+    a.persistent_blocks = static_cast<int>(std::min(blocks, items));
+  }
+  int* sched = carve_workspace(a, c, x.device(), a.splits13 > 1, e * a.tiles13, a.tiles2,
+                               a.persistent_blocks > 0 ? 2 + a.rows : 0);
+  a.sched = a.persistent_blocks > 0 ? sched : nullptr;
   launch_moe_mma(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return c.out;

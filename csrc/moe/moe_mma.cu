@@ -101,21 +101,23 @@ struct Smem {
     int convert[kMoeMmaMaxAssign];  // w2: tokens whose tile this block converts
   };
   unsigned present[kMoeMmaMaxExperts / 32];  // the experts the call's ids reach
+  int prefix[kMoeMmaMaxExperts / 32];        // persistent form: set bits of present before each word
   int warp_hits[kIdBatch][kWarps];
   int expert;
   int n_convert;
   int is_last;
+  int distinct, bad, item;  // persistent form: experts reached, any id outside [0, E), the item
 };
+static_assert(sizeof(Smem<2>) <= 48 * 1024, "moe_mma's static shared memory");
 
-// Block row z's expert: the z-th distinct valid id of the call (ascending), or -1 when the ids
-// reach fewer experts; the last row gathers the ids outside [0, E) (returns E). So the grid needs
-// min(E, T * k) + 1 rows, not E + 1.
+// The experts the call's ids reach into sm.present (a bitmap); sm.bad = 1 when an id lies outside
+// [0, E). Ends with the block met.
 template <typename Id, typename S>
-__device__ int block_expert(const MoeMmaArgs& a, S& sm) {
-  if (blockIdx.z == gridDim.z - 1) return a.num_experts;
+__device__ void mark_experts(const MoeMmaArgs& a, S& sm) {
   const Id* ids = static_cast<const Id*>(a.ids);
   const int words = (a.num_experts + 31) / 32;
   for (int w = threadIdx.x; w < words; w += kThreads) sm.present[w] = 0u;
+  if (threadIdx.x == 0) sm.bad = 0;
   __syncthreads();
   // kIdBatch ids a thread are loaded before any is used: one L2 round trip per 2,048 ids, where
   // the compiler's own unroll by 4 left a dependent round trip per 512 (4 at T * k = 2,048).
@@ -124,16 +126,31 @@ __device__ int block_expert(const MoeMmaArgs& a, S& sm) {
 #pragma unroll
     for (int u = 0; u < kIdBatch; ++u) {
       const int f = f0 + u * kThreads;
-      id[u] = f < a.n_assign ? static_cast<int64_t>(ids[f]) : -1;
+      id[u] = f < a.n_assign ? static_cast<int64_t>(ids[f]) : 0;
     }
 #pragma unroll
     for (int u = 0; u < kIdBatch; ++u) {
-      if (id[u] >= 0 && id[u] < a.num_experts) atomicOr(&sm.present[id[u] >> 5], 1u << (id[u] & 31));
+      if (f0 + u * kThreads >= a.n_assign) continue;
+      if (id[u] >= 0 && id[u] < a.num_experts) {
+        atomicOr(&sm.present[id[u] >> 5], 1u << (id[u] & 31));
+      } else {
+        sm.bad = 1;
+      }
     }
   }
   __syncthreads();
+}
+
+// Block row z's expert: the z-th distinct valid id of the call (ascending), or -1 when the ids
+// reach fewer experts; the last row gathers the ids outside [0, E) (returns E). So the grid needs
+// min(E, T * k) + 1 rows, not E + 1.
+template <typename Id, typename S>
+__device__ int block_expert(const MoeMmaArgs& a, S& sm) {
+  if (blockIdx.z == gridDim.z - 1) return a.num_experts;
+  mark_experts<Id>(a, sm);
   if (threadIdx.x < 32) {  // warp 0: which word holds the z-th set bit (a scan of the words' counts)
     const int lane = threadIdx.x, z = blockIdx.z;
+    const int words = (a.num_experts + 31) / 32;
     const unsigned w = lane < words ? sm.present[lane] : 0u;
     const int c = __popc(w);
     int incl = c;
@@ -153,6 +170,48 @@ __device__ int block_expert(const MoeMmaArgs& a, S& sm) {
   }
   __syncthreads();
   return sm.expert;
+}
+
+// Persistent form: the block rows of the launch, the distinct experts the ids reach (ascending)
+// and one more when an id lies outside [0, E). Every block computes the same list (sm.present,
+// sm.prefix); row_expert reads it.
+template <typename Id, typename S>
+__device__ int expert_rows(const MoeMmaArgs& a, S& sm) {
+  mark_experts<Id>(a, sm);
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    const int words = (a.num_experts + 31) / 32;
+    const int c = lane < words ? __popc(sm.present[lane]) : 0;
+    int incl = c;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += v;
+    }
+    sm.prefix[lane] = incl - c;
+    if (lane == 31) sm.distinct = incl;
+  }
+  __syncthreads();
+  return sm.distinct + sm.bad;
+}
+
+// Persistent form, one thread: row z's expert (E for the row past the distinct experts: the ids
+// outside [0, E)). The word holding the z-th set bit is the last one whose prefix is <= z.
+template <typename S>
+__device__ int row_expert(const MoeMmaArgs& a, const S& sm, int z) {
+  if (z >= sm.distinct) return a.num_experts;
+  int lo = 0, hi = (a.num_experts + 31) / 32 - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (sm.prefix[mid] <= z) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  unsigned m = sm.present[lo];
+  for (int i = z - sm.prefix[lo]; i > 0; --i) m &= m - 1u;
+  return 32 * lo + __ffs(m) - 1;
 }
 
 // The assignments of expert e (or, for e == E, those with an id outside [0, E)) into sm.rows, in
@@ -204,34 +263,43 @@ struct Group {
   uint32_t z[2];
 };
 
+// One block's work: expert e (E: the ids outside [0, E)), whose `count` assignments sm.rows holds,
+// column tile `tile` of `tiles` and K split `split` of `splits`.
+struct Work {
+  int e, count, tile, tiles, split, splits;
+};
+
+// Persistent form: publish (release) that this block's stores are done, by one add to `counter`.
+__device__ __forceinline__ void publish(int* counter) {
+  __syncthreads();
+  if (threadIdx.x == 0) red_release_gpu(counter, 1);
+}
+
 // NT: mma n-tiles per pass, so a pass takes 8 NT tokens and an expert's weights stream once per
 // pass; 2 halves the passes (and the dequantization per token) of a loaded expert for 64 more
 // accumulator registers, hence 3 blocks an SM instead of 4.
-template <typename T, typename Id, bool kW13, int ACT, int NT>
-__global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_mma_kernel(MoeMmaArgs a) {
+// done13 (w13, persistent form; else null): where to publish that this tile's h columns are final.
+// wait_h(): called by every thread once before the first copy of h (w2; a no-op outside the
+// persistent form), after the first steps' weight copies are issued.
+template <typename T, typename Id, bool kW13, int ACT, int NT, typename WaitH>
+__device__ __forceinline__ void run_work(const MoeMmaArgs& a, Smem<NT>& sm, const Work& wk, int* done13,
+                                         WaitH wait_h) {
   using Tr = HalfTraits<T>;
   constexpr int kPassRows = 8 * NT;
-  __shared__ Smem<NT> sm;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-
-  pdl_wait();  // the ids come from the routing kernel (w13), h from the w13 launch (w2)
-  pdl_launch_dependents();
-  const int e = block_expert<Id>(a, sm);
-  if (e < 0) return;
+  const int e = wk.e, count = wk.count;
   const bool expert = e < a.num_experts;
-  const int count = gather<Id>(a, e, sm);
-  if (count == 0) return;
 
   const int k = kW13 ? a.hidden : a.inter;  // rows of the weight
   const int n = kW13 ? 2 * a.inter : a.hidden;
   const int n8 = n / 8;
-  const int tile = blockIdx.x;
-  const int splits = gridDim.y;
+  const int tile = wk.tile;
+  const int splits = wk.splits;
 
   if constexpr (kW13) {
     if (!expert) {  // ids outside [0, E): their h rows are zeros, written once
-      if (blockIdx.y != 0) return;
+      if (wk.split != 0) return;
       for (int idx = threadIdx.x; idx < count * kMoeMmaTile13; idx += kThreads) {
         const int col = tile * kMoeMmaTile13 + idx % kMoeMmaTile13;
         if (col < a.inter) static_cast<T*>(a.h)[static_cast<int64_t>(sm.rows[idx / kMoeMmaTile13]) * a.inter + col] =
@@ -258,7 +326,7 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
   const T* sc = static_cast<const T*>(kW13 ? a.w13_scales : a.w2_scales) + ex * (k / gsize) * n;
   const uint32_t* qz = (kW13 ? a.w13_qzeros : a.w2_qzeros) + ex * (k / gsize) * n8;
   const int steps = kW13 ? a.steps13 : a.steps2;
-  const int s0 = (blockIdx.y * kWarps + warp) * steps, s1 = min(s0 + steps, k / kStepRows);
+  const int s0 = (wk.split * kWarps + warp) * steps, s1 = min(s0 + steps, k / kStepRows);
   const int steps_per_group = gsize / kStepRows;
   const uint64_t policy = a.evict_normal ? evict_normal_policy() : evict_first_policy();
   const uint32_t ones[4] = {Tr::kOne2, Tr::kOne2, Tr::kOne2, Tr::kOne2};
@@ -288,15 +356,21 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
     // Step s into ring slot `slot`: the lane's 4 chunks, and x[token][8t .. + 7] of each n-tile
     // (read by itself).
     Ring<NT>& ring = sm.ring[warp];
-    const auto issue = [&](int slot, int s) {
+    const auto issue_w = [&](int slot, int s) {
       const uint32_t* p = copy_src + static_cast<int64_t>(s * kStepRows) * n8;
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         cp_async16_stream(&ring.w[slot][ring_word((lane >> 2) + 8 * u, 8 * cj + cw)], p + 8 * u * n8, copy_ok,
                           policy);
       }
+    };
+    const auto issue_x = [&](int slot, int s) {
 #pragma unroll
       for (int q = 0; q < NT; ++q) cp_async16(&ring.x[slot][q][lane], xrow[q] + s * kStepRows, true);
+    };
+    const auto issue = [&](int slot, int s) {
+      issue_w(slot, s);
+      issue_x(slot, s);
     };
     const auto load_group = [&](Group& gr, int s) {
       const int64_t grp = s / steps_per_group;
@@ -399,12 +473,22 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
         for (int r = 0; r < 4; ++r) xs[q][r] = 0.f;
     };
 
-    if (expert && s0 < s1) {
+    const bool streams = expert && s0 < s1;
+    // The first steps' weights go first; x (for w2, h) only once wait_h says h is final. They join
+    // the first step's commit group, which wait_group then counts as step s0's.
+    if (streams) {
+#pragma unroll
+      for (int d = 0; d < kRing - 1; ++d) {
+        if (s0 + d < s1) issue_w(d, s0 + d);
+      }
+    }
+    if (pass == 0) wait_h();
+    if (streams) {
       Group gr, gn;
       load_group(gr, s0);
 #pragma unroll
       for (int d = 0; d < kRing - 1; ++d) {
-        if (s0 + d < s1) issue(d, s0 + d);
+        if (s0 + d < s1) issue_x(d, s0 + d);
         cp_async_commit();  // one group per step, empty past the range, so wait_group counts steps
       }
       int slot = 0;
@@ -497,8 +581,11 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
 
   const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
   if constexpr (kW13) {
-    if (splits == 1) return;
-    if (!moe::arrive_last(a.counters13 + static_cast<int64_t>(e) * gridDim.x + tile, splits, sm.is_last)) return;
+    if (splits == 1) {
+      if (done13 != nullptr) publish(done13);
+      return;
+    }
+    if (!moe::arrive_last(a.counters13 + static_cast<int64_t>(e) * wk.tiles + tile, splits, sm.is_last)) return;
     constexpr int kQuads = kMoeMmaTile13 / 4;
     for (int idx = threadIdx.x; idx < count * kQuads; idx += kThreads) {
       const int col = tile * kMoeMmaTile13 + 4 * (idx % kQuads);
@@ -511,6 +598,7 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
       __stcg(pu, zero4);
       store4(static_cast<T*>(a.h) + fr * a.inter + col, act_mul4<ACT>(gate, up));
     }
+    if (done13 != nullptr) publish(done13);
   } else {
     if (a.topk == 1 && splits == 1) return;
     // Each of a token's topk * splits blocks arrives once per assignment it holds; the last one
@@ -520,7 +608,7 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
     __syncthreads();
     for (int r = threadIdx.x; r < count; r += kThreads) {
       const int tok = sm.rows[r] / a.topk;
-      int* counter = a.counters2 + static_cast<int64_t>(tok) * gridDim.x + tile;
+      int* counter = a.counters2 + static_cast<int64_t>(tok) * wk.tiles + tile;
       if (atomicAdd(counter, 1) == a.topk * splits - 1) {
         *counter = 0;
         sm.convert[atomicAdd(&sm.n_convert, 1)] = tok;
@@ -543,8 +631,88 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
   }
 }
 
+// Two launches: grid (tiles, splits, rows), block row z on the z-th expert the ids reach.
+template <typename T, typename Id, bool kW13, int ACT, int NT>
+__global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_mma_kernel(MoeMmaArgs a) {
+  __shared__ Smem<NT> sm;
+  pdl_wait();  // the ids come from the routing kernel (w13), h from the w13 launch (w2)
+  pdl_launch_dependents();
+  const int e = block_expert<Id>(a, sm);
+  if (e < 0) return;
+  const int count = gather<Id>(a, e, sm);
+  if (count == 0) return;
+  const Work wk{e, count, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), static_cast<int>(blockIdx.y),
+                static_cast<int>(gridDim.y)};
+  run_work<T, Id, kW13, ACT, NT>(a, sm, wk, nullptr, [] {});
+}
+
+// The persistent form: one launch of as many blocks as fit. Work items are the blocks of both
+// grids above over the rows the ids reach (each block lists them the same way: the distinct
+// experts ascending, then the bad ids' row when there are any), w13's first (row-major, then split,
+// then tile, so neighbouring tiles, which share the AWQ rows' 128-byte lines, go out together),
+// then w2's. A block takes the next item from a counter until none is left, so no wave ends with
+// idle SMs and w2's items start while w13's last ones drain, without a launch between them.
+// A w2 item of row z waits (after issuing its first weight copies) until all of z's w13 tiles have
+// published their h columns. That cannot deadlock: every item a w2 item waits on was claimed
+// before it, by a block that is running and waits on nothing. The last block out resets the
+// counters (graph replays need them zeroed).
+template <typename T, typename Id, int ACT, int NT>
+__global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_mma_persistent_kernel(MoeMmaArgs a) {
+  __shared__ Smem<NT> sm;
+  pdl_wait();  // the ids come from the routing kernel
+  pdl_launch_dependents();
+  int* const next_item = a.sched;
+  int* const exits = a.sched + 1;
+  int* const done13 = a.sched + 2;  // per row: w13 tiles whose h columns are final
+  const int rows = expert_rows<Id>(a, sm);
+  const int per13 = a.tiles13 * a.splits13, per2 = a.tiles2 * a.splits2;
+  const int items13 = rows * per13, items = items13 + rows * per2;
+  int held = -1, count = 0;  // the expert whose assignments sm.rows holds, and how many
+  for (;;) {
+    if (threadIdx.x == 0) {
+      const int item = atomicAdd(next_item, 1);
+      sm.item = item;
+      if (item < items) sm.expert = row_expert(a, sm, item < items13 ? item / per13 : (item - items13) / per2);
+    }
+    __syncthreads();
+    const int item = sm.item, e = sm.expert;
+    if (item >= items) break;
+    const bool w13 = item < items13;
+    const int local = w13 ? item : item - items13, per = w13 ? per13 : per2;
+    const int tiles = w13 ? a.tiles13 : a.tiles2;
+    const int z = local / per, r = local - z * per;
+    if (e != held) {
+      count = gather<Id>(a, e, sm);
+      held = e;
+    }
+    const Work wk{e, count, r % tiles, tiles, r / tiles, w13 ? a.splits13 : a.splits2};
+    const bool real = e < a.num_experts;
+    if (w13) {
+      run_work<T, Id, true, ACT, NT>(a, sm, wk, real ? done13 + z : nullptr, [] {});
+    } else {
+      run_work<T, Id, false, 0, NT>(a, sm, wk, nullptr, [&] {
+        if (real && threadIdx.x == 0) {
+          while (ld_acquire_gpu(done13 + z) < a.tiles13) __nanosleep(64);
+        }
+        __syncthreads();
+      });
+    }
+    __syncthreads();  // sm.item, sm.expert, the rows and the union are rewritten for the next item
+  }
+  if (threadIdx.x == 0) sm.is_last = atomicAdd(exits, 1) == static_cast<int>(gridDim.x) - 1;
+  __syncthreads();
+  if (sm.is_last) {  // every block has taken its last item: nothing reads the counters any more
+    for (int z = threadIdx.x; z < rows; z += kThreads) done13[z] = 0;
+    if (threadIdx.x == 0) *next_item = 0, *exits = 0;
+  }
+}
+
 template <typename T, typename Id, int ACT, int NT>
 void launch_pass(const MoeMmaArgs& a, cudaStream_t stream) {
+  if (a.persistent_blocks > 0) {
+    launch_pdl(moe_mma_persistent_kernel<T, Id, ACT, NT>, dim3(a.persistent_blocks), dim3(kThreads), 0, stream, a);
+    return;
+  }
   const dim3 grid13(a.tiles13, a.splits13, a.rows), grid2(a.tiles2, a.splits2, a.rows);
   launch_pdl(moe_mma_kernel<T, Id, true, ACT, NT>, grid13, dim3(kThreads), 0, stream, a);
   launch_pdl(moe_mma_kernel<T, Id, false, 0, NT>, grid2, dim3(kThreads), 0, stream, a);
