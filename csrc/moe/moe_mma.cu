@@ -263,10 +263,22 @@ struct Group {
   uint32_t z[2];
 };
 
-// One block's work: expert e (E: the ids outside [0, E)), whose `count` assignments sm.rows holds,
-// column tile `tile` of `tiles` and K split `split` of `splits`.
-struct Work {
-  int e, count, tile, tiles, split, splits;
+// One block's work: expert e (E: the ids outside [0, E)), column tile tile() of tiles() and K split
+// split() of splits(). The two-launch form reads them from its grid, as the kernel did before the
+// persistent form shared its body (same SASS); the persistent form from its work item.
+struct GridWork {
+  int e;
+  __device__ int tile() const { return blockIdx.x; }
+  __device__ int tiles() const { return gridDim.x; }
+  __device__ int split() const { return blockIdx.y; }
+  __device__ int splits() const { return gridDim.y; }
+};
+struct ItemWork {
+  int e, tile_, tiles_, split_, splits_;
+  __device__ int tile() const { return tile_; }
+  __device__ int tiles() const { return tiles_; }
+  __device__ int split() const { return split_; }
+  __device__ int splits() const { return splits_; }
 };
 
 // Persistent form: publish (release) that this block's stores are done, by one add to `counter`.
@@ -278,28 +290,33 @@ __device__ __forceinline__ void publish(int* counter) {
 // NT: mma n-tiles per pass, so a pass takes 8 NT tokens and an expert's weights stream once per
 // pass; 2 halves the passes (and the dequantization per token) of a loaded expert for 64 more
 // accumulator registers, hence 3 blocks an SM instead of 4.
+// count_fn(): called by every thread once, after the first steps' weight copies are issued (the
+// row of ids outside [0, E) copies none): the number of the expert's assignments, in sm.rows (the
+// persistent form gathers them there, so its ring fill overlaps the scan; the two-launch form
+// gathered them first).
 // done13 (w13, persistent form; else null): where to publish that this tile's h columns are final.
 // wait_h(): called by every thread once before the first copy of h (w2; a no-op outside the
 // persistent form), after the first steps' weight copies are issued.
-template <typename T, typename Id, bool kW13, int ACT, int NT, typename WaitH>
-__device__ __forceinline__ void run_work(const MoeMmaArgs& a, Smem<NT>& sm, const Work& wk, int* done13,
-                                         WaitH wait_h) {
+template <typename T, typename Id, bool kW13, int ACT, int NT, typename Work, typename CountFn, typename WaitH>
+__device__ __forceinline__ void run_work(const MoeMmaArgs& a, Smem<NT>& sm, const Work& wk, CountFn count_fn,
+                                         int* done13, WaitH wait_h) {
   using Tr = HalfTraits<T>;
   constexpr int kPassRows = 8 * NT;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int e = wk.e, count = wk.count;
+  const int e = wk.e;
   const bool expert = e < a.num_experts;
 
   const int k = kW13 ? a.hidden : a.inter;  // rows of the weight
   const int n = kW13 ? 2 * a.inter : a.hidden;
   const int n8 = n / 8;
-  const int tile = wk.tile;
-  const int splits = wk.splits;
+  const int tile = wk.tile();
+  const int splits = wk.splits();
 
   if constexpr (kW13) {
     if (!expert) {  // ids outside [0, E): their h rows are zeros, written once
-      if (wk.split != 0) return;
+      const int count = count_fn();
+      if (wk.split() != 0) return;
       for (int idx = threadIdx.x; idx < count * kMoeMmaTile13; idx += kThreads) {
         const int col = tile * kMoeMmaTile13 + idx % kMoeMmaTile13;
         if (col < a.inter) static_cast<T*>(a.h)[static_cast<int64_t>(sm.rows[idx / kMoeMmaTile13]) * a.inter + col] =
@@ -326,7 +343,7 @@ __device__ __forceinline__ void run_work(const MoeMmaArgs& a, Smem<NT>& sm, cons
   const T* sc = static_cast<const T*>(kW13 ? a.w13_scales : a.w2_scales) + ex * (k / gsize) * n;
   const uint32_t* qz = (kW13 ? a.w13_qzeros : a.w2_qzeros) + ex * (k / gsize) * n8;
   const int steps = kW13 ? a.steps13 : a.steps2;
-  const int s0 = (wk.split * kWarps + warp) * steps, s1 = min(s0 + steps, k / kStepRows);
+  const int s0 = (wk.split() * kWarps + warp) * steps, s1 = min(s0 + steps, k / kStepRows);
   const int steps_per_group = gsize / kStepRows;
   const uint64_t policy = a.evict_normal ? evict_normal_policy() : evict_first_policy();
   const uint32_t ones[4] = {Tr::kOne2, Tr::kOne2, Tr::kOne2, Tr::kOne2};
@@ -339,6 +356,34 @@ __device__ __forceinline__ void run_work(const MoeMmaArgs& a, Smem<NT>& sm, cons
   const int cj = (lane & 3) >> 1, cw = 4 * (lane & 1);
   const bool copy_ok = word_ok(cj, cw);
   const uint32_t* copy_src = qw + static_cast<int64_t>(lane >> 2) * n8 + (copy_ok ? first + cj * apart + cw : 0);
+
+  // Step s's weights into ring slot `slot`: the lane's 4 chunks.
+  Ring<NT>& ring = sm.ring[warp];
+  const auto issue_w = [&](int slot, int s) {
+    const uint32_t* p = copy_src + static_cast<int64_t>(s * kStepRows) * n8;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      cp_async16_stream(&ring.w[slot][ring_word((lane >> 2) + 8 * u, 8 * cj + cw)], p + 8 * u * n8, copy_ok,
+                        policy);
+    }
+  };
+  // Each pass's first steps' weights go out before anything else of the pass: x (for w2, h) only
+  // once wait_h says h is final; they join the first step's commit group, which wait_group then
+  // counts as step s0's.
+  const bool streams = expert && s0 < s1;
+  const auto issue_first_weights = [&] {
+    if (streams) {
+#pragma unroll
+      for (int d = 0; d < kRing - 1; ++d) {
+        if (s0 + d < s1) issue_w(d, s0 + d);
+      }
+    }
+  };
+  // The persistent form issues pass 0's first weights before the gather; the two-launch form, which
+  // gathered first, issues each step's weights and x together as it did before sharing this body.
+  constexpr bool kEarlyWeights = !std::is_same_v<Work, GridWork>;
+  if constexpr (kEarlyWeights) issue_first_weights();
+  const int count = count_fn();
 
   for (int pass = 0; pass * kPassRows < count; ++pass) {
     const int rows_here = min(kPassRows, count - pass * kPassRows);
@@ -353,17 +398,8 @@ __device__ __forceinline__ void run_work(const MoeMmaArgs& a, Smem<NT>& sm, cons
                 8 * t;
     }
 
-    // Step s into ring slot `slot`: the lane's 4 chunks, and x[token][8t .. + 7] of each n-tile
+    // Step s into ring slot `slot`: the lane's weight chunks, and x[token][8t .. + 7] of each n-tile
     // (read by itself).
-    Ring<NT>& ring = sm.ring[warp];
-    const auto issue_w = [&](int slot, int s) {
-      const uint32_t* p = copy_src + static_cast<int64_t>(s * kStepRows) * n8;
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        cp_async16_stream(&ring.w[slot][ring_word((lane >> 2) + 8 * u, 8 * cj + cw)], p + 8 * u * n8, copy_ok,
-                          policy);
-      }
-    };
     const auto issue_x = [&](int slot, int s) {
 #pragma unroll
       for (int q = 0; q < NT; ++q) cp_async16(&ring.x[slot][q][lane], xrow[q] + s * kStepRows, true);
@@ -473,22 +509,22 @@ __device__ __forceinline__ void run_work(const MoeMmaArgs& a, Smem<NT>& sm, cons
         for (int r = 0; r < 4; ++r) xs[q][r] = 0.f;
     };
 
-    const bool streams = expert && s0 < s1;
-    // The first steps' weights go first; x (for w2, h) only once wait_h says h is final. They join
-    // the first step's commit group, which wait_group then counts as step s0's.
-    if (streams) {
-#pragma unroll
-      for (int d = 0; d < kRing - 1; ++d) {
-        if (s0 + d < s1) issue_w(d, s0 + d);
-      }
+    if constexpr (kEarlyWeights) {
+      if (pass > 0) issue_first_weights();
+      if (pass == 0) wait_h();
     }
-    if (pass == 0) wait_h();
-    if (streams) {
+    if (expert && s0 < s1) {
       Group gr, gn;
       load_group(gr, s0);
 #pragma unroll
       for (int d = 0; d < kRing - 1; ++d) {
-        if (s0 + d < s1) issue_x(d, s0 + d);
+        if (s0 + d < s1) {
+          if constexpr (kEarlyWeights) {
+            issue_x(d, s0 + d);
+          } else {
+            issue(d, s0 + d);
+          }
+        }
         cp_async_commit();  // one group per step, empty past the range, so wait_group counts steps
       }
       int slot = 0;
@@ -585,7 +621,7 @@ __device__ __forceinline__ void run_work(const MoeMmaArgs& a, Smem<NT>& sm, cons
       if (done13 != nullptr) publish(done13);
       return;
     }
-    if (!moe::arrive_last(a.counters13 + static_cast<int64_t>(e) * wk.tiles + tile, splits, sm.is_last)) return;
+    if (!moe::arrive_last(a.counters13 + static_cast<int64_t>(e) * wk.tiles() + tile, splits, sm.is_last)) return;
     constexpr int kQuads = kMoeMmaTile13 / 4;
     for (int idx = threadIdx.x; idx < count * kQuads; idx += kThreads) {
       const int col = tile * kMoeMmaTile13 + 4 * (idx % kQuads);
@@ -608,7 +644,7 @@ __device__ __forceinline__ void run_work(const MoeMmaArgs& a, Smem<NT>& sm, cons
     __syncthreads();
     for (int r = threadIdx.x; r < count; r += kThreads) {
       const int tok = sm.rows[r] / a.topk;
-      int* counter = a.counters2 + static_cast<int64_t>(tok) * wk.tiles + tile;
+      int* counter = a.counters2 + static_cast<int64_t>(tok) * wk.tiles() + tile;
       if (atomicAdd(counter, 1) == a.topk * splits - 1) {
         *counter = 0;
         sm.convert[atomicAdd(&sm.n_convert, 1)] = tok;
@@ -641,9 +677,8 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
   if (e < 0) return;
   const int count = gather<Id>(a, e, sm);
   if (count == 0) return;
-  const Work wk{e, count, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), static_cast<int>(blockIdx.y),
-                static_cast<int>(gridDim.y)};
-  run_work<T, Id, kW13, ACT, NT>(a, sm, wk, nullptr, [] {});
+  const GridWork wk{e};
+  run_work<T, Id, kW13, ACT, NT>(a, sm, wk, [count] { return count; }, nullptr, [] {});
 }
 
 // The persistent form: one launch of as many blocks as fit. Work items are the blocks of both
@@ -681,16 +716,21 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
     const int local = w13 ? item : item - items13, per = w13 ? per13 : per2;
     const int tiles = w13 ? a.tiles13 : a.tiles2;
     const int z = local / per, r = local - z * per;
-    if (e != held) {
-      count = gather<Id>(a, e, sm);
-      held = e;
-    }
-    const Work wk{e, count, r % tiles, tiles, r / tiles, w13 ? a.splits13 : a.splits2};
+    // The expert's assignments into sm.rows, unless they are there from the block's last item: once
+    // the item's first weight copies are out.
+    const auto rows_of = [&] {
+      if (e != held) {
+        count = gather<Id>(a, e, sm);
+        held = e;
+      }
+      return count;
+    };
+    const ItemWork wk{e, r % tiles, tiles, r / tiles, w13 ? a.splits13 : a.splits2};
     const bool real = e < a.num_experts;
     if (w13) {
-      run_work<T, Id, true, ACT, NT>(a, sm, wk, real ? done13 + z : nullptr, [] {});
+      run_work<T, Id, true, ACT, NT>(a, sm, wk, rows_of, real ? done13 + z : nullptr, [] {});
     } else {
-      run_work<T, Id, false, 0, NT>(a, sm, wk, nullptr, [&] {
+      run_work<T, Id, false, 0, NT>(a, sm, wk, rows_of, nullptr, [&] {
         if (real && threadIdx.x == 0) {
           while (ld_acquire_gpu(done13 + z) < a.tiles13) __nanosleep(64);
         }
