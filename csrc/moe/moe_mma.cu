@@ -732,7 +732,12 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
     } else {
       run_work<T, Id, false, 0, NT>(a, sm, wk, rows_of, nullptr, [&] {
         if (real && threadIdx.x == 0) {
-          while (ld_acquire_gpu(done13 + z) < a.tiles13) __nanosleep(64);
+          // Microseconds at most; a wait of seconds is a broken schedule: fail the launch (an
+          // error the caller sees) rather than hang the GPU.
+          for (unsigned spins = 0; ld_acquire_gpu(done13 + z) < a.tiles13; ++spins) {
+            if (spins == (1u << 22)) __trap();  // ~2-4 s of polls
+            __nanosleep(64);
+          }
         }
         __syncthreads();
       });
