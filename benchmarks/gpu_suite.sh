@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 moe_ncu targets wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24_e2e moe_ncu targets wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -464,27 +464,34 @@ fi
 if [[ " $stages " == *" s24 "* ]]; then
   step s24
   # moe_mma's persistent form (FASTAWQ_MOE_MMA_PERSISTENT=1, off, never run; CUDA_NOTES.md session
-  # 24), ~5 min: its tests (both forms, a few blocks taking every item, graph replay) gate the rest
-  # (a deadlock ends at the timeout); memcheck; the op at both MoE shapes in both forms, same run
-  # (cuda: the automatic kernel, the GEMV at 1-4 tokens on Qwen3; cuda:mma: moe_mma at every T, so
-  # the one-launch form at one token is measured against the two moe_gemv launches too); then
-  # Qwen3-30B-A3B batch 16 / 64 in the engine (the 3,000 tok/s row).
+  # 24), ~6 min: its tests (every form, a few blocks taking every item, graph replay) gate the rest
+  # (a deadlock traps or ends at the timeout); then the op at both MoE shapes in the three forms,
+  # same run (cuda: the automatic kernel, the GEMV at 1-4 tokens on Qwen3; cuda:mma: moe_mma at
+  # every T, so the one-launch form at one token is measured against the two moe_gemv launches).
+  # `s24_e2e` follows with memcheck and the engine.
   timeout 180 python -m pytest -x -q -rf -p no:cacheprovider tests/test_moe_mma.py > "$OUT/s24_tests.txt" 2>&1
   tail -3 "$OUT/s24_tests.txt"
   if grep -qE "[0-9]+ passed" "$OUT/s24_tests.txt" && ! grep -qE "[0-9]+ (failed|error)" "$OUT/s24_tests.txt"; then
-    timeout 180 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py 2>&1 | tail -2 \
-      || status=1
-    for p in 0 1; do
-      echo "FASTAWQ_MOE_MMA_PERSISTENT=$p"
-      FASTAWQ_MOE_MMA_PERSISTENT=$p timeout 120 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b,mixtral-8x7b \
-        --ts 1,4,16,64,256 --backends cuda,cuda:mma --no-tune 2>&1 | grep -E "^\| (qwen3|mixtral)" || status=1
+    for pa in 0:0 1:0 1:1; do  # two launches; persistent; persistent, claiming ahead
+      echo "FASTAWQ_MOE_MMA_PERSISTENT=${pa%:*} FASTAWQ_MOE_MMA_AHEAD=${pa#*:}"
+      FASTAWQ_MOE_MMA_PERSISTENT=${pa%:*} FASTAWQ_MOE_MMA_AHEAD=${pa#*:} timeout 100 python benchmarks/bench_moe.py \
+        --shapes qwen3-30b-a3b,mixtral-8x7b --ts 1,16,64,256 --backends cuda,cuda:mma --no-tune 2>&1 \
+        | grep -E "^\| (qwen3|mixtral)" || status=1
     done
-    FASTAWQ_TRITON_TUNE=0 timeout 180 python benchmarks/bench_ab.py --compare env:FASTAWQ_MOE_MMA_PERSISTENT=0,1 \
-      --shape qwen3-30b-a3b --batches 16,64 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" \
-      || status=1
   else
     status=1
   fi
+fi
+if [[ " $stages " == *" s24_e2e "* ]]; then
+  step s24_e2e
+  # After `s24` passed (~6 min): memcheck (the persistent form's cases among them), then Qwen3-30B-A3B
+  # at batch 16 / 64 in the engine (the 3,000 tok/s row). The process starts persistent, so
+  # the second switch (A/B'd against the start) has it on.
+  timeout 180 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py 2>&1 | tail -2 \
+    || status=1
+  FASTAWQ_MOE_MMA_PERSISTENT=1 FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/bench_ab.py \
+    --compare env:FASTAWQ_MOE_MMA_PERSISTENT=0,1 --compare env:FASTAWQ_MOE_MMA_AHEAD=0,1 --shape qwen3-30b-a3b \
+    --batches 16,64 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
 fi
 if [[ " $stages " == *" s23 "* ]]; then
   step s23

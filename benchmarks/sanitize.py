@@ -164,10 +164,12 @@ def main() -> None:
         if "moe_mma_w4" in moe_ops:
             variants.append(("moe_mma_w4", (16,), {}))
             # The persistent form (one launch, ordered work items), with as many blocks as fit and
-            # with three taking every item.
+            # with three taking every item, also claiming items ahead.
             persistent = {"FASTAWQ_MOE_MMA_PERSISTENT": "1"}
+            ahead = {**persistent, "FASTAWQ_MOE_MMA_AHEAD": "1"}
             variants += [("moe_mma_w4", (8,), persistent), ("moe_mma_w4", (16,), persistent),
-                         ("moe_mma_w4", (8,), {**persistent, "FASTAWQ_MOE_MMA_GRID": "3"})]
+                         ("moe_mma_w4", (8,), {**persistent, "FASTAWQ_MOE_MMA_GRID": "3"}),
+                         ("moe_mma_w4", (8,), ahead), ("moe_mma_w4", (16,), {**ahead, "FASTAWQ_MOE_MMA_GRID": "3"})]
         if hasattr(ops, "moe_gemv_w4_sums"):  # fp32 sums, checked once rounded
             variants.append(("moe_gemv_w4_sums", (), {}))
         for name, extra, env in variants:

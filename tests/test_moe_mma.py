@@ -188,13 +188,15 @@ def _row_expert(present: list[int], prefix: list[int], distinct: int, e: int, z:
     return 32 * lo + (m & -m).bit_length() - 1
 
 
+@pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.parametrize("seed", range(12))
-def test_persistent_schedule_never_deadlocks_and_reads_h_when_final(seed):
+def test_persistent_schedule_never_deadlocks_and_reads_h_when_final(seed, ahead):
     """moe_mma_persistent_kernel's schedule, run on the CPU: its row list and item arithmetic, and
     blocks that each take the next item from a counter, interleaved at random. A w2 item starts
     only once its row's w13 tiles published (tiles13 publishes: the tile's block with one split,
-    else its splits' last arrival), every item runs once, nothing deadlocks with 1 to 9 blocks, and
-    the last block out leaves every counter zeroed."""
+    else its splits' last arrival), every item runs once, nothing deadlocks with 1 to 9 blocks (also
+    when each block claims its next item as soon as its current one no longer waits:
+    FASTAWQ_MOE_MMA_AHEAD), and the last block out leaves every counter zeroed."""
     import random
 
     rnd = random.Random(seed)
@@ -218,9 +220,13 @@ def test_persistent_schedule_never_deadlocks_and_reads_h_when_final(seed):
     ran = []
 
     def block():
+        held_ahead = None
         while True:
-            item = state["next"]
-            state["next"] += 1
+            if held_ahead is None:
+                item = state["next"]
+                state["next"] += 1
+            else:
+                item, held_ahead = held_ahead, None
             if item >= items:
                 break
             w13 = item < items13
@@ -234,6 +240,10 @@ def test_persistent_schedule_never_deadlocks_and_reads_h_when_final(seed):
             if not w13 and real:
                 while done13[z] < tiles13:
                     yield "wait"
+            if ahead:  # the item no longer waits: take the next one now
+                held_ahead = state["next"]
+                state["next"] += 1
+                yield "claimed ahead"
             yield "run"
             ran.append(("w13" if w13 else "w2", z, tile, split))
             if w13 and real:
@@ -309,11 +319,13 @@ def _op(x, ids, w, weights, g, act="silu", pass_rows=8):
     return torch.ops.fastawq.moe_mma_w4(x, ids, w.float().contiguous(), *weights, g, act, pass_rows)
 
 
-@pytest.fixture(params=["two_launches", "persistent"])
+@pytest.fixture(params=["two_launches", "persistent", "persistent_ahead"])
 def form(request, monkeypatch):
-    """The kernel's two forms: w13 and w2 as two grids (the default), or one persistent launch whose
-    blocks take both grids' blocks as ordered work items (FASTAWQ_MOE_MMA_PERSISTENT=1)."""
-    monkeypatch.setenv("FASTAWQ_MOE_MMA_PERSISTENT", "1" if request.param == "persistent" else "0")
+    """The kernel's forms: w13 and w2 as two grids (the default), or one persistent launch whose
+    blocks take both grids' blocks as ordered work items (FASTAWQ_MOE_MMA_PERSISTENT=1), also with
+    each block claiming its next item early (FASTAWQ_MOE_MMA_AHEAD=1)."""
+    monkeypatch.setenv("FASTAWQ_MOE_MMA_PERSISTENT", "0" if request.param == "two_launches" else "1")
+    monkeypatch.setenv("FASTAWQ_MOE_MMA_AHEAD", "1" if request.param == "persistent_ahead" else "0")
     monkeypatch.delenv("FASTAWQ_MOE_MMA_GRID", raising=False)
     return request.param
 
@@ -337,14 +349,17 @@ def test_other_activations_and_int32_ids(act):
 
 
 @requires_kernel
+@pytest.mark.parametrize("ahead", ["0", "1"])
 @pytest.mark.parametrize("blocks", ["1", "3", "7"])
 @pytest.mark.parametrize("case", [c for c in CASES if c[5] in (2, 16, 19, 300)],
                          ids=lambda c: "E{}H{}I{}G{}k{}T{}-{}".format(*c))
-def test_persistent_form_with_few_blocks(case, blocks, monkeypatch, poisoned_empty):
+def test_persistent_form_with_few_blocks(case, blocks, ahead, monkeypatch, poisoned_empty):
     # A few blocks take every item in turn: one block runs all of w13 before its first w2 item, and
-    # with three or seven a w2 item waits for w13 tiles that other blocks still hold (no deadlock,
-    # h read only once final). Twice: the last block out left the counters zeroed.
+    # with three or seven a w2 item waits for w13 tiles that other blocks still hold, also when each
+    # block holds its next item claimed ahead (no deadlock, h read only once final). Twice: the last
+    # block out left the counters zeroed.
     monkeypatch.setenv("FASTAWQ_MOE_MMA_PERSISTENT", "1")
+    monkeypatch.setenv("FASTAWQ_MOE_MMA_AHEAD", ahead)
     monkeypatch.setenv("FASTAWQ_MOE_MMA_GRID", blocks)
     e, h, i, g, k, t, load = case
     weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=3 * t + k + int(blocks), load=load)
@@ -421,8 +436,10 @@ def test_opcheck_and_errors():
 
 
 @requires_kernel
-def test_persistent_form_opcheck(monkeypatch):
+@pytest.mark.parametrize("ahead", ["0", "1"])
+def test_persistent_form_opcheck(monkeypatch, ahead):
     monkeypatch.setenv("FASTAWQ_MOE_MMA_PERSISTENT", "1")
+    monkeypatch.setenv("FASTAWQ_MOE_MMA_AHEAD", ahead)
     weights, x, ids, w = moe_case(8, 128, 96, 32, 2, 5, seed=92)
     for rows in (8, 16):
         torch.library.opcheck(torch.ops.fastawq.moe_mma_w4.default, (x, ids, w.float(), *weights, 32, "silu", rows))

@@ -161,6 +161,9 @@ struct MoeMmaArgs : MoeArgs {
   // per block row the w13 tiles finished), left zeroed by the launch's last block.
   int persistent_blocks;
   int* sched;
+  // FASTAWQ_MOE_MMA_AHEAD=1 (persistent form only, read at each call): a block claims its next item
+  // as soon as its current one no longer waits, and brings that item's first weights into L2.
+  bool claim_ahead;
 };
 // Blocks an SM of the kernel for a pass of pass_rows tokens (its __launch_bounds__; the host sizes
 // the K split by it).

@@ -261,9 +261,12 @@ at::Tensor moe_mma_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at:
   mma_split(hit * a.tiles2, i, sms, per_sm, a.splits2, a.steps2);
   // FASTAWQ_MOE_MMA_PERSISTENT=1 (an A/B switch, read at each call; a graph: at capture): w13 and
   // w2 in one launch of as many blocks as fit, taking the blocks of both grids as work items in
-  // order (moe_mma.cu). FASTAWQ_MOE_MMA_GRID=n caps its blocks (tests: a few blocks take many items).
+  // order (moe_mma.cu). FASTAWQ_MOE_MMA_GRID=n caps its blocks (tests: a few blocks take many items);
+  // FASTAWQ_MOE_MMA_AHEAD=1 has each block claim its next item early (launch.h).
   a.persistent_blocks = 0;
+  a.claim_ahead = false;
   if (env_switch("FASTAWQ_MOE_MMA_PERSISTENT") == 1) {
+    a.claim_ahead = env_switch("FASTAWQ_MOE_MMA_AHEAD") == 1;
     const int64_t items = persistent_items(a);
     int64_t blocks = int64_t(sms) * per_sm;
     if (const char* cap = std::getenv("FASTAWQ_MOE_MMA_GRID"); cap != nullptr && std::atoi(cap) > 0) {

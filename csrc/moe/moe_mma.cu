@@ -107,6 +107,7 @@ struct Smem {
   int n_convert;
   int is_last;
   int distinct, bad, item;  // persistent form: experts reached, any id outside [0, E), the item
+  int ahead;                // persistent form: the item claimed ahead (-1: none)
 };
 static_assert(sizeof(Smem<2>) <= 48 * 1024, "moe_mma's static shared memory");
 
@@ -295,8 +296,9 @@ __device__ __forceinline__ void publish(int* counter) {
 // persistent form gathers them there, so its ring fill overlaps the scan; the two-launch form
 // gathered them first).
 // done13 (w13, persistent form; else null): where to publish that this tile's h columns are final.
-// wait_h(): called by every thread once before the first copy of h (w2; a no-op outside the
-// persistent form), after the first steps' weight copies are issued.
+// wait_h(): persistent form only, called by every thread once, after the gather and before the
+// first copy of x (w2: h), which it may hold back until h is final; the form also claims its next
+// item there (outside the pass loop: what it keeps live stays out of the step loop's registers).
 template <typename T, typename Id, bool kW13, int ACT, int NT, typename Work, typename CountFn, typename WaitH>
 __device__ __forceinline__ void run_work(const MoeMmaArgs& a, Smem<NT>& sm, const Work& wk, CountFn count_fn,
                                          int* done13, WaitH wait_h) {
@@ -384,6 +386,7 @@ __device__ __forceinline__ void run_work(const MoeMmaArgs& a, Smem<NT>& sm, cons
   constexpr bool kEarlyWeights = !std::is_same_v<Work, GridWork>;
   if constexpr (kEarlyWeights) issue_first_weights();
   const int count = count_fn();
+  if constexpr (kEarlyWeights) wait_h();
 
   for (int pass = 0; pass * kPassRows < count; ++pass) {
     const int rows_here = min(kPassRows, count - pass * kPassRows);
@@ -511,7 +514,6 @@ __device__ __forceinline__ void run_work(const MoeMmaArgs& a, Smem<NT>& sm, cons
 
     if constexpr (kEarlyWeights) {
       if (pass > 0) issue_first_weights();
-      if (pass == 0) wait_h();
     }
     if (expert && s0 < s1) {
       Group gr, gn;
@@ -681,6 +683,25 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
   run_work<T, Id, kW13, ACT, NT>(a, sm, wk, [count] { return count; }, nullptr, [] {});
 }
 
+// Persistent form, claim ahead: the first two steps of each warp's K range of an item (expert e,
+// column tile, K split) into L2, by one warp: 4 warps x 64 rows x 2 pieces of 32 bytes (w13: the
+// gate and the up words of the tile; w2: its 16 words), 16 prefetches a lane.
+__device__ void prefetch_item(const MoeMmaArgs& a, bool w13, int e, int tile, int split, int lane) {
+  const int k = w13 ? a.hidden : a.inter;
+  const int n8 = (w13 ? 2 * a.inter : a.hidden) / 8;
+  const int steps = w13 ? a.steps13 : a.steps2;
+  const int first = w13 ? tile * 8 : tile * 16, apart = w13 ? a.inter / 8 : 8;
+  const uint32_t* qw = (w13 ? a.w13_qweight : a.w2_qweight) + static_cast<int64_t>(e) * k * n8;
+  for (int p = lane; p < kWarps * 64 * 2; p += 32) {
+    const int j = p & 1, row_in = (p >> 1) & 63, w = p >> 7;
+    const int s0 = (split * kWarps + w) * steps, s1 = min(s0 + steps, k / kStepRows);
+    const int row = s0 * kStepRows + row_in;
+    const int word = first + j * apart;
+    const bool ok = row < s1 * kStepRows && (w13 ? first < a.inter / 8 : word < n8);
+    if (ok) prefetch_l2(qw + static_cast<int64_t>(row) * n8 + word);
+  }
+}
+
 // The persistent form: one launch of as many blocks as fit. Work items are the blocks of both
 // grids above over the rows the ids reach (each block lists them the same way: the distinct
 // experts ascending, then the bad ids' row when there are any), w13's first (row-major, then split,
@@ -691,7 +712,9 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
 // published their h columns. That cannot deadlock: every item a w2 item waits on was claimed
 // before it, by a block that is running and waits on nothing. The last block out resets the
 // counters (graph replays need them zeroed).
-template <typename T, typename Id, int ACT, int NT>
+// kAhead: FASTAWQ_MOE_MMA_AHEAD (its code costs the step loops registers, so it is an instance of
+// its own).
+template <typename T, typename Id, int ACT, int NT, bool kAhead>
 __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_mma_persistent_kernel(MoeMmaArgs a) {
   __shared__ Smem<NT> sm;
   pdl_wait();  // the ids come from the routing kernel
@@ -699,13 +722,15 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
   int* const next_item = a.sched;
   int* const exits = a.sched + 1;
   int* const done13 = a.sched + 2;  // per row: w13 tiles whose h columns are final
+  if (threadIdx.x == 0) sm.ahead = -1;  // expert_rows meets the block before it is read
   const int rows = expert_rows<Id>(a, sm);
   const int per13 = a.tiles13 * a.splits13, per2 = a.tiles2 * a.splits2;
   const int items13 = rows * per13, items = items13 + rows * per2;
   int held = -1, count = 0;  // the expert whose assignments sm.rows holds, and how many
   for (;;) {
     if (threadIdx.x == 0) {
-      const int item = atomicAdd(next_item, 1);
+      const int item = sm.ahead >= 0 ? sm.ahead : atomicAdd(next_item, 1);
+      sm.ahead = -1;
       sm.item = item;
       if (item < items) sm.expert = row_expert(a, sm, item < items13 ? item / per13 : (item - items13) / per2);
     }
@@ -727,8 +752,29 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
     };
     const ItemWork wk{e, r % tiles, tiles, r / tiles, w13 ? a.splits13 : a.splits2};
     const bool real = e < a.num_experts;
+    // Claim ahead (FASTAWQ_MOE_MMA_AHEAD=1), by warp 0 once the item no longer waits: the next
+    // item is taken now and its first weights start for L2, while this one streams. Still no
+    // deadlock: a w13 item (what w2 items wait on) can be held ahead only by a block whose current
+    // item is a w13 one too, claimed before it, which waits on nothing.
+    const auto claim_ahead = [&] {
+      if (!kAhead || threadIdx.x >= 32) return;
+      const int lane = threadIdx.x;
+      int next = 0, next_e = 0;
+      if (lane == 0) {
+        next = atomicAdd(next_item, 1);
+        sm.ahead = next;
+        if (next < items) next_e = row_expert(a, sm, next < items13 ? next / per13 : (next - items13) / per2);
+      }
+      next = __shfl_sync(0xffffffffu, next, 0);
+      next_e = __shfl_sync(0xffffffffu, next_e, 0);
+      if (next >= items || next_e >= a.num_experts) return;
+      const bool next13 = next < items13;
+      const int nper = next13 ? per13 : per2, ntiles = next13 ? a.tiles13 : a.tiles2;
+      const int nr = (next13 ? next : next - items13) % nper;
+      prefetch_item(a, next13, next_e, nr % ntiles, nr / ntiles, lane);
+    };
     if (w13) {
-      run_work<T, Id, true, ACT, NT>(a, sm, wk, rows_of, real ? done13 + z : nullptr, [] {});
+      run_work<T, Id, true, ACT, NT>(a, sm, wk, rows_of, real ? done13 + z : nullptr, claim_ahead);
     } else {
       run_work<T, Id, false, 0, NT>(a, sm, wk, rows_of, nullptr, [&] {
         if (real && threadIdx.x == 0) {
@@ -740,6 +786,7 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
           }
         }
         __syncthreads();
+        claim_ahead();
       });
     }
     __syncthreads();  // sm.item, sm.expert, the rows and the union are rewritten for the next item
@@ -755,7 +802,13 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
 template <typename T, typename Id, int ACT, int NT>
 void launch_pass(const MoeMmaArgs& a, cudaStream_t stream) {
   if (a.persistent_blocks > 0) {
-    launch_pdl(moe_mma_persistent_kernel<T, Id, ACT, NT>, dim3(a.persistent_blocks), dim3(kThreads), 0, stream, a);
+    if (a.claim_ahead) {
+      launch_pdl(moe_mma_persistent_kernel<T, Id, ACT, NT, true>, dim3(a.persistent_blocks), dim3(kThreads), 0, stream,
+                 a);
+    } else {
+      launch_pdl(moe_mma_persistent_kernel<T, Id, ACT, NT, false>, dim3(a.persistent_blocks), dim3(kThreads), 0,
+                 stream, a);
+    }
     return;
   }
   const dim3 grid13(a.tiles13, a.splits13, a.rows), grid2(a.tiles2, a.splits2, a.rows);
