@@ -515,7 +515,7 @@ __device__ __forceinline__ void run_work(const MoeMmaArgs& a, Smem<NT>& sm, cons
     if constexpr (kEarlyWeights) {
       if (pass > 0) issue_first_weights();
     }
-    if (expert && s0 < s1) {
+    if (streams) {
       Group gr, gn;
       load_group(gr, s0);
 #pragma unroll
@@ -726,21 +726,31 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
   const int rows = expert_rows<Id>(a, sm);
   const int per13 = a.tiles13 * a.splits13, per2 = a.tiles2 * a.splits2;
   const int items13 = rows * per13, items = items13 + rows * per2;
+  // Item i < items: which launch, block row, column tile and K split.
+  struct Item {
+    bool w13;
+    int z, tile, split;
+  };
+  const auto decode = [&](int i) {
+    const bool w13 = i < items13;
+    const int local = w13 ? i : i - items13, per = w13 ? per13 : per2, tiles = w13 ? a.tiles13 : a.tiles2;
+    const int z = local / per, r = local - z * per;
+    return Item{w13, z, r % tiles, r / tiles};
+  };
   int held = -1, count = 0;  // the expert whose assignments sm.rows holds, and how many
   for (;;) {
     if (threadIdx.x == 0) {
       const int item = sm.ahead >= 0 ? sm.ahead : atomicAdd(next_item, 1);
       sm.ahead = -1;
       sm.item = item;
-      if (item < items) sm.expert = row_expert(a, sm, item < items13 ? item / per13 : (item - items13) / per2);
+      if (item < items) sm.expert = row_expert(a, sm, decode(item).z);
     }
     __syncthreads();
     const int item = sm.item, e = sm.expert;
     if (item >= items) break;
-    const bool w13 = item < items13;
-    const int local = w13 ? item : item - items13, per = w13 ? per13 : per2;
-    const int tiles = w13 ? a.tiles13 : a.tiles2;
-    const int z = local / per, r = local - z * per;
+    const Item it = decode(item);
+    const bool w13 = it.w13;
+    const int z = it.z;
     // The expert's assignments into sm.rows, unless they are there from the block's last item: once
     // the item's first weight copies are out.
     const auto rows_of = [&] {
@@ -750,7 +760,7 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
       }
       return count;
     };
-    const ItemWork wk{e, r % tiles, tiles, r / tiles, w13 ? a.splits13 : a.splits2};
+    const ItemWork wk{e, it.tile, w13 ? a.tiles13 : a.tiles2, it.split, w13 ? a.splits13 : a.splits2};
     const bool real = e < a.num_experts;
     // Claim ahead (FASTAWQ_MOE_MMA_AHEAD=1), by warp 0 once the item no longer waits: the next
     // item is taken now and its first weights start for L2, while this one streams. Still no
@@ -763,15 +773,13 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
       if (lane == 0) {
         next = atomicAdd(next_item, 1);
         sm.ahead = next;
-        if (next < items) next_e = row_expert(a, sm, next < items13 ? next / per13 : (next - items13) / per2);
+        if (next < items) next_e = row_expert(a, sm, decode(next).z);
       }
       next = __shfl_sync(0xffffffffu, next, 0);
       next_e = __shfl_sync(0xffffffffu, next_e, 0);
       if (next >= items || next_e >= a.num_experts) return;
-      const bool next13 = next < items13;
-      const int nper = next13 ? per13 : per2, ntiles = next13 ? a.tiles13 : a.tiles2;
-      const int nr = (next13 ? next : next - items13) % nper;
-      prefetch_item(a, next13, next_e, nr % ntiles, nr / ntiles, lane);
+      const Item n = decode(next);
+      prefetch_item(a, n.w13, next_e, n.tile, n.split, lane);
     };
     if (w13) {
       run_work<T, Id, true, ACT, NT>(a, sm, wk, rows_of, real ? done13 + z : nullptr, claim_ahead);
