@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24_e2e moe_ncu targets wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24_e2e moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -514,12 +514,26 @@ if [[ " $stages " == *" s23 "* ]]; then
     --compare env:FASTAWQ_WGMMA_FORM=0,ws --shape llama-3-8b --batches 16,32 --layout packed --decode 64 --rounds 1 \
     2>&1 | grep -E "^\||on / off" || status=1
 fi
-if [[ " $stages " == *" targets "* ]]; then
-  step targets
-  # The engine and MoE rows of issues 11 and 12 on this tree, ~8 min (RESULTS.md "Where the targets
-  # stand"): Llama-3-8B shape decode at batch 1 with the memory row (max_seq_len 4096) and at batch
-  # 16 / 64, Qwen3-30B-A3B and Mixtral-8x7B decode, the grouped MoE op at T = 1 / 16 / 256. Packed
-  # layout up to batch 32 (the engine's own choice), heuristic Triton configs, all layers built.
+# `targets` = `targets12` (the MoE rows, ~4 min; first, where an H200 call may be short) then
+# `targets11` (the Llama rows and the memory profile, ~5 min).
+if [[ " $stages " == *" targets "* || " $stages " == *" targets12 "* ]]; then
+  step targets12
+  # Issue 12's rows on this tree (RESULTS.md "Where the targets stand"): Qwen3-30B-A3B decode at
+  # batch 1 / 16, Mixtral-8x7B at batch 1, the grouped MoE op at T = 1 / 16 / 256. Packed layout,
+  # heuristic Triton configs, all layers built.
+  FASTAWQ_TRITON_TUNE=0 timeout 140 python benchmarks/bench_e2e.py --shape qwen3-30b-a3b --layout packed \
+    --modes fused-graphs --graph-lengths 64 --batches 1,16 --max-seq-len 256 --budget 100 --out "$OUT/t_qwen3" \
+    2>&1 | grep -E "^\| fused" | head -6 || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 100 python benchmarks/bench_e2e.py --shape mixtral-8x7b --layout packed \
+    --modes fused-graphs --graph-lengths 64 --batches 1 --max-seq-len 256 --budget 60 --out "$OUT/t_mixtral" \
+    2>&1 | grep -E "^\| fused" | head -3 || status=1
+  timeout 60 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 1,16,256 --backends cuda --no-tune 2>&1 \
+    | tail -5 || status=1
+fi
+if [[ " $stages " == *" targets "* || " $stages " == *" targets11 "* ]]; then
+  step targets11
+  # Issue 11's engine rows: Llama-3-8B shape decode at batch 1 with the memory row (max_seq_len
+  # 4096) and at batch 16 / 64; packed layout up to batch 32 (the engine's own choice).
   FASTAWQ_TRITON_TUNE=0 timeout 100 python benchmarks/bench_e2e.py --shape llama-3-8b --layout packed \
     --modes fused-graphs --graph-lengths 64 --batches 1 --max-seq-len 4096 --budget 60 --out "$OUT/t_llama_b1" \
     2>&1 | grep -E "^\| (Mode|fused)" | head -4 || status=1
@@ -529,14 +543,6 @@ if [[ " $stages " == *" targets "* ]]; then
   FASTAWQ_TRITON_TUNE=0 timeout 100 python benchmarks/bench_e2e.py --shape llama-3-8b \
     --modes fused-graphs --graph-lengths 64 --batches 64 --max-seq-len 256 --budget 60 --out "$OUT/t_llama_b64" \
     2>&1 | grep -E "^\| fused" | head -3 || status=1
-  FASTAWQ_TRITON_TUNE=0 timeout 140 python benchmarks/bench_e2e.py --shape qwen3-30b-a3b --layout packed \
-    --modes fused-graphs --graph-lengths 64 --batches 1,16 --max-seq-len 256 --budget 100 --out "$OUT/t_qwen3" \
-    2>&1 | grep -E "^\| fused" | head -6 || status=1
-  FASTAWQ_TRITON_TUNE=0 timeout 100 python benchmarks/bench_e2e.py --shape mixtral-8x7b --layout packed \
-    --modes fused-graphs --graph-lengths 64 --batches 1 --max-seq-len 256 --budget 60 --out "$OUT/t_mixtral" \
-    2>&1 | grep -E "^\| fused" | head -3 || status=1
-  timeout 60 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 1,16,256 --backends cuda --no-tune 2>&1 \
-    | tail -5 || status=1
   # The memory row's 0.02 GiB over: what is live at the measured peak (~1 min).
   FASTAWQ_TRITON_TUNE=0 timeout 90 python benchmarks/profile_memory.py --shape llama-3-8b --prompt 64 --layout packed \
     --out "$OUT/memory.json" 2>&1 | tail -25 || status=1
