@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24_e2e moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -480,6 +480,28 @@ if [[ " $stages " == *" s24 "* ]]; then
         --shapes qwen3-30b-a3b,mixtral-8x7b --ts 1,16,64,256 --backends cuda,cuda:mma --no-tune 2>&1 \
         | grep -E "^\| (qwen3|mixtral)" || status=1
     done
+  else
+    status=1
+  fi
+fi
+if [[ " $stages " == *" s24q "* ]]; then
+  step s24q
+  # `s24` and `s24_e2e`'s deciding rows in one call (~8 min with the build), for a session with
+  # one call to spend: the tests but opcheck gate the op in two forms (two launches, persistent) at
+  # both shapes (cuda:mma: moe_mma at every T, one token too), then Qwen3 batch 16 in the engine.
+  timeout 150 python -m pytest -x -v -rf -p no:cacheprovider tests/test_moe_mma.py -k "not opcheck" \
+    > "$OUT/s24q_tests.txt" 2>&1
+  echo "$(grep -c " PASSED" "$OUT/s24q_tests.txt") passed, $(grep -cE " (FAILED|ERROR)" "$OUT/s24q_tests.txt") failed"
+  grep -E " (FAILED|ERROR)" "$OUT/s24q_tests.txt" | head -5; tail -2 "$OUT/s24q_tests.txt"
+  if grep -q " PASSED" "$OUT/s24q_tests.txt" && ! grep -qE " (FAILED|ERROR)|[0-9]+ (failed|error)" "$OUT/s24q_tests.txt"; then
+    for p in 0 1; do
+      echo "FASTAWQ_MOE_MMA_PERSISTENT=$p"
+      FASTAWQ_MOE_MMA_PERSISTENT=$p timeout 75 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b,mixtral-8x7b \
+        --ts 1,16,64,256 --backends cuda,cuda:mma --no-tune 2>&1 | grep -E "^\| (qwen3|mixtral)" || status=1
+    done
+    FASTAWQ_MOE_MMA_PERSISTENT=1 FASTAWQ_TRITON_TUNE=0 timeout 170 python benchmarks/bench_ab.py \
+      --compare env:FASTAWQ_MOE_MMA_PERSISTENT=0,1 --shape qwen3-30b-a3b --batches 16 --layout packed --decode 64 \
+      --rounds 1 2>&1 | grep -E "^\||on / off" || status=1
   else
     status=1
   fi
