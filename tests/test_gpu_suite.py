@@ -1,0 +1,138 @@
+"""benchmarks/gpu_suite.sh, checked on the CPU before it spends device time.
+
+A device call is scarce (minutes a session, starts that fail): a stage that dies on a typo'd flag, a
+script that moved or a stage name the dispatcher never matches wastes one. Every `python
+benchmarks/X.py ...` the suite runs is parsed by that script's own argparse (stopped right after
+parsing: nothing runs), the A/B names and shapes it passes are checked against the scripts' tables,
+the test files it names exist, and the stages its header lists are the stages it dispatches.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import runpy
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SUITE = ROOT / "benchmarks" / "gpu_suite.sh"
+TEXT = SUITE.read_text()
+JOINED = TEXT.replace("\\\n", " ")  # continuation lines joined
+
+# Shell variables set outside a `for` loop, with a value the suite gives them.
+_VARS = {"OUT": "out", "kernels": "gemm,wgmma"}
+
+
+def _invocations() -> list[tuple[str, list[str]]]:
+    """(script, argv) of every `python benchmarks/X.py ...` in the suite, with each loop variable at
+    its loop's first value."""
+    found = []
+    values = dict(_VARS)
+    for line in JOINED.splitlines():
+        loop = re.search(r"\bfor (\w+) in (\S+)[^;]*; do", line)
+        if loop:
+            values[loop.group(1)] = loop.group(2)
+        for m in re.finditer(r"python (benchmarks/[\w.]+\.py)([^|;&>]*)", line):
+            args = re.sub(r"\$\{[^}]*\}", "", m.group(2))  # ${FASTAWQ_SUITE_GEMM_ARGS:-} and the like
+            args = re.sub(r"\$(\w+)", lambda v: values.get(v.group(1), v.group(0)), args)
+            argv = shlex.split(args)
+            if argv and argv[-1] == "2":  # the "2" of a following 2>&1
+                argv = argv[:-1]
+            assert "$" not in " ".join(argv), f"gpu_suite.sh: an unknown variable in {m.group(0)!r}"
+            found.append((m.group(1), argv))
+    return found
+
+
+INVOCATIONS = _invocations()
+
+
+def test_the_suite_is_valid_bash():
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    r = subprocess.run(["bash", "-n", str(SUITE)], check=False, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_the_header_lists_the_stages_the_suite_dispatches():
+    header = re.search(r"#   stages: (.*?)\n#   \(default", TEXT, re.DOTALL)
+    assert header, "gpu_suite.sh: the header's stage list moved"
+    listed = set(header.group(1).replace("#", " ").split())
+    dispatched = set(re.findall(r'== \*" (\w+) "\*', TEXT))
+    assert dispatched, "no stage dispatch found"
+    assert listed == dispatched, (f"listed, not dispatched: {sorted(listed - dispatched)}; "
+                                  f"dispatched, not listed: {sorted(dispatched - listed)}")
+
+
+def test_the_suite_runs_every_script_it_names():
+    scripts = {s for s, _ in INVOCATIONS}
+    assert len(INVOCATIONS) > 40 and "benchmarks/bench_ab.py" in scripts, "the parser of the suite found too few"
+    for s in scripts:
+        assert (ROOT / s).is_file(), f"gpu_suite.sh runs {s}, which does not exist"
+    for path in set(re.findall(r"\btests/\w+\.py", TEXT)):
+        assert (ROOT / path).is_file(), f"gpu_suite.sh runs {path}, which does not exist"
+
+
+class _Parsed(Exception):
+    def __init__(self, ns: argparse.Namespace):
+        super().__init__()
+        self.ns = ns
+
+
+def _parse(script: str, argv: list[str], monkeypatch) -> argparse.Namespace:
+    """The script's own argparse namespace for argv; nothing past the parse runs."""
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        raise _Parsed(original(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    monkeypatch.setattr(sys, "argv", [str(ROOT / script), *argv])
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    environ = dict(os.environ)  # what a script's module level sets stays out of the other tests
+    try:
+        runpy.run_path(str(ROOT / script), run_name="__main__")
+    except _Parsed as p:
+        return p.ns
+    except SystemExit as e:  # argparse's error exit, usage already printed
+        pytest.fail(f"gpu_suite.sh: {script} {shlex.join(argv)}: the arguments do not parse (exit {e.code})")
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    pytest.fail(f"{script} ran to its end without parsing arguments")
+
+
+@pytest.mark.parametrize("script", sorted({s for s, _ in INVOCATIONS}))
+def test_every_invocation_parses(script, monkeypatch):
+    calls = [argv for s, argv in INVOCATIONS if s == script and argv]  # no arguments: nothing to parse
+    if not calls:
+        pytest.skip(f"the suite runs {script} without arguments")
+    for argv in calls:
+        _parse(script, argv, monkeypatch)
+
+
+def test_the_ab_switches_and_shapes_exist(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    ab = runpy.run_path(str(ROOT / "benchmarks" / "bench_ab.py"))
+    moe = runpy.run_path(str(ROOT / "benchmarks" / "bench_moe.py"))
+    from fastawq.shapes import SHAPES as engine_shapes
+
+    for s, argv in INVOCATIONS:
+        if not argv:
+            continue
+        ns = _parse(s, argv, monkeypatch)
+        if s.endswith("bench_ab.py"):
+            for compare in ns.compare or []:
+                assert ab["env_switch"](compare) is not None or compare in ab["CHOICES"], \
+                    f"gpu_suite.sh: bench_ab.py --compare {compare!r} is neither an A/B name nor env:NAME=OFF,ON"
+            assert ns.shape in engine_shapes, f"gpu_suite.sh: bench_ab.py --shape {ns.shape!r}"
+        elif s.endswith("bench_e2e.py") and ns.shape is not None:
+            assert ns.shape in engine_shapes, f"gpu_suite.sh: bench_e2e.py --shape {ns.shape!r}"
+        elif s.endswith("bench_moe.py"):
+            for shape in ns.shapes.split(","):
+                assert shape in moe["SHAPES"], f"gpu_suite.sh: bench_moe.py --shapes {shape!r}"
