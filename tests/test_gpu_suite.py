@@ -9,6 +9,7 @@ the test files it names exist, and the stages its header lists are the stages it
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import runpy
@@ -17,6 +18,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -94,45 +96,44 @@ def _parse(script: str, argv: list[str], monkeypatch) -> argparse.Namespace:
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
     monkeypatch.setattr(sys, "argv", [str(ROOT / script), *argv])
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    environ = dict(os.environ)  # what a script's module level sets stays out of the other tests
     try:
-        runpy.run_path(str(ROOT / script), run_name="__main__")
+        with mock.patch.dict(os.environ):  # what a script's module level sets stays out of the other tests
+            runpy.run_path(str(ROOT / script), run_name="__main__")
     except _Parsed as p:
         return p.ns
     except SystemExit as e:  # argparse's error exit, usage already printed
         pytest.fail(f"gpu_suite.sh: {script} {shlex.join(argv)}: the arguments do not parse (exit {e.code})")
-    finally:
-        os.environ.clear()
-        os.environ.update(environ)
     pytest.fail(f"{script} ran to its end without parsing arguments")
 
 
+@functools.cache
+def _globals(script: str) -> dict:
+    """A benchmark script's module globals (its A/B and shape tables), read once."""
+    return runpy.run_path(str(ROOT / script))
+
+
+def _check_names(script: str, ns: argparse.Namespace) -> None:
+    """The A/B names and shapes an invocation passes exist in the tables its script reads."""
+    from fastawq.shapes import SHAPES as engine_shapes
+
+    name = Path(script).name
+    if name == "bench_ab.py":
+        ab = _globals(script)
+        for compare in ns.compare or []:
+            assert ab["env_switch"](compare) is not None or compare in ab["CHOICES"], \
+                f"gpu_suite.sh: bench_ab.py --compare {compare!r} is neither an A/B name nor env:NAME=OFF,ON"
+    if name in ("bench_ab.py", "bench_e2e.py") and ns.shape is not None:
+        assert ns.shape in engine_shapes, f"gpu_suite.sh: {name} --shape {ns.shape!r}"
+    if name == "bench_moe.py":
+        moe_shapes = _globals(script)["SHAPES"]
+        for shape in ns.shapes.split(","):
+            assert shape in moe_shapes, f"gpu_suite.sh: bench_moe.py --shapes {shape!r}"
+
+
 @pytest.mark.parametrize("script", sorted({s for s, _ in INVOCATIONS}))
-def test_every_invocation_parses(script, monkeypatch):
+def test_every_invocation_parses_and_names_what_exists(script, monkeypatch):
     calls = [argv for s, argv in INVOCATIONS if s == script and argv]  # no arguments: nothing to parse
     if not calls:
         pytest.skip(f"the suite runs {script} without arguments")
     for argv in calls:
-        _parse(script, argv, monkeypatch)
-
-
-def test_the_ab_switches_and_shapes_exist(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    ab = runpy.run_path(str(ROOT / "benchmarks" / "bench_ab.py"))
-    moe = runpy.run_path(str(ROOT / "benchmarks" / "bench_moe.py"))
-    from fastawq.shapes import SHAPES as engine_shapes
-
-    for s, argv in INVOCATIONS:
-        if not argv:
-            continue
-        ns = _parse(s, argv, monkeypatch)
-        if s.endswith("bench_ab.py"):
-            for compare in ns.compare or []:
-                assert ab["env_switch"](compare) is not None or compare in ab["CHOICES"], \
-                    f"gpu_suite.sh: bench_ab.py --compare {compare!r} is neither an A/B name nor env:NAME=OFF,ON"
-            assert ns.shape in engine_shapes, f"gpu_suite.sh: bench_ab.py --shape {ns.shape!r}"
-        elif s.endswith("bench_e2e.py") and ns.shape is not None:
-            assert ns.shape in engine_shapes, f"gpu_suite.sh: bench_e2e.py --shape {ns.shape!r}"
-        elif s.endswith("bench_moe.py"):
-            for shape in ns.shapes.split(","):
-                assert shape in moe["SHAPES"], f"gpu_suite.sh: bench_moe.py --shapes {shape!r}"
+        _check_names(script, _parse(script, argv, monkeypatch))
