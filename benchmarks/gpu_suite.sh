@@ -19,6 +19,16 @@ export PYTHONUNBUFFERED=1
 stages=${*:-build tests gemm gemv attention sanitize e2e quantize}
 status=0
 step() { echo "=== $1 ($(date +%T))"; }
+# pytest_gate LOG SECONDS ARGS...: pytest -x -v ARGS into LOG under a timeout; prints the counts and
+# succeeds when some test passed and none failed. It reads the per-test lines, so a run cut by its
+# timeout still gates on what ran.
+pytest_gate() {
+  local log=$1 secs=$2; shift 2
+  timeout "$secs" python -m pytest -x -v -rf -p no:cacheprovider "$@" > "$log" 2>&1
+  echo "$(grep -c " PASSED" "$log") passed, $(grep -cE " (FAILED|ERROR)" "$log") failed"
+  grep -E " (FAILED|ERROR)" "$log" | head -5; tail -2 "$log"
+  grep -q " PASSED" "$log" && ! grep -qE " (FAILED|ERROR)|[0-9]+ (failed|error)" "$log"
+}
 
 if [[ " $stages " == *" build "* ]]; then
   step build
@@ -469,11 +479,7 @@ if [[ " $stages " == *" s24 "* ]]; then
   # same run (cuda: the automatic kernel, the GEMV at 1-4 tokens on Qwen3; cuda:mma: moe_mma at
   # every T, so the one-launch form at one token is measured against the two moe_gemv launches).
   # `s24_e2e` follows with memcheck and the engine.
-  # -v, and the gate reads the per-test lines: a run cut by its timeout still gates on what ran.
-  timeout 200 python -m pytest -x -v -rf -p no:cacheprovider tests/test_moe_mma.py > "$OUT/s24_tests.txt" 2>&1
-  echo "$(grep -c " PASSED" "$OUT/s24_tests.txt") passed, $(grep -cE " (FAILED|ERROR)" "$OUT/s24_tests.txt") failed"
-  tail -2 "$OUT/s24_tests.txt"
-  if grep -q " PASSED" "$OUT/s24_tests.txt" && ! grep -qE " (FAILED|ERROR)|[0-9]+ (failed|error)" "$OUT/s24_tests.txt"; then
+  if pytest_gate "$OUT/s24_tests.txt" 200 tests/test_moe_mma.py; then
     for pa in 0:0 1:0 1:1; do  # two launches; persistent; persistent, claiming ahead
       echo "FASTAWQ_MOE_MMA_PERSISTENT=${pa%:*} FASTAWQ_MOE_MMA_AHEAD=${pa#*:}"
       FASTAWQ_MOE_MMA_PERSISTENT=${pa%:*} FASTAWQ_MOE_MMA_AHEAD=${pa#*:} timeout 100 python benchmarks/bench_moe.py \
@@ -489,11 +495,7 @@ if [[ " $stages " == *" s24q "* ]]; then
   # `s24` and `s24_e2e`'s deciding rows in one call (~8 min with the build), for a session with
   # one call to spend: the tests but opcheck gate the op in two forms (two launches, persistent) at
   # both shapes (cuda:mma: moe_mma at every T, one token too), then Qwen3 batch 16 in the engine.
-  timeout 150 python -m pytest -x -v -rf -p no:cacheprovider tests/test_moe_mma.py -k "not opcheck" \
-    > "$OUT/s24q_tests.txt" 2>&1
-  echo "$(grep -c " PASSED" "$OUT/s24q_tests.txt") passed, $(grep -cE " (FAILED|ERROR)" "$OUT/s24q_tests.txt") failed"
-  grep -E " (FAILED|ERROR)" "$OUT/s24q_tests.txt" | head -5; tail -2 "$OUT/s24q_tests.txt"
-  if grep -q " PASSED" "$OUT/s24q_tests.txt" && ! grep -qE " (FAILED|ERROR)|[0-9]+ (failed|error)" "$OUT/s24q_tests.txt"; then
+  if pytest_gate "$OUT/s24q_tests.txt" 150 tests/test_moe_mma.py -k "not opcheck"; then
     for p in 0 1; do
       echo "FASTAWQ_MOE_MMA_PERSISTENT=$p"
       FASTAWQ_MOE_MMA_PERSISTENT=$p timeout 75 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b,mixtral-8x7b \
