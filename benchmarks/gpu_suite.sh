@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -519,6 +519,34 @@ if [[ " $stages " == *" s24_e2e "* ]]; then
   FASTAWQ_MOE_MMA_PERSISTENT=1 FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/bench_ab.py \
     --compare env:FASTAWQ_MOE_MMA_PERSISTENT=0,1 --compare env:FASTAWQ_MOE_MMA_AHEAD=0,1 --shape qwen3-30b-a3b \
     --batches 16,64 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
+fi
+if [[ " $stages " == *" s26 "* ]]; then
+  step s26
+  # The three fp32-sums handoffs still off (FASTAWQ_QKV_SUMS, session 23: +1.0 % Llama-3-8B and
+  # +3.3 % Qwen3-30B-A3B at batch 1 on the H100, session 26; FASTAWQ_MOE_O_SUMS and
+  # FASTAWQ_DENSE_GU_SUMS, session 22, not A/B'd alone yet): their GPU tests in one gate (session 26
+  # fixed the QKV ones: NaN-safe cache compares, head_dim 64 engine models), then Llama-3-8B at
+  # batch 1 / 2, gate_up's sums and then the QKV sums A/B'd from the defaults, ~8 min with a cold
+  # build. `s26_moe` has the rest.
+  if pytest_gate "$OUT/s26_tests.txt" 240 tests/test_cuda_attention.py tests/test_fused.py tests/test_fused_moe.py \
+      tests/test_gemv_packed.py tests/test_moe_op.py -k "fp32 or sums or compiled_route"; then
+    FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/bench_ab.py --compare env:FASTAWQ_DENSE_GU_SUMS=0,1 \
+      --compare env:FASTAWQ_QKV_SUMS=0,1 --shape llama-3-8b --batches 1,2 --layout packed --decode 64 --rounds 2 \
+      2>&1 | grep -E "^\||on / off" || status=1
+  else
+    status=1
+  fi
+fi
+if [[ " $stages " == *" s26_moe "* ]]; then
+  step s26_moe
+  # After `s26`'s gate passed (~7 min): Qwen3-30B-A3B at batch 1 / 2 with the MoE o_proj's sums A/B'd
+  # from off, then the QKV sums A/B'd with them on (the process starts with FASTAWQ_MOE_O_SUMS=1:
+  # an MoE layer's QKV sums exist only there), then memcheck on the sections the handoffs touch.
+  FASTAWQ_MOE_O_SUMS=1 FASTAWQ_TRITON_TUNE=0 timeout 240 python benchmarks/bench_ab.py \
+    --compare env:FASTAWQ_MOE_O_SUMS=0,1 --compare env:FASTAWQ_QKV_SUMS=0,1 --shape qwen3-30b-a3b --batches 1,2 \
+    --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
+  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py \
+    --only packed,attention,route 2>&1 | tail -2 || status=1
 fi
 if [[ " $stages " == *" s23 "* ]]; then
   step s23

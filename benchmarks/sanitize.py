@@ -1,7 +1,11 @@
 """Every compiled kernel once on small shapes, for `compute-sanitizer` (GPU only).
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py
+    compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only packed,attention
 
+--only runs some of the sections (gemm: awq_gemm on the AWQ layout; packed: the packed-layout
+kernels and their prologue / sums forms; attention: decode attention and its rope form; moe: the
+grouped expert kernels; route: the compiled router): the whole run takes minutes under memcheck.
 Shapes are small (the sanitizer slows kernels ~100x) but cover each kernel's edges: column tiles
 cut short, several K splits (split-K workspaces and counters), odd M, bias, fp16 and bf16,
 every named kernel that takes the problem.
@@ -9,6 +13,7 @@ Results are also checked against the reference, so a clean run is clean and righ
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
@@ -36,12 +41,21 @@ def env_set(env: dict[str, str]):
                 os.environ[name] = value
 
 
-def main() -> None:
+SECTIONS = ("gemm", "packed", "attention", "moe", "route")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {', '.join(SECTIONS)}")
+    args = ap.parse_args(argv)
+    only = set(args.only.split(","))
+    if not only or not only <= set(SECTIONS):
+        ap.error(f"--only {args.only!r}: choose from {', '.join(SECTIONS)}")
     if not _ext.is_loaded():
         raise SystemExit(f"fastawq._C is not loaded: {_ext.status()}")
     ops = torch.ops.fastawq
     n_calls = 0
-    for dtype in (torch.float16, torch.bfloat16):
+    for dtype in (torch.float16, torch.bfloat16) if "gemm" in only else ():
         for k, n, g in ((256, 160, 64), (576, 544, 32), (1024, 96, 128)):
             qw, s, qz = random_awq(k, n, g, "cuda", dtype, seed=k + n)
             bias = random_input((n,), "cuda", dtype, seed=2)
@@ -55,7 +69,7 @@ def main() -> None:
                     out = ops.awq_gemm(x, qw, s, qz, g, bias, kernel)
                     assert_close_to_reference(out, x, qw, s, qz, g, bias)
                     n_calls += 1
-    if hasattr(ops, "awq_gemm_packed"):
+    if "packed" in only and hasattr(ops, "awq_gemm_packed"):
         from fastawq.ops.repack import awq_gemv_repack
 
         # The three kernels on the packed layout, each up to its largest M; awq_gemm_packed also
@@ -120,7 +134,7 @@ def main() -> None:
                         assert_close_to_reference(out, h, qw, s, qz, g, bias)
                         assert torch.equal(r_out, want_r)
                         n_calls += 1
-    if hasattr(ops, "decode_attention"):
+    if "attention" in only and hasattr(ops, "decode_attention"):
         for dtype in (torch.float16, torch.bfloat16):
             for d, hq, hkv in ((128, 32, 8), (64, 8, 8), (256, 8, 2)):
                 b, cap = 2, 300
@@ -152,7 +166,7 @@ def main() -> None:
                                                           d ** -0.5)
                         assert torch.equal(got_f, got) and torch.equal(kf, kw) and torch.equal(vf, vw)
                         n_calls += 1
-    moe_ops = [name for name in ("moe_gemv_w4", "moe_mma_w4") if hasattr(ops, name)]
+    moe_ops = [name for name in ("moe_gemv_w4", "moe_mma_w4") if "moe" in only and hasattr(ops, name)]
     if moe_ops:
         from test_moe_op import check, moe_case
 
@@ -184,7 +198,7 @@ def main() -> None:
                         bad[0, 0] = e
                         op(x, bad, w, *weights, g, "gelu", *extra)
                         n_calls += 2
-    if hasattr(ops, "moe_route"):
+    if "route" in only and hasattr(ops, "moe_route"):
         from test_moe_op import exact_router, unit_norm_inputs
 
         # (T, H, E, k): 16 parts meeting through the counters, one part, element loads (H % 8 != 0),
@@ -207,7 +221,8 @@ def main() -> None:
                     assert torch.equal(got_h, want_h) and torch.equal(got_r, want_r)
                     n_calls += 1
     torch.cuda.synchronize()
-    print(f"sanitize: {n_calls} kernel calls ran and matched the reference")
+    print(f"sanitize ({', '.join(s for s in SECTIONS if s in only)}): {n_calls} kernel calls ran and matched the "
+          "reference")
 
 
 if __name__ == "__main__":

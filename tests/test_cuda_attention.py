@@ -468,7 +468,10 @@ def test_rope_decode_attention_reads_fp32_qkv_sums(dtype, d, heads, qk_norm, len
     want = torch.ops.fastawq.rope_decode_attention(sums.to(dtype), pos, cos, sin, k2, v2, lens_t, qn, kn, 1e-6, hq,
                                                    d ** -0.5)
     assert got.dtype == dtype and got.shape == (b, hq, d)
-    assert torch.equal(got, want) and torch.equal(k, k2) and torch.equal(v, v2)
+    assert torch.equal(got, want)
+    # Bit patterns: the caches hold NaN garbage where no row may read (NaN != NaN under torch.equal).
+    assert torch.equal(k.view(torch.int16), k2.view(torch.int16)), "K cache differs from qkv rounded first"
+    assert torch.equal(v.view(torch.int16), v2.view(torch.int16)), "V cache differs from qkv rounded first"
     # The op's own path with fp32 qkv (the compiled launch where it serves, else rounded first).
     k3, v3 = k2.clone(), v2.clone()
     out = ops.rope_decode_attention(sums, pos, cos, sin, k3, v3, lens_t, hq, hkv, d, d ** -0.5, qn, kn)

@@ -23,32 +23,35 @@ COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_l
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
-def _config(arch: str):
+def _config(arch: str, **over):
+    """A tiny config of `arch`; `over` replaces COMMON's entries or adds others (e.g. head_dim)."""
     import transformers as tf
 
+    common = {**COMMON, **over}
     if arch == "llama":
-        return tf.LlamaConfig(**COMMON, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+        return tf.LlamaConfig(**common, rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                       "original_max_position_embeddings": 64})
     if arch == "mistral":
-        return tf.MistralConfig(**COMMON, sliding_window=None)
+        return tf.MistralConfig(**common, sliding_window=None)
     if arch == "qwen2":
-        return tf.Qwen2Config(**COMMON)
+        return tf.Qwen2Config(**common)
     if arch == "qwen3":
-        return tf.Qwen3Config(**COMMON, head_dim=32)
+        return tf.Qwen3Config(**{"head_dim": 32, **common})
     if arch == "phi3":
-        return tf.Phi3Config(**COMMON, pad_token_id=0, sliding_window=None)
+        return tf.Phi3Config(**common, pad_token_id=0, sliding_window=None)
     if arch == "gemma":
-        return tf.GemmaConfig(**{**COMMON, "num_key_value_heads": 1}, head_dim=16)
+        return tf.GemmaConfig(**{"head_dim": 16, **common, "num_key_value_heads": 1})
     raise ValueError(arch)
 
 
-def tiny_w4_model(arch: str, seed: int = 0, device: str = "cpu") -> torch.nn.Module:
-    """A tiny transformers model whose decoder linears are RTN-packed WQLinear (g32), fp16."""
+def tiny_w4_model(arch: str, seed: int = 0, device: str = "cpu", **over) -> torch.nn.Module:
+    """A tiny transformers model whose decoder linears are RTN-packed WQLinear (g32), fp16; `over`
+    as _config's."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(arch)).eval()
+    model = AutoModelForCausalLM.from_config(_config(arch, **over)).eval()
     with torch.no_grad():
         for layer in model.model.layers:
             # Non-trivial norm weights (Gemma's init to zero would hide a missing 1 + w).
@@ -73,8 +76,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _match_over_decode(arch: str, backend: str | None, steps: int, device: str = "cpu", graphs: bool = False,
-                       batch: int = 2, layout: str | None = None) -> None:
-    ref = tiny_w4_model(arch, device=device)
+                       batch: int = 2, layout: str | None = None, **over) -> None:
+    ref = tiny_w4_model(arch, device=device, **over)
     fused = fuse_model(copy.deepcopy(ref), max_seq_len=64, batch_size=batch, backend=backend, use_cuda_graphs=graphs)
     if layout is not None:
         set_layout(fused, layout)  # after fusing, which concatenates AWQ tensors (as commands/bench.py)
@@ -173,10 +176,12 @@ def test_fused_qkv_sums_decode_matches_unfused(monkeypatch, arch):
     # q/k norms of the rope form; Gemma: offset norms), and the rope form saw fp32 qkv.
     from fastawq import _ext
 
+    # head_dim 64: the compiled decode attention takes 64, 128 or 256 (the default tiny heads, 16
+    # and 32, take the two-op path, which never sees the sums).
     monkeypatch.setenv("FASTAWQ_DENSE_SUMS", "1")
     monkeypatch.setenv("FASTAWQ_QKV_SUMS", "1")
     f32_qkv = spy_fp32_first_argument(monkeypatch, "rope_decode_attention")
-    _match_over_decode(arch, None, 24, device="cuda", graphs=True, layout="packed")
+    _match_over_decode(arch, None, 24, device="cuda", graphs=True, layout="packed", head_dim=64)
     if _ext.has_op("awq_gemv_packed_sums") and _ext.has_op("rope_decode_attention"):
         assert any(f32_qkv)
 

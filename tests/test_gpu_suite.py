@@ -124,6 +124,10 @@ def _check_names(script: str, ns: argparse.Namespace) -> None:
                 f"gpu_suite.sh: bench_ab.py --compare {compare!r} is neither an A/B name nor env:NAME=OFF,ON"
     if name in ("bench_ab.py", "bench_e2e.py") and ns.shape is not None:
         assert ns.shape in engine_shapes, f"gpu_suite.sh: {name} --shape {ns.shape!r}"
+    if name == "sanitize.py":
+        sections = _globals(script)["SECTIONS"]
+        for section in ns.only.split(","):
+            assert section in sections, f"gpu_suite.sh: sanitize.py --only {section!r}"
     if name == "bench_moe.py":
         moe_shapes = _globals(script)["SHAPES"]
         for shape in ns.shapes.split(","):
