@@ -4,7 +4,8 @@ A device call is scarce (minutes a session, starts that fail): a stage that dies
 script that moved or a stage name the dispatcher never matches wastes one. Every `python
 benchmarks/X.py ...` the suite runs is parsed by that script's own argparse (stopped right after
 parsing: nothing runs), the A/B names and shapes it passes are checked against the scripts' tables,
-the test files it names exist, and the stages its header lists are the stages it dispatches.
+the test files it names exist, every pytest selection (`-k`) it makes selects some test, and the
+stages its header lists are the stages it dispatches.
 """
 from __future__ import annotations
 
@@ -141,3 +142,49 @@ def test_every_invocation_parses_and_names_what_exists(script, monkeypatch):
         pytest.skip(f"the suite runs {script} without arguments")
     for argv in calls:
         _check_names(script, _parse(script, argv, monkeypatch))
+
+
+def _pytest_selections() -> list[tuple[list[str], str | None]]:
+    """(test files, -k expression or None) of every pytest run the suite makes (`python -m pytest` and
+    pytest_gate), with shell redirections and pipes cut off."""
+    found = []
+    for line in JOINED.splitlines():
+        m = re.search(r"(?:-m pytest|pytest_gate)\s(.*)", line)
+        if not m or line.lstrip().startswith(("#", "pytest_gate()")):
+            continue
+        argv = shlex.split(re.split(r"2>&1|\||;|\s>", m.group(1))[0])
+        files = [a for a in argv if a.startswith("tests/") and a.endswith(".py")]
+        if not files:
+            continue  # the tests stage's ${FASTAWQ_SUITE_TESTS:-tests}: the whole suite
+        k = argv[argv.index("-k") + 1] if "-k" in argv else None
+        found.append((files, k))
+    return found
+
+
+def test_every_pytest_selection_of_the_suite_selects_tests():
+    # A -k that matches nothing makes a stage's tests pass vacuously (or exit 5) on the GPU. The
+    # test ids come from one collection here (GPU tests are collected, then skipped); -k is
+    # evaluated with pytest's own expression grammar on each id's names (file, test, parameters).
+    Expression = getattr(pytest.importorskip("_pytest.mark.expression"), "Expression", None)
+    if Expression is None or not hasattr(Expression, "compile"):
+        pytest.skip("this pytest has no _pytest.mark.expression.Expression.compile")
+    selections = _pytest_selections()
+    assert len(selections) > 20, "the parser of the suite found too few pytest runs"
+    files = sorted({f for fs, _ in selections for f in fs})
+    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
+                         cwd=ROOT, capture_output=True, text=True, check=False, timeout=600)
+    ids = [line for line in run.stdout.splitlines() if "::" in line]
+    assert run.returncode == 0 and ids, f"collecting {files} failed:\n{run.stdout[-3000:]}{run.stderr[-2000:]}"
+    for fs, k in selections:
+        chosen = [i for i in ids if i.split("::")[0] in fs]
+        assert chosen, f"gpu_suite.sh: {fs} hold no tests"
+        if k is None:
+            continue
+        expr = Expression.compile(k)
+
+        def selected(node_id: str) -> bool:
+            names = [Path(node_id.split("::")[0]).name, *node_id.split("::")[1:]]
+            names += [n.split("[")[0] for n in names]
+            return expr.evaluate(lambda sub: any(sub.lower() in n.lower() for n in names))
+
+        assert any(selected(i) for i in chosen), f"gpu_suite.sh: pytest {' '.join(fs)} -k {k!r} selects no test"
