@@ -6,6 +6,7 @@
 --only runs some of the sections (gemm: awq_gemm on the AWQ layout; packed: the packed-layout
 kernels and their prologue / sums forms; attention: decode attention and its rope form; moe: the
 grouped expert kernels; route: the compiled router): the whole run takes minutes under memcheck.
+
 Shapes are small (the sanitizer slows kernels ~100x) but cover each kernel's edges: column tiles
 cut short, several K splits (split-K workspaces and counters), odd M, bias, fp16 and bf16,
 every named kernel that takes the problem.
