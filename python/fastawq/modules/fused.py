@@ -480,7 +480,7 @@ class FusedDecoderLayer(nn.Module):
 
 
 def qkv_sums_out() -> bool:
-    """FASTAWQ_QKV_SUMS=1 (an A/B switch, off, not yet measured on a GPU; read at each call, so a
+    """FASTAWQ_QKV_SUMS=1 (an A/B switch, off until its GPU tests pass; read at each call, so a
     captured graph keeps the setting it was captured with): in the sums layers (dense_sums_out,
     moe_o_sums_out) a decode step's QKV projection adds into fp32 sums that the input norm zeroes
     and the compiled rope attention rounds as it reads them (FusedDecoderLayer._attention_sums)."""
