@@ -409,7 +409,8 @@ if [[ " $stages " == *" wgmma_ws "* ]]; then
 fi
 if [[ " $stages " == *" unrun23 "* ]]; then
   step unrun23
-  # Session 23's QKV handoff (FASTAWQ_QKV_SUMS=1, off, never run), ~5 min: the rope attention on fp32
+  # Session 23's QKV handoff (FASTAWQ_QKV_SUMS=1, off; first run in session 26, whose fixed tests
+  # and A/Bs `s26` / `s26_moe` now take), ~5 min: the rope attention on fp32
   # qkv sums (exact against qkv rounded first), the engine tests, memcheck, then A/Bs at batch 1 / 2
   # (Qwen3 with FASTAWQ_MOE_O_SUMS=1 in both arms: its attention takes the sums path only there).
   timeout 120 python -m pytest -q -p no:cacheprovider tests/test_cuda_attention.py -k "fp32" 2>&1 | tail -2 \

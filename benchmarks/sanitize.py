@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {', '.join(SECTIONS)}")
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
-    if not only or not only <= set(SECTIONS):
+    if not only <= set(SECTIONS):
         ap.error(f"--only {args.only!r}: choose from {', '.join(SECTIONS)}")
     if not _ext.is_loaded():
         raise SystemExit(f"fastawq._C is not loaded: {_ext.status()}")
