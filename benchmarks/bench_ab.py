@@ -21,7 +21,7 @@ weight loads, the attention's cluster combine at small batches); --compare wgmma
 (sm_90a) at every M above the compiled buckets instead of Triton (backend.PACKED_WGMMA, with
 PACKED_WGMMA_MAX_M None; with --layout packed, e.g. batch 64); --compare wgmma16: awq_wgmma_packed's
 16-token tile (either form: FASTAWQ_WGMMA_FORM) for packed-layout batches of 9 to 16 rows instead of
-awq_gemm_packed (on: backend.PACKED_GEMM_MAX_M 8, off: 16); --compare layout: the W4 layers'
+awq_gemm_packed (backend.PACKED_WGMMA_16; on by default on sm_90 GPUs); --compare layout: the W4 layers'
 weight layout (WQLinear.set_layout "awq" / "packed", exact both ways, converted in place; grouped
 MoE experts keep theirs). One random-weight model is built
 once; rounds alternate the setting (off on, on off, ...), each re-capturing the decode graph, and
@@ -115,7 +115,7 @@ def apply(model: torch.nn.Module, compare: str, on: bool) -> None:
         if compare == "wgmma":  # on: awq_wgmma_packed at every M above the compiled buckets (off: Triton)
             backend.PACKED_WGMMA, backend.PACKED_WGMMA_MAX_M = on, None
         elif compare == "wgmma16":  # on: awq_wgmma_packed (16-token tile) for M = 9 .. 16, not awq_gemm_packed
-            backend.PACKED_GEMM_MAX_M = 8 if on else 16
+            backend.PACKED_WGMMA_16 = on
         elif compare == "packed_gemm":  # on: awq_gemm_packed above the tensor-core GEMV's bucket
             backend.PACKED_GEMM_MAX_M = 1 << 20 if on else 0
         else:  # on: awq_gemm_packed (the batch as the mma's M) for M = 9 .. 16, not awq_mma_packed
@@ -133,7 +133,7 @@ def apply(model: torch.nn.Module, compare: str, on: bool) -> None:
 
 _BACKEND_SWITCHES = ("ROUTE_FUSED", "NORM_ROUTE_FUSED", "ROUTE_CUDA", "ROUTE_CUDA_EXPERTS", "MOE_MMA",
                      "PACKED_GEMM_MAX_M", "PACKED_MMA_MAX_M", "ROPE_ATTENTION_FUSED", "ACT_GEMV_FUSED",
-                     "NORM_GEMV_FUSED", "PACKED_WGMMA", "PACKED_WGMMA_MAX_M")
+                     "NORM_GEMV_FUSED", "PACKED_WGMMA", "PACKED_WGMMA_MAX_M", "PACKED_WGMMA_16")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -65,6 +65,10 @@ if _ext.has_op("awq_gemm"):
     except RuntimeError as e:
         print("throw ok:", str(e).splitlines()[0])
 PY
+elif ! python -c "import fastawq" 2>/dev/null; then
+  # `build` lays the package out on PYTHONPATH for this call only (the machine keeps the CMake
+  # build between calls, so a warm `build` takes seconds): without it every stage would fail.
+  echo "fastawq is not importable: name the build stage first (gpu_suite.sh build $stages)"; exit 1
 fi
 if [[ " $stages " == *" tests "* ]]; then
   step tests
@@ -548,6 +552,16 @@ if [[ " $stages " == *" s26_moe "* ]]; then
     --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
   timeout 240 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py \
     --only packed,attention,route 2>&1 | tail -2 || status=1
+fi
+if [[ " $stages " == *" s27 "* ]]; then
+  step s27
+  # Session 27's defaults (the three fp32-sums handoffs on; awq_wgmma_packed's 16-token tile at
+  # M = 9 .. 16 on sm_90): the engine tests on them and the dispatch's own, then the 16-token tile
+  # against awq_gemm_packed in bf16 as well as fp16 (~4 min with a warm build).
+  pytest_gate "$OUT/s27_tests.txt" 300 tests/test_fused.py tests/test_fused_moe.py tests/test_cuda_attention.py \
+    tests/test_wgmma_packed.py -k "test_fused or 16_token or dispatch" || status=1
+  timeout 120 python benchmarks/gemm_table.py --kernels gemm,wgmma --dtypes float16,bfloat16 --ms 9,16 \
+    --out "$OUT/s27_wgmma16" 2>&1 | grep -A6 "^| dtype" || status=1
 fi
 if [[ " $stages " == *" s23 "* ]]; then
   step s23

@@ -494,6 +494,61 @@ def test_dispatch_takes_wgmma_above_the_buckets_when_switched_on(monkeypatch):
     assert backend.packed_fused_max_batch() == backend.PACKED_GEMM_MAX_M
 
 
+def test_dispatch_takes_the_16_token_tile_on_hopper_only(monkeypatch):
+    # backend.PACKED_WGMMA_16 (on by default): awq_gemm_packed's bucket (M = 9 .. 16) is served by
+    # awq_wgmma_packed where the device is an sm_90 GPU, by awq_gemm_packed elsewhere (where the op
+    # declines) and with no device named; off, by awq_gemm_packed everywhere. The buckets themselves
+    # do not move.
+    from fastawq import backend
+    from fastawq.ops.repack import _compiled_packed_op
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(backend._ext, "has_op", lambda name: True)
+    monkeypatch.setattr(backend, "PACKED_WGMMA", True)
+    monkeypatch.setattr(backend, "PACKED_WGMMA_16", True)
+    buckets = backend.size_buckets("packed_gemm")
+    bucket16 = backend.PACKED_GEMM_MAX_M
+    assert bucket16 in buckets and bucket16 > backend.PACKED_MMA_MAX_M
+    monkeypatch.setattr(backend, "is_sm90", lambda device: True)
+    assert _compiled_packed_op(bucket16, cuda) == "awq_wgmma_packed"
+    assert _compiled_packed_op(backend.PACKED_MMA_MAX_M, cuda) == "awq_mma_packed"
+    assert _compiled_packed_op(backend.PACKED_GEMV_MAX_M, cuda) == "awq_gemv_packed"
+    assert _compiled_packed_op(bucket16) == "awq_gemm_packed"
+    monkeypatch.setattr(backend, "is_sm90", lambda device: False)
+    assert _compiled_packed_op(bucket16, cuda) == "awq_gemm_packed"
+    monkeypatch.setattr(backend, "is_sm90", lambda device: True)
+    monkeypatch.setattr(backend, "PACKED_WGMMA_16", False)
+    assert _compiled_packed_op(bucket16, cuda) == "awq_gemm_packed"
+    monkeypatch.setattr(backend, "PACKED_WGMMA_16", True)
+    monkeypatch.setattr(backend, "PACKED_WGMMA", False)
+    assert _compiled_packed_op(bucket16, cuda) == "awq_gemm_packed"
+
+
+@requires_kernel
+@pytest.mark.parametrize("m", [9, 12, 16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_packed_gemm_takes_the_16_token_tile_by_default(monkeypatch, m, dtype):
+    # The automatic choice at M = 9 .. 16 on an sm_90 GPU: awq_wgmma_packed (its 16-token tile, the
+    # tile's unused rows masked), matching the reference; a plan bound once serves each M.
+    from fastawq import backend, ops
+
+    calls = []
+    real = torch.ops.fastawq.awq_wgmma_packed
+
+    def spy(*args):
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(torch.ops.fastawq, "awq_wgmma_packed", spy)
+    assert backend.PACKED_WGMMA_16 and backend.PACKED_WGMMA
+    k, n, g = 1024, 392, 128
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=m)
+    x = random_input((m, k), "cuda", dtype, seed=m)
+    plan = ops.packed_gemm_plan(x, wp, sz, n, g)
+    assert_close_to_reference(plan(x), x, qw, s, qz, g)
+    assert calls == [m]
+
+
 @requires_kernel
 @pytest.mark.parametrize("m", [17, 64, 300])
 def test_packed_gemm_takes_it_when_switched_on(monkeypatch, m):

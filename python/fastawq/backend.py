@@ -73,6 +73,11 @@ PACKED_GEMM_MAX_M = 16
 # at import) turns it off; bench_ab.py --compare wgmma A/Bs it in one process.
 PACKED_WGMMA = os.environ.get("FASTAWQ_PACKED_WGMMA", "1") == "1"
 PACKED_WGMMA_MAX_M: int | None = 32
+# awq_wgmma_packed's 16-token tile also serves the M = 9 .. 16 bucket (PACKED_GEMM_MAX_M's) on sm_90
+# devices, in place of awq_gemm_packed (which keeps it on other GPUs, where the op declines). H100,
+# RESULTS.md session 27: geomean x cuBLAS fp16 at M = 16 1.55 against awq_gemm_packed's 1.38;
+# Llama-3-8B shape decode at batch 16 3,601 -> 3,885 tokens/s (bench_ab.py --compare wgmma16).
+PACKED_WGMMA_16 = True
 # moe_w4 is sized by its load, ceil(T * k / E) assignments per expert, not by T: the compiled MoE
 # decode kernel (csrc/moe/, which reads an expert once per assignment) serves up to
 # MOE_GEMV_MAX_LOAD, the Triton grouped GEMM (each expert once per block of rows) above. H200,
@@ -209,17 +214,21 @@ def cuda_gemm_kernel(m: int | None) -> str:
     return CUDA_GEMM_KERNEL_BY_M.get(m, "auto") if m is not None else "auto"
 
 
-def packed_kernel(m: int | None) -> str:
+def packed_kernel(m: int | None, device: torch.device | None = None) -> str:
     """The compiled packed_gemm kernel for an M bucket: "gemv" (awq_gemv_packed), "mma"
     (awq_mma_packed), "gemm" (awq_gemm_packed, also above every bucket: the compiled backend forced)
     or, above them with PACKED_WGMMA, "wgmma" (awq_wgmma_packed; also above every bucket: the
-    compiled backend forced, where it beats awq_gemm_packed at every M measured)."""
+    compiled backend forced, where it beats awq_gemm_packed at every M measured; and in
+    awq_gemm_packed's bucket with PACKED_WGMMA_16 when `device` is an sm_90 GPU)."""
     if m is not None and m <= PACKED_GEMV_MAX_M:
         return "gemv"
     if m is not None and m <= PACKED_MMA_MAX_M:
         return "mma"
-    if _wgmma_on() and (m is None or m > max(PACKED_MMA_MAX_M, PACKED_GEMM_MAX_M)):
-        return "wgmma"
+    if _wgmma_on():
+        if m is None or m > max(PACKED_MMA_MAX_M, PACKED_GEMM_MAX_M):
+            return "wgmma"
+        if PACKED_WGMMA_16 and device is not None and is_sm90(device):
+            return "wgmma"
     return "gemm"
 
 

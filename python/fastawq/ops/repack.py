@@ -116,7 +116,7 @@ def _packed_gemm_fits(be: str, x2: torch.Tensor, wpacked, szpacked, n: int, k: i
     if be in ("cuda", "triton") and x2.dtype not in HALF:
         return f"x is {x2.dtype}; the {be} kernels take fp16 or bf16 activations"
     if be == "cuda":
-        op = _compiled_packed_op(rows)
+        op = _compiled_packed_op(rows, x2.device)
         limit = {"awq_gemv_packed": MAX_M, "awq_mma_packed": MMA_MAX_M}.get(op)
         if limit is not None and (rows is None or rows > limit):
             return f"{op} takes M <= {limit}, the triton backend serves larger M"
@@ -141,9 +141,10 @@ _COMPILED_PACKED_OPS = {"gemv": "awq_gemv_packed", "mma": "awq_mma_packed", "gem
                         "wgmma": "awq_wgmma_packed"}
 
 
-def _compiled_packed_op(rows: int | None) -> str:
-    """The compiled op of an M bucket (None: above every bucket), as backend.packed_kernel says."""
-    return _COMPILED_PACKED_OPS[backend_mod.packed_kernel(rows)]
+def _compiled_packed_op(rows: int | None, device: torch.device | None = None) -> str:
+    """The compiled op of an M bucket (None: above every bucket) on `device`, as backend.packed_kernel
+    says."""
+    return _COMPILED_PACKED_OPS[backend_mod.packed_kernel(rows, device)]
 
 
 def _bind_packed(be: str, dtype: torch.dtype, wpacked, szpacked, n: int, g: int, bias, rows: int | None):
@@ -152,7 +153,7 @@ def _bind_packed(be: str, dtype: torch.dtype, wpacked, szpacked, n: int, g: int,
         bias = bias.to(dtype) if bias is not None and bias.dtype != dtype else bias
         szpacked = szpacked.to(dtype) if szpacked.dtype != dtype else szpacked
     if be == "cuda":
-        op = getattr(torch.ops.fastawq, _compiled_packed_op(rows))
+        op = getattr(torch.ops.fastawq, _compiled_packed_op(rows, wpacked.device))
 
         def run(x2):
             x2 = x2.contiguous()
@@ -193,7 +194,7 @@ def packed_gemm_plan(
         "packed_gemm", device, k, n, backend,
         fits=lambda be, rows: _packed_gemm_fits(be, probe, wpacked, szpacked, n, k, g, rows),
         bind=lambda be, bound: _bind_packed(be, x.dtype, wpacked, szpacked, n, g, bias, bound),
-        variant=lambda be, bound: _compiled_packed_op(bound) if be == "cuda" else None,
+        variant=lambda be, bound: _compiled_packed_op(bound, device) if be == "cuda" else None,
     )
 
 
