@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -408,7 +408,7 @@ if [[ " $stages " == *" wgmma_ws "* ]]; then
     | tail -6 || status=1
   FASTAWQ_WGMMA_FORM=ws timeout 120 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py \
     2>&1 | tail -3 || status=1
-  timeout 200 python benchmarks/gemm_table.py --kernels wgmma,wgmmaws --dtypes float16,bfloat16 \
+  timeout 200 python benchmarks/gemm_table.py --kernels wgmmaplain,wgmmaws --dtypes float16,bfloat16 \
     --ms 32,64,128,256,1024,4096 --out "$OUT/wgmma_ws" 2>&1 | grep -A16 "^| dtype" || status=1
 fi
 if [[ " $stages " == *" unrun23 "* ]]; then
@@ -563,6 +563,22 @@ if [[ " $stages " == *" s27 "* ]]; then
   timeout 120 python benchmarks/gemm_table.py --kernels gemm,wgmma --dtypes float16,bfloat16 --ms 9,16 \
     --out "$OUT/s27_wgmma16" 2>&1 | grep -A6 "^| dtype" || status=1
 fi
+if [[ " $stages " == *" s27b "* ]]; then
+  step s27b
+  # Session 27's second defaults (the warp-specialized form on the 64- and 128-token tiles, the
+  # packed layout and awq_wgmma_packed up to batch 64), ~6 min with a cold build: the op's tests
+  # (both forms) and the layout's, memcheck on the GEMM section, then the engine at batch 64 as it
+  # now runs (packed; prefill and decode) and A/B'd against the AWQ layout.
+  pytest_gate "$OUT/s27b_tests.txt" 200 tests/test_wgmma_packed.py tests/test_packed_layout.py tests/test_fused.py \
+    -k "not every_tile_and_split or form_follows" || status=1
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only gemm 2>&1 \
+    | tail -2 || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 100 python benchmarks/bench_e2e.py --shape llama-3-8b --modes fused-graphs \
+    --graph-lengths 64 --batches 64 --max-seq-len 256 --budget 60 --out "$OUT/s27b_b64" 2>&1 | grep -E "^\| fused" \
+    | head -1 || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 100 python benchmarks/bench_ab.py --compare layout --shape llama-3-8b --batches 48,64 \
+    --decode 64 --rounds 1 2>&1 | grep -E "^\||on / off" || status=1
+fi
 if [[ " $stages " == *" s23 "* ]]; then
   step s23
   # awq_wgmma_packed's forms, ~6 min: the ws form's tests and kernel table (with the 16-token tile
@@ -573,7 +589,7 @@ if [[ " $stages " == *" s23 "* ]]; then
   # fails stays out of the kernel table.
   kernels=gemm
   timeout 150 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "every_tile and not warp" \
-    2>&1 | tail -2 && kernels=$kernels,wgmma || status=1
+    2>&1 | tail -2 && kernels=$kernels,wgmmaplain || status=1
   FASTAWQ_WGMMA_FORM=ws timeout 150 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py \
     -k "warp_specialized_every" 2>&1 | tail -4 && kernels=$kernels,wgmmaws || status=1
   timeout 150 python benchmarks/gemm_table.py --kernels $kernels --dtypes float16 \

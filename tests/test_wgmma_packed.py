@@ -34,6 +34,14 @@ def _declines() -> str:
 requires_kernel = pytest.mark.skipif(bool(_declines()), reason=_declines() or "runs")
 
 
+@pytest.fixture(autouse=True)
+def _plain_form_unless_a_test_names_one(monkeypatch):
+    # The op picks its form by tile (warp-specialized on the 64- and 128-token tiles) unless
+    # FASTAWQ_WGMMA_FORM forces one: here the plain form, so its tests cover it on every tile; the
+    # ws tests set "ws" themselves and test_the_form_follows_the_tile unsets it.
+    monkeypatch.setenv("FASTAWQ_WGMMA_FORM", "plain")
+
+
 def _x_smem(x: torch.Tensor, tok0: int, s: int, nt: int) -> torch.Tensor:
     """One slot's x region (NT * 64 bytes, as int32 words) as the block's threads store it. Item j is
     token j / 4 (clamped to row M - 1), chunk t' = j % 4; its 16-byte load's word w goes to plane w
@@ -349,6 +357,33 @@ def test_warp_specialized_form_matches_reference(monkeypatch, k, n, g, m, dtype)
     bias = random_input((n,), "cuda", dtype, seed=8)
     x2 = random_input((m, k), "cuda", dtype, seed=m + 101)
     assert_close_to_reference(_poisoned_call(x2, wp, sz, n, g, bias), x2, qw, s, qz, g, bias)
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_form_follows_the_tile(monkeypatch, dtype):
+    # FASTAWQ_WGMMA_FORM unset: the plain kernel on the 16- and 32-token tiles, the warp-specialized
+    # one on the 64- and 128-token tiles (the automatic tile by M, and forced tiles), each matching
+    # the reference; "ws" / "plain" force one on any tile.
+    monkeypatch.delenv("FASTAWQ_WGMMA_FORM")
+    k, n, g = 2048, 392, 128
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=11)
+
+    def kernels(m, tokens):
+        x = random_input((m, k), "cuda", dtype, seed=m + tokens)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out = _poisoned_call(x, wp, sz, n, g, None, tokens)
+            torch.cuda.synchronize()
+        assert_close_to_reference(out, x, qw, s, qz, g)
+        names = {e.name for e in prof.events() if "awq_wgmma" in e.name}
+        return {"ws" if "awq_wgmma_ws_kernel" in name else "plain" for name in names}
+
+    assert kernels(12, 0) == kernels(20, 0) == kernels(70, 16) == kernels(40, 32) == {"plain"}
+    assert kernels(64, 0) == kernels(300, 0) == kernels(20, 64) == kernels(20, 128) == {"ws"}
+    monkeypatch.setenv("FASTAWQ_WGMMA_FORM", "ws")
+    assert kernels(12, 0) == {"ws"}
+    monkeypatch.setenv("FASTAWQ_WGMMA_FORM", "plain")
+    assert kernels(300, 0) == {"plain"}
 
 
 @requires_kernel

@@ -228,11 +228,16 @@ int wgmma_warpgroups(int64_t tokens) {
   return tokens <= 32 ? 1 : 2;
 }
 
-// FASTAWQ_WGMMA_FORM=ws (an A/B switch, read at each call): awq_wgmma_packed's warp-specialized form
-// (awq_wgmma_packed_sm90.cu; session 22, not yet run on a GPU); anything else the form of session 21.
-bool wgmma_ws_form() {
-  const char* v = std::getenv("FASTAWQ_WGMMA_FORM");
-  return v != nullptr && std::strcmp(v, "ws") == 0;  // no allocation: it runs at every call
+// awq_wgmma_packed's form (read at each call): FASTAWQ_WGMMA_FORM=ws forces the warp-specialized one
+// (awq_wgmma_packed_sm90.cu, session 22), any other value the plain one of session 21; unset, the
+// warp-specialized form on the 64- and 128-token tiles and the plain one on the 16- and 32-token
+// tiles. H100, RESULTS.md session 27 (geomean x cuBLAS fp16, same call): plain 1.55 / 1.20 / 0.84 /
+// 0.38 / 0.48 against ws 1.29 / 1.10 / 0.87 / 0.41 / 0.52 at M = 16 / 32 / 64 / 256 / 4096; the
+// Llama-3-8B shape decodes 9,455 -> 10,044 tokens/s at batch 64 with ws.
+bool wgmma_ws_form(int64_t tokens) {
+  const char* v = std::getenv("FASTAWQ_WGMMA_FORM");  // no allocation: it runs at every call
+  if (v == nullptr || v[0] == '\0') return tokens >= 64;
+  return std::strcmp(v, "ws") == 0;
 }
 
 // The sums tensor of awq_gemv_packed_sums / _act_sums: fp32 [M, N] on x's device, contiguous.
@@ -538,7 +543,7 @@ at::Tensor awq_wgmma_packed(const at::Tensor& x, const at::Tensor& wpacked, cons
   WgmmaPackedArgs a{};
   a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
   a.tokens = static_cast<int>(tokens);
-  a.ws = wgmma_ws_form();
+  a.ws = wgmma_ws_form(tokens);
   a.warpgroups = a.ws ? 2 : wgmma_warpgroups(tokens);
   const int64_t token_tiles = (m + tokens - 1) / tokens;
   a.token_tiles = static_cast<int>(token_tiles);

@@ -129,8 +129,9 @@ struct WgmmaPackedArgs : PackedArgs {
   int tokens;       // batch rows a block
   int token_tiles;  // blocks along M: ceil(M / tokens)
   int warpgroups;   // 1 or 2 (wgmma_warpgroups in awq_gemv_packed.cpp)
-  // The warp-specialized form (FASTAWQ_WGMMA_FORM=ws, read at each call): two consumer warpgroups
-  // on 256 columns and a producer warp doing the copies, meeting through mbarriers.
+  // The warp-specialized form (by default on the 64- and 128-token tiles; FASTAWQ_WGMMA_FORM, read at
+  // each call, forces either): two consumer warpgroups on 256 columns and a producer warp doing the
+  // copies, meeting through mbarriers.
   bool ws;
 };
 
