@@ -75,7 +75,9 @@ def main() -> int:
     ap.add_argument("--graph-lengths", default="64,512,2048")
     ap.add_argument("--other-len", type=int, default=2048, help="prefill length of the other modes")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--layout", choices=("awq", "packed"), default="awq", help="W4 weight layout (WQLinear.set_layout)")
+    ap.add_argument("--layout", choices=("awq", "packed", "auto"), default="auto",
+                    help="W4 weight layout (WQLinear.set_layout; auto: as from_quantized picks for the device and, "
+                         "in the fused modes, the largest batch)")
     ap.add_argument("--modes", default="fused-graphs,fp16,fused,w4", help="comma list, run in this order")
     ap.add_argument("--layers", type=int, default=None,
                     help="build this many decoder layers; rows add a full-depth estimate (commands/bench.py)")

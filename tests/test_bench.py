@@ -105,6 +105,29 @@ def test_bench_moe_shape_with_fewer_layers_reports_measured_and_estimated(monkey
     assert 0 < r.decode_tps_full < r.decode_tps and 0 < r.prefill_tps_full < r.prefill_tps
 
 
+@pytest.mark.parametrize("mode,fused_batch", [("fused", 3), ("w4", None)])
+def test_auto_layout_is_what_from_quantized_picks(monkeypatch, mode, fused_batch):
+    """--layout auto (the default of `fastawq bench` and bench_e2e.py): the layout
+    backend.preferred_layout gives for the device and, in the fused modes, the batch size, as
+    from_quantized asks it; here forced to "packed", which every W4 layer then holds."""
+    from fastawq import backend
+    from fastawq.modules.qlinear import WQLinear
+
+    asked = []
+
+    def preferred(device, fused_batch=None):
+        asked.append((device.type, fused_batch))
+        return "packed"
+
+    monkeypatch.setattr(backend, "preferred_layout", preferred)
+    name = _small_moe_shape(monkeypatch)
+    m = bench.build_model(mode, None, name, "cpu", 32, 3, dtype=torch.float32, layout="auto", num_layers=1)
+    layers = [mod for mod in m.modules() if isinstance(mod, WQLinear)]
+    assert asked == [("cpu", fused_batch)]
+    assert layers and all(mod.layout == "packed" for mod in layers)
+    assert _parse(["bench", "--shape", name]).layout == "auto"
+
+
 def test_full_depth_scales_only_the_layers():
     # 10 ms measured with 8 layers, 2 ms of it the head: 2 + 8 * 48 / 8 = 50 ms at 48 layers.
     assert bench.full_depth(0.010, 0.002, 8, 48) == pytest.approx(0.050)

@@ -56,8 +56,10 @@ def build_model(mode: str, model: str | None, shape: str | None, device: str, ma
                 dtype: torch.dtype = torch.float16, layout: str = "awq",
                 num_layers: int | None = None, on_phase: Callable[[str], None] | None = None) -> torch.nn.Module:
     """The model for one mode, from a named random shape (num_layers: that many decoder layers)
-    or a checkpoint directory; its W4 layers in `layout` (WQLinear.set_layout: "awq" or "packed").
-    on_phase(name) is called after each step ("weights", "fused", "layout"; profile_memory.py)."""
+    or a checkpoint directory; its W4 layers in `layout` (WQLinear.set_layout: "awq" or "packed";
+    "auto": what from_quantized picks, backend.preferred_layout for this device and, in the fused
+    modes, batch_size). on_phase(name) is called after each step ("weights", "fused", "layout";
+    profile_memory.py)."""
     from fastawq.modules.fused import fuse_model
     from fastawq.modules.qlinear import WQLinear, set_layout
 
@@ -88,6 +90,10 @@ def build_model(mode: str, model: str | None, shape: str | None, device: str, ma
     if mode.startswith("fused"):
         fuse_model(m, max_seq_len, batch_size, use_cuda_graphs=mode == "fused-graphs", prefill_chunk=prefill_chunk)
         phase("fused")
+    if layout == "auto":
+        from fastawq.backend import preferred_layout
+
+        layout = preferred_layout(torch.device(device), batch_size if mode.startswith("fused") else None)
     if layout != "awq":
         set_layout(m, layout)  # after fusing, which concatenates AWQ tensors
         phase("layout")
@@ -313,8 +319,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="activations and unquantized weights (default: float16 on GPU, float32 on CPU)")
     p.add_argument("--gemm-backend", default=None, help="force the W4 GEMM backend (cuda|triton|cpu|torch)")
     p.add_argument("--prefill-chunk", type=int, default=1024, help="fused prefill chunk (0: one pass)")
-    p.add_argument("--layout", choices=("awq", "packed", "auto"), default="awq",
-                   help="how the W4 layers hold their weights (WQLinear.set_layout)")
+    p.add_argument("--layout", choices=("awq", "packed", "auto"), default="auto",
+                   help="how the W4 layers hold their weights (WQLinear.set_layout; auto: as from_quantized "
+                        "picks for this device and, fused, the largest batch size)")
     p.add_argument("--layers", type=int, default=None,
                    help="with --shape: build only this many decoder layers and also report a full-depth estimate")
     p.add_argument("--json", help="also write the rows as JSON here")
