@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -579,6 +579,20 @@ if [[ " $stages " == *" s27b "* ]]; then
   FASTAWQ_TRITON_TUNE=0 timeout 100 python benchmarks/bench_ab.py --compare layout --shape llama-3-8b --batches 48,64 \
     --decode 64 --rounds 1 2>&1 | grep -E "^\||on / off" || status=1
 fi
+if [[ " $stages " == *" s28 "* ]]; then
+  step s28
+  # The batch-64 layout question with Triton tuning on (what a user's engine does; ~8 min): session
+  # 27 measured the packed layout with awq_wgmma_packed up to M = 64 (its ws form) 1.43x / 1.46x the
+  # AWQ layout at batch 48 / 64, but with Triton's heuristic configs in both arms. A win here moves
+  # backend.PACKED_WGMMA_MAX_M to 64. Then each layout's prefill and decode at batch 64 (tuned).
+  FASTAWQ_PACKED_WGMMA_MAX_M=64 timeout 300 python benchmarks/bench_ab.py --compare layout --shape llama-3-8b \
+    --batches 48,64 --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
+  for layout in awq packed; do
+    FASTAWQ_PACKED_WGMMA_MAX_M=64 timeout 150 python benchmarks/bench_e2e.py --shape llama-3-8b --layout $layout \
+      --modes fused-graphs --graph-lengths 64 --batches 64 --max-seq-len 256 --budget 100 --out "$OUT/s28_$layout" \
+      2>&1 | grep -E "^\| fused" | head -1 || status=1
+  done
+fi
 if [[ " $stages " == *" s23 "* ]]; then
   step s23
   # awq_wgmma_packed's forms, ~6 min: the ws form's tests and kernel table (with the 16-token tile
@@ -618,7 +632,7 @@ if [[ " $stages " == *" targets "* || " $stages " == *" targets11 "* ]]; then
   step targets11
   # Issue 11's engine rows: Llama-3-8B shape decode at batch 1 with the memory row (max_seq_len
   # 4096) and at batch 16 / 64; each in the layout the engine picks (bench_e2e.py's --layout auto,
-  # its default since session 27: packed up to batch 64 on sm_90 GPUs).
+  # its default since session 27: packed up to batch 32 on sm_90 GPUs).
   FASTAWQ_TRITON_TUNE=0 timeout 100 python benchmarks/bench_e2e.py --shape llama-3-8b --layout packed \
     --modes fused-graphs --graph-lengths 64 --batches 1 --max-seq-len 4096 --budget 60 --out "$OUT/t_llama_b1" \
     2>&1 | grep -E "^\| (Mode|fused)" | head -4 || status=1

@@ -529,6 +529,20 @@ def test_dispatch_takes_wgmma_above_the_buckets_when_switched_on(monkeypatch):
     assert backend.packed_fused_max_batch() == backend.PACKED_GEMM_MAX_M
 
 
+def test_the_bound_is_read_from_the_environment(monkeypatch):
+    # FASTAWQ_PACKED_WGMMA_MAX_M (read at import): a positive integer or "none"; anything else is
+    # named in the error.
+    from fastawq import backend
+
+    for value, bound in (("", 7), ("64", 64), ("none", None), ("None", None), (" 48 ", 48)):
+        monkeypatch.setenv("FASTAWQ_PACKED_WGMMA_MAX_M", value)
+        assert backend._bound_from_env("FASTAWQ_PACKED_WGMMA_MAX_M", 7) == bound
+    for bad in ("0", "-3", "x", "6.5"):
+        monkeypatch.setenv("FASTAWQ_PACKED_WGMMA_MAX_M", bad)
+        with pytest.raises(ValueError, match=f"FASTAWQ_PACKED_WGMMA_MAX_M={bad!r}"):
+            backend._bound_from_env("FASTAWQ_PACKED_WGMMA_MAX_M", 7)
+
+
 def test_dispatch_takes_the_16_token_tile_on_hopper_only(monkeypatch):
     # backend.PACKED_WGMMA_16 (on by default): awq_gemm_packed's bucket (M = 9 .. 16) is served by
     # awq_wgmma_packed where the device is an sm_90 GPU, by awq_gemm_packed elsewhere (where the op

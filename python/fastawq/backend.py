@@ -69,14 +69,31 @@ PACKED_GEMM_MAX_M = 16
 # run: M = 32 1.13 / 1.13 against 1.01 / 0.99, M = 64 0.84 against 0.96 / 0.98, M = 128 0.61
 # against 0.57 / 0.56, M = 256 0.38 against 0.44 / 0.50; the fused engine (packed layout, Llama-3-8B
 # shape) decodes 1.36x / 1.23x / 1.19x faster with it at batch 32 / 64 / 128 than with the untuned
-# Triton GEMM (bench_ab.py --compare wgmma). So it took M = 17..32. Session 27 (H100), with its
-# warp-specialized form on the 64-token tile (the op's default there since): the engine at batch 64
-# on the packed layout with it decodes 10,044 tokens/s against 6,903 on the AWQ layout that batch
-# took before (bench_ab.py --compare layout / wgmma, gpu_suite.sh b64). So it takes M = 17..64.
-# FASTAWQ_PACKED_WGMMA=0 (read at import) turns it off; bench_ab.py --compare wgmma A/Bs it in one
-# process.
+# Triton GEMM (bench_ab.py --compare wgmma). So it takes M = 17..32. Session 27 (H100), with its
+# warp-specialized form on the 64-token tile (the op's default there since): the engine at batch
+# 48 / 64 on the packed layout decodes 7,646 / 10,054 tokens/s against 5,345 / 6,885 on the AWQ
+# layout (bench_ab.py --compare layout, RESULTS.md), but both arms ran Triton's heuristic configs
+# (FASTAWQ_TRITON_TUNE=0), and tuned Triton on the AWQ layout led the op at M = 64 in session 21
+# (0.96 against 0.84; ws 0.87 in session 27): the bound moves to 64 once the A/B with tuning on
+# (gpu_suite.sh s28) agrees. FASTAWQ_PACKED_WGMMA=0 (read at import) turns it off,
+# FASTAWQ_PACKED_WGMMA_MAX_M=N or "none" (every M; read at import) moves the bound; bench_ab.py
+# --compare wgmma A/Bs it in one process.
 PACKED_WGMMA = os.environ.get("FASTAWQ_PACKED_WGMMA", "1") == "1"
-PACKED_WGMMA_MAX_M: int | None = 64
+
+
+def _bound_from_env(name: str, default: int | None) -> int | None:
+    """An M bound from the environment: a positive integer, or "none" for no bound."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    if value.lower() == "none":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{name}={value!r}: expected a positive integer or 'none'")
+    return int(value)
+
+
+PACKED_WGMMA_MAX_M: int | None = _bound_from_env("FASTAWQ_PACKED_WGMMA_MAX_M", 32)
 # awq_wgmma_packed's 16-token tile also serves the M = 9 .. 16 bucket (PACKED_GEMM_MAX_M's) on sm_90
 # devices, in place of awq_gemm_packed (which keeps it on other GPUs, where the op declines). H100,
 # RESULTS.md session 27: geomean x cuBLAS fp16 at M = 16 1.55 against awq_gemm_packed's 1.38;
