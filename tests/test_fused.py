@@ -390,3 +390,27 @@ def test_kernels_is_a_deprecated_alias_of_backend():
     assert model.fastawq_runtime.backend == "torch"
     with pytest.raises(ValueError, match="disagree"):
         fuse_model(tiny_w4_model("llama"), max_seq_len=16, batch_size=1, kernels="torch", backend="triton")
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_rope_tables_come_from_a_cpu_copy_of_the_rotary_module(hooked):
+    # fused._rope_tables runs a CPU copy of the model's rotary module (on a GPU the module's matmul
+    # would leave a cuBLAS workspace behind on the current stream) and gives exactly the module's
+    # own tables; a module under an accelerate hook (`_hf_hook`) runs in place.
+    from fastawq.models import architecture_of
+    from fastawq.models.base import get_submodule
+    from fastawq.modules.fused import _rope_tables
+
+    model = tiny_w4_model("llama")
+    rot = get_submodule(model, architecture_of(model).rotary_path)
+    if hooked:
+        rot._hf_hook = object()
+    ran_on = []
+    rot.register_forward_pre_hook(lambda module, args: ran_on.append(module is rot))
+    inv_freq = rot.inv_freq.clone()
+    cos, sin = _rope_tables(model, 40, torch.device("cpu"))
+    assert ran_on == [hooked]
+    assert torch.equal(rot.inv_freq, inv_freq)
+    ref_cos, ref_sin = rot(torch.zeros(1), torch.arange(40)[None])
+    assert cos.shape == (40, rot.inv_freq.numel() * 2) and cos.dtype == torch.float32
+    assert torch.equal(cos, ref_cos[0]) and torch.equal(sin, ref_sin[0])

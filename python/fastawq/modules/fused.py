@@ -16,6 +16,7 @@ SDPA. The fused model's device is fixed at fuse time.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import types
 import warnings
@@ -774,12 +775,20 @@ def _fused_config(model: nn.Module, max_seq_len: int, batch_size: int) -> tuple[
 
 
 def _rope_tables(model: nn.Module, max_seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [max_seq_len, head_dim] fp32 from the model's own rotary module (any rope scaling)."""
+    """cos/sin [max_seq_len, head_dim] fp32 from the model's own rotary module (any rope scaling),
+    run on a CPU copy of it and moved to `device`: on a GPU its forward's matmul would be the first
+    cuBLAS call on the current stream, whose workspace (32 MiB on Hopper) the caching allocator keeps
+    for the life of the process beside the engine's own stream's (benchmarks/RESULTS.md session 27:
+    it was what put the Llama-3-8B shape's batch-1 peak over 6 GiB). A copy also leaves the module
+    as it was where its forward updates its state (dynamic rope). A module under an accelerate hook
+    (device_map dispatch, which would move a copy's inputs back to its GPU) runs where it is."""
     rot = get_submodule(model, architecture_of(model).rotary_path)
-    pos = torch.arange(max_seq_len, device=device)[None]
-    dummy = torch.zeros(1, dtype=torch.float32, device=device)
-    cos, sin = rot(dummy, pos)
-    return cos[0].float().contiguous(), sin[0].float().contiguous()
+    run_on = device
+    if getattr(rot, "_hf_hook", None) is None:
+        rot, run_on = copy.deepcopy(rot).to("cpu"), torch.device("cpu")
+    pos = torch.arange(max_seq_len, device=run_on)[None]
+    cos, sin = rot(torch.zeros(1, dtype=torch.float32, device=run_on), pos)
+    return cos[0].float().contiguous().to(device), sin[0].float().contiguous().to(device)
 
 
 def fuse_model(
