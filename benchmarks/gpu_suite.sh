@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -592,6 +592,14 @@ if [[ " $stages " == *" s28 "* ]]; then
       --modes fused-graphs --graph-lengths 64 --batches 64 --max-seq-len 256 --budget 100 --out "$OUT/s28_$layout" \
       2>&1 | grep -E "^\| fused" | head -1 || status=1
   done
+fi
+if [[ " $stages " == *" s28p "* ]]; then
+  step s28p
+  # Where a batch-16 decode step goes on the session-27 defaults (~2 min; issue 11's and 12's
+  # batch-16 rows: 4,041 / 2,470 against 6,000 / 3,000 on the H200): each kernel's microseconds a
+  # step, Qwen3-30B-A3B then the Llama-3-8B shape, packed layout.
+  FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/profile_step.py qwen3-30b-a3b:16 llama-3-8b:16 2>&1 \
+    | grep -E "^#####|us/step" | head -40 || status=1
 fi
 if [[ " $stages " == *" s23 "* ]]; then
   step s23

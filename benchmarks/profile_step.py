@@ -13,6 +13,7 @@ models are built: a switch of the automatic choice, profiled without editing the
 """
 from __future__ import annotations
 
+import argparse
 import ast
 import sys
 import time
@@ -77,23 +78,25 @@ def run(shape: str, batch: int, layout: str = "packed", ctx: int = 64, steps: in
 
 
 def main(argv: list[str]) -> int:
-    if not argv:
-        print(__doc__)
-        return 2
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("specs", nargs="+", metavar="SHAPE:BATCH", help="e.g. qwen3-30b-a3b:1 llama-3-8b:16")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="set fastawq.backend.NAME to the Python literal VALUE first (repeatable)")
+    args = ap.parse_args(argv)
     specs = []
-    args = iter(argv)
-    for arg in args:
-        if arg == "--set":
-            name, _, value = next(args).partition("=")
-            if not hasattr(backend, name):
-                raise SystemExit(f"--set {name}: fastawq.backend has no such switch")
-            setattr(backend, name, ast.literal_eval(value))
-            print(f"backend.{name} = {getattr(backend, name)!r}")
-        else:
-            specs.append(arg)
-    for spec in specs:
-        shape, batch = spec.split(":")
-        run(shape, int(batch))
+    for spec in args.specs:
+        shape, _, batch = spec.partition(":")
+        if not batch.isdigit():
+            ap.error(f"{spec!r}: expected SHAPE:BATCH, e.g. qwen3-30b-a3b:1")
+        specs.append((shape, int(batch)))
+    for item in args.set:
+        name, _, value = item.partition("=")
+        if not hasattr(backend, name):
+            raise SystemExit(f"--set {name}: fastawq.backend has no such switch")
+        setattr(backend, name, ast.literal_eval(value))
+        print(f"backend.{name} = {getattr(backend, name)!r}")
+    for shape, batch in specs:
+        run(shape, batch)
     return 0
 
 

@@ -129,6 +129,9 @@ def _check_names(script: str, ns: argparse.Namespace) -> None:
         sections = _globals(script)["SECTIONS"]
         for section in ns.only.split(","):
             assert section in sections, f"gpu_suite.sh: sanitize.py --only {section!r}"
+    if name == "profile_step.py":
+        for spec in ns.specs:
+            assert spec.split(":")[0] in engine_shapes, f"gpu_suite.sh: profile_step.py {spec!r}"
     if name == "bench_moe.py":
         moe_shapes = _globals(script)["SHAPES"]
         for shape in ns.shapes.split(","):
