@@ -173,11 +173,15 @@ def main(argv: list[str] | None = None) -> None:
 
         # (E, H, I, G, k, T): part tiles in w13 (I = 160) and w2 (H = 288), K split (H = 1024), ids
         # outside [0, E), int32 ids; 19 tokens on 3 experts: passes of 8 and of 16 (the tensor-core
-        # kernel, both widths).
-        cases = ((8, 288, 160, 32, 2, 1), (16, 1024, 96, 32, 4, 3), (4, 64, 1024, -1, 2, 2), (4, 128, 96, 32, 3, 19))
+        # kernel, both widths); 2,400 ids: the tensor-core kernel's id scans over two batches.
+        cases = ((8, 288, 160, 32, 2, 1), (16, 1024, 96, 32, 4, 3), (4, 64, 1024, -1, 2, 2), (4, 128, 96, 32, 3, 19),
+                 (16, 256, 128, 64, 8, 300))
         variants = [(name, (), {}) for name in moe_ops]
         if "moe_mma_w4" in moe_ops:
             variants.append(("moe_mma_w4", (16,), {}))
+            # One id a thread, read once for the expert scan and the gather (T * k <= 128).
+            one_round = {"FASTAWQ_MOE_MMA_ONE_ROUND": "1"}
+            variants += [("moe_mma_w4", (8,), one_round), ("moe_mma_w4", (16,), one_round)]
             # The persistent form (one launch, ordered work items), with as many blocks as fit and
             # with three taking every item, also claiming items ahead.
             persistent = {"FASTAWQ_MOE_MMA_PERSISTENT": "1"}

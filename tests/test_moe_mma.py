@@ -312,6 +312,8 @@ CASES = [
     # More ids than one batch of the id scans (kIdBatch * 128 = 2,048), the last one part-full.
     (16, 256, 128, 64, 8, 300, "random"),
     (8, 128, 96, 32, 2, 2048, "few_experts"),  # 4,096 ids: the kernel's limit
+    (32, 128, 96, 32, 4, 32, "random"),  # 128 ids: one id a thread (FASTAWQ_MOE_MMA_ONE_ROUND)
+    (32, 128, 96, 32, 3, 43, "random"),  # 129: one past it
 ]
 
 
@@ -319,12 +321,15 @@ def _op(x, ids, w, weights, g, act="silu", pass_rows=8):
     return torch.ops.fastawq.moe_mma_w4(x, ids, w.float().contiguous(), *weights, g, act, pass_rows)
 
 
-@pytest.fixture(params=["two_launches", "persistent", "persistent_ahead"])
+@pytest.fixture(params=["two_launches", "one_round", "persistent", "persistent_ahead"])
 def form(request, monkeypatch):
-    """The kernel's forms: w13 and w2 as two grids (the default), or one persistent launch whose
-    blocks take both grids' blocks as ordered work items (FASTAWQ_MOE_MMA_PERSISTENT=1), also with
-    each block claiming its next item early (FASTAWQ_MOE_MMA_AHEAD=1)."""
-    monkeypatch.setenv("FASTAWQ_MOE_MMA_PERSISTENT", "0" if request.param == "two_launches" else "1")
+    """The kernel's forms: w13 and w2 as two grids (the default), also with each block reading its
+    ids once for the expert scan and the gather where T * k <= 128 (FASTAWQ_MOE_MMA_ONE_ROUND=1;
+    above, the host keeps the usual scans), or one persistent launch whose blocks take both grids'
+    blocks as ordered work items (FASTAWQ_MOE_MMA_PERSISTENT=1), also with each block claiming its
+    next item early (FASTAWQ_MOE_MMA_AHEAD=1)."""
+    monkeypatch.setenv("FASTAWQ_MOE_MMA_PERSISTENT", "1" if request.param.startswith("persistent") else "0")
+    monkeypatch.setenv("FASTAWQ_MOE_MMA_ONE_ROUND", "1" if request.param == "one_round" else "0")
     monkeypatch.setenv("FASTAWQ_MOE_MMA_AHEAD", "1" if request.param == "persistent_ahead" else "0")
     monkeypatch.delenv("FASTAWQ_MOE_MMA_GRID", raising=False)
     return request.param

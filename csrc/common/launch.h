@@ -164,7 +164,13 @@ struct MoeMmaArgs : MoeArgs {
   // FASTAWQ_MOE_MMA_AHEAD=1 (persistent form only, read at each call): a block claims its next item
   // as soon as its current one no longer waits, and brings that item's first weights into L2.
   bool claim_ahead;
+  // FASTAWQ_MOE_MMA_ONE_ROUND=1 (an A/B switch, read at each call; two-launch form) with at most
+  // kMoeMmaOneRoundAssign assignments: a block reads its one id a thread once, for both the scan
+  // for its expert and the gather of that expert's assignments (one L2 round trip and one round of
+  // ballots, not two reads of kIdBatch unrolled rounds each).
+  bool one_round;
 };
+constexpr int kMoeMmaOneRoundAssign = 128;  // moe_mma's threads a block
 // Blocks an SM of the kernel for a pass of pass_rows tokens (its __launch_bounds__; the host sizes
 // the K split by it).
 constexpr int moe_mma_blocks_per_sm(int pass_rows) { return pass_rows == 16 ? 3 : 4; }

@@ -265,6 +265,7 @@ at::Tensor moe_mma_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at:
   // FASTAWQ_MOE_MMA_AHEAD=1 has each block claim its next item early (launch.h).
   a.persistent_blocks = 0;
   a.claim_ahead = false;
+  a.one_round = n <= kMoeMmaOneRoundAssign && env_switch("FASTAWQ_MOE_MMA_ONE_ROUND") == 1;
   if (env_switch("FASTAWQ_MOE_MMA_PERSISTENT") == 1) {
     a.claim_ahead = env_switch("FASTAWQ_MOE_MMA_AHEAD") == 1;
     const int64_t items = persistent_items(a);

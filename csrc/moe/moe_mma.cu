@@ -224,18 +224,30 @@ __device__ int gather(const MoeMmaArgs& a, int e, S& sm) {
   const bool expert = e < a.num_experts;
   // Rounds of kThreads ids, kIdBatch rounds at a time: the batch's ids are loaded at once, each
   // warp publishes its hit count of every round, and one barrier (not two per round) orders them.
+  // The batch's ids are all loaded, and reduced to one bit each, before the first ballot: with
+  // each load inside its round's branch, next to that round's ballot, the compiler issued them one
+  // L2 round trip after another (16 a batch in the SASS of session 27; mark_experts's were batched).
   int count = 0;
   for (int base0 = 0; base0 < a.n_assign; base0 += kIdBatch * kThreads) {
+    unsigned hits = 0u;  // bit u: this thread's id of round u is one the block gathers
+    {
+      int64_t id[kIdBatch];
+#pragma unroll
+      for (int u = 0; u < kIdBatch; ++u) {
+        const int f = base0 + u * kThreads + threadIdx.x;
+        id[u] = f < a.n_assign ? static_cast<int64_t>(ids[f]) : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < kIdBatch; ++u) {
+        const bool valid = base0 + u * kThreads + static_cast<int>(threadIdx.x) < a.n_assign;
+        const bool hit = valid && (expert ? id[u] == e : (id[u] < 0 || id[u] >= a.num_experts));
+        hits |= static_cast<unsigned>(hit) << u;
+      }
+    }
     unsigned mask[kIdBatch];
 #pragma unroll
     for (int u = 0; u < kIdBatch; ++u) {
-      const int f = base0 + u * kThreads + threadIdx.x;
-      bool hit = false;
-      if (f < a.n_assign) {
-        const int64_t id = static_cast<int64_t>(ids[f]);
-        hit = expert ? id == e : (id < 0 || id >= a.num_experts);
-      }
-      mask[u] = __ballot_sync(0xffffffffu, hit);
+      mask[u] = __ballot_sync(0xffffffffu, (hits >> u) & 1u);
       if (lane == 0) sm.warp_hits[u][warp] = __popc(mask[u]);
     }
     __syncthreads();
@@ -256,6 +268,65 @@ __device__ int gather(const MoeMmaArgs& a, int e, S& sm) {
     __syncthreads();  // warp_hits is rewritten by the next batch
   }
   return count;
+}
+
+// a.one_round (at most kThreads assignments): block_expert and gather in one, each thread holding
+// assignment threadIdx.x's id from a single load. Returns the assignments' count in sm.rows
+// (ascending, as gather leaves them) and sets e to the block's expert (E on the last row: the ids
+// outside [0, E); -1 when the ids reach fewer experts than the row: the count is then 0).
+template <typename Id, typename S>
+__device__ int one_round_rows(const MoeMmaArgs& a, S& sm, int& e) {
+  static_assert(kMoeMmaOneRoundAssign == kThreads, "one id a thread");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int f = threadIdx.x;
+  const bool valid = f < a.n_assign;
+  const int64_t id = valid ? static_cast<int64_t>(static_cast<const Id*>(a.ids)[f]) : 0;
+  const bool in_range = id >= 0 && id < a.num_experts;
+  if (blockIdx.z == gridDim.z - 1) {
+    e = a.num_experts;
+  } else {
+    const int words = (a.num_experts + 31) / 32;
+    for (int w = threadIdx.x; w < words; w += kThreads) sm.present[w] = 0u;
+    __syncthreads();
+    if (valid && in_range) atomicOr(&sm.present[id >> 5], 1u << (id & 31));
+    __syncthreads();
+    if (warp == 0) {  // the z-th set bit, as block_expert finds it
+      const int z = blockIdx.z;
+      const unsigned w = lane < words ? sm.present[lane] : 0u;
+      const int c = __popc(w);
+      int incl = c;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+      }
+      const unsigned found = __ballot_sync(0xffffffffu, incl > z);
+      if (found == 0u) {
+        if (lane == 0) sm.expert = -1;
+      } else if (lane == __ffs(found) - 1) {
+        unsigned m = w;
+        for (int i = z - (incl - c); i > 0; --i) m &= m - 1u;
+        sm.expert = 32 * lane + __ffs(m) - 1;
+      }
+    }
+    __syncthreads();
+    e = sm.expert;
+    if (e < 0) return 0;
+  }
+  const bool hit = valid && (e < a.num_experts ? id == e : !in_range);
+  const unsigned mask = __ballot_sync(0xffffffffu, hit);
+  if (lane == 0) sm.warp_hits[0][warp] = __popc(mask);
+  __syncthreads();
+  int before = 0, total = 0;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    const int c = sm.warp_hits[0][w];
+    total += c;
+    before += w < warp ? c : 0;
+  }
+  if (hit) sm.rows[before + __popc(mask & ((1u << lane) - 1u))] = static_cast<uint16_t>(f);
+  __syncthreads();  // the rows are read by every thread from here
+  return total;
 }
 
 // The current group's scales (8 per word, in column order) and zero words of the lane's two words.
@@ -675,10 +746,16 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
   __shared__ Smem<NT> sm;
   pdl_wait();  // the ids come from the routing kernel (w13), h from the w13 launch (w2)
   pdl_launch_dependents();
-  const int e = block_expert<Id>(a, sm);
-  if (e < 0) return;
-  const int count = gather<Id>(a, e, sm);
-  if (count == 0) return;
+  int e, count;
+  if (a.one_round) {
+    count = one_round_rows<Id>(a, sm, e);
+    if (count == 0) return;
+  } else {
+    e = block_expert<Id>(a, sm);
+    if (e < 0) return;
+    count = gather<Id>(a, e, sm);
+    if (count == 0) return;
+  }
   const GridWork wk{e};
   run_work<T, Id, kW13, ACT, NT>(a, sm, wk, [count] { return count; }, nullptr, [] {});
 }
