@@ -82,6 +82,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=None,
                     help="build this many decoder layers; rows add a full-depth estimate (commands/bench.py)")
     ap.add_argument("--batches", default="1", help="comma list of batch sizes for the fused-graphs rows")
+    ap.add_argument("--prefill-chunk", type=int, default=1024,
+                    help="the fused modes' prefill chunk (fuse_model's prefill_chunk; 0: the prompt in one pass)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     t_start = time.time()
@@ -100,7 +102,7 @@ def main() -> int:
         t = time.time()
         new = bench.bench(None, args.shape, [mode], lengths, batches if mode == "fused-graphs" else 1, args.device,
                           max_seq_len=args.max_seq_len, max_decode=max_decode, layout=args.layout,
-                          num_layers=args.layers)
+                          num_layers=args.layers, prefill_chunk=args.prefill_chunk or None)
         rows += new
         print(f"{mode} done in {time.time() - t:.0f}s", flush=True)
         print(bench.format_table(new), flush=True)
@@ -119,6 +121,7 @@ def main() -> int:
         "shape": args.shape, "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU", "torch": torch.__version__,
         "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "max_seq_len": args.max_seq_len, "layout": args.layout, "layers": args.layers,
+        "prefill_chunk": args.prefill_chunk,
     }
     try:
         import triton

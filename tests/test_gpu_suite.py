@@ -28,8 +28,10 @@ SUITE = ROOT / "benchmarks" / "gpu_suite.sh"
 TEXT = SUITE.read_text()
 JOINED = TEXT.replace("\\\n", " ")  # continuation lines joined
 
-# Shell variables set outside a `for` loop, with a value the suite gives them.
-_VARS = {"OUT": "out", "kernels": "gemm,wgmma"}
+# Shell variables set outside a `for` loop, with a value the suite gives them; and every plain
+# `NAME="value"` line of the suite (a stage's shared arguments), as the suite sets it.
+_VARS = {"OUT": "out", "kernels": "gemm,wgmma",
+         **dict(re.findall(r'^\s*(\w+)="([^"$]*)"\s*$', TEXT, re.MULTILINE))}
 
 
 def _invocations() -> list[tuple[str, list[str]]]:
