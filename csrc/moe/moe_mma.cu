@@ -222,11 +222,11 @@ __device__ int gather(const MoeMmaArgs& a, int e, S& sm) {
   const Id* ids = static_cast<const Id*>(a.ids);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const bool expert = e < a.num_experts;
-  // Rounds of kThreads ids, kIdBatch rounds at a time: the batch's ids are loaded at once, each
-  // warp publishes its hit count of every round, and one barrier (not two per round) orders them.
-  // The batch's ids are all loaded, and reduced to one bit each, before the first ballot: with
-  // each load inside its round's branch, next to that round's ballot, the compiler issued them one
-  // L2 round trip after another (16 a batch in the SASS of session 27; mark_experts's were batched).
+  // Rounds of kThreads ids, kIdBatch rounds at a time: the batch's ids are all loaded, and reduced
+  // to one bit each, before the first ballot (with each load inside its round's branch, next to
+  // that round's ballot, the compiler issued them one L2 round trip after another: 16 a batch in
+  // the SASS of session 27); each warp publishes its hit count of every round, and one barrier (not
+  // two per round) orders them.
   int count = 0;
   for (int base0 = 0; base0 < a.n_assign; base0 += kIdBatch * kThreads) {
     unsigned hits = 0u;  // bit u: this thread's id of round u is one the block gathers
