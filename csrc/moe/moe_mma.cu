@@ -142,6 +142,32 @@ __device__ void mark_experts(const MoeMmaArgs& a, S& sm) {
   __syncthreads();
 }
 
+// Warp 0 (the other warps return at once): sm.expert = the blockIdx.z-th set bit of sm.present
+// (the experts in ascending order), or -1 when fewer are set. The caller's barrier publishes it.
+template <typename S>
+__device__ void nth_expert(const MoeMmaArgs& a, S& sm) {
+  if (threadIdx.x >= 32) return;
+  // Which word holds the z-th set bit: a scan of the words' counts.
+  const int lane = threadIdx.x, z = blockIdx.z;
+  const int words = (a.num_experts + 31) / 32;
+  const unsigned w = lane < words ? sm.present[lane] : 0u;
+  const int c = __popc(w);
+  int incl = c;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += v;
+  }
+  const unsigned found = __ballot_sync(0xffffffffu, incl > z);
+  if (found == 0u) {
+    if (lane == 0) sm.expert = -1;
+  } else if (lane == __ffs(found) - 1) {
+    unsigned m = w;
+    for (int i = z - (incl - c); i > 0; --i) m &= m - 1u;  // drop the lower set bits
+    sm.expert = 32 * lane + __ffs(m) - 1;
+  }
+}
+
 // Block row z's expert: the z-th distinct valid id of the call (ascending), or -1 when the ids
 // reach fewer experts; the last row gathers the ids outside [0, E) (returns E). So the grid needs
 // min(E, T * k) + 1 rows, not E + 1.
@@ -149,26 +175,7 @@ template <typename Id, typename S>
 __device__ int block_expert(const MoeMmaArgs& a, S& sm) {
   if (blockIdx.z == gridDim.z - 1) return a.num_experts;
   mark_experts<Id>(a, sm);
-  if (threadIdx.x < 32) {  // warp 0: which word holds the z-th set bit (a scan of the words' counts)
-    const int lane = threadIdx.x, z = blockIdx.z;
-    const int words = (a.num_experts + 31) / 32;
-    const unsigned w = lane < words ? sm.present[lane] : 0u;
-    const int c = __popc(w);
-    int incl = c;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += v;
-    }
-    const unsigned found = __ballot_sync(0xffffffffu, incl > z);
-    if (found == 0u) {
-      if (lane == 0) sm.expert = -1;
-    } else if (lane == __ffs(found) - 1) {
-      unsigned m = w;
-      for (int i = z - (incl - c); i > 0; --i) m &= m - 1u;  // drop the lower set bits
-      sm.expert = 32 * lane + __ffs(m) - 1;
-    }
-  }
+  nth_expert(a, sm);  // into sm.expert
   __syncthreads();
   return sm.expert;
 }
@@ -290,25 +297,7 @@ __device__ int one_round_rows(const MoeMmaArgs& a, S& sm, int& e) {
     __syncthreads();
     if (valid && in_range) atomicOr(&sm.present[id >> 5], 1u << (id & 31));
     __syncthreads();
-    if (warp == 0) {  // the z-th set bit, as block_expert finds it
-      const int z = blockIdx.z;
-      const unsigned w = lane < words ? sm.present[lane] : 0u;
-      const int c = __popc(w);
-      int incl = c;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += v;
-      }
-      const unsigned found = __ballot_sync(0xffffffffu, incl > z);
-      if (found == 0u) {
-        if (lane == 0) sm.expert = -1;
-      } else if (lane == __ffs(found) - 1) {
-        unsigned m = w;
-        for (int i = z - (incl - c); i > 0; --i) m &= m - 1u;
-        sm.expert = 32 * lane + __ffs(m) - 1;
-      }
-    }
+    nth_expert(a, sm);  // into sm.expert, as block_expert finds it
     __syncthreads();
     e = sm.expert;
     if (e < 0) return 0;
