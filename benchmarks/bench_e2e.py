@@ -122,7 +122,7 @@ def main() -> int:
         "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "max_seq_len": args.max_seq_len, "layout": args.layout, "layers": args.layers,
         "prefill_chunk": args.prefill_chunk,
-        # The switches this run changed from the commit's defaults (docs/ops.md lists them).
+        # The FASTAWQ_* environment of the run: the switches it set (docs/ops.md) and the build's.
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("FASTAWQ_")},
     }
     try:
