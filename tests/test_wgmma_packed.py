@@ -578,7 +578,7 @@ def test_dispatch_takes_the_16_token_tile_on_hopper_only(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_packed_gemm_takes_the_16_token_tile_by_default(monkeypatch, m, dtype):
     # The automatic choice at M = 9 .. 16 on an sm_90 GPU: awq_wgmma_packed (its 16-token tile, the
-    # tile's unused rows masked), matching the reference; a plan bound once serves each M.
+    # tile's unused rows masked), called once with the whole batch and matching the reference.
     from fastawq import backend, ops
 
     calls = []
