@@ -527,12 +527,11 @@ if [[ " $stages " == *" s24_e2e "* ]]; then
 fi
 if [[ " $stages " == *" s26 "* ]]; then
   step s26
-  # The three fp32-sums handoffs still off (FASTAWQ_QKV_SUMS, session 23: +1.0 % Llama-3-8B and
-  # +3.3 % Qwen3-30B-A3B at batch 1 on the H100, session 26; FASTAWQ_MOE_O_SUMS and
-  # FASTAWQ_DENSE_GU_SUMS, session 22, not A/B'd alone yet): their GPU tests in one gate (session 26
-  # fixed the QKV ones: NaN-safe cache compares, head_dim 64 engine models), then Llama-3-8B at
-  # batch 1 / 2, gate_up's sums and then the QKV sums A/B'd from the defaults, ~8 min with a cold
-  # build. `s26_moe` has the rest.
+  # The three fp32-sums handoffs (FASTAWQ_QKV_SUMS, FASTAWQ_MOE_O_SUMS, FASTAWQ_DENSE_GU_SUMS; run in
+  # session 27, which made all three defaults, RESULTS.md; rerun now, each A/B has the other
+  # switches at their defaults, on): their GPU tests in one gate (session 26 fixed the QKV ones:
+  # NaN-safe cache compares, head_dim 64 engine models), then Llama-3-8B at batch 1 / 2, gate_up's
+  # sums and then the QKV sums A/B'd, ~8 min with a cold build. `s26_moe` has the rest.
   if pytest_gate "$OUT/s26_tests.txt" 240 tests/test_cuda_attention.py tests/test_fused.py tests/test_fused_moe.py \
       tests/test_gemv_packed.py tests/test_moe_op.py -k "fp32 or sums or compiled_route"; then
     FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/bench_ab.py --compare env:FASTAWQ_DENSE_GU_SUMS=0,1 \
