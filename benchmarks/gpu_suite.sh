@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28e s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s28e s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -593,21 +593,42 @@ if [[ " $stages " == *" s28 "* ]]; then
 fi
 if [[ " $stages " == *" s28m "* ]]; then
   step s28m
-  # moe_mma's id scans (session 27, ~7 min): the gather's id loads batched (in every form now: the
-  # SASS had them one L2 round trip after another, up to 16 a block from T * k > 1,920) and one id
-  # a thread read once for the expert scan and the gather at T * k <= 128
-  # (FASTAWQ_MOE_MMA_ONE_ROUND=1, off): tests, memcheck, the grouped op each way (against session
-  # 27's H100 rows: Qwen3 T = 16 / 256 115.7 / 293.6 us; session 26's T = 64 174.0, Mixtral T = 16 /
-  # 64 / 256 425.5 / 661.1 / 2,207.7), then the engine at batch 8 / 16.
+  # moe_mma's id scans and w2's prologue (sessions 27 / 28, ~4 min): the gather's id loads batched
+  # (in every form now: the SASS had them one L2 round trip after another, up to 16 a block from
+  # T * k > 1,920); one id a thread read once for the expert scan and the gather at T * k <= 128
+  # (FASTAWQ_MOE_MMA_ONE_ROUND=1, off); w2's expert scan, gather and first weight copies before its
+  # PDL wait (FASTAWQ_MOE_MMA_EARLY_W2=1, off). Tests, memcheck, the grouped op each way (against
+  # session 27's H100 rows: Qwen3 T = 16 / 256 115.7 / 293.6 us; session 26's T = 64 174.0, Mixtral
+  # T = 16 / 64 / 256 425.5 / 661.1 / 2,207.7). `s28m_ab`: the engine A/Bs.
   pytest_gate "$OUT/s28m_tests.txt" 240 tests/test_moe_mma.py tests/test_fused_moe.py -k "not persistent" || status=1
   timeout 240 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only moe 2>&1 \
     | tail -2 || status=1
-  for v in 0 1; do
-    FASTAWQ_MOE_MMA_ONE_ROUND=$v timeout 100 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b,mixtral-8x7b \
-      --ts 16,64,256 --backends cuda --no-tune 2>&1 | tail -8 || status=1
+  for v in "0 0" "1 0" "0 1"; do
+    read -r one early <<< "$v"
+    echo "ONE_ROUND=$one EARLY_W2=$early"
+    FASTAWQ_MOE_MMA_ONE_ROUND=$one FASTAWQ_MOE_MMA_EARLY_W2=$early timeout 100 python benchmarks/bench_moe.py \
+      --shapes qwen3-30b-a3b,mixtral-8x7b --ts 16,64,256 --backends cuda --no-tune 2>&1 | tail -8 || status=1
   done
-  FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:FASTAWQ_MOE_MMA_ONE_ROUND=0,1 \
-    --shape qwen3-30b-a3b --batches 8,16 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
+fi
+if [[ " $stages " == *" s28m_ab "* ]]; then
+  step s28m_ab
+  # The engine at batch 8 / 16 (Qwen3-30B-A3B, moe_mma's batches) with each of s28m's switches, ~5 min.
+  for sw in FASTAWQ_MOE_MMA_ONE_ROUND FASTAWQ_MOE_MMA_EARLY_W2; do
+    FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:$sw=0,1 \
+      --shape qwen3-30b-a3b --batches 8,16 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" \
+      || status=1
+  done
+fi
+if [[ " $stages " == *" s28d "* ]]; then
+  step s28d
+  # s28m's two switches made defaults (session 28, ~2 min with targets12 after it): the default form's
+  # tests, then the grouped op on the defaults and with both off.
+  pytest_gate "$OUT/s28d_tests.txt" 120 tests/test_moe_mma.py -k "default and not persistent" || status=1
+  for v in 1 0; do
+    echo "ONE_ROUND=$v EARLY_W2=$v"
+    FASTAWQ_MOE_MMA_ONE_ROUND=$v FASTAWQ_MOE_MMA_EARLY_W2=$v timeout 100 python benchmarks/bench_moe.py \
+      --shapes qwen3-30b-a3b,mixtral-8x7b --ts 16,64,256 --backends cuda --no-tune 2>&1 | tail -7 || status=1
+  done
 fi
 if [[ " $stages " == *" s28e "* ]]; then
   step s28e

@@ -179,9 +179,13 @@ def main(argv: list[str] | None = None) -> None:
         variants = [(name, (), {}) for name in moe_ops]
         if "moe_mma_w4" in moe_ops:
             variants.append(("moe_mma_w4", (16,), {}))
-            # One id a thread, read once for the expert scan and the gather (T * k <= 128).
-            one_round = {"FASTAWQ_MOE_MMA_ONE_ROUND": "1"}
-            variants += [("moe_mma_w4", (8,), one_round), ("moe_mma_w4", (16,), one_round)]
+            # The defaults (one id a thread read once for the expert scan and the gather at
+            # T * k <= 128; w2's scan, gather and first weight copies before its PDL wait) each
+            # off, and both.
+            one_round = {"FASTAWQ_MOE_MMA_ONE_ROUND": "0"}
+            early = {"FASTAWQ_MOE_MMA_EARLY_W2": "0"}
+            variants += [("moe_mma_w4", (8,), one_round), ("moe_mma_w4", (16,), one_round),
+                         ("moe_mma_w4", (8,), early), ("moe_mma_w4", (16,), {**early, **one_round})]
             # The persistent form (one launch, ordered work items), with as many blocks as fit and
             # with three taking every item, also claiming items ahead.
             persistent = {"FASTAWQ_MOE_MMA_PERSISTENT": "1"}

@@ -321,15 +321,17 @@ def _op(x, ids, w, weights, g, act="silu", pass_rows=8):
     return torch.ops.fastawq.moe_mma_w4(x, ids, w.float().contiguous(), *weights, g, act, pass_rows)
 
 
-@pytest.fixture(params=["two_launches", "one_round", "persistent", "persistent_ahead"])
+@pytest.fixture(params=["two_launches", "one_round", "early_w2", "default", "persistent", "persistent_ahead"])
 def form(request, monkeypatch):
-    """The kernel's forms: w13 and w2 as two grids (the default), also with each block reading its
-    ids once for the expert scan and the gather where T * k <= 128 (FASTAWQ_MOE_MMA_ONE_ROUND=1;
-    above, the host keeps the usual scans), or one persistent launch whose blocks take both grids'
-    blocks as ordered work items (FASTAWQ_MOE_MMA_PERSISTENT=1), also with each block claiming its
-    next item early (FASTAWQ_MOE_MMA_AHEAD=1)."""
+    """The kernel's forms: w13 and w2 as two grids, plain, or with each block reading its ids once
+    for the expert scan and the gather where T * k <= 128 (FASTAWQ_MOE_MMA_ONE_ROUND; above, the
+    host keeps the usual scans), or with w2's blocks gathering and issuing their first weight copies
+    before the PDL wait (FASTAWQ_MOE_MMA_EARLY_W2), or both (the default); or one persistent launch
+    whose blocks take both grids' blocks as ordered work items (FASTAWQ_MOE_MMA_PERSISTENT=1), also
+    with each block claiming its next item early (FASTAWQ_MOE_MMA_AHEAD=1)."""
     monkeypatch.setenv("FASTAWQ_MOE_MMA_PERSISTENT", "1" if request.param.startswith("persistent") else "0")
-    monkeypatch.setenv("FASTAWQ_MOE_MMA_ONE_ROUND", "1" if request.param == "one_round" else "0")
+    monkeypatch.setenv("FASTAWQ_MOE_MMA_ONE_ROUND", "1" if request.param in ("one_round", "default") else "0")
+    monkeypatch.setenv("FASTAWQ_MOE_MMA_EARLY_W2", "1" if request.param in ("early_w2", "default") else "0")
     monkeypatch.setenv("FASTAWQ_MOE_MMA_AHEAD", "1" if request.param == "persistent_ahead" else "0")
     monkeypatch.delenv("FASTAWQ_MOE_MMA_GRID", raising=False)
     return request.param

@@ -164,11 +164,18 @@ struct MoeMmaArgs : MoeArgs {
   // FASTAWQ_MOE_MMA_AHEAD=1 (persistent form only, read at each call): a block claims its next item
   // as soon as its current one no longer waits, and brings that item's first weights into L2.
   bool claim_ahead;
-  // FASTAWQ_MOE_MMA_ONE_ROUND=1 (an A/B switch, read at each call; two-launch form) with at most
+  // FASTAWQ_MOE_MMA_ONE_ROUND (on unless "0", read at each call; two-launch form) with at most
   // kMoeMmaOneRoundAssign assignments: a block reads its one id a thread once, for both the scan
   // for its expert and the gather of that expert's assignments (one L2 round trip and one round of
-  // ballots, not two reads of kIdBatch unrolled rounds each).
+  // ballots, not two reads of kIdBatch unrolled rounds each). H100, session 28: Qwen3-30B-A3B
+  // grouped op T = 16 116.7 -> 108.7 us, decode batch 8 / 16 +5.6 % / +4.3 %.
   bool one_round;
+  // FASTAWQ_MOE_MMA_EARLY_W2 (on unless "0", read at each call; two-launch form): the w2 launch
+  // finds its expert, gathers its assignments and issues its first weight copies before its PDL
+  // wait, and waits only before its first read of h. The ids were final before w13 passed its own
+  // wait, which came before w13 let w2 launch; the weights no kernel writes. H100, session 28:
+  // grouped op -1.6 .. -2.4 % at T = 16 / 64 / 256, decode batch 8 / 16 +4.3 % / +1.1 %.
+  bool early_w2;
 };
 constexpr int kMoeMmaOneRoundAssign = 128;  // moe_mma's threads a block
 // Blocks an SM of the kernel for a pass of pass_rows tokens (its __launch_bounds__; the host sizes

@@ -265,7 +265,8 @@ at::Tensor moe_mma_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at:
   // FASTAWQ_MOE_MMA_AHEAD=1 has each block claim its next item early (launch.h).
   a.persistent_blocks = 0;
   a.claim_ahead = false;
-  a.one_round = n <= kMoeMmaOneRoundAssign && env_switch("FASTAWQ_MOE_MMA_ONE_ROUND") == 1;
+  a.one_round = n <= kMoeMmaOneRoundAssign && env_switch("FASTAWQ_MOE_MMA_ONE_ROUND") != 0;
+  a.early_w2 = env_switch("FASTAWQ_MOE_MMA_EARLY_W2") != 0;
   if (env_switch("FASTAWQ_MOE_MMA_PERSISTENT") == 1) {
     a.claim_ahead = env_switch("FASTAWQ_MOE_MMA_AHEAD") == 1;
     const int64_t items = persistent_items(a);

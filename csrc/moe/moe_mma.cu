@@ -334,6 +334,9 @@ struct GridWork {
   __device__ int split() const { return blockIdx.y; }
   __device__ int splits() const { return gridDim.y; }
 };
+// The two-launch w2 grid with its prologue before the PDL wait (FASTAWQ_MOE_MMA_EARLY_W2): the
+// same blocks, but run_work issues the first weights before the count and waits (wait_h) before x.
+struct EarlyGridWork : GridWork {};
 struct ItemWork {
   int e, tile_, tiles_, split_, splits_;
   __device__ int tile() const { return tile_; }
@@ -356,9 +359,11 @@ __device__ __forceinline__ void publish(int* counter) {
 // persistent form gathers them there, so its ring fill overlaps the scan; the two-launch form
 // gathered them first).
 // done13 (w13, persistent form; else null): where to publish that this tile's h columns are final.
-// wait_h(): persistent form only, called by every thread once, after the gather and before the
-// first copy of x (w2: h), which it may hold back until h is final; the form also claims its next
-// item there (outside the pass loop: what it keeps live stays out of the step loop's registers).
+// wait_h(): persistent form and EarlyGridWork only, called by every thread once, after the gather
+// and before the first copy of x (w2: h), which it may hold back until h is final (the persistent
+// form polls w13's tiles, EarlyGridWork waits on the PDL edge); the persistent form also claims its
+// next item there (outside the pass loop: what it keeps live stays out of the step loop's
+// registers).
 template <typename T, typename Id, bool kW13, int ACT, int NT, typename Work, typename CountFn, typename WaitH>
 __device__ __forceinline__ void run_work(const MoeMmaArgs& a, Smem<NT>& sm, const Work& wk, CountFn count_fn,
                                          int* done13, WaitH wait_h) {
@@ -441,8 +446,9 @@ __device__ __forceinline__ void run_work(const MoeMmaArgs& a, Smem<NT>& sm, cons
       }
     }
   };
-  // The persistent form issues pass 0's first weights before the gather; the two-launch form, which
-  // gathered first, issues each step's weights and x together as it did before sharing this body.
+  // The persistent form issues pass 0's first weights before the gather (EarlyGridWork before its
+  // PDL wait); the two-launch form, which gathered first, issues each step's weights and x together
+  // as it did before sharing this body.
   constexpr bool kEarlyWeights = !std::is_same_v<Work, GridWork>;
   if constexpr (kEarlyWeights) issue_first_weights();
   const int count = count_fn();
@@ -730,10 +736,15 @@ __device__ __forceinline__ void run_work(const MoeMmaArgs& a, Smem<NT>& sm, cons
 }
 
 // Two launches: grid (tiles, splits, rows), block row z on the z-th expert the ids reach.
-template <typename T, typename Id, bool kW13, int ACT, int NT>
+// kEarly (w2 only, FASTAWQ_MOE_MMA_EARLY_W2): everything up to the first read of h runs before the
+// PDL wait, so the expert scan, the gather and the first weight copies overlap w13's tail.
+template <typename T, typename Id, bool kW13, int ACT, int NT, bool kEarly = false>
 __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_mma_kernel(MoeMmaArgs a) {
+  static_assert(!(kW13 && kEarly), "w13 reads its ids only after the PDL wait");
   __shared__ Smem<NT> sm;
-  pdl_wait();  // the ids come from the routing kernel (w13), h from the w13 launch (w2)
+  // The ids come from the routing kernel (w13 waits for it), h from the w13 launch (w2). Before w13
+  // lets w2 launch it has passed its own wait, so the routing kernel is complete by then.
+  if constexpr (!kEarly) pdl_wait();
   pdl_launch_dependents();
   int e, count;
   if (a.one_round) {
@@ -745,8 +756,13 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
     count = gather<Id>(a, e, sm);
     if (count == 0) return;
   }
-  const GridWork wk{e};
-  run_work<T, Id, kW13, ACT, NT>(a, sm, wk, [count] { return count; }, nullptr, [] {});
+  if constexpr (kEarly) {
+    const EarlyGridWork wk{{e}};
+    run_work<T, Id, kW13, ACT, NT>(a, sm, wk, [count] { return count; }, nullptr, [] { pdl_wait(); });
+  } else {
+    const GridWork wk{e};
+    run_work<T, Id, kW13, ACT, NT>(a, sm, wk, [count] { return count; }, nullptr, [] {});
+  }
 }
 
 // Persistent form, claim ahead: the first two steps of each warp's K range of an item (expert e,
@@ -887,7 +903,11 @@ void launch_pass(const MoeMmaArgs& a, cudaStream_t stream) {
   }
   const dim3 grid13(a.tiles13, a.splits13, a.rows), grid2(a.tiles2, a.splits2, a.rows);
   launch_pdl(moe_mma_kernel<T, Id, true, ACT, NT>, grid13, dim3(kThreads), 0, stream, a);
-  launch_pdl(moe_mma_kernel<T, Id, false, 0, NT>, grid2, dim3(kThreads), 0, stream, a);
+  if (a.early_w2) {
+    launch_pdl(moe_mma_kernel<T, Id, false, 0, NT, true>, grid2, dim3(kThreads), 0, stream, a);
+  } else {
+    launch_pdl(moe_mma_kernel<T, Id, false, 0, NT>, grid2, dim3(kThreads), 0, stream, a);
+  }
 }
 
 template <typename T, typename Id, int ACT>
