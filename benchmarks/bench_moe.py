@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from fastawq import backend as fastawq_backend
 from fastawq import reference
 from fastawq.ops import moe as ops_moe
+from fastawq.ops import repack
 
 # name: (E, top-k, H, I, group size)
 SHAPES = {
@@ -123,21 +124,30 @@ def time_plain(fn, reps: int) -> float:
 def moe_call(backend: str):
     """run(x, ids, w, packed, g) for a backend name: moe_w4's (triton, cuda, torch: its automatic
     kernel choice) or cuda:gemv / cuda:mma / cuda:mma8 / cuda:mma16, one compiled kernel forced
-    (torch.ops.fastawq; mma with backend.moe_pass_rows' pass, mma8 / mma16 with 8 / 16 tokens a pass)."""
+    (torch.ops.fastawq; mma with backend.moe_pass_rows' pass, mma8 / mma16 with 8 / 16 tokens a pass),
+    or cuda:mmapacked (/ 8 / 16): moe_mma_packed_w4 on the experts repacked once into the packed layout."""
     if backend.startswith("cuda:"):
         kernel = backend.split(":", 1)[1]
         if kernel == "gemv":
             fn = torch.ops.fastawq.moe_gemv_w4
             return lambda x, ids, w, packed, g: fn(x, ids, w.float(), *packed, g, "silu")
-        fn = torch.ops.fastawq.moe_mma_w4
-        rows = {"mma8": 8, "mma16": 16}.get(kernel)
-        if rows is None and kernel != "mma":
-            raise SystemExit(f"unknown compiled MoE kernel {kernel!r}: gemv, mma, mma8 or mma16")
+        on_packed = kernel.startswith("mmapacked")
+        fn = torch.ops.fastawq.moe_mma_packed_w4 if on_packed else torch.ops.fastawq.moe_mma_w4
+        rows = {"mma8": 8, "mma16": 16, "mmapacked8": 8, "mmapacked16": 16}.get(kernel)
+        if rows is None and kernel not in ("mma", "mmapacked"):
+            raise SystemExit(f"unknown compiled MoE kernel {kernel!r}: gemv, mma, mma8, mma16, mmapacked, "
+                             "mmapacked8 or mmapacked16")
+        repacked = {}  # id(the AWQ tensors) -> the packed layout's four tensors
 
         def run(x, ids, w, packed, g):
             t, k = ids.shape
             pass_rows = rows or fastawq_backend.moe_pass_rows(t, k, packed[0].shape[0])
-            return fn(x, ids, w.float(), *packed, g, "silu", pass_rows)
+            weights = packed
+            if on_packed:
+                if id(packed) not in repacked:
+                    repacked[id(packed)] = repack.awq_experts_repack(*packed, g)
+                weights = repacked[id(packed)]
+            return fn(x, ids, w.float(), *weights, g, "silu", pass_rows)
 
         return run
     return lambda x, ids, w, packed, g: ops_moe.moe_w4(x, ids, w, *packed, g, backend=backend)
@@ -215,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", default="triton",
                     help="W4 backends to time, comma-separated (triton; cuda: the compiled kernels as moe_w4 "
                          "picks them; cuda:gemv, cuda:mma: one forced; cuda:mma8, cuda:mma16: with 8 / 16 "
-                         "tokens a pass)")
+                         "tokens a pass; cuda:mmapacked (8, 16): the tensor-core kernel on the experts "
+                         "repacked into the packed layout)")
     ap.add_argument("--no-tune", action="store_true", help="the Triton heuristic configs, no timing of candidates")
     args = ap.parse_args(argv)
     if args.no_tune:

@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s28e s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s28e s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -629,6 +629,17 @@ if [[ " $stages " == *" s28d "* ]]; then
     FASTAWQ_MOE_MMA_ONE_ROUND=$v FASTAWQ_MOE_MMA_EARLY_W2=$v timeout 100 python benchmarks/bench_moe.py \
       --shapes qwen3-30b-a3b,mixtral-8x7b --ts 16,64,256 --backends cuda --no-tune 2>&1 | tail -7 || status=1
   done
+fi
+if [[ " $stages " == *" s29 "* ]]; then
+  step s29
+  # moe_mma on the experts repacked into the packed layout (moe_mma_packed_w4, session 28, not yet
+  # run; ~3 min): its tests, memcheck, then the grouped op against moe_mma on the AWQ layout at the
+  # batch-16 / 64 / 256 rows (16 and 8 tokens a pass where the backend would pick 16).
+  pytest_gate "$OUT/s29_tests.txt" 150 tests/test_moe_mma.py -k "packed" || status=1
+  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only moe_packed \
+    2>&1 | tail -2 || status=1
+  timeout 150 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b,mixtral-8x7b --ts 16,64,256 --no-tune \
+    --backends cuda:mma,cuda:mmapacked,cuda:mmapacked8 2>&1 | grep -E "^\| (shape|qwen|mixtral)" || status=1
 fi
 if [[ " $stages " == *" s28e "* ]]; then
   step s28e

@@ -5,7 +5,8 @@
 
 --only runs some of the sections (gemm: awq_gemm on the AWQ layout; packed: the packed-layout
 kernels and their prologue / sums forms; attention: decode attention and its rope form; moe: the
-grouped expert kernels; route: the compiled router): the whole run takes minutes under memcheck.
+grouped expert kernels; moe_packed: the tensor-core one on experts in the packed layout; route:
+the compiled router): the whole run takes minutes under memcheck.
 
 Shapes are small (the sanitizer slows kernels ~100x) but cover each kernel's edges: column tiles
 cut short, several K splits (split-K workspaces and counters), odd M, bias, fp16 and bf16,
@@ -42,7 +43,7 @@ def env_set(env: dict[str, str]):
                 os.environ[name] = value
 
 
-SECTIONS = ("gemm", "packed", "attention", "moe", "route")
+SECTIONS = ("gemm", "packed", "attention", "moe", "moe_packed", "route")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -207,6 +208,26 @@ def main(argv: list[str] | None = None) -> None:
                         bad[0, 0] = e
                         op(x, bad, w, *weights, g, "gelu", *extra)
                         n_calls += 2
+    if "moe_packed" in only and hasattr(ops, "moe_mma_packed_w4"):
+        from fastawq.ops import repack
+        from test_moe_op import check, moe_case
+
+        # moe_mma on the experts in the packed layout: part tiles (I = 160, H = 288), K split
+        # (H = 1024), group -1, ids outside [0, E), passes of 8 and 16, w2 early and not.
+        for early in ("0", "1"):
+            with env_set({"FASTAWQ_MOE_MMA_EARLY_W2": early}):
+                for dtype in (torch.float16, torch.bfloat16):
+                    for e, h, i, g, k, t in ((8, 288, 160, 32, 2, 1), (16, 1024, 96, 32, 4, 3), (4, 64, 1024, -1, 2, 2),
+                                             (4, 128, 96, 32, 3, 19), (16, 256, 128, 64, 8, 300)):
+                        weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=h + i, dtype=dtype)
+                        packed = repack.awq_experts_repack(*weights, g)
+                        for rows in (8, 16):
+                            out = ops.moe_mma_packed_w4(x, ids.to(torch.int32), w, *packed, g, "silu", rows)
+                            check(out, x, ids, w, weights, g)
+                            bad = ids.clone()
+                            bad[0, 0] = e
+                            ops.moe_mma_packed_w4(x, bad, w, *packed, g, "gelu", rows)
+                            n_calls += 2
     if "route" in only and hasattr(ops, "moe_route"):
         from test_moe_op import exact_router, unit_norm_inputs
 

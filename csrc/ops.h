@@ -111,6 +111,14 @@ at::Tensor moe_mma_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at:
                       const at::Tensor& w2_qweight, const at::Tensor& w2_scales, const at::Tensor& w2_qzeros,
                       int64_t group_size, const std::string& act, int64_t pass_rows);
 
+// moe_mma_w4 on experts repacked into the packed layout (python/fastawq/ops/repack.py,
+// awq_experts_repack): w13_wpacked [E, H/8, 2I] int32, w13_szpacked [E, H/G, 4I], w2_wpacked
+// [E, I/8, H], w2_szpacked [E, I/G, 2H] (x's dtype).
+at::Tensor moe_mma_packed_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                             const at::Tensor& w13_wpacked, const at::Tensor& w13_szpacked,
+                             const at::Tensor& w2_wpacked, const at::Tensor& w2_szpacked, int64_t group_size,
+                             const std::string& act, int64_t pass_rows);
+
 // "" when moe_gemv_w4 and moe_mma_w4 take E experts of H x I with this group size, else why not (no GPU needed).
 std::string moe_gemv_w4_declines(int64_t num_experts, int64_t hidden, int64_t inter, int64_t group_size);
 

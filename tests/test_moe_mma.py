@@ -348,6 +348,54 @@ def test_kernel_matches_reference(case, dtype, pass_rows, form, poisoned_empty):
         check(_op(x, ids, w, weights, g, pass_rows=pass_rows), x, ids, w, weights, g)
 
 
+# --- the experts in the packed layout (moe_mma_packed_w4, not yet the backend's choice) ---
+
+HAS_PACKED = HAS_KERNEL and _ext.has_op("moe_mma_packed_w4")
+requires_packed = pytest.mark.skipif(not HAS_PACKED, reason="needs CUDA and fastawq._C with moe_mma_packed_w4")
+
+
+@pytest.mark.parametrize("g", [32, -1])
+def test_experts_repack_is_exact_per_expert(g):
+    from fastawq.ops import repack
+
+    weights, *_ = moe_case(3, 64, 96, g, 2, 1, seed=21)
+    w13p, s13p, w2p, s2p = repack.awq_experts_repack(*weights, g)
+    assert w13p.shape == (3, 64 // 8, 2 * 96) and s13p.shape == (3, 64 // (64 if g == -1 else g), 4 * 96)
+    assert w2p.shape == (3, 96 // 8, 64) and s2p.shape == (3, 96 // (96 if g == -1 else g), 2 * 64)
+    for e in range(3):
+        for wp, sp, n, k, (qw, sc, qz) in ((w13p, s13p, 2 * 96, 64, weights[:3]), (w2p, s2p, 64, 96, weights[3:])):
+            back = repack.awq_gemv_unpack(wp[e], sp[e], n, k if g == -1 else g)
+            assert torch.equal(back[0], qw[e]) and torch.equal(back[1], sc[e]) and torch.equal(back[2], qz[e])
+
+
+@requires_packed
+@pytest.mark.parametrize("early", ["0", "1"])
+@pytest.mark.parametrize("pass_rows", [8, 16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "E{}H{}I{}G{}k{}T{}-{}".format(*c))
+def test_packed_kernel_matches_reference(case, dtype, pass_rows, early, monkeypatch, poisoned_empty):
+    from fastawq.ops import repack
+
+    monkeypatch.setenv("FASTAWQ_MOE_MMA_EARLY_W2", early)
+    e, h, i, g, k, t, load = case
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=7 * t + k, dtype=dtype, load=load)
+    packed = repack.awq_experts_repack(*weights, g)
+    for _ in range(2):  # the second call finds the workspace and counters the first left zeroed
+        out = torch.ops.fastawq.moe_mma_packed_w4(x, ids, w.float().contiguous(), *packed, g, "silu", pass_rows)
+        check(out, x, ids, w, weights, g)
+
+
+@requires_packed
+def test_packed_op_names_the_packed_shapes():
+    from fastawq.ops import repack
+
+    weights, x, ids, w = moe_case(8, 128, 96, 32, 2, 4, seed=3)
+    w13p, s13p, w2p, s2p = repack.awq_experts_repack(*weights, 32)
+    with pytest.raises(RuntimeError, match=r"moe_mma_packed_w4: inconsistent.*w13_wpacked"):
+        torch.ops.fastawq.moe_mma_packed_w4(x, ids, w.float(), w13p[:, :, :-8].contiguous(), s13p, w2p, s2p, 32,
+                                            "silu", 8)
+
+
 @requires_kernel
 @pytest.mark.parametrize("act", ["gelu", "gelu_tanh"])
 def test_other_activations_and_int32_ids(act):

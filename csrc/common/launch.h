@@ -176,6 +176,11 @@ struct MoeMmaArgs : MoeArgs {
   // wait, which came before w13 let w2 launch; the weights no kernel writes. H100, session 28:
   // grouped op -1.6 .. -2.4 % at T = 16 / 64 / 256, decode batch 8 / 16 +4.3 % / +1.1 %.
   bool early_w2;
+  // moe_mma_packed_w4 (FASTAWQ_MOE_MMA_PACKED=1 in the backend; not yet measured): the experts in
+  // the packed layout of gemv/awq_gemv_packed.h, w13_qweight / w2_qweight holding wpacked [E, K/8, N]
+  // and w13_scales / w2_scales szpacked [E, K/G, 2N] (no qzeros), read through a register ring
+  // (moe_mma.cu, run_work_packed). Two-launch form only.
+  bool packed;
 };
 constexpr int kMoeMmaOneRoundAssign = 128;  // moe_mma's threads a block
 // Blocks an SM of the kernel for a pass of pass_rows tokens (its __launch_bounds__; the host sizes

@@ -59,36 +59,48 @@ struct MoeCall {
   int64_t t, h, i, e, n;
 };
 
+// packed: the experts in the packed layout (gemv/awq_gemv_packed.h): w13_qweight is w13_wpacked
+// [E, H/8, 2I], w13_scales w13_szpacked [E, H/G, 4I], w2 likewise ([E, I/8, H], [E, I/G, 2H]), and
+// both qzeros are undefined.
 MoeCall prepare(const char* op, MoeArgs& a, const at::Tensor& x, const at::Tensor& topk_ids,
                 const at::Tensor& topk_weights, const at::Tensor& w13_qweight, const at::Tensor& w13_scales,
                 const at::Tensor& w13_qzeros, const at::Tensor& w2_qweight, const at::Tensor& w2_scales,
-                const at::Tensor& w2_qzeros, int64_t group_size, const std::string& act) {
+                const at::Tensor& w2_qzeros, int64_t group_size, const std::string& act, bool packed = false) {
   const auto shapes = [&] {
     return cat("x ", shape_str(x), ", topk_ids ", shape_str(topk_ids), ", ",
-               weights_str(w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros));
+               packed ? cat("w13_wpacked ", shape_str(w13_qweight), ", w13_szpacked ", shape_str(w13_scales),
+                            ", w2_wpacked ", shape_str(w2_qweight), ", w2_szpacked ", shape_str(w2_scales))
+                      : weights_str(w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros));
   };
   FASTAWQ_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x must be [T, H] with unit column stride; ", shapes());
   FASTAWQ_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, op,
                 ": x must be fp16 or bf16, got ", x.scalar_type());
   const at::Tensor* weights[] = {&w13_qweight, &w13_scales, &w13_qzeros, &w2_qweight, &w2_scales, &w2_qzeros};
   for (const at::Tensor* w : weights) {
+    if (packed && (w == &w13_qzeros || w == &w2_qzeros)) continue;
     FASTAWQ_CHECK(w->dim() == 3 && w->is_contiguous() && w->device() == x.device(), op,
                   ": stacked expert weights must be contiguous 3-D tensors on ", x.device(), "; ", shapes());
   }
-  FASTAWQ_CHECK(w13_qweight.scalar_type() == at::kInt && w13_qzeros.scalar_type() == at::kInt &&
-                    w2_qweight.scalar_type() == at::kInt && w2_qzeros.scalar_type() == at::kInt,
-                op, ": qweight and qzeros must be int32; ", shapes());
+  FASTAWQ_CHECK(w13_qweight.scalar_type() == at::kInt && w2_qweight.scalar_type() == at::kInt &&
+                    (packed || (w13_qzeros.scalar_type() == at::kInt && w2_qzeros.scalar_type() == at::kInt)),
+                op, packed ? ": wpacked must be int32; " : ": qweight and qzeros must be int32; ", shapes());
   FASTAWQ_CHECK(w13_scales.scalar_type() == x.scalar_type() && w2_scales.scalar_type() == x.scalar_type(), op,
                 ": scales must have x's dtype ", x.scalar_type(), ", got ", w13_scales.scalar_type(), " and ",
                 w2_scales.scalar_type());
-  const int64_t e = w13_qweight.size(0), h = x.size(1), i = w2_qweight.size(1), t = x.size(0);
+  const int64_t e = w13_qweight.size(0), h = x.size(1), t = x.size(0);
+  const int64_t i = packed ? w2_qweight.size(1) * 8 : w2_qweight.size(1);
   const std::string why = moe_gemv_w4_declines(e, h, i, group_size);
   FASTAWQ_CHECK(why.empty(), op, ": ", why, "; ", shapes());
   const int64_t g13 = group_size == -1 ? h : group_size, g2 = group_size == -1 ? i : group_size;
   const bool consistent =
-      w13_qweight.sizes() == c10::IntArrayRef{e, h, 2 * i / 8} && w13_scales.sizes() == c10::IntArrayRef{e, h / g13, 2 * i} &&
-      w13_qzeros.sizes() == c10::IntArrayRef{e, h / g13, 2 * i / 8} && w2_qweight.sizes() == c10::IntArrayRef{e, i, h / 8} &&
-      w2_scales.sizes() == c10::IntArrayRef{e, i / g2, h} && w2_qzeros.sizes() == c10::IntArrayRef{e, i / g2, h / 8};
+      packed ? w13_qweight.sizes() == c10::IntArrayRef{e, h / 8, 2 * i} &&
+                   w13_scales.sizes() == c10::IntArrayRef{e, h / g13, 4 * i} &&
+                   w2_qweight.sizes() == c10::IntArrayRef{e, i / 8, h} && w2_scales.sizes() == c10::IntArrayRef{e, i / g2, 2 * h}
+             : w13_qweight.sizes() == c10::IntArrayRef{e, h, 2 * i / 8} &&
+                   w13_scales.sizes() == c10::IntArrayRef{e, h / g13, 2 * i} &&
+                   w13_qzeros.sizes() == c10::IntArrayRef{e, h / g13, 2 * i / 8} &&
+                   w2_qweight.sizes() == c10::IntArrayRef{e, i, h / 8} && w2_scales.sizes() == c10::IntArrayRef{e, i / g2, h} &&
+                   w2_qzeros.sizes() == c10::IntArrayRef{e, i / g2, h / 8};
   FASTAWQ_CHECK(consistent, op, ": inconsistent MoE weights for E=", e, ", H=", h, ", I=", i,
                 ", group_size=", group_size, "; ", shapes());
   FASTAWQ_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == t && topk_ids.is_contiguous() &&
@@ -121,10 +133,10 @@ MoeCall prepare(const char* op, MoeArgs& a, const at::Tensor& x, const at::Tenso
   a.topk_weights = topk_weights.data_ptr<float>();
   a.w13_qweight = reinterpret_cast<const uint32_t*>(w13_qweight.data_ptr<int>());
   a.w13_scales = w13_scales.data_ptr();
-  a.w13_qzeros = reinterpret_cast<const uint32_t*>(w13_qzeros.data_ptr<int>());
+  a.w13_qzeros = packed ? nullptr : reinterpret_cast<const uint32_t*>(w13_qzeros.data_ptr<int>());
   a.w2_qweight = reinterpret_cast<const uint32_t*>(w2_qweight.data_ptr<int>());
   a.w2_scales = w2_scales.data_ptr();
-  a.w2_qzeros = reinterpret_cast<const uint32_t*>(w2_qzeros.data_ptr<int>());
+  a.w2_qzeros = packed ? nullptr : reinterpret_cast<const uint32_t*>(w2_qzeros.data_ptr<int>());
   a.h = call.hbuf.data_ptr(), a.out = call.out.data_ptr();
   a.n_assign = static_cast<int>(n), a.topk = static_cast<int>(topk), a.num_experts = static_cast<int>(e);
   a.hidden = static_cast<int>(h), a.inter = static_cast<int>(i);
@@ -227,23 +239,26 @@ at::Tensor moe_gemv_w4_sums(const at::Tensor& x, const at::Tensor& topk_ids, con
                        w2_qweight, w2_scales, w2_qzeros, group_size, act);
 }
 
-at::Tensor moe_mma_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-                      const at::Tensor& w13_qweight, const at::Tensor& w13_scales, const at::Tensor& w13_qzeros,
-                      const at::Tensor& w2_qweight, const at::Tensor& w2_scales, const at::Tensor& w2_qzeros,
-                      int64_t group_size, const std::string& act, int64_t pass_rows) {
-  FASTAWQ_CHECK(pass_rows == 8 || pass_rows == 16, "moe_mma_w4: pass_rows must be 8 or 16, got ", pass_rows);
+namespace {
+
+// moe_mma_w4 and moe_mma_packed_w4 (packed: the experts in the packed layout; prepare says how).
+at::Tensor moe_mma_call(const char* op, bool packed, const at::Tensor& x, const at::Tensor& topk_ids,
+                        const at::Tensor& topk_weights, const at::Tensor& w13_qweight, const at::Tensor& w13_scales,
+                        const at::Tensor& w13_qzeros, const at::Tensor& w2_qweight, const at::Tensor& w2_scales,
+                        const at::Tensor& w2_qzeros, int64_t group_size, const std::string& act, int64_t pass_rows) {
+  FASTAWQ_CHECK(pass_rows == 8 || pass_rows == 16, op, ": pass_rows must be 8 or 16, got ", pass_rows);
   MoeMmaArgs a{};
   const c10::cuda::CUDAGuard guard(x.device());
-  MoeCall c = prepare("moe_mma_w4", a, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight,
-                      w2_scales, w2_qzeros, group_size, act);
-  FASTAWQ_CHECK(c.n <= kMoeMmaMaxAssign, "moe_mma_w4: T * k = ", c.n, " assignments (x ", shape_str(x),
-                ", topk_ids ", shape_str(topk_ids), ") exceed the kernel's ", kMoeMmaMaxAssign);
+  MoeCall c = prepare(op, a, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales,
+                      w2_qzeros, group_size, act, packed);
+  FASTAWQ_CHECK(c.n <= kMoeMmaMaxAssign, op, ": T * k = ", c.n, " assignments (x ", shape_str(x), ", topk_ids ",
+                shape_str(topk_ids), ") exceed the kernel's ", kMoeMmaMaxAssign);
   // The kernel reads x in 16-byte pieces.
-  FASTAWQ_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.stride(0) % 8 == 0,
-                "moe_mma_w4: x must be 16-byte aligned with a row stride a multiple of 8, got x ", shape_str(x),
+  FASTAWQ_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.stride(0) % 8 == 0, op,
+                ": x must be 16-byte aligned with a row stride a multiple of 8, got x ", shape_str(x),
                 " with strides (", x.stride(0), ", ", x.stride(1), ")");
-  FASTAWQ_CHECK(c.e <= kMoeMmaMaxExperts, "moe_mma_w4: ", c.e, " experts exceed the kernel's ", kMoeMmaMaxExperts,
-                " (w13_qweight ", shape_str(w13_qweight), ")");
+  FASTAWQ_CHECK(c.e <= kMoeMmaMaxExperts, op, ": ", c.e, " experts exceed the kernel's ", kMoeMmaMaxExperts,
+                " (", packed ? "w13_wpacked " : "w13_qweight ", shape_str(w13_qweight), ")");
   if (c.n == 0) return c.out;
   const int64_t n = c.n, h = c.h, i = c.i, e = c.e;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
@@ -267,7 +282,8 @@ at::Tensor moe_mma_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at:
   a.claim_ahead = false;
   a.one_round = n <= kMoeMmaOneRoundAssign && env_switch("FASTAWQ_MOE_MMA_ONE_ROUND") != 0;
   a.early_w2 = env_switch("FASTAWQ_MOE_MMA_EARLY_W2") != 0;
-  if (env_switch("FASTAWQ_MOE_MMA_PERSISTENT") == 1) {
+  a.packed = packed;
+  if (!packed && env_switch("FASTAWQ_MOE_MMA_PERSISTENT") == 1) {  // (the persistent form reads the AWQ layout)
     a.claim_ahead = env_switch("FASTAWQ_MOE_MMA_AHEAD") == 1;
     const int64_t items = persistent_items(a);
     int64_t blocks = int64_t(sms) * per_sm;
@@ -282,6 +298,24 @@ at::Tensor moe_mma_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at:
   launch_moe_mma(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return c.out;
+}
+
+}  // namespace
+
+at::Tensor moe_mma_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                      const at::Tensor& w13_qweight, const at::Tensor& w13_scales, const at::Tensor& w13_qzeros,
+                      const at::Tensor& w2_qweight, const at::Tensor& w2_scales, const at::Tensor& w2_qzeros,
+                      int64_t group_size, const std::string& act, int64_t pass_rows) {
+  return moe_mma_call("moe_mma_w4", false, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight,
+                      w2_scales, w2_qzeros, group_size, act, pass_rows);
+}
+
+at::Tensor moe_mma_packed_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                             const at::Tensor& w13_wpacked, const at::Tensor& w13_szpacked,
+                             const at::Tensor& w2_wpacked, const at::Tensor& w2_szpacked, int64_t group_size,
+                             const std::string& act, int64_t pass_rows) {
+  return moe_mma_call("moe_mma_packed_w4", true, x, topk_ids, topk_weights, w13_wpacked, w13_szpacked, at::Tensor(),
+                      w2_wpacked, w2_szpacked, at::Tensor(), group_size, act, pass_rows);
 }
 
 }  // namespace fastawq

@@ -97,6 +97,7 @@ struct Smem {
   uint16_t rows[kMoeMmaMaxAssign];  // the block's assignments f (< 2^16), ascending
   union {
     Ring<NT> ring[kWarps];
+    uint4 pairs[kWarps][2][kTileCols / 32][32];  // run_work_packed: the current and next groups' pairs
     float red[kWarps][8 * NT][kTileCols];  // the warps' sums of one pass
     int convert[kMoeMmaMaxAssign];  // w2: tokens whose tile this block converts
   };
@@ -351,6 +352,127 @@ __device__ __forceinline__ void publish(int* counter) {
   if (threadIdx.x == 0) red_release_gpu(counter, 1);
 }
 
+// w13's block row of the ids outside [0, E): the tile's columns of their h rows are zeros.
+template <typename T, typename S>
+__device__ __forceinline__ void zero_h_rows(const MoeMmaArgs& a, const S& sm, int tile, int count) {
+  for (int idx = threadIdx.x; idx < count * kMoeMmaTile13; idx += kThreads) {
+    const int col = tile * kMoeMmaTile13 + idx % kMoeMmaTile13;
+    if (col < a.inter) {
+      static_cast<T*>(a.h)[static_cast<int64_t>(sm.rows[idx / kMoeMmaTile13]) * a.inter + col] =
+          HalfTraits<T>::from_float(0.f);
+    }
+  }
+}
+
+// One pass's outputs, once every warp's sums of it are in sm.red (and the block has met): w13
+// stores act(gate) * up into h (or, with split K, adds gate and up into ws13); w2 adds the tokens'
+// routing-weighted columns into ws2 (or stores them, top-1 without split K).
+template <typename T, bool kW13, int ACT, int NT>
+__device__ __forceinline__ void pass_out(const MoeMmaArgs& a, Smem<NT>& sm, bool expert, int tile, int splits, int n,
+                                         int pass, int rows_here) {
+  constexpr int kPassRows = 8 * NT;
+  // The warps' sums of 4 adjacent columns c .. c + 3 (c % 4 == 0; I and H are multiples of 32, so
+  // such a quad is all inside the layer or all outside, and 16-byte aligned in ws13 and ws2).
+  const auto tile_sum4 = [&](int row, int c) {
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float4 p = *reinterpret_cast<const float4*>(&sm.red[w][row][c]);
+      v.x += p.x, v.y += p.y, v.z += p.z, v.w += p.w;
+    }
+    return v;
+  };
+  if constexpr (kW13) {
+    constexpr int kQuads = kMoeMmaTile13 / 4;
+    for (int idx = threadIdx.x; idx < rows_here * kQuads; idx += kThreads) {
+      const int row = idx / kQuads, c = 4 * (idx % kQuads), col = tile * kMoeMmaTile13 + c;
+      if (col >= a.inter) continue;
+      const int64_t fr = sm.rows[pass * kPassRows + row];
+      const float4 gate = tile_sum4(row, c), up = tile_sum4(row, kMoeMmaTile13 + c);
+      if (splits == 1) {
+        store4(static_cast<T*>(a.h) + fr * a.inter + col, act_mul4<ACT>(gate, up));
+      } else {
+        red_add4(a.ws13 + fr * n + col, gate);
+        red_add4(a.ws13 + fr * n + a.inter + col, up);
+      }
+    }
+  } else {
+    constexpr int kQuads = kTileCols / 4;
+    for (int idx = threadIdx.x; idx < rows_here * kQuads; idx += kThreads) {
+      const int row = idx / kQuads, c = 4 * (idx % kQuads), col = tile * kTileCols + c;
+      if (col >= a.hidden) continue;
+      const int fr = sm.rows[pass * kPassRows + row];
+      const int64_t off = static_cast<int64_t>(fr / a.topk) * a.hidden + col;
+      const float rw = expert ? a.topk_weights[fr] : 0.f;
+      const float4 s = tile_sum4(row, c);
+      const float4 v = make_float4(rw * s.x, rw * s.y, rw * s.z, rw * s.w);
+      if (a.topk == 1 && splits == 1) {
+        store4(static_cast<T*>(a.out) + off, v);  // the token's only slot: no one else adds to it
+      } else if (expert) {
+        red_add4(a.ws2 + off, v);
+      }
+    }
+  }
+}
+
+// After the last pass: with split K, the last block of a w13 tile converts ws13 into h; a w2 token's
+// tile is converted by whichever of its topk * splits blocks arrives last. w13's persistent form
+// publishes its finished tile to done13.
+template <typename T, bool kW13, int ACT, int NT>
+__device__ __forceinline__ void work_tail(const MoeMmaArgs& a, Smem<NT>& sm, int e, int tile, int tiles, int splits,
+                                          int count, int n, int* done13) {
+  const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
+  if constexpr (kW13) {
+    if (splits == 1) {
+      if (done13 != nullptr) publish(done13);
+      return;
+    }
+    if (!moe::arrive_last(a.counters13 + static_cast<int64_t>(e) * tiles + tile, splits, sm.is_last)) return;
+    constexpr int kQuads = kMoeMmaTile13 / 4;
+    for (int idx = threadIdx.x; idx < count * kQuads; idx += kThreads) {
+      const int col = tile * kMoeMmaTile13 + 4 * (idx % kQuads);
+      if (col >= a.inter) continue;
+      const int64_t fr = sm.rows[idx / kQuads];
+      float4* pg = reinterpret_cast<float4*>(a.ws13 + fr * n + col);
+      float4* pu = reinterpret_cast<float4*>(a.ws13 + fr * n + a.inter + col);
+      const float4 gate = __ldcg(pg), up = __ldcg(pu);
+      __stcg(pg, zero4);
+      __stcg(pu, zero4);
+      store4(static_cast<T*>(a.h) + fr * a.inter + col, act_mul4<ACT>(gate, up));
+    }
+    if (done13 != nullptr) publish(done13);
+  } else {
+    if (a.topk == 1 && splits == 1) return;
+    // Each of a token's topk * splits blocks arrives once per assignment it holds; the last one
+    // converts the token's tile.
+    __threadfence();
+    if (threadIdx.x == 0) sm.n_convert = 0;
+    __syncthreads();
+    for (int r = threadIdx.x; r < count; r += kThreads) {
+      const int tok = sm.rows[r] / a.topk;
+      int* counter = a.counters2 + static_cast<int64_t>(tok) * tiles + tile;
+      if (atomicAdd(counter, 1) == a.topk * splits - 1) {
+        *counter = 0;
+        sm.convert[atomicAdd(&sm.n_convert, 1)] = tok;
+      }
+    }
+    __syncthreads();
+    const int n_convert = sm.n_convert;
+    if (n_convert == 0) return;
+    __threadfence();
+    constexpr int kQuads = kTileCols / 4;
+    for (int idx = threadIdx.x; idx < n_convert * kQuads; idx += kThreads) {
+      const int col = tile * kTileCols + 4 * (idx % kQuads);
+      if (col >= a.hidden) continue;
+      const int64_t off = static_cast<int64_t>(sm.convert[idx / kQuads]) * a.hidden + col;
+      float4* p = reinterpret_cast<float4*>(a.ws2 + off);
+      const float4 v = __ldcg(p);
+      __stcg(p, zero4);
+      store4(static_cast<T*>(a.out) + off, v);
+    }
+  }
+}
+
 // NT: mma n-tiles per pass, so a pass takes 8 NT tokens and an expert's weights stream once per
 // pass; 2 halves the passes (and the dequantization per token) of a loaded expert for 64 more
 // accumulator registers, hence 3 blocks an SM instead of 4.
@@ -383,12 +505,7 @@ __device__ __forceinline__ void run_work(const MoeMmaArgs& a, Smem<NT>& sm, cons
   if constexpr (kW13) {
     if (!expert) {  // ids outside [0, E): their h rows are zeros, written once
       const int count = count_fn();
-      if (wk.split() != 0) return;
-      for (int idx = threadIdx.x; idx < count * kMoeMmaTile13; idx += kThreads) {
-        const int col = tile * kMoeMmaTile13 + idx % kMoeMmaTile13;
-        if (col < a.inter) static_cast<T*>(a.h)[static_cast<int64_t>(sm.rows[idx / kMoeMmaTile13]) * a.inter + col] =
-            Tr::from_float(0.f);
-      }
+      if (wk.split() == 0) zero_h_rows<T>(a, sm, tile, count);
       return;
     }
   }
@@ -638,107 +755,254 @@ __device__ __forceinline__ void run_work(const MoeMmaArgs& a, Smem<NT>& sm, cons
             sm.red[warp][8 * q + 2 * t + (r & 1)][tile_col(j, 2 * b + (r >> 1))] = acc[q][j][b][r];
     __syncthreads();
 
-    // The warps' sums of 4 adjacent columns c .. c + 3 (c % 4 == 0; I and H are multiples of 32, so
-    // such a quad is all inside the layer or all outside, and 16-byte aligned in ws13 and ws2).
-    const auto tile_sum4 = [&](int row, int c) {
-      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float4 p = *reinterpret_cast<const float4*>(&sm.red[w][row][c]);
-        v.x += p.x, v.y += p.y, v.z += p.z, v.w += p.w;
-      }
-      return v;
-    };
-    if constexpr (kW13) {
-      constexpr int kQuads = kMoeMmaTile13 / 4;
-      for (int idx = threadIdx.x; idx < rows_here * kQuads; idx += kThreads) {
-        const int row = idx / kQuads, c = 4 * (idx % kQuads), col = tile * kMoeMmaTile13 + c;
-        if (col >= a.inter) continue;
-        const int64_t fr = sm.rows[pass * kPassRows + row];
-        const float4 gate = tile_sum4(row, c), up = tile_sum4(row, kMoeMmaTile13 + c);
-        if (splits == 1) {
-          store4(static_cast<T*>(a.h) + fr * a.inter + col, act_mul4<ACT>(gate, up));
-        } else {
-          red_add4(a.ws13 + fr * n + col, gate);
-          red_add4(a.ws13 + fr * n + a.inter + col, up);
-        }
-      }
-    } else {
-      constexpr int kQuads = kTileCols / 4;
-      for (int idx = threadIdx.x; idx < rows_here * kQuads; idx += kThreads) {
-        const int row = idx / kQuads, c = 4 * (idx % kQuads), col = tile * kTileCols + c;
-        if (col >= a.hidden) continue;
-        const int fr = sm.rows[pass * kPassRows + row];
-        const int64_t off = static_cast<int64_t>(fr / a.topk) * a.hidden + col;
-        const float rw = expert ? a.topk_weights[fr] : 0.f;
-        const float4 s = tile_sum4(row, c);
-        const float4 v = make_float4(rw * s.x, rw * s.y, rw * s.z, rw * s.w);
-        if (a.topk == 1 && splits == 1) {
-          store4(static_cast<T*>(a.out) + off, v);  // the token's only slot: no one else adds to it
-        } else if (expert) {
-          red_add4(a.ws2 + off, v);
-        }
-      }
-    }
+    pass_out<T, kW13, ACT, NT>(a, sm, expert, tile, splits, n, pass, rows_here);
     __syncthreads();  // red is rewritten by the next pass (or reused as convert)
   }
 
-  const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
+  work_tail<T, kW13, ACT, NT>(a, sm, e, tile, wk.tiles(), splits, count, n, done13);
+}
+
+// moe_mma on experts repacked at load into the packed layout of gemv/awq_gemv_packed.h
+// (FASTAWQ_MOE_MMA_PACKED; a.packed: w*_qweight hold wpacked [E, K/8, N], w*_scales szpacked
+// [E, K/G, 2N], no qzeros). The expert scan, gather, passes and outputs are run_work's; the step
+// is awq_mma_packed's register ring: lane (g, t)'s 16 bytes at (kb = 4s + t, chunk c4) are its whole
+// A fragment of 4 columns for a 32-row step, so each step's weights are plain 16-byte loads into
+// the lane's own registers, kMoePackedRing steps ahead, with no shared-memory ring, no cp.async wait
+// and no __syncwarp a step (session 10, dense, same dequant: 1.43 against the cp.async ring's 1.27x
+// cuBLAS at 8 tokens). A warp's 128 tile columns are 4 chunks of 32 (w13: 2 of gate, 2 of up); a
+// lane owns the C fragment's 4 columns 4 c4 .. + 3 of each chunk, whose (scale, zero) pairs are one
+// 16-byte load, so a group's close needs no shuffles. Slot r's refill waits until slot r + 1's
+// first use (awq_mma_packed's DEFER: every weight load of a warp shares one scoreboard, so a refill
+// issued just before the next slot's first use would hold that use for a whole memory latency).
+constexpr int kMoePackedRing = 2;
+constexpr int kMoePackedChunks = kTileCols / 32;
+
+template <typename T, typename Id, bool kW13, int ACT, int NT, typename Work, typename CountFn, typename WaitH>
+__device__ __forceinline__ void run_work_packed(const MoeMmaArgs& a, Smem<NT>& sm, const Work& wk, CountFn count_fn,
+                                                WaitH wait_h) {
+  using Tr = HalfTraits<T>;
+  constexpr int kPassRows = 8 * NT, CC = kMoePackedChunks, P = kMoePackedRing;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int e = wk.e;
+  const bool expert = e < a.num_experts;
+  const int k = kW13 ? a.hidden : a.inter;  // rows of the weight
+  const int n = kW13 ? 2 * a.inter : a.hidden;
+  const int n4 = n / 4;
+  const int tile = wk.tile();
+  const int splits = wk.splits();
+
   if constexpr (kW13) {
-    if (splits == 1) {
-      if (done13 != nullptr) publish(done13);
+    if (!expert) {
+      const int count = count_fn();
+      if (wk.split() == 0) zero_h_rows<T>(a, sm, tile, count);
       return;
     }
-    if (!moe::arrive_last(a.counters13 + static_cast<int64_t>(e) * wk.tiles() + tile, splits, sm.is_last)) return;
-    constexpr int kQuads = kMoeMmaTile13 / 4;
-    for (int idx = threadIdx.x; idx < count * kQuads; idx += kThreads) {
-      const int col = tile * kMoeMmaTile13 + 4 * (idx % kQuads);
-      if (col >= a.inter) continue;
-      const int64_t fr = sm.rows[idx / kQuads];
-      float4* pg = reinterpret_cast<float4*>(a.ws13 + fr * n + col);
-      float4* pu = reinterpret_cast<float4*>(a.ws13 + fr * n + a.inter + col);
-      const float4 gate = __ldcg(pg), up = __ldcg(pu);
-      __stcg(pg, zero4);
-      __stcg(pu, zero4);
-      store4(static_cast<T*>(a.h) + fr * a.inter + col, act_mul4<ACT>(gate, up));
+  }
+
+  // The lane's chunk cc: the 4 columns from 4 c4[cc] of the layer, tile columns 32 cc + 4 g .. + 3
+  // (w13: chunks 0, 1 the gate's 64 columns of the tile, chunks 2, 3 the same up columns).
+  int c4[CC];
+  bool col_ok[CC];
+#pragma unroll
+  for (int cc = 0; cc < CC; ++cc) {
+    if constexpr (kW13) {
+      const int local = tile * (kMoeMmaTile13 / 4) + 8 * (cc & 1) + g;
+      c4[cc] = (cc < 2 ? 0 : a.inter / 4) + local;
+      col_ok[cc] = expert && local < a.inter / 4;
+    } else {
+      c4[cc] = tile * (kTileCols / 4) + 8 * cc + g;
+      col_ok[cc] = expert && c4[cc] < n4;
     }
-    if (done13 != nullptr) publish(done13);
-  } else {
-    if (a.topk == 1 && splits == 1) return;
-    // Each of a token's topk * splits blocks arrives once per assignment it holds; the last one
-    // converts the token's tile.
-    __threadfence();
-    if (threadIdx.x == 0) sm.n_convert = 0;
-    __syncthreads();
-    for (int r = threadIdx.x; r < count; r += kThreads) {
-      const int tok = sm.rows[r] / a.topk;
-      int* counter = a.counters2 + static_cast<int64_t>(tok) * wk.tiles() + tile;
-      if (atomicAdd(counter, 1) == a.topk * splits - 1) {
-        *counter = 0;
-        sm.convert[atomicAdd(&sm.n_convert, 1)] = tok;
+    if (!col_ok[cc]) c4[cc] = 0;
+  }
+  const int gsize = kW13 ? a.group13 : a.group2;
+  const int64_t ex = expert ? e : 0;
+  const uint4* wp = reinterpret_cast<const uint4*>(kW13 ? a.w13_qweight : a.w2_qweight) + ex * (k / 8) * n4;
+  const uint4* szp = static_cast<const uint4*>(kW13 ? a.w13_scales : a.w2_scales) + ex * (k / gsize) * n4;
+  const int steps = kW13 ? a.steps13 : a.steps2;
+  const int s0 = (wk.split() * kWarps + warp) * steps, s1 = min(s0 + steps, k / kStepRows);
+  const int steps_per_group = gsize / kStepRows;
+  const uint64_t policy = a.evict_normal ? evict_normal_policy() : evict_first_policy();
+  const uint32_t ones[4] = {Tr::kOne2, Tr::kOne2, Tr::kOne2, Tr::kOne2};
+  const uint4* w_lane = wp + static_cast<int64_t>(t) * n4;  // + 4 n4 a step
+
+  // Step s's weights of the lane: one 16-byte load a chunk.
+  const auto fetch = [&](uint4(&w)[CC], int s) {
+    const uint4* p = w_lane + static_cast<int64_t>(s) * 4 * n4;
+#pragma unroll
+    for (int cc = 0; cc < CC; ++cc) w[cc] = col_ok[cc] ? gemv::load_stream(p + c4[cc], policy) : make_uint4(0, 0, 0, 0);
+  };
+  // The (scale, zero) pairs of the lane's columns in the group of step s, into the lane's slot of
+  // sm.pairs (one cp.async group: the pairs are the only cp.async copies here, so a close's wait
+  // for them waits for nothing else; in registers they would cost 32 of the step loop's).
+  const auto stage_pairs = [&](int slot, int s) {
+    const uint4* p = szp + static_cast<int64_t>(s / steps_per_group) * n4;
+#pragma unroll
+    for (int cc = 0; cc < CC; ++cc) cp_async16(&sm.pairs[warp][slot][cc][lane], p + c4[cc], col_ok[cc]);
+    cp_async_commit();
+  };
+  const bool streams = expert && s0 < s1;
+  uint4 rw[P][CC];
+  const auto fetch_first = [&] {
+    if (streams) {
+#pragma unroll
+      for (int r = 0; r < P; ++r) {
+        if (s0 + r < s1) fetch(rw[r], s0 + r);
       }
     }
-    __syncthreads();
-    const int n_convert = sm.n_convert;
-    if (n_convert == 0) return;
-    __threadfence();
-    constexpr int kQuads = kTileCols / 4;
-    for (int idx = threadIdx.x; idx < n_convert * kQuads; idx += kThreads) {
-      const int col = tile * kTileCols + 4 * (idx % kQuads);
-      if (col >= a.hidden) continue;
-      const int64_t off = static_cast<int64_t>(sm.convert[idx / kQuads]) * a.hidden + col;
-      float4* p = reinterpret_cast<float4*>(a.ws2 + off);
-      const float4 v = __ldcg(p);
-      __stcg(p, zero4);
-      store4(static_cast<T*>(a.out) + off, v);
+  };
+  // As run_work: the forms that wait for h (EarlyGridWork) load pass 0's first weights before the
+  // count and the wait, the others after the count.
+  constexpr bool kEarlyWeights = !std::is_same_v<Work, GridWork>;
+  if constexpr (kEarlyWeights) fetch_first();
+  const int count = count_fn();
+  if constexpr (kEarlyWeights) wait_h();
+
+  for (int pass = 0; pass * kPassRows < count; ++pass) {
+    const int rows_here = min(kPassRows, count - pass * kPassRows);
+    const T* xrow[NT];
+#pragma unroll
+    for (int q = 0; q < NT; ++q) {
+      const int f = sm.rows[pass * kPassRows + min(8 * q + g, rows_here - 1)];
+      xrow[q] = (kW13 ? static_cast<const T*>(a.x) + static_cast<int64_t>(f / a.topk) * a.x_stride
+                      : static_cast<const T*>(a.h) + static_cast<int64_t>(f) * a.inter) +
+                8 * t;
     }
+    if (!kEarlyWeights || pass > 0) fetch_first();
+
+    float acc[CC][2][NT][4], xs[NT][4];  // [chunk][m-tile][n-tile][C element]; the group's sums of x
+#pragma unroll
+    for (int cc = 0; cc < CC; ++cc)
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int q = 0; q < NT; ++q)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) acc[cc][i][q][r] = 0.f;
+#pragma unroll
+    for (int q = 0; q < NT; ++q)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) xs[q][r] = 0.f;
+
+    // A: columns 0, 1 of a chunk are rows g, g + 8 of m-tile 0, columns 2, 3 those of m-tile 1;
+    // word j of the 16 bytes holds rows 2j, 2j + 1 of k-step j / 2 (awq_mma_packed.cu).
+    // after_first(): once chunk 0's weights of k-step 0 are in registers of the mma.
+    const auto consume = [&](const uint4(&wc)[CC], const uint4(&xc)[NT], auto&& after_first) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        uint32_t b0[NT], b1[NT];
+#pragma unroll
+        for (int q = 0; q < NT; ++q) {
+          b0[q] = h == 0 ? xc[q].x : xc[q].z;
+          b1[q] = h == 0 ? xc[q].y : xc[q].w;
+          Mma<T>::run(xs[q], ones, b0[q], b1[q]);
+        }
+#pragma unroll
+        for (int cc = 0; cc < CC; ++cc) {
+          const uint32_t w0 = h == 0 ? wc[cc].x : wc[cc].z, w1 = h == 0 ? wc[cc].y : wc[cc].w;
+          const uint32_t w0s = w0 >> 4, w1s = w1 >> 4;
+          const uint32_t a0[4] = {column_pair<T, 0>(w0, w0s), column_pair<T, 1>(w0, w0s),
+                                  column_pair<T, 0>(w1, w1s), column_pair<T, 1>(w1, w1s)};
+          const uint32_t a1[4] = {column_pair<T, 2>(w0, w0s), column_pair<T, 3>(w0, w0s),
+                                  column_pair<T, 2>(w1, w1s), column_pair<T, 3>(w1, w1s)};
+#pragma unroll
+          for (int q = 0; q < NT; ++q) {
+            Mma<T>::run(acc[cc][0][q], a0, b0[q], b1[q]);
+            Mma<T>::run(acc[cc][1][q], a1, b0[q], b1[q]);
+          }
+          if (h == 0 && cc == 0) after_first();
+        }
+      }
+    };
+
+    // acc = r (acc - zm xs) per column, r = s / s_next (s at the warp's last group: acc is then y),
+    // as run_work's close, from the lane's own pairs (slot cur of sm.pairs; the next group's in the
+    // other slot).
+    const auto close_group = [&](int cur, bool last) {
+      cp_async_wait<0>();  // the lane reads back only what it copied: no barrier
+#pragma unroll
+      for (int cc = 0; cc < CC; ++cc) {
+        const uint4 cv = ld_shared128(&sm.pairs[warp][cur][cc][lane]);
+        const uint4 nv = last ? cv : ld_shared128(&sm.pairs[warp][cur ^ 1][cc][lane]);
+        const T* pc = reinterpret_cast<const T*>(&cv);
+        const T* pn = reinterpret_cast<const T*>(&nv);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {  // column j: m-tile j / 2, fragment row g (j even) or g + 8
+          const float su = gemv::fold_unit(Tr::to_float(pc[2 * j]));
+          const float r = last ? su : __fdividef(su, gemv::fold_unit(Tr::to_float(pn[2 * j])));
+          const float zm = Tr::kMagic + Tr::to_float(pc[2 * j + 1]);
+#pragma unroll
+          for (int q = 0; q < NT; ++q)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              float& v = acc[cc][j >> 1][q][2 * (j & 1) + c];
+              v = r * fmaf(-zm, xs[q][c], v);
+            }
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < NT; ++q)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) xs[q][r] = 0.f;
+    };
+
+    if (streams) {
+      int cur = 0;  // the slot of sm.pairs holding the current group's pairs
+      stage_pairs(cur, s0);
+      int group_left = steps_per_group - s0 % steps_per_group;  // steps until the current group ends
+#pragma unroll 1
+      for (int s = s0; s < s1; s += P) {
+#pragma unroll
+        for (int r = 0; r < P; ++r) {
+          const int step = s + r;
+          if (step < s1) {
+            uint4 xc[NT];
+#pragma unroll
+            for (int q = 0; q < NT; ++q) xc[q] = __ldg(reinterpret_cast<const uint4*>(xrow[q] + step * kStepRows));
+            // The previous slot's refill (step - 1 + P), after this slot's first use; the next
+            // group's pairs before the math of the step that ends the group.
+            const int sp = step - 1;
+            consume(rw[r], xc, [&] {
+              if (sp >= s0 && sp + P < s1) fetch(rw[(r + P - 1) % P], sp + P);
+              if (group_left == 1 && step + 1 < s1) stage_pairs(cur ^ 1, step + 1);
+            });
+            if (--group_left == 0 || step + 1 == s1) {
+              close_group(cur, step + 1 == s1);
+              cur ^= 1;
+              group_left = steps_per_group;
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();  // every warp is done with its pairs (red overlaps them) before the sums
+
+    // C fragment (g, t) of chunk cc: element r of m-tile i is column 4 c4 + 2i + (r >> 1), token
+    // 8q + 2t + (r & 1) of the pass.
+#pragma unroll
+    for (int cc = 0; cc < CC; ++cc)
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int q = 0; q < NT; ++q)
+#pragma unroll
+          for (int r = 0; r < 4; ++r)
+            sm.red[warp][8 * q + 2 * t + (r & 1)][32 * cc + 4 * g + 2 * i + (r >> 1)] = acc[cc][i][q][r];
+    __syncthreads();
+
+    pass_out<T, kW13, ACT, NT>(a, sm, expert, tile, splits, n, pass, rows_here);
+    __syncthreads();  // red is rewritten by the next pass (or reused as convert)
   }
+
+  work_tail<T, kW13, ACT, NT>(a, sm, e, tile, wk.tiles(), splits, count, n, nullptr);
 }
 
 // Two launches: grid (tiles, splits, rows), block row z on the z-th expert the ids reach.
 // kEarly (w2 only, FASTAWQ_MOE_MMA_EARLY_W2): everything up to the first read of h runs before the
 // PDL wait, so the expert scan, the gather and the first weight copies overlap w13's tail.
-template <typename T, typename Id, bool kW13, int ACT, int NT, bool kEarly = false>
+// kPacked: the experts in the packed layout (run_work_packed).
+template <typename T, typename Id, bool kW13, int ACT, int NT, bool kEarly = false, bool kPacked = false>
 __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_mma_kernel(MoeMmaArgs a) {
   static_assert(!(kW13 && kEarly), "w13 reads its ids only after the PDL wait");
   __shared__ Smem<NT> sm;
@@ -756,12 +1020,17 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
     count = gather<Id>(a, e, sm);
     if (count == 0) return;
   }
+  const auto work = [&](const auto& wk, auto wait_h) {
+    if constexpr (kPacked) {
+      run_work_packed<T, Id, kW13, ACT, NT>(a, sm, wk, [count] { return count; }, wait_h);
+    } else {
+      run_work<T, Id, kW13, ACT, NT>(a, sm, wk, [count] { return count; }, nullptr, wait_h);
+    }
+  };
   if constexpr (kEarly) {
-    const EarlyGridWork wk{{e}};
-    run_work<T, Id, kW13, ACT, NT>(a, sm, wk, [count] { return count; }, nullptr, [] { pdl_wait(); });
+    work(EarlyGridWork{{e}}, [] { pdl_wait(); });
   } else {
-    const GridWork wk{e};
-    run_work<T, Id, kW13, ACT, NT>(a, sm, wk, [count] { return count; }, nullptr, [] {});
+    work(GridWork{e}, [] {});
   }
 }
 
@@ -902,11 +1171,19 @@ void launch_pass(const MoeMmaArgs& a, cudaStream_t stream) {
     return;
   }
   const dim3 grid13(a.tiles13, a.splits13, a.rows), grid2(a.tiles2, a.splits2, a.rows);
-  launch_pdl(moe_mma_kernel<T, Id, true, ACT, NT>, grid13, dim3(kThreads), 0, stream, a);
-  if (a.early_w2) {
-    launch_pdl(moe_mma_kernel<T, Id, false, 0, NT, true>, grid2, dim3(kThreads), 0, stream, a);
+  const auto two_launches = [&](auto packed) {
+    constexpr bool kPacked = decltype(packed)::value;
+    launch_pdl(moe_mma_kernel<T, Id, true, ACT, NT, false, kPacked>, grid13, dim3(kThreads), 0, stream, a);
+    if (a.early_w2) {
+      launch_pdl(moe_mma_kernel<T, Id, false, 0, NT, true, kPacked>, grid2, dim3(kThreads), 0, stream, a);
+    } else {
+      launch_pdl(moe_mma_kernel<T, Id, false, 0, NT, false, kPacked>, grid2, dim3(kThreads), 0, stream, a);
+    }
+  };
+  if (a.packed) {
+    two_launches(std::true_type{});
   } else {
-    launch_pdl(moe_mma_kernel<T, Id, false, 0, NT>, grid2, dim3(kThreads), 0, stream, a);
+    two_launches(std::false_type{});
   }
 }
 

@@ -282,11 +282,23 @@ def _moe_fake(sums: bool):
     return fake
 
 
+def _moe_packed_fake(x, topk_ids, topk_weights, w13_wpacked, w13_szpacked, w2_wpacked, w2_szpacked, group_size, act,
+                     pass_rows=8):
+    """moe_mma_packed_w4's fake: x's shape and dtype."""
+    torch._check(x.dim() == 2 and w2_wpacked.dim() == 3 and w2_wpacked.shape[2] == x.shape[1],
+                 lambda: f"w2_wpacked {tuple(w2_wpacked.shape)} vs x {tuple(x.shape)}")
+    torch._check(topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == x.shape[0],
+                 lambda: f"topk_ids {tuple(topk_ids.shape)} and weights must be [T={x.shape[0]}, k]")
+    return x.new_empty(x.shape)
+
+
 def _register_fakes() -> None:
     """Output shape of the compiled MoE kernels, so they trace and pass opcheck."""
     for name in ("moe_gemv_w4", "moe_mma_w4", "moe_gemv_w4_sums"):
         if _ext.has_op(name):
             torch.library.register_fake(f"fastawq::{name}")(_moe_fake(name.endswith("_sums")))
+    if _ext.has_op("moe_mma_packed_w4"):
+        torch.library.register_fake("fastawq::moe_mma_packed_w4")(_moe_packed_fake)
 
 
 _register_fakes()

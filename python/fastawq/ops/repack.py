@@ -80,6 +80,24 @@ def awq_gemv_unpack(
     return qweight, scales, qzeros
 
 
+def awq_experts_repack(
+    w13_qweight: torch.Tensor, w13_scales: torch.Tensor, w13_qzeros: torch.Tensor,
+    w2_qweight: torch.Tensor, w2_scales: torch.Tensor, w2_qzeros: torch.Tensor, group_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stacked AWQ experts (``WQExperts``' buffers) -> ``(w13_wpacked [E, H/8, 2I], w13_szpacked
+    [E, H/G, 4I], w2_wpacked [E, I/8, H], w2_szpacked [E, I/G, 2H])``: each expert's ``awq_gemv_repack``,
+    exactly (``awq_gemv_unpack`` of expert e gives its AWQ tensors back), for moe_mma_packed_w4."""
+    if w13_qweight.dim() != 3 or w2_qweight.dim() != 3:
+        raise ValueError(f"awq_experts_repack: stacked [E, K, N/8] weights expected, got w13_qweight "
+                         f"{tuple(w13_qweight.shape)}, w2_qweight {tuple(w2_qweight.shape)}")
+    out = []
+    for qw, sc, qz in ((w13_qweight, w13_scales, w13_qzeros), (w2_qweight, w2_scales, w2_qzeros)):
+        g = reference.resolve_group_size(group_size, qw.shape[1])
+        pairs = [awq_gemv_repack(qw[e], sc[e], qz[e], g) for e in range(qw.shape[0])]
+        out += [torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])]
+    return out[0], out[1], out[2], out[3]
+
+
 # --- packed_gemm: x @ W on the packed layout --------------------------------------------------
 
 
