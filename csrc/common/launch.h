@@ -188,6 +188,8 @@ constexpr int kMoeMmaOneRoundAssign = 128;  // moe_mma's threads a block
 constexpr int moe_mma_blocks_per_sm(int pass_rows) { return pass_rows == 16 ? 3 : 4; }
 
 void launch_moe_mma(const MoeMmaArgs& args, cudaStream_t stream);
+// args.packed's kernels (csrc/moe/moe_mma_packed.cu); launch_moe_mma calls it.
+void launch_moe_mma_packed(const MoeMmaArgs& args, cudaStream_t stream);
 
 // An MoE block's routing (csrc/moe/route.cu): router GEMV and top-k, optionally after the add +
 // RMSNorm, grid (parts, T) of 4 warps, each block scoring kRouteBlockExperts experts of one token.
