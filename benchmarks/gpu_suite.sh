@@ -591,6 +591,12 @@ if [[ " $stages " == *" s28 "* ]]; then
   FASTAWQ_PACKED_WGMMA_MAX_M=64 timeout 420 python benchmarks/bench_ab.py --compare layout --shape llama-3-8b \
     --batches 64 --prefill 16 --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
 fi
+# The grouped op at the Qwen3 / Mixtral rows with FASTAWQ_MOE_MMA_ONE_ROUND=$1 and _EARLY_W2=$2.
+moe_id_switches() {
+  echo "ONE_ROUND=$1 EARLY_W2=$2"
+  FASTAWQ_MOE_MMA_ONE_ROUND=$1 FASTAWQ_MOE_MMA_EARLY_W2=$2 timeout 100 python benchmarks/bench_moe.py \
+    --shapes qwen3-30b-a3b,mixtral-8x7b --ts 16,64,256 --backends cuda --no-tune 2>&1 | grep -E "^\| (shape|qwen|mixtral)"
+}
 if [[ " $stages " == *" s28m "* ]]; then
   step s28m
   # moe_mma's id scans and w2's prologue (sessions 27 / 28, ~4 min): the gather's id loads batched
@@ -604,10 +610,7 @@ if [[ " $stages " == *" s28m "* ]]; then
   timeout 240 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only moe 2>&1 \
     | tail -2 || status=1
   for v in "0 0" "1 0" "0 1"; do
-    read -r one early <<< "$v"
-    echo "ONE_ROUND=$one EARLY_W2=$early"
-    FASTAWQ_MOE_MMA_ONE_ROUND=$one FASTAWQ_MOE_MMA_EARLY_W2=$early timeout 100 python benchmarks/bench_moe.py \
-      --shapes qwen3-30b-a3b,mixtral-8x7b --ts 16,64,256 --backends cuda --no-tune 2>&1 | tail -8 || status=1
+    moe_id_switches $v || status=1
   done
 fi
 if [[ " $stages " == *" s28m_ab "* ]]; then
@@ -625,9 +628,7 @@ if [[ " $stages " == *" s28d "* ]]; then
   # tests, then the grouped op on the defaults and with both off.
   pytest_gate "$OUT/s28d_tests.txt" 120 tests/test_moe_mma.py -k "default and not persistent" || status=1
   for v in 1 0; do
-    echo "ONE_ROUND=$v EARLY_W2=$v"
-    FASTAWQ_MOE_MMA_ONE_ROUND=$v FASTAWQ_MOE_MMA_EARLY_W2=$v timeout 100 python benchmarks/bench_moe.py \
-      --shapes qwen3-30b-a3b,mixtral-8x7b --ts 16,64,256 --backends cuda --no-tune 2>&1 | tail -7 || status=1
+    moe_id_switches $v $v || status=1
   done
 fi
 if [[ " $stages " == *" s29 "* ]]; then

@@ -354,6 +354,20 @@ __device__ __forceinline__ void publish(int* counter) {
   if (threadIdx.x == 0) red_release_gpu(counter, 1);
 }
 
+// The lane's B row of n-tile q in pass `pass`: x[token][8t ..] (w13) or h[assignment][8t ..] (w2)
+// of the pass's assignment 8q + g (clamped: rows past the pass only feed columns never stored).
+template <typename T, bool kW13, int NT>
+__device__ __forceinline__ void pass_x_rows(const MoeMmaArgs& a, const Smem<NT>& sm, int pass, int rows_here, int g,
+                                            int t, const T* (&xrow)[NT]) {
+#pragma unroll
+  for (int q = 0; q < NT; ++q) {
+    const int f = sm.rows[pass * 8 * NT + min(8 * q + g, rows_here - 1)];
+    xrow[q] = (kW13 ? static_cast<const T*>(a.x) + static_cast<int64_t>(f / a.topk) * a.x_stride
+                    : static_cast<const T*>(a.h) + static_cast<int64_t>(f) * a.inter) +
+              8 * t;
+  }
+}
+
 // w13's block row of the ids outside [0, E): the tile's columns of their h rows are zeros.
 template <typename T, typename S>
 __device__ __forceinline__ void zero_h_rows(const MoeMmaArgs& a, const S& sm, int tile, int count) {
@@ -575,16 +589,8 @@ __device__ __forceinline__ void run_work(const MoeMmaArgs& a, Smem<NT>& sm, cons
 
   for (int pass = 0; pass * kPassRows < count; ++pass) {
     const int rows_here = min(kPassRows, count - pass * kPassRows);
-    // The lane's B row of n-tile q: token 8q + g of the pass (clamped: rows past the pass only
-    // feed columns never stored).
     const T* xrow[NT];
-#pragma unroll
-    for (int q = 0; q < NT; ++q) {
-      const int f = sm.rows[pass * kPassRows + min(8 * q + g, rows_here - 1)];
-      xrow[q] = (kW13 ? static_cast<const T*>(a.x) + static_cast<int64_t>(f / a.topk) * a.x_stride
-                      : static_cast<const T*>(a.h) + static_cast<int64_t>(f) * a.inter) +
-                8 * t;
-    }
+    pass_x_rows<T, kW13>(a, sm, pass, rows_here, g, t, xrow);
 
     // Step s into ring slot `slot`: the lane's weight chunks, and x[token][8t .. + 7] of each n-tile
     // (read by itself).
@@ -864,13 +870,7 @@ __device__ __forceinline__ void run_work_packed(const MoeMmaArgs& a, Smem<NT>& s
   for (int pass = 0; pass * kPassRows < count; ++pass) {
     const int rows_here = min(kPassRows, count - pass * kPassRows);
     const T* xrow[NT];
-#pragma unroll
-    for (int q = 0; q < NT; ++q) {
-      const int f = sm.rows[pass * kPassRows + min(8 * q + g, rows_here - 1)];
-      xrow[q] = (kW13 ? static_cast<const T*>(a.x) + static_cast<int64_t>(f / a.topk) * a.x_stride
-                      : static_cast<const T*>(a.h) + static_cast<int64_t>(f) * a.inter) +
-                8 * t;
-    }
+    pass_x_rows<T, kW13>(a, sm, pass, rows_here, g, t, xrow);
     if (!kEarlyWeights || pass > 0) fetch_first();
 
     float acc[CC][2][NT][4], xs[NT][4];  // [chunk][m-tile][n-tile][C element]; the group's sums of x
