@@ -17,7 +17,7 @@ import torch
 from conftest import random_awq, random_input
 from fastawq import _ext, backend, reference
 from fastawq.ops import moe as ops_moe
-from test_mma_packed import MAGIC, _byte_perm, _halves
+from test_mma_packed import MAGIC, _byte_perm, _column_pair, _halves
 from test_moe_op import check, moe_case, poisoned_empty, replay_checks  # noqa: F401 (a fixture)
 
 HAS_KERNEL = torch.cuda.is_available() and _ext.has_op("moe_mma_w4")
@@ -134,6 +134,108 @@ def test_fragments_as_the_kernel_reads_them(w13, dtype, m, k, g, steps):
             want_up = ref[:, [inter + tile * 64 + c for c in cols]]
             torch.testing.assert_close(got[:, cols], want_gate, rtol=1e-4, atol=1e-3)
             torch.testing.assert_close(got[:, [64 + c for c in cols]], want_up, rtol=1e-4, atol=1e-3)
+        else:
+            cols = [c for c in range(128) if tile * 128 + c < n]
+            torch.testing.assert_close(got[:, cols], ref[:, [tile * 128 + c for c in cols]], rtol=1e-4, atol=1e-3)
+
+
+def _emulate_tile_packed(x, wp, sz, g, tile: int, w13: bool, n: int, inter: int = 0, steps_per_warp: int | None = None):
+    """run_work_packed's tile [M <= 8, 128] from the packed layout (w13: 64 gate then 64 up columns):
+    4 chunks of 32 columns a warp, lane (gq, t) reading the 16 bytes at (kb = 4s + t, its chunk's c4)."""
+    dtype = x.dtype
+    magic_bits, magic = MAGIC[dtype]
+    m, k = x.shape
+    n4 = n // 4
+    words = (wp.view(k // 8, n4, 4).to(torch.int64) & 0xFFFFFFFF).tolist()
+    pairs = sz.view(k // g, n, 2).float().tolist()
+    xf = x.float()
+
+    def chunk_c4(cc: int, gq: int) -> tuple[int, bool]:
+        """The lane's c4 in chunk cc and whether it exists (moe_mma.cuh's c4[cc], col_ok[cc])."""
+        if w13:
+            local = tile * 16 + 8 * (cc & 1) + gq
+            return (0 if cc < 2 else inter // 4) + local, local < inter // 4
+        c4 = tile * 32 + 8 * cc + gq
+        return c4, c4 < n4
+
+    s_total = k // 32
+    steps = steps_per_warp or s_total
+    red = torch.zeros(m, 128, dtype=torch.float64)
+    for s0 in range(0, s_total, steps):  # one warp per range of steps
+        s1 = min(s0 + steps, s_total)
+        acc = [[torch.zeros(16, 8) for _ in range(2)] for _ in range(4)]  # [chunk][m-tile]
+        xs = torch.zeros(16, 8)
+        for s in range(s0, s1):
+            for h in range(2):
+                b_frag = torch.zeros(16, 8)
+                for lane in range(32):
+                    gq, t = divmod(lane, 4)
+                    row = min(gq, m - 1)
+                    k0 = 32 * s + 8 * t + 4 * h
+                    b_frag[2 * t : 2 * t + 2, gq] = xf[row, k0 : k0 + 2]
+                    b_frag[2 * t + 8 : 2 * t + 10, gq] = xf[row, k0 + 2 : k0 + 4]
+                xs += torch.ones(16, 16) @ b_frag
+                for cc in range(4):
+                    for i in range(2):
+                        a = torch.zeros(16, 16)
+                        for lane in range(32):
+                            gq, t = divmod(lane, 4)
+                            c4, ok = chunk_c4(cc, gq)
+                            w = words[4 * s + t][c4] if ok else [0, 0, 0, 0]
+                            w0, w1 = w[2 * h], w[2 * h + 1]
+                            regs = [_column_pair(w0, 2 * i, magic_bits), _column_pair(w0, 2 * i + 1, magic_bits),
+                                    _column_pair(w1, 2 * i, magic_bits), _column_pair(w1, 2 * i + 1, magic_bits)]
+                            a[gq, 2 * t : 2 * t + 2] = torch.tensor(_halves(regs[0], dtype))
+                            a[gq + 8, 2 * t : 2 * t + 2] = torch.tensor(_halves(regs[1], dtype))
+                            a[gq, 2 * t + 8 : 2 * t + 10] = torch.tensor(_halves(regs[2], dtype))
+                            a[gq + 8, 2 * t + 8 : 2 * t + 10] = torch.tensor(_halves(regs[3], dtype))
+                        acc[cc][i] += a @ b_frag
+            last = s + 1 == s1
+            if (s + 1) * 32 % g == 0 or last:  # close the group from the lane's own pairs
+                grp = s * 32 // g
+                for cc in range(4):
+                    for i in range(2):
+                        for frag_row in range(16):
+                            gq, hi = frag_row % 8, frag_row // 8
+                            c4, ok = chunk_c4(cc, gq)
+                            col = 4 * c4 + 2 * i + hi
+                            su = _unit(pairs[grp][col][0] if ok else 0.0)
+                            sn = 1.0 if last else _unit(pairs[grp + 1][col][0] if ok else 0.0)
+                            zm = magic + (pairs[grp][col][1] if ok else 0.0)
+                            acc[cc][i][frag_row] = (su / sn) * (acc[cc][i][frag_row] - zm * xs[frag_row])
+                xs.zero_()
+        for cc in range(4):
+            for i in range(2):
+                for frag_row in range(16):
+                    gq, hi = frag_row % 8, frag_row // 8
+                    for tok in range(min(m, 8)):
+                        red[tok, 32 * cc + 4 * gq + 2 * i + hi] += acc[cc][i][frag_row, tok].item()
+    return red.float()
+
+
+@pytest.mark.parametrize("w13", [True, False], ids=["w13", "w2"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m,k,g,steps", [(3, 64, 32, None), (8, 128, 64, 3), (1, 96, 32, 2)])
+def test_packed_fragments_as_the_kernel_reads_them(w13, dtype, m, k, g, steps):
+    # moe_mma_packed_w4's index math (moe_mma.cuh, run_work_packed), on the CPU: the same tiles as
+    # test_fragments_as_the_kernel_reads_them, from the experts' packed layout.
+    from fastawq.ops import repack
+
+    inter = 96
+    n = 2 * inter if w13 else 160
+    qw, s, qz = random_awq(k, n, g, "cpu", dtype, seed=m + k)
+    s[0, 5] = 0.0
+    x = random_input((m, k), "cpu", dtype, seed=k)
+    wp, sz = repack.awq_gemv_repack(qw, s, qz, g)
+    ref = x.float() @ reference.dequantize(qw, s.float(), qz, g)
+    for tile in range(2):
+        got = _emulate_tile_packed(x, wp, sz, g, tile, w13, n, inter, steps)
+        assert torch.isfinite(got).all()
+        if w13:
+            cols = [c for c in range(64) if tile * 64 + c < inter]
+            torch.testing.assert_close(got[:, cols], ref[:, [tile * 64 + c for c in cols]], rtol=1e-4, atol=1e-3)
+            torch.testing.assert_close(got[:, [64 + c for c in cols]], ref[:, [inter + tile * 64 + c for c in cols]],
+                                       rtol=1e-4, atol=1e-3)
         else:
             cols = [c for c in range(128) if tile * 128 + c < n]
             torch.testing.assert_close(got[:, cols], ref[:, [tile * 128 + c for c in cols]], rtol=1e-4, atol=1e-3)
