@@ -103,7 +103,7 @@ at::Tensor moe_gemv_w4_sums(const at::Tensor& x, const at::Tensor& topk_ids, con
                             const at::Tensor& w2_qweight, const at::Tensor& w2_scales, const at::Tensor& w2_qzeros,
                             int64_t group_size, const std::string& act);
 
-// The same on the tensor cores, each expert read once per call (csrc/moe/moe_mma.cu); T * k at most
+// The same on the tensor cores, each expert read once per call (csrc/moe/moe_mma.cuh); T * k at most
 // kMoeMmaMaxAssign (common/launch.h), x 16-byte aligned; pass_rows (8 or 16) tokens of an expert
 // per pass over its weights (python/fastawq/backend.py's moe_pass_rows picks it).
 at::Tensor moe_mma_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,

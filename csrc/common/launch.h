@@ -137,7 +137,7 @@ bool launch_moe_gemv(const MoeGemvArgs& args, cudaStream_t stream);
 constexpr int kMoeHPartWarpRows = 64;
 inline bool moe_h_part_fits(const MoeGemvArgs& a) { return (a.cpb2 + 3) / 4 * a.chunk2 <= kMoeHPartWarpRows; }
 
-// On the tensor cores (csrc/moe/moe_mma.cu): one block row per expert the ids reach (and one for
+// On the tensor cores (csrc/moe/moe_mma.cuh): one block row per expert the ids reach (and one for
 // ids outside [0, E)), each block gathering the assignments routed to its expert, so an expert is
 // read once per call. At most kMoeMmaMaxAssign assignments (T * topk) and kMoeMmaMaxExperts
 // experts. counters13 is [E, tiles13].
@@ -179,7 +179,7 @@ struct MoeMmaArgs : MoeArgs {
   // moe_mma_packed_w4 (FASTAWQ_MOE_MMA_PACKED=1 in the backend; not yet measured): the experts in
   // the packed layout of gemv/awq_gemv_packed.h, w13_qweight / w2_qweight holding wpacked [E, K/8, N]
   // and w13_scales / w2_scales szpacked [E, K/G, 2N] (no qzeros), read through a register ring
-  // (moe_mma.cu, run_work_packed). Two-launch form only.
+  // (moe_mma.cuh, run_work_packed). Two-launch form only.
   bool packed;
 };
 constexpr int kMoeMmaOneRoundAssign = 128;  // moe_mma's threads a block
@@ -188,8 +188,10 @@ constexpr int kMoeMmaOneRoundAssign = 128;  // moe_mma's threads a block
 constexpr int moe_mma_blocks_per_sm(int pass_rows) { return pass_rows == 16 ? 3 : 4; }
 
 void launch_moe_mma(const MoeMmaArgs& args, cudaStream_t stream);
-// args.packed's kernels (csrc/moe/moe_mma_packed.cu); launch_moe_mma calls it.
+// args.packed's kernels (csrc/moe/moe_mma_packed.cu) and the persistent form's
+// (csrc/moe/moe_mma_persistent.cu); launch_moe_mma calls them.
 void launch_moe_mma_packed(const MoeMmaArgs& args, cudaStream_t stream);
+void launch_moe_mma_persistent(const MoeMmaArgs& args, cudaStream_t stream);
 
 // An MoE block's routing (csrc/moe/route.cu): router GEMV and top-k, optionally after the add +
 // RMSNorm, grid (parts, T) of 4 warps, each block scoring kRouteBlockExperts experts of one token.

@@ -54,7 +54,7 @@ __device__ __forceinline__ void decode_bytes(uint32_t v, float (&f)[4]) {
   f[3] = __uint_as_float(__byte_perm(v, kHalf, 0x7344));
 }
 
-// The mma A register of the tensor-core kernels (awq_mma_packed.cu, moe/moe_mma.cu): (magic + the
+// The mma A register of the tensor-core kernels (awq_mma_packed.cu, moe/moe_mma.cuh): (magic + the
 // low nibble of byte B of lo, magic + that of hi) in x's dtype, exact. With hi = lo >> 4 it is the
 // two nibbles of one byte; with two rows' words, one nibble of each.
 template <typename T, int B>

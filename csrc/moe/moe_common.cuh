@@ -1,4 +1,4 @@
-// What the two MoE kernel families of this folder share (moe_gemv.cu on the CUDA cores, moe_mma.cu
+// What the two MoE kernel families of this folder share (moe_gemv.cu on the CUDA cores, moe_mma.cuh
 // on the tensor cores): the activation of act(gate) * up and the arrival counter through which the
 // last block to add into a zeroed fp32 workspace knows it may convert it.
 #pragma once

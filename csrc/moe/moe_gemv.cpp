@@ -276,7 +276,7 @@ at::Tensor moe_mma_call(const char* op, bool packed, const at::Tensor& x, const 
   mma_split(hit * a.tiles2, i, sms, per_sm, a.splits2, a.steps2);
   // FASTAWQ_MOE_MMA_PERSISTENT=1 (an A/B switch, read at each call; a graph: at capture): w13 and
   // w2 in one launch of as many blocks as fit, taking the blocks of both grids as work items in
-  // order (moe_mma.cu). FASTAWQ_MOE_MMA_GRID=n caps its blocks (tests: a few blocks take many items);
+  // order (moe_mma.cuh). FASTAWQ_MOE_MMA_GRID=n caps its blocks (tests: a few blocks take many items);
   // FASTAWQ_MOE_MMA_AHEAD=1 has each block claim its next item early (launch.h).
   a.persistent_blocks = 0;
   a.claim_ahead = false;

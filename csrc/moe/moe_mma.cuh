@@ -1037,8 +1037,8 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
 }
 
 // f.template operator()<T, Id, ACT, NT>() for the call's activation dtype, id type, activation and
-// tokens a pass: the one place that maps MoeMmaArgs to kernel instances (moe_mma.cu and
-// moe_mma_packed.cu each instantiate their own kernels through it).
+// tokens a pass: the one place that maps MoeMmaArgs to kernel instances (moe_mma.cu,
+// moe_mma_packed.cu and moe_mma_persistent.cu each instantiate their own kernels through it).
 template <typename F>
 void dispatch_instance(const MoeMmaArgs& a, F&& f) {
   const auto by_nt = [&]<typename T, typename Id, int ACT>() {
