@@ -634,19 +634,25 @@ fi
 if [[ " $stages " == *" s29 "* ]]; then
   step s29
   # moe_mma on the experts repacked into the packed layout (moe_mma_packed_w4, session 28, not yet
-  # run; ~3 min): its tests, memcheck, then the grouped op against moe_mma on the AWQ layout at the
-  # batch-16 / 64 / 256 rows (16 and 8 tokens a pass where the backend would pick 16).
+  # run; ~4 min): its tests, memcheck, then the grouped op against moe_mma on the AWQ layout at the
+  # batch-16 / 64 / 256 rows (16 and 8 tokens a pass where the backend would pick 16), with four
+  # and with two 32-column chunks a warp.
   pytest_gate "$OUT/s29_tests.txt" 150 tests/test_moe_mma.py -k "packed" || status=1
-  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only moe_packed \
+  timeout 180 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only moe_packed \
     2>&1 | tail -2 || status=1
   timeout 150 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b,mixtral-8x7b --ts 16,64,256 --no-tune \
     --backends cuda:mma,cuda:mmapacked,cuda:mmapacked8 2>&1 | grep -E "^\| (shape|qwen|mixtral)" || status=1
+  # Two chunks a warp (warps split over columns and K, a 4-step ring) instead of four.
+  FASTAWQ_MOE_PACKED_CHUNKS=2 timeout 100 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b,mixtral-8x7b \
+    --ts 16,64,256 --no-tune --backends cuda:mmapacked 2>&1 | grep -E "^\| (qwen|mixtral)" || status=1
 fi
 if [[ " $stages " == *" s29_ab "* ]]; then
   step s29_ab
   # The engine with moe_mma on the packed copy of the experts (FASTAWQ_MOE_MMA_PACKED: set when the
   # MoE plans are made, so both arms share one model; the copy doubles the experts' memory), ~3 min.
-  FASTAWQ_MOE_MMA_PACKED=0 FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/bench_ab.py \
+  # PACKED_CHUNKS=2 bash benchmarks/gpu_suite.sh build s29_ab: the packed arm with two chunks a warp.
+  FASTAWQ_MOE_PACKED_CHUNKS=${PACKED_CHUNKS:-4} FASTAWQ_MOE_MMA_PACKED=0 FASTAWQ_TRITON_TUNE=0 timeout 200 \
+    python benchmarks/bench_ab.py \
     --compare env:FASTAWQ_MOE_MMA_PACKED=0,1 --shape qwen3-30b-a3b --batches 8,16 --layout packed --decode 64 \
     --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
 fi

@@ -139,9 +139,11 @@ def test_fragments_as_the_kernel_reads_them(w13, dtype, m, k, g, steps):
             torch.testing.assert_close(got[:, cols], ref[:, [tile * 128 + c for c in cols]], rtol=1e-4, atol=1e-3)
 
 
-def _emulate_tile_packed(x, wp, sz, g, tile: int, w13: bool, n: int, inter: int = 0, steps_per_warp: int | None = None):
+def _emulate_tile_packed(x, wp, sz, g, tile: int, w13: bool, n: int, inter: int = 0, steps_per_warp: int | None = None,
+                         chunks: int = 4):
     """run_work_packed's tile [M <= 8, 128] from the packed layout (w13: 64 gate then 64 up columns):
-    4 chunks of 32 columns a warp, lane (gq, t) reading the 16 bytes at (kb = 4s + t, its chunk's c4)."""
+    `chunks` chunks of 32 columns a warp (4: all, over steps_per_warp steps of K; 2: half of them,
+    over twice as many), lane (gq, t) reading the 16 bytes at (kb = 4s + t, its chunk's c4)."""
     dtype = x.dtype
     magic_bits, magic = MAGIC[dtype]
     m, k = x.shape
@@ -150,20 +152,22 @@ def _emulate_tile_packed(x, wp, sz, g, tile: int, w13: bool, n: int, inter: int 
     pairs = sz.view(k // g, n, 2).float().tolist()
     xf = x.float()
 
-    def chunk_c4(cc: int, gq: int) -> tuple[int, bool]:
-        """The lane's c4 in chunk cc and whether it exists (moe_mma.cuh's c4[cc], col_ok[cc])."""
+    def chunk_c4(q: int, gq: int) -> tuple[int, bool]:
+        """The lane's c4 in the tile's chunk q and whether it exists (moe_mma.cuh's c4, col_ok)."""
         if w13:
-            local = tile * 16 + 8 * (cc & 1) + gq
-            return (0 if cc < 2 else inter // 4) + local, local < inter // 4
-        c4 = tile * 32 + 8 * cc + gq
+            local = tile * 16 + 8 * (q & 1) + gq
+            return (0 if q < 2 else inter // 4) + local, local < inter // 4
+        c4 = tile * 32 + 8 * q + gq
         return c4, c4 < n4
 
     s_total = k // 32
-    steps = steps_per_warp or s_total
+    steps = (steps_per_warp or s_total) * (4 // chunks)
     red = torch.zeros(m, 128, dtype=torch.float64)
-    for s0 in range(0, s_total, steps):  # one warp per range of steps
+    warps = [(first, s0) for first in range(0, 4, chunks) for s0 in range(0, s_total, steps)]
+    for first, s0 in warps:  # one warp per chunk set and range of steps
         s1 = min(s0 + steps, s_total)
-        acc = [[torch.zeros(16, 8) for _ in range(2)] for _ in range(4)]  # [chunk][m-tile]
+        qs = range(first, first + chunks)  # the tile's chunks the warp takes
+        acc = {q: [torch.zeros(16, 8) for _ in range(2)] for q in qs}  # [chunk][m-tile]
         xs = torch.zeros(16, 8)
         for s in range(s0, s1):
             for h in range(2):
@@ -175,12 +179,12 @@ def _emulate_tile_packed(x, wp, sz, g, tile: int, w13: bool, n: int, inter: int 
                     b_frag[2 * t : 2 * t + 2, gq] = xf[row, k0 : k0 + 2]
                     b_frag[2 * t + 8 : 2 * t + 10, gq] = xf[row, k0 + 2 : k0 + 4]
                 xs += torch.ones(16, 16) @ b_frag
-                for cc in range(4):
+                for q in qs:
                     for i in range(2):
                         a = torch.zeros(16, 16)
                         for lane in range(32):
                             gq, t = divmod(lane, 4)
-                            c4, ok = chunk_c4(cc, gq)
+                            c4, ok = chunk_c4(q, gq)
                             w = words[4 * s + t][c4] if ok else [0, 0, 0, 0]
                             w0, w1 = w[2 * h], w[2 * h + 1]
                             regs = [_column_pair(w0, 2 * i, magic_bits), _column_pair(w0, 2 * i + 1, magic_bits),
@@ -189,34 +193,35 @@ def _emulate_tile_packed(x, wp, sz, g, tile: int, w13: bool, n: int, inter: int 
                             a[gq + 8, 2 * t : 2 * t + 2] = torch.tensor(_halves(regs[1], dtype))
                             a[gq, 2 * t + 8 : 2 * t + 10] = torch.tensor(_halves(regs[2], dtype))
                             a[gq + 8, 2 * t + 8 : 2 * t + 10] = torch.tensor(_halves(regs[3], dtype))
-                        acc[cc][i] += a @ b_frag
+                        acc[q][i] += a @ b_frag
             last = s + 1 == s1
             if (s + 1) * 32 % g == 0 or last:  # close the group from the lane's own pairs
                 grp = s * 32 // g
-                for cc in range(4):
+                for q in qs:
                     for i in range(2):
                         for frag_row in range(16):
                             gq, hi = frag_row % 8, frag_row // 8
-                            c4, ok = chunk_c4(cc, gq)
+                            c4, ok = chunk_c4(q, gq)
                             col = 4 * c4 + 2 * i + hi
                             su = _unit(pairs[grp][col][0] if ok else 0.0)
                             sn = 1.0 if last else _unit(pairs[grp + 1][col][0] if ok else 0.0)
                             zm = magic + (pairs[grp][col][1] if ok else 0.0)
-                            acc[cc][i][frag_row] = (su / sn) * (acc[cc][i][frag_row] - zm * xs[frag_row])
+                            acc[q][i][frag_row] = (su / sn) * (acc[q][i][frag_row] - zm * xs[frag_row])
                 xs.zero_()
-        for cc in range(4):
+        for q in qs:
             for i in range(2):
                 for frag_row in range(16):
                     gq, hi = frag_row % 8, frag_row // 8
                     for tok in range(min(m, 8)):
-                        red[tok, 32 * cc + 4 * gq + 2 * i + hi] += acc[cc][i][frag_row, tok].item()
+                        red[tok, 32 * q + 4 * gq + 2 * i + hi] += acc[q][i][frag_row, tok].item()
     return red.float()
 
 
+@pytest.mark.parametrize("chunks", [4, 2])
 @pytest.mark.parametrize("w13", [True, False], ids=["w13", "w2"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m,k,g,steps", [(3, 64, 32, None), (8, 128, 64, 3), (1, 96, 32, 2)])
-def test_packed_fragments_as_the_kernel_reads_them(w13, dtype, m, k, g, steps):
+@pytest.mark.parametrize("m,k,g,steps", [(3, 64, 32, None), (8, 128, 64, 3), (1, 96, 32, 2), (2, 256, 64, 1)])
+def test_packed_fragments_as_the_kernel_reads_them(w13, dtype, m, k, g, steps, chunks):
     # moe_mma_packed_w4's index math (moe_mma.cuh, run_work_packed), on the CPU: the same tiles as
     # test_fragments_as_the_kernel_reads_them, from the experts' packed layout.
     from fastawq.ops import repack
@@ -229,7 +234,7 @@ def test_packed_fragments_as_the_kernel_reads_them(w13, dtype, m, k, g, steps):
     wp, sz = repack.awq_gemv_repack(qw, s, qz, g)
     ref = x.float() @ reference.dequantize(qw, s.float(), qz, g)
     for tile in range(2):
-        got = _emulate_tile_packed(x, wp, sz, g, tile, w13, n, inter, steps)
+        got = _emulate_tile_packed(x, wp, sz, g, tile, w13, n, inter, steps, chunks)
         assert torch.isfinite(got).all()
         if w13:
             cols = [c for c in range(64) if tile * 64 + c < inter]
@@ -471,14 +476,16 @@ def test_experts_repack_is_exact_per_expert(g):
 
 
 @requires_packed
+@pytest.mark.parametrize("chunks", ["4", "2"])
 @pytest.mark.parametrize("early", ["0", "1"])
 @pytest.mark.parametrize("pass_rows", [8, 16])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "E{}H{}I{}G{}k{}T{}-{}".format(*c))
-def test_packed_kernel_matches_reference(case, dtype, pass_rows, early, monkeypatch, poisoned_empty):
+def test_packed_kernel_matches_reference(case, dtype, pass_rows, early, chunks, monkeypatch, poisoned_empty):
     from fastawq.ops import repack
 
     monkeypatch.setenv("FASTAWQ_MOE_MMA_EARLY_W2", early)
+    monkeypatch.setenv("FASTAWQ_MOE_PACKED_CHUNKS", chunks)
     e, h, i, g, k, t, load = case
     weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=7 * t + k, dtype=dtype, load=load)
     packed = repack.awq_experts_repack(*weights, g)

@@ -181,6 +181,9 @@ struct MoeMmaArgs : MoeArgs {
   // and w13_scales / w2_scales szpacked [E, K/G, 2N] (no qzeros), read through a register ring
   // (moe_mma.cuh, run_work_packed). Two-launch form only.
   bool packed;
+  // FASTAWQ_MOE_PACKED_CHUNKS=2 (an A/B switch, read at each call; else 4): 32-column chunks a warp
+  // of the packed kernel (moe_mma.cuh says what each means).
+  int packed_chunks;
 };
 constexpr int kMoeMmaOneRoundAssign = 128;  // moe_mma's threads a block
 // Blocks an SM of the kernel for a pass of pass_rows tokens (its __launch_bounds__; the host sizes

@@ -777,20 +777,28 @@ __device__ __forceinline__ void run_work(const MoeMmaArgs& a, Smem<NT>& sm, cons
 // A fragment of 4 columns for a 32-row step, so each step's weights are plain 16-byte loads into
 // the lane's own registers, kMoePackedRing steps ahead, with no shared-memory ring, no cp.async wait
 // and no __syncwarp a step (session 10, dense, same dequant: 1.43 against the cp.async ring's 1.27x
-// cuBLAS at 8 tokens). A warp's 128 tile columns are 4 chunks of 32 (w13: 2 of gate, 2 of up); a
-// lane owns the C fragment's 4 columns 4 c4 .. + 3 of each chunk, whose (scale, zero) pairs are one
-// 16-byte load, so a group's close needs no shuffles. Slot r's refill waits until slot r + 1's
-// first use (awq_mma_packed's DEFER: every weight load of a warp shares one scoreboard, so a refill
-// issued just before the next slot's first use would hold that use for a whole memory latency).
-constexpr int kMoePackedRing = 2;
-constexpr int kMoePackedChunks = kTileCols / 32;
+// cuBLAS at 8 tokens). The tile's 128 columns are 4 chunks of 32 (w13: 2 of gate, 2 of up). CC = 4
+// (a.packed_chunks): each warp takes all 4 chunks over its own range of K, with a 2-step ring (16
+// bytes x 4 chunks x 2 steps of registers); CC = 2 (FASTAWQ_MOE_PACKED_CHUNKS=2): warps 0 / 1 take
+// chunks 0-1 / 2-3 over the first K half of the block's range, warps 2 / 3 the same over the second,
+// each range twice as long, with a 4-step ring in the same registers (more loads in flight a warp,
+// half the accumulators). A lane owns the C fragment's 4 columns 4 c4 .. + 3 of each of its chunks,
+// whose (scale, zero) pairs are one 16-byte load, so a group's close needs no shuffles. Slot r's
+// refill waits until slot r + 1's first use (awq_mma_packed's DEFER: every weight load of a warp
+// shares one scoreboard, so a refill issued just before the next slot's first use would hold that
+// use for a whole memory latency).
+template <int CC>
+constexpr int moe_packed_ring() { return CC == 4 ? 2 : 4; }
 
-template <typename T, typename Id, bool kW13, int ACT, int NT, typename Work, typename CountFn, typename WaitH>
+template <typename T, typename Id, bool kW13, int ACT, int NT, int CC, typename Work, typename CountFn, typename WaitH>
 __device__ __forceinline__ void run_work_packed(const MoeMmaArgs& a, Smem<NT>& sm, const Work& wk, CountFn count_fn,
                                                 WaitH wait_h) {
+  static_assert(CC == 2 || CC == 4, "chunks a warp");
   using Tr = HalfTraits<T>;
-  constexpr int kPassRows = 8 * NT, CC = kMoePackedChunks, P = kMoePackedRing;
+  constexpr int kPassRows = 8 * NT, P = moe_packed_ring<CC>();
+  constexpr int kColWarps = 4 / CC, kKWarps = kWarps / kColWarps;  // warps across the columns, along K
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int first_chunk = (warp % kColWarps) * CC, kwarp = warp / kColWarps;
   const int g = lane >> 2, t = lane & 3;
   const int e = wk.e;
   const bool expert = e < a.num_experts;
@@ -808,18 +816,20 @@ __device__ __forceinline__ void run_work_packed(const MoeMmaArgs& a, Smem<NT>& s
     }
   }
 
-  // The lane's chunk cc: the 4 columns from 4 c4[cc] of the layer, tile columns 32 cc + 4 g .. + 3
-  // (w13: chunks 0, 1 the gate's 64 columns of the tile, chunks 2, 3 the same up columns).
+  // The lane's chunk cc (the tile's chunk first_chunk + cc = q): the 4 columns from 4 c4[cc] of the
+  // layer, tile columns 32 q + 4 g .. + 3 (w13: chunks 0, 1 the gate's 64 columns of the tile, 2, 3
+  // the same up columns).
   int c4[CC];
   bool col_ok[CC];
 #pragma unroll
   for (int cc = 0; cc < CC; ++cc) {
+    const int q = first_chunk + cc;
     if constexpr (kW13) {
-      const int local = tile * (kMoeMmaTile13 / 4) + 8 * (cc & 1) + g;
-      c4[cc] = (cc < 2 ? 0 : a.inter / 4) + local;
+      const int local = tile * (kMoeMmaTile13 / 4) + 8 * (q & 1) + g;
+      c4[cc] = (q < 2 ? 0 : a.inter / 4) + local;
       col_ok[cc] = expert && local < a.inter / 4;
     } else {
-      c4[cc] = tile * (kTileCols / 4) + 8 * cc + g;
+      c4[cc] = tile * (kTileCols / 4) + 8 * q + g;
       col_ok[cc] = expert && c4[cc] < n4;
     }
     if (!col_ok[cc]) c4[cc] = 0;
@@ -828,8 +838,9 @@ __device__ __forceinline__ void run_work_packed(const MoeMmaArgs& a, Smem<NT>& s
   const int64_t ex = expert ? e : 0;
   const uint4* wp = reinterpret_cast<const uint4*>(kW13 ? a.w13_qweight : a.w2_qweight) + ex * (k / 8) * n4;
   const uint4* szp = static_cast<const uint4*>(kW13 ? a.w13_scales : a.w2_scales) + ex * (k / gsize) * n4;
-  const int steps = kW13 ? a.steps13 : a.steps2;
-  const int s0 = (wk.split() * kWarps + warp) * steps, s1 = min(s0 + steps, k / kStepRows);
+  // The host sized steps13 / steps2 for 4 warps along K; kKWarps of them take as many steps each.
+  const int steps = (kW13 ? a.steps13 : a.steps2) * kColWarps;
+  const int s0 = (wk.split() * kKWarps + kwarp) * steps, s1 = min(s0 + steps, k / kStepRows);
   const int steps_per_group = gsize / kStepRows;
   const uint64_t policy = a.evict_normal ? evict_normal_policy() : evict_first_policy();
   const uint32_t ones[4] = {Tr::kOne2, Tr::kOne2, Tr::kOne2, Tr::kOne2};
@@ -981,7 +992,8 @@ __device__ __forceinline__ void run_work_packed(const MoeMmaArgs& a, Smem<NT>& s
     __syncthreads();  // every warp is done with its pairs (red overlaps them) before the sums
 
     // C fragment (g, t) of chunk cc: element r of m-tile i is column 4 c4 + 2i + (r >> 1), token
-    // 8q + 2t + (r & 1) of the pass.
+    // 8q + 2t + (r & 1) of the pass. With CC = 2 the warp's sums of the other two chunks are zeros
+    // (pass_out adds every warp's row).
 #pragma unroll
     for (int cc = 0; cc < CC; ++cc)
 #pragma unroll
@@ -990,7 +1002,15 @@ __device__ __forceinline__ void run_work_packed(const MoeMmaArgs& a, Smem<NT>& s
         for (int q = 0; q < NT; ++q)
 #pragma unroll
           for (int r = 0; r < 4; ++r)
-            sm.red[warp][8 * q + 2 * t + (r & 1)][32 * cc + 4 * g + 2 * i + (r >> 1)] = acc[cc][i][q][r];
+            sm.red[warp][8 * q + 2 * t + (r & 1)][32 * (first_chunk + cc) + 4 * g + 2 * i + (r >> 1)] =
+                acc[cc][i][q][r];
+    if constexpr (CC < 4) {
+      const int other = 32 * (CC - first_chunk);  // the first column of the chunks the warp does not take
+      for (int idx = lane; idx < kPassRows * 8 * CC; idx += 32) {
+        const int row = idx / (8 * CC), c = other + 4 * (idx % (8 * CC));
+        *reinterpret_cast<float4*>(&sm.red[warp][row][c]) = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
     __syncthreads();
 
     pass_out<T, kW13, ACT, NT>(a, sm, expert, tile, splits, n, pass, rows_here);
@@ -1003,8 +1023,8 @@ __device__ __forceinline__ void run_work_packed(const MoeMmaArgs& a, Smem<NT>& s
 // Two launches: grid (tiles, splits, rows), block row z on the z-th expert the ids reach.
 // kEarly (w2 only, FASTAWQ_MOE_MMA_EARLY_W2): everything up to the first read of h runs before the
 // PDL wait, so the expert scan, the gather and the first weight copies overlap w13's tail.
-// kPacked: the experts in the packed layout (run_work_packed).
-template <typename T, typename Id, bool kW13, int ACT, int NT, bool kEarly = false, bool kPacked = false>
+// kPacked: the experts in the packed layout (run_work_packed), CC chunks a warp (4 or 2).
+template <typename T, typename Id, bool kW13, int ACT, int NT, bool kEarly = false, bool kPacked = false, int CC = 4>
 __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_mma_kernel(MoeMmaArgs a) {
   static_assert(!(kW13 && kEarly), "w13 reads its ids only after the PDL wait");
   __shared__ Smem<NT> sm;
@@ -1024,7 +1044,7 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
   }
   const auto work = [&](const auto& wk, auto wait_h) {
     if constexpr (kPacked) {
-      run_work_packed<T, Id, kW13, ACT, NT>(a, sm, wk, [count] { return count; }, wait_h);
+      run_work_packed<T, Id, kW13, ACT, NT, CC>(a, sm, wk, [count] { return count; }, wait_h);
     } else {
       run_work<T, Id, kW13, ACT, NT>(a, sm, wk, [count] { return count; }, nullptr, wait_h);
     }
@@ -1061,14 +1081,14 @@ void dispatch_instance(const MoeMmaArgs& a, F&& f) {
 }
 
 // The two launches of the grid form: w13, then w2 (early or not, a.early_w2).
-template <typename T, typename Id, int ACT, int NT, bool kPacked>
+template <typename T, typename Id, int ACT, int NT, bool kPacked, int CC = 4>
 void launch_two(const MoeMmaArgs& a, cudaStream_t stream) {
   const dim3 grid13(a.tiles13, a.splits13, a.rows), grid2(a.tiles2, a.splits2, a.rows);
-  launch_pdl(moe_mma_kernel<T, Id, true, ACT, NT, false, kPacked>, grid13, dim3(kThreads), 0, stream, a);
+  launch_pdl(moe_mma_kernel<T, Id, true, ACT, NT, false, kPacked, CC>, grid13, dim3(kThreads), 0, stream, a);
   if (a.early_w2) {
-    launch_pdl(moe_mma_kernel<T, Id, false, 0, NT, true, kPacked>, grid2, dim3(kThreads), 0, stream, a);
+    launch_pdl(moe_mma_kernel<T, Id, false, 0, NT, true, kPacked, CC>, grid2, dim3(kThreads), 0, stream, a);
   } else {
-    launch_pdl(moe_mma_kernel<T, Id, false, 0, NT, false, kPacked>, grid2, dim3(kThreads), 0, stream, a);
+    launch_pdl(moe_mma_kernel<T, Id, false, 0, NT, false, kPacked, CC>, grid2, dim3(kThreads), 0, stream, a);
   }
 }
 

@@ -5,7 +5,10 @@
 namespace fastawq {
 
 void launch_moe_mma_packed(const MoeMmaArgs& a, cudaStream_t stream) {
-  dispatch_instance(a, [&]<typename T, typename Id, int ACT, int NT>() { launch_two<T, Id, ACT, NT, true>(a, stream); });
+  dispatch_instance(a, [&]<typename T, typename Id, int ACT, int NT>() {
+    if (a.packed_chunks == 2) return launch_two<T, Id, ACT, NT, true, 2>(a, stream);
+    launch_two<T, Id, ACT, NT, true, 4>(a, stream);
+  });
 }
 
 }  // namespace fastawq
