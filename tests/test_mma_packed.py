@@ -40,6 +40,14 @@ def _halves(reg: int, dtype: torch.dtype) -> tuple[float, float]:
     return lo, hi
 
 
+def _place_a(a: torch.Tensor, gq: int, t: int, regs: list[int], dtype: torch.dtype) -> None:
+    """Lane (gq, t)'s four A registers of an m16n8k16 mma into the 16 x 16 A tile."""
+    a[gq, 2 * t : 2 * t + 2] = torch.tensor(_halves(regs[0], dtype))
+    a[gq + 8, 2 * t : 2 * t + 2] = torch.tensor(_halves(regs[1], dtype))
+    a[gq, 2 * t + 8 : 2 * t + 10] = torch.tensor(_halves(regs[2], dtype))
+    a[gq + 8, 2 * t + 8 : 2 * t + 10] = torch.tensor(_halves(regs[3], dtype))
+
+
 def _emulate(x: torch.Tensor, wp: torch.Tensor, sz: torch.Tensor, n: int, g: int) -> torch.Tensor:
     """y [M, N] as the kernel computes it, one mma (16 x 16 A, 16 x 8 B) at a time."""
     dtype = x.dtype
@@ -68,10 +76,7 @@ def _emulate(x: torch.Tensor, wp: torch.Tensor, sz: torch.Tensor, n: int, g: int
                         w0, w1 = w[2 * h], w[2 * h + 1]
                         regs = [_column_pair(w0, 2 * tile, magic_bits), _column_pair(w0, 2 * tile + 1, magic_bits),
                                 _column_pair(w1, 2 * tile, magic_bits), _column_pair(w1, 2 * tile + 1, magic_bits)]
-                        a[gq, 2 * t : 2 * t + 2] = torch.tensor(_halves(regs[0], dtype))
-                        a[gq + 8, 2 * t : 2 * t + 2] = torch.tensor(_halves(regs[1], dtype))
-                        a[gq, 2 * t + 8 : 2 * t + 10] = torch.tensor(_halves(regs[2], dtype))
-                        a[gq + 8, 2 * t + 8 : 2 * t + 10] = torch.tensor(_halves(regs[3], dtype))
+                        _place_a(a, gq, t, regs, dtype)
                         cols[gq], cols[gq + 8] = 4 * c4 + 2 * tile, 4 * c4 + 2 * tile + 1
                     for nt in range(tiles):
                         b = torch.zeros(16, 8)

@@ -17,7 +17,7 @@ import torch
 from conftest import random_awq, random_input
 from fastawq import _ext, backend, reference
 from fastawq.ops import moe as ops_moe
-from test_mma_packed import MAGIC, _byte_perm, _column_pair, _halves
+from test_mma_packed import MAGIC, _byte_perm, _column_pair, _place_a
 from test_moe_op import check, moe_case, poisoned_empty, replay_checks  # noqa: F401 (a fixture)
 
 HAS_KERNEL = torch.cuda.is_available() and _ext.has_op("moe_mma_w4")
@@ -34,6 +34,19 @@ def _pair(lo: int, hi: int, b: int, magic: int) -> int:
 
 def _unit(s: float) -> float:
     return s if abs(s) >= 2.0**-60 else 2.0**-60  # gemv::fold_unit
+
+
+def _b_fragment(xf: torch.Tensor, s: int, h: int) -> torch.Tensor:
+    """The 16 x 8 B tile of k-step h of step s: lane (gq, t) holds x[token gq][32s + 8t + 4h .. + 3]
+    (tokens past M clamped to the last)."""
+    b = torch.zeros(16, 8)
+    for lane in range(32):
+        gq, t = divmod(lane, 4)
+        row = min(gq, xf.shape[0] - 1)
+        k0 = 32 * s + 8 * t + 4 * h
+        b[2 * t : 2 * t + 2, gq] = xf[row, k0 : k0 + 2]
+        b[2 * t + 8 : 2 * t + 10, gq] = xf[row, k0 + 2 : k0 + 4]
+    return b
 
 
 def _emulate_tile(x, qw, sc, qz, g, tile: int, w13: bool, inter: int = 0, steps_per_warp: int | None = None):
@@ -68,13 +81,7 @@ def _emulate_tile(x, qw, sc, qz, g, tile: int, w13: bool, inter: int = 0, steps_
         xs = torch.zeros(16, 8)
         for s in range(s0, s1):
             for h in range(2):
-                b_frag = torch.zeros(16, 8)
-                for lane in range(32):
-                    gq, t = divmod(lane, 4)
-                    row = min(gq, m - 1)
-                    k0 = 32 * s + 8 * t + 4 * h
-                    b_frag[2 * t : 2 * t + 2, gq] = xf[row, k0 : k0 + 2]
-                    b_frag[2 * t + 8 : 2 * t + 10, gq] = xf[row, k0 + 2 : k0 + 4]
+                b_frag = _b_fragment(xf, s, h)
                 xs += torch.ones(16, 16) @ b_frag
                 for j in range(2):
                     for b in range(4):
@@ -86,10 +93,7 @@ def _emulate_tile(x, qw, sc, qz, g, tile: int, w13: bool, inter: int = 0, steps_
                             w = [words[r][pw[j]] if ok[j] else 0 for r in rows]
                             regs = [_pair(w[0], w[1], b, magic_bits), _pair(w[0] >> 4, w[1] >> 4, b, magic_bits),
                                     _pair(w[2], w[3], b, magic_bits), _pair(w[2] >> 4, w[3] >> 4, b, magic_bits)]
-                            a[gq, 2 * t : 2 * t + 2] = torch.tensor(_halves(regs[0], dtype))
-                            a[gq + 8, 2 * t : 2 * t + 2] = torch.tensor(_halves(regs[1], dtype))
-                            a[gq, 2 * t + 8 : 2 * t + 10] = torch.tensor(_halves(regs[2], dtype))
-                            a[gq + 8, 2 * t + 8 : 2 * t + 10] = torch.tensor(_halves(regs[3], dtype))
+                            _place_a(a, gq, t, regs, dtype)
                         acc[j][b] += a @ b_frag
             last = s + 1 == s1
             if (s + 1) * 32 % g == 0 or last:  # close the group: acc = r (acc - zm xs)
@@ -171,13 +175,7 @@ def _emulate_tile_packed(x, wp, sz, g, tile: int, w13: bool, n: int, inter: int 
         xs = torch.zeros(16, 8)
         for s in range(s0, s1):
             for h in range(2):
-                b_frag = torch.zeros(16, 8)
-                for lane in range(32):
-                    gq, t = divmod(lane, 4)
-                    row = min(gq, m - 1)
-                    k0 = 32 * s + 8 * t + 4 * h
-                    b_frag[2 * t : 2 * t + 2, gq] = xf[row, k0 : k0 + 2]
-                    b_frag[2 * t + 8 : 2 * t + 10, gq] = xf[row, k0 + 2 : k0 + 4]
+                b_frag = _b_fragment(xf, s, h)
                 xs += torch.ones(16, 16) @ b_frag
                 for q in qs:
                     for i in range(2):
@@ -189,10 +187,7 @@ def _emulate_tile_packed(x, wp, sz, g, tile: int, w13: bool, n: int, inter: int 
                             w0, w1 = w[2 * h], w[2 * h + 1]
                             regs = [_column_pair(w0, 2 * i, magic_bits), _column_pair(w0, 2 * i + 1, magic_bits),
                                     _column_pair(w1, 2 * i, magic_bits), _column_pair(w1, 2 * i + 1, magic_bits)]
-                            a[gq, 2 * t : 2 * t + 2] = torch.tensor(_halves(regs[0], dtype))
-                            a[gq + 8, 2 * t : 2 * t + 2] = torch.tensor(_halves(regs[1], dtype))
-                            a[gq, 2 * t + 8 : 2 * t + 10] = torch.tensor(_halves(regs[2], dtype))
-                            a[gq + 8, 2 * t + 8 : 2 * t + 10] = torch.tensor(_halves(regs[3], dtype))
+                            _place_a(a, gq, t, regs, dtype)
                         acc[q][i] += a @ b_frag
             last = s + 1 == s1
             if (s + 1) * 32 % g == 0 or last:  # close the group from the lane's own pairs
