@@ -283,7 +283,7 @@ at::Tensor moe_mma_call(const char* op, bool packed, const at::Tensor& x, const 
   a.one_round = n <= kMoeMmaOneRoundAssign && env_switch("FASTAWQ_MOE_MMA_ONE_ROUND") != 0;
   a.early_w2 = env_switch("FASTAWQ_MOE_MMA_EARLY_W2") != 0;
   a.packed = packed;
-  const char* chunks = std::getenv("FASTAWQ_MOE_PACKED_CHUNKS");
+  const char* chunks = packed ? std::getenv("FASTAWQ_MOE_PACKED_CHUNKS") : nullptr;  // (the packed kernel's only)
   a.packed_chunks = chunks != nullptr && std::strcmp(chunks, "2") == 0 ? 2 : 4;
   if (!packed && env_switch("FASTAWQ_MOE_MMA_PERSISTENT") == 1) {  // (the persistent form reads the AWQ layout)
     a.claim_ahead = env_switch("FASTAWQ_MOE_MMA_AHEAD") == 1;
