@@ -119,6 +119,17 @@ at::Tensor moe_mma_packed_w4(const at::Tensor& x, const at::Tensor& topk_ids, co
                              const at::Tensor& w2_wpacked, const at::Tensor& w2_szpacked, int64_t group_size,
                              const std::string& act, int64_t pass_rows);
 
+// moe_gemv_w4 (and _sums) on experts in the packed layout (as moe_mma_packed_w4 takes them),
+// csrc/moe/moe_gemv_packed.cu: x 16-byte aligned with a row stride a multiple of 8.
+at::Tensor moe_gemv_packed_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                              const at::Tensor& w13_wpacked, const at::Tensor& w13_szpacked,
+                              const at::Tensor& w2_wpacked, const at::Tensor& w2_szpacked, int64_t group_size,
+                              const std::string& act);
+at::Tensor moe_gemv_packed_w4_sums(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                                   const at::Tensor& w13_wpacked, const at::Tensor& w13_szpacked,
+                                   const at::Tensor& w2_wpacked, const at::Tensor& w2_szpacked, int64_t group_size,
+                                   const std::string& act);
+
 // "" when moe_gemv_w4 and moe_mma_w4 take E experts of H x I with this group size, else why not (no GPU needed).
 std::string moe_gemv_w4_declines(int64_t num_experts, int64_t hidden, int64_t inter, int64_t group_size);
 

@@ -51,6 +51,10 @@ TORCH_LIBRARY(fastawq, m) {
         "int pass_rows=8) -> Tensor");
   m.def("moe_mma_packed_w4(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_wpacked, Tensor w13_szpacked, "
         "Tensor w2_wpacked, Tensor w2_szpacked, int group_size, str act, int pass_rows=8) -> Tensor");
+  m.def("moe_gemv_packed_w4(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_wpacked, Tensor w13_szpacked, "
+        "Tensor w2_wpacked, Tensor w2_szpacked, int group_size, str act) -> Tensor");
+  m.def("moe_gemv_packed_w4_sums(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_wpacked, "
+        "Tensor w13_szpacked, Tensor w2_wpacked, Tensor w2_szpacked, int group_size, str act) -> Tensor");
   m.def("moe_gemv_w4_declines(int num_experts, int hidden, int inter, int group_size) -> str",
         &fastawq::moe_gemv_w4_declines);
   m.def("moe_route(Tensor x, Tensor? residual, Tensor? norm_weight, float eps, float offset, Tensor router_weight, "
@@ -87,6 +91,8 @@ TORCH_LIBRARY_IMPL(fastawq, CUDA, m) {
   m.impl("moe_gemv_w4_sums", &fastawq::moe_gemv_w4_sums);
   m.impl("moe_mma_w4", &fastawq::moe_mma_w4);
   m.impl("moe_mma_packed_w4", &fastawq::moe_mma_packed_w4);
+  m.impl("moe_gemv_packed_w4", &fastawq::moe_gemv_packed_w4);
+  m.impl("moe_gemv_packed_w4_sums", &fastawq::moe_gemv_packed_w4_sums);
   m.impl("moe_route", &fastawq::moe_route);
   m.impl("decode_attention", &fastawq::decode_attention);
   m.impl("decode_attention_out", &fastawq::decode_attention_out);

@@ -638,10 +638,10 @@ def _compile_for_sm90(fn, sig: dict, constexprs: dict, **options):
     return triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_heuristic_kernels(t: int, split13: int | None = None, wide: bool = False) -> None:
+def compile_heuristic_kernels(t: int, split13: int | None = None, wide: bool = False, packed: bool = False) -> None:
     """Build the Qwen3-30B-A3B shape's MoE kernels for sm_90 with the configs the heuristic picks
     (w13's K split forced to split13 when given: its atomic path and w2's gate/up input; with
-    wide, the tuner's 256-column tiles)."""
+    wide, the tuner's 256-column tiles; packed: the grouped GEMM on packed experts)."""
     from fastawq.triton_kernels import moe as tmoe
 
     cfg = tmoe.heuristic_config(t, 8, 128, 2048, 768, 128, 128, sms=132)
@@ -654,7 +654,7 @@ def compile_heuristic_kernels(t: int, split13: int | None = None, wide: bool = F
     ptrs = {"ids_ptr": "*i64", "sorted_ptr": "*i32", "bexp_ptr": "*i32", "qw_ptr": "*i32", "s_ptr": "*fp16",
             "qz_ptr": "*i32"}
     dims = {"E": "i32", "H": "i32", "I": "i32", "G": "i32", "TOPK": "i32"}
-    common = {"NAIVE": cfg.naive, "BLOCK_M": cfg.block_m, "INTERPRET": False}
+    common = {"NAIVE": cfg.naive, "BLOCK_M": cfg.block_m, "INTERPRET": False, "PACKED": packed}
     h_ptr = "*fp32" if gate_up else "*fp16"
     _compile_for_sm90(
         tmoe.moe_w13_kernel, {"x_ptr": "*fp16", **ptrs, "h_ptr": h_ptr, "n_assign": "i32", **dims, "stride_xm": "i32",
@@ -669,6 +669,8 @@ def compile_heuristic_kernels(t: int, split13: int | None = None, wide: bool = F
         {**common, "BLOCK_N": cfg.w2.block_n, "BLOCK_K": cfg.w2.block_k, "ATOMIC": cfg.w2.split_k > 1,
          "GATE_UP": gate_up, "ACT": 0, "BF16": False},
         num_warps=cfg.w2.num_warps, num_stages=cfg.w2.num_stages)
+    if packed:  # (the CUDA-core form reads the AWQ layout only)
+        return
     gemv = tmoe.gemv_config(t, 8, 2048, 768, 128, 128, sms=132)
     for w13, kc in ((True, gemv.w13), (False, gemv.w2)):
         _compile_for_sm90(
@@ -693,7 +695,7 @@ def test_heuristic_configs_compile_for_sm90():
     import sys
 
     here = pathlib.Path(__file__).resolve().parent
-    code = f"import sys; sys.path.insert(0, {str(here)!r}); import test_moe_op as t; [t.compile_heuristic_kernels(n, s) for n in (1, 16, 256) for s in (None, 1, 2)]; t.compile_heuristic_kernels(1, 4, wide=True)"
+    code = f"import sys; sys.path.insert(0, {str(here)!r}); import test_moe_op as t; [t.compile_heuristic_kernels(n, s, packed=p) for n in (1, 16, 256) for s in (None, 1, 2) for p in (False, True)]; t.compile_heuristic_kernels(1, 4, wide=True)"
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

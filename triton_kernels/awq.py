@@ -38,7 +38,14 @@ def _word_nibbles(w):
 
 @triton.jit
 def _packed_tile(w_ptr, k0, K, N, pid_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """wpacked [K/8, N] -> the [BLOCK_K, BLOCK_N] nibbles of rows k0 .. k0 + BLOCK_K, columns of tile pid_n.
+    """wpacked [K/8, N] -> the [BLOCK_K, BLOCK_N] nibbles of rows k0 .. k0 + BLOCK_K, columns of tile pid_n."""
+    return _packed_tile_ld(w_ptr, k0, K, N, N, pid_n, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _packed_tile_ld(w_ptr, k0, K, N, LD, pid_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_packed_tile of the N columns starting at w_ptr of a packed matrix whose rows (of 8 K rows)
+    are LD words apart (the MoE kernels' gate or up half of w13: N = I, LD = 2I).
 
     Word (kb, 4 c4 + j) holds rows 8kb + 2j (even nibbles) and 8kb + 2j + 1 (odd) of columns
     4c4 .. 4c4+3 (byte c). A thread loads the 4 words of one (kb, c4) (16 bytes) and expands them
@@ -48,7 +55,7 @@ def _packed_tile(w_ptr, k0, K, N, pid_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.cons
     C4: tl.constexpr = BLOCK_N // 4
     kb = k0 // 8 + tl.arange(0, KB)
     c4 = pid_n * C4 + tl.arange(0, C4)
-    ptrs = w_ptr + kb[:, None, None] * N + (4 * c4)[None, :, None] + tl.arange(0, 4)[None, None, :]
+    ptrs = w_ptr + kb[:, None, None] * LD + (4 * c4)[None, :, None] + tl.arange(0, 4)[None, None, :]
     mask = (kb < K // 8)[:, None, None] & (c4 < N // 4)[None, :, None]
     words = tl.load(ptrs, mask=mask, other=0)  # [kb, c4, j]: as in memory
     w_even, w_odd = tl.split(tl.reshape(words, (KB, C4, 2, 2)))  # j = 2 j_hi + j_lo: j_lo = 0, 1

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .awq import _dequant, _unpack_cols
+from .awq import _dequant, _packed_tile_ld, _unpack_cols
 from .launch import _interpreting
 from .pdl import launch_options, pdl_enter
 from .workspace import WORKSPACE
@@ -79,6 +79,19 @@ def _weight_tile(qw, qz, sc, k0, offs_k, offs_w, offs_n, mask_w, mask_n, n8, nco
 
 
 @triton.jit
+def _packed_weight_tile(wp, sz, k0, K, LD, ncols, pid_n, SZ_LD, G, offs_n, mask_n, a,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """_weight_tile on the packed layout (PACKED): rows k0.. of the ncols columns at wp of one
+    expert's wpacked (rows of 8 K rows LD words apart), their (scale, zero) pairs at sz (group rows
+    SZ_LD elements apart), dequantized to the [BLOCK_K, BLOCK_N] tile of column tile pid_n."""
+    q = _packed_tile_ld(wp, k0, K, ncols, LD, pid_n, BLOCK_N, BLOCK_K)
+    pair = tl.load(sz + (k0 // G) * SZ_LD + 2 * offs_n[:, None] + tl.arange(0, 2)[None, :], mask=mask_n[:, None],
+                   other=0.0)
+    s, z = tl.split(pair)
+    return _dequant(q, z[None, :], s[None, :], a, INTERPRET)
+
+
+@triton.jit
 def moe_w13_kernel(
     x_ptr, ids_ptr, sorted_ptr, bexp_ptr, qw_ptr, s_ptr, qz_ptr, h_ptr,
     n_assign, E, H, I, G, TOPK, stride_xm, split_k,
@@ -89,10 +102,13 @@ def moe_w13_kernel(
     BLOCK_K: tl.constexpr,
     ATOMIC: tl.constexpr = False,
     INTERPRET: tl.constexpr = False,
+    PACKED: tl.constexpr = False,
 ):
     # x [T, H] · w13 qweight [E, H, 2I // 8] · scales [E, H // G, 2I] · qzeros [E, H // G, 2I // 8]
     # -> h [T * k, I] = act(x w_gate) * (x w_up) for each row's expert, or with ATOMIC, the K split
     # over program_id(2) and both sums added into a zeroed fp32 h [T * k, 2I] (gate | up).
+    # PACKED: the experts in the packed layout, wpacked [E, H // 8, 2I] (qw_ptr) and szpacked
+    # [E, H // G, 4I] (s_ptr); qz_ptr unused.
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -107,19 +123,31 @@ def moe_w13_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < I
     mask_w = offs_w < i8
-    qw = qw_ptr + expert * H * n8
+    if PACKED:
+        qw = qw_ptr + expert * (H // 8) * (2 * I)
+        sc = s_ptr + expert * (H // G) * (4 * I)
+    else:
+        qw = qw_ptr + expert * H * n8
+        sc = s_ptr + expert * (H // G) * (2 * I)
     qz = qz_ptr + expert * (H // G) * n8
-    sc = s_ptr + expert * (H // G) * (2 * I)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(pid_k * BLOCK_K, H, split_k * BLOCK_K):
         a = tl.load(x_ptr + tok[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
         if INTERPRET:
             a = a.to(tl.float32)
-        # The up columns start I // 8 words (I scales) after the gate columns of the same row.
-        bg = _weight_tile(qw, qz, sc, k0, offs_k, offs_w, offs_n, mask_w, mask_n, n8, 2 * I, G, a, BLOCK_N, INTERPRET)
-        bu = _weight_tile(qw + i8, qz + i8, sc + I, k0, offs_k, offs_w, offs_n, mask_w, mask_n, n8, 2 * I, G, a,
-                          BLOCK_N, INTERPRET)
+        if PACKED:
+            # The up columns start I words (2I elements of the pairs) after the gate columns of a row.
+            bg = _packed_weight_tile(qw, sc, k0, H, 2 * I, I, pid_n, 4 * I, G, offs_n, mask_n, a, BLOCK_N, BLOCK_K,
+                                     INTERPRET)
+            bu = _packed_weight_tile(qw + I, sc + 2 * I, k0, H, 2 * I, I, pid_n, 4 * I, G, offs_n, mask_n, a, BLOCK_N,
+                                     BLOCK_K, INTERPRET)
+        else:
+            # The up columns start I // 8 words (I scales) after the gate columns of the same row.
+            bg = _weight_tile(qw, qz, sc, k0, offs_k, offs_w, offs_n, mask_w, mask_n, n8, 2 * I, G, a, BLOCK_N,
+                              INTERPRET)
+            bu = _weight_tile(qw + i8, qz + i8, sc + I, k0, offs_k, offs_w, offs_n, mask_w, mask_n, n8, 2 * I, G, a,
+                              BLOCK_N, INTERPRET)
         acc_g = tl.dot(a, bg, acc_g)
         acc_u = tl.dot(a, bu, acc_u)
     mask = valid[:, None] & mask_n[None, :]
@@ -146,7 +174,9 @@ def moe_w2_kernel(
     ACT: tl.constexpr = 0,
     BF16: tl.constexpr = False,
     INTERPRET: tl.constexpr = False,
+    PACKED: tl.constexpr = False,
 ):
+    # PACKED: w2 wpacked [E, I // 8, H] (qw_ptr) and szpacked [E, I // G, 2H] (s_ptr); qz_ptr unused.
     # h [T * k, I] · w2 qweight [E, I, H // 8] · scales [E, I // G, H] · qzeros [E, I // G, H // 8]
     # -> out [T * k, H] = topk_weight * (h w2) for each row's expert, or with ATOMIC, added into
     # a zeroed fp32 out [T, H] (the sum over k done here, and K split over program_id(2)).
@@ -164,9 +194,9 @@ def moe_w2_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < H
     mask_w = offs_w < n8
-    qw = qw_ptr + expert * I * n8
+    qw = qw_ptr + expert * I * n8  # (also the packed offset: I // 8 rows of H words)
     qz = qz_ptr + expert * (I // G) * n8
-    sc = s_ptr + expert * (I // G) * H
+    sc = s_ptr + expert * (I // G) * H * (2 if PACKED else 1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(pid_k * BLOCK_K, I, split_k * BLOCK_K):
         if GATE_UP:
@@ -179,7 +209,11 @@ def moe_w2_kernel(
             a = tl.load(h_ptr + flat[:, None] * I + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
         if INTERPRET:
             a = a.to(tl.float32)
-        b = _weight_tile(qw, qz, sc, k0, offs_k, offs_w, offs_n, mask_w, mask_n, n8, H, G, a, BLOCK_N, INTERPRET)
+        if PACKED:
+            b = _packed_weight_tile(qw, sc, k0, I, H, H, pid_n, 2 * H, G, offs_n, mask_n, a, BLOCK_N, BLOCK_K,
+                                    INTERPRET)
+        else:
+            b = _weight_tile(qw, qz, sc, k0, offs_k, offs_w, offs_n, mask_w, mask_n, n8, H, G, a, BLOCK_N, INTERPRET)
         acc = tl.dot(a, b, acc)
     w = tl.load(tw_ptr + flat, mask=valid, other=0.0).to(tl.float32)
     acc = acc * w[:, None]
@@ -571,11 +605,12 @@ def _variants(base: KernelConfig, bm: int) -> list[KernelConfig]:
     return list(dict.fromkeys(out))
 
 
-def _launch(cfg: MoeConfig, x, topk_ids, topk_weights, w13, w2, g13, g2, act):
+def _launch(cfg: MoeConfig, x, topk_ids, topk_weights, w13, w2, g13, g2, act, packed=False):
+    """packed: w13 and w2 are (wpacked, szpacked, szpacked) in the packed layout (tl.dot forms only)."""
     t, h = x.shape
     topk = topk_ids.shape[1]
     e = w13[0].shape[0]
-    i = w2[0].shape[1]
+    i = w2[0].shape[1] * (8 if packed else 1)
     n = t * topk
     ids = topk_ids.reshape(-1)
     if cfg.gemv:
@@ -597,14 +632,15 @@ def _launch(cfg: MoeConfig, x, topk_ids, topk_weights, w13, w2, g13, g2, act):
         x, ids, sorted_ids, bexp, *w13, hbuf,
         n, e, h, i, g13, topk, x.stride(0), split13,
         ACT=ACTS[act], NAIVE=cfg.naive, BLOCK_M=bm, BLOCK_N=cfg.w13.block_n, BLOCK_K=cfg.w13.block_k,
-        ATOMIC=split13 > 1, INTERPRET=interp, num_warps=cfg.w13.num_warps, num_stages=cfg.w13.num_stages,
+        ATOMIC=split13 > 1, INTERPRET=interp, PACKED=packed, num_warps=cfg.w13.num_warps,
+        num_stages=cfg.w13.num_stages,
     )
     moe_w2_kernel[(blocks, triton.cdiv(h, cfg.w2.block_n), split)](
         hbuf, ids, sorted_ids, bexp, topk_weights.reshape(-1), *w2, out,
         n, e, h, i, g2, topk, split,
         NAIVE=cfg.naive, BLOCK_M=bm, BLOCK_N=cfg.w2.block_n, BLOCK_K=cfg.w2.block_k, ATOMIC=split > 1,
         GATE_UP=split13 > 1, ACT=ACTS[act], BF16=x.dtype == torch.bfloat16,
-        INTERPRET=interp, num_warps=cfg.w2.num_warps, num_stages=cfg.w2.num_stages,
+        INTERPRET=interp, PACKED=packed, num_warps=cfg.w2.num_warps, num_stages=cfg.w2.num_stages,
     )
     if split > 1:
         return out.to(x.dtype)
@@ -677,21 +713,25 @@ def _tune_gemv(key, base: MoeConfig, dot: MoeConfig, args) -> MoeConfig:
     return best
 
 
-def choose_config(x, topk_ids, w13, w2, g13: int, g2: int, args) -> MoeConfig:
+def choose_config(x, topk_ids, w13, w2, g13: int, g2: int, args, packed: bool = False) -> MoeConfig:
+    """packed: the experts in the packed layout, which only the tl.dot forms read."""
     t, h = x.shape
     topk = topk_ids.shape[1]
-    e, i = w13[0].shape[0], w2[0].shape[1]
+    e, i = w13[0].shape[0], w2[0].shape[1] * (8 if packed else 1)
+    untuned = heuristic_config if packed else default_config
     if _interpreting() or x.device.type != "cuda":
-        return default_config(t, topk, e, h, i, g13, g2, sms=4)
+        return untuned(t, topk, e, h, i, g13, g2, sms=4)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     bucket = 1 << max(0, (t - 1).bit_length())
-    key = (x.device, bucket, topk, e, h, i, g13, g2, x.dtype, use_naive(t, topk, e))
+    key = (x.device, bucket, topk, e, h, i, g13, g2, x.dtype, use_naive(t, topk, e), packed)
     cfg = _TUNED.get(key)
     if cfg is not None:
         return cfg
     if os.environ.get("FASTAWQ_TRITON_TUNE", "1") == "0" or torch.cuda.is_current_stream_capturing():
-        return default_config(t, topk, e, h, i, g13, g2, sms)
-    if use_naive(t, topk, e):
+        return untuned(t, topk, e, h, i, g13, g2, sms)
+    if packed:
+        _TUNED[key] = _tune(key, heuristic_config(t, topk, e, h, i, g13, g2, sms), args)
+    elif use_naive(t, topk, e):
         _TUNED[key] = _tune_gemv(key, gemv_config(t, topk, h, i, g13, g2, sms),
                                  heuristic_config(t, topk, e, h, i, g13, g2, sms), args)
     else:
@@ -725,6 +765,31 @@ def moe_w4(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qw
         return x.new_empty((0, h))
     args = (x, topk_ids, topk_weights, w13, w2, g13, g2, act)
     cfg = config or choose_config(x, topk_ids, w13, w2, g13, g2, args)
+    return _launch(cfg, *args)
+
+
+# x [T, H] fp16/bf16 · topk_ids [T, k] int · topk_weights [T, k]
+# w13_wpacked [E, H // 8, 2I] · w13_szpacked [E, H // G, 4I] · w2_wpacked [E, I // 8, H] · w2_szpacked [E, I // G, 2H]
+#   ->  [T, H]
+def moe_w4_packed(x, topk_ids, topk_weights, w13_wpacked, w13_szpacked, w2_wpacked, w2_szpacked, group_size: int,
+                  act: str = "silu", *, config: MoeConfig | None = None) -> torch.Tensor:
+    """moe_w4 on experts in the packed layout (fastawq.ops.repack.awq_experts_repack), tl.dot forms only."""
+    t, h = x.shape
+    i = w2_wpacked.shape[1] * 8
+    g13 = h if group_size == -1 else group_size
+    g2 = i if group_size == -1 else group_size
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
+    w13_szpacked, w2_szpacked = w13_szpacked.contiguous(), w2_szpacked.contiguous()
+    w13 = (w13_wpacked.contiguous(), w13_szpacked, w13_szpacked)  # (the qzeros slot is unused)
+    w2 = (w2_wpacked.contiguous(), w2_szpacked, w2_szpacked)
+    if t == 0:
+        return x.new_empty((0, h))
+    args = (x, topk_ids, topk_weights, w13, w2, g13, g2, act, True)
+    cfg = config or choose_config(x, topk_ids, w13, w2, g13, g2, args, packed=True)
+    if cfg.gemv:
+        raise ValueError(f"moe_w4_packed: config {cfg.label()} is the CUDA-core form, which reads the AWQ layout only")
     return _launch(cfg, *args)
 
 

@@ -2,6 +2,8 @@
 // CUDA sources include no torch headers (they would dominate nvcc's compile time).
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 
 #include <cuda_runtime_api.h>
@@ -127,11 +129,21 @@ struct MoeGemvArgs : MoeArgs {
   float* h_part;
   // moe_gemv_w4_sums: [T, H] fp32, zeroed by w13 and added into by w2 (the ring form); else null.
   float* out_sums;
+  // moe_gemv_packed_w4 (csrc/moe/moe_gemv_packed.cu; experts in the packed layout): 32-row batches
+  // of K a warp of w13 / w2 (tiles13: 64 gate + 64 up columns, tiles2: 128 columns). Its w13 hands
+  // split sums to w2 through h_part whenever splits13 > 1.
+  int bpw13, bpw2;
 };
 
 // Returns whether it wrote args.out_sums (asked for, and the one-token ring form ran) rather than
 // args.out.
 bool launch_moe_gemv(const MoeGemvArgs& args, cudaStream_t stream);
+void launch_moe_gemv_packed(const MoeGemvArgs& args, cudaStream_t stream);
+// The packed w2 kernel's dynamic shared memory: h over a block's K range (2-byte elements).
+constexpr int kMoePackedMaxBatches = 64;  // 32-row batches a warp at most (host rule): 16 KiB of h
+inline size_t moe_gemv_packed_smem(const MoeGemvArgs& a) {
+  return static_cast<size_t>(std::min(4 * a.bpw2 * 32, a.inter)) * 2;
+}
 // The w2 kernel that reads h_part builds h for each warp's rows in shared memory: at most this
 // many a warp (its ceil(cpb2 / 4) chunks of chunk2 rows), else the host keeps h_part off.
 constexpr int kMoeHPartWarpRows = 64;

@@ -17,6 +17,7 @@
 #include "common/pdl.cuh"
 #include "common/launch.h"
 #include "common/workspace.h"
+#include "gemv/awq_gemv_packed.h"
 #include "ops.h"
 
 namespace fastawq {
@@ -237,6 +238,78 @@ at::Tensor moe_gemv_w4_sums(const at::Tensor& x, const at::Tensor& topk_ids, con
                             int64_t group_size, const std::string& act) {
   return moe_gemv_call("moe_gemv_w4_sums", true, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros,
                        w2_qweight, w2_scales, w2_qzeros, group_size, act);
+}
+
+namespace {
+
+// 32-row batches of K a warp for `base` blocks (column tiles x assignments) over k rows: K split so
+// that about sms * kMoePackedBlocksPerSm blocks run, a warp at least two batches (unless K is short)
+// and at most kMoePackedMaxBatches.
+constexpr int kMoePackedBlocksPerSm = 8;
+void packed_split(int64_t base, int64_t k, int sms, int& splits, int& bpw) {
+  const int64_t total = k / 32;
+  int64_t sp = (int64_t(sms) * kMoePackedBlocksPerSm + base - 1) / base;
+  sp = std::max<int64_t>(1, std::min(sp, total / 8));
+  int64_t per = (total + sp * 4 - 1) / (sp * 4);
+  per = std::min<int64_t>(per, kMoePackedMaxBatches);
+  bpw = static_cast<int>(per);
+  splits = static_cast<int>((total + per * 4 - 1) / (per * 4));
+}
+
+// moe_gemv_packed_w4 and moe_gemv_packed_w4_sums (sums: the fp32 weighted sum [T, H]).
+at::Tensor moe_gemv_packed_call(const char* op, bool sums, const at::Tensor& x, const at::Tensor& topk_ids,
+                                const at::Tensor& topk_weights, const at::Tensor& w13_wpacked,
+                                const at::Tensor& w13_szpacked, const at::Tensor& w2_wpacked,
+                                const at::Tensor& w2_szpacked, int64_t group_size, const std::string& act) {
+  MoeGemvArgs a{};
+  const c10::cuda::CUDAGuard guard(x.device());
+  MoeCall c = prepare(op, a, x, topk_ids, topk_weights, w13_wpacked, w13_szpacked, at::Tensor(), w2_wpacked,
+                      w2_szpacked, at::Tensor(), group_size, act, true);
+  // The kernels read x (and h) in 16-byte pieces.
+  FASTAWQ_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.stride(0) % 8 == 0, op,
+                ": x must be 16-byte aligned with a row stride a multiple of 8, got x ", shape_str(x),
+                " with strides (", x.stride(0), ", ", x.stride(1), ")");
+  if (c.n == 0) return sums ? c.out.to(at::kFloat) : c.out;
+  const int64_t n = c.n, h = c.h, i = c.i;
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  a.tiles13 = static_cast<int>((i + kPackedTileCols / 2 - 1) / (kPackedTileCols / 2));
+  a.tiles2 = static_cast<int>((h + kPackedTileCols - 1) / kPackedTileCols);
+  packed_split(int64_t(a.tiles13) * n, h, sms, a.splits13, a.bpw13);
+  packed_split(int64_t(a.tiles2) * n, i, sms, a.splits2, a.bpw2);
+  at::Tensor h_part;
+  a.h_part = nullptr;
+  if (a.splits13 > 1) {
+    h_part = at::empty({a.splits13, n, 2 * i}, x.options().dtype(at::kFloat));
+    a.h_part = h_part.data_ptr<float>();
+  }
+  at::Tensor out_sums;
+  a.out_sums = nullptr;
+  if (sums) {
+    out_sums = at::empty({c.t, h}, x.options().dtype(at::kFloat));
+    a.out_sums = out_sums.data_ptr<float>();
+  }
+  carve_workspace(a, c, x.device(), false, 0, a.tiles2);
+  launch_moe_gemv_packed(a, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return sums ? out_sums : c.out;
+}
+
+}  // namespace
+
+at::Tensor moe_gemv_packed_w4(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                              const at::Tensor& w13_wpacked, const at::Tensor& w13_szpacked,
+                              const at::Tensor& w2_wpacked, const at::Tensor& w2_szpacked, int64_t group_size,
+                              const std::string& act) {
+  return moe_gemv_packed_call("moe_gemv_packed_w4", false, x, topk_ids, topk_weights, w13_wpacked, w13_szpacked,
+                              w2_wpacked, w2_szpacked, group_size, act);
+}
+
+at::Tensor moe_gemv_packed_w4_sums(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                                   const at::Tensor& w13_wpacked, const at::Tensor& w13_szpacked,
+                                   const at::Tensor& w2_wpacked, const at::Tensor& w2_szpacked, int64_t group_size,
+                                   const std::string& act) {
+  return moe_gemv_packed_call("moe_gemv_packed_w4_sums", true, x, topk_ids, topk_weights, w13_wpacked, w13_szpacked,
+                              w2_wpacked, w2_szpacked, group_size, act);
 }
 
 namespace {

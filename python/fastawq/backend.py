@@ -292,6 +292,25 @@ def preferred_layout(device: torch.device, fused_batch: int | None = None) -> st
     return "packed" if PACKED_LAYOUT_BY_DEFAULT or (PACKED_LAYOUT_FOR_FUSED_DECODE and fused_decode) else "awq"
 
 
+# The routed experts (WQExperts) follow a model's layout (qlinear.set_layout) into the packed one
+# where the compiled packed-expert kernels exist (moe_gemv_packed_w4 at loads up to
+# MOE_GEMV_MAX_LOAD, moe_mma_packed_w4 to MOE_MMA_MAX_LOAD; Triton's grouped GEMM reads it above).
+# FASTAWQ_MOE_LAYOUT=awq (read when a model is converted) keeps them in the AWQ layout. H100,
+# session 29 (RESULTS.md): moe_mma on the packed copy, grouped op Qwen3-30B-A3B T = 16 107.0 -> 95.3 us,
+# Mixtral T = 16 / 64 413.4 / 651.4 -> 306.3 / 548.4 us; decode batch 16 2,133 -> 2,472 tok/s.
+MOE_PACKED_EXPERTS = True
+
+
+def experts_layout(layout: str, device: torch.device) -> str:
+    """The layout the routed experts take when a model is converted to `layout` ("awq" or "packed")."""
+    if layout != "packed" or not MOE_PACKED_EXPERTS or os.environ.get("FASTAWQ_MOE_LAYOUT") == "awq":
+        return "awq"
+    # (Elsewhere the packed experts would run the torch reference on unpacked copies.)
+    if device.type != "cuda" or not (_ext.has_op("moe_gemv_packed_w4") and _ext.has_op("moe_mma_packed_w4")):
+        return "awq"
+    return "packed"
+
+
 # os.environ's look-ups run Python code (key encoding) and cost ~1 us each on this project's CPU;
 # the CPU decode path asks for several switches per call. CPython keeps the POSIX environment as a
 # bytes dict that os.environ's setters update, so a switch reads it directly where it exists.

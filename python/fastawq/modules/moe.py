@@ -1,8 +1,10 @@
 """The routed experts of a MoE layer as one module: stacked AWQ tensors and one op.
 
-In memory the experts are stacked per projection (what the grouped kernel reads); in a state
-dict they are per expert, ``{e}.{gate_proj|up_proj|down_proj}.{qweight,qzeros,scales}`` under the
-module's prefix, the names AutoAWQ checkpoints and vLLM's AWQ MoE loader use.
+In memory the experts are stacked per projection (what the grouped kernel reads), in the AWQ layout
+or, after set_layout("packed"), in the packed one (ops/repack.py: what the compiled decode kernels
+read fastest); in a state dict they are per expert, in the AWQ layout whatever the memory holds,
+``{e}.{gate_proj|up_proj|down_proj}.{qweight,qzeros,scales}`` under the module's prefix, the names
+AutoAWQ checkpoints and vLLM's AWQ MoE loader use.
 """
 from __future__ import annotations
 
@@ -10,10 +12,14 @@ import torch
 from torch import nn
 
 from fastawq import reference
+from fastawq.backend import experts_layout
 from fastawq.ops import moe as ops_moe
 from fastawq.modules.qlinear import WQLinear
 
 _PARTS = ("qweight", "qzeros", "scales")
+_AWQ_BUFFERS = ("w13_qweight", "w13_scales", "w13_qzeros", "w2_qweight", "w2_scales", "w2_qzeros")
+_PACKED_BUFFERS = ("w13_wpacked", "w13_szpacked", "w2_wpacked", "w2_szpacked")
+LAYOUTS = ("awq", "packed")
 
 
 class WQExperts(nn.Module):
@@ -60,6 +66,7 @@ class WQExperts(nn.Module):
         self._plan_key = None
         self._sums_ok = False
         self._sums_key = None
+        self.layout = "awq"
         i32 = dict(dtype=torch.int32, device=device)
         self.register_buffer("w13_qweight", torch.zeros(e, h, 2 * i // 8, **i32))
         self.register_buffer("w13_scales", torch.zeros(e, h // g13, 2 * i, dtype=dtype, device=device))
@@ -73,22 +80,71 @@ class WQExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         k = topk_ids.shape[-1]
         x, ids, w = hidden_states.reshape(-1, self.hidden_size), topk_ids.reshape(-1, k), topk_weights.reshape(-1, k)
-        buffers = (self.w13_qweight, self.w13_scales, self.w13_qzeros, self.w2_qweight, self.w2_scales, self.w2_qzeros)
+        buffers = self._layout_buffers()
+        packed = self.layout == "packed"
         if torch.compiler.is_compiling():  # traced: the custom op, with dispatch inside it
-            out = ops_moe.moe_w4(x, ids, w, *buffers, self.group_size, self.act, backend=self.backend)
+            op = ops_moe.moe_w4_packed if packed else ops_moe.moe_w4
+            out = op(x, ids, w, *buffers, self.group_size, self.act, backend=self.backend)
             return out.reshape(hidden_states.shape)
         # Validated and dispatched once per activation device/dtype and per identity and version of
         # the buffers (a .to(), a load or an in-place edit makes a new plan), as WQLinear does.
         key = self._call_key(x, buffers)
         if self._plan_key != key:
-            self._plan = ops_moe.moe_w4_plan(x, *buffers, self.group_size, self.act, backend=self.backend)
+            plan = ops_moe.moe_w4_packed_plan if packed else ops_moe.moe_w4_plan
+            self._plan = plan(x, *buffers, self.group_size, self.act, backend=self.backend)
             self._plan_key = key
         return self._plan(x, ids, w).reshape(hidden_states.shape)
 
     def _call_key(self, x: torch.Tensor, buffers: tuple) -> tuple:
         """What a cached plan depends on: x's device and dtype, the forced backend, and the identity
         and version of each buffer."""
-        return (x.device, x.dtype, self.backend, *((t.data_ptr(), t._version) for t in buffers))
+        return (x.device, x.dtype, self.backend, self.layout, *((t.data_ptr(), t._version) for t in buffers))
+
+    def _layout_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The buffers of the layout held: check_moe_shapes' order, or check_moe_packed_shapes'."""
+        return tuple(getattr(self, n) for n in (_PACKED_BUFFERS if self.layout == "packed" else _AWQ_BUFFERS))
+
+    def _awq_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The stacked AWQ tensors (check_moe_shapes' order), exact, in either layout (computed when packed)."""
+        if self.layout == "awq":
+            return self._layout_buffers()
+        return ops_moe.experts_unpack(*self._layout_buffers(), self.group_size)
+
+    def set_layout(self, layout: str) -> None:
+        """Convert the experts in place to `layout` ("awq", "packed", or "auto": the one
+        backend.experts_layout picks for a model converted to the packed layout on this device).
+        Exact both ways; the old layout's tensors are freed (one layer holds both while it converts)."""
+        if layout == "auto":
+            layout = experts_layout("packed", self._layout_buffers()[0].device)
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS} or 'auto', got {layout!r}")
+        if layout == self.layout:
+            return
+        from fastawq.ops import repack
+
+        if layout == "packed":
+            tensors = repack.awq_experts_repack(*self._layout_buffers(), self.group_size)
+            names, old = _PACKED_BUFFERS, _AWQ_BUFFERS
+        else:
+            tensors = self._awq_buffers()
+            names, old = _AWQ_BUFFERS, _PACKED_BUFFERS
+        for name in old:
+            del self._buffers[name]
+        for name, t in zip(names, tensors):
+            self.register_buffer(name, t)
+        self.layout = layout
+        self._plan = self._plan_key = self._sums_key = None
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in _AWQ_BUFFERS and self.__dict__.get("layout") == "packed":
+                raise AttributeError(
+                    f"these WQExperts hold the packed layout ({', '.join(_PACKED_BUFFERS)}), not {name}: call "
+                    f"set_layout('awq') first, or read state_dict()"
+                ) from None
+            raise
 
     # hidden_states [T, H] · topk_ids [T, k] · topk_weights [T, k]  ->  [T, H] fp32, or None
     def sums(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor | None:
@@ -99,15 +155,17 @@ class WQExperts(nn.Module):
         if torch.compiler.is_compiling() or hidden_states.dim() != 2 or hidden_states.shape[0] != 1:
             return None
         x = hidden_states
-        buffers = (self.w13_qweight, self.w13_scales, self.w13_qzeros, self.w2_qweight, self.w2_scales, self.w2_qzeros)
+        buffers = self._layout_buffers()
+        packed = self.layout == "packed"
         key = (topk_ids.shape[-1], *self._call_key(x, buffers))
         if self._sums_key != key:
-            self._sums_ok = ops_moe.sums_kernel_serves(x, topk_ids.shape[-1], buffers, self.group_size, self.act,
-                                                       self.backend)
+            serves = ops_moe.packed_sums_kernel_serves if packed else ops_moe.sums_kernel_serves
+            self._sums_ok = serves(x, topk_ids.shape[-1], buffers, self.group_size, self.act, self.backend)
             self._sums_key = key
         if not self._sums_ok:
             return None
-        return ops_moe.moe_w4_sums(x, topk_ids, topk_weights, *buffers, self.group_size, self.act)
+        run = ops_moe.moe_w4_packed_sums if packed else ops_moe.moe_w4_sums
+        return run(x, topk_ids, topk_weights, *buffers, self.group_size, self.act)
 
     @classmethod
     def from_experts(
@@ -140,34 +198,52 @@ class WQExperts(nn.Module):
                 getattr(mod, f"w2_{part}").copy_(torch.stack([getattr(dn, part) for _, _, dn in experts]))
         return mod
 
-    def expert_tensors(self, e: int) -> dict[str, dict[str, torch.Tensor]]:
-        """Views of expert e's packed tensors: {proj_name: {qweight, qzeros, scales}}."""
+    def expert_tensors(self, e: int, stacked: dict[str, torch.Tensor] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+        """Views of expert e's AWQ tensors: {proj_name: {qweight, qzeros, scales}}; of `stacked`
+        ({"w13_qweight": ..., ...}) when given, else of the module's (unpacked copies when packed)."""
+        if stacked is None:
+            stacked = dict(zip(_AWQ_BUFFERS, self._awq_buffers()))
         i8, i = self.intermediate_size // 8, self.intermediate_size
         gate, up, down = self.proj_names
         cut = {"qweight": i8, "qzeros": i8, "scales": i}
         return {
-            gate: {p: getattr(self, f"w13_{p}")[e, :, :cut[p]] for p in _PARTS},
-            up: {p: getattr(self, f"w13_{p}")[e, :, cut[p]:] for p in _PARTS},
-            down: {p: getattr(self, f"w2_{p}")[e] for p in _PARTS},
+            gate: {p: stacked[f"w13_{p}"][e, :, :cut[p]] for p in _PARTS},
+            up: {p: stacked[f"w13_{p}"][e, :, cut[p]:] for p in _PARTS},
+            down: {p: stacked[f"w2_{p}"][e] for p in _PARTS},
         }
 
     def to_experts(self) -> list[tuple[WQLinear, WQLinear, WQLinear]]:
         """Per-expert (gate, up, down) WQLinear layers holding copies of this module's tensors."""
         h, i, g = self.hidden_size, self.intermediate_size, self.group_size
+        stacked = dict(zip(_AWQ_BUFFERS, self._awq_buffers()))
         out = []
         for e in range(self.num_experts):
             layers = []
             for name, (k, n) in zip(self.proj_names, ((h, i), (h, i), (i, h))):
-                lin = WQLinear(k, n, g, False, dtype=self.w13_scales.dtype, device=self.w13_qweight.device)
+                lin = WQLinear(k, n, g, False, dtype=stacked["w13_scales"].dtype, device=stacked["w13_qweight"].device)
                 with torch.no_grad():
-                    for p, t in self.expert_tensors(e)[name].items():
+                    for p, t in self.expert_tensors(e, stacked)[name].items():
                         getattr(lin, p).copy_(t)
                 layers.append(lin)
             out.append(tuple(layers))
         return out
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self.layout == "awq":
+            return super()._save_to_state_dict(destination, prefix, keep_vars)
+        # The checkpoint format is AWQ GEMM whatever the layout held in memory.
+        for name, t in zip(_AWQ_BUFFERS, self._awq_buffers()):
+            destination[prefix + name] = t
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        if self.layout == "packed":  # load the AWQ tensors, then repack: the packed layout is never read from disk
+            self.set_layout("awq")
+            try:
+                return self._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                                  unexpected_keys, error_msgs)
+            finally:
+                self.set_layout("packed")
         # Per-expert names are stacked into the buffers; the stacked names load as they are.
         assign = local_metadata.get("assign_to_params_buffers", False)
         consumed = set()
@@ -216,6 +292,7 @@ class WQExperts(nn.Module):
         return (
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
             f"intermediate_size={self.intermediate_size}, group_size={self.group_size}, act={self.act}"
+            + (", layout=packed" if self.layout == "packed" else "")
         )
 
 
@@ -226,9 +303,10 @@ def _per_expert_state_dict(module: WQExperts, state_dict, prefix, local_metadata
     does) must not duplicate the experts. The gate and up views are strided (columns of w13), so
     a saver calls .contiguous() on them, as checkpoint.py does for every tensor.
     """
-    for name in [f"{p}_{part}" for p in ("w13", "w2") for part in _PARTS]:
-        state_dict.pop(prefix + name, None)
+    stacked = {name: state_dict.pop(prefix + name) for name in _AWQ_BUFFERS if prefix + name in state_dict}
+    if len(stacked) != len(_AWQ_BUFFERS):  # (a state_dict filtered by its caller: nothing to replace)
+        return
     for e in range(module.num_experts):
-        for proj, parts in module.expert_tensors(e).items():
+        for proj, parts in module.expert_tensors(e, stacked).items():
             for part, t in parts.items():
                 state_dict[f"{prefix}{e}.{proj}.{part}"] = t

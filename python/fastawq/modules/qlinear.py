@@ -233,10 +233,19 @@ class WQLinear(nn.Module):
 def set_layout(model: nn.Module, layout: str) -> int:
     """Convert every WQLinear of `model` to `layout` ("awq", "packed" or "auto"), in place; returns
     how many there are. For an engine that fuses layers (concatenating AWQ tensors), call it after
-    fusing: the fused WQLinear modules are converted like the others."""
+    fusing: the fused WQLinear modules are converted like the others. Routed experts (WQExperts)
+    follow into the packed layout where backend.experts_layout says so, and back to "awq"."""
+    from fastawq.backend import experts_layout
+    from fastawq.modules.moe import WQExperts
+
     layers = [m for m in model.modules() if isinstance(m, WQLinear)]
     for m in layers:
         m.set_layout(layout)
+    for m in model.modules():
+        if isinstance(m, WQExperts):
+            device = m._layout_buffers()[0].device
+            want = layout if layout != "auto" else preferred_layout(device)
+            m.set_layout(experts_layout(want, device) if want == "packed" else "awq")
     return len(layers)
 
 

@@ -189,6 +189,181 @@ def _moe_mma_packed(x, topk_ids, topk_weights, packed: tuple, group_size: int, a
                                                _backend.moe_pass_rows(t, k, packed[0].shape[0]))
 
 
+# --- the experts in the packed layout (ops.repack.awq_experts_repack; WQExperts.set_layout) ---------
+
+
+def check_moe_packed_shapes(w13_wpacked, w13_szpacked, w2_wpacked, w2_szpacked, group_size: int):
+    """Validate stacked packed experts; return (E, H, I). Errors name every shape involved."""
+    named = {"w13_wpacked": w13_wpacked, "w13_szpacked": w13_szpacked, "w2_wpacked": w2_wpacked,
+             "w2_szpacked": w2_szpacked}
+    shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in named.items())
+    if any(v.dim() != 3 for v in named.values()):
+        raise ValueError(f"expected 3-D stacked packed experts [E, ...], got {shapes}")
+    for k in ("w13_wpacked", "w2_wpacked"):
+        if named[k].dtype != torch.int32:
+            raise TypeError(f"{k} must be int32, got {named[k].dtype}")
+    for k in ("w13_szpacked", "w2_szpacked"):
+        if named[k].dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"{k} must be fp16, bf16 or fp32, got {named[k].dtype}")
+    e, h, i2 = w13_wpacked.shape[0], w13_wpacked.shape[1] * reference.PACK, w13_wpacked.shape[2]
+    i = w2_wpacked.shape[1] * reference.PACK
+    if any(v.shape[0] != e for v in named.values()) or i2 != 2 * i or w2_wpacked.shape[2] != h:
+        raise ValueError(f"inconsistent packed MoE weights (E={e}, H={h}, 2I={i2}): {shapes}")
+    g13 = reference.resolve_group_size(group_size, h)
+    g2 = reference.resolve_group_size(group_size, i)
+    if h % g13 or i % g2:
+        raise ValueError(f"H={h} and I={i} must be divisible by group_size={group_size}: {shapes}")
+    want = {"w13_szpacked": (e, h // g13, 4 * i), "w2_szpacked": (e, i // g2, 2 * h)}
+    for k, shape in want.items():
+        if tuple(named[k].shape) != shape:
+            raise ValueError(f"{k} should be {shape} for E={e}, H={h}, I={i}, group_size={group_size}; got {shapes}")
+    return e, h, i
+
+
+def _select_packed(x: torch.Tensor, packed: tuple, dims: tuple[int, int, int], group_size: int, act: str,
+                   backend: str | None, m: int) -> str:
+    """_select for experts in the packed layout (the same buckets: the compiled kernels up to
+    MOE_MMA_MAX_LOAD, Triton's grouped GEMM above)."""
+    e, h, i = dims
+
+    def fits(b: str) -> str | None:
+        if b in ("cuda", "triton") and x.dtype not in _HALF:
+            return f"x is {x.dtype}; the {b} MoE kernels take fp16 or bf16 activations"
+        if b == "triton":
+            return _triton().moe_w4_fits(h, i, group_size, act)
+        if b == "cuda":
+            if not (_ext.has_op("moe_gemv_packed_w4") and _ext.has_op("moe_mma_packed_w4")):
+                return "fastawq._C has no packed-expert kernels (moe_gemv_packed_w4, moe_mma_packed_w4)"
+            scales = {packed[1].dtype, packed[3].dtype}
+            if scales != {x.dtype}:
+                return f"the compiled MoE kernels take scales in x's dtype {x.dtype}, got {sorted(map(str, scales))}"
+            if m > MOE_GEMV_MAX_LOAD and not _backend.MOE_MMA:
+                return f"{m} assignments per expert need the tensor-core MoE kernel: backend.MOE_MMA is off"
+            return torch.ops.fastawq.moe_gemv_w4_declines(e, h, i, group_size) or None
+        return None
+
+    return select_backend("moe_w4", x.device, backend=backend, shapes_ok=fits, m=m)
+
+
+def _moe_w4_packed_impl(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13_wpacked: torch.Tensor,
+                        w13_szpacked: torch.Tensor, w2_wpacked: torch.Tensor, w2_szpacked: torch.Tensor,
+                        group_size: int, act: str, backend: str) -> torch.Tensor:
+    packed = (w13_wpacked, w13_szpacked, w2_wpacked, w2_szpacked)
+    if not backend:  # chosen here, at run time ("" from a traced call)
+        dims = check_moe_packed_shapes(*packed, group_size)
+        backend = _select_packed(x, packed, dims, group_size, act, None, _load(x.shape[0], topk_ids.shape[1], dims[0]))
+    if backend == "cuda":
+        t, k = topk_ids.shape
+        if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+            x = x.clone(memory_format=torch.contiguous_format)  # the kernels load x in 16-byte pieces
+        ids, w = topk_ids.contiguous(), topk_weights.to(torch.float32).contiguous()
+        if _backend.moe_kernel(t, k, w13_wpacked.shape[0]) == "mma":
+            return torch.ops.fastawq.moe_mma_packed_w4(x, ids, w, *packed, group_size, act,
+                                                       _backend.moe_pass_rows(t, k, w13_wpacked.shape[0]))
+        return torch.ops.fastawq.moe_gemv_packed_w4(x, ids, w, *packed, group_size, act)
+    if backend == "triton":
+        return _triton().moe_w4_packed(x, topk_ids, topk_weights, *packed, group_size, act)
+    if backend != "torch":
+        raise ValueError(f"no {backend!r} implementation of moe_w4 on packed experts")
+    return _moe_w4_impl(x, topk_ids, topk_weights, *experts_unpack(*packed, group_size), group_size, act, "torch")
+
+
+def experts_unpack(w13_wpacked, w13_szpacked, w2_wpacked, w2_szpacked, group_size: int) -> tuple:
+    """awq_experts_repack's inverse, exactly: the stacked AWQ tensors (check_moe_shapes' order)."""
+    from fastawq.ops import repack
+
+    out = []
+    for wp, sz in ((w13_wpacked, w13_szpacked), (w2_wpacked, w2_szpacked)):
+        k, n = wp.shape[1] * reference.PACK, wp.shape[2]
+        g = reference.resolve_group_size(group_size, k)
+        parts = [repack.awq_gemv_unpack(wp[e], sz[e], n, g) for e in range(wp.shape[0])]
+        out += [torch.stack([p[j] for p in parts]) for j in range(3)]
+    return tuple(out)
+
+
+_moe_w4_packed_op = torch.library.custom_op("fastawq::moe_w4_packed", _moe_w4_packed_impl, mutates_args=())
+
+
+@_moe_w4_packed_op.register_fake
+def _(x, topk_ids, topk_weights, w13_wpacked, w13_szpacked, w2_wpacked, w2_szpacked, group_size, act, backend):
+    torch._check(x.dim() == 2, lambda: f"hidden_states must be [T, H], got {tuple(x.shape)}")
+    torch._check(w2_wpacked.dim() == 3 and w2_wpacked.shape[2] == x.shape[1],
+                 lambda: f"w2_wpacked {tuple(w2_wpacked.shape)} vs x {tuple(x.shape)}")
+    torch._check(topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == x.shape[0],
+                 lambda: f"topk_ids {tuple(topk_ids.shape)} and weights must be [T={x.shape[0]}, k]")
+    return x.new_empty(x.shape)
+
+
+# x [T, H] · topk_ids [T, k] · topk_weights [T, k] · w13_wpacked [E, H // 8, 2I] int32 · w13_szpacked
+# [E, H // G, 4I] · w2_wpacked [E, I // 8, H] int32 · w2_szpacked [E, I // G, 2H]  ->  [T, H] (x's dtype)
+def moe_w4_packed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13_wpacked: torch.Tensor,
+                  w13_szpacked: torch.Tensor, w2_wpacked: torch.Tensor, w2_szpacked: torch.Tensor, group_size: int,
+                  act: str = "silu", *, backend: str | None = None) -> torch.Tensor:
+    """moe_w4 on experts in the packed layout: on GPUs the compiled kernels (moe_gemv_packed_w4 /
+    moe_mma_packed_w4 by backend.moe_kernel) up to backend.MOE_MMA_MAX_LOAD, Triton's grouped GEMM
+    above; elsewhere the torch reference on the unpacked experts."""
+    packed = (w13_wpacked, w13_szpacked, w2_wpacked, w2_szpacked)
+    if torch.compiler.is_compiling():  # the choice is made when the op runs (as moe_w4's)
+        return torch.ops.fastawq.moe_w4_packed(x, topk_ids, topk_weights, *packed, group_size, act, backend or "")
+    return moe_w4_packed_plan(x, *packed, group_size, act, backend=backend)(x, topk_ids, topk_weights)
+
+
+def moe_w4_packed_plan(x: torch.Tensor, w13_wpacked: torch.Tensor, w13_szpacked: torch.Tensor,
+                       w2_wpacked: torch.Tensor, w2_szpacked: torch.Tensor, group_size: int, act: str = "silu", *,
+                       backend: str | None = None) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """moe_w4_plan for experts in the packed layout."""
+    packed = (w13_wpacked, w13_szpacked, w2_wpacked, w2_szpacked)
+    dims = check_moe_packed_shapes(*packed, group_size)
+    e, h, _ = dims
+    if act not in reference.MOE_ACTS:
+        raise ValueError(f"act must be one of {reference.MOE_ACTS}, got {act!r}")
+    check_same_device(x=x, w13_wpacked=w13_wpacked, w13_szpacked=w13_szpacked, w2_wpacked=w2_wpacked,
+                      w2_szpacked=w2_szpacked)
+    chosen, below = [], 0
+    for bound in _backend.size_buckets("moe_w4"):
+        chosen.append((bound, _select_packed(x, packed, dims, group_size, act, backend,
+                                             below + 1 if bound is None else bound)))
+        below = bound if bound is not None else below
+
+    def run(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        _check_routing(x, topk_ids, topk_weights, h)
+        load = _load(x.shape[0], topk_ids.shape[1], e)
+        be = next(b for bound, b in chosen if bound is None or load <= bound)
+        if be == "torch" and topk_ids.numel():  # (it syncs anyway, looping over the experts hit)
+            lo, hi = int(topk_ids.min()), int(topk_ids.max())
+            if lo < 0 or hi >= e:
+                raise ValueError(f"topk_ids must lie in [0, {e}) for {e} experts, got values in [{lo}, {hi}]")
+        return _moe_w4_packed_impl(x, topk_ids, topk_weights, *packed, group_size, act, be)
+
+    run.backend = "/".join(dict.fromkeys(b for _, b in chosen))
+    return run
+
+
+def packed_sums_kernel_serves(x: torch.Tensor, k: int, packed: tuple, group_size: int, act: str,
+                              backend: str | None) -> bool:
+    """sums_kernel_serves for experts in the packed layout (moe_gemv_packed_w4_sums)."""
+    if not (x.is_cuda and x.dtype in _HALF and _ext.has_op("moe_gemv_packed_w4_sums")) or x.shape[0] != 1:
+        return False
+    try:
+        dims = check_moe_packed_shapes(*packed, group_size)
+        chosen = _select_packed(x, packed, dims, group_size, act, backend, _load(1, k, dims[0]))
+    except Exception:  # a forced backend that cannot serve: moe_w4_packed says why
+        return False
+    return chosen == "cuda" and _backend.moe_kernel(1, k, dims[0]) == "gemv"
+
+
+# moe_w4_sums on packed experts (packed_sums_kernel_serves): the fp32 weighted sum [1, H].
+def moe_w4_packed_sums(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13_wpacked: torch.Tensor,
+                       w13_szpacked: torch.Tensor, w2_wpacked: torch.Tensor, w2_szpacked: torch.Tensor,
+                       group_size: int, act: str = "silu") -> torch.Tensor:
+    _check_routing(x, topk_ids, topk_weights, x.shape[-1])
+    if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        x = x.clone(memory_format=torch.contiguous_format)
+    return torch.ops.fastawq.moe_gemv_packed_w4_sums(
+        x, topk_ids.contiguous(), topk_weights.to(torch.float32).contiguous(), w13_wpacked, w13_szpacked, w2_wpacked,
+        w2_szpacked, group_size, act)
+
+
 def sums_kernel_serves(x: torch.Tensor, k: int, weights: tuple, group_size: int, act: str, backend: str | None) -> bool:
     """Whether moe_w4_sums serves one token x [1, H] routed to k experts: the compiled one-token
     kernel is what moe_w4's automatic (or forced) choice runs for it."""
@@ -325,6 +500,17 @@ def _moe_packed_fake(x, topk_ids, topk_weights, w13_wpacked, w13_szpacked, w2_wp
     return x.new_empty(x.shape)
 
 
+def _moe_packed_fake_gemv(sums: bool):
+    """moe_gemv_packed_w4(_sums)'s fake: x's shape, in fp32 for the sums."""
+
+    def fake(x, topk_ids, topk_weights, w13_wpacked, w13_szpacked, w2_wpacked, w2_szpacked, group_size, act):
+        out = _moe_packed_fake(x, topk_ids, topk_weights, w13_wpacked, w13_szpacked, w2_wpacked, w2_szpacked,
+                               group_size, act)
+        return x.new_empty(out.shape, dtype=torch.float32) if sums else out
+
+    return fake
+
+
 def _register_fakes() -> None:
     """Output shape of the compiled MoE kernels, so they trace and pass opcheck."""
     for name in ("moe_gemv_w4", "moe_mma_w4", "moe_gemv_w4_sums"):
@@ -332,6 +518,9 @@ def _register_fakes() -> None:
             torch.library.register_fake(f"fastawq::{name}")(_moe_fake(name.endswith("_sums")))
     if _ext.has_op("moe_mma_packed_w4"):
         torch.library.register_fake("fastawq::moe_mma_packed_w4")(_moe_packed_fake)
+    for name in ("moe_gemv_packed_w4", "moe_gemv_packed_w4_sums"):
+        if _ext.has_op(name):
+            torch.library.register_fake(f"fastawq::{name}")(_moe_packed_fake_gemv(name.endswith("_sums")))
 
 
 _register_fakes()
