@@ -23,7 +23,8 @@ PACKED_WGMMA_MAX_M None; with --layout packed, e.g. batch 64); --compare wgmma16
 16-token tile (either form: FASTAWQ_WGMMA_FORM) for packed-layout batches of 9 to 16 rows instead of
 awq_gemm_packed (backend.PACKED_WGMMA_16; on by default on sm_90 GPUs); --compare layout: the W4 layers'
 weight layout (WQLinear.set_layout "awq" / "packed", exact both ways, converted in place; grouped
-MoE experts keep theirs). One random-weight model is built
+MoE experts follow where backend.experts_layout says so); --compare moe_layout: the routed experts'
+layout alone (WQExperts.set_layout "awq" / "packed"). One random-weight model is built
 once; rounds alternate the setting (off on, on off, ...), each re-capturing the decode graph, and
 the table gives the median decode tokens/s of each (with --layers, also the full-depth estimate
 of commands/bench.py).
@@ -59,7 +60,8 @@ from fastawq.shapes import shape_config
 
 
 CHOICES = ("pdl", "route", "norm_route", "route_cuda", "moe_mma", "packed_gemm", "rope_attention", "act_gemv",
-           "norm_gemv", "gemm16", "gemm16_staged", "gemm16_staged_early", "defaults18", "wgmma", "wgmma16", "layout")
+           "norm_gemv", "gemm16", "gemm16_staged", "gemm16_staged_early", "defaults18", "wgmma", "wgmma16", "layout",
+           "moe_layout")
 # Environment variables a named switch sets (restored after it).
 _SWITCH_ENV = {"pdl": ("FASTAWQ_PDL",), "gemm16_staged": ("FASTAWQ_GEMM_STAGE_X",),
                "gemm16_staged_early": ("FASTAWQ_GEMM_STAGE_X", "FASTAWQ_GEMV_EARLY_LOADS")}
@@ -127,6 +129,12 @@ def apply(model: torch.nn.Module, compare: str, on: bool) -> None:
         for module in model.modules():  # plans bound per M bucket: bind them again
             if isinstance(module, WQLinear):
                 module.set_backend(module.backend)
+    elif compare == "moe_layout":  # on: the routed experts in the packed layout (WQExperts.set_layout)
+        from fastawq.modules.moe import WQExperts
+
+        for module in model.modules():
+            if isinstance(module, WQExperts):
+                module.set_layout("packed" if on else "awq")
     else:
         set_layout(model, "packed" if on else "awq")
 

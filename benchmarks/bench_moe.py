@@ -125,28 +125,37 @@ def moe_call(backend: str):
     """run(x, ids, w, packed, g) for a backend name: moe_w4's (triton, cuda, torch: its automatic
     kernel choice) or cuda:gemv / cuda:mma / cuda:mma8 / cuda:mma16, one compiled kernel forced
     (torch.ops.fastawq; mma with backend.moe_pass_rows' pass, mma8 / mma16 with 8 / 16 tokens a pass),
-    or cuda:mmapacked (/ 8 / 16): moe_mma_packed_w4 on the experts repacked once into the packed layout."""
+    or cuda:mmapacked (/ 8 / 16): moe_mma_packed_w4 on the experts repacked once into the packed layout,
+    cuda:gemvpacked: moe_gemv_packed_w4 on them; packed:BACKEND (packed:cuda, packed:triton):
+    ops.moe_w4_packed's backend on them (what WQExperts in the packed layout run)."""
+    repacked = {}  # id(the AWQ tensors) -> the packed layout's four tensors
+
+    def packed_of(packed, g):
+        if id(packed) not in repacked:
+            repacked[id(packed)] = repack.awq_experts_repack(*packed, g)
+        return repacked[id(packed)]
+
+    if backend.startswith("packed:"):
+        be = backend.split(":", 1)[1]
+        return lambda x, ids, w, packed, g: ops_moe.moe_w4_packed(x, ids, w, *packed_of(packed, g), g, backend=be)
     if backend.startswith("cuda:"):
         kernel = backend.split(":", 1)[1]
         if kernel == "gemv":
             fn = torch.ops.fastawq.moe_gemv_w4
             return lambda x, ids, w, packed, g: fn(x, ids, w.float(), *packed, g, "silu")
+        if kernel == "gemvpacked":
+            fn = torch.ops.fastawq.moe_gemv_packed_w4
+            return lambda x, ids, w, packed, g: fn(x, ids, w.float(), *packed_of(packed, g), g, "silu")
         on_packed = kernel.startswith("mmapacked")
         fn = torch.ops.fastawq.moe_mma_packed_w4 if on_packed else torch.ops.fastawq.moe_mma_w4
         rows = {"mma8": 8, "mma16": 16, "mmapacked8": 8, "mmapacked16": 16}.get(kernel)
         if rows is None and kernel not in ("mma", "mmapacked"):
-            raise SystemExit(f"unknown compiled MoE kernel {kernel!r}: gemv, mma, mma8, mma16, mmapacked, "
-                             "mmapacked8 or mmapacked16")
-        repacked = {}  # id(the AWQ tensors) -> the packed layout's four tensors
-
+            raise SystemExit(f"unknown compiled MoE kernel {kernel!r}: gemv, gemvpacked, mma, mma8, mma16, "
+                             "mmapacked, mmapacked8 or mmapacked16")
         def run(x, ids, w, packed, g):
             t, k = ids.shape
             pass_rows = rows or fastawq_backend.moe_pass_rows(t, k, packed[0].shape[0])
-            weights = packed
-            if on_packed:
-                if id(packed) not in repacked:
-                    repacked[id(packed)] = repack.awq_experts_repack(*packed, g)
-                weights = repacked[id(packed)]
+            weights = packed_of(packed, g) if on_packed else packed
             return fn(x, ids, w.float(), *weights, g, "silu", pass_rows)
 
         return run

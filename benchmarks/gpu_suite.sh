@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29_ab s28e s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29_ab s29b s28e s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -655,6 +655,24 @@ if [[ " $stages " == *" s29_ab "* ]]; then
     python benchmarks/bench_ab.py \
     --compare env:FASTAWQ_MOE_MMA_PACKED=0,1 --shape qwen3-30b-a3b --batches 8,16 --layout packed --decode 64 \
     --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
+fi
+if [[ " $stages " == *" s29b "* ]]; then
+  step s29b
+  # The routed experts held in the packed layout (session 29; WQExperts.set_layout, the default
+  # for the fused engine on GPUs): moe_gemv_packed_w4's tests (up to 10 failures shown), the
+  # engine's MoE tests on it, memcheck, the op against the AWQ layout's at decode sizes and the
+  # Triton grouped GEMM at prefill sizes, then the engine A/B (~7 min warm).
+  timeout 240 python -m pytest -q -rf --maxfail=10 -p no:cacheprovider tests/test_moe_packed.py tests/test_fused_moe.py \
+    tests/test_moe_module.py > "$OUT/s29b_tests.txt" 2>&1; tail -15 "$OUT/s29b_tests.txt"
+  grep -qE "[0-9]+ (failed|error)" "$OUT/s29b_tests.txt" && status=1
+  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only moe_packed \
+    2>&1 | tail -2 || status=1
+  timeout 120 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b,mixtral-8x7b --ts 1,2,4,8 --no-tune \
+    --backends cuda:gemv,cuda:gemvpacked 2>&1 | grep -E "^\| (shape|qwen|mixtral)" || status=1
+  timeout 150 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b,mixtral-8x7b --ts 256,1024 --no-tune \
+    --backends triton,packed:triton 2>&1 | grep -E "^\| (qwen|mixtral)" || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/bench_ab.py --compare moe_layout --shape qwen3-30b-a3b \
+    --batches 1,8,16 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
 fi
 if [[ " $stages " == *" s28e "* ]]; then
   step s28e

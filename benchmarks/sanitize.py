@@ -5,8 +5,8 @@
 
 --only runs some of the sections (gemm: awq_gemm on the AWQ layout; packed: the packed-layout
 kernels and their prologue / sums forms; attention: decode attention and its rope form; moe: the
-grouped expert kernels; moe_packed: the tensor-core one on experts in the packed layout; route:
-the compiled router): the whole run takes minutes under memcheck.
+grouped expert kernels; moe_packed: the tensor-core and CUDA-core ones on experts in the packed
+layout; route: the compiled router): the whole run takes minutes under memcheck.
 
 Shapes are small (the sanitizer slows kernels ~100x) but cover each kernel's edges: column tiles
 cut short, several K splits (split-K workspaces and counters), odd M, bias, fp16 and bf16,
@@ -228,6 +228,27 @@ def main(argv: list[str] | None = None) -> None:
                             bad[0, 0] = e
                             ops.moe_mma_packed_w4(x, bad, w, *packed, g, "gelu", rows)
                             n_calls += 2
+    if "moe_packed" in only and hasattr(ops, "moe_gemv_packed_w4"):
+        from fastawq.ops import repack
+        from test_moe_op import check, moe_case
+
+        # The CUDA-core kernel on packed experts: part tiles, w13 split (h_part) and not, w2 split
+        # (arrival counters) and top-1 direct writes, the sums form, half2 and fp32 sums, bad ids.
+        for h2 in ("0", "1"):
+            with env_set({"FASTAWQ_MOE_PACKED_H2": h2}):
+                for dtype in (torch.float16, torch.bfloat16):
+                    for e, h, i, g, k, t in ((8, 288, 160, 32, 2, 1), (16, 1024, 96, 32, 4, 3), (4, 64, 1024, -1, 2, 2),
+                                             (8, 128, 96, 32, 1, 1), (16, 2048, 256, 64, 8, 1)):
+                        weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=h + i + 1, dtype=dtype)
+                        packed = repack.awq_experts_repack(*weights, g)
+                        check(ops.moe_gemv_packed_w4(x, ids.to(torch.int32), w, *packed, g, "silu"), x, ids, w,
+                              weights, g)
+                        sums = ops.moe_gemv_packed_w4_sums(x, ids, w, *packed, g, "silu")
+                        check(sums.to(dtype), x, ids, w, weights, g)
+                        bad = ids.clone()
+                        bad[0, 0] = e
+                        ops.moe_gemv_packed_w4(x, bad, w, *packed, g, "gelu")
+                        n_calls += 3
     if "route" in only and hasattr(ops, "moe_route"):
         from test_moe_op import exact_router, unit_norm_inputs
 

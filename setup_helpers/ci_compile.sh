@@ -29,7 +29,7 @@ import torch
 mode = os.environ["FASTAWQ_BUILD_KERNELS"]
 ops = ("awq_cpu_repack", "awq_cpu_gemm", "awq_cpu_isas")
 if mode == "on":
-    ops += ("awq_dequantize", "awq_gemm", "awq_gemm_declines", "awq_gemv_packed", "awq_mma_packed", "awq_gemm_packed", "awq_wgmma_packed", "moe_gemv_w4", "moe_mma_w4", "decode_attention",
+    ops += ("awq_dequantize", "awq_gemm", "awq_gemm_declines", "awq_gemv_packed", "awq_mma_packed", "awq_gemm_packed", "awq_wgmma_packed", "moe_gemv_w4", "moe_mma_w4", "moe_mma_packed_w4", "moe_gemv_packed_w4", "moe_gemv_packed_w4_sums", "decode_attention",
             "decode_attention_out")
 if mode == "cpu":
     assert not hasattr(torch.ops.fastawq, "awq_gemm") and not status["archs"], "a CPU-only build holds CUDA code"

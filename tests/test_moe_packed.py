@@ -128,7 +128,7 @@ def test_triton_split_k_configs_on_packed_experts(poisoned_empty):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=ids_of)
 def test_compiled_gemv_on_packed_experts(case, dtype, h2, monkeypatch, poisoned_empty):
-    monkeypatch.setenv("FASTAWQ_GEMV_H2", h2)
+    monkeypatch.setenv("FASTAWQ_MOE_PACKED_H2", h2)
     e, h, i, g, k, t, load = case
     weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=7 * t + k, dtype=dtype, load=load)
     packed = repack.awq_experts_repack(*weights, g)

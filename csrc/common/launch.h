@@ -133,6 +133,9 @@ struct MoeGemvArgs : MoeArgs {
   // of K a warp of w13 / w2 (tiles13: 64 gate + 64 up columns, tiles2: 128 columns). Its w13 hands
   // split sums to w2 through h_part whenever splits13 > 1.
   int bpw13, bpw2;
+  // FASTAWQ_MOE_PACKED_H2=0 (read at each call): moe_gemv_packed_w4 keeps fp32 sums where the
+  // half2 form would run (gemv::h2_enabled); tests and sanitize.py reach both forms in one process.
+  bool packed_fp32;
 };
 
 // Returns whether it wrote args.out_sums (asked for, and the one-token ring form ran) rather than

@@ -276,6 +276,7 @@ at::Tensor moe_gemv_packed_call(const char* op, bool sums, const at::Tensor& x, 
   a.tiles2 = static_cast<int>((h + kPackedTileCols - 1) / kPackedTileCols);
   packed_split(int64_t(a.tiles13) * n, h, sms, a.splits13, a.bpw13);
   packed_split(int64_t(a.tiles2) * n, i, sms, a.splits2, a.bpw2);
+  a.packed_fp32 = env_switch("FASTAWQ_MOE_PACKED_H2") == 0;
   at::Tensor h_part;
   a.h_part = nullptr;
   if (a.splits13 > 1) {

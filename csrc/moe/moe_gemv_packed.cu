@@ -304,7 +304,7 @@ void launch_typed(const MoeGemvArgs& a, cudaStream_t stream) {
 
 template <typename T>
 void launch_act(const MoeGemvArgs& a, cudaStream_t stream) {
-  const bool h2 = gemv::h2_enabled<T>();
+  const bool h2 = gemv::h2_enabled<T>() && !a.packed_fp32;
   const auto go = [&]<int ACT>() {
     if (h2) {
       launch_typed<T, ACT, true>(a, stream);
