@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29_ab s29b s28e s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s28e s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -645,16 +645,6 @@ if [[ " $stages " == *" s29 "* ]]; then
   # Two chunks a warp (warps split over columns and K, a 4-step ring) instead of four.
   FASTAWQ_MOE_PACKED_CHUNKS=2 timeout 100 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b,mixtral-8x7b \
     --ts 16,64,256 --no-tune --backends cuda:mmapacked 2>&1 | grep -E "^\| (qwen|mixtral)" || status=1
-fi
-if [[ " $stages " == *" s29_ab "* ]]; then
-  step s29_ab
-  # The engine with moe_mma on the packed copy of the experts (FASTAWQ_MOE_MMA_PACKED: set when the
-  # MoE plans are made, so both arms share one model; the copy doubles the experts' memory), ~3 min.
-  # PACKED_CHUNKS=2 bash benchmarks/gpu_suite.sh build s29_ab: the packed arm with two chunks a warp.
-  FASTAWQ_MOE_PACKED_CHUNKS=${PACKED_CHUNKS:-4} FASTAWQ_MOE_MMA_PACKED=0 FASTAWQ_TRITON_TUNE=0 timeout 200 \
-    python benchmarks/bench_ab.py \
-    --compare env:FASTAWQ_MOE_MMA_PACKED=0,1 --shape qwen3-30b-a3b --batches 8,16 --layout packed --decode 64 \
-    --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
 fi
 if [[ " $stages " == *" s29b "* ]]; then
   step s29b

@@ -450,7 +450,7 @@ def test_kernel_matches_reference(case, dtype, pass_rows, form, poisoned_empty):
         check(_op(x, ids, w, weights, g, pass_rows=pass_rows), x, ids, w, weights, g)
 
 
-# --- the experts in the packed layout (moe_mma_packed_w4, not yet the backend's choice) ---
+# --- the experts in the packed layout (moe_mma_packed_w4; the plan's choice: test_moe_packed.py) ---
 
 HAS_PACKED = HAS_KERNEL and _ext.has_op("moe_mma_packed_w4")
 requires_packed = pytest.mark.skipif(not HAS_PACKED, reason="needs CUDA and fastawq._C with moe_mma_packed_w4")
@@ -487,25 +487,6 @@ def test_packed_kernel_matches_reference(case, dtype, pass_rows, early, chunks, 
     for _ in range(2):  # the second call finds the workspace and counters the first left zeroed
         out = torch.ops.fastawq.moe_mma_packed_w4(x, ids, w.float().contiguous(), *packed, g, "silu", pass_rows)
         check(out, x, ids, w, weights, g)
-
-
-@requires_packed
-def test_plan_runs_the_packed_copy_under_its_switch(monkeypatch):
-    # FASTAWQ_MOE_MMA_PACKED set when the plan is made: the plan keeps a packed copy, which "1" at
-    # a call runs wherever the automatic choice is moe_mma_w4, and "0" leaves alone.
-    e, h, i, g, k, t = 16, 256, 128, 64, 8, 16
-    assert backend.moe_kernel(t, k, e) == "mma"
-    weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=9)
-    calls = []
-    real = ops_moe._moe_mma_packed
-    monkeypatch.setattr(ops_moe, "_moe_mma_packed", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setenv("FASTAWQ_MOE_MMA_PACKED", "0")
-    plan = ops_moe.moe_w4_plan(x, *weights, g, backend="cuda")
-    check(plan(x, ids, w), x, ids, w, weights, g)
-    assert not calls
-    monkeypatch.setenv("FASTAWQ_MOE_MMA_PACKED", "1")
-    check(plan(x, ids, w), x, ids, w, weights, g)
-    assert calls == [1]
 
 
 @requires_packed

@@ -28,7 +28,7 @@ CASES = [
     (16, 4096, 96, 32, 4, 1, "random"),
     (16, 4096, 96, 32, 4, 2, "random"),
     (4, 64, 4096, -1, 2, 5, "random"),
-    (8, 128, 96, 64, 3, 7, "few_experts"),
+    (8, 128, 192, 64, 3, 7, "few_experts"),
     (128, 2048, 768, 128, 8, 1, "random"),  # Qwen3-30B-A3B's experts at decode
     (8, 4096, 1024, 128, 2, 1, "random"),
 ]
@@ -77,11 +77,31 @@ def test_set_layout_is_exact_and_state_dict_stays_awq(g):
         assert torch.equal(a, b)
 
 
+def test_experts_layout_rule(monkeypatch):
+    # Packed with the model on a GPU that has the kernels, except a fused engine of batch 1;
+    # FASTAWQ_MOE_LAYOUT overrides either way; never on a CPU or without the compiled kernels.
+    cuda = torch.device("cuda")
+    monkeypatch.delenv("FASTAWQ_MOE_LAYOUT", raising=False)
+    monkeypatch.setattr(backend._ext, "has_op", lambda name: True)
+    assert backend.experts_layout("packed", cuda) == "packed"
+    assert backend.experts_layout("packed", cuda, fused_batch=16) == "packed"
+    assert backend.experts_layout("packed", cuda, fused_batch=1) == "awq"
+    assert backend.experts_layout("awq", cuda) == "awq"
+    assert backend.experts_layout("packed", torch.device("cpu")) == "awq"
+    monkeypatch.setenv("FASTAWQ_MOE_LAYOUT", "packed")
+    assert backend.experts_layout("packed", cuda, fused_batch=1) == "packed"
+    monkeypatch.setenv("FASTAWQ_MOE_LAYOUT", "awq")
+    assert backend.experts_layout("packed", cuda, fused_batch=16) == "awq"
+    monkeypatch.delenv("FASTAWQ_MOE_LAYOUT")
+    monkeypatch.setattr(backend._ext, "has_op", lambda name: name != "moe_gemv_packed_w4")
+    assert backend.experts_layout("packed", cuda) == "awq"
+
+
 def test_set_layout_on_a_model_keeps_cpu_experts_awq():
     from fastawq.modules.qlinear import set_layout
 
     weights, *_ = moe_case(2, 64, 64, 32, 2, 1, seed=4)
-    mod = torch.nn.Sequential(_experts(weights, 64, 64, 32))
+    mod = torch.nn.Sequential(_experts(tuple(t.cpu() for t in weights), 64, 64, 32))
     set_layout(mod, "packed")
     assert mod[0].layout == "awq"  # backend.experts_layout: packed experts on GPUs only
     assert backend.experts_layout("awq", torch.device("cuda")) == "awq"

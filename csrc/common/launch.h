@@ -191,7 +191,7 @@ struct MoeMmaArgs : MoeArgs {
   // wait, which came before w13 let w2 launch; the weights no kernel writes. H100, session 28:
   // grouped op -1.6 .. -2.4 % at T = 16 / 64 / 256, decode batch 8 / 16 +4.3 % / +1.1 %.
   bool early_w2;
-  // moe_mma_packed_w4 (FASTAWQ_MOE_MMA_PACKED=1 in the backend; not yet measured): the experts in
+  // moe_mma_packed_w4 (experts held in the packed layout: WQExperts.set_layout): the experts in
   // the packed layout of gemv/awq_gemv_packed.h, w13_qweight / w2_qweight holding wpacked [E, K/8, N]
   // and w13_scales / w2_scales szpacked [E, K/G, 2N] (no qzeros), read through a register ring
   // (moe_mma.cuh, run_work_packed). Two-launch form only.

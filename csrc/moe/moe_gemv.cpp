@@ -245,10 +245,16 @@ namespace {
 // 32-row batches of K a warp for `base` blocks (column tiles x assignments) over k rows: K split so
 // that about sms * kMoePackedBlocksPerSm blocks run, a warp at least two batches (unless K is short)
 // and at most kMoePackedMaxBatches.
-constexpr int kMoePackedBlocksPerSm = 8;
+// H100, session 29 (RESULTS.md), us at T = 1 / 2 with 2 / 4 / 8 / 16 blocks an SM: Qwen3-30B-A3B
+// 17.6 / 16.9 / 18.6 / 18.4 and 23.9 / 22.2 / 24.2 / 24.9, Mixtral-8x7B 80.7 / 77.8 / 83.8 / 79.7
+// and 147.5 / 130.8 / 138.5 / 141.1. FASTAWQ_MOE_PACKED_BPS=n (read at each call; a measuring
+// knob): n blocks an SM instead.
+constexpr int kMoePackedBlocksPerSm = 4;
 void packed_split(int64_t base, int64_t k, int sms, int& splits, int& bpw) {
   const int64_t total = k / 32;
-  int64_t sp = (int64_t(sms) * kMoePackedBlocksPerSm + base - 1) / base;
+  const char* bps_env = std::getenv("FASTAWQ_MOE_PACKED_BPS");
+  const int bps = bps_env != nullptr && std::atoi(bps_env) > 0 ? std::atoi(bps_env) : kMoePackedBlocksPerSm;
+  int64_t sp = (int64_t(sms) * bps + base - 1) / base;
   sp = std::max<int64_t>(1, std::min(sp, total / 8));
   int64_t per = (total + sp * 4 - 1) / (sp * 4);
   per = std::min<int64_t>(per, kMoePackedMaxBatches);

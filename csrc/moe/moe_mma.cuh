@@ -771,7 +771,7 @@ __device__ __forceinline__ void run_work(const MoeMmaArgs& a, Smem<NT>& sm, cons
 }
 
 // moe_mma on experts repacked at load into the packed layout of gemv/awq_gemv_packed.h
-// (FASTAWQ_MOE_MMA_PACKED; a.packed: w*_qweight hold wpacked [E, K/8, N], w*_scales szpacked
+// (WQExperts.set_layout("packed"); a.packed: w*_qweight hold wpacked [E, K/8, N], w*_scales szpacked
 // [E, K/G, 2N], no qzeros). The expert scan, gather, passes and outputs are run_work's; the step
 // is awq_mma_packed's register ring: lane (g, t)'s 16 bytes at (kb = 4s + t, chunk c4) are its whole
 // A fragment of 4 columns for a 32-row step, so each step's weights are plain 16-byte loads into

@@ -364,7 +364,7 @@ class AutoAWQForCausalLM:
             layout = "awq" if backend is not None else preferred_layout(device, batch_size if fuse_layers else None)
         if layout != "awq" and not use_ipex:
             # After fusing: the fused engine concatenates the layers' AWQ tensors, then they convert.
-            set_layout(model, layout)
+            set_layout(model, layout, batch_size if fuse_layers else None)
         if use_ipex and backend is None and not fuse_layers:
             # AutoAWQ's IPEX path makes inference-only CPU modules; so does this one: each packed
             # layer holds only its repacked weight and calls the kernel directly (no per-call

@@ -294,16 +294,23 @@ def preferred_layout(device: torch.device, fused_batch: int | None = None) -> st
 
 # The routed experts (WQExperts) follow a model's layout (qlinear.set_layout) into the packed one
 # where the compiled packed-expert kernels exist (moe_gemv_packed_w4 at loads up to
-# MOE_GEMV_MAX_LOAD, moe_mma_packed_w4 to MOE_MMA_MAX_LOAD; Triton's grouped GEMM reads it above).
-# FASTAWQ_MOE_LAYOUT=awq (read when a model is converted) keeps them in the AWQ layout. H100,
-# session 29 (RESULTS.md): moe_mma on the packed copy, grouped op Qwen3-30B-A3B T = 16 107.0 -> 95.3 us,
-# Mixtral T = 16 / 64 413.4 / 651.4 -> 306.3 / 548.4 us; decode batch 16 2,133 -> 2,472 tok/s.
+# MOE_GEMV_MAX_LOAD, moe_mma_packed_w4 to MOE_MMA_MAX_LOAD; Triton's grouped GEMM reads it above),
+# but not for a fused engine of batch 1. FASTAWQ_MOE_LAYOUT=awq / packed (read when a model is
+# converted) keeps them in the AWQ layout / takes the packed one at batch 1 too. H100, session 29
+# (RESULTS.md), Qwen3-30B-A3B decode AWQ -> packed experts: batch 1 499.4 -> 458.6 tok/s (with
+# 8 blocks an SM; moe_gemv_packed_w4 now takes 4, which tied the AWQ kernel at T = 1, 16.9 us, but
+# is not measured in the engine), batch 8 1,446.5 -> 1,528.5, batch 16 2,131.7 -> 2,468.9; the
+# grouped op T = 2 / 4 30.2 / 45.8 -> 22.2 / 38.3 us, Mixtral T = 16 / 64 413 / 651 -> 306 / 548 us.
 MOE_PACKED_EXPERTS = True
 
 
-def experts_layout(layout: str, device: torch.device) -> str:
-    """The layout the routed experts take when a model is converted to `layout` ("awq" or "packed")."""
-    if layout != "packed" or not MOE_PACKED_EXPERTS or os.environ.get("FASTAWQ_MOE_LAYOUT") == "awq":
+def experts_layout(layout: str, device: torch.device, fused_batch: int | None = None) -> str:
+    """The layout the routed experts take when a model is converted to `layout` ("awq" or
+    "packed"); fused_batch: the fused engine's batch size (None: not fused)."""
+    env = os.environ.get("FASTAWQ_MOE_LAYOUT")
+    if layout != "packed" or not MOE_PACKED_EXPERTS or env == "awq":
+        return "awq"
+    if fused_batch == 1 and env != "packed":
         return "awq"
     # (Elsewhere the packed experts would run the torch reference on unpacked copies.)
     if device.type != "cuda" or not (_ext.has_op("moe_gemv_packed_w4") and _ext.has_op("moe_mma_packed_w4")):

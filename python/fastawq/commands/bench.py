@@ -95,7 +95,8 @@ def build_model(mode: str, model: str | None, shape: str | None, device: str, ma
 
         layout = preferred_layout(torch.device(device), batch_size if mode.startswith("fused") else None)
     if layout != "awq":
-        set_layout(m, layout)  # after fusing, which concatenates AWQ tensors
+        # After fusing, which concatenates AWQ tensors.
+        set_layout(m, layout, batch_size if mode.startswith("fused") else None)
         phase("layout")
     return m
 

@@ -8,7 +8,6 @@ router GEMM too, in the same launch.
 """
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
@@ -146,47 +145,15 @@ def moe_w4_plan(
     for bound in _backend.size_buckets("moe_w4"):
         chosen.append((bound, _select(x, weights, group_size, act, backend, below + 1 if bound is None else bound)))
         below = bound if bound is not None else below
-    packed = _packed_experts_for_ab(x, weights, group_size)
 
     def run(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         _check_routing(x, topk_ids, topk_weights, h)
         load = _load(x.shape[0], topk_ids.shape[1], e)
         be = next(b for bound, b in chosen if bound is None or load <= bound)
-        if packed is not None and be == "cuda" and os.environ.get(PACKED_AB) == "1":
-            t, k = topk_ids.shape
-            if _backend.moe_kernel(t, k, e) == "mma":
-                return _moe_mma_packed(x, topk_ids, topk_weights, packed, group_size, act)
         return _moe_w4_impl(x, topk_ids, topk_weights, *weights, group_size, act, be)
 
     run.backend = "/".join(dict.fromkeys(b for _, b in chosen))
     return run
-
-
-# FASTAWQ_MOE_MMA_PACKED (an A/B switch, not yet measured): set to "0" or "1" when a CUDA plan is
-# made (moe_w4_plan, outside graph capture), the plan keeps a copy of the experts repacked into the
-# packed layout (ops.repack.awq_experts_repack: a second copy of the expert weights, for measuring
-# only); "1" at a call runs moe_mma_packed_w4 on it wherever the automatic choice is moe_mma_w4
-# (read at each call, so a CUDA graph keeps the setting it was captured with).
-PACKED_AB = "FASTAWQ_MOE_MMA_PACKED"
-
-
-def _packed_experts_for_ab(x: torch.Tensor, weights: tuple, group_size: int) -> tuple | None:
-    if os.environ.get(PACKED_AB) not in ("0", "1") or not x.is_cuda or not _ext.has_op("moe_mma_packed_w4"):
-        return None
-    if x.dtype not in _HALF or torch.cuda.is_current_stream_capturing():
-        return None
-    from fastawq.ops import repack
-
-    return repack.awq_experts_repack(*weights, group_size)
-
-
-def _moe_mma_packed(x, topk_ids, topk_weights, packed: tuple, group_size: int, act: str) -> torch.Tensor:
-    t, k = topk_ids.shape
-    if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        x = x.clone(memory_format=torch.contiguous_format)  # it loads x in 16-byte pieces
-    return torch.ops.fastawq.moe_mma_packed_w4(x, topk_ids.contiguous(), topk_weights.to(torch.float32).contiguous(),
-                                               *packed, group_size, act,
-                                               _backend.moe_pass_rows(t, k, packed[0].shape[0]))
 
 
 # --- the experts in the packed layout (ops.repack.awq_experts_repack; WQExperts.set_layout) ---------
