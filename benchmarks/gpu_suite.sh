@@ -655,8 +655,8 @@ if [[ " $stages " == *" s29b "* ]]; then
   timeout 240 python -m pytest -q -rf --maxfail=10 -p no:cacheprovider tests/test_moe_packed.py tests/test_fused_moe.py \
     tests/test_moe_module.py > "$OUT/s29b_tests.txt" 2>&1; tail -15 "$OUT/s29b_tests.txt"
   grep -qE "[0-9]+ (failed|error)" "$OUT/s29b_tests.txt" && status=1
-  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only moe_packed \
-    2>&1 | tail -2 || status=1
+  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py \
+    --only moe_gemv_packed 2>&1 | tail -2 || status=1
   timeout 120 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b,mixtral-8x7b --ts 1,2,4,8 --no-tune \
     --backends cuda:gemv,cuda:gemvpacked 2>&1 | grep -E "^\| (shape|qwen|mixtral)" || status=1
   timeout 150 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b,mixtral-8x7b --ts 256,1024 --no-tune \

@@ -5,8 +5,8 @@
 
 --only runs some of the sections (gemm: awq_gemm on the AWQ layout; packed: the packed-layout
 kernels and their prologue / sums forms; attention: decode attention and its rope form; moe: the
-grouped expert kernels; moe_packed: the tensor-core and CUDA-core ones on experts in the packed
-layout; route: the compiled router): the whole run takes minutes under memcheck.
+grouped expert kernels; moe_packed / moe_gemv_packed: the tensor-core / CUDA-core one on experts in
+the packed layout; route: the compiled router): the whole run takes minutes under memcheck.
 
 Shapes are small (the sanitizer slows kernels ~100x) but cover each kernel's edges: column tiles
 cut short, several K splits (split-K workspaces and counters), odd M, bias, fp16 and bf16,
@@ -43,7 +43,7 @@ def env_set(env: dict[str, str]):
                 os.environ[name] = value
 
 
-SECTIONS = ("gemm", "packed", "attention", "moe", "moe_packed", "route")
+SECTIONS = ("gemm", "packed", "attention", "moe", "moe_packed", "moe_gemv_packed", "route")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
                             bad[0, 0] = e
                             ops.moe_mma_packed_w4(x, bad, w, *packed, g, "gelu", rows)
                             n_calls += 2
-    if "moe_packed" in only and hasattr(ops, "moe_gemv_packed_w4"):
+    if "moe_gemv_packed" in only and hasattr(ops, "moe_gemv_packed_w4"):
         from fastawq.ops import repack
         from test_moe_op import check, moe_case
 
