@@ -259,7 +259,8 @@ class AutoAWQForCausalLM:
         layout: how the quantized layers hold their weights in memory: "awq" (the checkpoint's
         layout), "packed" (repacked at load for the decode kernel, exactly; see WQLinear.set_layout)
         or "auto" (backend.preferred_layout: packed for the fused engine on a GPU at batch_size
-        <= 4, else awq). Saving always writes AWQ GEMM.
+        <= 4, else awq). Routed experts follow a packed model except a fused engine of batch_size 1
+        (backend.experts_layout). Saving always writes AWQ GEMM.
 
         On the CPU, `fuse_layers=True` (or, with `fuse_layers=None`, FASTAWQ_CPU_FUSE=1) fuses the
         layers where the fused engine serves the model type: decode runs fused_cpu.CPUDecodeStep
