@@ -32,5 +32,16 @@ __device__ __forceinline__ bool arrive_last(int* counter, int expected, int& fla
   return flag;
 }
 
+// The calling block's share of sums[0 .. total) set to zero: the blocks of the whole 3-D grid split
+// it evenly, kThreads threads a block (the one-token kernels' fp32 out_sums, zeroed by w13 after its
+// PDL wait for w2 to add into).
+template <int kThreads>
+__device__ __forceinline__ void zero_share(float* sums, int64_t total) {
+  const int64_t blocks = static_cast<int64_t>(gridDim.x) * gridDim.y * gridDim.z;
+  const int64_t b = (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  const int64_t per = (total + blocks - 1) / blocks, end = min(total, (b + 1) * per);
+  for (int64_t i = b * per + threadIdx.x; i < end; i += kThreads) sums[i] = 0.f;
+}
+
 }  // namespace moe
 }  // namespace fastawq

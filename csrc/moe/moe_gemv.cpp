@@ -177,6 +177,21 @@ void mma_split(int64_t blocks, int64_t k, int sms, int per_sm, int& splits, int&
 
 namespace {
 
+// The CUDA-core kernels' fp32 buffers: a.h_part [splits13, T * k, 2I] when `part` (w13's split sums
+// for w2), a.out_sums [T, H] when `sums` (undefined tensors otherwise). The caller holds them until
+// the launches are enqueued (freed earlier, the allocator could hand their memory to the next one).
+struct SumsBuffers {
+  at::Tensor h_part, out_sums;
+};
+SumsBuffers sums_buffers(MoeGemvArgs& a, const MoeCall& c, const at::Tensor& x, bool part, bool sums) {
+  SumsBuffers b;
+  if (part) b.h_part = at::empty({a.splits13, c.n, 2 * c.i}, x.options().dtype(at::kFloat));
+  if (sums) b.out_sums = at::empty({c.t, c.h}, x.options().dtype(at::kFloat));
+  a.h_part = part ? b.h_part.data_ptr<float>() : nullptr;
+  a.out_sums = sums ? b.out_sums.data_ptr<float>() : nullptr;
+  return b;
+}
+
 // moe_gemv_w4 and moe_gemv_w4_sums: `sums` asks for the fp32 weighted sum [T, H] (the ring form
 // writes it; any other form's converted output is widened).
 at::Tensor moe_gemv_call(const char* op, bool sums, const at::Tensor& x, const at::Tensor& topk_ids,
@@ -203,23 +218,13 @@ at::Tensor moe_gemv_call(const char* op, bool sums, const at::Tensor& x, const a
   // split sums to w2 (moe_gemv.cu). H100, session 22: Qwen3-30B-A3B decode 427.8 -> 449.1 tok/s at
   // batch 1 (RESULTS.md). The ring form, which one token takes, reads them; the others
   // keep the zeroed workspace, carved either way.
-  at::Tensor h_part;
-  a.h_part = nullptr;
-  if (c.t == 1 && a.splits13 > 1 && moe_h_part_fits(a) && env_switch("FASTAWQ_MOE_H_PARTIALS") != 0) {
-    h_part = at::empty({a.splits13, n, 2 * i}, x.options().dtype(at::kFloat));
-    a.h_part = h_part.data_ptr<float>();
-  }
-  at::Tensor out_sums;
-  a.out_sums = nullptr;
-  if (sums) {
-    out_sums = at::empty({c.t, h}, x.options().dtype(at::kFloat));
-    a.out_sums = out_sums.data_ptr<float>();
-  }
+  const bool part = c.t == 1 && a.splits13 > 1 && moe_h_part_fits(a) && env_switch("FASTAWQ_MOE_H_PARTIALS") != 0;
+  const SumsBuffers bufs = sums_buffers(a, c, x, part, sums);
   carve_workspace(a, c, x.device(), a.splits13 > 1, n * a.tiles13, a.tiles2);
   const bool wrote_sums = launch_moe_gemv(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (!sums) return c.out;
-  return wrote_sums ? out_sums : c.out.to(at::kFloat);
+  return wrote_sums ? bufs.out_sums : c.out.to(at::kFloat);
 }
 
 }  // namespace
@@ -283,22 +288,11 @@ at::Tensor moe_gemv_packed_call(const char* op, bool sums, const at::Tensor& x, 
   packed_split(int64_t(a.tiles13) * n, h, sms, a.splits13, a.bpw13);
   packed_split(int64_t(a.tiles2) * n, i, sms, a.splits2, a.bpw2);
   a.packed_fp32 = env_switch("FASTAWQ_MOE_PACKED_H2") == 0;
-  at::Tensor h_part;
-  a.h_part = nullptr;
-  if (a.splits13 > 1) {
-    h_part = at::empty({a.splits13, n, 2 * i}, x.options().dtype(at::kFloat));
-    a.h_part = h_part.data_ptr<float>();
-  }
-  at::Tensor out_sums;
-  a.out_sums = nullptr;
-  if (sums) {
-    out_sums = at::empty({c.t, h}, x.options().dtype(at::kFloat));
-    a.out_sums = out_sums.data_ptr<float>();
-  }
+  const SumsBuffers bufs = sums_buffers(a, c, x, a.splits13 > 1, sums);
   carve_workspace(a, c, x.device(), false, 0, a.tiles2);
   launch_moe_gemv_packed(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return sums ? out_sums : c.out;
+  return sums ? bufs.out_sums : c.out;
 }
 
 }  // namespace

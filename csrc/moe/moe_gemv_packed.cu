@@ -153,11 +153,7 @@ __global__ void __launch_bounds__(kPackedThreads) moe_w13_packed_kernel(MoeGemvA
   pdl_wait();  // the ids come from the routing kernel before this one
   pdl_launch_dependents();
   if constexpr (kZero) {  // after the wait: the buffer may be memory an earlier kernel still read
-    const int64_t total = static_cast<int64_t>(a.n_assign / a.topk) * a.hidden;
-    const int64_t blocks = static_cast<int64_t>(gridDim.x) * gridDim.y * gridDim.z;
-    const int64_t b = (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-    const int64_t per = (total + blocks - 1) / blocks, end = min(total, (b + 1) * per);
-    for (int64_t i = b * per + threadIdx.x; i < end; i += kPackedThreads) a.out_sums[i] = 0.f;
+    moe::zero_share<kPackedThreads>(a.out_sums, static_cast<int64_t>(a.n_assign / a.topk) * a.hidden);
   }
   const int f = blockIdx.z;
   const auto [valid, ex] = expert_of(a, f, false);

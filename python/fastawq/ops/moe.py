@@ -191,25 +191,11 @@ def _select_packed(x: torch.Tensor, packed: tuple, dims: tuple[int, int, int], g
                    backend: str | None, m: int) -> str:
     """_select for experts in the packed layout (the same buckets: the compiled kernels up to
     MOE_MMA_MAX_LOAD, Triton's grouped GEMM above)."""
-    e, h, i = dims
-
-    def fits(b: str) -> str | None:
-        if b in ("cuda", "triton") and x.dtype not in _HALF:
-            return f"x is {x.dtype}; the {b} MoE kernels take fp16 or bf16 activations"
-        if b == "triton":
-            return _triton().moe_w4_fits(h, i, group_size, act)
-        if b == "cuda":
-            if not (_ext.has_op("moe_gemv_packed_w4") and _ext.has_op("moe_mma_packed_w4")):
-                return "fastawq._C has no packed-expert kernels (moe_gemv_packed_w4, moe_mma_packed_w4)"
-            scales = {packed[1].dtype, packed[3].dtype}
-            if scales != {x.dtype}:
-                return f"the compiled MoE kernels take scales in x's dtype {x.dtype}, got {sorted(map(str, scales))}"
-            if m > MOE_GEMV_MAX_LOAD and not _backend.MOE_MMA:
-                return f"{m} assignments per expert need the tensor-core MoE kernel: backend.MOE_MMA is off"
-            return torch.ops.fastawq.moe_gemv_w4_declines(e, h, i, group_size) or None
-        return None
-
-    return select_backend("moe_w4", x.device, backend=backend, shapes_ok=fits, m=m)
+    ops = ("moe_gemv_packed_w4", "moe_mma_packed_w4")
+    if not all(_ext.has_op(op) for op in ops):
+        absent = "fastawq._C has no packed-expert kernels (moe_gemv_packed_w4, moe_mma_packed_w4)"
+        return _select_moe(x, dims, (packed[1], packed[3]), group_size, act, backend, m, absent)
+    return _select_moe(x, dims, (packed[1], packed[3]), group_size, act, backend, m, None, ops[1])
 
 
 def _moe_w4_packed_impl(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13_wpacked: torch.Tensor,
@@ -370,7 +356,16 @@ def _load(t: int, k: int, e: int) -> int:
 def _select(x: torch.Tensor, weights: tuple, group_size: int, act: str, backend: str | None, m: int) -> str:
     """The backend for activations like x on the stacked `weights` (check_moe_shapes' order) at
     load m (assignments per expert, _load)."""
-    e, h, i = weights[0].shape[0], weights[0].shape[1], weights[3].shape[1]
+    dims = (weights[0].shape[0], weights[0].shape[1], weights[3].shape[1])
+    return _select_moe(x, dims, (weights[1], weights[4]), group_size, act, backend, m, None, "moe_mma_w4")
+
+
+def _select_moe(x: torch.Tensor, dims: tuple[int, int, int], scales: tuple, group_size: int, act: str,
+                backend: str | None, m: int, cuda_absent: str | None, mma_op: str = "") -> str:
+    """select_backend for moe_w4 at load m on experts of dims (E, H, I) with these scales (either
+    layout); cuda_absent: why the compiled backend cannot serve at all, or None; mma_op: its
+    tensor-core kernel, which loads above MOE_GEMV_MAX_LOAD need."""
+    e, h, i = dims
 
     def fits(b: str) -> str | None:
         if b in ("cuda", "triton") and x.dtype not in _HALF:
@@ -378,11 +373,13 @@ def _select(x: torch.Tensor, weights: tuple, group_size: int, act: str, backend:
         if b == "triton":
             return _triton().moe_w4_fits(h, i, group_size, act)
         if b == "cuda":
-            scales = {weights[1].dtype, weights[4].dtype}
-            if scales != {x.dtype}:
-                return f"the compiled MoE kernel takes scales in x's dtype {x.dtype}, got {sorted(map(str, scales))}"
-            if m > MOE_GEMV_MAX_LOAD and not (_backend.MOE_MMA and _ext.has_op("moe_mma_w4")):
-                return f"{m} assignments per expert need the tensor-core MoE kernel (moe_mma_w4): off or absent"
+            if cuda_absent is not None:
+                return cuda_absent
+            dtypes = {s.dtype for s in scales}
+            if dtypes != {x.dtype}:
+                return f"the compiled MoE kernels take scales in x's dtype {x.dtype}, got {sorted(map(str, dtypes))}"
+            if m > MOE_GEMV_MAX_LOAD and not (_backend.MOE_MMA and _ext.has_op(mma_op)):
+                return f"{m} assignments per expert need the tensor-core MoE kernel ({mma_op}): off or absent"
             return torch.ops.fastawq.moe_gemv_w4_declines(e, h, i, group_size) or None
         return None
 
