@@ -769,8 +769,8 @@ def moe_w4(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qw
 
 
 # x [T, H] fp16/bf16 · topk_ids [T, k] int · topk_weights [T, k]
-# w13_wpacked [E, H // 8, 2I] · w13_szpacked [E, H // G, 4I] · w2_wpacked [E, I // 8, H] · w2_szpacked [E, I // G, 2H]
-#   ->  [T, H]
+# w13_wpacked [E, H // 8, 2I] · w13_szpacked [E, H // G, 4I]
+# w2_wpacked [E, I // 8, H] · w2_szpacked [E, I // G, 2H]  ->  [T, H]
 def moe_w4_packed(x, topk_ids, topk_weights, w13_wpacked, w13_szpacked, w2_wpacked, w2_szpacked, group_size: int,
                   act: str = "silu", *, config: MoeConfig | None = None) -> torch.Tensor:
     """moe_w4 on experts in the packed layout (fastawq.ops.repack.awq_experts_repack), tl.dot forms only."""

@@ -218,7 +218,8 @@ at::Tensor moe_gemv_call(const char* op, bool sums, const at::Tensor& x, const a
   // split sums to w2 (moe_gemv.cu). H100, session 22: Qwen3-30B-A3B decode 427.8 -> 449.1 tok/s at
   // batch 1 (RESULTS.md). The ring form, which one token takes, reads them; the others
   // keep the zeroed workspace, carved either way.
-  const bool part = c.t == 1 && a.splits13 > 1 && moe_h_part_fits(a) && env_switch("FASTAWQ_MOE_H_PARTIALS") != 0;
+  const bool part =
+      c.t == 1 && a.splits13 > 1 && moe_h_part_fits(a) && env_switch("FASTAWQ_MOE_H_PARTIALS") != 0;
   const SumsBuffers bufs = sums_buffers(a, c, x, part, sums);
   carve_workspace(a, c, x.device(), a.splits13 > 1, n * a.tiles13, a.tiles2);
   const bool wrote_sums = launch_moe_gemv(a, at::cuda::getCurrentCUDAStream());

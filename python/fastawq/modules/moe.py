@@ -198,7 +198,8 @@ class WQExperts(nn.Module):
                 getattr(mod, f"w2_{part}").copy_(torch.stack([getattr(dn, part) for _, _, dn in experts]))
         return mod
 
-    def expert_tensors(self, e: int, stacked: dict[str, torch.Tensor] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    def expert_tensors(self, e: int,
+                       stacked: dict[str, torch.Tensor] | None = None) -> dict[str, dict[str, torch.Tensor]]:
         """Views of expert e's AWQ tensors: {proj_name: {qweight, qzeros, scales}}; of `stacked`
         ({"w13_qweight": ..., ...}) when given, else of the module's (unpacked copies when packed)."""
         if stacked is None:

@@ -141,10 +141,7 @@ def moe_w4_plan(
     e, h, i = _check_experts((x,), weights, group_size, act)
     # The automatic choice depends on the load (assignments per expert, backend.size_buckets):
     # one backend for each bucket, bound here.
-    chosen, below = [], 0
-    for bound in _backend.size_buckets("moe_w4"):
-        chosen.append((bound, _select(x, weights, group_size, act, backend, below + 1 if bound is None else bound)))
-        below = bound if bound is not None else below
+    chosen = _by_bucket(lambda m: _select(x, weights, group_size, act, backend, m))
 
     def run(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         _check_routing(x, topk_ids, topk_weights, h)
@@ -207,8 +204,7 @@ def _moe_w4_packed_impl(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
         backend = _select_packed(x, packed, dims, group_size, act, None, _load(x.shape[0], topk_ids.shape[1], dims[0]))
     if backend == "cuda":
         t, k = topk_ids.shape
-        if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-            x = x.clone(memory_format=torch.contiguous_format)  # the kernels load x in 16-byte pieces
+        x = _rows16(x)
         ids, w = topk_ids.contiguous(), topk_weights.to(torch.float32).contiguous()
         if _backend.moe_kernel(t, k, w13_wpacked.shape[0]) == "mma":
             return torch.ops.fastawq.moe_mma_packed_w4(x, ids, w, *packed, group_size, act,
@@ -263,7 +259,8 @@ def moe_w4_packed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
 
 def moe_w4_packed_plan(x: torch.Tensor, w13_wpacked: torch.Tensor, w13_szpacked: torch.Tensor,
                        w2_wpacked: torch.Tensor, w2_szpacked: torch.Tensor, group_size: int, act: str = "silu", *,
-                       backend: str | None = None) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+                       backend: str | None = None
+                       ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """moe_w4_plan for experts in the packed layout."""
     packed = (w13_wpacked, w13_szpacked, w2_wpacked, w2_szpacked)
     dims = check_moe_packed_shapes(*packed, group_size)
@@ -272,20 +269,12 @@ def moe_w4_packed_plan(x: torch.Tensor, w13_wpacked: torch.Tensor, w13_szpacked:
         raise ValueError(f"act must be one of {reference.MOE_ACTS}, got {act!r}")
     check_same_device(x=x, w13_wpacked=w13_wpacked, w13_szpacked=w13_szpacked, w2_wpacked=w2_wpacked,
                       w2_szpacked=w2_szpacked)
-    chosen, below = [], 0
-    for bound in _backend.size_buckets("moe_w4"):
-        chosen.append((bound, _select_packed(x, packed, dims, group_size, act, backend,
-                                             below + 1 if bound is None else bound)))
-        below = bound if bound is not None else below
+    chosen = _by_bucket(lambda m: _select_packed(x, packed, dims, group_size, act, backend, m))
 
     def run(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         _check_routing(x, topk_ids, topk_weights, h)
         load = _load(x.shape[0], topk_ids.shape[1], e)
         be = next(b for bound, b in chosen if bound is None or load <= bound)
-        if be == "torch" and topk_ids.numel():  # (it syncs anyway, looping over the experts hit)
-            lo, hi = int(topk_ids.min()), int(topk_ids.max())
-            if lo < 0 or hi >= e:
-                raise ValueError(f"topk_ids must lie in [0, {e}) for {e} experts, got values in [{lo}, {hi}]")
         return _moe_w4_packed_impl(x, topk_ids, topk_weights, *packed, group_size, act, be)
 
     run.backend = "/".join(dict.fromkeys(b for _, b in chosen))
@@ -310,11 +299,9 @@ def moe_w4_packed_sums(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
                        w13_szpacked: torch.Tensor, w2_wpacked: torch.Tensor, w2_szpacked: torch.Tensor,
                        group_size: int, act: str = "silu") -> torch.Tensor:
     _check_routing(x, topk_ids, topk_weights, x.shape[-1])
-    if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        x = x.clone(memory_format=torch.contiguous_format)
     return torch.ops.fastawq.moe_gemv_packed_w4_sums(
-        x, topk_ids.contiguous(), topk_weights.to(torch.float32).contiguous(), w13_wpacked, w13_szpacked, w2_wpacked,
-        w2_szpacked, group_size, act)
+        _rows16(x), topk_ids.contiguous(), topk_weights.to(torch.float32).contiguous(), w13_wpacked, w13_szpacked,
+        w2_wpacked, w2_szpacked, group_size, act)
 
 
 def sums_kernel_serves(x: torch.Tensor, k: int, weights: tuple, group_size: int, act: str, backend: str | None) -> bool:
@@ -339,6 +326,23 @@ def moe_w4_sums(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     return torch.ops.fastawq.moe_gemv_w4_sums(
         x if x.stride(-1) == 1 else x.contiguous(), topk_ids.contiguous(), topk_weights.to(torch.float32).contiguous(),
         w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros, group_size, act)
+
+
+def _rows16(x: torch.Tensor) -> torch.Tensor:
+    """x, or a contiguous copy where the compiled kernels could not load its rows in 16-byte pieces."""
+    if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        return x.clone(memory_format=torch.contiguous_format)
+    return x
+
+
+def _by_bucket(select: Callable[[int], str]) -> list[tuple[int | None, str]]:
+    """(bound, select(m)) for each of moe_w4's load buckets (backend.size_buckets), m its largest
+    load (one past the last bound for the unbounded one): the backend a plan binds per bucket."""
+    chosen, below = [], 0
+    for bound in _backend.size_buckets("moe_w4"):
+        chosen.append((bound, select(below + 1 if bound is None else bound)))
+        below = bound if bound is not None else below
+    return chosen
 
 
 def _load(t: int, k: int, e: int) -> int:
@@ -400,8 +404,7 @@ def _moe_w4_impl(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
         op, extra = torch.ops.fastawq.moe_gemv_w4, ()
         if kernel == "mma":
             op, extra = torch.ops.fastawq.moe_mma_w4, (_backend.moe_pass_rows(t, k, e),)
-            if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-                x = x.clone(memory_format=torch.contiguous_format)  # it loads x in 16-byte pieces
+            x = _rows16(x)
         return op(
             x if x.stride(-1) == 1 else x.contiguous(), topk_ids.contiguous(),
             topk_weights.to(torch.float32).contiguous(), w13_qweight.contiguous(), w13_scales.contiguous(),
