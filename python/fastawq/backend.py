@@ -298,8 +298,8 @@ def preferred_layout(device: torch.device, fused_batch: int | None = None) -> st
 # but not for a fused engine of batch 1. FASTAWQ_MOE_LAYOUT=awq / packed (read when a model is
 # converted) keeps them in the AWQ layout / takes the packed one at batch 1 too. H100, session 29
 # (RESULTS.md), Qwen3-30B-A3B decode AWQ -> packed experts: batch 1 499.4 -> 458.6 tok/s (with
-# 8 blocks an SM; moe_gemv_packed_w4 now takes 4, which tied the AWQ kernel at T = 1, 16.9 us, but
-# is not measured in the engine), batch 8 1,446.5 -> 1,528.5, batch 16 2,131.7 -> 2,468.9; the
+# 8 blocks an SM; session 30, at the 4 it now takes: 498.7 -> 480.3, though the op ties the AWQ
+# kernel at T = 1, 16.8 / 17.1 us), batch 8 1,446.5 -> 1,528.5, batch 16 2,131.7 -> 2,468.9; the
 # grouped op T = 2 / 4 30.2 / 45.8 -> 22.2 / 38.3 us, Mixtral T = 16 / 64 413 / 651 -> 306 / 548 us.
 MOE_PACKED_EXPERTS = True
 
