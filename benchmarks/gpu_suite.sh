@@ -444,6 +444,8 @@ if [[ " $stages " == *" moe_ncu "* ]]; then
   step moe_ncu
   # Issue 12's batch-16 row: moe_mma_w4's two launches at Qwen3-30B-A3B, T = 16 (CUDA_NOTES.md
   # session 22's grid arithmetic: is a busy block's fixed part or the wave tail what costs?), ~1 min.
+  # PROFILE_MOE_LAYOUT=packed (passed through) profiles moe_mma_packed_w4 instead: the layout the
+  # fused engine's experts take at batch sizes above 1 (backend.experts_layout).
   PROFILE_MOE_SHAPES=qwen3-30b-a3b timeout 150 ncu --clock-control none --kernel-name regex:moe_mma \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section MemoryWorkloadAnalysis --section SchedulerStats \
