@@ -77,6 +77,20 @@ def test_set_layout_is_exact_and_state_dict_stays_awq(g):
         assert torch.equal(a, b)
 
 
+def test_unpack_to_places_packed_experts_awq_tensors():
+    from fastawq.modules.qlinear import unpack_to
+
+    weights, *_ = moe_case(3, 64, 96, 32, 2, 1, seed=5)
+    mod = _experts(tuple(t.cpu() for t in weights), 64, 96, 32)
+    want = {k: v.clone() for k, v in mod.state_dict().items()}
+    mod.set_layout("packed")
+    with unpack_to("meta"):  # "meta" stands in for the CPU of a model on the GPU
+        sd = mod.state_dict()
+    assert sd.keys() == want.keys() and all(v.device.type == "meta" and v.shape == want[k].shape for k, v in sd.items())
+    sd = mod.state_dict()
+    assert all(torch.equal(sd[k].contiguous(), want[k].contiguous()) for k in want)
+
+
 def test_experts_layout_rule(monkeypatch):
     # Packed with the model on a GPU that has the kernels, except a fused engine of batch 1;
     # FASTAWQ_MOE_LAYOUT overrides either way; never on a CPU or without the compiled kernels.

@@ -180,6 +180,27 @@ def test_state_dict_is_the_awq_tensors_bit_for_bit(bias, dtype):
     assert all(torch.equal(a, b) for a, b in zip(_bits(back).values(), _bits(before).values()))
 
 
+def test_unpack_to_places_a_packed_layers_awq_tensors(monkeypatch):
+    # save_quantized unpacks each packed layer to the CPU as it goes (a GPU model never holds a
+    # second copy of all its weights); here "meta" stands in for the other device.
+    from fastawq import checkpoint
+    from fastawq.modules import qlinear
+
+    layer = _layer(bias=True, device="cpu")
+    layer.set_layout("packed")
+    with qlinear.unpack_to("meta"):
+        sd = layer.state_dict()
+    assert {k: v.device.type for k, v in sd.items()} == {"qweight": "meta", "qzeros": "meta", "scales": "meta",
+                                                          "bias": "cpu"}
+    assert all(v.device.type == "cpu" for v in layer.state_dict().values())  # outside it: the layer's device
+    seen = []
+    unpack = WQLinear._awq_tensors
+    monkeypatch.setattr(WQLinear, "_awq_tensors", lambda self: seen.append(qlinear._UNPACK_DEVICE.get()) or unpack(self))
+    saved = checkpoint._state_dict_for_save(torch.nn.Sequential(layer))
+    assert seen == [torch.device("cpu")]
+    assert all(torch.equal(a, b) for a, b in zip(_bits(saved).values(), _bits(layer.state_dict()).values()))
+
+
 def test_packed_layer_loads_an_awq_state_dict():
     src = _layer(device="cpu", seed=1)
     dst = _layer(device="cpu", seed=2)

@@ -26,6 +26,7 @@ from fastawq.models import architecture_of
 from fastawq.models import moe
 from fastawq.models.base import set_submodule
 from fastawq.modules import WQLinear
+from fastawq.modules.qlinear import unpack_to
 from fastawq.quantize.config import QuantConfig
 from fastawq.modules.scaled_activation import wrap_activation
 
@@ -163,7 +164,11 @@ def untied(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _state_dict_for_save(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: t.detach().to("cpu").contiguous() for k, t in untied(model.state_dict()).items()}
+    # Layers held packed unpack to the CPU one at a time (on the GPU, all of them at once would
+    # double the weights' memory there while the model is saved).
+    with unpack_to("cpu"):
+        sd = model.state_dict()
+    return {k: t.detach().to("cpu").contiguous() for k, t in untied(sd).items()}
 
 
 def _plan_shards(sd: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:

@@ -210,10 +210,12 @@ class FastAwqHfQuantizer(HfQuantizer):
         stacked buffers, the gate and up ones strided: transformers' shared-storage check cannot
         walk those, so they are handed over as contiguous CPU copies (what safetensors writes)."""
         from fastawq.modules.moe import WQExperts
+        from fastawq.modules.qlinear import unpack_to
 
         if not any(isinstance(m, WQExperts) for m in model.modules()):
             return None, {}
-        state = model.state_dict()
+        with unpack_to("cpu"):  # layers held packed unpack one at a time, not all at once on the GPU
+            state = model.state_dict()
         return {k: t if t.is_contiguous() else t.detach().to("cpu").contiguous() for k, t in state.items()}, {}
 
     def is_serializable(self) -> bool:

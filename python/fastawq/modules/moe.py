@@ -14,7 +14,7 @@ from torch import nn
 from fastawq import reference
 from fastawq.backend import experts_layout
 from fastawq.ops import moe as ops_moe
-from fastawq.modules.qlinear import WQLinear
+from fastawq.modules.qlinear import WQLinear, unpacked_for_state_dict
 
 _PARTS = ("qweight", "qzeros", "scales")
 _AWQ_BUFFERS = ("w13_qweight", "w13_scales", "w13_qzeros", "w2_qweight", "w2_scales", "w2_qzeros")
@@ -233,7 +233,7 @@ class WQExperts(nn.Module):
         if self.layout == "awq":
             return super()._save_to_state_dict(destination, prefix, keep_vars)
         # The checkpoint format is AWQ GEMM whatever the layout held in memory.
-        for name, t in zip(_AWQ_BUFFERS, self._awq_buffers()):
+        for name, t in zip(_AWQ_BUFFERS, unpacked_for_state_dict(self._awq_buffers())):
             destination[prefix + name] = t
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,

@@ -1,6 +1,9 @@
 """The quantized linear layer: the AWQ GEMM checkpoint tensors and a reshape around one op."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 from torch import nn
 
@@ -19,6 +22,28 @@ def _row_slices(k: int, n: int, g: int) -> list[tuple[int, int]]:
     """(a, b) rows of K, each a multiple of the group size G, with a x N int32 below _CONVERT_BYTES."""
     rows = max(g, _CONVERT_BYTES // (4 * n) // g * g)
     return [(a, min(k, a + rows)) for a in range(0, k, rows)]
+
+
+# Where a packed layer's state_dict() puts the AWQ tensors it unpacks (None: the layer's device).
+_UNPACK_DEVICE: contextvars.ContextVar[torch.device | None] = contextvars.ContextVar("unpack_device", default=None)
+
+
+@contextlib.contextmanager
+def unpack_to(device: torch.device | str):
+    """Within it, layers held in the packed layout (WQLinear, WQExperts) put the AWQ tensors their
+    state_dict() unpacks on `device`, one layer at a time: save_quantized unpacks to the CPU, so a
+    model on the GPU never holds a second copy of all its weights while it is saved."""
+    token = _UNPACK_DEVICE.set(torch.device(device))
+    try:
+        yield
+    finally:
+        _UNPACK_DEVICE.reset(token)
+
+
+def unpacked_for_state_dict(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """A packed layer's unpacked AWQ tensors, moved where unpack_to says (as they are outside it)."""
+    device = _UNPACK_DEVICE.get()
+    return tensors if device is None else tuple(t.to(device) for t in tensors)
 
 
 # qweight [K, N // 8] int32 · scales [K // G, N] · qzeros [K // G, N // 8]  ->  wpacked [K // 8, N] · szpacked [K // G, 2N]
@@ -179,7 +204,7 @@ class WQLinear(nn.Module):
         if self.layout == "awq":
             return super()._save_to_state_dict(destination, prefix, keep_vars)
         # The checkpoint format is AWQ GEMM whatever the layout held in memory.
-        for name, t in zip(_AWQ_TENSORS, self._awq_tensors()):
+        for name, t in zip(_AWQ_TENSORS, unpacked_for_state_dict(self._awq_tensors())):
             destination[prefix + name] = t
         if self.bias is not None:
             destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
