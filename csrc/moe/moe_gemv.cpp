@@ -260,8 +260,8 @@ void packed_split(int64_t base, int64_t k, int sms, int& splits, int& bpw, bool 
   const int64_t total = k / 32;
   const char* bps_env = std::getenv("FASTAWQ_MOE_PACKED_BPS");
   const int bps = bps_env != nullptr && std::atoi(bps_env) > 0 ? std::atoi(bps_env) : kMoePackedBlocksPerSm;
-  int64_t sp = one_batch ? (total + 3) / 4 : (int64_t(sms) * bps + base - 1) / base;
-  sp = std::max<int64_t>(1, one_batch ? sp : std::min(sp, total / 8));
+  const int64_t sp = std::max<int64_t>(
+      1, one_batch ? (total + 3) / 4 : std::min<int64_t>((int64_t(sms) * bps + base - 1) / base, total / 8));
   int64_t per = (total + sp * 4 - 1) / (sp * 4);
   per = std::min<int64_t>(per, kMoePackedMaxBatches);
   bpw = static_cast<int>(per);

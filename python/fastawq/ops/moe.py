@@ -142,15 +142,7 @@ def moe_w4_plan(
     # The automatic choice depends on the load (assignments per expert, backend.size_buckets):
     # one backend for each bucket, bound here.
     chosen = _by_bucket(lambda m: _select(x, weights, group_size, act, backend, m))
-
-    def run(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        _check_routing(x, topk_ids, topk_weights, h)
-        load = _load(x.shape[0], topk_ids.shape[1], e)
-        be = next(b for bound, b in chosen if bound is None or load <= bound)
-        return _moe_w4_impl(x, topk_ids, topk_weights, *weights, group_size, act, be)
-
-    run.backend = "/".join(dict.fromkeys(b for _, b in chosen))
-    return run
+    return _bucketed(chosen, h, e, lambda x, ids, w, be: _moe_w4_impl(x, ids, w, *weights, group_size, act, be))
 
 
 # --- the experts in the packed layout (ops.repack.awq_experts_repack; WQExperts.set_layout) ---------
@@ -270,15 +262,8 @@ def moe_w4_packed_plan(x: torch.Tensor, w13_wpacked: torch.Tensor, w13_szpacked:
     check_same_device(x=x, w13_wpacked=w13_wpacked, w13_szpacked=w13_szpacked, w2_wpacked=w2_wpacked,
                       w2_szpacked=w2_szpacked)
     chosen = _by_bucket(lambda m: _select_packed(x, packed, dims, group_size, act, backend, m))
-
-    def run(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        _check_routing(x, topk_ids, topk_weights, h)
-        load = _load(x.shape[0], topk_ids.shape[1], e)
-        be = next(b for bound, b in chosen if bound is None or load <= bound)
-        return _moe_w4_packed_impl(x, topk_ids, topk_weights, *packed, group_size, act, be)
-
-    run.backend = "/".join(dict.fromkeys(b for _, b in chosen))
-    return run
+    return _bucketed(chosen, h, e,
+                     lambda x, ids, w, be: _moe_w4_packed_impl(x, ids, w, *packed, group_size, act, be))
 
 
 def packed_sums_kernel_serves(x: torch.Tensor, k: int, packed: tuple, group_size: int, act: str,
@@ -333,6 +318,19 @@ def _rows16(x: torch.Tensor) -> torch.Tensor:
     if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         return x.clone(memory_format=torch.contiguous_format)
     return x
+
+
+def _bucketed(chosen: list[tuple[int | None, str]], h: int, e: int, impl: Callable) -> Callable:
+    """A plan's call: the routing checked, then impl(x, topk_ids, topk_weights, backend) with the
+    backend _by_bucket bound for the call's load; .backend names the ones bound."""
+
+    def run(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        _check_routing(x, topk_ids, topk_weights, h)
+        load = _load(x.shape[0], topk_ids.shape[1], e)
+        return impl(x, topk_ids, topk_weights, next(b for bound, b in chosen if bound is None or load <= bound))
+
+    run.backend = "/".join(dict.fromkeys(b for _, b in chosen))
+    return run
 
 
 def _by_bucket(select: Callable[[int], str]) -> list[tuple[int | None, str]]:
