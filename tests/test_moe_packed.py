@@ -92,14 +92,14 @@ def test_unpack_to_places_packed_experts_awq_tensors():
 
 
 def test_experts_layout_rule(monkeypatch):
-    # Packed with the model on a GPU that has the kernels, except a fused engine of batch 1;
+    # Packed with the model on a GPU that has the kernels, a fused engine of any batch included;
     # FASTAWQ_MOE_LAYOUT overrides either way; never on a CPU or without the compiled kernels.
     cuda = torch.device("cuda")
     monkeypatch.delenv("FASTAWQ_MOE_LAYOUT", raising=False)
     monkeypatch.setattr(backend._ext, "has_op", lambda name: True)
     assert backend.experts_layout("packed", cuda) == "packed"
     assert backend.experts_layout("packed", cuda, fused_batch=16) == "packed"
-    assert backend.experts_layout("packed", cuda, fused_batch=1) == "awq"
+    assert backend.experts_layout("packed", cuda, fused_batch=1) == "packed"
     assert backend.experts_layout("awq", cuda) == "awq"
     assert backend.experts_layout("packed", torch.device("cpu")) == "awq"
     monkeypatch.setenv("FASTAWQ_MOE_LAYOUT", "packed")

@@ -60,15 +60,25 @@ __device__ __forceinline__ Expert expert_of(const MoeGemvArgs& a, int f, bool th
   return {valid, valid ? e : 0};
 }
 
+// walk's sv0: the lane's scale / zero chunk of the group that batch b0 starts in (zeros where the
+// half2 form does not read it: fp32 sums load theirs at each group's close).
+template <bool kH2>
+__device__ __forceinline__ uint4 first_scales(const uint4* __restrict__ sz, int64_t n4, bool col_ok, int b0, int b1,
+                                              int group_size) {
+  if (!kH2 || !col_ok || b0 >= b1) return make_uint4(0, 0, 0, 0);
+  return __ldg(sz + static_cast<int64_t>(b0 / (group_size / kPackedBatchRows)) * n4);
+}
+
 // One lane's walk of its warp's batches b0 .. b1 - 1 of K (the dense GEMV's loop at M = 1): y[c] =
 // sum over those rows of x[r] * (q[r, c] - z) * s for the lane's 4 columns, in units of 1 / kUnit.
 // wp, sz: the lane's chunk c4 of the matrix's wpacked / szpacked (n4 16-byte chunks a row). cur
-// holds batch b0 already (the caller loaded it, maybe before its PDL wait). x: the input row
-// (SX: in shared memory, indexed by the global row).
+// holds batch b0 already (the caller loaded it, maybe before its PDL wait), and sv0 (kH2) the lane's
+// scale / zero chunk of b0's group (first_scales). x: the input row (SX: in shared memory, indexed
+// by the global row).
 template <typename T, bool kH2, bool SX>
 __device__ __forceinline__ void walk(const T* x, const uint4* __restrict__ wp, const uint4* __restrict__ sz,
                                      int64_t n4, bool col_ok, int b0, int b1, int group_size, uint4 (&cur)[kLoads],
-                                     uint64_t policy, float (&y)[4]) {
+                                     uint4 sv0, uint64_t policy, float (&y)[4]) {
   using Tr = HalfTraits<T>;
   float acc[1][4], xs[1] = {0.f};
 #pragma unroll
@@ -81,7 +91,7 @@ __device__ __forceinline__ void walk(const T* x, const uint4* __restrict__ wp, c
   [[maybe_unused]] uint4 sv_cur = make_uint4(0, 0, 0, 0), sv_nxt = make_uint4(0, 0, 0, 0);
   [[maybe_unused]] typename Tr::T2 zc[4];
   if constexpr (kH2) {
-    if (col_ok) sv_cur = __ldg(sz_lane);
+    sv_cur = sv0;
     zero_consts<T>(sv_cur, zc);
   }
   const auto none = [] {};
@@ -171,9 +181,10 @@ __global__ void __launch_bounds__(kPackedThreads) moe_w13_packed_kernel(MoeGemvA
   const uint64_t policy = evict_first_policy();
   uint4 cur[kLoads];
   if (b0 < b1) load_batch(cur, wp + static_cast<int64_t>(b0) * kLoads * n4, n4, col_ok, policy);
+  const uint4 sv0 = first_scales<kH2>(sz, n4, col_ok, b0, b1, g);
   float y[4];
   walk<T, kH2, false>(static_cast<const T*>(a.x) + static_cast<int64_t>(f / a.topk) * a.x_stride, wp, sz, n4,
-                      col_ok, b0, b1, g, cur, policy, y);
+                      col_ok, b0, b1, g, cur, sv0, policy, y);
   to_red(red, y);
 
   // Thread tc < 64: gate column tc of the tile (red[tc]) and its up column (red[64 + tc]).
@@ -213,8 +224,9 @@ __global__ void __launch_bounds__(kPackedThreads) moe_w2_packed_kernel(MoeGemvAr
   const int kb0 = blockIdx.y * kWarps * a.bpw2 * kPackedBatchRows;
   const int rows = max(min(kb0 + kWarps * a.bpw2 * kPackedBatchRows, k) - kb0, 0);
   const uint64_t policy = evict_first_policy();
-  uint4 cur[kLoads];  // the first batch, before the wait: no kernel writes the weights
+  uint4 cur[kLoads];  // the first batch and its scales, before the wait: no kernel writes the weights
   if (b0 < b1) load_batch(cur, wp + static_cast<int64_t>(b0) * kLoads * n4, n4, col_ok, policy);
+  const uint4 sv0 = first_scales<kH2>(sz, n4, col_ok, b0, b1, g);
   pdl_wait();  // h (or its split sums) comes from the w13 launch
   pdl_launch_dependents();
 
@@ -246,7 +258,7 @@ __global__ void __launch_bounds__(kPackedThreads) moe_w2_packed_kernel(MoeGemvAr
   __syncthreads();
 
   float y[4];
-  walk<T, kH2, true>(hs - kb0, wp, sz, n4, col_ok, b0, b1, g, cur, policy, y);
+  walk<T, kH2, true>(hs - kb0, wp, sz, n4, col_ok, b0, b1, g, cur, sv0, policy, y);
   to_red(red, y);
 
   const int tc = threadIdx.x, col = blockIdx.x * kPackedTileCols + tc, t = f / a.topk;

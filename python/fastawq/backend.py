@@ -310,8 +310,6 @@ def experts_layout(layout: str, device: torch.device, fused_batch: int | None = 
     env = os.environ.get("FASTAWQ_MOE_LAYOUT")
     if layout != "packed" or not MOE_PACKED_EXPERTS or env == "awq":
         return "awq"
-    if fused_batch == 1 and env != "packed":
-        return "awq"
     # (Elsewhere the packed experts would run the torch reference on unpacked copies.)
     if device.type != "cuda" or not (_ext.has_op("moe_gemv_packed_w4") and _ext.has_op("moe_mma_packed_w4")):
         return "awq"
