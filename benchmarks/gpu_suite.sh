@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s30 s28e s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s30 s31 s28e s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -686,6 +686,30 @@ if [[ " $stages " == *" s30 "* ]]; then
     echo "FASTAWQ_MOE_PACKED_W2_ONE=$one"
     FASTAWQ_MOE_PACKED_W2_ONE=$one FASTAWQ_TRITON_TUNE=0 timeout 100 python benchmarks/bench_ab.py --compare moe_layout \
       --shape qwen3-30b-a3b --batches 1 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\| 1|on / off" || status=1
+  done
+fi
+if [[ " $stages " == *" s31 "* ]]; then
+  step s31
+  # FASTAWQ_MOE_PACKED_W2_WIDE=1 (session 31, not yet run): moe_mma_packed_w4's w2 with a warp a
+  # 128-column tile over the whole K range, 4 tiles a block (ncu, H100, Qwen3 T = 16: w2 47 us for
+  # 72 MB, 1.58 TB/s, against w13's 2.40; a warp had 6 steps between a block's fixed costs).
+  # Its tests, the op at T = 16 / 64 / 256 off / on, the engine at batch 16, then ncu of it (~5 min).
+  timeout 200 python -m pytest -q -rf --maxfail=10 -p no:cacheprovider tests/test_moe_mma.py \
+    -k "packed_kernel_matches and 4w" > "$OUT/s31_tests.txt" 2>&1; tail -4 "$OUT/s31_tests.txt"
+  grep -qE "[0-9]+ (failed|error)" "$OUT/s31_tests.txt" && status=1
+  for wide in 0 1; do
+    echo "FASTAWQ_MOE_PACKED_W2_WIDE=$wide"
+    FASTAWQ_MOE_PACKED_W2_WIDE=$wide timeout 90 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b,mixtral-8x7b \
+      --ts 16,64,256 --no-tune --backends cuda:mmapacked 2>&1 | grep -E "^\| (qwen|mixtral)" || status=1
+  done
+  FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:FASTAWQ_MOE_PACKED_W2_WIDE=0,1 \
+    --shape qwen3-30b-a3b --batches 16 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
+  for wide in 1; do  # (0: moe_ncu with PROFILE_MOE_LAYOUT=packed)
+    echo "ncu, FASTAWQ_MOE_PACKED_W2_WIDE=$wide"
+    FASTAWQ_MOE_PACKED_W2_WIDE=$wide PROFILE_MOE_LAYOUT=packed PROFILE_MOE_SHAPES=qwen3-30b-a3b timeout 90 ncu \
+      --clock-control none --kernel-name regex:moe_mma --section SpeedOfLight --section LaunchStats \
+      --metrics dram__bytes_read.sum python benchmarks/profile_moe.py > "$OUT/s31_ncu$wide.txt" 2>&1 || status=1
+    grep -E "moe_mma_kernel<|Duration|DRAM Throughput|Grid Size|dram__bytes" "$OUT/s31_ncu$wide.txt" | head -12
   done
 fi
 if [[ " $stages " == *" s28e "* ]]; then

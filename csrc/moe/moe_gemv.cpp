@@ -3,6 +3,7 @@
 // each family's grids. Which one runs for how many tokens is python/fastawq/backend.py's rule; the
 // shape rules are moe_gemv_w4_declines, here, for both.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -171,6 +172,23 @@ void mma_split(int64_t blocks, int64_t k, int sms, int per_sm, int& splits, int&
   sp = std::max<int64_t>(1, std::min(sp, total / 8));
   steps = static_cast<int>((total + sp * 4 - 1) / (sp * 4));
   splits = static_cast<int>((total + int64_t(steps) * 4 - 1) / (int64_t(steps) * 4));
+}
+
+// The wide w2 (MoeMmaArgs::w2_wide): one warp a tile over a split's whole K range, so `blocks`
+// blocks of 4 warps; splits of K only while whole waves of them stay at most one (a second, part-full
+// wave would leave most of the GPU idle at its end), each at least 8 steps.
+void wide_split(int64_t blocks, int64_t k, int sms, int per_sm, int& splits, int& steps) {
+  const int64_t total = k / 32;
+  const int64_t sp = std::max<int64_t>(1, std::min(total / 8, int64_t(sms) * per_sm / std::max<int64_t>(blocks, 1)));
+  steps = static_cast<int>((total + sp - 1) / sp);
+  splits = static_cast<int>((total + steps - 1) / steps);
+}
+
+// The distinct experts n uniformly routed assignments reach on average, E (1 - (1 - 1/E)^n), rounded
+// up: the block rows that do work (the grid has min(E, n) + 1; the rest exit at once).
+int64_t expected_experts(int64_t e, int64_t n) {
+  const double d = static_cast<double>(e) * (1.0 - std::pow(1.0 - 1.0 / static_cast<double>(e), static_cast<double>(n)));
+  return std::min<int64_t>(std::min(e, n), static_cast<int64_t>(std::ceil(d - 1e-9)));
 }
 
 }  // namespace
@@ -363,6 +381,11 @@ at::Tensor moe_mma_call(const char* op, bool packed, const at::Tensor& x, const 
   a.packed = packed;
   const char* chunks = packed ? std::getenv("FASTAWQ_MOE_PACKED_CHUNKS") : nullptr;  // (the packed kernel's only)
   a.packed_chunks = chunks != nullptr && std::strcmp(chunks, "2") == 0 ? 2 : 4;
+  a.w2_wide = packed && a.packed_chunks == 4 && env_switch("FASTAWQ_MOE_PACKED_W2_WIDE") == 1;
+  if (a.w2_wide) {
+    a.tiles2 = static_cast<int>((h + 4 * kMoeMmaTile2 - 1) / (4 * kMoeMmaTile2));
+    wide_split(expected_experts(e, n) * a.tiles2, i, sms, per_sm, a.splits2, a.steps2);
+  }
   if (!packed && env_switch("FASTAWQ_MOE_MMA_PERSISTENT") == 1) {  // (the persistent form reads the AWQ layout)
     a.claim_ahead = env_switch("FASTAWQ_MOE_MMA_AHEAD") == 1;
     const int64_t items = persistent_items(a);

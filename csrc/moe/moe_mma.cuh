@@ -383,7 +383,9 @@ __device__ __forceinline__ void zero_h_rows(const MoeMmaArgs& a, const S& sm, in
 // One pass's outputs, once every warp's sums of it are in sm.red (and the block has met): w13
 // stores act(gate) * up into h (or, with split K, adds gate and up into ws13); w2 adds the tokens'
 // routing-weighted columns into ws2 (or stores them, top-1 without split K).
-template <typename T, bool kW13, int ACT, int NT>
+// kWide (w2 of the packed kernel, FASTAWQ_MOE_PACKED_W2_WIDE): each warp holds the sums of its own
+// 128-column tile of the block's kWarps, so a column is read from one warp's row, not summed.
+template <typename T, bool kW13, int ACT, int NT, bool kWide = false>
 __device__ __forceinline__ void pass_out(const MoeMmaArgs& a, Smem<NT>& sm, bool expert, int tile, int splits, int n,
                                          int pass, int rows_here) {
   constexpr int kPassRows = 8 * NT;
@@ -413,14 +415,16 @@ __device__ __forceinline__ void pass_out(const MoeMmaArgs& a, Smem<NT>& sm, bool
       }
     }
   } else {
-    constexpr int kQuads = kTileCols / 4;
+    constexpr int kBlockCols = kTileCols * (kWide ? kWarps : 1);
+    constexpr int kQuads = kBlockCols / 4;
     for (int idx = threadIdx.x; idx < rows_here * kQuads; idx += kThreads) {
-      const int row = idx / kQuads, c = 4 * (idx % kQuads), col = tile * kTileCols + c;
+      const int row = idx / kQuads, c = 4 * (idx % kQuads), col = tile * kBlockCols + c;
       if (col >= a.hidden) continue;
       const int fr = sm.rows[pass * kPassRows + row];
       const int64_t off = static_cast<int64_t>(fr / a.topk) * a.hidden + col;
       const float rw = expert ? a.topk_weights[fr] : 0.f;
-      const float4 s = tile_sum4(row, c);
+      const float4 s = kWide ? *reinterpret_cast<const float4*>(&sm.red[c / kTileCols][row][c % kTileCols])
+                             : tile_sum4(row, c);
       const float4 v = make_float4(rw * s.x, rw * s.y, rw * s.z, rw * s.w);
       if (a.topk == 1 && splits == 1) {
         store4(static_cast<T*>(a.out) + off, v);  // the token's only slot: no one else adds to it
@@ -434,7 +438,7 @@ __device__ __forceinline__ void pass_out(const MoeMmaArgs& a, Smem<NT>& sm, bool
 // After the last pass: with split K, the last block of a w13 tile converts ws13 into h; a w2 token's
 // tile is converted by whichever of its topk * splits blocks arrives last. w13's persistent form
 // publishes its finished tile to done13.
-template <typename T, bool kW13, int ACT, int NT>
+template <typename T, bool kW13, int ACT, int NT, bool kWide = false>
 __device__ __forceinline__ void work_tail(const MoeMmaArgs& a, Smem<NT>& sm, int e, int tile, int tiles, int splits,
                                           int count, int n, int* done13) {
   const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -476,9 +480,10 @@ __device__ __forceinline__ void work_tail(const MoeMmaArgs& a, Smem<NT>& sm, int
     const int n_convert = sm.n_convert;
     if (n_convert == 0) return;
     __threadfence();
-    constexpr int kQuads = kTileCols / 4;
+    constexpr int kBlockCols = kTileCols * (kWide ? kWarps : 1);
+    constexpr int kQuads = kBlockCols / 4;
     for (int idx = threadIdx.x; idx < n_convert * kQuads; idx += kThreads) {
-      const int col = tile * kTileCols + 4 * (idx % kQuads);
+      const int col = tile * kBlockCols + 4 * (idx % kQuads);
       if (col >= a.hidden) continue;
       const int64_t off = static_cast<int64_t>(sm.convert[idx / kQuads]) * a.hidden + col;
       float4* p = reinterpret_cast<float4*>(a.ws2 + off);
@@ -787,18 +792,27 @@ __device__ __forceinline__ void run_work(const MoeMmaArgs& a, Smem<NT>& sm, cons
 // refill waits until slot r + 1's first use (awq_mma_packed's DEFER: every weight load of a warp
 // shares one scoreboard, so a refill issued just before the next slot's first use would hold that
 // use for a whole memory latency).
+// kWide (w2 only, CC = 4; FASTAWQ_MOE_PACKED_W2_WIDE=1): the block's 4 warps take 4 adjacent
+// 128-column tiles (512 columns), each warp the block's whole K range, instead of 4 K ranges of one
+// tile. At w2's short K (Qwen3-30B-A3B: I = 768, 24 steps) the 4-way K split leaves a warp 6 steps
+// between a block's fixed costs (id scan, gather, cross-warp sum, atomics, arrival): wide, a warp
+// streams 24 steps, the block holds 4x the bytes for the same fixed part, and no warp's sums are
+// added to another's.
 template <int CC>
 constexpr int moe_packed_ring() { return CC == 4 ? 2 : 4; }
 
-template <typename T, typename Id, bool kW13, int ACT, int NT, int CC, typename Work, typename CountFn, typename WaitH>
+template <typename T, typename Id, bool kW13, int ACT, int NT, int CC, bool kWide, typename Work, typename CountFn,
+          typename WaitH>
 __device__ __forceinline__ void run_work_packed(const MoeMmaArgs& a, Smem<NT>& sm, const Work& wk, CountFn count_fn,
                                                 WaitH wait_h) {
   static_assert(CC == 2 || CC == 4, "chunks a warp");
+  static_assert(!kWide || (!kW13 && CC == 4), "the wide form is w2's, with 4 chunks a warp");
   using Tr = HalfTraits<T>;
   constexpr int kPassRows = 8 * NT, P = moe_packed_ring<CC>();
-  constexpr int kColWarps = 4 / CC, kKWarps = kWarps / kColWarps;  // warps across the columns, along K
+  // Warps across the tile's columns and along K (wide: each warp its own tile, the whole K range).
+  constexpr int kColWarps = kWide ? 1 : 4 / CC, kKWarps = kWide ? 1 : kWarps / kColWarps;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int first_chunk = (warp % kColWarps) * CC, kwarp = warp / kColWarps;
+  const int first_chunk = kWide ? 0 : (warp % kColWarps) * CC, kwarp = kWide ? 0 : warp / kColWarps;
   const int g = lane >> 2, t = lane & 3;
   const int e = wk.e;
   const bool expert = e < a.num_experts;
@@ -807,6 +821,7 @@ __device__ __forceinline__ void run_work_packed(const MoeMmaArgs& a, Smem<NT>& s
   const int n4 = n / 4;
   const int tile = wk.tile();
   const int splits = wk.splits();
+  const int wtile = kWide ? tile * kWarps + warp : tile;  // the warp's 128-column tile (w2)
 
   if constexpr (kW13) {
     if (!expert) {
@@ -829,7 +844,7 @@ __device__ __forceinline__ void run_work_packed(const MoeMmaArgs& a, Smem<NT>& s
       c4[cc] = (q < 2 ? 0 : a.inter / 4) + local;
       col_ok[cc] = expert && local < a.inter / 4;
     } else {
-      c4[cc] = tile * (kTileCols / 4) + 8 * q + g;
+      c4[cc] = wtile * (kTileCols / 4) + 8 * q + g;
       col_ok[cc] = expert && c4[cc] < n4;
     }
     if (!col_ok[cc]) c4[cc] = 0;
@@ -838,7 +853,8 @@ __device__ __forceinline__ void run_work_packed(const MoeMmaArgs& a, Smem<NT>& s
   const int64_t ex = expert ? e : 0;
   const uint4* wp = reinterpret_cast<const uint4*>(kW13 ? a.w13_qweight : a.w2_qweight) + ex * (k / 8) * n4;
   const uint4* szp = static_cast<const uint4*>(kW13 ? a.w13_scales : a.w2_scales) + ex * (k / gsize) * n4;
-  // The host sized steps13 / steps2 for 4 warps along K; kKWarps of them take as many steps each.
+  // The host sized steps13 / steps2 for 4 warps along K (wide: for one); kKWarps of them take as
+  // many steps each.
   const int steps = (kW13 ? a.steps13 : a.steps2) * kColWarps;
   const int s0 = (wk.split() * kKWarps + kwarp) * steps, s1 = min(s0 + steps, k / kStepRows);
   const int steps_per_group = gsize / kStepRows;
@@ -861,7 +877,8 @@ __device__ __forceinline__ void run_work_packed(const MoeMmaArgs& a, Smem<NT>& s
     for (int cc = 0; cc < CC; ++cc) cp_async16(&sm.pairs[warp][slot][cc][lane], p + c4[cc], col_ok[cc]);
     cp_async_commit();
   };
-  const bool streams = expert && s0 < s1;
+  // (Wide: a warp whose tile starts past the layer's columns streams nothing.)
+  const bool streams = expert && s0 < s1 && (!kWide || col_ok[0]);
   uint4 rw[P][CC];
   const auto fetch_first = [&] {
     if (streams) {
@@ -1013,18 +1030,20 @@ __device__ __forceinline__ void run_work_packed(const MoeMmaArgs& a, Smem<NT>& s
     }
     __syncthreads();
 
-    pass_out<T, kW13, ACT, NT>(a, sm, expert, tile, splits, n, pass, rows_here);
+    pass_out<T, kW13, ACT, NT, kWide>(a, sm, expert, tile, splits, n, pass, rows_here);
     __syncthreads();  // red is rewritten by the next pass (or reused as convert)
   }
 
-  work_tail<T, kW13, ACT, NT>(a, sm, e, tile, wk.tiles(), splits, count, n, nullptr);
+  work_tail<T, kW13, ACT, NT, kWide>(a, sm, e, tile, wk.tiles(), splits, count, n, nullptr);
 }
 
 // Two launches: grid (tiles, splits, rows), block row z on the z-th expert the ids reach.
 // kEarly (w2 only, FASTAWQ_MOE_MMA_EARLY_W2): everything up to the first read of h runs before the
 // PDL wait, so the expert scan, the gather and the first weight copies overlap w13's tail.
-// kPacked: the experts in the packed layout (run_work_packed), CC chunks a warp (4 or 2).
-template <typename T, typename Id, bool kW13, int ACT, int NT, bool kEarly = false, bool kPacked = false, int CC = 4>
+// kPacked: the experts in the packed layout (run_work_packed), CC chunks a warp (4 or 2); kWide:
+// its w2 with a warp a tile (run_work_packed).
+template <typename T, typename Id, bool kW13, int ACT, int NT, bool kEarly = false, bool kPacked = false, int CC = 4,
+          bool kWide = false>
 __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_mma_kernel(MoeMmaArgs a) {
   static_assert(!(kW13 && kEarly), "w13 reads its ids only after the PDL wait");
   __shared__ Smem<NT> sm;
@@ -1044,7 +1063,7 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
   }
   const auto work = [&](const auto& wk, auto wait_h) {
     if constexpr (kPacked) {
-      run_work_packed<T, Id, kW13, ACT, NT, CC>(a, sm, wk, [count] { return count; }, wait_h);
+      run_work_packed<T, Id, kW13, ACT, NT, CC, kWide>(a, sm, wk, [count] { return count; }, wait_h);
     } else {
       run_work<T, Id, kW13, ACT, NT>(a, sm, wk, [count] { return count; }, nullptr, wait_h);
     }
@@ -1080,16 +1099,23 @@ void dispatch_instance(const MoeMmaArgs& a, F&& f) {
   return by_ids.template operator()<__nv_bfloat16>();
 }
 
-// The two launches of the grid form: w13, then w2 (early or not, a.early_w2).
+// The two launches of the grid form: w13, then w2 (early or not, a.early_w2; wide or not,
+// a.w2_wide, which the host sets only for the packed kernel at 4 chunks a warp).
 template <typename T, typename Id, int ACT, int NT, bool kPacked, int CC = 4>
 void launch_two(const MoeMmaArgs& a, cudaStream_t stream) {
   const dim3 grid13(a.tiles13, a.splits13, a.rows), grid2(a.tiles2, a.splits2, a.rows);
   launch_pdl(moe_mma_kernel<T, Id, true, ACT, NT, false, kPacked, CC>, grid13, dim3(kThreads), 0, stream, a);
-  if (a.early_w2) {
-    launch_pdl(moe_mma_kernel<T, Id, false, 0, NT, true, kPacked, CC>, grid2, dim3(kThreads), 0, stream, a);
-  } else {
-    launch_pdl(moe_mma_kernel<T, Id, false, 0, NT, false, kPacked, CC>, grid2, dim3(kThreads), 0, stream, a);
+  const auto w2 = [&]<bool kWide>() {
+    if (a.early_w2) {
+      launch_pdl(moe_mma_kernel<T, Id, false, 0, NT, true, kPacked, CC, kWide>, grid2, dim3(kThreads), 0, stream, a);
+    } else {
+      launch_pdl(moe_mma_kernel<T, Id, false, 0, NT, false, kPacked, CC, kWide>, grid2, dim3(kThreads), 0, stream, a);
+    }
+  };
+  if constexpr (kPacked && CC == 4) {
+    if (a.w2_wide) return w2.template operator()<true>();
   }
+  w2.template operator()<false>();
 }
 
 }  // namespace
