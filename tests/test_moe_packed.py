@@ -98,14 +98,10 @@ def test_experts_layout_rule(monkeypatch):
     monkeypatch.delenv("FASTAWQ_MOE_LAYOUT", raising=False)
     monkeypatch.setattr(backend._ext, "has_op", lambda name: True)
     assert backend.experts_layout("packed", cuda) == "packed"
-    assert backend.experts_layout("packed", cuda, fused_batch=16) == "packed"
-    assert backend.experts_layout("packed", cuda, fused_batch=1) == "packed"
     assert backend.experts_layout("awq", cuda) == "awq"
     assert backend.experts_layout("packed", torch.device("cpu")) == "awq"
-    monkeypatch.setenv("FASTAWQ_MOE_LAYOUT", "packed")
-    assert backend.experts_layout("packed", cuda, fused_batch=1) == "packed"
     monkeypatch.setenv("FASTAWQ_MOE_LAYOUT", "awq")
-    assert backend.experts_layout("packed", cuda, fused_batch=16) == "awq"
+    assert backend.experts_layout("packed", cuda) == "awq"
     monkeypatch.delenv("FASTAWQ_MOE_LAYOUT")
     monkeypatch.setattr(backend._ext, "has_op", lambda name: name != "moe_gemv_packed_w4")
     assert backend.experts_layout("packed", cuda) == "awq"

@@ -259,8 +259,8 @@ class AutoAWQForCausalLM:
         layout: how the quantized layers hold their weights in memory: "awq" (the checkpoint's
         layout), "packed" (repacked at load for the decode kernel, exactly; see WQLinear.set_layout)
         or "auto" (backend.preferred_layout: packed for the fused engine on a GPU at batch_size
-        <= 4, else awq). Routed experts follow a packed model except a fused engine of batch_size 1
-        (backend.experts_layout). Saving always writes AWQ GEMM.
+        <= 4, else awq). Routed experts follow a packed model on a GPU with the packed-expert
+        kernels (backend.experts_layout). Saving always writes AWQ GEMM.
 
         On the CPU, `fuse_layers=True` (or, with `fuse_layers=None`, FASTAWQ_CPU_FUSE=1) fuses the
         layers where the fused engine serves the model type: decode runs fused_cpu.CPUDecodeStep
@@ -365,7 +365,7 @@ class AutoAWQForCausalLM:
             layout = "awq" if backend is not None else preferred_layout(device, batch_size if fuse_layers else None)
         if layout != "awq" and not use_ipex:
             # After fusing: the fused engine concatenates the layers' AWQ tensors, then they convert.
-            set_layout(model, layout, batch_size if fuse_layers else None)
+            set_layout(model, layout)
         if use_ipex and backend is None and not fuse_layers:
             # AutoAWQ's IPEX path makes inference-only CPU modules; so does this one: each packed
             # layer holds only its repacked weight and calls the kernel directly (no per-call

@@ -295,18 +295,19 @@ def preferred_layout(device: torch.device, fused_batch: int | None = None) -> st
 # The routed experts (WQExperts) follow a model's layout (qlinear.set_layout) into the packed one
 # where the compiled packed-expert kernels exist (moe_gemv_packed_w4 at loads up to
 # MOE_GEMV_MAX_LOAD, moe_mma_packed_w4 to MOE_MMA_MAX_LOAD; Triton's grouped GEMM reads it above),
-# but not for a fused engine of batch 1. FASTAWQ_MOE_LAYOUT=awq / packed (read when a model is
-# converted) keeps them in the AWQ layout / takes the packed one at batch 1 too. H100, session 29
-# (RESULTS.md), Qwen3-30B-A3B decode AWQ -> packed experts: batch 1 499.4 -> 458.6 tok/s (with
-# 8 blocks an SM; session 30, at the 4 it now takes: 498.7 -> 480.3, though the op ties the AWQ
-# kernel at T = 1, 16.8 / 17.1 us), batch 8 1,446.5 -> 1,528.5, batch 16 2,131.7 -> 2,468.9; the
-# grouped op T = 2 / 4 30.2 / 45.8 -> 22.2 / 38.3 us, Mixtral T = 16 / 64 413 / 651 -> 306 / 548 us.
+# a fused engine of batch 1 included. FASTAWQ_MOE_LAYOUT=awq / packed (read when a model is
+# converted) keeps them in the AWQ layout / takes the packed one where it would not. H100 (RESULTS.md),
+# Qwen3-30B-A3B decode AWQ -> packed experts: batch 8 1,446.5 -> 1,528.5, batch 16 2,131.7 ->
+# 2,468.9 tok/s (session 29); batch 1 500.4 -> 501.6 once moe_gemv_packed_w4's w2 loaded its
+# first scales before its PDL wait (session 31; 498.7 -> 480.3 before, when batch 1 kept AWQ
+# experts); the grouped op T = 1 / 2 16.9 / 30.5 -> 15.5 / 23.3 us, Mixtral T = 16 / 64 413 / 651
+# -> 306 / 548 us.
 MOE_PACKED_EXPERTS = True
 
 
-def experts_layout(layout: str, device: torch.device, fused_batch: int | None = None) -> str:
+def experts_layout(layout: str, device: torch.device) -> str:
     """The layout the routed experts take when a model is converted to `layout` ("awq" or
-    "packed"); fused_batch: the fused engine's batch size (None: not fused)."""
+    "packed")."""
     env = os.environ.get("FASTAWQ_MOE_LAYOUT")
     if layout != "packed" or not MOE_PACKED_EXPERTS or env == "awq":
         return "awq"

@@ -96,7 +96,7 @@ def build_model(mode: str, model: str | None, shape: str | None, device: str, ma
         layout = preferred_layout(torch.device(device), batch_size if mode.startswith("fused") else None)
     if layout != "awq":
         # After fusing, which concatenates AWQ tensors.
-        set_layout(m, layout, batch_size if mode.startswith("fused") else None)
+        set_layout(m, layout)
         phase("layout")
     return m
 

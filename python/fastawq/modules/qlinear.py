@@ -255,12 +255,11 @@ class WQLinear(nn.Module):
         )
 
 
-def set_layout(model: nn.Module, layout: str, fused_batch: int | None = None) -> int:
+def set_layout(model: nn.Module, layout: str) -> int:
     """Convert every WQLinear of `model` to `layout` ("awq", "packed" or "auto"), in place; returns
     how many there are. For an engine that fuses layers (concatenating AWQ tensors), call it after
     fusing: the fused WQLinear modules are converted like the others. Routed experts (WQExperts)
-    follow into the packed layout where backend.experts_layout says so (fused_batch: the fused
-    engine's batch size, None when not fused), and back to "awq"."""
+    follow into the packed layout where backend.experts_layout says so, and back to "awq"."""
     from fastawq.backend import experts_layout
     from fastawq.modules.moe import WQExperts
 
@@ -271,7 +270,7 @@ def set_layout(model: nn.Module, layout: str, fused_batch: int | None = None) ->
         if isinstance(m, WQExperts):
             device = m._layout_buffers()[0].device
             want = layout if layout != "auto" else preferred_layout(device)
-            m.set_layout(experts_layout(want, device, fused_batch) if want == "packed" else "awq")
+            m.set_layout(experts_layout(want, device) if want == "packed" else "awq")
     return len(layers)
 
 
