@@ -199,8 +199,8 @@ struct MoeMmaArgs : MoeArgs {
   // FASTAWQ_MOE_PACKED_CHUNKS=2 (an A/B switch, read at each call; else 4): 32-column chunks a warp
   // of the packed kernel (moe_mma.cuh says what each means).
   int packed_chunks;
-  // FASTAWQ_MOE_PACKED_W2_WIDE=1 (an A/B switch, read at each call; packed kernel at 4 chunks a
-  // warp): w2's block takes 4 tiles, one a warp over the block's whole K range (moe_mma.cuh,
+  // w2's wide form (packed kernel at 4 chunks a warp; the host's rule, or FASTAWQ_MOE_PACKED_W2_WIDE,
+  // moe_gemv.cpp): w2's block takes 4 tiles, one a warp over the block's whole K range (moe_mma.cuh,
   // run_work_packed); tiles2 / splits2 / steps2 then count wide tiles and one warp's steps.
   bool w2_wide;
 };

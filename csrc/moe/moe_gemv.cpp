@@ -177,9 +177,10 @@ void mma_split(int64_t blocks, int64_t k, int sms, int per_sm, int& splits, int&
 // The wide w2 (MoeMmaArgs::w2_wide): one warp a tile over a split's whole K range, so `blocks`
 // blocks of 4 warps; splits of K only while whole waves of them stay at most one (a second, part-full
 // wave would leave most of the GPU idle at its end), each at least 8 steps.
-void wide_split(int64_t blocks, int64_t k, int sms, int per_sm, int& splits, int& steps) {
-  const int64_t total = k / 32;
-  const int64_t sp = std::max<int64_t>(1, std::min(total / 8, int64_t(sms) * per_sm / std::max<int64_t>(blocks, 1)));
+// (nearest: the splits rounded to the nearest whole count instead, FASTAWQ_MOE_PACKED_W2_WIDE=2.)
+void wide_split(int64_t blocks, int64_t k, int sms, int per_sm, int& splits, int& steps, bool nearest) {
+  const int64_t total = k / 32, b = std::max<int64_t>(blocks, 1), slots = int64_t(sms) * per_sm;
+  const int64_t sp = std::max<int64_t>(1, std::min(total / 8, nearest ? (slots + b / 2) / b : slots / b));
   steps = static_cast<int>((total + sp - 1) / sp);
   splits = static_cast<int>((total + steps - 1) / steps);
 }
@@ -381,10 +382,28 @@ at::Tensor moe_mma_call(const char* op, bool packed, const at::Tensor& x, const 
   a.packed = packed;
   const char* chunks = packed ? std::getenv("FASTAWQ_MOE_PACKED_CHUNKS") : nullptr;  // (the packed kernel's only)
   a.packed_chunks = chunks != nullptr && std::strcmp(chunks, "2") == 0 ? 2 : 4;
-  a.w2_wide = packed && a.packed_chunks == 4 && env_switch("FASTAWQ_MOE_PACKED_W2_WIDE") == 1;
-  if (a.w2_wide) {
-    a.tiles2 = static_cast<int>((h + 4 * kMoeMmaTile2 - 1) / (4 * kMoeMmaTile2));
-    wide_split(expected_experts(e, n) * a.tiles2, i, sms, per_sm, a.splits2, a.steps2);
+  // w2's wide form (MoeMmaArgs::w2_wide) where its grid of the experts the call is expected to reach
+  // fills at least 3/4 of a wave of blocks: a part-full wave leaves SMs idle for a warp's whole K
+  // range. H100, session 31, decode tok/s tile -> wide form: Mixtral-8x7B batch 2 / 4 / 16 +2.8 /
+  // +4.0 / +6.4 % (its grid fills 0.97 of a wave), Qwen3-30B-A3B batch 8 +2.0 % (0.77) but batch 16
+  // -2.3 % (0.61: the rule keeps the tile form there). FASTAWQ_MOE_PACKED_W2_WIDE (read at each call)
+  // overrides: 0 the tile form, 1 the wide form, 2 the wide form with its splits rounded to the
+  // nearest count (not yet run); unset or anything else, the rule.
+  const char* wide_env = packed && a.packed_chunks == 4 ? std::getenv("FASTAWQ_MOE_PACKED_W2_WIDE") : nullptr;
+  const int wide = wide_env == nullptr                 ? -1
+                   : std::strcmp(wide_env, "0") == 0 ? 0
+                   : std::strcmp(wide_env, "1") == 0 ? 1
+                   : std::strcmp(wide_env, "2") == 0 ? 2
+                                                     : -1;  // (anything else: the rule)
+  if (packed && a.packed_chunks == 4 && wide != 0) {
+    const int tiles = static_cast<int>((h + 4 * kMoeMmaTile2 - 1) / (4 * kMoeMmaTile2));
+    const int64_t blocks = expected_experts(e, n) * tiles;
+    int splits = 1, steps = 1;
+    wide_split(blocks, i, sms, per_sm, splits, steps, wide == 2);
+    if (wide > 0 || 4 * blocks * splits >= 3 * int64_t(sms) * per_sm) {
+      a.w2_wide = true;
+      a.tiles2 = tiles, a.splits2 = splits, a.steps2 = steps;
+    }
   }
   if (!packed && env_switch("FASTAWQ_MOE_MMA_PERSISTENT") == 1) {  // (the persistent form reads the AWQ layout)
     a.claim_ahead = env_switch("FASTAWQ_MOE_MMA_AHEAD") == 1;

@@ -383,7 +383,7 @@ __device__ __forceinline__ void zero_h_rows(const MoeMmaArgs& a, const S& sm, in
 // One pass's outputs, once every warp's sums of it are in sm.red (and the block has met): w13
 // stores act(gate) * up into h (or, with split K, adds gate and up into ws13); w2 adds the tokens'
 // routing-weighted columns into ws2 (or stores them, top-1 without split K).
-// kWide (w2 of the packed kernel, FASTAWQ_MOE_PACKED_W2_WIDE): each warp holds the sums of its own
+// kWide (w2's wide form of the packed kernel): each warp holds the sums of its own
 // 128-column tile of the block's kWarps, so a column is read from one warp's row, not summed.
 template <typename T, bool kW13, int ACT, int NT, bool kWide = false>
 __device__ __forceinline__ void pass_out(const MoeMmaArgs& a, Smem<NT>& sm, bool expert, int tile, int splits, int n,
@@ -792,12 +792,14 @@ __device__ __forceinline__ void run_work(const MoeMmaArgs& a, Smem<NT>& sm, cons
 // refill waits until slot r + 1's first use (awq_mma_packed's DEFER: every weight load of a warp
 // shares one scoreboard, so a refill issued just before the next slot's first use would hold that
 // use for a whole memory latency).
-// kWide (w2 only, CC = 4; FASTAWQ_MOE_PACKED_W2_WIDE=1): the block's 4 warps take 4 adjacent
+// kWide (w2 only, CC = 4; where the host's rule in moe_gemv.cpp picks it): the block's 4 warps take 4 adjacent
 // 128-column tiles (512 columns), each warp the block's whole K range, instead of 4 K ranges of one
 // tile. At w2's short K (Qwen3-30B-A3B: I = 768, 24 steps) the 4-way K split leaves a warp 6 steps
 // between a block's fixed costs (id scan, gather, cross-warp sum, atomics, arrival): wide, a warp
 // streams 24 steps, the block holds 4x the bytes for the same fixed part, and no warp's sums are
-// added to another's.
+// added to another's. It pays where its grid fills most of a wave (H100: Mixtral-8x7B w2 at T = 16
+// 313 -> 292 us); at Qwen3 T = 16 (0.61 of a wave) w2 alone is faster (47 -> 43 us under ncu) but
+// the decode step slower.
 template <int CC>
 constexpr int moe_packed_ring() { return CC == 4 ? 2 : 4; }
 
