@@ -762,7 +762,7 @@ if [[ " $stages " == *" s28p "* ]]; then
   # batch-16 rows: 4,041 / 2,470 against 6,000 / 3,000 on the H200): each kernel's microseconds a
   # step, Qwen3-30B-A3B then the Llama-3-8B shape, packed layout.
   FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/profile_step.py qwen3-30b-a3b:16 llama-3-8b:16 2>&1 \
-    | grep -E "^#####|us/step" | head -40 || status=1
+    | grep -E "^#####|us/step|share of the step" | head -80 || status=1
 fi
 if [[ " $stages " == *" s23 "* ]]; then
   step s23

@@ -2,8 +2,9 @@
 microseconds a step, then the start, duration and gap before of the first 40 kernels of one step.
 
 With programmatic dependent launch a kernel starts while the one before drains and waits inside
-itself, so durations overlap and gaps come out negative: read a kernel's share of the step as the
-time from the end of the kernel it waits on to its own end.
+itself, so durations overlap and gaps come out negative: the second table gives each kernel its
+share of the step, the time by which it moved the step's end (its end less the later of its start
+and the previous kernel's end: `step_shares`), which sums to the span less the idle gaps.
 
     python benchmarks/profile_step.py SHAPE:BATCH [SHAPE:BATCH ...]   # e.g. qwen3-30b-a3b:1 mixtral-8x7b:1
     python benchmarks/profile_step.py --set ROUTE_CUDA_EXPERTS="(1, 128)" mixtral-8x7b:1
@@ -23,6 +24,26 @@ from torch.profiler import ProfilerActivity, profile
 
 from fastawq import backend
 from fastawq.commands import bench
+
+
+def step_shares(kernels: list[tuple[str, float, float]]) -> tuple[dict[str, list], float]:
+    """Per kernel name [calls, share], and the idle time, of one stream's kernels (name, start, end)
+    in start order: a kernel's share is its end less the later of its start and the furthest end
+    before it (0 when it ends inside an earlier kernel); idle, the gaps where nothing ran."""
+    shares: dict[str, list] = {}
+    idle = 0.0
+    reach = None  # the furthest end so far
+    for name, start, end in kernels:
+        if end < start:
+            raise ValueError(f"kernel {name!r} ends ({end}) before it starts ({start})")
+        base = start if reach is None else max(start, reach)
+        if reach is not None and start > reach:
+            idle += start - reach
+        a = shares.setdefault(name, [0, 0.0])
+        a[0] += 1
+        a[1] += max(0.0, end - base)
+        reach = end if reach is None else max(reach, end)
+    return shares, idle
 
 
 def run(shape: str, batch: int, layout: str = "packed", ctx: int = 64, steps: int = 10, layers: int | None = None):
@@ -57,6 +78,10 @@ def run(shape: str, batch: int, layout: str = "packed", ctx: int = 64, steps: in
           f"profiled span {span/1e3:.3f} ms/step, kernel sum {ksum/1e3:.3f} ms/step, kernels/step {len(evs)/steps:.0f}")
     for name, (c, t) in sorted(agg.items(), key=lambda kv: -kv[1][1]):
         print(f"  {t/steps:9.1f} us/step  {c/steps:6.1f} calls  {t/c:7.2f} us/call  {name[:110]}")
+    shares, idle = step_shares([(e.name, e.time_range.start, e.time_range.end) for e in evs])
+    print(f"  share of the step (what each kernel adds past the one before; idle {idle/steps:.1f} us/step):")
+    for name, (c, t) in sorted(shares.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {t/steps:9.1f} us/step share  {c/steps:6.1f} calls  {t/c:7.2f} us/call  {name[:100]}")
     # The middle step's first 40 kernels (a few layers).
     per = len(evs) // steps
     mid = evs[per * (steps // 2): per * (steps // 2) + per]
