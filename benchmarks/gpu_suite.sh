@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s30 s31 s32 s28e s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s30 s31 s32 s32p s28e s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -736,6 +736,16 @@ if [[ " $stages " == *" s32 "* ]]; then
   done
   FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:FASTAWQ_MOE_PACKED_W2_WIDE=0,2 \
     --shape qwen3-30b-a3b --batches 16 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\| [0-9]|on / off" || status=1
+fi
+if [[ " $stages " == *" s32p "* ]]; then
+  step s32p
+  # Why w2's wide form loses at Qwen3 batch 16 although its kernel alone gains (session 31: 47.2 ->
+  # 42.9 us under ncu, step -2.3 %): each kernel's share of the step, tile then wide form (~2 min).
+  for wide in 0 1; do
+    echo "FASTAWQ_MOE_PACKED_W2_WIDE=$wide"
+    FASTAWQ_MOE_PACKED_W2_WIDE=$wide FASTAWQ_TRITON_TUNE=0 timeout 120 python benchmarks/profile_step.py \
+      qwen3-30b-a3b:16 2>&1 | grep -E "^#####|us/step share|share of the step" | head -14 || status=1
+  done
 fi
 if [[ " $stages " == *" s28e "* ]]; then
   step s28e
