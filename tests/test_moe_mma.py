@@ -472,9 +472,8 @@ def test_experts_repack_is_exact_per_expert(g):
 
 @requires_packed
 # chunks: FASTAWQ_MOE_PACKED_CHUNKS; "4w": 4 with w2's wide form (FASTAWQ_MOE_PACKED_W2_WIDE=1: a warp
-# a 128-column tile, 4 tiles a block, so H = 96 / 288 leave whole warps past the layer); "4ww": w13's
-# too (FASTAWQ_MOE_PACKED_W13_WIDE=1: a warp 64 gate + 64 up columns; I = 96 / 160 likewise).
-@pytest.mark.parametrize("chunks", ["4", "2", "4w", "4ww"])
+# a 128-column tile, 4 tiles a block, so H = 96 / 288 leave whole warps past the layer).
+@pytest.mark.parametrize("chunks", ["4", "2", "4w"])
 @pytest.mark.parametrize("early", ["0", "1"])
 @pytest.mark.parametrize("pass_rows", [8, 16])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -484,8 +483,7 @@ def test_packed_kernel_matches_reference(case, dtype, pass_rows, early, chunks, 
 
     monkeypatch.setenv("FASTAWQ_MOE_MMA_EARLY_W2", early)
     monkeypatch.setenv("FASTAWQ_MOE_PACKED_CHUNKS", chunks[0])
-    monkeypatch.setenv("FASTAWQ_MOE_PACKED_W2_WIDE", "1" if chunks.startswith("4w") else "0")
-    monkeypatch.setenv("FASTAWQ_MOE_PACKED_W13_WIDE", "1" if chunks == "4ww" else "0")
+    monkeypatch.setenv("FASTAWQ_MOE_PACKED_W2_WIDE", "1" if chunks == "4w" else "0")
     e, h, i, g, k, t, load = case
     weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=7 * t + k, dtype=dtype, load=load)
     packed = repack.awq_experts_repack(*weights, g)

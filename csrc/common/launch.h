@@ -203,10 +203,6 @@ struct MoeMmaArgs : MoeArgs {
   // moe_gemv.cpp): w2's block takes 4 tiles, one a warp over the block's whole K range (moe_mma.cuh,
   // run_work_packed); tiles2 / splits2 / steps2 then count wide tiles and one warp's steps.
   bool w2_wide;
-  // FASTAWQ_MOE_PACKED_W13_WIDE=1 (an A/B switch, read at each call; off: not yet run on a GPU): w13's
-  // wide form likewise (4 tiles of 64 gate + 64 up columns a block); tiles13 / splits13 / steps13
-  // count wide tiles and one warp's steps.
-  bool w13_wide;
 };
 constexpr int kMoeMmaOneRoundAssign = 128;  // moe_mma's threads a block
 // Blocks an SM of the kernel for a pass of pass_rows tokens (its __launch_bounds__; the host sizes

@@ -389,12 +389,6 @@ at::Tensor moe_mma_call(const char* op, bool packed, const at::Tensor& x, const 
   // -2.3 % (0.61: the rule keeps the tile form there). FASTAWQ_MOE_PACKED_W2_WIDE (read at each call)
   // overrides: 0 the tile form, 1 the wide form, 2 the wide form with its splits rounded to the
   // nearest count (not yet run); unset or anything else, the rule.
-  // w13's wide form only where FASTAWQ_MOE_PACKED_W13_WIDE=1 asks (splits sized like w2's).
-  if (packed && a.packed_chunks == 4 && env_switch("FASTAWQ_MOE_PACKED_W13_WIDE") == 1) {
-    a.w13_wide = true;
-    a.tiles13 = static_cast<int>((i + 4 * kMoeMmaTile13 - 1) / (4 * kMoeMmaTile13));
-    wide_split(expected_experts(e, n) * a.tiles13, h, sms, per_sm, a.splits13, a.steps13, false);
-  }
   const char* wide_env = packed && a.packed_chunks == 4 ? std::getenv("FASTAWQ_MOE_PACKED_W2_WIDE") : nullptr;
   const int wide = wide_env == nullptr                 ? -1
                    : std::strcmp(wide_env, "0") == 0 ? 0

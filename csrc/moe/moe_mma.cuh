@@ -368,14 +368,13 @@ __device__ __forceinline__ void pass_x_rows(const MoeMmaArgs& a, const Smem<NT>&
   }
 }
 
-// w13's block row of the ids outside [0, E): the block's columns of their h rows are zeros (kCols:
-// the block's h columns, kMoeMmaTile13, or kWarps times that in the wide form).
-template <typename T, int kCols = kMoeMmaTile13, typename S>
+// w13's block row of the ids outside [0, E): the tile's columns of their h rows are zeros.
+template <typename T, typename S>
 __device__ __forceinline__ void zero_h_rows(const MoeMmaArgs& a, const S& sm, int tile, int count) {
-  for (int idx = threadIdx.x; idx < count * kCols; idx += kThreads) {
-    const int col = tile * kCols + idx % kCols;
+  for (int idx = threadIdx.x; idx < count * kMoeMmaTile13; idx += kThreads) {
+    const int col = tile * kMoeMmaTile13 + idx % kMoeMmaTile13;
     if (col < a.inter) {
-      static_cast<T*>(a.h)[static_cast<int64_t>(sm.rows[idx / kCols]) * a.inter + col] =
+      static_cast<T*>(a.h)[static_cast<int64_t>(sm.rows[idx / kMoeMmaTile13]) * a.inter + col] =
           HalfTraits<T>::from_float(0.f);
     }
   }
@@ -384,9 +383,8 @@ __device__ __forceinline__ void zero_h_rows(const MoeMmaArgs& a, const S& sm, in
 // One pass's outputs, once every warp's sums of it are in sm.red (and the block has met): w13
 // stores act(gate) * up into h (or, with split K, adds gate and up into ws13); w2 adds the tokens'
 // routing-weighted columns into ws2 (or stores them, top-1 without split K).
-// kWide (the wide form of the packed kernel): each warp holds the sums of its own tile (w2: 128
-// columns; w13: 64 gate + 64 up) of the block's kWarps, so a column is read from one warp's row,
-// not summed.
+// kWide (w2's wide form of the packed kernel): each warp holds the sums of its own
+// 128-column tile of the block's kWarps, so a column is read from one warp's row, not summed.
 template <typename T, bool kW13, int ACT, int NT, bool kWide = false>
 __device__ __forceinline__ void pass_out(const MoeMmaArgs& a, Smem<NT>& sm, bool expert, int tile, int splits, int n,
                                          int pass, int rows_here) {
@@ -403,17 +401,12 @@ __device__ __forceinline__ void pass_out(const MoeMmaArgs& a, Smem<NT>& sm, bool
     return v;
   };
   if constexpr (kW13) {
-    constexpr int kBlockCols = kMoeMmaTile13 * (kWide ? kWarps : 1);
-    constexpr int kQuads = kBlockCols / 4;
+    constexpr int kQuads = kMoeMmaTile13 / 4;
     for (int idx = threadIdx.x; idx < rows_here * kQuads; idx += kThreads) {
-      const int row = idx / kQuads, c = 4 * (idx % kQuads), col = tile * kBlockCols + c;
+      const int row = idx / kQuads, c = 4 * (idx % kQuads), col = tile * kMoeMmaTile13 + c;
       if (col >= a.inter) continue;
       const int64_t fr = sm.rows[pass * kPassRows + row];
-      // (Wide: warp c / 64's gate columns, then its up columns 64 on.)
-      const int w = c / kMoeMmaTile13, cw = c % kMoeMmaTile13;
-      const float4 gate = kWide ? *reinterpret_cast<const float4*>(&sm.red[w][row][cw]) : tile_sum4(row, c);
-      const float4 up = kWide ? *reinterpret_cast<const float4*>(&sm.red[w][row][kMoeMmaTile13 + cw])
-                              : tile_sum4(row, kMoeMmaTile13 + c);
+      const float4 gate = tile_sum4(row, c), up = tile_sum4(row, kMoeMmaTile13 + c);
       if (splits == 1) {
         store4(static_cast<T*>(a.h) + fr * a.inter + col, act_mul4<ACT>(gate, up));
       } else {
@@ -455,10 +448,9 @@ __device__ __forceinline__ void work_tail(const MoeMmaArgs& a, Smem<NT>& sm, int
       return;
     }
     if (!moe::arrive_last(a.counters13 + static_cast<int64_t>(e) * tiles + tile, splits, sm.is_last)) return;
-    constexpr int kBlockCols = kMoeMmaTile13 * (kWide ? kWarps : 1);
-    constexpr int kQuads = kBlockCols / 4;
+    constexpr int kQuads = kMoeMmaTile13 / 4;
     for (int idx = threadIdx.x; idx < count * kQuads; idx += kThreads) {
-      const int col = tile * kBlockCols + 4 * (idx % kQuads);
+      const int col = tile * kMoeMmaTile13 + 4 * (idx % kQuads);
       if (col >= a.inter) continue;
       const int64_t fr = sm.rows[idx / kQuads];
       float4* pg = reinterpret_cast<float4*>(a.ws13 + fr * n + col);
@@ -800,10 +792,9 @@ __device__ __forceinline__ void run_work(const MoeMmaArgs& a, Smem<NT>& sm, cons
 // refill waits until slot r + 1's first use (awq_mma_packed's DEFER: every weight load of a warp
 // shares one scoreboard, so a refill issued just before the next slot's first use would hold that
 // use for a whole memory latency).
-// kWide (CC = 4; w2 where the host's rule in moe_gemv.cpp picks it, w13 with
-// FASTAWQ_MOE_PACKED_W13_WIDE=1): the block's 4 warps take 4 adjacent tiles (w2: 128 columns each,
-// 512 in all; w13: 64 gate + 64 up columns each), each warp the block's whole K range, instead of
-// 4 K ranges of one tile. At w2's short K (Qwen3-30B-A3B: I = 768, 24 steps) the 4-way K split leaves a warp 6 steps
+// kWide (w2 only, CC = 4; where the host's rule in moe_gemv.cpp picks it): the block's 4 warps take 4 adjacent
+// 128-column tiles (512 columns), each warp the block's whole K range, instead of 4 K ranges of one
+// tile. At w2's short K (Qwen3-30B-A3B: I = 768, 24 steps) the 4-way K split leaves a warp 6 steps
 // between a block's fixed costs (id scan, gather, cross-warp sum, atomics, arrival): wide, a warp
 // streams 24 steps, the block holds 4x the bytes for the same fixed part, and no warp's sums are
 // added to another's. It pays where its grid fills most of a wave (H100: Mixtral-8x7B w2 at T = 16
@@ -817,7 +808,7 @@ template <typename T, typename Id, bool kW13, int ACT, int NT, int CC, bool kWid
 __device__ __forceinline__ void run_work_packed(const MoeMmaArgs& a, Smem<NT>& sm, const Work& wk, CountFn count_fn,
                                                 WaitH wait_h) {
   static_assert(CC == 2 || CC == 4, "chunks a warp");
-  static_assert(!kWide || CC == 4, "the wide form takes 4 chunks a warp");
+  static_assert(!kWide || (!kW13 && CC == 4), "the wide form is w2's, with 4 chunks a warp");
   using Tr = HalfTraits<T>;
   constexpr int kPassRows = 8 * NT, P = moe_packed_ring<CC>();
   // Warps across the tile's columns and along K (wide: each warp its own tile, the whole K range).
@@ -832,12 +823,12 @@ __device__ __forceinline__ void run_work_packed(const MoeMmaArgs& a, Smem<NT>& s
   const int n4 = n / 4;
   const int tile = wk.tile();
   const int splits = wk.splits();
-  const int wtile = kWide ? tile * kWarps + warp : tile;  // the warp's tile
+  const int wtile = kWide ? tile * kWarps + warp : tile;  // the warp's 128-column tile (w2)
 
   if constexpr (kW13) {
     if (!expert) {
       const int count = count_fn();
-      if (wk.split() == 0) zero_h_rows<T, kMoeMmaTile13 * (kWide ? kWarps : 1)>(a, sm, tile, count);
+      if (wk.split() == 0) zero_h_rows<T>(a, sm, tile, count);
       return;
     }
   }
@@ -851,7 +842,7 @@ __device__ __forceinline__ void run_work_packed(const MoeMmaArgs& a, Smem<NT>& s
   for (int cc = 0; cc < CC; ++cc) {
     const int q = first_chunk + cc;
     if constexpr (kW13) {
-      const int local = wtile * (kMoeMmaTile13 / 4) + 8 * (q & 1) + g;
+      const int local = tile * (kMoeMmaTile13 / 4) + 8 * (q & 1) + g;
       c4[cc] = (q < 2 ? 0 : a.inter / 4) + local;
       col_ok[cc] = expert && local < a.inter / 4;
     } else {
@@ -1110,24 +1101,12 @@ void dispatch_instance(const MoeMmaArgs& a, F&& f) {
   return by_ids.template operator()<__nv_bfloat16>();
 }
 
-// The two launches of the grid form: w13 (wide or not, a.w13_wide), then w2 (early or not,
-// a.early_w2; wide or not, a.w2_wide). The host sets the wide forms only for the packed kernel at 4
-// chunks a warp.
+// The two launches of the grid form: w13, then w2 (early or not, a.early_w2; wide or not,
+// a.w2_wide, which the host sets only for the packed kernel at 4 chunks a warp).
 template <typename T, typename Id, int ACT, int NT, bool kPacked, int CC = 4>
 void launch_two(const MoeMmaArgs& a, cudaStream_t stream) {
   const dim3 grid13(a.tiles13, a.splits13, a.rows), grid2(a.tiles2, a.splits2, a.rows);
-  const auto w13 = [&]<bool kWide>() {
-    launch_pdl(moe_mma_kernel<T, Id, true, ACT, NT, false, kPacked, CC, kWide>, grid13, dim3(kThreads), 0, stream, a);
-  };
-  if constexpr (kPacked && CC == 4) {
-    if (a.w13_wide) {
-      w13.template operator()<true>();
-    } else {
-      w13.template operator()<false>();
-    }
-  } else {
-    w13.template operator()<false>();
-  }
+  launch_pdl(moe_mma_kernel<T, Id, true, ACT, NT, false, kPacked, CC>, grid13, dim3(kThreads), 0, stream, a);
   const auto w2 = [&]<bool kWide>() {
     if (a.early_w2) {
       launch_pdl(moe_mma_kernel<T, Id, false, 0, NT, true, kPacked, CC, kWide>, grid2, dim3(kThreads), 0, stream, a);
