@@ -405,6 +405,7 @@ at::Tensor moe_mma_call(const char* op, bool packed, const at::Tensor& x, const 
       a.tiles2 = tiles, a.splits2 = splits, a.steps2 = steps;
     }
   }
+  a.w2_prefetch = packed && env_switch("FASTAWQ_MOE_PACKED_W2_PREFETCH") == 1;
   if (!packed && env_switch("FASTAWQ_MOE_MMA_PERSISTENT") == 1) {  // (the persistent form reads the AWQ layout)
     a.claim_ahead = env_switch("FASTAWQ_MOE_MMA_AHEAD") == 1;
     const int64_t items = persistent_items(a);
