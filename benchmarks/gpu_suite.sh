@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s30 s31 s32t s32 s32p s28e s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32t s32 s32p s28e s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -665,28 +665,6 @@ if [[ " $stages " == *" s29b "* ]]; then
     --backends triton,packed:triton 2>&1 | grep -E "^\| (qwen|mixtral)" || status=1
   FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/bench_ab.py --compare moe_layout --shape qwen3-30b-a3b \
     --batches 1,8,16 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
-fi
-if [[ " $stages " == *" s30 "* ]]; then
-  step s30
-  # FASTAWQ_MOE_PACKED_W2_ONE=1 (moe_gemv_packed_w4's w2 split to one batch a warp: all its
-  # weights loaded before its PDL wait; session 30, not yet run): the compiled tests, the op at
-  # T = 1 / 2 against the AWQ kernel, then the engine at batch 1 AWQ -> packed experts with the knob
-  # off and on (~5 min warm). Branch wip/session30-early-scales adds w2's first scales loaded
-  # before the wait as well (the default path, so kept off main until its tests have run): run
-  # this stage on main, then on that branch.
-  timeout 150 python -m pytest -q -rf --maxfail=10 -p no:cacheprovider tests/test_moe_packed.py -k compiled_gemv \
-    > "$OUT/s30_tests.txt" 2>&1; tail -4 "$OUT/s30_tests.txt"
-  grep -qE "[0-9]+ (failed|error)" "$OUT/s30_tests.txt" && status=1
-  for one in 0 1; do
-    echo "FASTAWQ_MOE_PACKED_W2_ONE=$one"
-    FASTAWQ_MOE_PACKED_W2_ONE=$one timeout 60 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b,mixtral-8x7b \
-      --ts 1,2 --no-tune --backends cuda:gemv,cuda:gemvpacked 2>&1 | grep -E "^\| (qwen|mixtral)" || status=1
-  done
-  for one in 0 1; do
-    echo "FASTAWQ_MOE_PACKED_W2_ONE=$one"
-    FASTAWQ_MOE_PACKED_W2_ONE=$one FASTAWQ_TRITON_TUNE=0 timeout 100 python benchmarks/bench_ab.py --compare moe_layout \
-      --shape qwen3-30b-a3b --batches 1 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\| 1|on / off" || status=1
-  done
 fi
 if [[ " $stages " == *" s31 "* ]]; then
   step s31

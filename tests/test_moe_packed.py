@@ -154,13 +154,11 @@ def test_triton_split_k_configs_on_packed_experts(poisoned_empty):
 
 
 @requires_gemv
-@pytest.mark.parametrize("w2_one", ["0", "1"])  # FASTAWQ_MOE_PACKED_W2_ONE: w2's finest K split
 @pytest.mark.parametrize("h2", ["0", "1"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=ids_of)
-def test_compiled_gemv_on_packed_experts(case, dtype, h2, w2_one, monkeypatch, poisoned_empty):
+def test_compiled_gemv_on_packed_experts(case, dtype, h2, monkeypatch, poisoned_empty):
     monkeypatch.setenv("FASTAWQ_MOE_PACKED_H2", h2)
-    monkeypatch.setenv("FASTAWQ_MOE_PACKED_W2_ONE", w2_one)
     e, h, i, g, k, t, load = case
     weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=7 * t + k, dtype=dtype, load=load)
     packed = repack.awq_experts_repack(*weights, g)

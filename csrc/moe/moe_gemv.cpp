@@ -269,18 +269,17 @@ namespace {
 
 // 32-row batches of K a warp for `base` blocks (column tiles x assignments) over k rows: K split so
 // that about sms * kMoePackedBlocksPerSm blocks run, a warp at least two batches (unless K is
-// short) and at most kMoePackedMaxBatches; one_batch: one batch a warp (the finest split).
+// short) and at most kMoePackedMaxBatches.
 // H100, session 29 (RESULTS.md), us at T = 1 / 2 with 2 / 4 / 8 / 16 blocks an SM: Qwen3-30B-A3B
 // 17.6 / 16.9 / 18.6 / 18.4 and 23.9 / 22.2 / 24.2 / 24.9, Mixtral-8x7B 80.7 / 77.8 / 83.8 / 79.7
 // and 147.5 / 130.8 / 138.5 / 141.1. FASTAWQ_MOE_PACKED_BPS=n (read at each call; a measuring
 // knob): n blocks an SM instead.
 constexpr int kMoePackedBlocksPerSm = 4;
-void packed_split(int64_t base, int64_t k, int sms, int& splits, int& bpw, bool one_batch = false) {
+void packed_split(int64_t base, int64_t k, int sms, int& splits, int& bpw) {
   const int64_t total = k / 32;
   const char* bps_env = std::getenv("FASTAWQ_MOE_PACKED_BPS");
   const int bps = bps_env != nullptr && std::atoi(bps_env) > 0 ? std::atoi(bps_env) : kMoePackedBlocksPerSm;
-  const int64_t sp = std::max<int64_t>(
-      1, one_batch ? (total + 3) / 4 : std::min<int64_t>((int64_t(sms) * bps + base - 1) / base, total / 8));
+  const int64_t sp = std::max<int64_t>(1, std::min<int64_t>((int64_t(sms) * bps + base - 1) / base, total / 8));
   int64_t per = (total + sp * 4 - 1) / (sp * 4);
   per = std::min<int64_t>(per, kMoePackedMaxBatches);
   bpw = static_cast<int>(per);
@@ -306,10 +305,9 @@ at::Tensor moe_gemv_packed_call(const char* op, bool sums, const at::Tensor& x, 
   a.tiles13 = static_cast<int>((i + kPackedTileCols / 2 - 1) / (kPackedTileCols / 2));
   a.tiles2 = static_cast<int>((h + kPackedTileCols - 1) / kPackedTileCols);
   packed_split(int64_t(a.tiles13) * n, h, sms, a.splits13, a.bpw13);
-  // FASTAWQ_MOE_PACKED_W2_ONE=1 (read at each call; a measuring knob, session 30): w2's K split
-  // into one batch a warp, so that all of a warp's weights are in its registers before its PDL
-  // wait (the kernel loads a warp's first batch early; more blocks, each shorter).
-  packed_split(int64_t(a.tiles2) * n, i, sms, a.splits2, a.bpw2, env_switch("FASTAWQ_MOE_PACKED_W2_ONE") == 1);
+  // (Session 30's FASTAWQ_MOE_PACKED_W2_ONE, w2 in one batch a warp, lost once w2 loaded its first
+  // scales before its PDL wait: RESULTS.md session 31. Removed.)
+  packed_split(int64_t(a.tiles2) * n, i, sms, a.splits2, a.bpw2);
   a.packed_fp32 = env_switch("FASTAWQ_MOE_PACKED_H2") == 0;
   const SumsBuffers bufs = sums_buffers(a, c, x, a.splits13 > 1, sums);
   carve_workspace(a, c, x.device(), false, 0, a.tiles2);
