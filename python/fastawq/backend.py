@@ -295,8 +295,8 @@ def preferred_layout(device: torch.device, fused_batch: int | None = None) -> st
 # The routed experts (WQExperts) follow a model's layout (qlinear.set_layout) into the packed one
 # where the compiled packed-expert kernels exist (moe_gemv_packed_w4 at loads up to
 # MOE_GEMV_MAX_LOAD, moe_mma_packed_w4 to MOE_MMA_MAX_LOAD; Triton's grouped GEMM reads it above),
-# a fused engine of batch 1 included. FASTAWQ_MOE_LAYOUT=awq / packed (read when a model is
-# converted) keeps them in the AWQ layout / takes the packed one where it would not. H100 (RESULTS.md),
+# a fused engine of batch 1 included. FASTAWQ_MOE_LAYOUT=awq (read when a model is converted) keeps
+# them in the AWQ layout. H100 (RESULTS.md),
 # Qwen3-30B-A3B decode AWQ -> packed experts: batch 8 1,446.5 -> 1,528.5, batch 16 2,131.7 ->
 # 2,468.9 tok/s (session 29); batch 1 500.4 -> 501.6 once moe_gemv_packed_w4's w2 loaded its
 # first scales before its PDL wait (session 31; 498.7 -> 480.3 before, when batch 1 kept AWQ
