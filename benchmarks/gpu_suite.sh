@@ -668,9 +668,10 @@ if [[ " $stages " == *" s29b "* ]]; then
 fi
 if [[ " $stages " == *" s31 "* ]]; then
   step s31
-  # FASTAWQ_MOE_PACKED_W2_WIDE=1 (session 31; now the host's rule where its grid fills 3/4 of a wave): moe_mma_packed_w4's w2 with a warp a
-  # 128-column tile over the whole K range, 4 tiles a block (ncu, H100, Qwen3 T = 16: w2 47 us for
-  # 72 MB, 1.58 TB/s, against w13's 2.40; a warp had 6 steps between a block's fixed costs).
+  # FASTAWQ_MOE_PACKED_W2_WIDE=1 (session 31; now the host's rule where its grid fills 3/4 of a
+  # wave): moe_mma_packed_w4's w2 with a warp a 128-column tile over the whole K range, 4 tiles a
+  # block (ncu, H100, Qwen3 T = 16: w2 47 us for 72 MB, 1.58 TB/s, against w13's 2.40; a warp had 6
+  # steps between a block's fixed costs).
   # Its tests, the op at T = 16 / 64 / 256 off / on, the engine at batch 16, then ncu of it (~5 min).
   timeout 200 python -m pytest -q -rf --maxfail=10 -p no:cacheprovider tests/test_moe_mma.py \
     -k "packed_kernel_matches and 4w" > "$OUT/s31_tests.txt" 2>&1; tail -4 "$OUT/s31_tests.txt"

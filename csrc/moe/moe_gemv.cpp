@@ -188,7 +188,8 @@ void wide_split(int64_t blocks, int64_t k, int sms, int per_sm, int& splits, int
 // The distinct experts n uniformly routed assignments reach on average, E (1 - (1 - 1/E)^n), rounded
 // up: the block rows that do work (the grid has min(E, n) + 1; the rest exit at once).
 int64_t expected_experts(int64_t e, int64_t n) {
-  const double d = static_cast<double>(e) * (1.0 - std::pow(1.0 - 1.0 / static_cast<double>(e), static_cast<double>(n)));
+  const double de = static_cast<double>(e);
+  const double d = de * (1.0 - std::pow(1.0 - 1.0 / de, static_cast<double>(n)));
   return std::min<int64_t>(std::min(e, n), static_cast<int64_t>(std::ceil(d - 1e-9)));
 }
 
@@ -387,13 +388,14 @@ at::Tensor moe_mma_call(const char* op, bool packed, const at::Tensor& x, const 
   // -2.3 % (0.61: the rule keeps the tile form there). FASTAWQ_MOE_PACKED_W2_WIDE (read at each call)
   // overrides: 0 the tile form, 1 the wide form, 2 the wide form with its splits rounded to the
   // nearest count (not yet run); unset or anything else, the rule.
-  const char* wide_env = packed && a.packed_chunks == 4 ? std::getenv("FASTAWQ_MOE_PACKED_W2_WIDE") : nullptr;
+  const bool can_wide = packed && a.packed_chunks == 4;
+  const char* wide_env = can_wide ? std::getenv("FASTAWQ_MOE_PACKED_W2_WIDE") : nullptr;
   const int wide = wide_env == nullptr                 ? -1
                    : std::strcmp(wide_env, "0") == 0 ? 0
                    : std::strcmp(wide_env, "1") == 0 ? 1
                    : std::strcmp(wide_env, "2") == 0 ? 2
                                                      : -1;  // (anything else: the rule)
-  if (packed && a.packed_chunks == 4 && wide != 0) {
+  if (can_wide && wide != 0) {
     const int tiles = static_cast<int>((h + 4 * kMoeMmaTile2 - 1) / (4 * kMoeMmaTile2));
     const int64_t blocks = expected_experts(e, n) * tiles;
     int splits = 1, steps = 1;
