@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32t s32 s32p s28e s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32t s32 s32q s32p s28e s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -719,6 +719,22 @@ if [[ " $stages " == *" s32 "* ]]; then
   done
   FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:FASTAWQ_MOE_PACKED_W2_PREFETCH=0,1 \
     --shape mixtral-8x7b --batches 16 --layout packed --decode 32 --rounds 1 2>&1 | grep -E "^\| [0-9]|on / off" || status=1
+fi
+if [[ " $stages " == *" s32q "* ]]; then
+  step s32q
+  # s32t and s32 cut to what fits one cold call (~7 min): the prefetch's tests, its engine A/B at
+  # Qwen3 batch 16 with the tile form (the default there) and the wide form, then its memcheck.
+  timeout 150 python -m pytest -q -rf --maxfail=10 -p no:cacheprovider tests/test_moe_mma.py \
+    -k "packed_kernel_matches and 4p" > "$OUT/s32_tests.txt" 2>&1; tail -2 "$OUT/s32_tests.txt"
+  grep -qE "[0-9]+ (failed|error)" "$OUT/s32_tests.txt" && status=1
+  for wide in 0 1; do
+    echo "FASTAWQ_MOE_PACKED_W2_WIDE=$wide"
+    FASTAWQ_MOE_PACKED_W2_WIDE=$wide FASTAWQ_TRITON_TUNE=0 timeout 120 python benchmarks/bench_ab.py \
+      --compare env:FASTAWQ_MOE_PACKED_W2_PREFETCH=0,1 --shape qwen3-30b-a3b --batches 16 --layout packed \
+      --decode 64 --rounds 2 2>&1 | grep -E "^\| [0-9]|on / off" || status=1
+  done
+  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py \
+    --only moe_packed 2>&1 | tail -2 || status=1
 fi
 if [[ " $stages " == *" s32p "* ]]; then
   step s32p
