@@ -320,6 +320,30 @@ def test_decode_attention_many_splits_matches_sdpa():
     torch.testing.assert_close(got[0], want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("start, seq", [(0, 37), (5, 1), (64, 37), (200, 128)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_prefill_attention_over_a_cached_prefix_matches_reference(start, seq, dtype):
+    # A chunk after the first attends to every cached key and causally to its own: on CUDA through
+    # torch's lower-right causal bias (the flash kernel), on the CPU through an explicit mask.
+    if dtype != torch.float32 and not CUDA:
+        pytest.skip("half-precision SDPA is checked on the GPU")
+    dev = "cuda" if CUDA else "cpu"
+    g = torch.Generator().manual_seed(start + seq)
+    b, hq, hkv, d, cap = 2, 8, 2, 64, 512
+    kc, vc = torch.randn(2, b, cap, hkv, d, generator=g).to(dev, dtype).unbind(0)
+    q = torch.randn(b, seq, hq, d, generator=g).to(dev, dtype)
+    out = ops.prefill_attention(q, kc, vc, start, 0.125)
+    assert out.shape == q.shape and out.dtype == dtype
+    end = start + seq
+    k = kc[:, :end].double().transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
+    v = vc[:, :end].double().transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
+    mask = torch.arange(end, device=dev)[None, :] <= torch.arange(start, end, device=dev)[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(q.double().transpose(1, 2), k, v, attn_mask=mask,
+                                                           scale=0.125).transpose(1, 2)
+    tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-4 if not CUDA else 2e-3}[dtype]
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("chunk", [1, 4, 7])
 def test_chunked_prefill_matches_one_pass(chunk):
     ref = tiny_w4_model("llama", seed=2)
