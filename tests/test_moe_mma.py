@@ -472,9 +472,8 @@ def test_experts_repack_is_exact_per_expert(g):
 
 @requires_packed
 # chunks: FASTAWQ_MOE_PACKED_CHUNKS; "4w": 4 with w2's wide form (FASTAWQ_MOE_PACKED_W2_WIDE=1: a warp
-# a 128-column tile, 4 tiles a block, so H = 96 / 288 leave whole warps past the layer); "4p": 4
-# with the early w2's L2 prefetch of each warp's K range (FASTAWQ_MOE_PACKED_W2_PREFETCH=1).
-@pytest.mark.parametrize("chunks", ["4", "2", "4w", "4p"])
+# a 128-column tile, 4 tiles a block, so H = 96 / 288 leave whole warps past the layer).
+@pytest.mark.parametrize("chunks", ["4", "2", "4w"])
 @pytest.mark.parametrize("early", ["0", "1"])
 @pytest.mark.parametrize("pass_rows", [8, 16])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -485,7 +484,6 @@ def test_packed_kernel_matches_reference(case, dtype, pass_rows, early, chunks, 
     monkeypatch.setenv("FASTAWQ_MOE_MMA_EARLY_W2", early)
     monkeypatch.setenv("FASTAWQ_MOE_PACKED_CHUNKS", chunks[0])
     monkeypatch.setenv("FASTAWQ_MOE_PACKED_W2_WIDE", "1" if chunks == "4w" else "0")
-    monkeypatch.setenv("FASTAWQ_MOE_PACKED_W2_PREFETCH", "1" if chunks == "4p" else "0")
     e, h, i, g, k, t, load = case
     weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=7 * t + k, dtype=dtype, load=load)
     packed = repack.awq_experts_repack(*weights, g)

@@ -176,11 +176,11 @@ void mma_split(int64_t blocks, int64_t k, int sms, int per_sm, int& splits, int&
 
 // The wide w2 (MoeMmaArgs::w2_wide): one warp a tile over a split's whole K range, so `blocks`
 // blocks of 4 warps; splits of K only while whole waves of them stay at most one (a second, part-full
-// wave would leave most of the GPU idle at its end), each at least 8 steps.
-// (nearest: the splits rounded to the nearest whole count instead, FASTAWQ_MOE_PACKED_W2_WIDE=2.)
-void wide_split(int64_t blocks, int64_t k, int sms, int per_sm, int& splits, int& steps, bool nearest) {
+// wave would leave most of the GPU idle at its end), each at least 8 steps. (Rounded to the nearest
+// count instead, 2 splits at Qwen3-30B-A3B batch 16: 0.995x the tile form's decode, H100, session 32.)
+void wide_split(int64_t blocks, int64_t k, int sms, int per_sm, int& splits, int& steps) {
   const int64_t total = k / 32, b = std::max<int64_t>(blocks, 1), slots = int64_t(sms) * per_sm;
-  const int64_t sp = std::max<int64_t>(1, std::min(total / 8, nearest ? (slots + b / 2) / b : slots / b));
+  const int64_t sp = std::max<int64_t>(1, std::min(total / 8, slots / b));
   steps = static_cast<int>((total + sp - 1) / sp);
   splits = static_cast<int>((total + steps - 1) / steps);
 }
@@ -386,26 +386,23 @@ at::Tensor moe_mma_call(const char* op, bool packed, const at::Tensor& x, const 
   // range. H100, session 31, decode tok/s tile -> wide form: Mixtral-8x7B batch 2 / 4 / 16 +2.8 /
   // +4.0 / +6.4 % (its grid fills 0.97 of a wave), Qwen3-30B-A3B batch 8 +2.0 % (0.77) but batch 16
   // -2.3 % (0.61: the rule keeps the tile form there). FASTAWQ_MOE_PACKED_W2_WIDE (read at each call)
-  // overrides: 0 the tile form, 1 the wide form, 2 the wide form with its splits rounded to the
-  // nearest count (not yet run); unset or anything else, the rule.
+  // overrides: 0 the tile form, 1 the wide form; unset or anything else, the rule.
   const bool can_wide = packed && a.packed_chunks == 4;
   const char* wide_env = can_wide ? std::getenv("FASTAWQ_MOE_PACKED_W2_WIDE") : nullptr;
   const int wide = wide_env == nullptr                 ? -1
                    : std::strcmp(wide_env, "0") == 0 ? 0
                    : std::strcmp(wide_env, "1") == 0 ? 1
-                   : std::strcmp(wide_env, "2") == 0 ? 2
                                                      : -1;  // (anything else: the rule)
   if (can_wide && wide != 0) {
     const int tiles = static_cast<int>((h + 4 * kMoeMmaTile2 - 1) / (4 * kMoeMmaTile2));
     const int64_t blocks = expected_experts(e, n) * tiles;
     int splits = 1, steps = 1;
-    wide_split(blocks, i, sms, per_sm, splits, steps, wide == 2);
+    wide_split(blocks, i, sms, per_sm, splits, steps);
     if (wide > 0 || 4 * blocks * splits >= 3 * int64_t(sms) * per_sm) {
       a.w2_wide = true;
       a.tiles2 = tiles, a.splits2 = splits, a.steps2 = steps;
     }
   }
-  a.w2_prefetch = packed && env_switch("FASTAWQ_MOE_PACKED_W2_PREFETCH") == 1;
   if (!packed && env_switch("FASTAWQ_MOE_MMA_PERSISTENT") == 1) {  // (the persistent form reads the AWQ layout)
     a.claim_ahead = env_switch("FASTAWQ_MOE_MMA_AHEAD") == 1;
     const int64_t items = persistent_items(a);

@@ -893,24 +893,7 @@ __device__ __forceinline__ void run_work_packed(const MoeMmaArgs& a, Smem<NT>& s
   // As run_work: the forms that wait for h (EarlyGridWork) load pass 0's first weights before the
   // count and the wait, the others after the count.
   constexpr bool kEarlyWeights = !std::is_same_v<Work, GridWork>;
-  if constexpr (kEarlyWeights) {
-    fetch_first();
-    // a.w2_prefetch (FASTAWQ_MOE_PACKED_W2_PREFETCH=1; off, not yet run): the rest of the warp's K
-    // range goes to L2 too before the wait, one prefetch a 128-byte line (lanes g = 0 .. 7 of a t
-    // read one line of a chunk), so the steps after the ring's first ones find their weights in L2.
-    // In the decode step w2's early blocks start as w13's retire: a tile-form warp holds 2 of its
-    // 6 steps (Qwen3 batch 16) before the wait, a wide-form warp 2 of 24.
-    if (a.w2_prefetch && streams && g == 0) {
-#pragma unroll 1
-      for (int s = s0 + P; s < s1; ++s) {
-        const uint4* p = w_lane + static_cast<int64_t>(s) * 4 * n4;
-#pragma unroll
-        for (int cc = 0; cc < CC; ++cc) {
-          if (col_ok[cc]) prefetch_l2(p + c4[cc]);
-        }
-      }
-    }
-  }
+  if constexpr (kEarlyWeights) fetch_first();
   const int count = count_fn();
   if constexpr (kEarlyWeights) wait_h();
 
