@@ -700,6 +700,10 @@ if [[ " $stages " == *" s32p "* ]]; then
     FASTAWQ_MOE_PACKED_W2_WIDE=$wide FASTAWQ_TRITON_TUNE=0 timeout 120 python benchmarks/profile_step.py \
       qwen3-30b-a3b:16 2>&1 | grep -E "^#####|us/step share|share of the step" | head -14 || status=1
   done
+  # And where issue 11's batch-1 step goes (478 tok/s on the H200 against 600; no share table of it
+  # yet): the Llama-3-8B shape at batch 1, packed layout, the defaults (~1 min).
+  FASTAWQ_TRITON_TUNE=0 timeout 120 python benchmarks/profile_step.py llama-3-8b:1 2>&1 \
+    | grep -E "^#####|us/step share|share of the step" | head -16 || status=1
 fi
 if [[ " $stages " == *" s28e "* ]]; then
   step s28e
