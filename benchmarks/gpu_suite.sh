@@ -731,11 +731,14 @@ if [[ " $stages " == *" s28e "* ]]; then
   pre="--shape llama-3-8b --graph-lengths 2048 --other-len 2048 --batches 1 --max-seq-len 4096 --budget 1"
   timeout 120 python benchmarks/bench_e2e.py $pre --modes fp16 --out "$OUT/s28e_fp16" 2>&1 | grep -E "^\| fp16" \
     | head -1 || status=1
-  for extra in "" "--prefill-chunk 512" "--prefill-chunk 0" "--layout awq"; do
-    echo "fused-graphs $extra"
-    timeout 120 python benchmarks/bench_e2e.py $pre --modes fused-graphs $extra --out "$OUT/s28e_run" 2>&1 \
-      | grep -E "^\| fused" | head -1 || status=1
+  for chunk in 1024 512 0; do
+    echo "fused-graphs, prefill chunk $chunk (0: one pass)"
+    timeout 120 python benchmarks/bench_e2e.py $pre --modes fused-graphs --prefill-chunk $chunk --out "$OUT/s28e_$chunk" \
+      2>&1 | grep -E "^\| fused" | head -1 || status=1
   done
+  echo "fused-graphs, AWQ layout, prefill chunk 1024"
+  timeout 120 python benchmarks/bench_e2e.py $pre --modes fused-graphs --layout awq --out "$OUT/s28e_awq" 2>&1 \
+    | grep -E "^\| fused" | head -1 || status=1
 fi
 if [[ " $stages " == *" s28p "* ]]; then
   step s28p
