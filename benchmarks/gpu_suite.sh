@@ -739,6 +739,9 @@ if [[ " $stages " == *" s28e "* ]]; then
   echo "fused-graphs, AWQ layout, prefill chunk 1024"
   timeout 120 python benchmarks/bench_e2e.py $pre --modes fused-graphs --layout awq --out "$OUT/s28e_awq" 2>&1 \
     | grep -E "^\| fused" | head -1 || status=1
+  # Which kernels a chunked prefill runs (SDPA's attention among them) against the one pass, 8 layers.
+  timeout 120 python benchmarks/profile_prefill.py --shape llama-3-8b --length 2048 --chunks 1024,0 --layers 8 \
+    2>&1 | grep -E "^#####|  ms  " | head -28 || status=1
 fi
 if [[ " $stages " == *" s28p "* ]]; then
   step s28p
