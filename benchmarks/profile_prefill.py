@@ -9,6 +9,7 @@ chunk after the first, and what each chunk costs.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -17,17 +18,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from fastawq.commands import bench
 
-
-def kernel_totals(events) -> dict[str, list]:
-    """Per kernel name [calls, microseconds] of the profiler's GPU events."""
-    agg: dict[str, list] = {}
-    for e in events:
-        if e.device_type is None or "CUDA" not in str(e.device_type) or e.device_time <= 0:
-            continue
-        a = agg.setdefault(e.name, [0, 0.0])
-        a[0] += 1
-        a[1] += e.device_time
-    return agg
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_step import kernel_totals  # noqa: E402  (benchmarks/ is not a package)
 
 
 def run(shape: str, length: int, chunk: int, layout: str, layers: int | None, top: int) -> None:

@@ -26,6 +26,18 @@ from fastawq import backend
 from fastawq.commands import bench
 
 
+def kernel_totals(events) -> dict[str, list]:
+    """Per kernel name [calls, microseconds] of the profiler's GPU events."""
+    agg: dict[str, list] = {}
+    for e in events:
+        if e.device_type is None or "CUDA" not in str(e.device_type) or e.device_time <= 0:
+            continue
+        a = agg.setdefault(e.name, [0, 0.0])
+        a[0] += 1
+        a[1] += e.device_time
+    return agg
+
+
 def step_shares(kernels: list[tuple[str, float, float]]) -> tuple[dict[str, list], float]:
     """Per kernel name [calls, share], and the idle time, of one stream's kernels (name, start, end)
     in start order: a kernel's share is its end less the later of its start and the furthest end
@@ -67,11 +79,7 @@ def run(shape: str, batch: int, layout: str = "packed", ctx: int = 64, steps: in
         torch.cuda.synchronize()
     evs = [e for e in prof.events() if e.device_type is not None and "CUDA" in str(e.device_type) and e.device_time > 0]
     evs.sort(key=lambda e: e.time_range.start)
-    agg: dict[str, list] = {}  # kernel name -> [calls, us]
-    for e in evs:
-        a = agg.setdefault(e.name, [0, 0.0])
-        a[0] += 1
-        a[1] += e.device_time
+    agg = kernel_totals(evs)  # kernel name -> [calls, us]
     span = (evs[-1].time_range.end - evs[0].time_range.start) / steps
     ksum = sum(v[1] for v in agg.values()) / steps
     print(f"\n##### {shape} batch {batch} layout {layout}: wall {wall*1e3:.3f} ms/token ({batch/wall:.1f} tok/s), "
