@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s33 s28e s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34k s33 s28e s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -699,6 +699,19 @@ if [[ " $stages " == *" s32p "* ]]; then
   # by the host's 3/4-wave rule: the wide form is not taken there.)
   FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/profile_step.py llama-3-8b:1 llama-3-8b:16 2>&1 \
     | grep -E "^#####|us/step share|share of the step|gaps:" | head -40 || status=1
+fi
+if [[ " $stages " == *" s34k "* ]]; then
+  step s34k
+  # Issue 11's M = 9..16 (batch 16: 4,041 tok/s against 6,000 on the H200): the 16-token wgmma tile is
+  # 1.55x cuBLAS on the H100, the M = 8 register-ring mma kernel 1.66x, the M = 1 GEMV 2.34x on the
+  # H200. awq_mma_packed at two batch tiles was last timed with its register ring in session 10, before
+  # the deferred refills (0.95 against the cp.async ring's 1.03x): both rings again, 1 and 2 chunks,
+  # against the wgmma tile, at M = 12 and 16 (~1.5 min; FASTAWQ_MMA_RING is read once a process).
+  for ring in smem regs; do
+    echo "FASTAWQ_MMA_RING=$ring"
+    FASTAWQ_MMA_RING=$ring timeout 150 python benchmarks/gemm_table.py --kernels mma:1:0,mma:2:0,wgmma \
+      --ms 12,16 --dtypes float16 --out "$OUT/s34k_$ring" 2>&1 | grep -E "^\| *(dtype|float16)" || status=1
+  done
 fi
 if [[ " $stages " == *" s33 "* ]]; then
   step s33
