@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from fastawq.modules.fused import DEFAULT_PREFILL_CHUNK
+
 log = logging.getLogger(__name__)
 
 MODES = ("fp16", "w4", "fused", "fused-graphs")
@@ -52,7 +54,7 @@ def lengths_for(max_len: int, rounds: int | None) -> list[int]:
 
 
 def build_model(mode: str, model: str | None, shape: str | None, device: str, max_seq_len: int,
-                batch_size: int, gemm_backend: str | None = None, prefill_chunk: int | None = 1024,
+                batch_size: int, gemm_backend: str | None = None, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
                 dtype: torch.dtype = torch.float16, layout: str = "awq",
                 num_layers: int | None = None, on_phase: Callable[[str], None] | None = None) -> torch.nn.Module:
     """The model for one mode, from a named random shape (num_layers: that many decoder layers)
@@ -237,7 +239,7 @@ def format_table(rows: list[Row]) -> str:
 
 def bench(model: str | None, shape: str | None, modes: list[str], lengths: list[int], batch: int | list[int],
           device: str, max_seq_len: int | None = None, max_decode: int | None = None,
-          gemm_backend: str | None = None, prefill_chunk: int | None = 1024,
+          gemm_backend: str | None = None, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
           dtype: torch.dtype = torch.float16, layout: str = "awq", num_layers: int | None = None) -> list[Row]:
     """Run every mode over every batch size and length; each mode's model (its fused cache sized for
     the largest batch) is built once and freed before the next is built."""
@@ -319,7 +321,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None,
                    help="activations and unquantized weights (default: float16 on GPU, float32 on CPU)")
     p.add_argument("--gemm-backend", default=None, help="force the W4 GEMM backend (cuda|triton|cpu|torch)")
-    p.add_argument("--prefill-chunk", type=int, default=1024, help="fused prefill chunk (0: one pass)")
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                   help=f"fused prefill chunk in tokens a row (0: one pass; default {DEFAULT_PREFILL_CHUNK})")
     p.add_argument("--layout", choices=("awq", "packed", "auto"), default="auto",
                    help="how the W4 layers hold their weights (WQLinear.set_layout; auto: as from_quantized "
                         "picks for this device and, fused, the largest batch size)")

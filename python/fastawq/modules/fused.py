@@ -34,6 +34,14 @@ from fastawq.modules.qlinear import WQLinear
 
 log = logging.getLogger(__name__)
 
+# Prompts longer than this many tokens a row are prefilled in chunks (fuse_model's default). Each
+# chunk pays every projection's setup again (on the packed layout a prefill GEMM dequantizes the
+# layer's weights for cuBLAS: ~1.6 ms a chunk for 8 Llama-3-8B layers on an H100), so chunks of 1024
+# took a 2,048-token prompt from 1.07x to 0.92x the fp16 model's prefill speed (RESULTS.md session
+# 33). At 4096 a chunk's activations (Llama-3-8B: gate/up 4096 x 28672 x 2 bytes) stay ~0.5 GiB.
+DEFAULT_PREFILL_CHUNK = 4096
+
+
 class CacheOverflowError(ValueError):
     """A request does not fit the preallocated KV cache (max_seq_len or batch_size)."""
 
@@ -798,7 +806,7 @@ def fuse_model(
     *,
     use_cuda_graphs: bool = True,
     backend: str | None = None,
-    prefill_chunk: int | None = 1024,
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     kernels: str | None = None,
     cpu_lm_head_bits: int | None = 8,
 ) -> nn.Module:
