@@ -44,7 +44,7 @@ GROUP = 128
 
 # Compiled kernels on the packed layout a `--kernels` column may force, and their largest M.
 KERNEL_MAX_M = {"gemv": repack.MAX_M, "mma": repack.MMA_MAX_M, "gemm": 1 << 30, "wgmma": 1 << 30, "wgmmaws": 1 << 30,
-                "wgmmaplain": 1 << 30}
+                "wgmmaplain": 1 << 30, "wgmmastage": 1 << 30}
 _PACKED: dict[int, list] = {}
 
 
@@ -52,14 +52,15 @@ def _kernel_caller(col: str, awq: list[tuple], x: torch.Tensor, n: int):
     """fn(i) for a "kernel:gemv[:WARPS_PER_SM]", "kernel:mma[:CHUNKS:WARPS_PER_SM]",
     "kernel:gemm[:M_TILES:CHUNKS:SPLITS]" or "kernel:wgmma[:TOKENS:SPLITS]" column (None where M is beyond the kernel); 0 or nothing: the
     kernel's automatic tile and grid. "wgmma" takes the op's automatic form (warp-specialized on the
-    64- and 128-token tiles); "wgmmaws" / "wgmmaplain" force the warp-specialized / plain form
+    64- and 128-token tiles); "wgmmaws" / "wgmmaplain" / "wgmmastage" force the warp-specialized /
+    plain / staged-x form (the last on the 16- and 32-token tiles only)
     (FASTAWQ_WGMMA_FORM, set around each call: the host reads it at each call, a graph at capture)."""
     name, *tile = col.removeprefix("kernel:").split(":")
     if name == "gemv":
         chunks, warps = 0, (int(tile[0]) if tile else 0)
     elif name == "gemm":
         m_tiles, chunks, splits = map(int, tile) if tile else (0, 0, 0)
-    elif name in ("wgmma", "wgmmaws", "wgmmaplain"):
+    elif name in ("wgmma", "wgmmaws", "wgmmaplain", "wgmmastage"):
         tokens, splits = map(int, tile) if tile else (0, 0)
     else:
         chunks, warps = (int(tile[0]), int(tile[1])) if tile else (0, 0)
@@ -76,7 +77,7 @@ def _kernel_caller(col: str, awq: list[tuple], x: torch.Tensor, n: int):
         return lambda i: torch.ops.fastawq.awq_gemm_packed(x, *packed[i], n, GROUP, None, m_tiles, chunks, splits)
     if name == "wgmma":
         return lambda i: torch.ops.fastawq.awq_wgmma_packed(x, *packed[i], n, GROUP, None, tokens, splits)
-    if name in ("wgmmaws", "wgmmaplain"):
+    if name in ("wgmmaws", "wgmmaplain", "wgmmastage"):
         form = name[len("wgmma"):]
 
         def form_call(i):
@@ -249,7 +250,8 @@ def main() -> int:
     ap.add_argument("--kernels", default="", help="comma list of compiled kernels on the packed layout, forced: "
                     "gemv, gemv:WARPS_PER_SM, mma, mma:CHUNKS:WARPS_PER_SM (a tile of the swap-AB tensor-core "
                     "kernel), gemm, gemm:M_TILES:CHUNKS:SPLITS (the tensor-core kernel with the batch as the mma's M), "
-                    "wgmma or wgmma:TOKENS:SPLITS (the warpgroup-MMA kernel, sm_90a; wgmmaws / wgmmaplain: its warp-specialized / plain form forced)")
+                    "wgmma or wgmma:TOKENS:SPLITS (the warpgroup-MMA kernel, sm_90a; wgmmaws / wgmmaplain / wgmmastage: "
+                    "its warp-specialized / plain / staged-x form forced)")
     ap.add_argument("--shapes", default="", help="comma list of KxN layer shapes (default: the four Llama-3-8B "
                     "shapes of TARGETS.md), e.g. 2048x5120,4096x2048 for Qwen3-30B-A3B's attention projections")
     ap.add_argument("--dtypes", default="float16")

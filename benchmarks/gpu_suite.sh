@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34k s33 s28e s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34k s34 s34m s34p s33 s28e s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -712,6 +712,36 @@ if [[ " $stages " == *" s34k "* ]]; then
     FASTAWQ_MMA_RING=$ring timeout 150 python benchmarks/gemm_table.py --kernels mma:1:0,mma:2:0,wgmma \
       --ms 12,16 --dtypes float16 --out "$OUT/s34k_$ring" 2>&1 | grep -E "^\| *(dtype|float16)" || status=1
   done
+fi
+if [[ " $stages " == *" s34 "* ]]; then
+  step s34
+  # awq_wgmma_packed's staged-x form (FASTAWQ_WGMMA_FORM=stage, session 33, not yet run; ~6 min): its
+  # GPU tests, then the kernel table against the plain form at M = 9..32 in both dtypes, then the
+  # Llama-3-8B shape's batch-16 decode A/B (issue 11: 4,041 tok/s on the H200 against 6,000; the
+  # 16-token tile's GEMMs are 3.08 of the 4.19 ms step on an H100, session 33).
+  timeout 150 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "staged" 2>&1 | tail -2 \
+    || status=1
+  timeout 150 python benchmarks/gemm_table.py --kernels wgmmaplain,wgmmastage --ms 9,16,24,32 \
+    --dtypes float16,bfloat16 --out "$OUT/s34" 2>&1 | grep -E "^\| *(dtype|float16|bfloat16)" || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_FORM=plain,stage \
+    --shape llama-3-8b --batches 16,32 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
+fi
+if [[ " $stages " == *" s34m "* ]]; then
+  step s34m
+  # The staged form under compute-sanitizer's memcheck (with the other wgmma switches; ~2 min).
+  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 3 python benchmarks/sanitize.py --only packed \
+    > "$OUT/s34m.txt" 2>&1; echo "memcheck rc $?"; tail -4 "$OUT/s34m.txt"
+fi
+if [[ " $stages " == *" s34p "* ]]; then
+  step s34p
+  # The prefill row on the new default chunk (4096 tokens a row: a 2,048-token prompt in one pass;
+  # session 33 H100: 36,142 tok/s one pass, 30,920 in chunks of 1024, fp16 33,697): fp16 then the
+  # engine as a user gets it (~1.5 min).
+  pre="--shape llama-3-8b --graph-lengths 2048 --other-len 2048 --batches 1 --max-seq-len 4096 --budget 1"
+  timeout 120 python benchmarks/bench_e2e.py $pre --modes fp16 --out "$OUT/s34p_fp16" 2>&1 | grep -E "^\| fp16" \
+    | head -1 || status=1
+  timeout 120 python benchmarks/bench_e2e.py $pre --modes fused-graphs --out "$OUT/s34p" 2>&1 | grep -E "^\| fused" \
+    | head -1 || status=1
 fi
 if [[ " $stages " == *" s33 "* ]]; then
   step s33

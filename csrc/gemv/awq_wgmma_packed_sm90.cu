@@ -457,6 +457,161 @@ __global__ void __launch_bounds__(kThreads<WG>, kMinBlocks<NT, WG>) awq_wgmma_pa
 #endif
 }
 
+// --- The staged-x form (FASTAWQ_WGMMA_FORM=stage on the 16- and 32-token tiles; session 33, an A/B
+// switch, not yet run) ---
+// Session 33's kernel table (H100) has the plain form at 16 tokens streaming ~1.2 TB/s (1.52x
+// cuBLAS) where the M = 1 GEMV streams about twice that: at 16 tokens a step moves 512 weight bytes
+// a warp, and around its ~64 dequantization instructions the plain form spends as many again on
+// x (cp.async of the step's items, the permute's shared load and four stores, the proxy fence) and
+// the block barrier. Here a block (one warpgroup, 128 columns) puts x of its whole K range into the
+// planes once, after the PDL wait; the loop then only refills the lane's weights (cp.async, read
+// back by the copying thread alone, so wait_group orders them and no barrier is needed),
+// dequantizes and issues the step's wgmmas on the step's planes. x of the range must fit: a block
+// takes at most kStageSteps<NT> steps (32 KB of planes), and the host splits K at least that finely.
+template <int NT>
+constexpr int kStageSteps = 32768 / kXBytes<NT>;  // 32 steps at 16 tokens, 16 at 32
+template <int NT, int P>
+constexpr int kStageSmem = kStageSteps<NT> * kXBytes<NT> + P * 128 * 16;
+
+template <typename T, int NT, int P>
+__global__ void __launch_bounds__(128, 4) awq_wgmma_stage_kernel(
+    const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
+    T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int m, int n, int k, int group_size,
+    int steps_per_block) {
+#ifdef FASTAWQ_WGMMA_DEVICE
+  static_assert(P >= 3, "two steps of weights in flight while one is consumed");
+  constexpr int kPlane = NT * 16;
+  constexpr int kXItems = 4 * NT;  // 16-byte items of x a step
+  constexpr int kC4 = kTileC4<1>;
+  extern __shared__ __align__(128) uint8_t stage_smem[];
+  __shared__ int is_last;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int n4 = n >> 2;
+  const int tok0 = blockIdx.x * NT;
+  const int c4 = static_cast<int>(pinned(blockIdx.y * kC4 + warp * 8 + g));
+  const bool col_ok = c4 < n4;
+  const int s_total = k / kPackedBatchRows;
+  const int s0 = blockIdx.z * steps_per_block;
+  const int s1 = min(s0 + steps_per_block, s_total);
+  const int nsteps = max(s1 - s0, 0);  // <= kStageSteps<NT> (the host's plan)
+  const int steps_per_group = group_size / kPackedBatchRows;
+  const int64_t w_step = 4 * static_cast<int64_t>(n4);
+  const uint4* w_next = wp + static_cast<int64_t>(t) * n4 + c4 + s0 * w_step;
+
+  const uint32_t planes0 = pinned(smem_addr(stage_smem));  // step i's planes at planes0 + i * kXBytes
+  const uint32_t ring0 = planes0 + kStageSteps<NT> * kXBytes<NT> + tid * 16;  // the lane's slot 0
+  const auto issue_w = [&](int slot) {
+    cp_async16_at(ring0 + slot * (128 * 16), w_next, col_ok);
+    w_next += w_step;
+  };
+
+  // The weights of the first P - 1 steps before the PDL wait (no kernel that can launch this one
+  // early writes weights: awq_gemv_packed.h), one commit group each.
+#pragma unroll
+  for (int d = 0; d < P - 1; ++d) {
+    if (d < nsteps) issue_w(d);
+    cp_async_commit();
+  }
+  pdl_wait();
+  pdl_launch_dependents();
+
+  // x of the whole range into the planes: item j of step i is token j / 4 (clamped to row M - 1:
+  // it feeds only outputs never stored), chunk j % 4; its 16 bytes go to the four planes as in the
+  // plain form. Eight loads in flight a thread before their stores.
+  {
+    constexpr int kBatch = 8;
+    const int items = nsteps * kXItems;
+    for (int b0 = tid; b0 < items; b0 += 128 * kBatch) {
+      uint4 v[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int j = b0 + 128 * u;
+        if (j < items) {
+          const int i = j / kXItems, item = j % kXItems, tok = item >> 2, tc = item & 3;
+          v[u] = __ldg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(min(tok0 + tok, m - 1)) * k +
+                                                      static_cast<int64_t>(s0 + i) * kPackedBatchRows + 8 * tc));
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int j = b0 + 128 * u;
+        if (j < items) {
+          const int i = j / kXItems, item = j % kXItems, tok = item >> 2, tc = item & 3;
+          const uint32_t at = planes0 + i * kXBytes<NT> + (tok >> 3) * 128 + (tok & 7) * 16 + 4 * tc;
+          st_shared32_at(at, v[u].x);
+          st_shared32_at(at + kPlane, v[u].y);
+          st_shared32_at(at + 2 * kPlane, v[u].z);
+          st_shared32_at(at + 3 * kPlane, v[u].w);
+        }
+      }
+    }
+  }
+  fence_proxy_async_shared();  // the tensor cores read the planes through the async proxy
+  __syncthreads();
+
+  const uint4* sz_lane = sz + static_cast<int64_t>(s0 / steps_per_group) * n4 + c4;
+  uint4 sv_next = make_uint4(0, 0, 0, 0);
+  const auto load_scales = [&]() {
+    if (col_ok) sv_next = __ldg(sz_lane);
+  };
+  GroupConsts<T> gc;
+  if (nsteps > 0) {
+    load_scales();
+    gc.set(sv_next);
+  }
+  int group_left = steps_per_group - s0 % steps_per_group;
+
+  float acc[2][NT / 2];
+  zero_accumulators<NT>(acc);
+  uint32_t af[2][2][2][4];  // [set][m-tile i][k-step h][register]
+
+  // Local step i (global s0 + i) from ring slot `slot` into A register set SET.
+  const auto step = [&](int i, int slot, auto set_c) {
+    constexpr int SET = decltype(set_c)::value;
+    if (i + P - 1 < nsteps) issue_w(slot == 0 ? P - 1 : slot - 1);  // into the slot step i - 1 used
+    cp_async_commit();
+    if (group_left == 1 && i + 1 < nsteps) {
+      sz_lane += n4;
+      load_scales();
+    }
+    // This lane's weights of step i landed by the last step's wait (or the prologue's).
+    const uint4 w = ld_shared128_at(ring0 + slot * (128 * 16));
+    wgmma_wait<1>();  // step i - 2's wgmmas are done: this step's register set is free
+    dequant_step<T>(w, gc, af[SET]);
+    issue_step<T, NT>(acc, af[SET], planes0 + i * kXBytes<NT>);
+    cp_async_wait<P - 2>();  // step i + 1's weights (groups newer than it: P - 2)
+    if (--group_left == 0) {
+      group_left = steps_per_group;
+      gc.set(sv_next);
+    }
+  };
+  // The prologue's groups: step 0's weights must have landed before the loop's first read.
+  cp_async_wait<P - 2>();
+
+  int slot = 0, i = 0;
+  const auto next = [&](int p) { return p == P - 1 ? 0 : p + 1; };
+#pragma unroll 1
+  for (; i + 1 < nsteps; i += 2) {
+    step(i, slot, std::integral_constant<int, 0>{});
+    slot = next(slot);
+    step(i + 1, slot, std::integral_constant<int, 1>{});
+    slot = next(slot);
+  }
+  if (i < nsteps) step(i, slot, std::integral_constant<int, 0>{});
+  wgmma_wait<0>();
+  fence_accumulators<NT>(acc);
+  cp_async_wait<0>();
+
+  const bool split = gridDim.z > 1;
+  store_accumulators<T, NT>(acc, tok0, t, m, n, c4, col_ok, split, ws, out, bias);
+  if (!split) return;
+  const auto store4 = [&](int64_t at, int c4o, const float (&v)[4]) { store4_out<T>(out, bias, at, c4o, v); };
+  gemv::convert_when_last<false, 128>(ws, counters, is_last, tok0, NT, m, blockIdx.y * kC4, kC4, n, store4);
+#endif
+}
+
 // --- The warp-specialized form (FASTAWQ_WGMMA_FORM=ws, an A/B switch; session 22, not yet run) ---
 // Session 21's profile of the form above: one 8-warp block an SM, ~167 instructions a warp a step
 // at 8.1 cycles between issues, against 512 tensor-core cycles a step at 128 tokens: each warp's
@@ -770,8 +925,28 @@ void launch_ws(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
   launch_ws_p<T, NT, 12>(a, stream, resident);
 }
 
+// The staged-x form: a ring of 6 slots (5 steps of weights in flight), 44 KB a block with the planes.
+template <typename T, int NT>
+void launch_stage(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
+  constexpr int kP = 6;
+  constexpr auto kernel = awq_wgmma_stage_kernel<T, NT, kP>;
+  constexpr int kSmem = kStageSmem<NT, kP>;
+  opt_in_shared_memory<kernel>(kSmem);
+  if (resident != nullptr) {
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, 128, kSmem);
+    return;
+  }
+  launch_pdl(kernel, dim3(a.token_tiles, a.col_tiles, a.splits), dim3(128), kSmem, stream,
+             static_cast<const T*>(a.x), reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz),
+             static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.m, a.n, a.k,
+             a.group_size, a.steps_per_warp);
+}
+
 template <typename T, int NT>
 void launch_nt(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
+  if constexpr (NT <= 32) {
+    if (a.stage) return launch_stage<T, NT>(a, stream, resident);
+  }
   if (a.ws) return launch_ws<T, NT>(a, stream, resident);
   if (a.warpgroups == 1) return launch_wg<T, NT, 1>(a, stream, resident);
   launch_wg<T, NT, 2>(a, stream, resident);
