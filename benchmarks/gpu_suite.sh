@@ -715,16 +715,19 @@ if [[ " $stages " == *" s34k "* ]]; then
 fi
 if [[ " $stages " == *" s34 "* ]]; then
   step s34
-  # awq_wgmma_packed's staged-x form (FASTAWQ_WGMMA_FORM=stage, session 33, not yet run; ~6 min): its
-  # GPU tests, then the kernel table against the plain form at M = 9..32 in both dtypes, then the
+  # awq_wgmma_packed's staged-x form (FASTAWQ_WGMMA_FORM=stage, session 33, not yet run; ~6 min) and
+  # its per-group zero points at 16 tokens (FASTAWQ_WGMMA_MAGIC=1): the GPU tests, then the kernel
+  # table against the plain form at M = 9..32 in both dtypes, then the
   # Llama-3-8B shape's batch-16 decode A/B (issue 11: 4,041 tok/s on the H200 against 6,000; the
   # 16-token tile's GEMMs are 3.08 of the 4.19 ms step on an H100, session 33).
   timeout 150 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "staged" 2>&1 | tail -2 \
     || status=1
-  timeout 150 python benchmarks/gemm_table.py --kernels wgmmaplain,wgmmastage --ms 9,16,24,32 \
+  timeout 150 python benchmarks/gemm_table.py --kernels wgmmaplain,wgmmastage,wgmmamagic --ms 9,16,24,32 \
     --dtypes float16,bfloat16 --out "$OUT/s34" 2>&1 | grep -E "^\| *(dtype|float16|bfloat16)" || status=1
-  FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_FORM=plain,stage \
-    --shape llama-3-8b --batches 16,32 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
+  # (FASTAWQ_WGMMA_FORM=stage outside: bench_ab restores it after the first A/B, so the second runs on it.)
+  FASTAWQ_WGMMA_FORM=stage FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py \
+    --compare env:FASTAWQ_WGMMA_FORM=plain,stage --compare env:FASTAWQ_WGMMA_MAGIC=0,1 --shape llama-3-8b --batches 16,32 --layout packed --decode 64 --rounds 2 \
+    2>&1 | grep -E "^\||on / off" || status=1
 fi
 if [[ " $stages " == *" s34m "* ]]; then
   step s34m

@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
                     for env in ({"FASTAWQ_WGMMA_WARPGROUPS": "1"}, {"FASTAWQ_WGMMA_WARPGROUPS": "2"},
                                 {"FASTAWQ_WGMMA_DEPTH": "4"}, {"FASTAWQ_WGMMA_DEPTH": "8"},
                                 {"FASTAWQ_WGMMA_FORM": "ws"}, {"FASTAWQ_WGMMA_FORM": "plain"},
-                                {"FASTAWQ_WGMMA_FORM": "stage"}):
+                                {"FASTAWQ_WGMMA_FORM": "stage"},
+                                {"FASTAWQ_WGMMA_FORM": "stage", "FASTAWQ_WGMMA_MAGIC": "1"}):
                         with env_set(env):
                             for m, tile in ((17, ()), (9, (16, 1)), (130, (128, 3)), (70, (64, k // 32))):
                                 x = random_input((m, k), "cuda", dtype, seed=m)

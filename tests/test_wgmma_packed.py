@@ -427,11 +427,15 @@ def test_the_form_follows_the_tile(monkeypatch, dtype):
 @pytest.mark.parametrize("k,n,g", GPU_SHAPES)
 @pytest.mark.parametrize("m", [1, 9, 16, 17, 31, 32])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_staged_form_matches_reference(monkeypatch, k, n, g, m, dtype):
+@pytest.mark.parametrize("magic", ["0", "1"])
+def test_staged_form_matches_reference(monkeypatch, k, n, g, m, dtype, magic):
     # FASTAWQ_WGMMA_FORM=stage (read at each call): x of a block's K range put in shared memory once,
     # the weights through a per-thread cp.async ring, on every edge shape at the 16- and 32-token
-    # tiles; a second call with a bias (the split-K workspace was re-zeroed).
+    # tiles; a second call with a bias (the split-K workspace was re-zeroed). FASTAWQ_WGMMA_MAGIC=1:
+    # at 16 tokens the wgmmas run on magic + q and each group's zero point and scale are applied at
+    # its close (groups of 32 to 128 rows, cut by the block's K range).
     monkeypatch.setenv("FASTAWQ_WGMMA_FORM", "stage")
+    monkeypatch.setenv("FASTAWQ_WGMMA_MAGIC", magic)
     qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=k + n + m + 2)
     x = random_input((m, k), "cuda", dtype, seed=m + 3)
     assert_close_to_reference(_poisoned_call(x, wp, sz, n, g), x, qw, s, qz, g)
@@ -445,11 +449,14 @@ def test_staged_form_matches_reference(monkeypatch, k, n, g, m, dtype):
 @pytest.mark.parametrize("splits", [0, 1, 3, 5, 64])
 @pytest.mark.parametrize("m", [5, 20, 70])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_staged_form_every_split(monkeypatch, tokens, splits, m, dtype):
+@pytest.mark.parametrize("magic", ["0", "1"])
+def test_staged_form_every_split(monkeypatch, tokens, splits, m, dtype, magic):
     # The staged form on forced tiles and splits: 1 and 3 ask for more steps a block than its planes
     # hold (the host splits further: 32 steps at 16 tokens, 16 at 32), 5 gives odd ranges of 13
-    # steps (the loop's last step alone), 64 one step a block (shorter than the ring's lead).
+    # steps (the loop's last step alone; with MAGIC a range ending inside a group), 64 one step a
+    # block (shorter than the ring's lead).
     monkeypatch.setenv("FASTAWQ_WGMMA_FORM", "stage")
+    monkeypatch.setenv("FASTAWQ_WGMMA_MAGIC", magic)
     k, n, g = 2048, 392, 128
     qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=tokens + splits + m + 3)
     x = random_input((m, k), "cuda", dtype, seed=m + 4)
@@ -476,6 +483,17 @@ def test_staged_form_serves_the_small_tiles_only(monkeypatch):
 
     assert kernels(12, 0) == kernels(30, 0) == kernels(70, 16) == {"stage"}
     assert kernels(64, 0) == kernels(20, 128) == {"ws"}
+    # FASTAWQ_WGMMA_MAGIC=1 takes the magic instance at 16 tokens only (its template flag, last).
+    monkeypatch.setenv("FASTAWQ_WGMMA_MAGIC", "1")
+    x = random_input((12, k), "cuda", dtype, seed=31)
+    for tokens, flag in ((16, "true"), (32, "false")):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out = _poisoned_call(x, wp, sz, n, g, None, tokens)
+            torch.cuda.synchronize()
+        assert_close_to_reference(out, x, qw, s, qz, g)
+        names = [e.name for e in prof.events() if "awq_wgmma_stage_kernel" in e.name]
+        assert names and all(nm.replace(" ", "").endswith(f"{flag}>") or f",{flag}>" in nm.replace(" ", "")
+                             for nm in names), names
     check_graph_replay(torch.ops.fastawq.awq_wgmma_packed, 16)  # K = 8192: split K, 32-step ranges
 
 

@@ -552,6 +552,7 @@ at::Tensor awq_wgmma_packed(const at::Tensor& x, const at::Tensor& wpacked, cons
   const WgmmaForm form = wgmma_form(tokens);
   a.ws = form == WgmmaForm::kWs;
   a.stage = form == WgmmaForm::kStage;
+  a.magic = a.stage && tokens == 16 && env_flag_on("FASTAWQ_WGMMA_MAGIC");
   a.warpgroups = a.ws ? 2 : (a.stage ? 1 : wgmma_warpgroups(tokens));
   const int64_t token_tiles = (m + tokens - 1) / tokens;
   a.token_tiles = static_cast<int>(token_tiles);

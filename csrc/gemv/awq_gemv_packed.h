@@ -137,6 +137,9 @@ struct WgmmaPackedArgs : PackedArgs {
   // warpgroup on 128 columns with x of its K range put in shared memory once, at most
   // wgmma_stage_max_steps(tokens) steps a block.
   bool stage;
+  // With the staged form at 16 tokens: the wgmmas on magic + q, zero point and scale applied per
+  // group (FASTAWQ_WGMMA_MAGIC=1, read at each call; an A/B switch).
+  bool magic;
 };
 
 // The most 32-row steps a block of the staged-x form takes at `tokens` rows (its planes of x fill
