@@ -44,15 +44,7 @@ GROUP = 128
 
 # Compiled kernels on the packed layout a `--kernels` column may force, and their largest M.
 KERNEL_MAX_M = {"gemv": repack.MAX_M, "mma": repack.MMA_MAX_M, "gemm": 1 << 30, "wgmma": 1 << 30, "wgmmaws": 1 << 30,
-                "wgmmaplain": 1 << 30, "wgmmastage": 1 << 30, "wgmmamagic": 1 << 30}
-# awq_wgmma_packed's forms a column forces: the switches set around each call (the host reads them
-# at each call, a graph at capture).
-FORCED_WGMMA = {
-    "wgmmaws": {"FASTAWQ_WGMMA_FORM": "ws"},
-    "wgmmaplain": {"FASTAWQ_WGMMA_FORM": "plain"},
-    "wgmmastage": {"FASTAWQ_WGMMA_FORM": "stage", "FASTAWQ_WGMMA_MAGIC": "0"},
-    "wgmmamagic": {"FASTAWQ_WGMMA_FORM": "stage", "FASTAWQ_WGMMA_MAGIC": "1"},
-}
+                "wgmmaplain": 1 << 30}
 _PACKED: dict[int, list] = {}
 
 
@@ -60,16 +52,14 @@ def _kernel_caller(col: str, awq: list[tuple], x: torch.Tensor, n: int):
     """fn(i) for a "kernel:gemv[:WARPS_PER_SM]", "kernel:mma[:CHUNKS:WARPS_PER_SM]",
     "kernel:gemm[:M_TILES:CHUNKS:SPLITS]" or "kernel:wgmma[:TOKENS:SPLITS]" column (None where M is beyond the kernel); 0 or nothing: the
     kernel's automatic tile and grid. "wgmma" takes the op's automatic form (warp-specialized on the
-    64- and 128-token tiles); "wgmmaws" / "wgmmaplain" / "wgmmastage" / "wgmmamagic" force the
-    warp-specialized / plain / staged-x form / staged-x form with the per-group zero points (the
-    staged forms on the 16- and 32-token tiles only, the last at 16 only: FORCED_WGMMA)
+    64- and 128-token tiles); "wgmmaws" / "wgmmaplain" force the warp-specialized / plain form
     (FASTAWQ_WGMMA_FORM, set around each call: the host reads it at each call, a graph at capture)."""
     name, *tile = col.removeprefix("kernel:").split(":")
     if name == "gemv":
         chunks, warps = 0, (int(tile[0]) if tile else 0)
     elif name == "gemm":
         m_tiles, chunks, splits = map(int, tile) if tile else (0, 0, 0)
-    elif name == "wgmma" or name in FORCED_WGMMA:
+    elif name in ("wgmma", "wgmmaws", "wgmmaplain"):
         tokens, splits = map(int, tile) if tile else (0, 0)
     else:
         chunks, warps = (int(tile[0]), int(tile[1])) if tile else (0, 0)
@@ -86,20 +76,19 @@ def _kernel_caller(col: str, awq: list[tuple], x: torch.Tensor, n: int):
         return lambda i: torch.ops.fastawq.awq_gemm_packed(x, *packed[i], n, GROUP, None, m_tiles, chunks, splits)
     if name == "wgmma":
         return lambda i: torch.ops.fastawq.awq_wgmma_packed(x, *packed[i], n, GROUP, None, tokens, splits)
-    if name in FORCED_WGMMA:
-        env = FORCED_WGMMA[name]
+    if name in ("wgmmaws", "wgmmaplain"):
+        form = name[len("wgmma"):]
 
         def form_call(i):
-            before = {key: os.environ.get(key) for key in env}
-            os.environ.update(env)
+            before = os.environ.get("FASTAWQ_WGMMA_FORM")
+            os.environ["FASTAWQ_WGMMA_FORM"] = form
             try:
                 return torch.ops.fastawq.awq_wgmma_packed(x, *packed[i], n, GROUP, None, tokens, splits)
             finally:
-                for key, value in before.items():
-                    if value is None:
-                        del os.environ[key]
-                    else:
-                        os.environ[key] = value
+                if before is None:
+                    del os.environ["FASTAWQ_WGMMA_FORM"]
+                else:
+                    os.environ["FASTAWQ_WGMMA_FORM"] = before
         return form_call
     return lambda i: torch.ops.fastawq.awq_mma_packed(x, *packed[i], n, GROUP, None, chunks, warps)
 
@@ -260,8 +249,7 @@ def main() -> int:
     ap.add_argument("--kernels", default="", help="comma list of compiled kernels on the packed layout, forced: "
                     "gemv, gemv:WARPS_PER_SM, mma, mma:CHUNKS:WARPS_PER_SM (a tile of the swap-AB tensor-core "
                     "kernel), gemm, gemm:M_TILES:CHUNKS:SPLITS (the tensor-core kernel with the batch as the mma's M), "
-                    "wgmma or wgmma:TOKENS:SPLITS (the warpgroup-MMA kernel, sm_90a; wgmmaws / wgmmaplain / wgmmastage / "
-                    "wgmmamagic: one of its forms forced)")
+                    "wgmma or wgmma:TOKENS:SPLITS (the warpgroup-MMA kernel, sm_90a; wgmmaws / wgmmaplain: its warp-specialized / plain form forced)")
     ap.add_argument("--shapes", default="", help="comma list of KxN layer shapes (default: the four Llama-3-8B "
                     "shapes of TARGETS.md), e.g. 2048x5120,4096x2048 for Qwen3-30B-A3B's attention projections")
     ap.add_argument("--dtypes", default="float16")

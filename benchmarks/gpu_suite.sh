@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34k s34 s34m s34p s33 s28e s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s35n s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -700,40 +700,26 @@ if [[ " $stages " == *" s32p "* ]]; then
   FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/profile_step.py llama-3-8b:1 llama-3-8b:16 2>&1 \
     | grep -E "^#####|us/step share|share of the step|gaps:" | head -40 || status=1
 fi
-if [[ " $stages " == *" s34k "* ]]; then
-  step s34k
-  # Issue 11's M = 9..16 (batch 16: 4,041 tok/s against 6,000 on the H200): the 16-token wgmma tile is
-  # 1.55x cuBLAS on the H100, the M = 8 register-ring mma kernel 1.66x, the M = 1 GEMV 2.34x on the
-  # H200. awq_mma_packed at two batch tiles was last timed with its register ring in session 10, before
-  # the deferred refills (0.95 against the cp.async ring's 1.03x): both rings again, 1 and 2 chunks,
-  # against the wgmma tile, at M = 12 and 16 (~1.5 min; FASTAWQ_MMA_RING is read once a process).
-  for ring in smem regs; do
-    echo "FASTAWQ_MMA_RING=$ring"
-    FASTAWQ_MMA_RING=$ring timeout 150 python benchmarks/gemm_table.py --kernels mma:1:0,mma:2:0,wgmma \
-      --ms 12,16 --dtypes float16 --out "$OUT/s34k_$ring" 2>&1 | grep -E "^\| *(dtype|float16)" || status=1
+if [[ " $stages " == *" s35n "* ]]; then
+  step s35n
+  # Why the 16-token wgmma tile streams ~1.2 TB/s (issue 11's batch 16: its GEMMs are 3.08 of the 4.19
+  # ms step on an H100): session 33 cut its loop from 167 to 127 and ~110 instructions a step (the
+  # staged-x form, then per-group zero points) and the time did not move, so the loop is not
+  # issue-bound. Nsight Compute on the plain form at M = 16, the largest and smallest Llama shapes
+  # (~1.5 min): stall reasons, issue activity, occupancy, DRAM throughput and bytes in flight.
+  timeout 150 ncu --clock-control none --kernel-name regex:awq_wgmma_packed --section SpeedOfLight \
+    --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+    --section LaunchStats python benchmarks/profile_gemm_packed.py --kernel wgmma --ms 16 \
+    --shapes 4096x28672,4096x4096 > "$OUT/s35n.txt" 2>&1 || status=1
+  grep -E "awq_wgmma|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Warp Cycles Per Issued|Issued Warp|No Eligible|Registers|Grid Size|Stall|stall" \
+    "$OUT/s35n.txt" | head -60
+  # And the ring's depth at 16 tokens (FASTAWQ_WGMMA_DEPTH, read at each call; only M = 64 / 4096 were
+  # timed, session 21): 6 (the default) against 8 (~40 s each).
+  for depth in 6 8; do
+    echo "FASTAWQ_WGMMA_DEPTH=$depth"
+    FASTAWQ_WGMMA_DEPTH=$depth timeout 100 python benchmarks/gemm_table.py --kernels wgmma --ms 9,16 --dtypes float16 \
+      --out "$OUT/s35n_d$depth" 2>&1 | grep -E "^\| *(dtype|float16)" || status=1
   done
-fi
-if [[ " $stages " == *" s34 "* ]]; then
-  step s34
-  # awq_wgmma_packed's staged-x form (FASTAWQ_WGMMA_FORM=stage, session 33, not yet run; ~6 min) and
-  # its per-group zero points at 16 tokens (FASTAWQ_WGMMA_MAGIC=1): the GPU tests, then the kernel
-  # table against the plain form at M = 9..32 in both dtypes, then the
-  # Llama-3-8B shape's batch-16 decode A/B (issue 11: 4,041 tok/s on the H200 against 6,000; the
-  # 16-token tile's GEMMs are 3.08 of the 4.19 ms step on an H100, session 33).
-  timeout 150 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "staged" 2>&1 | tail -2 \
-    || status=1
-  timeout 150 python benchmarks/gemm_table.py --kernels wgmmaplain,wgmmastage,wgmmamagic --ms 9,16,24,32 \
-    --dtypes float16,bfloat16 --out "$OUT/s34" 2>&1 | grep -E "^\| *(dtype|float16|bfloat16)" || status=1
-  # (FASTAWQ_WGMMA_FORM=stage outside: bench_ab restores it after the first A/B, so the second runs on it.)
-  FASTAWQ_WGMMA_FORM=stage FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py \
-    --compare env:FASTAWQ_WGMMA_FORM=plain,stage --compare env:FASTAWQ_WGMMA_MAGIC=0,1 --shape llama-3-8b --batches 16,32 --layout packed --decode 64 --rounds 2 \
-    2>&1 | grep -E "^\||on / off" || status=1
-fi
-if [[ " $stages " == *" s34m "* ]]; then
-  step s34m
-  # The staged form under compute-sanitizer's memcheck (with the other wgmma switches; ~2 min).
-  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 3 python benchmarks/sanitize.py --only packed \
-    > "$OUT/s34m.txt" 2>&1; echo "memcheck rc $?"; tail -4 "$OUT/s34m.txt"
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p
@@ -758,31 +744,6 @@ if [[ " $stages " == *" s33 "* ]]; then
         --lengths 64 --max-seq-len 256 2>&1 | grep -E "^\| fused" | head -4 || status=1
     done
   done
-fi
-if [[ " $stages " == *" s28e "* ]]; then
-  step s28e
-  # Issue 11's prefill row (2048 tokens at >= 1.0x the fp16 model), ~4 min warm. Session 32 (H100):
-  # fp16 33,453 / 32,830 tok/s; the fused engine in one pass 34,907 (packed) / 36,209 (AWQ layout),
-  # but in chunks of 1024 (the default) 21,783 and of 512 10,233: each chunk after the first paid
-  # ~40 ms (the suspect: prefill_attention's explicit mask, which kept SDPA off flash). With the
-  # lower-right causal bias (session 32, not yet run) the chunked rows should reach the one pass:
-  # fp16, then the engine as a user gets it (packed, chunks of 1024), chunks of 512, one pass, and
-  # the AWQ layout. The prefill tests first (the new branch runs on CUDA only).
-  timeout 120 python -m pytest -q -p no:cacheprovider tests/test_fused.py -k "prefill" 2>&1 | tail -2
-  pre="--shape llama-3-8b --graph-lengths 2048 --other-len 2048 --batches 1 --max-seq-len 4096 --budget 1"
-  timeout 120 python benchmarks/bench_e2e.py $pre --modes fp16 --out "$OUT/s28e_fp16" 2>&1 | grep -E "^\| fp16" \
-    | head -1 || status=1
-  for chunk in 1024 512 0; do
-    echo "fused-graphs, prefill chunk $chunk (0: one pass)"
-    timeout 120 python benchmarks/bench_e2e.py $pre --modes fused-graphs --prefill-chunk $chunk --out "$OUT/s28e_$chunk" \
-      2>&1 | grep -E "^\| fused" | head -1 || status=1
-  done
-  echo "fused-graphs, AWQ layout, prefill chunk 1024"
-  timeout 120 python benchmarks/bench_e2e.py $pre --modes fused-graphs --layout awq --out "$OUT/s28e_awq" 2>&1 \
-    | grep -E "^\| fused" | head -1 || status=1
-  # Which kernels a chunked prefill runs (SDPA's attention among them) against the one pass, 8 layers.
-  timeout 120 python benchmarks/profile_prefill.py --shape llama-3-8b --length 2048 --chunks 1024,0 --layers 8 \
-    2>&1 | grep -E "^#####|  ms  " | head -28 || status=1
 fi
 if [[ " $stages " == *" s28p "* ]]; then
   step s28p

@@ -161,43 +161,6 @@ def test_x_planes_cover_each_label_once(nt):
     assert len(seen) == nt * 32
 
 
-@pytest.mark.parametrize("nt,nsteps", [(16, 1), (16, 7), (16, 32), (32, 3), (32, 16)])
-def test_staged_x_puts_each_step_where_its_wgmmas_read(nt, nsteps):
-    # The staged-x form's prologue (awq_wgmma_stage_kernel): 128 threads take items j = b0 + 128 u
-    # (b0 = tid, tid + 1024, ...; u < 8) of the block's nsteps x 4 NT items, item j being step j / (4 NT),
-    # token (j % 4 NT) / 4, chunk j % 4; its four words go to step i's planes at planes0 + i NT 64. Every
-    # step's region must equal the plain form's slot for that step (what the descriptors read), each
-    # word stored once, and all within the 32 KB the form reserves.
-    torch.manual_seed(nt + nsteps)
-    m, k = 2 * nt - 3, 32 * nsteps
-    x = torch.randn(m, k).to(torch.float16)
-    words = x.contiguous().view(torch.int32)
-    x_items, plane, xbytes = 4 * nt, nt * 16, nt * 64
-    assert nsteps * xbytes <= 32768
-    tok0 = nt  # the second token tile: rows past M clamp to M - 1
-    smem = torch.full((nsteps * xbytes // 4,), -1, dtype=torch.int32)
-    written = set()
-    items = nsteps * x_items
-    for tid in range(128):
-        for b0 in range(tid, items, 128 * 8):
-            for u in range(8):
-                j = b0 + 128 * u
-                if j >= items:
-                    continue
-                i, item = divmod(j, x_items)
-                tok, tc = item >> 2, item & 3
-                row = min(tok0 + tok, m - 1)
-                at = i * xbytes + (tok >> 3) * 128 + (tok & 7) * 16 + 4 * tc
-                for w in range(4):
-                    a = at + w * plane
-                    assert a not in written, "two stores to one word"
-                    written.add(a)
-                    smem[a // 4] = words[row, (32 * i + 8 * tc) // 2 + w]
-    assert len(written) == nsteps * xbytes // 4
-    for i in range(nsteps):
-        assert torch.equal(smem[i * xbytes // 4:(i + 1) * xbytes // 4], _x_smem(x, tok0, i, nt))
-
-
 @pytest.mark.parametrize("nt", [16, 32, 64, 128])
 def test_ws_producer_items_land_where_the_consumers_read(nt):
     # The warp-specialized form's producer warpgroup (128 threads, pt) copies for the 256 consumer
@@ -421,80 +384,6 @@ def test_the_form_follows_the_tile(monkeypatch, dtype):
     assert kernels(12, 0) == {"ws"}
     monkeypatch.setenv("FASTAWQ_WGMMA_FORM", "plain")
     assert kernels(300, 0) == {"plain"}
-
-
-@requires_kernel
-@pytest.mark.parametrize("k,n,g", GPU_SHAPES)
-@pytest.mark.parametrize("m", [1, 9, 16, 17, 31, 32])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("magic", ["0", "1"])
-def test_staged_form_matches_reference(monkeypatch, k, n, g, m, dtype, magic):
-    # FASTAWQ_WGMMA_FORM=stage (read at each call): x of a block's K range put in shared memory once,
-    # the weights through a per-thread cp.async ring, on every edge shape at the 16- and 32-token
-    # tiles; a second call with a bias (the split-K workspace was re-zeroed). FASTAWQ_WGMMA_MAGIC=1:
-    # at 16 tokens the wgmmas run on magic + q and each group's zero point and scale are applied at
-    # its close (groups of 32 to 128 rows, cut by the block's K range).
-    monkeypatch.setenv("FASTAWQ_WGMMA_FORM", "stage")
-    monkeypatch.setenv("FASTAWQ_WGMMA_MAGIC", magic)
-    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=k + n + m + 2)
-    x = random_input((m, k), "cuda", dtype, seed=m + 3)
-    assert_close_to_reference(_poisoned_call(x, wp, sz, n, g), x, qw, s, qz, g)
-    bias = random_input((n,), "cuda", dtype, seed=9)
-    x2 = random_input((m, k), "cuda", dtype, seed=m + 102)
-    assert_close_to_reference(_poisoned_call(x2, wp, sz, n, g, bias), x2, qw, s, qz, g, bias)
-
-
-@requires_kernel
-@pytest.mark.parametrize("tokens", [16, 32])
-@pytest.mark.parametrize("splits", [0, 1, 3, 5, 64])
-@pytest.mark.parametrize("m", [5, 20, 70])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("magic", ["0", "1"])
-def test_staged_form_every_split(monkeypatch, tokens, splits, m, dtype, magic):
-    # The staged form on forced tiles and splits: 1 and 3 ask for more steps a block than its planes
-    # hold (the host splits further: 32 steps at 16 tokens, 16 at 32), 5 gives odd ranges of 13
-    # steps (the loop's last step alone; with MAGIC a range ending inside a group), 64 one step a
-    # block (shorter than the ring's lead).
-    monkeypatch.setenv("FASTAWQ_WGMMA_FORM", "stage")
-    monkeypatch.setenv("FASTAWQ_WGMMA_MAGIC", magic)
-    k, n, g = 2048, 392, 128
-    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=tokens + splits + m + 3)
-    x = random_input((m, k), "cuda", dtype, seed=m + 4)
-    bias = random_input((n,), "cuda", dtype, seed=6)
-    assert_close_to_reference(_poisoned_call(x, wp, sz, n, g, bias, tokens, splits), x, qw, s, qz, g, bias)
-
-
-@requires_kernel
-def test_staged_form_serves_the_small_tiles_only(monkeypatch):
-    # "stage" takes the staged kernel at 16 and 32 tokens; the 64- and 128-token tiles keep their
-    # default (warp-specialized) form, each matching the reference; graph replay of the staged form.
-    monkeypatch.setenv("FASTAWQ_WGMMA_FORM", "stage")
-    k, n, g, dtype = 4096, 520, 128, torch.float16
-    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=12)
-
-    def kernels(m, tokens):
-        x = random_input((m, k), "cuda", dtype, seed=m + tokens)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            out = _poisoned_call(x, wp, sz, n, g, None, tokens)
-            torch.cuda.synchronize()
-        assert_close_to_reference(out, x, qw, s, qz, g)
-        names = {e.name for e in prof.events() if "awq_wgmma" in e.name}
-        return {"stage" if "stage_kernel" in nm else ("ws" if "ws_kernel" in nm else "plain") for nm in names}
-
-    assert kernels(12, 0) == kernels(30, 0) == kernels(70, 16) == {"stage"}
-    assert kernels(64, 0) == kernels(20, 128) == {"ws"}
-    # FASTAWQ_WGMMA_MAGIC=1 takes the magic instance at 16 tokens only (its template flag, last).
-    monkeypatch.setenv("FASTAWQ_WGMMA_MAGIC", "1")
-    x = random_input((12, k), "cuda", dtype, seed=31)
-    for tokens, flag in ((16, "true"), (32, "false")):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            out = _poisoned_call(x, wp, sz, n, g, None, tokens)
-            torch.cuda.synchronize()
-        assert_close_to_reference(out, x, qw, s, qz, g)
-        names = [e.name for e in prof.events() if "awq_wgmma_stage_kernel" in e.name]
-        assert names and all(nm.replace(" ", "").endswith(f"{flag}>") or f",{flag}>" in nm.replace(" ", "")
-                             for nm in names), names
-    check_graph_replay(torch.ops.fastawq.awq_wgmma_packed, 16)  # K = 8192: split K, 32-step ranges
 
 
 @requires_kernel

@@ -234,16 +234,10 @@ int wgmma_warpgroups(int64_t tokens) {
 // tiles. H100, RESULTS.md session 27 (geomean x cuBLAS fp16, same call): plain 1.55 / 1.20 / 0.84 /
 // 0.38 / 0.48 against ws 1.29 / 1.10 / 0.87 / 0.41 / 0.52 at M = 16 / 32 / 64 / 256 / 4096; the
 // Llama-3-8B shape decodes 9,455 -> 10,044 tokens/s at batch 64 with ws.
-// FASTAWQ_WGMMA_FORM=stage (session 33, an A/B switch) takes the staged-x form on the 16- and 32-token
-// tiles and leaves the larger ones to their default.
-enum class WgmmaForm { kPlain, kWs, kStage };
-WgmmaForm wgmma_form(int64_t tokens) {
+bool wgmma_ws_form(int64_t tokens) {
   const char* v = std::getenv("FASTAWQ_WGMMA_FORM");  // no allocation: it runs at every call
-  const WgmmaForm by_tile = tokens >= 64 ? WgmmaForm::kWs : WgmmaForm::kPlain;
-  if (v == nullptr || v[0] == '\0') return by_tile;
-  if (std::strcmp(v, "ws") == 0) return WgmmaForm::kWs;
-  if (std::strcmp(v, "stage") == 0) return wgmma_stage_max_steps(tokens) > 0 ? WgmmaForm::kStage : by_tile;
-  return WgmmaForm::kPlain;
+  if (v == nullptr || v[0] == '\0') return tokens >= 64;
+  return std::strcmp(v, "ws") == 0;
 }
 
 // The sums tensor of awq_gemv_packed_sums / _act_sums: fp32 [M, N] on x's device, contiguous.
@@ -549,22 +543,16 @@ at::Tensor awq_wgmma_packed(const at::Tensor& x, const at::Tensor& wpacked, cons
   WgmmaPackedArgs a{};
   a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
   a.tokens = static_cast<int>(tokens);
-  const WgmmaForm form = wgmma_form(tokens);
-  a.ws = form == WgmmaForm::kWs;
-  a.stage = form == WgmmaForm::kStage;
-  a.magic = a.stage && tokens == 16 && env_flag_on("FASTAWQ_WGMMA_MAGIC");
-  a.warpgroups = a.ws ? 2 : (a.stage ? 1 : wgmma_warpgroups(tokens));
+  a.ws = wgmma_ws_form(tokens);
+  a.warpgroups = a.ws ? 2 : wgmma_warpgroups(tokens);
   const int64_t token_tiles = (m + tokens - 1) / tokens;
   a.token_tiles = static_cast<int>(token_tiles);
   // One wave: (token tile, column tile) slices times K splits of >= 4 steps (the ring's depth less
   // its two steps of lead), as many as fit at once.
   const int64_t tile_cols = wgmma_packed_tile_cols(a.warpgroups);
   const int64_t col_tiles = (n + tile_cols - 1) / tile_cols;
-  int64_t spb = gemm_steps_per_block(splits, steps, col_tiles * token_tiles,
-                                     splits == 0 ? wgmma_packed_resident_blocks(a) : 0, 4);
-  // The staged form's planes hold a bounded K range: more splits where the plan (or a forced count)
-  // gives a block more steps.
-  if (a.stage) spb = std::min<int64_t>(spb, wgmma_stage_max_steps(tokens));
+  const int64_t spb = gemm_steps_per_block(splits, steps, col_tiles * token_tiles,
+                                           splits == 0 ? wgmma_packed_resident_blocks(a) : 0, 4);
   fill_args(a, x, wpacked, szpacked, b, out, group_size,
             {static_cast<int>(col_tiles), static_cast<int>((steps + spb - 1) / spb), static_cast<int>(spb)},
             col_tiles * token_tiles);

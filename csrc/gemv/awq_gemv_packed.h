@@ -133,18 +133,7 @@ struct WgmmaPackedArgs : PackedArgs {
   // each call, forces either): two consumer warpgroups on 256 columns and a producer warp doing the
   // copies, meeting through mbarriers.
   bool ws;
-  // The staged-x form (16- and 32-token tiles; FASTAWQ_WGMMA_FORM=stage, read at each call): one
-  // warpgroup on 128 columns with x of its K range put in shared memory once, at most
-  // wgmma_stage_max_steps(tokens) steps a block.
-  bool stage;
-  // With the staged form at 16 tokens: the wgmmas on magic + q, zero point and scale applied per
-  // group (FASTAWQ_WGMMA_MAGIC=1, read at each call; an A/B switch).
-  bool magic;
 };
-
-// The most 32-row steps a block of the staged-x form takes at `tokens` rows (its planes of x fill
-// 32 KB of shared memory): 32 at 16 tokens, 16 at 32; 0 on the tiles the form does not serve.
-constexpr int wgmma_stage_max_steps(int64_t tokens) { return tokens == 16 ? 32 : (tokens == 32 ? 16 : 0); }
 
 void launch_awq_wgmma_packed(const WgmmaPackedArgs& args, cudaStream_t stream);
 // Blocks of the instance (dtype, tokens) that fit on one SM.

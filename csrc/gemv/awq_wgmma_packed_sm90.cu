@@ -197,26 +197,20 @@ struct GroupConsts {
 };
 
 // A lane's 16 bytes of a step (words 2h, 2h + 1 for k-step h) into the A fragments of both m-tiles.
-// kMagicOnly: the registers stay magic + q (the staged form's per-group close applies the zero point
-// and scale; gc unused).
-template <typename T, bool kMagicOnly = false>
+template <typename T>
 __device__ __forceinline__ void dequant_step(const uint4 w, const GroupConsts<T>& gc, uint32_t (&af)[2][2][4]) {
-  const auto deq = [&](uint32_t magic_q, int col) {
-    if constexpr (kMagicOnly) return magic_q;
-    else return dequant_pair<T>(magic_q, gc.zm[col], gc.sc[col]);
-  };
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const uint32_t lo = h == 0 ? w.x : w.z, hi = h == 0 ? w.y : w.w;  // words 2h, 2h + 1
     const uint32_t lo4 = lo >> 4, hi4 = hi >> 4;
-    af[0][h][0] = deq(column_pair<T, 0>(lo, lo4), 0);
-    af[0][h][1] = deq(column_pair<T, 1>(lo, lo4), 1);
-    af[0][h][2] = deq(column_pair<T, 0>(hi, hi4), 0);
-    af[0][h][3] = deq(column_pair<T, 1>(hi, hi4), 1);
-    af[1][h][0] = deq(column_pair<T, 2>(lo, lo4), 2);
-    af[1][h][1] = deq(column_pair<T, 3>(lo, lo4), 3);
-    af[1][h][2] = deq(column_pair<T, 2>(hi, hi4), 2);
-    af[1][h][3] = deq(column_pair<T, 3>(hi, hi4), 3);
+    af[0][h][0] = dequant_pair<T>(column_pair<T, 0>(lo, lo4), gc.zm[0], gc.sc[0]);
+    af[0][h][1] = dequant_pair<T>(column_pair<T, 1>(lo, lo4), gc.zm[1], gc.sc[1]);
+    af[0][h][2] = dequant_pair<T>(column_pair<T, 0>(hi, hi4), gc.zm[0], gc.sc[0]);
+    af[0][h][3] = dequant_pair<T>(column_pair<T, 1>(hi, hi4), gc.zm[1], gc.sc[1]);
+    af[1][h][0] = dequant_pair<T>(column_pair<T, 2>(lo, lo4), gc.zm[2], gc.sc[2]);
+    af[1][h][1] = dequant_pair<T>(column_pair<T, 3>(lo, lo4), gc.zm[3], gc.sc[3]);
+    af[1][h][2] = dequant_pair<T>(column_pair<T, 2>(hi, hi4), gc.zm[2], gc.sc[2]);
+    af[1][h][3] = dequant_pair<T>(column_pair<T, 3>(hi, hi4), gc.zm[3], gc.sc[3]);
   }
 }
 
@@ -460,233 +454,6 @@ __global__ void __launch_bounds__(kThreads<WG>, kMinBlocks<NT, WG>) awq_wgmma_pa
   // again (one fence a block).
   const auto store4 = [&](int64_t at, int c4o, const float (&v)[4]) { store4_out<T>(out, bias, at, c4o, v); };
   gemv::convert_when_last<false, kBlock>(ws, counters, is_last, tok0, NT, m, blockIdx.y * kC4, kC4, n, store4);
-#endif
-}
-
-// --- The staged-x form (FASTAWQ_WGMMA_FORM=stage on the 16- and 32-token tiles; session 33, an A/B
-// switch, not yet run) ---
-// Session 33's kernel table (H100) has the plain form at 16 tokens streaming ~1.2 TB/s (1.52x
-// cuBLAS) where the M = 1 GEMV streams about twice that: at 16 tokens a step moves 512 weight bytes
-// a warp, and around its ~64 dequantization instructions the plain form spends as many again on
-// x (cp.async of the step's items, the permute's shared load and four stores, the proxy fence) and
-// the block barrier. Here a block (one warpgroup, 128 columns) puts x of its whole K range into the
-// planes once, after the PDL wait; the loop then only refills the lane's weights (cp.async, read
-// back by the copying thread alone, so wait_group orders them and no barrier is needed),
-// dequantizes and issues the step's wgmmas on the step's planes. x of the range must fit: a block
-// takes at most kStageSteps<NT> steps (32 KB of planes), and the host splits K at least that finely.
-template <int NT>
-constexpr int kStageSteps = 32768 / kXBytes<NT>;  // 32 steps at 16 tokens, 16 at 32
-template <int NT, int P>
-constexpr int kStageSmem = kStageSteps<NT> * kXBytes<NT> + P * 128 * 16;
-
-// MAGIC (FASTAWQ_WGMMA_MAGIC=1 with the staged form, 16 tokens; session 33, not yet run): no
-// dequantization arithmetic in the loop, as awq_mma_packed: the wgmmas multiply x by magic + q, one
-// more wgmma a k-step (A all ones) sums x into the accumulator layout, and at the end of each group
-// (or of the block's range) y += s (acc - (magic + z) sum x) per column, after a wait for the
-// group's wgmmas. Partial sums stay per group (<= group_size rows), so the magic offset costs ~7 of
-// fp32's 24 bits. 32 of the 127 loop instructions a step go (HADD2, HMUL2), two wgmmas and a
-// close per group come in.
-template <typename T, int NT, int P, bool MAGIC>
-__global__ void __launch_bounds__(128, 4) awq_wgmma_stage_kernel(
-    const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
-    T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int m, int n, int k, int group_size,
-    int steps_per_block) {
-#ifdef FASTAWQ_WGMMA_DEVICE
-  static_assert(P >= 3, "two steps of weights in flight while one is consumed");
-  static_assert(!MAGIC || NT == 16, "the magic form's extra accumulators fit the 16-token tile only");
-  using Tr = HalfTraits<T>;
-  constexpr int kPlane = NT * 16;
-  constexpr int kXItems = 4 * NT;  // 16-byte items of x a step
-  constexpr int kC4 = kTileC4<1>;
-  extern __shared__ __align__(128) uint8_t stage_smem[];
-  __shared__ int is_last;
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int n4 = n >> 2;
-  const int tok0 = blockIdx.x * NT;
-  const int c4 = static_cast<int>(pinned(blockIdx.y * kC4 + warp * 8 + g));
-  const bool col_ok = c4 < n4;
-  const int s_total = k / kPackedBatchRows;
-  const int s0 = blockIdx.z * steps_per_block;
-  const int s1 = min(s0 + steps_per_block, s_total);
-  const int nsteps = max(s1 - s0, 0);  // <= kStageSteps<NT> (the host's plan)
-  const int steps_per_group = group_size / kPackedBatchRows;
-  const int64_t w_step = 4 * static_cast<int64_t>(n4);
-  const uint4* w_next = wp + static_cast<int64_t>(t) * n4 + c4 + s0 * w_step;
-
-  const uint32_t planes0 = pinned(smem_addr(stage_smem));  // step i's planes at planes0 + i * kXBytes
-  const uint32_t ring0 = planes0 + kStageSteps<NT> * kXBytes<NT> + tid * 16;  // the lane's slot 0
-  const auto issue_w = [&](int slot) {
-    cp_async16_at(ring0 + slot * (128 * 16), w_next, col_ok);
-    w_next += w_step;
-  };
-
-  // The weights of the first P - 1 steps before the PDL wait (no kernel that can launch this one
-  // early writes weights: awq_gemv_packed.h), one commit group each.
-#pragma unroll
-  for (int d = 0; d < P - 1; ++d) {
-    if (d < nsteps) issue_w(d);
-    cp_async_commit();
-  }
-  pdl_wait();
-  pdl_launch_dependents();
-
-  // x of the whole range into the planes: item j of step i is token j / 4 (clamped to row M - 1:
-  // it feeds only outputs never stored), chunk j % 4; its 16 bytes go to the four planes as in the
-  // plain form. Eight loads in flight a thread before their stores.
-  {
-    constexpr int kBatch = 8;
-    const int items = nsteps * kXItems;
-    for (int b0 = tid; b0 < items; b0 += 128 * kBatch) {
-      uint4 v[kBatch];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int j = b0 + 128 * u;
-        if (j < items) {
-          const int i = j / kXItems, item = j % kXItems, tok = item >> 2, tc = item & 3;
-          v[u] = __ldg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(min(tok0 + tok, m - 1)) * k +
-                                                      static_cast<int64_t>(s0 + i) * kPackedBatchRows + 8 * tc));
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int j = b0 + 128 * u;
-        if (j < items) {
-          const int i = j / kXItems, item = j % kXItems, tok = item >> 2, tc = item & 3;
-          const uint32_t at = planes0 + i * kXBytes<NT> + (tok >> 3) * 128 + (tok & 7) * 16 + 4 * tc;
-          st_shared32_at(at, v[u].x);
-          st_shared32_at(at + kPlane, v[u].y);
-          st_shared32_at(at + 2 * kPlane, v[u].z);
-          st_shared32_at(at + 3 * kPlane, v[u].w);
-        }
-      }
-    }
-  }
-  fence_proxy_async_shared();  // the tensor cores read the planes through the async proxy
-  __syncthreads();
-
-  const uint4* sz_lane = sz + static_cast<int64_t>(s0 / steps_per_group) * n4 + c4;
-  uint4 sv_next = make_uint4(0, 0, 0, 0);
-  const auto load_scales = [&]() {
-    if (col_ok) sv_next = __ldg(sz_lane);
-  };
-  GroupConsts<T> gc;
-  // MAGIC: the group's scale and magic + zero of the lane's four columns, in fp32.
-  float msc[4], mzm[4];
-  const auto set_consts = [&]() {
-    if constexpr (MAGIC) {
-      const T* p = reinterpret_cast<const T*>(&sv_next);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        msc[j] = Tr::to_float(p[2 * j]);
-        mzm[j] = Tr::kMagic + Tr::to_float(p[2 * j + 1]);
-      }
-    } else {
-      gc.set(sv_next);
-    }
-  };
-  if (nsteps > 0) {
-    load_scales();
-    set_consts();
-  }
-  int group_left = steps_per_group - s0 % steps_per_group;
-
-  float acc[2][NT / 2];
-  zero_accumulators<NT>(acc);
-  uint32_t af[2][2][2][4];  // [set][m-tile i][k-step h][register]
-  // MAGIC: the outputs (acc holds the current group's sums of x (magic + q)), and sum x of the group
-  // per token in the accumulator layout (every row alike: element 4 j + e is token 8 j + 2 t + e).
-  [[maybe_unused]] float y[2][NT / 2], xs[NT / 2];
-  [[maybe_unused]] const uint32_t ones[4] = {Tr::kOne2, Tr::kOne2, Tr::kOne2, Tr::kOne2};
-  if constexpr (MAGIC) {
-    zero_accumulators<NT>(y);
-#pragma unroll
-    for (int r = 0; r < NT / 2; ++r) xs[r] = 0.f;
-  }
-  // MAGIC: y += s (acc - (magic + z) xs) per column once the group's wgmmas are done; acc and xs
-  // restart. acc[i][4 j + 2 hr + e] is column 2 i + hr of the lane's four.
-  [[maybe_unused]] const auto close_group = [&]() {
-    wgmma_wait<0>();
-    fence_accumulators<NT>(acc);
-#pragma unroll
-    for (int r = 0; r < NT / 2; ++r) fence_operand(xs[r]);
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int r = 0; r < NT / 2; ++r) {
-        const int col = 2 * i + ((r >> 1) & 1), tok_r = (r & ~3) | (r & 1);
-        y[i][r] = fmaf(msc[col], fmaf(-mzm[col], xs[tok_r], acc[i][r]), y[i][r]);
-        acc[i][r] = 0.f;
-      }
-#pragma unroll
-    for (int r = 0; r < NT / 2; ++r) xs[r] = 0.f;
-  };
-
-  // Local step i (global s0 + i) from ring slot `slot` into A register set SET.
-  const auto step = [&](int i, int slot, auto set_c) {
-    constexpr int SET = decltype(set_c)::value;
-    if (i + P - 1 < nsteps) issue_w(slot == 0 ? P - 1 : slot - 1);  // into the slot step i - 1 used
-    cp_async_commit();
-    if (group_left == 1 && i + 1 < nsteps) {
-      sz_lane += n4;
-      load_scales();
-    }
-    // This lane's weights of step i landed by the last step's wait (or the prologue's).
-    const uint4 w = ld_shared128_at(ring0 + slot * (128 * 16));
-    wgmma_wait<1>();  // step i - 2's wgmmas are done: this step's register set is free
-    dequant_step<T, MAGIC>(w, gc, af[SET]);
-    const uint32_t planes = planes0 + i * kXBytes<NT>;
-    if constexpr (MAGIC) {
-      fence_accumulators<NT>(acc);
-#pragma unroll
-      for (int r = 0; r < NT / 2; ++r) fence_operand(xs[r]);
-      wgmma_fence();
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint64_t desc = smem_desc(planes + 2 * h * kPlane, kPlane, 128);
-        Wgmma<T>::run(acc[0], af[SET][0][h], desc);
-        Wgmma<T>::run(acc[1], af[SET][1][h], desc);
-        Wgmma<T>::run(xs, ones, desc);
-      }
-      wgmma_commit();
-      fence_accumulators<NT>(acc);
-#pragma unroll
-      for (int r = 0; r < NT / 2; ++r) fence_operand(xs[r]);
-    } else {
-      issue_step<T, NT>(acc, af[SET], planes);
-    }
-    cp_async_wait<P - 2>();  // step i + 1's weights (groups newer than it: P - 2)
-    if constexpr (MAGIC) {
-      if (group_left == 1 || i + 1 == nsteps) close_group();
-    }
-    if (--group_left == 0) {
-      group_left = steps_per_group;
-      set_consts();
-    }
-  };
-  // The prologue's groups: step 0's weights must have landed before the loop's first read.
-  cp_async_wait<P - 2>();
-
-  int slot = 0, i = 0;
-  const auto next = [&](int p) { return p == P - 1 ? 0 : p + 1; };
-#pragma unroll 1
-  for (; i + 1 < nsteps; i += 2) {
-    step(i, slot, std::integral_constant<int, 0>{});
-    slot = next(slot);
-    step(i + 1, slot, std::integral_constant<int, 1>{});
-    slot = next(slot);
-  }
-  if (i < nsteps) step(i, slot, std::integral_constant<int, 0>{});
-  wgmma_wait<0>();
-  fence_accumulators<NT>(acc);
-  cp_async_wait<0>();
-
-  const bool split = gridDim.z > 1;
-  store_accumulators<T, NT>(MAGIC ? y : acc, tok0, t, m, n, c4, col_ok, split, ws, out, bias);
-  if (!split) return;
-  const auto store4 = [&](int64_t at, int c4o, const float (&v)[4]) { store4_out<T>(out, bias, at, c4o, v); };
-  gemv::convert_when_last<false, 128>(ws, counters, is_last, tok0, NT, m, blockIdx.y * kC4, kC4, n, store4);
 #endif
 }
 
@@ -1003,33 +770,8 @@ void launch_ws(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
   launch_ws_p<T, NT, 12>(a, stream, resident);
 }
 
-// The staged-x form: a ring of 6 slots (5 steps of weights in flight), 44 KB a block with the planes.
-template <typename T, int NT, bool MAGIC>
-void launch_stage(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
-  constexpr int kP = 6;
-  constexpr auto kernel = awq_wgmma_stage_kernel<T, NT, kP, MAGIC>;
-  constexpr int kSmem = kStageSmem<NT, kP>;
-  opt_in_shared_memory<kernel>(kSmem);
-  if (resident != nullptr) {
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, 128, kSmem);
-    return;
-  }
-  launch_pdl(kernel, dim3(a.token_tiles, a.col_tiles, a.splits), dim3(128), kSmem, stream,
-             static_cast<const T*>(a.x), reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz),
-             static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.m, a.n, a.k,
-             a.group_size, a.steps_per_warp);
-}
-
 template <typename T, int NT>
 void launch_nt(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
-  if constexpr (NT <= 32) {
-    if (a.stage) {
-      if constexpr (NT == 16) {
-        if (a.magic) return launch_stage<T, NT, true>(a, stream, resident);
-      }
-      return launch_stage<T, NT, false>(a, stream, resident);
-    }
-  }
   if (a.ws) return launch_ws<T, NT>(a, stream, resident);
   if (a.warpgroups == 1) return launch_wg<T, NT, 1>(a, stream, resident);
   launch_wg<T, NT, 2>(a, stream, resident);
