@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seq-len", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--layout", choices=("awq", "packed"), default="awq")
-    ap.add_argument("--prefill-chunk", type=int, default=1024, help="0: one pass")
+    ap.add_argument("--prefill-chunk", type=int, default=bench.DEFAULT_PREFILL_CHUNK,
+                    help="tokens over the batch's rows a chunk (0: one pass; default: the engine's)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--top", type=int, default=12, help="rows of the live-allocation tables")
     ap.add_argument("--max-entries", type=int, default=1_000_000, help="allocator trace length (a few KB each)")

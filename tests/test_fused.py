@@ -344,8 +344,10 @@ def test_prefill_attention_over_a_cached_prefix_matches_reference(start, seq, dt
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("chunk", [1, 4, 7])
+@pytest.mark.parametrize("chunk", [1, 2, 8, 14])
 def test_chunked_prefill_matches_one_pass(chunk):
+    # prefill_chunk counts tokens over the batch's two rows: 1 and 2 give one position a chunk, 8 four,
+    # 14 seven (13 positions: a short last chunk).
     ref = tiny_w4_model("llama", seed=2)
     one = fuse_model(copy.deepcopy(ref), max_seq_len=40, batch_size=2, backend="torch", prefill_chunk=None)
     chunked = fuse_model(ref, max_seq_len=40, batch_size=2, backend="torch", prefill_chunk=chunk)
@@ -360,8 +362,9 @@ def test_chunked_prefill_matches_one_pass(chunk):
 
 def test_prefill_computes_only_the_logits_it_returns():
     # The lm_head of a 128k vocabulary on every prompt position is 0.5 GiB per 2048 tokens: a
-    # prefill runs it on the kept positions only, chunk by chunk, and returns them in one tensor.
-    model = fuse_model(tiny_w4_model("llama", seed=3), max_seq_len=40, batch_size=2, backend="torch", prefill_chunk=4)
+    # prefill runs it on the kept positions only, chunk by chunk (8 tokens over 2 rows: 4 positions
+    # a chunk), and returns them in one tensor.
+    model = fuse_model(tiny_w4_model("llama", seed=3), max_seq_len=40, batch_size=2, backend="torch", prefill_chunk=8)
     rt = model.fastawq_runtime
     ids = torch.randint(0, COMMON["vocab_size"], (2, 13))
     want = rt.prefill(ids, last_only=False)

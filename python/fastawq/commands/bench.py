@@ -322,7 +322,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="activations and unquantized weights (default: float16 on GPU, float32 on CPU)")
     p.add_argument("--gemm-backend", default=None, help="force the W4 GEMM backend (cuda|triton|cpu|torch)")
     p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
-                   help=f"fused prefill chunk in tokens a row (0: one pass; default {DEFAULT_PREFILL_CHUNK})")
+                   help=f"fused prefill chunk in tokens over the batch's rows (0: one pass; default {DEFAULT_PREFILL_CHUNK})")
     p.add_argument("--layout", choices=("awq", "packed", "auto"), default="auto",
                    help="how the W4 layers hold their weights (WQLinear.set_layout; auto: as from_quantized "
                         "picks for this device and, fused, the largest batch size)")

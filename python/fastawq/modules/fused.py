@@ -34,11 +34,12 @@ from fastawq.modules.qlinear import WQLinear
 
 log = logging.getLogger(__name__)
 
-# Prompts longer than this many tokens a row are prefilled in chunks (fuse_model's default). Each
-# chunk pays every projection's setup again (on the packed layout a prefill GEMM dequantizes the
-# layer's weights for cuBLAS: ~1.6 ms a chunk for 8 Llama-3-8B layers on an H100), so chunks of 1024
-# took a 2,048-token prompt from 1.07x to 0.92x the fp16 model's prefill speed (RESULTS.md session
-# 33). At 4096 a chunk's activations (Llama-3-8B: gate/up 4096 x 28672 x 2 bytes) stay ~0.5 GiB.
+# fuse_model's default prefill chunk: at most this many tokens over the batch's rows a chunk (a batch
+# of B prompts goes DEFAULT_PREFILL_CHUNK // B positions a chunk). Each chunk pays every projection's
+# setup again (on the packed layout a prefill GEMM dequantizes the layer's weights for cuBLAS: ~1.6
+# ms a chunk for 8 Llama-3-8B layers on an H100), so chunks of 1024 took a 2,048-token prompt from
+# 1.07x to 0.92x the fp16 model's prefill speed (RESULTS.md session 33). At 4096 tokens a chunk's
+# activations (Llama-3-8B: gate/up 4096 x 28672 x 2 bytes) stay ~0.5 GiB at any batch size.
 DEFAULT_PREFILL_CHUNK = 4096
 
 
@@ -663,9 +664,10 @@ class FusedRuntime:
             raise ValueError(f"logits_to_keep={logits_to_keep} must be >= 0")
         ids = ids.to(self.device)
         keep = (1 if last_only else seq) if logits_to_keep is None else min(logits_to_keep or seq, seq)
-        # Chunks bound the activations (the gate/up output alone is L x 2I) so long prompts fit
-        # the same memory as short ones; each chunk attends to the cache written before it.
-        chunk = self.prefill_chunk or seq
+        # Chunks bound the activations (the gate/up output alone is B x L x 2I) so long prompts and
+        # large batches fit the same memory as short ones: prefill_chunk tokens over the batch's rows
+        # a chunk. Each chunk attends to the cache written before it.
+        chunk = max(1, self.prefill_chunk // b) if self.prefill_chunk else seq
         with self._on_stream() as caller:
             logits = self._prefill_chunks(ids, start, keep, chunk)
             if caller is not None and logits is not None:
@@ -813,7 +815,8 @@ def fuse_model(
     """Swap each decoder layer of a W4 (WQLinear) Llama-like causal LM for fused modules, in place.
 
     Preallocates the KV cache [batch_size, max_seq_len, kv_heads, head_dim] per layer; prompts
-    longer than prefill_chunk tokens are prefilled in chunks (None: in one pass). Afterwards
+    are prefilled in chunks of at most prefill_chunk tokens over the batch's rows (a batch of B
+    prompts: prefill_chunk // B positions a chunk; None: in one pass). Afterwards
     `model(input_ids)` runs a fresh prefill, `model.generate(...)` runs fastawq.generate, and
     `model.fastawq_runtime` exposes prefill/decode steps. `backend` (cuda | triton | cpu | torch,
     None: dispatch decides) is forced on every op of the fused model, its WQLinear layers included;
