@@ -713,13 +713,22 @@ if [[ " $stages " == *" s35n "* ]]; then
     --shapes 4096x28672,4096x4096 > "$OUT/s35n.txt" 2>&1 || status=1
   grep -E "awq_wgmma|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Warp Cycles Per Issued|Issued Warp|No Eligible|Registers|Grid Size|Stall|stall" \
     "$OUT/s35n.txt" | head -60
-  # And the ring's depth at 16 tokens (FASTAWQ_WGMMA_DEPTH, read at each call; only M = 64 / 4096 were
-  # timed, session 21): 6 (the default) against 8 (~40 s each).
-  for depth in 6 8; do
-    echo "FASTAWQ_WGMMA_DEPTH=$depth"
-    FASTAWQ_WGMMA_DEPTH=$depth timeout 100 python benchmarks/gemm_table.py --kernels wgmma --ms 9,16 --dtypes float16 \
-      --out "$OUT/s35n_d$depth" 2>&1 | grep -E "^\| *(dtype|float16)" || status=1
+  # Then two candidates at 16 tokens, both read at each call (~3.5 min with the tests): the ring's depth
+  # (FASTAWQ_WGMMA_DEPTH; only M = 64 / 4096 were timed, session 21) and three A register sets
+  # (FASTAWQ_WGMMA_SETS=3, session 33, not yet run: three steps of wgmmas in flight, should the step
+  # wait on their latency). Its tests first, then the kernel table, then the engine at batch 16.
+  timeout 120 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "three_register_sets" 2>&1 \
+    | tail -2 || status=1
+  for sets in 2 3; do
+    for depth in 6 8; do
+      echo "FASTAWQ_WGMMA_DEPTH=$depth FASTAWQ_WGMMA_SETS=$sets"
+      FASTAWQ_WGMMA_DEPTH=$depth FASTAWQ_WGMMA_SETS=$sets timeout 100 python benchmarks/gemm_table.py --kernels wgmma \
+        --ms 9,16 --dtypes float16 --out "$OUT/s35n_d${depth}_s$sets" 2>&1 | grep -E "^\| *(dtype|float16)" || status=1
+    done
   done
+  FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_SETS=2,3 \
+    --compare env:FASTAWQ_WGMMA_DEPTH=6,8 --shape llama-3-8b --batches 16 --layout packed --decode 64 --rounds 2 \
+    2>&1 | grep -E "^\||on / off" || status=1
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p
