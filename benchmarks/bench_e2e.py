@@ -21,7 +21,6 @@ from dataclasses import asdict
 import torch
 
 from fastawq.commands import bench
-from fastawq.modules.fused import DEFAULT_PREFILL_CHUNK
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -83,9 +82,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=None,
                     help="build this many decoder layers; rows add a full-depth estimate (commands/bench.py)")
     ap.add_argument("--batches", default="1", help="comma list of batch sizes for the fused-graphs rows")
-    ap.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+    ap.add_argument("--prefill-chunk", type=int, default=bench.DEFAULT_PREFILL_CHUNK,
                     help="the fused modes' prefill chunk (fuse_model's prefill_chunk; 0: the prompt in one pass; "
-                    f"default {DEFAULT_PREFILL_CHUNK})")
+                    f"default {bench.DEFAULT_PREFILL_CHUNK})")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     t_start = time.time()
