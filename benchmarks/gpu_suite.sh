@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s35n s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s35n s36n s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -729,6 +729,45 @@ if [[ " $stages " == *" s35n "* ]]; then
   FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_SETS=2,3 \
     --compare env:FASTAWQ_WGMMA_DEPTH=6,8 --shape llama-3-8b --batches 16 --layout packed --decode 64 --rounds 2 \
     2>&1 | grep -E "^\||on / off" || status=1
+fi
+if [[ " $stages " == *" s36n "* ]]; then
+  step s36n
+  # Where the 16-token wgmma tile's warps wait, instruction by instruction (s35n, session 34, H100: at
+  # 4096 x 28672 the scheduler issues 0.43 a cycle with 3.2 warps resident, DRAM at 38 %, and neither
+  # three A register sets nor an 8-slot ring moved it, so neither the wgmma wait nor the copies' depth
+  # is the step's bound). Nsight Compute's stall sampling per SASS instruction (source page, CSV) for
+  # awq_wgmma_packed at M = 16 and for moe_mma_packed_w4 at Qwen3 T = 16 (issue 12's batch-16 row:
+  # w2 streams 1.58 TB/s), plus the per-reason stall ratios (~2 min).
+  stalls=smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_dispatch_stall_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_selected_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_membar_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_sleeping_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_branch_resolving_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio
+  timeout 150 ncu --clock-control none --kernel-name regex:awq_wgmma_packed --section WarpStateStats \
+    --section SourceCounters --metrics "$stalls" -f -o "$OUT/s36n_wg16" \
+    python benchmarks/profile_gemm_packed.py --kernel wgmma --ms 16 --shapes 4096x28672 > "$OUT/s36n_wg16.log" 2>&1 \
+    || { status=1; tail -5 "$OUT/s36n_wg16.log"; }
+  PROFILE_MOE_SHAPES=qwen3-30b-a3b PROFILE_MOE_LAYOUT=packed timeout 150 ncu --clock-control none \
+    --kernel-name regex:moe_mma_packed --section WarpStateStats --section SourceCounters --metrics "$stalls" \
+    -f -o "$OUT/s36n_moe16" python benchmarks/profile_moe.py > "$OUT/s36n_moe16.log" 2>&1 \
+    || { status=1; tail -5 "$OUT/s36n_moe16.log"; }
+  for rep in s36n_wg16 s36n_moe16; do
+    [[ -f "$OUT/$rep.ncu-rep" ]] || continue
+    ncu -i "$OUT/$rep.ncu-rep" --page details > "$OUT/$rep.txt" 2>&1
+    grep -E "awq_wgmma|moe_mma|stalled|Warp Cycles Per Issued" "$OUT/$rep.txt" | head -40
+    ncu -i "$OUT/$rep.ncu-rep" --page source --csv --print-source sass > "$OUT/$rep.sass.csv" 2>&1 \
+      || head -3 "$OUT/$rep.sass.csv"
+    wc -c "$OUT/$rep.sass.csv"
+  done
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p
