@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s35n s36n s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s36n s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -699,36 +699,6 @@ if [[ " $stages " == *" s32p "* ]]; then
   # by the host's 3/4-wave rule: the wide form is not taken there.)
   FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/profile_step.py llama-3-8b:1 llama-3-8b:16 2>&1 \
     | grep -E "^#####|us/step share|share of the step|gaps:" | head -40 || status=1
-fi
-if [[ " $stages " == *" s35n "* ]]; then
-  step s35n
-  # Why the 16-token wgmma tile streams ~1.2 TB/s (issue 11's batch 16: its GEMMs are 3.08 of the 4.19
-  # ms step on an H100): session 33 cut its loop from 167 to 127 and ~110 instructions a step (the
-  # staged-x form, then per-group zero points) and the time did not move, so the loop is not
-  # issue-bound. Nsight Compute on the plain form at M = 16, the largest and smallest Llama shapes
-  # (~1.5 min): stall reasons, issue activity, occupancy, DRAM throughput and bytes in flight.
-  timeout 150 ncu --clock-control none --kernel-name regex:awq_wgmma_packed --section SpeedOfLight \
-    --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-    --section LaunchStats python benchmarks/profile_gemm_packed.py --kernel wgmma --ms 16 \
-    --shapes 4096x28672,4096x4096 > "$OUT/s35n.txt" 2>&1 || status=1
-  grep -E "awq_wgmma|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Warp Cycles Per Issued|Issued Warp|No Eligible|Registers|Grid Size|Stall|stall" \
-    "$OUT/s35n.txt" | head -60
-  # Then two candidates at 16 tokens, both read at each call (~3.5 min with the tests): the ring's depth
-  # (FASTAWQ_WGMMA_DEPTH; only M = 64 / 4096 were timed, session 21) and three A register sets
-  # (FASTAWQ_WGMMA_SETS=3, session 33, not yet run: three steps of wgmmas in flight, should the step
-  # wait on their latency). Its tests first, then the kernel table, then the engine at batch 16.
-  timeout 120 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "three_register_sets" 2>&1 \
-    | tail -2 || status=1
-  for sets in 2 3; do
-    for depth in 6 8; do
-      echo "FASTAWQ_WGMMA_DEPTH=$depth FASTAWQ_WGMMA_SETS=$sets"
-      FASTAWQ_WGMMA_DEPTH=$depth FASTAWQ_WGMMA_SETS=$sets timeout 100 python benchmarks/gemm_table.py --kernels wgmma \
-        --ms 9,16 --dtypes float16 --out "$OUT/s35n_d${depth}_s$sets" 2>&1 | grep -E "^\| *(dtype|float16)" || status=1
-    done
-  done
-  FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_SETS=2,3 \
-    --compare env:FASTAWQ_WGMMA_DEPTH=6,8 --shape llama-3-8b --batches 16 --layout packed --decode 64 --rounds 2 \
-    2>&1 | grep -E "^\||on / off" || status=1
 fi
 if [[ " $stages " == *" s36n "* ]]; then
   step s36n

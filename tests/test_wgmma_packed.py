@@ -406,31 +406,6 @@ def test_warp_specialized_every_tile_and_split(monkeypatch, tokens, splits, m, d
 
 
 @requires_kernel
-@pytest.mark.parametrize("depth", ["", "8"])
-@pytest.mark.parametrize("splits", [0, 1, 3, 5, 64])
-@pytest.mark.parametrize("m", [5, 16])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_three_register_sets(monkeypatch, depth, splits, m, dtype):
-    # FASTAWQ_WGMMA_SETS=3 (read at each call): the 16-token tile leaves three steps of wgmmas in
-    # flight, on the 6- (default) and 8-slot rings; K ranges of 64 steps (three a loop iteration, one
-    # left after), 22 / 20 (one / two left: the tail's two sets), 13 / 12, 1 (the tail alone); a second
-    # call (the workspace was re-zeroed). The kernel runs with the flag (the profiler names its instance).
-    monkeypatch.setenv("FASTAWQ_WGMMA_SETS", "3")
-    monkeypatch.setenv("FASTAWQ_WGMMA_DEPTH", depth)
-    k, n, g = 2048, 392, 128
-    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=splits + m + 4)
-    bias = random_input((n,), "cuda", dtype, seed=7)
-    for seed in (1, 2):
-        x = random_input((m, k), "cuda", dtype, seed=m + seed)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            out = _poisoned_call(x, wp, sz, n, g, bias, 16, splits)
-            torch.cuda.synchronize()
-        assert_close_to_reference(out, x, qw, s, qz, g, bias)
-        names = [e.name.replace(" ", "") for e in prof.events() if "awq_wgmma_packed_kernel" in e.name]
-        assert names and all(",3>" in nm for nm in names), names
-
-
-@requires_kernel
 @pytest.mark.parametrize("depth", ["4", "8"])
 @pytest.mark.parametrize("tokens", [16, 32, 64, 128])
 @pytest.mark.parametrize("splits", [0, 3, 64])

@@ -228,13 +228,6 @@ int wgmma_warpgroups(int64_t tokens) {
   return tokens <= 32 ? 1 : 2;
 }
 
-// The plain form's A register sets (read at each call): FASTAWQ_WGMMA_SETS=3 asks for three (taken at
-// the 16-token tile of one warpgroup, awq_wgmma_packed_sm90.cu; session 33, an A/B switch); else two.
-int wgmma_sets() {
-  const char* v = std::getenv("FASTAWQ_WGMMA_SETS");  // no allocation: it runs at every call
-  return v != nullptr && std::strcmp(v, "3") == 0 ? 3 : 2;
-}
-
 // awq_wgmma_packed's form (read at each call): FASTAWQ_WGMMA_FORM=ws forces the warp-specialized one
 // (awq_wgmma_packed_sm90.cu, session 22), any other value the plain one of session 21; unset, the
 // warp-specialized form on the 64- and 128-token tiles and the plain one on the 16- and 32-token
@@ -552,7 +545,6 @@ at::Tensor awq_wgmma_packed(const at::Tensor& x, const at::Tensor& wpacked, cons
   a.tokens = static_cast<int>(tokens);
   a.ws = wgmma_ws_form(tokens);
   a.warpgroups = a.ws ? 2 : wgmma_warpgroups(tokens);
-  a.sets = wgmma_sets();
   const int64_t token_tiles = (m + tokens - 1) / tokens;
   a.token_tiles = static_cast<int>(token_tiles);
   // One wave: (token tile, column tile) slices times K splits of >= 4 steps (the ring's depth less

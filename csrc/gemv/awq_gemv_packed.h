@@ -133,9 +133,6 @@ struct WgmmaPackedArgs : PackedArgs {
   // each call, forces either): two consumer warpgroups on 256 columns and a producer warp doing the
   // copies, meeting through mbarriers.
   bool ws;
-  // A register sets of the plain form (2; FASTAWQ_WGMMA_SETS=3, read at each call, takes 3 at the
-  // 16-token tile of one warpgroup on the 6- and 8-slot rings; an A/B switch).
-  int sets;
 };
 
 void launch_awq_wgmma_packed(const WgmmaPackedArgs& args, cudaStream_t stream);

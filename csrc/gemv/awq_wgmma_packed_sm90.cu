@@ -292,19 +292,13 @@ constexpr int kSlotBytes = 2 * kXBytes<NT> + kThreads<WG> * 16;
 template <int NT, int WG>
 constexpr int kMinBlocks = WG == 2 ? (NT <= 64 ? 2 : 1) : (NT <= 32 ? 4 : (NT == 64 ? 3 : 2));
 
-// SETS: A register sets in rotation, i.e. steps of wgmmas a warpgroup may leave in flight (a step
-// waits for the wgmmas of SETS steps ago before it dequantizes into their set). 2 by default;
-// FASTAWQ_WGMMA_SETS=3 (session 33, an A/B switch, not yet run) takes 3 at the 16-token tile, where
-// a third fewer loop instructions did not move the step (CUDA_NOTES.md session 33): if the step waits
-// on the wgmmas' latency, a third set lets it.
-template <typename T, int NT, int P, int WG, int SETS = 2>
+template <typename T, int NT, int P, int WG>
 __global__ void __launch_bounds__(kThreads<WG>, kMinBlocks<NT, WG>) awq_wgmma_packed_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int m, int n, int k, int group_size,
     int steps_per_block) {
 #ifdef FASTAWQ_WGMMA_DEVICE
-  static_assert(P >= SETS + 2, "a slot's planes are rewritten only once every warpgroup is past its wgmmas");
-  static_assert(SETS == 2 || SETS == 3, "two or three A register sets");
+  static_assert(P >= 4, "a slot's planes are rewritten only once every warpgroup is past its wgmmas");
   constexpr int kPlane = NT * 16;  // bytes between the x planes (core matrices adjacent in K)
   constexpr int kXItems = 4 * NT;  // 16-byte loads of x a step
   constexpr int kBlock = kThreads<WG>, kC4 = kTileC4<WG>;
@@ -402,14 +396,14 @@ __global__ void __launch_bounds__(kThreads<WG>, kMinBlocks<NT, WG>) awq_wgmma_pa
 
   float acc[2][NT / 2];
   zero_accumulators<NT>(acc);
-  uint32_t af[SETS][2][2][4];  // [set][m-tile i][k-step h][register]
+  uint32_t af[2][2][2][4];  // [set][m-tile i][k-step h][register]
 
   // Step s from slot `slot` into A register set SET.
   const auto step = [&](int s, int slot, auto set_c) {
     constexpr int SET = decltype(set_c)::value;
-    // Step s's planes are published (put there a step ago); both warpgroups are past step
-    // s - 1 - SETS's wgmmas (each waited for them before its step s - 1 dequantization). This lane's
-    // weights of step s landed by the last step's wait.
+    // Step s's planes are published (put there a step ago); both warpgroups are past step s - 3's
+    // wgmmas (each waited for them before its step s - 1 dequantization). This lane's weights of
+    // step s landed by the last step's wait.
     __syncthreads();
     if (s + P - 1 < s1) {  // into the slot step s - 1 used (its planes stay: only copies land)
       const int refill = slot == 0 ? P - 1 : slot - 1;
@@ -422,13 +416,13 @@ __global__ void __launch_bounds__(kThreads<WG>, kMinBlocks<NT, WG>) awq_wgmma_pa
       load_scales();
     }
     const uint4 w = ld_shared128_at(slot_at(slot) + w_own);
-    // Step s - SETS's wgmmas are done (the later ones may still run): this step's register set is free.
-    wgmma_wait<SETS - 1>();
+    // Step s - 2's wgmmas are done (step s - 1's may still run): this step's register set is free.
+    wgmma_wait<1>();
     dequant_step<T>(w, gc, af[SET]);
     issue_step<T, NT>(acc, af[SET], slot_at(slot));
     // Groups newer than the one of step s + 1 (issued at step s + 2 - P, or before the loop): P - 2.
     cp_async_wait<P - 2>();
-    if (s + 1 < s1) {  // step s + 1's planes, in a slot last read by step s + 1 - P <= s - 1 - SETS's wgmmas
+    if (s + 1 < s1) {  // step s + 1's planes, in a slot last read by step s + 1 - P <= s - 3's wgmmas
       permute_x(slot == P - 1 ? 0 : slot + 1);
       fence_proxy_async_shared();
     }
@@ -440,23 +434,14 @@ __global__ void __launch_bounds__(kThreads<WG>, kMinBlocks<NT, WG>) awq_wgmma_pa
 
   int slot = 0, s = s0;
   const auto next = [&](int p) { return p == P - 1 ? 0 : p + 1; };
-  // SETS steps an iteration, each into its own register set; the tail's steps take sets 0, 1.
 #pragma unroll 1
-  for (; s + SETS - 1 < s1; s += SETS) {
+  for (; s + 1 < s1; s += 2) {
     step(s, slot, std::integral_constant<int, 0>{});
     slot = next(slot);
     step(s + 1, slot, std::integral_constant<int, 1>{});
     slot = next(slot);
-    if constexpr (SETS == 3) {
-      step(s + 2, slot, std::integral_constant<int, SETS - 1>{});
-      slot = next(slot);
-    }
   }
-  if (s < s1) {
-    step(s, slot, std::integral_constant<int, 0>{});
-    slot = next(slot);
-    if (s + 1 < s1) step(s + 1, slot, std::integral_constant<int, 1>{});  // SETS == 3: two left
-  }
+  if (s < s1) step(s, slot, std::integral_constant<int, 0>{});
   wgmma_wait<0>();
   fence_accumulators<NT>(acc);
   cp_async_wait<0>();
@@ -727,9 +712,9 @@ int ring_depth() {
   return 6;
 }
 
-template <typename T, int NT, int P, int WG, int SETS = 2>
+template <typename T, int NT, int P, int WG>
 void launch_p(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
-  constexpr auto kernel = awq_wgmma_packed_kernel<T, NT, P, WG, SETS>;
+  constexpr auto kernel = awq_wgmma_packed_kernel<T, NT, P, WG>;
   constexpr int kSmem = P * kSlotBytes<NT, WG>;
   opt_in_shared_memory<kernel>(kSmem);
   if (resident != nullptr) {
@@ -744,14 +729,6 @@ void launch_p(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
 
 template <typename T, int NT, int WG>
 void launch_wg(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
-  // Three A register sets (a.sets, FASTAWQ_WGMMA_SETS=3) at the 16-token tile of one warpgroup, on
-  // the 6- and 8-slot rings (a slot's planes must outlive SETS + 1 steps of wgmmas).
-  if constexpr (NT == 16 && WG == 1) {
-    if (a.sets == 3) {
-      if (ring_depth() == 8) return launch_p<T, NT, 8, WG, 3>(a, stream, resident);
-      if (ring_depth() == 6) return launch_p<T, NT, 6, WG, 3>(a, stream, resident);
-    }
-  }
   switch (ring_depth()) {
     case 4: return launch_p<T, NT, 4, WG>(a, stream, resident);
     case 8: return launch_p<T, NT, 8, WG>(a, stream, resident);
