@@ -730,11 +730,6 @@ smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio
     --kernel-name regex:moe_mma_packed --section WarpStateStats --section SourceCounters --metrics "$stalls" \
     -f -o "$OUT/s36n_moe16" python benchmarks/profile_moe.py > "$OUT/s36n_moe16.log" 2>&1 \
     || { status=1; tail -5 "$OUT/s36n_moe16.log"; }
-  # Whether a block's step time holds as more blocks share an SM (if so, filling the empty third of
-  # the 4096 x 28672 grid, 448 of 660 slots, pays in proportion): forced K splits (~30 s).
-  timeout 90 python benchmarks/sweep_wgmma_splits.py --m 16 --shapes 4096x28672 --splits 0,1,2,3 || status=1
-  timeout 90 python benchmarks/sweep_wgmma_splits.py --m 16 --shapes 14336x4096 --splits 0,5,10,14,20 2>&1 \
-    | tail -n +3 || status=1
   for rep in s36n_wg16 s36n_moe16; do
     [[ -f "$OUT/$rep.ncu-rep" ]] || continue
     ncu -i "$OUT/$rep.ncu-rep" --page details > "$OUT/$rep.txt" 2>&1
@@ -743,6 +738,22 @@ smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio
       || head -3 "$OUT/$rep.sass.csv"
     wc -c "$OUT/$rep.sass.csv"
   done
+  # Whether a block's step time holds as more blocks share an SM (if so, filling the empty third of
+  # the 4096 x 28672 grid, 448 of 660 slots, pays in proportion): forced K splits (~30 s).
+  timeout 90 python benchmarks/sweep_wgmma_splits.py --m 16 --shapes 4096x28672 --splits 0,1,2,3 || status=1
+  timeout 90 python benchmarks/sweep_wgmma_splits.py --m 16 --shapes 14336x4096 --splits 0,5,10,14,20 2>&1 \
+    | tail -n +3 || status=1
+  # Six blocks an SM at 16 tokens (FASTAWQ_WGMMA_OCC=6: 80 registers, more K splits in the one-wave
+  # plan), its tests, then the kernel table against the default in one call (~2.5 min).
+  timeout 120 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "six_blocks_an_sm" 2>&1 \
+    | tail -2 || status=1
+  for occ in 0 6; do
+    echo "FASTAWQ_WGMMA_OCC=$occ"
+    FASTAWQ_WGMMA_OCC=$occ timeout 100 python benchmarks/gemm_table.py --kernels wgmma --ms 9,16 --dtypes float16 \
+      --out "$OUT/s36n_occ$occ" 2>&1 | grep -E "^\| *(dtype|float16)" || status=1
+  done
+  FASTAWQ_WGMMA_OCC=6 timeout 90 python benchmarks/sweep_wgmma_splits.py --m 16 --shapes 4096x28672 --splits 0,2,3 \
+    2>&1 | tail -n +3 || status=1
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p

@@ -406,6 +406,30 @@ def test_warp_specialized_every_tile_and_split(monkeypatch, tokens, splits, m, d
 
 
 @requires_kernel
+@pytest.mark.parametrize("splits", [0, 1, 3, 5, 64])
+@pytest.mark.parametrize("m", [5, 16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_six_blocks_an_sm(monkeypatch, splits, m, dtype):
+    # FASTAWQ_WGMMA_OCC=6 (read at each call): the 16-token tile's instance held to 80 registers
+    # (six blocks an SM), so the automatic plan (splits 0) gives more K splits; forced splits leave
+    # K ranges of 64 steps, 22 / 20, 13 / 12 and 1; a second call (the workspace was re-zeroed). The
+    # kernel runs with the flag (the profiler names its instance: its last template argument 6).
+    monkeypatch.setenv("FASTAWQ_WGMMA_OCC", "6")
+    monkeypatch.delenv("FASTAWQ_WGMMA_DEPTH", raising=False)
+    k, n, g = 2048, 392, 128
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=splits + m + 4)
+    bias = random_input((n,), "cuda", dtype, seed=7)
+    for seed in (1, 2):
+        x = random_input((m, k), "cuda", dtype, seed=m + seed)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out = _poisoned_call(x, wp, sz, n, g, bias, 16, splits)
+            torch.cuda.synchronize()
+        assert_close_to_reference(out, x, qw, s, qz, g, bias)
+        names = [e.name.replace(" ", "") for e in prof.events() if "awq_wgmma_packed_kernel" in e.name]
+        assert names and all(",6,1,6>" in nm for nm in names), names
+
+
+@requires_kernel
 @pytest.mark.parametrize("depth", ["4", "8"])
 @pytest.mark.parametrize("tokens", [16, 32, 64, 128])
 @pytest.mark.parametrize("splits", [0, 3, 64])

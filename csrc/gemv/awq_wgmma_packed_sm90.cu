@@ -292,8 +292,10 @@ constexpr int kSlotBytes = 2 * kXBytes<NT> + kThreads<WG> * 16;
 template <int NT, int WG>
 constexpr int kMinBlocks = WG == 2 ? (NT <= 64 ? 2 : 1) : (NT <= 32 ? 4 : (NT == 64 ? 3 : 2));
 
-template <typename T, int NT, int P, int WG>
-__global__ void __launch_bounds__(kThreads<WG>, kMinBlocks<NT, WG>) awq_wgmma_packed_kernel(
+// MINB: the blocks an SM the registers must allow (kMinBlocks unless an occupancy instance asks more:
+// wgmma_occupancy()).
+template <typename T, int NT, int P, int WG, int MINB = kMinBlocks<NT, WG>>
+__global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int m, int n, int k, int group_size,
     int steps_per_block) {
@@ -712,9 +714,20 @@ int ring_depth() {
   return 6;
 }
 
-template <typename T, int NT, int P, int WG>
+// Six blocks an SM at the 16-token tile of one warpgroup (FASTAWQ_WGMMA_OCC=6, an A/B switch read at
+// each call; the plan's occupancy query sees the instance the launch runs): ptxas keeps the kernel
+// in 80 registers instead of 95, so the one-wave plan (gemm_steps_per_block) gives every shape more
+// blocks of fewer steps, e.g. 4096 x 28672 3 K splits (672 blocks, 43 steps each) instead of 2 (448
+// of 64 steps, 3.4 an SM where 5 fit). For the case where a block's step is bound by its own
+// latency chain, not by what the SM's blocks share (benchmarks/sweep_wgmma_splits.py measures which).
+bool wgmma_occupancy_six() {
+  const char* v = std::getenv("FASTAWQ_WGMMA_OCC");
+  return v != nullptr && std::strcmp(v, "6") == 0;
+}
+
+template <typename T, int NT, int P, int WG, int MINB = kMinBlocks<NT, WG>>
 void launch_p(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
-  constexpr auto kernel = awq_wgmma_packed_kernel<T, NT, P, WG>;
+  constexpr auto kernel = awq_wgmma_packed_kernel<T, NT, P, WG, MINB>;
   constexpr int kSmem = P * kSlotBytes<NT, WG>;
   opt_in_shared_memory<kernel>(kSmem);
   if (resident != nullptr) {
@@ -732,7 +745,11 @@ void launch_wg(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
   switch (ring_depth()) {
     case 4: return launch_p<T, NT, 4, WG>(a, stream, resident);
     case 8: return launch_p<T, NT, 8, WG>(a, stream, resident);
-    default: return launch_p<T, NT, 6, WG>(a, stream, resident);
+    default:
+      if constexpr (NT == 16 && WG == 1) {
+        if (wgmma_occupancy_six()) return launch_p<T, NT, 6, WG, 6>(a, stream, resident);
+      }
+      return launch_p<T, NT, 6, WG>(a, stream, resident);
   }
 }
 
