@@ -741,7 +741,7 @@ smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio
   # Whether a block's step time holds as more blocks share an SM (if so, filling the empty third of
   # the 4096 x 28672 grid, 448 of 660 slots, pays in proportion): forced K splits (~30 s).
   timeout 90 python benchmarks/sweep_wgmma_splits.py --m 16 --shapes 4096x28672 --splits 0,1,2,3 || status=1
-  timeout 90 python benchmarks/sweep_wgmma_splits.py --m 16 --shapes 14336x4096 --splits 0,5,10,14,20 2>&1 \
+  timeout 90 python benchmarks/sweep_wgmma_splits.py --m 16 --shapes 14336x4096,4096x4096 --splits 0,5,10,20 --hot 2>&1 \
     | tail -n +3 || status=1
   # Six blocks an SM at 16 tokens (FASTAWQ_WGMMA_OCC=6: 80 registers, more K splits in the one-wave
   # plan), its tests, then the kernel table against the default in one call (~2.5 min).

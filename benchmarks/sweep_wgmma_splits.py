@@ -33,6 +33,9 @@ def main() -> None:
     ap.add_argument("--shapes", default="4096x28672,14336x4096")
     ap.add_argument("--splits", default="0,1,2,3")
     ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--hot", action="store_true",
+                    help="also time each call on one weight copy (L2-resident where it fits: 50 MB on an H100) "
+                         "beside the 16 copies: a step bound by the weights' DRAM latency runs faster hot")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not _ext.is_loaded():
         raise SystemExit(f"needs a GPU and fastawq._C: {_ext.status()}")
@@ -40,8 +43,9 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tokens = 16 if args.m <= 16 else 32 if args.m <= 32 else 64 if args.m <= 64 else 128
     g = args.group_size
-    print(f"| K x N | splits | blocks | blocks / SM | steps / block | us | GB/s | us / block-step |")
-    print("|---|---|---|---|---|---|---|---|")
+    hot_head = " hot us |" if args.hot else ""
+    print(f"| K x N | splits | blocks | blocks / SM | steps / block | us | GB/s | us / block-step |{hot_head}")
+    print("|---|---|---|---|---|---|---|---|" + ("---|" if args.hot else ""))
     for shape in args.shapes.split(","):
         k, n = map(int, shape.split("x"))
         copies = [ops.awq_gemv_repack(*random_awq(k, n, g, "cuda", torch.float16, seed=k + n + i), g)
@@ -62,6 +66,9 @@ def main() -> None:
                 if err > 2e-2 * scale:
                     raise SystemExit(f"{shape} splits={splits}: max |diff| {err} against split 0 (max {scale})")
             us = time_graph(lambda i, s=splits: op(x, *copies[i], n, g, None, tokens, s), COPIES)
+            hot = ""
+            if args.hot:
+                hot = f" {time_graph(lambda i, s=splits: op(x, *copies[0], n, g, None, tokens, s), COPIES):.1f} |"
             # the grid the op launched: a forced count rounds to whole steps a block
             want = splits if splits else None
             if want is None:
@@ -71,11 +78,11 @@ def main() -> None:
                 z = -(-steps // spb)
                 label = str(splits)
             if spb is None:
-                print(f"| {k} x {n} | {label} | – | – | – | {us:.1f} | {w4_bytes(args.m, k, n, g) / us / 1e3:.0f} | – |")
+                print(f"| {k} x {n} | {label} | – | – | – | {us:.1f} | {w4_bytes(args.m, k, n, g) / us / 1e3:.0f} | – |{hot}")
                 continue
             blocks = col_tiles * z
             print(f"| {k} x {n} | {label} | {blocks} | {blocks / sms:.2f} | {spb} | {us:.1f} | "
-                  f"{w4_bytes(args.m, k, n, g) / us / 1e3:.0f} | {us / spb:.3f} |")
+                  f"{w4_bytes(args.m, k, n, g) / us / 1e3:.0f} | {us / spb:.3f} |{hot}")
         del copies
         torch.cuda.empty_cache()
 
