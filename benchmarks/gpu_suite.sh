@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s36n s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s36n s36p s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -754,6 +754,18 @@ smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio
   done
   FASTAWQ_WGMMA_OCC=6 timeout 90 python benchmarks/sweep_wgmma_splits.py --m 16 --shapes 4096x28672 --splits 0,2,3 \
     2>&1 | tail -n +3 || status=1
+fi
+if [[ " $stages " == *" s36p "* ]]; then
+  step s36p
+  # The decode step's L2 prefetch (FASTAWQ_L2_PREFETCH=G:D, session 34, not yet run): after each QKV
+  # projection a dense layer asks L2 for G/8 of gate_up's and D/8 of down's packed rows, read by
+  # their GEMVs while the attention, o_proj and the norm leave DRAM idle (~560 us of the 2.41 ms
+  # batch-1 step on an H100). Its tests, then the engine at batch 1 and 16, three splits of L2
+  # (29, 55 and 15 MB of the 50) (~3 min).
+  timeout 120 python -m pytest -x -q -p no:cacheprovider tests/test_l2_prefetch.py 2>&1 | tail -2 || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 300 python benchmarks/bench_ab.py --compare env:FASTAWQ_L2_PREFETCH=0,3:2 \
+    --compare env:FASTAWQ_L2_PREFETCH=0,6:3 --compare env:FASTAWQ_L2_PREFETCH=0,2:0 --shape llama-3-8b \
+    --batches 1,16 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p
