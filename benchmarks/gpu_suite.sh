@@ -700,6 +700,18 @@ if [[ " $stages " == *" s32p "* ]]; then
   FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/profile_step.py llama-3-8b:1 llama-3-8b:16 2>&1 \
     | grep -E "^#####|us/step share|share of the step|gaps:" | head -40 || status=1
 fi
+if [[ " $stages " == *" s36p "* ]]; then
+  step s36p
+  # The decode step's L2 prefetch (FASTAWQ_L2_PREFETCH=G:D, session 34, not yet run): after each QKV
+  # projection a dense layer asks L2 for G/8 of gate_up's and D/8 of down's packed rows, read by
+  # their GEMVs while the attention, o_proj and the norm leave DRAM idle (~560 us of the 2.41 ms
+  # batch-1 step on an H100). Its tests, then the engine at batch 1 and 16, three splits of L2
+  # (29, 55 and 15 MB of the 50) (~3 min).
+  timeout 120 python -m pytest -x -q -p no:cacheprovider tests/test_l2_prefetch.py 2>&1 | tail -2 || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 300 python benchmarks/bench_ab.py --compare env:FASTAWQ_L2_PREFETCH=0,3:2 \
+    --compare env:FASTAWQ_L2_PREFETCH=0,6:3 --compare env:FASTAWQ_L2_PREFETCH=0,2:0 --shape llama-3-8b \
+    --batches 1,16 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
+fi
 if [[ " $stages " == *" s36n "* ]]; then
   step s36n
   # Where the 16-token wgmma tile's warps wait, instruction by instruction (s35n, session 34, H100: at
@@ -754,18 +766,6 @@ smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio
   done
   FASTAWQ_WGMMA_OCC=6 timeout 90 python benchmarks/sweep_wgmma_splits.py --m 16 --shapes 4096x28672 --splits 0,2,3 \
     2>&1 | tail -n +3 || status=1
-fi
-if [[ " $stages " == *" s36p "* ]]; then
-  step s36p
-  # The decode step's L2 prefetch (FASTAWQ_L2_PREFETCH=G:D, session 34, not yet run): after each QKV
-  # projection a dense layer asks L2 for G/8 of gate_up's and D/8 of down's packed rows, read by
-  # their GEMVs while the attention, o_proj and the norm leave DRAM idle (~560 us of the 2.41 ms
-  # batch-1 step on an H100). Its tests, then the engine at batch 1 and 16, three splits of L2
-  # (29, 55 and 15 MB of the 50) (~3 min).
-  timeout 120 python -m pytest -x -q -p no:cacheprovider tests/test_l2_prefetch.py 2>&1 | tail -2 || status=1
-  FASTAWQ_TRITON_TUNE=0 timeout 300 python benchmarks/bench_ab.py --compare env:FASTAWQ_L2_PREFETCH=0,3:2 \
-    --compare env:FASTAWQ_L2_PREFETCH=0,6:3 --compare env:FASTAWQ_L2_PREFETCH=0,2:0 --shape llama-3-8b \
-    --batches 1,16 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p
