@@ -1,5 +1,6 @@
 """The decoder-layer ops: add + RMSNorm, act(gate) * up, rope + KV-cache write, decode and prefill
-attention, with their torch.library schemas and fake impls.
+attention, with their torch.library schemas and fake impls; and l2_prefetch, the decode step's hint
+that brings weights into L2 while DRAM idles.
 
 Each wrapper validates its inputs (the message names the shapes), asks backend.select_backend
 once, and calls one op: the compiled decode attention of fastawq._C, or a Python custom op
