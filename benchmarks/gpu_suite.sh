@@ -720,6 +720,23 @@ if [[ " $stages " == *" s36n "* ]]; then
   # is the step's bound). Nsight Compute's stall sampling per SASS instruction (source page, CSV) for
   # awq_wgmma_packed at M = 16 and for moe_mma_packed_w4 at Qwen3 T = 16 (issue 12's batch-16 row:
   # w2 streams 1.58 TB/s), plus the per-reason stall ratios (~2 min).
+  # Whether a block's step time holds as more blocks share an SM (if so, filling the empty third of
+  # the 4096 x 28672 grid, 448 of 660 slots, pays in proportion): forced K splits (~30 s).
+  timeout 90 python benchmarks/sweep_wgmma_splits.py --m 16 --shapes 4096x28672 --splits 0,1,2,3 || status=1
+  timeout 90 python benchmarks/sweep_wgmma_splits.py --m 16 --shapes 14336x4096,4096x4096 --splits 0,5,10,20 --hot 2>&1 \
+    | tail -n +3 || status=1
+  # Six blocks an SM at 16 tokens (FASTAWQ_WGMMA_OCC=6: 80 registers, more K splits in the one-wave
+  # plan), its tests, then the kernel table against the default in one call (~2.5 min).
+  timeout 120 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "six_blocks_an_sm" 2>&1 \
+    | tail -2 || status=1
+  for occ in 0 6; do
+    echo "FASTAWQ_WGMMA_OCC=$occ"
+    FASTAWQ_WGMMA_OCC=$occ timeout 100 python benchmarks/gemm_table.py --kernels wgmma --ms 9,16 --dtypes float16 \
+      --out "$OUT/s36n_occ$occ" 2>&1 | grep -E "^\| *(dtype|float16)" || status=1
+  done
+  FASTAWQ_WGMMA_OCC=6 timeout 90 python benchmarks/sweep_wgmma_splits.py --m 16 --shapes 4096x28672 --splits 0,2,3 \
+    2>&1 | tail -n +3 || status=1
+  # The stall sampling last (the longest part: a cut call loses only it).
   stalls=smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,\
 smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,\
 smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,\
@@ -750,22 +767,6 @@ smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio
       || head -3 "$OUT/$rep.sass.csv"
     wc -c "$OUT/$rep.sass.csv"
   done
-  # Whether a block's step time holds as more blocks share an SM (if so, filling the empty third of
-  # the 4096 x 28672 grid, 448 of 660 slots, pays in proportion): forced K splits (~30 s).
-  timeout 90 python benchmarks/sweep_wgmma_splits.py --m 16 --shapes 4096x28672 --splits 0,1,2,3 || status=1
-  timeout 90 python benchmarks/sweep_wgmma_splits.py --m 16 --shapes 14336x4096,4096x4096 --splits 0,5,10,20 --hot 2>&1 \
-    | tail -n +3 || status=1
-  # Six blocks an SM at 16 tokens (FASTAWQ_WGMMA_OCC=6: 80 registers, more K splits in the one-wave
-  # plan), its tests, then the kernel table against the default in one call (~2.5 min).
-  timeout 120 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "six_blocks_an_sm" 2>&1 \
-    | tail -2 || status=1
-  for occ in 0 6; do
-    echo "FASTAWQ_WGMMA_OCC=$occ"
-    FASTAWQ_WGMMA_OCC=$occ timeout 100 python benchmarks/gemm_table.py --kernels wgmma --ms 9,16 --dtypes float16 \
-      --out "$OUT/s36n_occ$occ" 2>&1 | grep -E "^\| *(dtype|float16)" || status=1
-  done
-  FASTAWQ_WGMMA_OCC=6 timeout 90 python benchmarks/sweep_wgmma_splits.py --m 16 --shapes 4096x28672 --splits 0,2,3 \
-    2>&1 | tail -n +3 || status=1
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p
