@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s36n s36p s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s36n s36p s36w s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -699,6 +699,18 @@ if [[ " $stages " == *" s32p "* ]]; then
   # by the host's 3/4-wave rule: the wide form is not taken there.)
   FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/profile_step.py llama-3-8b:1 llama-3-8b:16 2>&1 \
     | grep -E "^#####|us/step share|share of the step|gaps:" | head -40 || status=1
+fi
+if [[ " $stages " == *" s36w "* ]]; then
+  step s36w
+  # awq_wgmma_packed_sums in the decode step (FASTAWQ_WGMMA_SUMS=1, session 34, not yet run): at batches
+  # 9-32 o_proj and down add into fp32 sums the next norm rounds, so neither ends with the split-K
+  # arrival and conversion pass (session 34's fit of the 16-token tile: ~7.5 us fixed a launch plus
+  # ~0.7 us a step). The op's and the engine's tests, then the engine A/B (~3 min).
+  timeout 200 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py tests/test_fused.py \
+    -k "sums_form or wgmma_sums" 2>&1 | tail -2 || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 240 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_SUMS=0,1 \
+    --shape llama-3-8b --batches 9,16,32 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" \
+    || status=1
 fi
 if [[ " $stages " == *" s36p "* ]]; then
   step s36p

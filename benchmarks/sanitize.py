@@ -106,6 +106,13 @@ def main(argv: list[str] | None = None) -> None:
                                 out = ops.awq_wgmma_packed(x, wp, sz, n, g, bias, *tile)
                                 assert_close_to_reference(out, x, qw, s, qz, g, bias)
                                 n_calls += 1
+                if hasattr(ops, "awq_wgmma_packed_sums") and not ops.awq_wgmma_packed_declines():
+                    for m, tile in ((9, ()), (16, (16, 1)), (32, (32, 3))):  # adds into caller's fp32 sums
+                        x = random_input((m, k), "cuda", dtype, seed=m + 3)
+                        sums = torch.zeros(m, n, device="cuda")
+                        ops.awq_wgmma_packed_sums(x, wp, sz, n, g, bias, sums, *tile)
+                        assert_close_to_reference(sums, x, qw, s, qz, g, bias)
+                        n_calls += 1
                 if hasattr(ops, "awq_gemv_packed_act"):
                     for m in (1, 2):  # act(gate) * up staged in shared memory
                         gu = random_input((m, 2 * k), "cuda", dtype, seed=m + 1)

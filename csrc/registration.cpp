@@ -41,6 +41,8 @@ TORCH_LIBRARY(fastawq, m) {
         "int m_tiles=0, int chunks=0, int splits=0) -> Tensor");
   m.def("awq_wgmma_packed(Tensor x, Tensor wpacked, Tensor szpacked, int n, int group_size, Tensor? bias, "
         "int tokens=0, int splits=0) -> Tensor");
+  m.def("awq_wgmma_packed_sums(Tensor x, Tensor wpacked, Tensor szpacked, int n, int group_size, Tensor? bias, "
+        "Tensor(a!) sums, int tokens=0, int splits=0) -> ()");
   m.def("awq_wgmma_packed_declines() -> str", &fastawq::awq_wgmma_packed_declines);
   m.def("moe_gemv_w4(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_qweight, Tensor w13_scales, "
         "Tensor w13_qzeros, Tensor w2_qweight, Tensor w2_scales, Tensor w2_qzeros, int group_size, str act) -> Tensor");
@@ -88,6 +90,7 @@ TORCH_LIBRARY_IMPL(fastawq, CUDA, m) {
   m.impl("awq_mma_packed", &fastawq::awq_mma_packed);
   m.impl("awq_gemm_packed", &fastawq::awq_gemm_packed);
   m.impl("awq_wgmma_packed", &fastawq::awq_wgmma_packed);
+  m.impl("awq_wgmma_packed_sums", &fastawq::awq_wgmma_packed_sums);
   m.impl("moe_gemv_w4", &fastawq::moe_gemv_w4);
   m.impl("moe_gemv_w4_sums", &fastawq::moe_gemv_w4_sums);
   m.impl("moe_mma_w4", &fastawq::moe_mma_w4);

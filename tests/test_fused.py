@@ -214,6 +214,46 @@ def test_fused_wgmma_decode_matches_unfused(monkeypatch, arch):
         assert {20, 220} <= set(calls)
 
 
+@needs_cuda
+@pytest.mark.parametrize("arch, batch", [("llama", 16), ("qwen2", 12), ("phi3", 24)])
+def test_fused_wgmma_sums_decode_matches_unfused(monkeypatch, arch, batch):
+    # FASTAWQ_WGMMA_SUMS=1: at the rows awq_wgmma_packed takes on sm_90 (batches 9-32), o_proj and down
+    # add into fp32 sums (awq_wgmma_packed_sums) that the norms after them round; decode with CUDA
+    # graphs still matches transformers (Qwen2: biases, added once; Phi-3: its fused gate_up), and the
+    # sums op ran where it can (elsewhere only the match is checked).
+    from fastawq import _ext
+
+    monkeypatch.setenv("FASTAWQ_DENSE_SUMS", "1")
+    monkeypatch.setenv("FASTAWQ_WGMMA_SUMS", "1")
+    rows = []
+    runs = _ext.has_op("awq_wgmma_packed_sums") and not torch.ops.fastawq.awq_wgmma_packed_declines()
+    if runs:
+        real = torch.ops.fastawq.awq_wgmma_packed_sums
+
+        def spy(x, *args):
+            rows.append(x.shape[0])
+            return real(x, *args)
+
+        monkeypatch.setattr(torch.ops.fastawq, "awq_wgmma_packed_sums", spy)
+    _match_over_decode(arch, None, 12, device="cuda", graphs=True, batch=batch, layout="packed")
+    if runs:
+        assert batch in rows
+
+
+def test_wgmma_sums_switch_and_fit_off_the_gpu(monkeypatch):
+    # The switch reads "1" only; off CUDA (or with it off) the wgmma sums never serve a layer.
+    from fastawq.modules.fused import _wgmma_sums_fits, wgmma_sums_out
+
+    for value, on in ((None, False), ("0", False), ("1", True), ("yes", False)):
+        if value is None:
+            monkeypatch.delenv("FASTAWQ_WGMMA_SUMS", raising=False)
+        else:
+            monkeypatch.setenv("FASTAWQ_WGMMA_SUMS", value)
+        assert wgmma_sums_out() is on
+    lin = WQLinear.from_linear(torch.nn.Linear(64, 64).half(), 32)
+    assert not _wgmma_sums_fits(16, torch.float16, torch.device("cpu"), lin, None)
+
+
 def test_full_logits_forward_matches_unfused():
     ref = tiny_w4_model("qwen2", seed=1)
     fused = fuse_model(copy.deepcopy(ref), max_seq_len=32, batch_size=1, backend="torch")

@@ -298,6 +298,20 @@ def test_fake_impl_gives_the_output_shape():
         assert tuple(out.shape) == (300, 136) and out.dtype == torch.bfloat16
 
 
+def test_sums_fake_impl_checks_the_sums():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if not _ext.has_op("awq_wgmma_packed_sums"):
+        pytest.skip("fastawq._C without awq_wgmma_packed_sums")
+    with FakeTensorMode():
+        x = torch.empty(16, 256, dtype=torch.float16)
+        wp = torch.empty(32, 136, dtype=torch.int32)
+        sz = torch.empty(4, 272, dtype=torch.float16)
+        torch.ops.fastawq.awq_wgmma_packed_sums(x, wp, sz, 136, 64, None, torch.empty(16, 136))
+        with pytest.raises(Exception, match="sums"):
+            torch.ops.fastawq.awq_wgmma_packed_sums(x, wp, sz, 136, 64, None, torch.empty(16, 136).half())
+
+
 # --- GPU ---
 
 def _poisoned_call(x, wp, sz, n, g, bias=None, tokens=0, splits=0):
@@ -403,6 +417,40 @@ def test_warp_specialized_every_tile_and_split(monkeypatch, tokens, splits, m, d
     x = random_input((m, k), "cuda", torch.float16, seed=m + 2)
     bias = random_input((n,), "cuda", torch.float16, seed=5)
     assert_close_to_reference(_poisoned_call(x, wp, sz, n, g, bias, tokens, splits), x, qw, s, qz, g, bias)
+
+
+@requires_kernel
+@pytest.mark.parametrize("k,n,g", [(256, 264, 128), (2048, 392, 128), (4096, 4104, 128), (11008, 520, 32)])
+@pytest.mark.parametrize("m", [1, 9, 16, 17, 32, 33])
+@pytest.mark.parametrize("splits", [0, 1, 3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sums_form_adds_into_the_sums(k, n, g, m, splits, dtype):
+    # awq_wgmma_packed_sums: sums (random, not zero: the op adds) + x W + bias in fp32, every split of
+    # K adding its part, the bias once; the automatic plan, one split (no split-K in the plain form
+    # otherwise) and three; shapes across the 128-column tiles and group sizes, M across the 16- and
+    # 32-token tiles. A second call on the same sums (no bias) adds again.
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=k + n + m + splits)
+    x = random_input((m, k), "cuda", dtype, seed=m)
+    bias = random_input((n,), "cuda", dtype, seed=9)
+    base = torch.randn(m, n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(m + n))
+    sums = base.clone()
+    torch.ops.fastawq.awq_wgmma_packed_sums(x, wp, sz, n, g, bias, sums, 0, splits)
+    assert_close_to_reference(sums - base, x, qw, s, qz, g, bias)
+    first = sums.clone()
+    x2 = random_input((m, k), "cuda", dtype, seed=m + 50)
+    torch.ops.fastawq.awq_wgmma_packed_sums(x2, wp, sz, n, g, None, sums, 0, splits)
+    assert_close_to_reference(sums - first, x2, qw, s, qz, g)
+
+
+@requires_kernel
+def test_sums_form_names_bad_sums():
+    k, n, g = 256, 264, 128
+    _, _, _, wp, sz = _setup(k, n, g, torch.float16, seed=3)
+    x = random_input((16, k), "cuda", torch.float16, seed=1)
+    for bad in (torch.zeros(16, n, device="cuda", dtype=torch.float16), torch.zeros(16, n + 8, device="cuda"),
+                torch.zeros(n, 16, device="cuda").t()):
+        with pytest.raises(RuntimeError, match=r"awq_wgmma_packed_sums: sums must be a contiguous fp32 \[M=16, N=264\]"):
+            torch.ops.fastawq.awq_wgmma_packed_sums(x, wp, sz, n, g, None, bad)
 
 
 @requires_kernel

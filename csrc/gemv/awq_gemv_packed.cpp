@@ -523,11 +523,19 @@ std::string awq_wgmma_packed_declines() {
   return "";
 }
 
-at::Tensor awq_wgmma_packed(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n,
-                            int64_t group_size, const std::optional<at::Tensor>& bias, int64_t tokens, int64_t splits) {
-  constexpr const char* op = "awq_wgmma_packed";
+namespace {
+
+// awq_wgmma_packed, or with `sums` (awq_wgmma_packed_sums) its plain form adding into those fp32
+// sums: the output tensor (empty for sums).
+at::Tensor wgmma_call(const char* op, const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked,
+                      int64_t n, int64_t group_size, const std::optional<at::Tensor>& bias, int64_t tokens,
+                      int64_t splits, at::Tensor* sums) {
   const at::Tensor* b = check_packed(op, x, wpacked, szpacked, n, group_size, bias, kMaxDim);
   const int64_t m = x.size(0), k = x.size(1);
+  if (sums != nullptr) {
+    check_sums(op, *sums, m, n, x.device());
+    FASTAWQ_CHECK(k > 0, op, ": K must be positive");
+  }
   if (tokens == 0) tokens = wgmma_packed_tokens(m);
   FASTAWQ_CHECK(wgmma_packed_tokens_ok(tokens), op, ": tokens must be 16, 32, 64 or 128 (0: by M), got ", tokens);
   const int64_t steps = k / kPackedBatchRows;
@@ -536,14 +544,15 @@ at::Tensor awq_wgmma_packed(const at::Tensor& x, const at::Tensor& wpacked, cons
   const c10::cuda::CUDAGuard guard(x.device());
   const std::string declines = awq_wgmma_packed_declines();
   FASTAWQ_CHECK(declines.empty(), op, ": ", declines);
-  at::Tensor out = at::empty({m, n}, x.options());
+  at::Tensor out = sums != nullptr ? at::Tensor() : at::empty({m, n}, x.options());
   if (m == 0) return out;
   if (k == 0) return b != nullptr ? out.copy_(b->expand({m, n})) : out.zero_();
 
   WgmmaPackedArgs a{};
   a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
   a.tokens = static_cast<int>(tokens);
-  a.ws = wgmma_ws_form(tokens);
+  a.sums = sums != nullptr;
+  a.ws = !a.sums && wgmma_ws_form(tokens);  // the sums form is the plain one's
   a.warpgroups = a.ws ? 2 : wgmma_warpgroups(tokens);
   const int64_t token_tiles = (m + tokens - 1) / tokens;
   a.token_tiles = static_cast<int>(token_tiles);
@@ -553,12 +562,32 @@ at::Tensor awq_wgmma_packed(const at::Tensor& x, const at::Tensor& wpacked, cons
   const int64_t col_tiles = (n + tile_cols - 1) / tile_cols;
   const int64_t spb = gemm_steps_per_block(splits, steps, col_tiles * token_tiles,
                                            splits == 0 ? wgmma_packed_resident_blocks(a) : 0, 4);
-  fill_args(a, x, wpacked, szpacked, b, out, group_size,
-            {static_cast<int>(col_tiles), static_cast<int>((steps + spb - 1) / spb), static_cast<int>(spb)},
-            col_tiles * token_tiles);
+  const SplitPlan plan{static_cast<int>(col_tiles), static_cast<int>((steps + spb - 1) / spb), static_cast<int>(spb)};
+  if (a.sums) {
+    // No workspace or counters of ours: the blocks add into the caller's sums and end.
+    fill_args(a, x, wpacked, szpacked, b, *sums, group_size, SplitPlan{plan.col_tiles, 1, plan.steps_per_warp});
+    a.splits = plan.splits;
+    a.workspace = sums->data_ptr<float>();
+    a.out = nullptr;
+  } else {
+    fill_args(a, x, wpacked, szpacked, b, out, group_size, plan, col_tiles * token_tiles);
+  }
   launch_awq_wgmma_packed(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
+}
+
+}  // namespace
+
+at::Tensor awq_wgmma_packed(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n,
+                            int64_t group_size, const std::optional<at::Tensor>& bias, int64_t tokens, int64_t splits) {
+  return wgmma_call("awq_wgmma_packed", x, wpacked, szpacked, n, group_size, bias, tokens, splits, nullptr);
+}
+
+void awq_wgmma_packed_sums(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n,
+                           int64_t group_size, const std::optional<at::Tensor>& bias, at::Tensor& sums, int64_t tokens,
+                           int64_t splits) {
+  wgmma_call("awq_wgmma_packed_sums", x, wpacked, szpacked, n, group_size, bias, tokens, splits, &sums);
 }
 
 }  // namespace fastawq

@@ -259,10 +259,12 @@ __device__ __forceinline__ void store4_out(T* out, const T* bias, int64_t at, in
 
 // The lane's accumulators out: acc[i][4 j + 2 hr + e] is row g + 8 hr of the warp's 16 in m-tile i
 // (column 4 c4 + 2 i + hr), token tok0 + 8 j + 2 t + e; into out (+ bias), or with split K added
-// into the fp32 workspace ws.
+// into the fp32 workspace ws (+ red_bias where given: the sums form's first split).
 template <typename T, int NT>
 __device__ __forceinline__ void store_accumulators(const float (&acc)[2][NT / 2], int tok0, int t, int m, int n, int c4,
-                                                   bool col_ok, bool split, float* ws, T* out, const T* bias) {
+                                                   bool col_ok, bool split, float* ws, T* out, const T* bias,
+                                                   const T* red_bias = nullptr) {
+  using Tr = HalfTraits<T>;
 #pragma unroll
   for (int j = 0; j < NT / 8; ++j)
 #pragma unroll
@@ -272,7 +274,12 @@ __device__ __forceinline__ void store_accumulators(const float (&acc)[2][NT / 2]
       const float v[4] = {acc[0][4 * j + e], acc[0][4 * j + 2 + e], acc[1][4 * j + e], acc[1][4 * j + 2 + e]};
       const int64_t at = static_cast<int64_t>(tok) * n + 4 * c4;
       if (split) {
-        red_add4(ws + at, make_float4(v[0], v[1], v[2], v[3]));
+        float r[4] = {v[0], v[1], v[2], v[3]};
+        if (red_bias != nullptr) {
+#pragma unroll
+          for (int q = 0; q < 4; ++q) r[q] += Tr::to_float(red_bias[4 * c4 + q]);
+        }
+        red_add4(ws + at, make_float4(r[0], r[1], r[2], r[3]));
       } else {
         store4_out<T>(out, bias, at, c4, v);
       }
@@ -298,7 +305,7 @@ template <typename T, int NT, int P, int WG, int MINB = kMinBlocks<NT, WG>>
 __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int m, int n, int k, int group_size,
-    int steps_per_block) {
+    int steps_per_block, bool sums) {
 #ifdef FASTAWQ_WGMMA_DEVICE
   static_assert(P >= 4, "a slot's planes are rewritten only once every warpgroup is past its wgmmas");
   constexpr int kPlane = NT * 16;  // bytes between the x planes (core matrices adjacent in K)
@@ -448,9 +455,12 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
   fence_accumulators<NT>(acc);
   cp_async_wait<0>();
 
-  const bool split = gridDim.z > 1;
-  store_accumulators<T, NT>(acc, tok0, t, m, n, c4, col_ok, split, ws, out, bias);
-  if (!split) return;
+  // sums (awq_wgmma_packed_sums): every split adds into the caller's zeroed fp32 sums (ws), the first
+  // with the bias, and the block ends there: no arrival, no conversion pass (the consumer rounds).
+  const bool split = gridDim.z > 1 || sums;
+  store_accumulators<T, NT>(acc, tok0, t, m, n, c4, col_ok, split, ws, out, bias,
+                            sums && blockIdx.z == 0 ? bias : nullptr);
+  if (!split || sums) return;
 
   // The last block of this (token tile, column tile) to arrive converts the sums and zeroes them
   // again (one fence a block).
@@ -737,7 +747,7 @@ void launch_p(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
   launch_pdl(kernel, dim3(a.token_tiles, a.col_tiles, a.splits), dim3(kThreads<WG>), kSmem, stream,
              static_cast<const T*>(a.x), reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz),
              static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.m, a.n, a.k,
-             a.group_size, a.steps_per_warp);
+             a.group_size, a.steps_per_warp, a.sums);
 }
 
 template <typename T, int NT, int WG>

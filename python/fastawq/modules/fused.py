@@ -173,6 +173,41 @@ def _gemv_form_fits(op: str, rows: int, dtype: torch.dtype, device: torch.device
         return False
 
 
+def _wgmma_sums_fits(rows: int, dtype: torch.dtype, device: torch.device, lin: WQLinear,
+                     backend: str | None) -> bool:
+    """Whether awq_wgmma_packed_sums serves `rows` rows of `dtype` into `lin` (wgmma_sums_out on): the
+    layer is packed, its own dispatch picks the compiled awq_wgmma_packed for these rows, and the op
+    runs on `device`."""
+    from fastawq import _ext
+    from fastawq import backend as backend_mod
+
+    if not wgmma_sums_out() or not _ext.has_op("awq_wgmma_packed_sums") or lin.layout != "packed":
+        return False
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or rows < 1:
+        return False
+    if backend_mod.packed_kernel(rows, device) != "wgmma" or lin.group_size % 32 or lin.in_features % 32 \
+            or lin.out_features % 8:
+        return False
+    try:
+        if torch.ops.fastawq.awq_wgmma_packed_declines():
+            return False
+        return backend_mod.select_backend("packed_gemm", device, backend=backend or lin.backend, m=rows) == "cuda"
+    except Exception:  # a forced backend that cannot run here: the usual path says why
+        return False
+
+
+def _add_into_sums(lin: WQLinear, x2: torch.Tensor, sums: torch.Tensor, dtype: torch.dtype,
+                   zero: torch.Tensor | None = None) -> None:
+    """sums += lin(x2) (+ its bias) for x2 [rows, K]: awq_gemv_packed_sums at the GEMV's rows (which also
+    zeroes `zero`), awq_wgmma_packed_sums above them (the callers checked which serves)."""
+    wp, sz, bias = _packed_operands(lin, dtype)
+    if x2.shape[0] <= 2:
+        torch.ops.fastawq.awq_gemv_packed_sums(x2, wp, sz, lin.out_features, lin.group_size, bias, sums, zero)
+        return
+    assert zero is None, "awq_wgmma_packed_sums zeroes no other buffer"
+    torch.ops.fastawq.awq_wgmma_packed_sums(x2, wp, sz, lin.out_features, lin.group_size, bias, sums)
+
+
 def act_gemv_fits(gate_up: torch.Tensor, act: str, down: WQLinear, backend: str | None = None) -> bool:
     """Whether act_linear runs as fastawq::awq_gemv_packed_act for this call."""
     return act in ("silu", "gelu_pytorch_tanh", "gelu") and _prologue_gemv_fits(
@@ -379,21 +414,24 @@ class FusedDecoderLayer(nn.Module):
         """The dense layer with o_proj and down adding into fp32 sums (awq_gemv_packed_sums /
         _act_sums) that the norm before each zeroes in its own launch and the norm after each reads:
         neither projection ends with a fence, arrival count and conversion pass. None where the
-        compiled GEMV forms do not serve these rows (then the usual path). With dense_gu_sums_out,
-        gate_up adds into fp32 sums too (zeroed by o_proj's launch), which the down projection's
-        act prologue rounds as it reads them."""
+        compiled GEMV forms do not serve these rows and, with wgmma_sums_out, neither does
+        awq_wgmma_packed_sums (then the usual path; at the wgmma's rows act_mul keeps its launch). With
+        dense_gu_sums_out, gate_up adds into fp32 sums too at the GEMV's rows (zeroed by o_proj's
+        launch), which the down projection's act prologue rounds as it reads them."""
         c, attn, mlp = self.cfg, self.self_attn, self.mlp
         h = x.shape[-1]
         rows, dtype = x.numel() // h, residual.dtype
         if mlp.act not in ("silu", "gelu_pytorch_tanh", "gelu") or attn.o_proj.out_features != h \
                 or mlp.down_proj.out_features != h:
             return None
-        if not (_gemv_form_fits("awq_gemv_packed_sums", rows, dtype, x.device, attn.o_proj, backend)
-                and _gemv_form_fits("awq_gemv_packed_act_sums", rows, dtype, x.device, mlp.down_proj, backend)):
+        gemv = _gemv_form_fits("awq_gemv_packed_sums", rows, dtype, x.device, attn.o_proj, backend) \
+            and _gemv_form_fits("awq_gemv_packed_act_sums", rows, dtype, x.device, mlp.down_proj, backend)
+        if not gemv and not (_wgmma_sums_fits(rows, dtype, x.device, attn.o_proj, backend)
+                             and _wgmma_sums_fits(rows, dtype, x.device, mlp.down_proj, backend)):
             return None
         gu = mlp.gate_up_proj
         gu_sums = None
-        if dense_gu_sums_out() and gu.out_features == 2 * mlp.down_proj.in_features \
+        if gemv and dense_gu_sums_out() and gu.out_features == 2 * mlp.down_proj.in_features \
                 and _gemv_form_fits("awq_gemv_packed_sums", rows, dtype, x.device, gu, backend):
             gu_sums = torch.empty((rows, gu.out_features), dtype=torch.float32, device=x.device)
         o_sums, residual = self._attention_sums(x, residual, positions, start, lens, max_len, backend, gu_sums)
@@ -407,9 +445,13 @@ class FusedDecoderLayer(nn.Module):
             gate_up = gu_sums
         else:
             gate_up = gu(h2)
-        wp, sz, bias = _packed_operands(mlp.down_proj, dtype)
-        torch.ops.fastawq.awq_gemv_packed_act_sums(gate_up.reshape(rows, -1).contiguous(), wp, sz, h,
-                                                   mlp.down_proj.group_size, bias, mlp.act, d_sums.view(rows, h))
+        if gemv:
+            wp, sz, bias = _packed_operands(mlp.down_proj, dtype)
+            torch.ops.fastawq.awq_gemv_packed_act_sums(gate_up.reshape(rows, -1).contiguous(), wp, sz, h,
+                                                       mlp.down_proj.group_size, bias, mlp.act, d_sums.view(rows, h))
+        else:  # the wgmma's rows: act_mul's launch, then the down projection adds into the sums
+            a = ops.act_mul(gate_up, mlp.act, backend=backend)
+            _add_into_sums(mlp.down_proj, a.reshape(rows, -1).contiguous(), d_sums.view(rows, h), dtype)
         return d_sums, residual
 
     def _forward_moe_o_sums(
@@ -463,9 +505,7 @@ class FusedDecoderLayer(nn.Module):
             qkv = qkv_lin(h1)
         self._prefetch_mlp(lens, dtype)
         o = attn.attend(qkv, positions, start, lens, max_len, backend)
-        wp, sz, bias = _packed_operands(attn.o_proj, residual.dtype)
-        torch.ops.fastawq.awq_gemv_packed_sums(o.reshape(rows, -1).contiguous(), wp, sz, h, attn.o_proj.group_size,
-                                               bias, o_sums.view(rows, h), zero)
+        _add_into_sums(attn.o_proj, o.reshape(rows, -1).contiguous(), o_sums.view(rows, h), residual.dtype, zero)
         return o_sums, residual
 
     def _qkv_takes_sums(self, rows: int, h: int, dtype: torch.dtype, device: torch.device,
@@ -538,6 +578,17 @@ def dense_gu_sums_out() -> bool:
     from fastawq import backend as backend_mod
 
     return backend_mod.env_switch(b"FASTAWQ_DENSE_GU_SUMS") != "0"
+
+
+def wgmma_sums_out() -> bool:
+    """FASTAWQ_WGMMA_SUMS=1 (an A/B switch, off unless "1"; read at each call, so a captured graph
+    keeps the setting it was captured with): the dense-sums layer (dense_sums_out) serves the rows
+    that awq_wgmma_packed takes on sm_90 too (decode batches 9-32): o_proj and the down projection
+    add into fp32 sums through awq_wgmma_packed_sums, so neither ends with the split-K arrival count
+    and conversion pass; the norms after them round the sums as at batch 1."""
+    from fastawq import backend as backend_mod
+
+    return backend_mod.env_switch(b"FASTAWQ_WGMMA_SUMS") == "1"
 
 
 def l2_prefetch_mlp() -> tuple[int, int] | None:

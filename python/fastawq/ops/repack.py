@@ -332,5 +332,14 @@ def _register_fakes() -> None:
             _check_packed_call(x, wpacked, szpacked, n)
             return x.new_empty((x.shape[0], n))
 
+    if _ext.has_op("awq_wgmma_packed_sums"):
+
+        @torch.library.register_fake("fastawq::awq_wgmma_packed_sums")
+        def _(x, wpacked, szpacked, n, group_size, bias, sums, tokens=0, splits=0):
+            _check_packed_call(x, wpacked, szpacked, n)
+            torch._check(tuple(sums.shape) == (x.shape[0], n) and sums.dtype == torch.float32,
+                         lambda: f"awq_wgmma_packed_sums: sums {tuple(sums.shape)} {sums.dtype} must be fp32 "
+                                 f"[{x.shape[0]}, {n}] for x {tuple(x.shape)}")
+
 
 _register_fakes()
