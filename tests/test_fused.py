@@ -215,16 +215,21 @@ def test_fused_wgmma_decode_matches_unfused(monkeypatch, arch):
 
 
 @needs_cuda
-@pytest.mark.parametrize("arch, batch", [("llama", 16), ("qwen2", 12), ("phi3", 24)])
-def test_fused_wgmma_sums_decode_matches_unfused(monkeypatch, arch, batch):
+@pytest.mark.parametrize("arch, batch, head_dim", [("llama", 16, 64), ("qwen3", 16, 64), ("qwen2", 12, None),
+                                                   ("phi3", 24, None)])
+def test_fused_wgmma_sums_decode_matches_unfused(monkeypatch, arch, batch, head_dim):
     # FASTAWQ_WGMMA_SUMS=1: at the rows awq_wgmma_packed takes on sm_90 (batches 9-32), o_proj and down
-    # add into fp32 sums (awq_wgmma_packed_sums) that the norms after them round; decode with CUDA
-    # graphs still matches transformers (Qwen2: biases, added once; Phi-3: its fused gate_up), and the
-    # sums op ran where it can (elsewhere only the match is checked).
+    # add into fp32 sums (awq_wgmma_packed_sums) that the norms after them round, and with head_dim 64
+    # (the compiled rope attention's) QKV too, which the rope attention reads as fp32; decode with CUDA
+    # graphs still matches transformers (Qwen3: q/k norms; Qwen2: biases, added once; Phi-3: its fused
+    # gate_up), and the sums op ran where it can (elsewhere only the match is checked).
     from fastawq import _ext
 
     monkeypatch.setenv("FASTAWQ_DENSE_SUMS", "1")
+    monkeypatch.setenv("FASTAWQ_QKV_SUMS", "1")
     monkeypatch.setenv("FASTAWQ_WGMMA_SUMS", "1")
+    f32_qkv = spy_fp32_first_argument(monkeypatch, "rope_decode_attention")
+    over = {} if head_dim is None else {"head_dim": head_dim}
     rows = []
     runs = _ext.has_op("awq_wgmma_packed_sums") and not torch.ops.fastawq.awq_wgmma_packed_declines()
     if runs:
@@ -235,9 +240,11 @@ def test_fused_wgmma_sums_decode_matches_unfused(monkeypatch, arch, batch):
             return real(x, *args)
 
         monkeypatch.setattr(torch.ops.fastawq, "awq_wgmma_packed_sums", spy)
-    _match_over_decode(arch, None, 12, device="cuda", graphs=True, batch=batch, layout="packed")
+    _match_over_decode(arch, None, 12, device="cuda", graphs=True, batch=batch, layout="packed", **over)
     if runs:
         assert batch in rows
+        if head_dim is not None and _ext.has_op("rope_decode_attention"):
+            assert any(f32_qkv)
 
 
 def test_wgmma_sums_switch_and_fit_off_the_gpu(monkeypatch):

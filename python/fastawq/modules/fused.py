@@ -478,7 +478,8 @@ class FusedDecoderLayer(nn.Module):
         lens: torch.Tensor | None, max_len: int, backend: str | None, zero: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The input norm (zeroing the fp32 sums o_proj adds into), QKV, attention and o_proj as
-        awq_gemv_packed_sums (which also zeroes `zero`, a later projection's sums): (o_proj's fp32
+        awq_gemv_packed_sums (which also zeroes `zero`, a later projection's sums; at the wgmma's rows
+        awq_wgmma_packed_sums, _add_into_sums): (o_proj's fp32
         sums shaped like x, x + residual). The callers checked that the compiled form serves. With
         qkv_sums_out, a decode step's QKV projection adds into fp32 sums too (beside o_proj's in one
         buffer, which the norm zeroes in its launch), which the compiled rope attention rounds as it
@@ -494,9 +495,7 @@ class FusedDecoderLayer(nn.Module):
             qkv_sums = buf[rows * h:].view(rows, wq)
             h1, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, c.eps, c.norm_offset,
                                             backend=backend, zero=buf.view(rows, h + wq))
-            wp, sz, bias = _packed_operands(qkv_lin, dtype)
-            torch.ops.fastawq.awq_gemv_packed_sums(h1.reshape(rows, h).contiguous(), wp, sz, wq, qkv_lin.group_size,
-                                                   bias, qkv_sums)
+            _add_into_sums(qkv_lin, h1.reshape(rows, h).contiguous(), qkv_sums, dtype)
             qkv = qkv_sums.view(*x.shape[:-1], wq)
         else:
             o_sums = torch.empty(x.shape, dtype=torch.float32, device=x.device)
@@ -510,17 +509,20 @@ class FusedDecoderLayer(nn.Module):
 
     def _qkv_takes_sums(self, rows: int, h: int, dtype: torch.dtype, device: torch.device,
                         backend: str | None) -> bool:
-        """Whether a decode step of `rows` rows runs the QKV projection as awq_gemv_packed_sums into
-        fp32 sums that the compiled rope attention reads (ops.layer.rope_attention_fused on fp32
-        qkv), asked once per (rows, dtype, backend) rather than every step."""
-        key = (rows, dtype, backend)
+        """Whether a decode step of `rows` rows runs the QKV projection as awq_gemv_packed_sums (or, at
+        the wgmma's rows with wgmma_sums_out, awq_wgmma_packed_sums) into fp32 sums that the compiled
+        rope attention reads (ops.layer.rope_attention_fused on fp32 qkv), asked once per (rows,
+        dtype, backend, switch) rather than every step."""
+        key = (rows, dtype, backend, wgmma_sums_out())
         cache = self.__dict__.setdefault("_qkv_sums_cache", {})
         if key not in cache:
             from fastawq.ops.layer import rope_attention_fused
 
             c, attn, lin = self.cfg, self.self_attn, self.self_attn.qkv_proj
             wq = lin.out_features
-            ok = h % 8 == 0 and wq % 8 == 0 and _gemv_form_fits("awq_gemv_packed_sums", rows, dtype, device, lin, backend)
+            ok = h % 8 == 0 and wq % 8 == 0 and (
+                _gemv_form_fits("awq_gemv_packed_sums", rows, dtype, device, lin, backend)
+                or _wgmma_sums_fits(rows, dtype, device, lin, backend))
             if ok:
                 # Shapes and dtypes only (no fill: this may run under a graph's capture).
                 probe = torch.empty((rows, 1, wq), dtype=torch.float32, device=device)
