@@ -300,7 +300,7 @@ template <int NT, int WG>
 constexpr int kMinBlocks = WG == 2 ? (NT <= 64 ? 2 : 1) : (NT <= 32 ? 4 : (NT == 64 ? 3 : 2));
 
 // MINB: the blocks an SM the registers must allow (kMinBlocks unless an occupancy instance asks more:
-// wgmma_occupancy()).
+// wgmma_occupancy_six()).
 template <typename T, int NT, int P, int WG, int MINB = kMinBlocks<NT, WG>>
 __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
