@@ -778,6 +778,8 @@ smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio
     ncu -i "$OUT/$rep.ncu-rep" --page source --csv --print-source sass > "$OUT/$rep.sass.csv" 2>&1 \
       || head -3 "$OUT/$rep.sass.csv"
     wc -c "$OUT/$rep.sass.csv"
+    # the instructions and opcodes by their share of the stall samples, a table per kernel
+    python benchmarks/ncu_stalls.py "$OUT/$rep.sass.csv" --top 25 || status=1
   done
 fi
 if [[ " $stages " == *" s34p "* ]]; then

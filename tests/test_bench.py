@@ -286,3 +286,45 @@ def test_bench_route_table():
         "| qwen3-30b-a3b, 1 | 5.46 | 6.42 |",
         "| mixtral-8x7b, 16 | 2.96 | 2.82 |",
     ]
+
+
+def test_ncu_stalls_summarizes_a_source_page(tmp_path, capsys):
+    # benchmarks/ncu_stalls.py reads ncu's source page (SASS, CSV: a kernel line, then the header) and
+    # ranks the instructions and opcodes by their share of the stall samples.
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "ncu_stalls.py"
+    spec = importlib.util.spec_from_file_location("ncu_stalls", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    csv_text = "\n".join([
+        '"Kernel Name","awq_wgmma_packed_kernel<__half, 16, 6, 1, 4>"',
+        '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"',
+        '"0x100","LDGSTS.E.BYPASS.128 [R3], desc[UR4][R10.64] ;","10","8"',
+        '"0x110","@!P0 BAR.SYNC.DEFER_BLOCKING 0x0 ;","1,200","1,100"',
+        '"0x120","HGMMA.64x16x16.F32 R24, R88, gdesc[UR8], R24 ;","30","20"',
+        '"0x130","WARPGROUP.DEPBAR.LE gsb0, 0x1 ;","600","590"',
+        '"0x140","HGMMA.64x16x16.F32 R24, R92, gdesc[UR12], R24 ;","160","150"',
+    ])
+    f = tmp_path / "r.sass.csv"
+    f.write_text(csv_text)
+    mod.main([str(f), "--top", "3"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "5 instructions, 2000 samples (Warp Stall Sampling (All Samples))"
+    assert out[3] == "| 0x110 | 60.0 % | `@!P0 BAR.SYNC.DEFER_BLOCKING 0x0 ;` |"
+    assert out[4].startswith("| 0x130 | 30.0 % |") and out[5].startswith("| 0x140 | 8.0 % |")
+    assert "| BAR.SYNC | 60.0 % |" in out and "| HGMMA.64x16x16 | 9.5 % |" in out
+    assert mod.opcode("@P1 LDGSTS.E.BYPASS.128 [R3] ;") == "LDGSTS.E"
+    two = tmp_path / "two.csv"
+    two.write_text(csv_text + "\n" + csv_text.replace("16, 6, 1, 4", "32, 6, 1, 4"))
+    mod.main([str(two), "--top", "1"])
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if line.startswith("###")] == [
+        '### "Kernel Name","awq_wgmma_packed_kernel<__half, 16, 6, 1, 4>"',
+        '### "Kernel Name","awq_wgmma_packed_kernel<__half, 32, 6, 1, 4>"']
+    assert out.count("5 instructions, 2000 samples (Warp Stall Sampling (All Samples))") == 2
+    bad = tmp_path / "bad.csv"
+    bad.write_text('"a","b"\n"1","2"\n')
+    with pytest.raises(SystemExit, match="no header"):
+        mod.main([str(bad)])
