@@ -186,6 +186,24 @@ def test_fused_qkv_sums_decode_matches_unfused(monkeypatch, arch):
         assert any(f32_qkv)
 
 
+def _spy_wgmma_rows(monkeypatch, op_name: str) -> tuple[bool, list[int]]:
+    """(whether the wgmma ops run here, the rows of each call of torch.ops.fastawq.<op_name>, which
+    is wrapped to record them where they run)."""
+    from fastawq import _ext
+
+    rows: list[int] = []
+    runs = _ext.has_op(op_name) and not torch.ops.fastawq.awq_wgmma_packed_declines()
+    if runs:
+        real = getattr(torch.ops.fastawq, op_name)
+
+        def spy(x, *args):
+            rows.append(x.shape[0])
+            return real(x, *args)
+
+        monkeypatch.setattr(torch.ops.fastawq, op_name, spy)
+    return runs, rows
+
+
 @needs_cuda
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_fused_wgmma_decode_matches_unfused(monkeypatch, arch):
@@ -194,21 +212,11 @@ def test_fused_wgmma_decode_matches_unfused(monkeypatch, arch):
     # every decode step (20 rows), with CUDA graphs, and still match transformers (Qwen2: biases).
     # Where the op cannot run (no sm_90a build or not an sm_90 GPU) the plans fall back to Triton and
     # only the match is checked.
-    from fastawq import _ext
     from fastawq import backend as backend_mod
 
     monkeypatch.setattr(backend_mod, "PACKED_WGMMA", True)
     monkeypatch.setattr(backend_mod, "PACKED_WGMMA_MAX_M", None)
-    calls = []
-    runs = _ext.has_op("awq_wgmma_packed") and not torch.ops.fastawq.awq_wgmma_packed_declines()
-    if runs:
-        real = torch.ops.fastawq.awq_wgmma_packed
-
-        def spy(x, *args):
-            calls.append(x.shape[0])
-            return real(x, *args)
-
-        monkeypatch.setattr(torch.ops.fastawq, "awq_wgmma_packed", spy)
+    runs, calls = _spy_wgmma_rows(monkeypatch, "awq_wgmma_packed")
     _match_over_decode(arch, None, 12, device="cuda", graphs=True, batch=20, layout="packed")
     if runs:
         assert {20, 220} <= set(calls)
@@ -230,16 +238,7 @@ def test_fused_wgmma_sums_decode_matches_unfused(monkeypatch, arch, batch, head_
     monkeypatch.setenv("FASTAWQ_WGMMA_SUMS", "1")
     f32_qkv = spy_fp32_first_argument(monkeypatch, "rope_decode_attention")
     over = {} if head_dim is None else {"head_dim": head_dim}
-    rows = []
-    runs = _ext.has_op("awq_wgmma_packed_sums") and not torch.ops.fastawq.awq_wgmma_packed_declines()
-    if runs:
-        real = torch.ops.fastawq.awq_wgmma_packed_sums
-
-        def spy(x, *args):
-            rows.append(x.shape[0])
-            return real(x, *args)
-
-        monkeypatch.setattr(torch.ops.fastawq, "awq_wgmma_packed_sums", spy)
+    runs, rows = _spy_wgmma_rows(monkeypatch, "awq_wgmma_packed_sums")
     _match_over_decode(arch, None, 12, device="cuda", graphs=True, batch=batch, layout="packed", **over)
     if runs:
         assert batch in rows
