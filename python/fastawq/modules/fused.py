@@ -154,54 +154,49 @@ def _prologue_gemv_fits(flag: str, op: str, x: torch.Tensor, width: int, lin: WQ
             and _gemv_form_fits(op, rows, x.dtype, x.device, lin, backend))
 
 
-def _gemv_form_fits(op: str, rows: int, dtype: torch.dtype, device: torch.device, lin: WQLinear,
-                    backend: str | None) -> bool:
-    """Whether the compiled packed-GEMV form `op` serves `rows` rows of `dtype` on `device` into
-    `lin`: the layer is packed and its own dispatch picks the compiled GEMV for these rows."""
+def _compiled_form_fits(op: str, kernel: str, rows: int, dtype: torch.dtype, device: torch.device, lin: WQLinear,
+                        backend: str | None) -> bool:
+    """Whether the compiled op `op` serves `rows` rows of `dtype` on `device` into `lin`: the layer is
+    packed and its own dispatch picks the compiled `kernel` (backend.packed_kernel) for these rows."""
     from fastawq import _ext
     from fastawq import backend as backend_mod
 
     if not _ext.has_op(op) or lin.layout != "packed":
         return False
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or not 1 <= rows <= 2:
-        return False
-    if backend_mod.packed_kernel(rows) != "gemv" or lin.group_size % 32 or lin.in_features % 32:
-        return False
-    try:
-        return backend_mod.select_backend("packed_gemm", device, backend=backend or lin.backend, m=rows) == "cuda"
-    except Exception:  # a forced backend that cannot run here: the two-launch path says why
-        return False
-
-
-def _wgmma_sums_fits(rows: int, dtype: torch.dtype, device: torch.device, lin: WQLinear,
-                     backend: str | None) -> bool:
-    """Whether awq_wgmma_packed_sums serves `rows` rows of `dtype` into `lin` (wgmma_sums_out on): the
-    layer is packed, its own dispatch picks the compiled awq_wgmma_packed for these rows, and the op
-    runs on `device`."""
-    from fastawq import _ext
-    from fastawq import backend as backend_mod
-
-    if not wgmma_sums_out() or not _ext.has_op("awq_wgmma_packed_sums") or lin.layout != "packed":
-        return False
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or rows < 1:
         return False
-    if backend_mod.packed_kernel(rows, device) != "wgmma" or lin.group_size % 32 or lin.in_features % 32 \
-            or lin.out_features % 8:
+    if backend_mod.packed_kernel(rows, device) != kernel or lin.group_size % 32 or lin.in_features % 32:
         return False
     try:
-        if torch.ops.fastawq.awq_wgmma_packed_declines():
-            return False
         return backend_mod.select_backend("packed_gemm", device, backend=backend or lin.backend, m=rows) == "cuda"
     except Exception:  # a forced backend that cannot run here: the usual path says why
         return False
 
 
+def _gemv_form_fits(op: str, rows: int, dtype: torch.dtype, device: torch.device, lin: WQLinear,
+                    backend: str | None) -> bool:
+    """Whether the compiled packed-GEMV form `op` (M <= 2) serves `rows` rows into `lin`."""
+    return rows <= 2 and _compiled_form_fits(op, "gemv", rows, dtype, device, lin, backend)
+
+
+def _wgmma_sums_fits(rows: int, dtype: torch.dtype, device: torch.device, lin: WQLinear,
+                     backend: str | None) -> bool:
+    """Whether awq_wgmma_packed_sums serves `rows` rows of `dtype` into `lin` (wgmma_sums_out on, the
+    layer's dispatch picks awq_wgmma_packed for these rows, and the op runs on this device)."""
+    if not wgmma_sums_out() or lin.out_features % 8 \
+            or not _compiled_form_fits("awq_wgmma_packed_sums", "wgmma", rows, dtype, device, lin, backend):
+        return False
+    return not torch.ops.fastawq.awq_wgmma_packed_declines()
+
+
 def _add_into_sums(lin: WQLinear, x2: torch.Tensor, sums: torch.Tensor, dtype: torch.dtype,
                    zero: torch.Tensor | None = None) -> None:
     """sums += lin(x2) (+ its bias) for x2 [rows, K]: awq_gemv_packed_sums at the GEMV's rows (which also
-    zeroes `zero`), awq_wgmma_packed_sums above them (the callers checked which serves)."""
+    zeroes `zero`), awq_wgmma_packed_sums at the wgmma's (the callers checked which serves)."""
+    from fastawq import backend as backend_mod
+
     wp, sz, bias = _packed_operands(lin, dtype)
-    if x2.shape[0] <= 2:
+    if backend_mod.packed_kernel(x2.shape[0], x2.device) == "gemv":
         torch.ops.fastawq.awq_gemv_packed_sums(x2, wp, sz, lin.out_features, lin.group_size, bias, sums, zero)
         return
     assert zero is None, "awq_wgmma_packed_sums zeroes no other buffer"
