@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s36n s36p s36w s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -699,88 +699,6 @@ if [[ " $stages " == *" s32p "* ]]; then
   # by the host's 3/4-wave rule: the wide form is not taken there.)
   FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/profile_step.py llama-3-8b:1 llama-3-8b:16 2>&1 \
     | grep -E "^#####|us/step share|share of the step|gaps:" | head -40 || status=1
-fi
-if [[ " $stages " == *" s36w "* ]]; then
-  step s36w
-  # awq_wgmma_packed_sums in the decode step (FASTAWQ_WGMMA_SUMS=1, session 34, not yet run): at batches
-  # 9-32 o_proj and down add into fp32 sums the next norm rounds, so neither ends with the split-K
-  # arrival and conversion pass (session 34's fit of the 16-token tile: ~7.5 us fixed a launch plus
-  # ~0.7 us a step). The op's and the engine's tests, then the engine A/B (~3 min).
-  timeout 200 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py tests/test_fused.py \
-    -k "sums_form or wgmma_sums" 2>&1 | tail -2 || status=1
-  FASTAWQ_TRITON_TUNE=0 timeout 240 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_SUMS=0,1 \
-    --shape llama-3-8b --batches 9,16,32 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" \
-    || status=1
-fi
-if [[ " $stages " == *" s36p "* ]]; then
-  step s36p
-  # The decode step's L2 prefetch (FASTAWQ_L2_PREFETCH=G:D, session 34, not yet run): after each QKV
-  # projection a dense layer asks L2 for G/8 of gate_up's and D/8 of down's packed rows, read by
-  # their GEMVs while the attention, o_proj and the norm leave DRAM idle (~560 us of the 2.41 ms
-  # batch-1 step on an H100). Its tests, then the engine at batch 1 and 16, three splits of L2
-  # (29, 55 and 15 MB of the 50) (~3 min).
-  timeout 120 python -m pytest -x -q -p no:cacheprovider tests/test_l2_prefetch.py 2>&1 | tail -2 || status=1
-  FASTAWQ_TRITON_TUNE=0 timeout 300 python benchmarks/bench_ab.py --compare env:FASTAWQ_L2_PREFETCH=0,3:2 \
-    --compare env:FASTAWQ_L2_PREFETCH=0,6:3 --compare env:FASTAWQ_L2_PREFETCH=0,2:0 --shape llama-3-8b \
-    --batches 1,16 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
-fi
-if [[ " $stages " == *" s36n "* ]]; then
-  step s36n
-  # Where the 16-token wgmma tile's warps wait, instruction by instruction (s35n, session 34, H100: at
-  # 4096 x 28672 the scheduler issues 0.43 a cycle with 3.2 warps resident, DRAM at 38 %, and neither
-  # three A register sets nor an 8-slot ring moved it, so neither the wgmma wait nor the copies' depth
-  # is the step's bound). Nsight Compute's stall sampling per SASS instruction (source page, CSV) for
-  # awq_wgmma_packed at M = 16 and for moe_mma_packed_w4 at Qwen3 T = 16 (issue 12's batch-16 row:
-  # w2 streams 1.58 TB/s), plus the per-reason stall ratios (~2 min).
-  # Whether a block's step time holds as more blocks share an SM (if so, filling the empty third of
-  # the 4096 x 28672 grid, 448 of 660 slots, pays in proportion): forced K splits (~30 s).
-  timeout 90 python benchmarks/sweep_wgmma_splits.py --m 16 --shapes 4096x28672 --splits 0,1,2,3 || status=1
-  timeout 90 python benchmarks/sweep_wgmma_splits.py --m 16 --shapes 14336x4096,4096x4096 --splits 0,5,10,20 --hot 2>&1 \
-    | tail -n +3 || status=1
-  # Six blocks an SM at 16 tokens (FASTAWQ_WGMMA_OCC=6: 80 registers, more K splits in the one-wave
-  # plan), its tests, then the kernel table against the default in one call (~2.5 min).
-  timeout 120 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "six_blocks_an_sm" 2>&1 \
-    | tail -2 || status=1
-  for occ in 0 6; do
-    echo "FASTAWQ_WGMMA_OCC=$occ"
-    FASTAWQ_WGMMA_OCC=$occ timeout 100 python benchmarks/gemm_table.py --kernels wgmma --ms 9,16 --dtypes float16 \
-      --out "$OUT/s36n_occ$occ" 2>&1 | grep -E "^\| *(dtype|float16)" || status=1
-  done
-  FASTAWQ_WGMMA_OCC=6 timeout 90 python benchmarks/sweep_wgmma_splits.py --m 16 --shapes 4096x28672 --splits 0,2,3 \
-    2>&1 | tail -n +3 || status=1
-  # The stall sampling last (the longest part: a cut call loses only it).
-  stalls=smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_dispatch_stall_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_selected_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_membar_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_sleeping_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_branch_resolving_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio
-  timeout 150 ncu --clock-control none --kernel-name regex:awq_wgmma_packed --section WarpStateStats \
-    --section SourceCounters --metrics "$stalls" -f -o "$OUT/s36n_wg16" \
-    python benchmarks/profile_gemm_packed.py --kernel wgmma --ms 16 --shapes 4096x28672 > "$OUT/s36n_wg16.log" 2>&1 \
-    || { status=1; tail -5 "$OUT/s36n_wg16.log"; }
-  PROFILE_MOE_SHAPES=qwen3-30b-a3b PROFILE_MOE_LAYOUT=packed timeout 150 ncu --clock-control none \
-    --kernel-name regex:moe_mma_packed --section WarpStateStats --section SourceCounters --metrics "$stalls" \
-    -f -o "$OUT/s36n_moe16" python benchmarks/profile_moe.py > "$OUT/s36n_moe16.log" 2>&1 \
-    || { status=1; tail -5 "$OUT/s36n_moe16.log"; }
-  for rep in s36n_wg16 s36n_moe16; do
-    [[ -f "$OUT/$rep.ncu-rep" ]] || continue
-    ncu -i "$OUT/$rep.ncu-rep" --page details > "$OUT/$rep.txt" 2>&1
-    grep -E "awq_wgmma|moe_mma|stalled|Warp Cycles Per Issued" "$OUT/$rep.txt" | head -40
-    ncu -i "$OUT/$rep.ncu-rep" --page source --csv --print-source sass > "$OUT/$rep.sass.csv" 2>&1 \
-      || head -3 "$OUT/$rep.sass.csv"
-    wc -c "$OUT/$rep.sass.csv"
-    # the instructions and opcodes by their share of the stall samples, a table per kernel
-    python benchmarks/ncu_stalls.py "$OUT/$rep.sass.csv" --top 25 || status=1
-  done
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p

@@ -4,7 +4,6 @@
 #include <optional>
 #include <string>
 #include <tuple>
-#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -150,10 +149,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(
 
 // "" when moe_route takes E experts of width H and top-k (no GPU needed), else why not.
 std::string moe_route_declines(int64_t num_experts, int64_t hidden, int64_t k);
-
-// Asks L2 for rows r % period[j] < hot[j] of each tensor j (rows: its first dimension; contiguous,
-// 16-byte rows) after the previous kernel in the stream completes, letting the next one launch at
-// once (PDL). A hint: nothing reads a result; on GPUs before sm_90 it does nothing. At most 8 tensors.
-void l2_prefetch(const std::vector<at::Tensor>& tensors, c10::IntArrayRef hot, c10::IntArrayRef period);
 
 }  // namespace fastawq

@@ -68,7 +68,6 @@ TORCH_LIBRARY(fastawq, m) {
   m.def("rope_decode_attention(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor lens, Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, int num_heads, "
         "float scale) -> Tensor");
-  m.def("l2_prefetch(Tensor[] tensors, int[] hot, int[] period) -> ()");
 #endif
 }
 
@@ -101,7 +100,6 @@ TORCH_LIBRARY_IMPL(fastawq, CUDA, m) {
   m.impl("decode_attention", &fastawq::decode_attention);
   m.impl("decode_attention_out", &fastawq::decode_attention_out);
   m.impl("rope_decode_attention", &fastawq::rope_decode_attention);
-  m.impl("l2_prefetch", &fastawq::l2_prefetch);
 }
 #endif
 

@@ -173,8 +173,7 @@ def test_cuda_op_set():
 
     if not _ext.has_op("awq_gemm"):
         pytest.skip(f"fastawq._C has no CUDA ops: {_ext.status()['reason'] or 'CPU-only build'}")
-    for op in ("awq_gemm_declines", "awq_dequantize", "decode_attention", "decode_attention_out", "rope_decode_attention",
-               "l2_prefetch"):
+    for op in ("awq_gemm_declines", "awq_dequantize", "decode_attention", "decode_attention_out", "rope_decode_attention"):
         assert _ext.has_op(op), op
     for gone in ("awq_gemm_config", "awq_repack_tiled", "awq_gemm_tiled"):
         assert not _ext.has_op(gone), gone

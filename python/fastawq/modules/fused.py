@@ -376,7 +376,6 @@ class FusedDecoderLayer(nn.Module):
         qkv, residual = norm_linear(
             x, residual, self.input_layernorm.weight, c.eps, c.norm_offset, self.self_attn.qkv_proj, backend
         )
-        self._prefetch_mlp(lens, residual.dtype)
         a = self.self_attn(None, positions, start, lens, max_len, backend, qkv=qkv)
         if isinstance(self.mlp, FusedMoE):
             return self.mlp.forward_normed(a, residual, self.post_attention_layernorm, c.eps, c.norm_offset, backend)
@@ -384,23 +383,6 @@ class FusedDecoderLayer(nn.Module):
             a, residual, self.post_attention_layernorm.weight, c.eps, c.norm_offset, self.mlp.gate_up_proj, backend
         )
         return self.mlp(None, backend, gate_up=gate_up), residual
-
-    def _prefetch_mlp(self, lens: torch.Tensor | None, dtype: torch.dtype) -> None:
-        """A decode step's L2 prefetch of this layer's MLP weights (l2_prefetch_mlp), issued after
-        the QKV projection; nothing in prefill, for MoE blocks or weights not on the packed layout."""
-        eighths = None if lens is None else l2_prefetch_mlp()
-        if eighths is None or not isinstance(self.mlp, FusedMLP):
-            return
-        gu, down = self.mlp.gate_up_proj, self.mlp.down_proj
-        tensors, hot = [], []
-        for lin, h in ((gu, eighths[0]), (down, eighths[1])):
-            wp = getattr(lin, "wpacked", None)
-            if h == 0 or wp is None or not wp.is_cuda:
-                continue
-            tensors += [wp, lin.szpacked]
-            hot += [h, h]
-        if tensors and all(t.dtype == dtype for t in tensors[1::2]):
-            ops.l2_prefetch(tensors, hot, [8] * len(tensors))
 
     def _forward_sums(
         self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, start: int,
@@ -497,7 +479,6 @@ class FusedDecoderLayer(nn.Module):
             h1, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, c.eps, c.norm_offset,
                                             backend=backend, zero=o_sums)
             qkv = qkv_lin(h1)
-        self._prefetch_mlp(lens, dtype)
         o = attn.attend(qkv, positions, start, lens, max_len, backend)
         _add_into_sums(attn.o_proj, o.reshape(rows, -1).contiguous(), o_sums.view(rows, h), residual.dtype, zero)
         return o_sums, residual
@@ -586,24 +567,6 @@ def wgmma_sums_out() -> bool:
     from fastawq import backend as backend_mod
 
     return backend_mod.env_switch(b"FASTAWQ_WGMMA_SUMS") == "1"
-
-
-def l2_prefetch_mlp() -> tuple[int, int] | None:
-    """FASTAWQ_L2_PREFETCH="G:D" (an A/B switch, off unless set; read at each call, so a captured
-    graph keeps the setting it was captured with): after a decode step's QKV projection, a dense
-    layer asks L2 for G / 8 of its gate/up weights and D / 8 of its down weights (every 8th packed
-    row's first G or D, ops.l2_prefetch), which its GEMVs then read while the attention, o_proj and
-    the norm leave DRAM idle. None when unset, "0" or not two eighths."""
-    from fastawq import backend as backend_mod
-
-    value = backend_mod.env_switch(b"FASTAWQ_L2_PREFETCH")
-    if not value or value == "0":
-        return None
-    parts = value.split(":")
-    if len(parts) != 2 or not all(p.isdigit() and int(p) <= 8 for p in parts):
-        return None
-    g, d = int(parts[0]), int(parts[1])
-    return (g, d) if g or d else None
 
 
 def dense_sums_out() -> bool:

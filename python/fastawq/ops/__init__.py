@@ -6,8 +6,7 @@ and calls one schema'd op (compiled in fastawq._C, or a ``torch.library.custom_o
 impl sits beside it. The torch backend of every op is its reference in reference.py.
 
   gemm.py   awq_gemm, awq_gemm_plan, awq_dequantize
-  layer.py  add_rms_norm, act_mul, rope_kv_cache, decode_attention, rope_decode_attention, prefill_attention,
-            l2_prefetch
+  layer.py  add_rms_norm, act_mul, rope_kv_cache, decode_attention, rope_decode_attention, prefill_attention
   moe.py    moe_w4, moe_w4_plan, topk_route, route, add_rms_norm_route (mixture-of-experts blocks)
   repack.py the packed layout (exact repack, both ways), packed_gemm, packed_gemm_plan, packed_dequantize
 """
@@ -19,7 +18,6 @@ from fastawq.ops.layer import (
     cuda_decode_declines,
     decode_attention,
     decode_attention_backend,
-    l2_prefetch,
     prefill_attention,
     rope_attention_fused,
     rope_decode_attention,
@@ -38,7 +36,6 @@ __all__ = [
     "awq_gemm_plan",
     "awq_gemv_repack",
     "awq_gemv_unpack",
-    "l2_prefetch",
     "moe_w4",
     "moe_w4_plan",
     "route",

@@ -1,6 +1,5 @@
 """The decoder-layer ops: add + RMSNorm, act(gate) * up, rope + KV-cache write, decode and prefill
-attention, with their torch.library schemas and fake impls; and l2_prefetch, the decode step's hint
-that brings weights into L2 while DRAM idles.
+attention, with their torch.library schemas and fake impls.
 
 Each wrapper validates its inputs (the message names the shapes), asks backend.select_backend
 once, and calls one op: the compiled decode attention of fastawq._C, or a Python custom op
@@ -451,28 +450,6 @@ def prefill_attention(
     return out.transpose(1, 2)
 
 
-# --- L2 prefetch (a hint for the decode step) ---------------------------------------------------
-
-
-def l2_prefetch(tensors: list[torch.Tensor], hot: list[int], period: list[int]) -> bool:
-    """tensors: contiguous CUDA tensors whose rows (first dimension) are multiples of 16 bytes.
-    Asks L2 for rows r % period[j] < hot[j] of tensor j once the previous kernel in the stream has
-    completed (fastawq::l2_prefetch, sm_90; csrc/common/l2_prefetch.cu), so that a later kernel
-    reads them from L2 while DRAM would otherwise idle. A hint with no result: False (nothing
-    launched) without the compiled op, off CUDA, or with no tensors."""
-    if len(hot) != len(tensors) or len(period) != len(tensors):
-        raise ValueError(f"l2_prefetch: hot ({len(hot)}) and period ({len(period)}) need one entry for each of "
-                         f"the {len(tensors)} tensors")
-    for j, (h, p) in enumerate(zip(hot, period)):
-        if not (p >= 1 and 0 <= h <= p):
-            raise ValueError(f"l2_prefetch: tensor {j} needs 0 <= hot <= period, period >= 1; got hot {h}, period {p}")
-    if not tensors or not _ext.has_op("l2_prefetch") or any(t.device.type != "cuda" for t in tensors):
-        return False
-    check_same_device(**{f"tensors[{j}]": t for j, t in enumerate(tensors)})
-    torch.ops.fastawq.l2_prefetch(tensors, hot, period)
-    return True
-
-
 def _register_fakes() -> None:
     """Output shapes of the compiled attention ops, for torch.compile and opcheck."""
     if _ext.has_op("decode_attention"):
@@ -496,12 +473,6 @@ def _register_fakes() -> None:
             torch._check(qkv.dim() == 3, lambda: f"qkv {tuple(qkv.shape)} must be [B, 1, W]")
             dtype = k_cache.dtype if qkv.dtype == torch.float32 else qkv.dtype  # fp32 sums: the caches'
             return qkv.new_empty((qkv.shape[0], num_heads, k_cache.shape[-1]), dtype=dtype)
-
-    if _ext.has_op("l2_prefetch"):
-
-        @torch.library.register_fake("fastawq::l2_prefetch")
-        def _(tensors, hot, period):
-            return None
 
 
 _register_fakes()
