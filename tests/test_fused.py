@@ -226,7 +226,7 @@ def test_fused_wgmma_decode_matches_unfused(monkeypatch, arch):
 @pytest.mark.parametrize("arch, batch, head_dim", [("llama", 16, 64), ("qwen3", 16, 64), ("qwen2", 12, None),
                                                    ("phi3", 24, None)])
 def test_fused_wgmma_sums_decode_matches_unfused(monkeypatch, arch, batch, head_dim):
-    # FASTAWQ_WGMMA_SUMS=1: at the rows awq_wgmma_packed takes on sm_90 (batches 9-32), o_proj and down
+    # FASTAWQ_WGMMA_SUMS (the default): at the rows awq_wgmma_packed takes on sm_90 (batches 9-32), o_proj and down
     # add into fp32 sums (awq_wgmma_packed_sums) that the norms after them round, and with head_dim 64
     # (the compiled rope attention's) QKV too, which the rope attention reads as fp32; decode with CUDA
     # graphs still matches transformers (Qwen3: q/k norms; Qwen2: biases, added once; Phi-3: its fused
@@ -235,7 +235,7 @@ def test_fused_wgmma_sums_decode_matches_unfused(monkeypatch, arch, batch, head_
 
     monkeypatch.setenv("FASTAWQ_DENSE_SUMS", "1")
     monkeypatch.setenv("FASTAWQ_QKV_SUMS", "1")
-    monkeypatch.setenv("FASTAWQ_WGMMA_SUMS", "1")
+    monkeypatch.delenv("FASTAWQ_WGMMA_SUMS", raising=False)
     f32_qkv = spy_fp32_first_argument(monkeypatch, "rope_decode_attention")
     over = {} if head_dim is None else {"head_dim": head_dim}
     runs, rows = _spy_wgmma_rows(monkeypatch, "awq_wgmma_packed_sums")
@@ -247,10 +247,10 @@ def test_fused_wgmma_sums_decode_matches_unfused(monkeypatch, arch, batch, head_
 
 
 def test_wgmma_sums_switch_and_fit_off_the_gpu(monkeypatch):
-    # The switch reads "1" only; off CUDA (or with it off) the wgmma sums never serve a layer.
+    # The switch is on unless "0"; off CUDA (or with it off) the wgmma sums never serve a layer.
     from fastawq.modules.fused import _wgmma_sums_fits, wgmma_sums_out
 
-    for value, on in ((None, False), ("0", False), ("1", True), ("yes", False)):
+    for value, on in ((None, True), ("0", False), ("1", True), ("", True)):
         if value is None:
             monkeypatch.delenv("FASTAWQ_WGMMA_SUMS", raising=False)
         else:

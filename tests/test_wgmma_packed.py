@@ -458,23 +458,57 @@ def test_sums_form_names_bad_sums():
 @pytest.mark.parametrize("m", [5, 16])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_six_blocks_an_sm(monkeypatch, splits, m, dtype):
-    # FASTAWQ_WGMMA_OCC=6 (read at each call): the 16-token tile's instance held to 80 registers
-    # (six blocks an SM), so the automatic plan (splits 0) gives more K splits; forced splits leave
-    # K ranges of 64 steps, 22 / 20, 13 / 12 and 1; a second call (the workspace was re-zeroed). The
-    # kernel runs with the flag (the profiler names its instance: its last template argument 6).
-    monkeypatch.setenv("FASTAWQ_WGMMA_OCC", "6")
+    # FASTAWQ_WGMMA_OCC (on unless "0"; read at each call): the 16-token tile's instance held to 80
+    # registers (six blocks an SM), so the automatic plan (splits 0) gives more K splits; forced
+    # splits leave K ranges of 64 steps, 22 / 20, 13 / 12 and 1; a second call (the workspace was
+    # re-zeroed). The kernel runs the instance the switch names (the profiler shows its last template
+    # argument: 6 by default, 4 with "0").
     monkeypatch.delenv("FASTAWQ_WGMMA_DEPTH", raising=False)
     k, n, g = 2048, 392, 128
     qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=splits + m + 4)
     bias = random_input((n,), "cuda", dtype, seed=7)
+    for occ, instance in ((None, ",6,1,6>"), ("0", ",6,1,4>")):
+        if occ is None:
+            monkeypatch.delenv("FASTAWQ_WGMMA_OCC", raising=False)
+        else:
+            monkeypatch.setenv("FASTAWQ_WGMMA_OCC", occ)
+        for seed in (1, 2):
+            x = random_input((m, k), "cuda", dtype, seed=m + seed)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                out = _poisoned_call(x, wp, sz, n, g, bias, 16, splits)
+                torch.cuda.synchronize()
+            assert_close_to_reference(out, x, qw, s, qz, g, bias)
+            names = [e.name.replace(" ", "") for e in prof.events() if "awq_wgmma_packed_kernel" in e.name]
+            assert names and all(instance in nm for nm in names), names
+
+
+@requires_kernel
+@pytest.mark.parametrize("env", [{"FASTAWQ_WGMMA_SCALE_LEAD": "group"}, {"FASTAWQ_WGMMA_W_ORDER": "row"},
+                                 {"FASTAWQ_WGMMA_SCALE_LEAD": "group", "FASTAWQ_WGMMA_W_ORDER": "row"}],
+                         ids=["lead", "order", "both"])
+@pytest.mark.parametrize("tokens", [16, 32, 64, 128])
+@pytest.mark.parametrize("splits", [0, 3, 5, 64])
+@pytest.mark.parametrize("g", [32, 128])
+def test_scale_lead_and_weight_order(monkeypatch, env, tokens, splits, g):
+    # FASTAWQ_WGMMA_SCALE_LEAD=group (every lane fetches the next group's pairs at its group's first
+    # step, not the step before) and FASTAWQ_WGMMA_W_ORDER=row (a slot's weights, and the plain form's
+    # x copies, in the layout's row order), each read at each call. Groups of 1 and 4 steps; K ranges
+    # that start mid-group (3 and 5 splits of 64 steps) and of one step (64); the plain form (16 and 32
+    # tokens: M past one token tile), the warp-specialized one (64, 128) and the sums form; a second
+    # call (the workspace re-zeroed).
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    k, n, m = 2048, 392, min(tokens + 3, 130)
+    qw, s, qz, wp, sz = _setup(k, n, g, torch.float16, seed=tokens + splits + g)
+    bias = random_input((n,), "cuda", torch.float16, seed=5)
     for seed in (1, 2):
-        x = random_input((m, k), "cuda", dtype, seed=m + seed)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            out = _poisoned_call(x, wp, sz, n, g, bias, 16, splits)
-            torch.cuda.synchronize()
-        assert_close_to_reference(out, x, qw, s, qz, g, bias)
-        names = [e.name.replace(" ", "") for e in prof.events() if "awq_wgmma_packed_kernel" in e.name]
-        assert names and all(",6,1,6>" in nm for nm in names), names
+        x = random_input((m, k), "cuda", torch.float16, seed=seed + g)
+        assert_close_to_reference(_poisoned_call(x, wp, sz, n, g, bias, tokens, splits), x, qw, s, qz, g, bias)
+    if tokens <= 32:
+        base = torch.randn(m, n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(m))
+        sums = base.clone()
+        torch.ops.fastawq.awq_wgmma_packed_sums(x, wp, sz, n, g, bias, sums, tokens, splits)
+        assert_close_to_reference(sums - base, x, qw, s, qz, g, bias)
 
 
 @requires_kernel
