@@ -741,8 +741,12 @@ smsp__average_warps_issue_stalled_selected_per_issue_active.ratio
     --section WarpStateStats --section SourceCounters --metrics "$stalls" -f -o "$OUT/s37_wg16" \
     python benchmarks/profile_gemm_packed.py --kernel wgmma --ms 16 --shapes 4096x28672 > "$OUT/s37_wg16.log" 2>&1 \
     || { status=1; tail -5 "$OUT/s37_wg16.log"; }
+  # Issue 12's grouped-GEMM row: both layouts' tensor-core kernels at T = 256 (the row is measured on
+  # the AWQ layout's; the engine runs the packed one) (~20 s).
+  timeout 60 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 256 --backends cuda,cuda:mmapacked \
+    --no-tune 2>&1 | grep -E "^\|" || status=1
   for t in 16 256; do
-    PROFILE_MOE_T=$t PROFILE_MOE_SHAPES=qwen3-30b-a3b PROFILE_MOE_LAYOUT=packed timeout 150 ncu --clock-control none \
+    PROFILE_MOE_T=$t PROFILE_MOE_SHAPES=qwen3-30b-a3b PROFILE_MOE_LAYOUT=both timeout 150 ncu --clock-control none \
       --kernel-name regex:moe_ --section WarpStateStats --section SourceCounters --section SpeedOfLight \
       --metrics "$stalls" -f -o "$OUT/s37_moe$t" python benchmarks/profile_moe.py > "$OUT/s37_moe$t.log" 2>&1 \
       || { status=1; tail -5 "$OUT/s37_moe$t.log"; }
