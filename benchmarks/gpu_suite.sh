@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s37 s37n s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -700,66 +700,41 @@ if [[ " $stages " == *" s32p "* ]]; then
   FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/profile_step.py llama-3-8b:1 llama-3-8b:16 2>&1 \
     | grep -E "^#####|us/step share|share of the step|gaps:" | head -40 || status=1
 fi
-if [[ " $stages " == *" s37 "* ]]; then
-  step s37
-  # Two A/B switches of the wgmma tiles (session 35, not yet run) from s36n's Nsight Compute on the
-  # 16-token tile (H200, 4096 x 28672): FASTAWQ_WGMMA_SCALE_LEAD=group (14 % of the warps' stall
-  # samples sat at the first use of the (scale, zero) pairs fetched a step ahead) and
-  # FASTAWQ_WGMMA_W_ORDER=row (the weights' cp.async took 32 shared wavefronts a warp where 4 would
-  # do: 62 % of the kernel's shared wavefronts excessive). Their tests and the defaults' (the sums
-  # form, six blocks an SM: session 35), the kernel table and the engine A/B, then the stall sampling
-  # (s37n) with both on, and of the MoE kernels at Qwen3 T = 16 and 256 (issue 12's batch-16 and
-  # grouped-GEMM rows) (~5 min).
-  timeout 200 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py tests/test_fused.py \
-    -k "scale_lead or six_blocks or sums_form or wgmma_sums or wgmma_decode" 2>&1 | tail -2 || status=1
-  for lead in 1 group; do
-    for order in tid row; do
-      echo "FASTAWQ_WGMMA_SCALE_LEAD=$lead FASTAWQ_WGMMA_W_ORDER=$order"
-      FASTAWQ_WGMMA_SCALE_LEAD=$lead FASTAWQ_WGMMA_W_ORDER=$order timeout 100 python benchmarks/gemm_table.py \
-        --kernels wgmma --ms 9,16,32,64 --dtypes float16 --out "$OUT/s37_${lead}_$order" 2>&1 \
-        | grep -E "^\| *(dtype|float16)" || status=1
-    done
-  done
-  FASTAWQ_TRITON_TUNE=0 timeout 240 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_SCALE_LEAD=1,group \
-    --compare env:FASTAWQ_WGMMA_W_ORDER=tid,row --shape llama-3-8b --batches 9,16,32 --layout packed --decode 64 \
-    --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
-fi
-if [[ " $stages " == *" s37n "* ]]; then
-  step s37n
-  # s37's Nsight Compute half: the stall sampling of the 16-token tile with both switches on, and of
-  # the MoE kernels at Qwen3 T = 16 and 256 (~2.5 min).
+if [[ " $stages " == *" s38 "* ]]; then
+  step s38
+  # The wgmma tiles with a slot's weights in the layout's row order (session 35: thread order scattered
+  # each 128-byte line over 8 places, 32 shared wavefronts a warp's copy against 4; H100, same run,
+  # geomean x cuBLAS at M = 9 / 16 / 32 1.53 / 1.43 / 1.19 -> 1.82 / 1.63 / 1.27, engine batch 16
+  # 1.151x; the default since then, no switch). Their tests and memcheck, the kernel table in both
+  # dtypes (the H200's first with it: session 35's H200 table, thread order, had 1.29 / 1.20 at M = 9 /
+  # 16), then Nsight Compute's source counters and stall sampling of the 16-token tile at 4096 x 28672
+  # (shared wavefronts, L2 sectors, where the warps wait now) (~5 min).
+  timeout 240 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py tests/test_fused.py \
+    -k "every_form or six_blocks or sums_form or ring_depths or forced_warpgroup or wgmma_sums or wgmma_decode" \
+    2>&1 | tail -2 || status=1
+  compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only packed 2>&1 | tail -2 \
+    || status=1
+  timeout 150 python benchmarks/gemm_table.py --kernels wgmma --ms 9,16,32,64 --dtypes float16,bfloat16 \
+    --out "$OUT/s38_table" 2>&1 | grep -E "geomean|^\| *(float16|bfloat16) *\| *(9|16|32|64) *\|" || status=1
   stalls=smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,\
 smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,\
 smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,\
 smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,\
 smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,\
 smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio,\
 smsp__average_warps_issue_stalled_selected_per_issue_active.ratio
-  FASTAWQ_WGMMA_SCALE_LEAD=group FASTAWQ_WGMMA_W_ORDER=row timeout 150 ncu --clock-control none \
-    --kernel-name regex:awq_wgmma_packed \
-    --section WarpStateStats --section SourceCounters --metrics "$stalls" -f -o "$OUT/s37_wg16" \
-    python benchmarks/profile_gemm_packed.py --kernel wgmma --ms 16 --shapes 4096x28672 > "$OUT/s37_wg16.log" 2>&1 \
-    || { status=1; tail -5 "$OUT/s37_wg16.log"; }
-  # Issue 12's grouped-GEMM row: both layouts' tensor-core kernels at T = 256 (the row is measured on
-  # the AWQ layout's; the engine runs the packed one) (~20 s).
-  timeout 60 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 256 --backends cuda,cuda:mmapacked \
-    --no-tune 2>&1 | grep -E "^\|" || status=1
-  for t in 16 256; do
-    PROFILE_MOE_T=$t PROFILE_MOE_SHAPES=qwen3-30b-a3b PROFILE_MOE_LAYOUT=both timeout 150 ncu --clock-control none \
-      --kernel-name regex:moe_ --section WarpStateStats --section SourceCounters --section SpeedOfLight \
-      --metrics "$stalls" -f -o "$OUT/s37_moe$t" python benchmarks/profile_moe.py > "$OUT/s37_moe$t.log" 2>&1 \
-      || { status=1; tail -5 "$OUT/s37_moe$t.log"; }
-  done
-  for rep in s37_wg16 s37_moe16 s37_moe256; do
-    [[ -f "$OUT/$rep.ncu-rep" ]] || continue
-    ncu -i "$OUT/$rep.ncu-rep" --page details > "$OUT/$rep.txt" 2>&1
-    grep -E "awq_wgmma|moe_|stalled|Warp Cycles Per Issued|Duration|DRAM Throughput|Memory Throughput" \
-      "$OUT/$rep.txt" | head -60
-    ncu -i "$OUT/$rep.ncu-rep" --page source --csv --print-source sass > "$OUT/$rep.sass.csv" 2>&1 \
-      || head -3 "$OUT/$rep.sass.csv"
-    python benchmarks/ncu_stalls.py "$OUT/$rep.sass.csv" --top 12 || status=1
-  done
+  timeout 150 ncu --clock-control none --kernel-name regex:awq_wgmma_packed --section WarpStateStats \
+    --section SourceCounters --section SpeedOfLight --metrics "$stalls" -f -o "$OUT/s38_wg16" \
+    python benchmarks/profile_gemm_packed.py --kernel wgmma --ms 16 --shapes 4096x28672 > "$OUT/s38_wg16.log" 2>&1 \
+    || { status=1; tail -5 "$OUT/s38_wg16.log"; }
+  if [[ -f "$OUT/s38_wg16.ncu-rep" ]]; then
+    ncu -i "$OUT/s38_wg16.ncu-rep" --page details > "$OUT/s38_wg16.txt" 2>&1
+    grep -E "stalled|Warp Cycles Per Issued|Duration|DRAM Throughput|excessive" "$OUT/s38_wg16.txt" | head -30
+    ncu -i "$OUT/s38_wg16.ncu-rep" --page source --csv --print-source sass > "$OUT/s38_wg16.sass.csv" 2>&1 \
+      || head -3 "$OUT/s38_wg16.sass.csv"
+    python benchmarks/ncu_stalls.py "$OUT/s38_wg16.sass.csv" --top 12 || status=1
+    rm -f "$OUT/s38_wg16.ncu-rep"  # the device tool brings back a few files only
+  fi
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p

@@ -483,21 +483,14 @@ def test_six_blocks_an_sm(monkeypatch, splits, m, dtype):
 
 
 @requires_kernel
-@pytest.mark.parametrize("env", [{"FASTAWQ_WGMMA_SCALE_LEAD": "group"}, {"FASTAWQ_WGMMA_W_ORDER": "row"},
-                                 {"FASTAWQ_WGMMA_SCALE_LEAD": "group", "FASTAWQ_WGMMA_W_ORDER": "row"}],
-                         ids=["lead", "order", "both"])
 @pytest.mark.parametrize("tokens", [16, 32, 64, 128])
 @pytest.mark.parametrize("splits", [0, 3, 5, 64])
 @pytest.mark.parametrize("g", [32, 128])
-def test_scale_lead_and_weight_order(monkeypatch, env, tokens, splits, g):
-    # FASTAWQ_WGMMA_SCALE_LEAD=group (every lane fetches the next group's pairs at its group's first
-    # step, not the step before) and FASTAWQ_WGMMA_W_ORDER=row (a slot's weights, and the plain form's
-    # x copies, in the layout's row order), each read at each call. Groups of 1 and 4 steps; K ranges
-    # that start mid-group (3 and 5 splits of 64 steps) and of one step (64); the plain form (16 and 32
-    # tokens: M past one token tile), the warp-specialized one (64, 128) and the sums form; a second
-    # call (the workspace re-zeroed).
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+def test_every_form_across_groups_and_splits(tokens, splits, g):
+    # A slot's weights (and the plain form's x copies) in the layout's row order, since session 35:
+    # groups of 1 and 4 steps; K ranges that start mid-group (3 and 5 splits of 64 steps) and of one
+    # step (64); the plain form (16 and 32 tokens: M past one token tile), the warp-specialized one
+    # (64, 128) and the sums form; a second call (the workspace re-zeroed).
     k, n, m = 2048, 392, min(tokens + 3, 130)
     qw, s, qz, wp, sz = _setup(k, n, g, torch.float16, seed=tokens + splits + g)
     bias = random_input((n,), "cuda", torch.float16, seed=5)

@@ -46,7 +46,6 @@
 // 0.39x cuBLAS at M = 4096 on an H100: each step waited an L2 round trip before its stores.)
 //
 // No L2 eviction hint on the weights' copies (ptxas 13.x, awq_gemm_packed.cu says why).
-#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -288,16 +287,16 @@ __device__ __forceinline__ void store_accumulators(const float (&acc)[2][NT / 2]
 }
 
 // Where consumer thread `tid` (lane (g, t) of its warp) keeps its 16 bytes of a step's weights in a
-// slot's weight region. Thread order (row_order false): 16 tid, so a warp's copy scatters each
-// 128-byte line of the layout (row 4s + t, the 8 lanes of one t) over 8 places 64 bytes apart, and
-// the shared-memory side of the cp.async takes a wavefront a lane (s36n's Nsight Compute on the
-// 16-token tile, H200: 32 wavefronts and 32 L2 sectors a warp's copy, against 4 and 16). Row order
-// (FASTAWQ_WGMMA_W_ORDER=row, an A/B switch): the warp's 512 bytes as the layout holds them, row t at
-// 128 t, lane g's 16 bytes at (g + 2t) mod 8 in it, so a line lands in one 128-byte row and the
-// lanes' own 16-byte loads back (8 a wavefront: g in {2q, 2q + 1}, t in 0..3) meet 8 distinct bank
-// groups.
-__device__ __forceinline__ uint32_t w_slot_offset(int tid, bool row_order) {
-  if (!row_order) return tid * 16;
+// slot's weight region: the warp's 512 bytes in the layout's row order, row t at 128 t, lane g's 16
+// bytes at (g + 2t) mod 8 in it, so a 128-byte line of the layout (the 8 lanes of one t) lands in one
+// 128-byte row and the lanes' own 16-byte loads back (8 a wavefront: g in {2q, 2q + 1}, t in 0..3)
+// meet 8 distinct bank groups. In thread order (16 tid, the form before session 35) a warp's copy
+// scattered each line over 8 places 64 bytes apart and the shared-memory side of the cp.async took a
+// wavefront a lane (s36n's Nsight Compute on the 16-token tile, H200: 32 wavefronts a warp's copy
+// against 4; 62 % of the kernel's 5.5 M shared wavefronts in excess). Session 35 (H100, same run):
+// geomean x cuBLAS at M = 9 / 16 / 32 1.53 / 1.43 / 1.19 in thread order, 1.82 / 1.63 / 1.27 in row
+// order; the Llama-3-8B-shape engine at batch 16 1.151x.
+__device__ __forceinline__ uint32_t w_slot_offset(int tid) {
   const int lane = tid & 31, g = lane >> 2, t = lane & 3;
   return (tid >> 5) * 512 + t * 128 + ((g + 2 * t) & 7) * 16;
 }
@@ -321,7 +320,7 @@ template <typename T, int NT, int P, int WG, int MINB = kMinBlocks<NT, WG>>
 __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int m, int n, int k, int group_size,
-    int steps_per_block, bool sums, int scale_lead, bool w_row_order) {
+    int steps_per_block, bool sums) {
 #ifdef FASTAWQ_WGMMA_DEVICE
   static_assert(P >= 4, "a slot's planes are rewritten only once every warpgroup is past its wgmmas");
   constexpr int kPlane = NT * 16;  // bytes between the x planes (core matrices adjacent in K)
@@ -346,8 +345,9 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
 
   const uint32_t base = pinned(smem_addr(ring_smem));
   // The thread's 16-byte place in a slot's two copy regions (x's, then the weights'): its x item and
-  // its weights land at the same offset in each, one register for both.
-  const uint32_t own = w_slot_offset(tid, w_row_order);
+  // its weights land at the same offset in each, one register for both (pinned: recomputed, it made
+  // ptxas spill the 64-token two-warpgroup instance; the 80-register one spills 4 bytes either way).
+  const uint32_t own = pinned(w_slot_offset(tid));
   const int own_item = static_cast<int>(own >> 4);
   const uint32_t w_own = 2 * kXBytes<NT> + own;
   const auto slot_at = [&](int slot) { return base + slot * kSlotBytes<NT, WG>; };
@@ -357,9 +357,9 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
   };
 
   // The thread's x items: item j = own_item + kBlock * i is token j / 4 (clamped to row M - 1: it
-  // feeds only outputs never stored), chunk j % 4; copied to the slot's copy region at 16 j (so a
-  // token's 64 bytes land side by side in either order), then put in the wgmma's order at its offset
-  // in each of the 4 planes.
+  // feeds only outputs never stored), chunk j % 4; copied to the slot's copy region at 16 j (a
+  // token's 64 bytes side by side), then put in the wgmma's order at its offset in each of the 4
+  // planes.
   const T* x_src[kXPer];
   uint32_t x_dst[kXPer];
 #pragma unroll
@@ -411,29 +411,18 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
   if (s0 < s1) permute_x(0);
   fence_proxy_async_shared();
 
-  // (scale, zero) of the lane's four columns for the current group; the next group's fetched
-  // scale_lead steps before its first (1 <= scale_lead <= steps_per_group: scale_lead_steps()).
+  // (scale, zero) of the lane's four columns for the current group, fetched a step ahead.
   const uint4* sz_lane = sz + static_cast<int64_t>(s0 / steps_per_group) * n4 + c4;
   uint4 sv_next = make_uint4(0, 0, 0, 0);
   const auto load_scales = [&]() {
     if (col_ok) sv_next = __ldg(sz_lane);
   };
   GroupConsts<T> gc;
-  int group_left = steps_per_group - s0 % steps_per_group;
-  const auto fetch_next_group = [&](int s) {  // at step s
-    if (group_left == scale_lead && s + group_left < s1) {
-      sz_lane += n4;
-      load_scales();
-    }
-  };
   if (s0 < s1) {
     load_scales();
     gc.set(sv_next);
-    if (group_left < scale_lead && s0 + group_left < s1) {  // a first group shorter than the lead
-      sz_lane += n4;
-      load_scales();
-    }
   }
+  int group_left = steps_per_group - s0 % steps_per_group;
 
   float acc[2][NT / 2];
   zero_accumulators<NT>(acc);
@@ -452,7 +441,10 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
       issue_x(refill);
     }
     cp_async_commit();
-    fetch_next_group(s);
+    if (group_left == 1 && s + 1 < s1) {
+      sz_lane += n4;
+      load_scales();
+    }
     const uint4 w = ld_shared128_at(slot_at(slot) + w_own);
     // Step s - 2's wgmmas are done (step s - 1's may still run): this step's register set is free.
     wgmma_wait<1>();
@@ -565,7 +557,7 @@ template <typename T, int NT, int P>
 __global__ void __launch_bounds__(kWsThreads, 1) awq_wgmma_ws_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int m, int n, int k, int group_size,
-    int steps_per_block, int scale_lead, bool w_row_order) {
+    int steps_per_block) {
 #ifdef FASTAWQ_WGMMA_DEVICE
   static_assert(P >= 4, "the producer's lead is P - 3 steps");
   constexpr int D = P - 3;          // steps of copies in flight ahead of the step being published
@@ -610,8 +602,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) awq_wgmma_ws_kernel(
     const bool w_ok = c4w < n4;
     const uint4* w_src = wp + (static_cast<int64_t>(s0) * 4 + t0) * n4 + (w_ok ? c4w : 0);
     const int consumer = 32 * (c >> 3) + 4 * (c & 7) + t0;  // and consumer + 2 for row t0 + 2
-    const uint32_t w_dst = kXBytes<NT> + w_slot_offset(consumer, w_row_order);
-    const uint32_t w_dst2 = kXBytes<NT> + w_slot_offset(consumer + 2, w_row_order);
+    const uint32_t w_dst = kXBytes<NT> + w_slot_offset(consumer);
+    const uint32_t w_dst2 = kXBytes<NT> + w_slot_offset(consumer + 2);
     const auto issue_w = [&](int slot, int i) {  // step s0 + i's weights into slot
       const uint4* src = w_src + static_cast<int64_t>(i) * w_step;
       cp_async16_at(slot_at(slot) + w_dst, src, w_ok);
@@ -681,7 +673,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) awq_wgmma_ws_kernel(
     const int g = lane >> 2, t = lane & 3;
     const int c4 = static_cast<int>(pinned(blockIdx.y * kC4 + warp * 8 + g));
     const bool col_ok = c4 < n4;  // n % 8 == 0: whole 4-column chunks
-    const uint32_t w_own = w_slot_offset(tid, w_row_order);  // the lane's weights in a slot's region
+    const uint32_t w_own = w_slot_offset(tid);  // the lane's weights in a slot's region
     const int steps_per_group = group_size / kPackedBatchRows;
     pdl_wait();
     pdl_launch_dependents();
@@ -692,15 +684,11 @@ __global__ void __launch_bounds__(kWsThreads, 1) awq_wgmma_ws_kernel(
       if (col_ok) sv_next = __ldg(sz_lane);
     };
     GroupConsts<T> gc;
-    int group_left = steps_per_group - s0 % steps_per_group;
-    if (nsteps > 0) {  // the next group's pairs as in the form above
+    if (nsteps > 0) {
       load_scales();
       gc.set(sv_next);
-      if (group_left < scale_lead && group_left < nsteps) {
-        sz_lane += n4;
-        load_scales();
-      }
     }
+    int group_left = steps_per_group - s0 % steps_per_group;
 
     float acc[2][NT / 2];
     zero_accumulators<NT>(acc);
@@ -710,7 +698,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) awq_wgmma_ws_kernel(
       constexpr int SET = decltype(set_c)::value;
       const int slot = i % P;
       mbar_wait(full0 + 8 * slot, (i / P) & 1);
-      if (group_left == scale_lead && i + group_left < nsteps) {
+      if (group_left == 1 && i + 1 < nsteps) {
         sz_lane += n4;
         load_scales();
       }
@@ -760,24 +748,6 @@ int ring_depth() {
   return 6;
 }
 
-// How many steps before a group's first the lanes fetch its (scale, zero) pairs: 1 by default (the
-// step before), or the whole group (FASTAWQ_WGMMA_SCALE_LEAD=group, an A/B switch read at each call:
-// at the group's first step, after the current group's constants are made). Session 35's stall
-// sampling of the 16-token tile (H200, 4096 x 28672): 14 % of the warps' samples waited at the first
-// use of the pairs fetched a step ahead (the HADD2 making magic + z), a load that under the kernel's
-// DRAM traffic outlasts a step.
-int scale_lead_steps(int group_size) {
-  const char* v = std::getenv("FASTAWQ_WGMMA_SCALE_LEAD");
-  return v != nullptr && std::strcmp(v, "group") == 0 ? std::max(group_size / kPackedBatchRows, 1) : 1;
-}
-
-// FASTAWQ_WGMMA_W_ORDER=row (an A/B switch read at each call): the weights' slots in the layout's
-// row order (w_slot_offset).
-bool w_row_order() {
-  const char* v = std::getenv("FASTAWQ_WGMMA_W_ORDER");
-  return v != nullptr && std::strcmp(v, "row") == 0;
-}
-
 // Six blocks an SM at the 16-token tile of one warpgroup (FASTAWQ_WGMMA_OCC, on unless "0"; read at
 // each call, and the plan's occupancy query sees the instance the launch runs): ptxas keeps the
 // kernel in 80 registers instead of 95, so the one-wave plan (gemm_steps_per_block) gives every
@@ -802,7 +772,7 @@ void launch_p(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
   launch_pdl(kernel, dim3(a.token_tiles, a.col_tiles, a.splits), dim3(kThreads<WG>), kSmem, stream,
              static_cast<const T*>(a.x), reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz),
              static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.m, a.n, a.k,
-             a.group_size, a.steps_per_warp, a.sums, scale_lead_steps(a.group_size), w_row_order());
+             a.group_size, a.steps_per_warp, a.sums);
 }
 
 template <typename T, int NT, int WG>
@@ -843,7 +813,7 @@ void launch_ws_p(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
   launch_pdl(kernel, dim3(a.token_tiles, a.col_tiles, a.splits), dim3(kWsThreads), kSmem, stream,
              static_cast<const T*>(a.x), reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz),
              static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.m, a.n, a.k,
-             a.group_size, a.steps_per_warp, scale_lead_steps(a.group_size), w_row_order());
+             a.group_size, a.steps_per_warp);
 }
 
 template <typename T, int NT>
