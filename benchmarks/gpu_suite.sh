@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38b s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -735,6 +735,15 @@ smsp__average_warps_issue_stalled_selected_per_issue_active.ratio
     python benchmarks/ncu_stalls.py "$OUT/s38_wg16.sass.csv" --top 12 || status=1
     rm -f "$OUT/s38_wg16.ncu-rep"  # the device tool brings back a few files only
   fi
+fi
+if [[ " $stages " == *" s38b "* ]]; then
+  step s38b
+  # Batch 64 on the packed layout again, now that the wgmma tiles keep their weights in row order
+  # (session 28, H100, tuned: AWQ layout 10,235.5 against packed with awq_wgmma_packed up to M = 64
+  # 10,147.8, 0.991x, so the engine keeps the AWQ layout above batch 32). After `targets11`, whose
+  # batch-64 row leaves Triton's tuning cache warm (~1.5 min).
+  FASTAWQ_PACKED_WGMMA_MAX_M=64 timeout 300 python benchmarks/bench_ab.py --compare layout --shape llama-3-8b \
+    --batches 64 --prefill 16 --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p
