@@ -705,10 +705,12 @@ if [[ " $stages " == *" s38 "* ]]; then
   # The wgmma tiles with a slot's weights in the layout's row order (session 35: thread order scattered
   # each 128-byte line over 8 places, 32 shared wavefronts a warp's copy against 4; H100, same run,
   # geomean x cuBLAS at M = 9 / 16 / 32 1.53 / 1.43 / 1.19 -> 1.82 / 1.63 / 1.27, engine batch 16
-  # 1.151x; the default since then, no switch). Their tests and memcheck, the kernel table in both
-  # dtypes (the H200's first with it: session 35's H200 table, thread order, had 1.29 / 1.20 at M = 9 /
-  # 16), then Nsight Compute's source counters and stall sampling of the 16-token tile at 4096 x 28672
-  # (shared wavefronts, L2 sectors, where the warps wait now) (~5 min).
+  # 1.151x; the default since then, no switch), and FASTAWQ_WGMMA_SCALES=ring (session 35, not yet
+  # run: the plain form's (scale, zero) pairs through the ring with each group's first step's weights,
+  # where an __ldg a step ahead held 14 % of the stall samples). Their tests and memcheck, the kernel
+  # table in both dtypes (the H200's first with row order: session 35's H200 table, thread order, had
+  # 1.29 / 1.20 at M = 9 / 16) and with the ring's pairs, the engine A/B, then Nsight Compute's source
+  # counters and stall sampling of the 16-token tile at 4096 x 28672 (~5 min).
   timeout 240 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py tests/test_fused.py \
     -k "every_form or six_blocks or sums_form or ring_depths or forced_warpgroup or wgmma_sums or wgmma_decode" \
     2>&1 | tail -2 || status=1
@@ -716,6 +718,11 @@ if [[ " $stages " == *" s38 "* ]]; then
     || status=1
   timeout 150 python benchmarks/gemm_table.py --kernels wgmma --ms 9,16,32,64 --dtypes float16,bfloat16 \
     --out "$OUT/s38_table" 2>&1 | grep -E "geomean|^\| *(float16|bfloat16) *\| *(9|16|32|64) *\|" || status=1
+  echo "FASTAWQ_WGMMA_SCALES=ring"
+  FASTAWQ_WGMMA_SCALES=ring timeout 100 python benchmarks/gemm_table.py --kernels wgmma --ms 9,16,32 --dtypes float16 \
+    --out "$OUT/s38_ring" 2>&1 | grep -E "geomean|^\| *float16 *\| *(9|16|32) *\|" || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_SCALES=0,ring \
+    --shape llama-3-8b --batches 9,16,32 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "on / off" || status=1
   stalls=smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,\
 smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,\
 smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,\

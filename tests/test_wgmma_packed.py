@@ -461,13 +461,13 @@ def test_six_blocks_an_sm(monkeypatch, splits, m, dtype):
     # FASTAWQ_WGMMA_OCC (on unless "0"; read at each call): the 16-token tile's instance held to 80
     # registers (six blocks an SM), so the automatic plan (splits 0) gives more K splits; forced
     # splits leave K ranges of 64 steps, 22 / 20, 13 / 12 and 1; a second call (the workspace was
-    # re-zeroed). The kernel runs the instance the switch names (the profiler shows its last template
-    # argument: 6 by default, 4 with "0").
+    # re-zeroed). The kernel runs the instance the switch names (the profiler shows its fifth template
+    # argument, the blocks an SM: 6 by default, 4 with "0").
     monkeypatch.delenv("FASTAWQ_WGMMA_DEPTH", raising=False)
     k, n, g = 2048, 392, 128
     qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=splits + m + 4)
     bias = random_input((n,), "cuda", dtype, seed=7)
-    for occ, instance in ((None, ",6,1,6>"), ("0", ",6,1,4>")):
+    for occ, instance in ((None, ",16,6,1,6,"), ("0", ",16,6,1,4,")):
         if occ is None:
             monkeypatch.delenv("FASTAWQ_WGMMA_OCC", raising=False)
         else:
@@ -483,14 +483,20 @@ def test_six_blocks_an_sm(monkeypatch, splits, m, dtype):
 
 
 @requires_kernel
+@pytest.mark.parametrize("scales", [None, "ring"])
 @pytest.mark.parametrize("tokens", [16, 32, 64, 128])
 @pytest.mark.parametrize("splits", [0, 3, 5, 64])
 @pytest.mark.parametrize("g", [32, 128])
-def test_every_form_across_groups_and_splits(tokens, splits, g):
-    # A slot's weights (and the plain form's x copies) in the layout's row order, since session 35:
-    # groups of 1 and 4 steps; K ranges that start mid-group (3 and 5 splits of 64 steps) and of one
-    # step (64); the plain form (16 and 32 tokens: M past one token tile), the warp-specialized one
-    # (64, 128) and the sums form; a second call (the workspace re-zeroed).
+def test_every_form_across_groups_and_splits(monkeypatch, scales, tokens, splits, g):
+    # A slot's weights (and the plain form's x copies) in the layout's row order, since session 35,
+    # and with FASTAWQ_WGMMA_SCALES=ring (read at each call) the plain form's (scale, zero) pairs
+    # through the ring: groups of 1 and 4 steps; K ranges that start mid-group (3 and 5 splits of 64
+    # steps) and of one step (64); the plain form (16 and 32 tokens: M past one token tile), the
+    # warp-specialized one (64, 128) and the sums form; a second call (the workspace re-zeroed).
+    if scales is None:
+        monkeypatch.delenv("FASTAWQ_WGMMA_SCALES", raising=False)
+    else:
+        monkeypatch.setenv("FASTAWQ_WGMMA_SCALES", scales)
     k, n, m = 2048, 392, min(tokens + 3, 130)
     qw, s, qz, wp, sz = _setup(k, n, g, torch.float16, seed=tokens + splits + g)
     bias = random_input((n,), "cuda", torch.float16, seed=5)

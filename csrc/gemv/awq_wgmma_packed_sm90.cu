@@ -303,11 +303,12 @@ __device__ __forceinline__ uint32_t w_slot_offset(int tid) {
 
 // One slot of the ring: the step's x in the wgmma's order (NT tokens x 32 labels, 4 planes of NT x
 // 16 bytes), the same x as copied (a thread's 16-byte items side by side), then the block's
-// weights (16 bytes a lane).
+// weights (16 bytes a lane) and, with SR, the (scale, zero) pairs of the group the step starts (16
+// bytes a lane quad).
 template <int NT>
 constexpr int kXBytes = NT * 64;
-template <int NT, int WG>
-constexpr int kSlotBytes = 2 * kXBytes<NT> + kThreads<WG> * 16;
+template <int NT, int WG, bool SR = false>
+constexpr int kSlotBytes = 2 * kXBytes<NT> + kThreads<WG> * 16 + (SR ? kThreads<WG> * 4 : 0);
 
 // Blocks an SM the registers must allow: at 2 warpgroups 2 at NT <= 64 (128 registers), 1 at 128;
 // at one warpgroup 4 / 3 / 2 at NT <= 32 / 64 / 128 (at 4, NT = 64 would spill).
@@ -315,8 +316,9 @@ template <int NT, int WG>
 constexpr int kMinBlocks = WG == 2 ? (NT <= 64 ? 2 : 1) : (NT <= 32 ? 4 : (NT == 64 ? 3 : 2));
 
 // MINB: the blocks an SM the registers must allow (kMinBlocks unless an occupancy instance asks more:
-// wgmma_occupancy_six()).
-template <typename T, int NT, int P, int WG, int MINB = kMinBlocks<NT, WG>>
+// wgmma_occupancy_six()). SR: the (scale, zero) pairs come through the ring with the weights
+// (wgmma_scales_in_ring()) instead of an __ldg a step ahead.
+template <typename T, int NT, int P, int WG, int MINB = kMinBlocks<NT, WG>, bool SR = false>
 __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int m, int n, int k, int group_size,
@@ -350,10 +352,26 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
   const uint32_t own = pinned(w_slot_offset(tid));
   const int own_item = static_cast<int>(own >> 4);
   const uint32_t w_own = 2 * kXBytes<NT> + own;
-  const auto slot_at = [&](int slot) { return base + slot * kSlotBytes<NT, WG>; };
+  const auto slot_at = [&](int slot) { return base + slot * kSlotBytes<NT, WG, SR>; };
+  // SR: lane t = 0 of each quad copies its columns' pairs into the slot of each step that starts a
+  // group (and of the range's first), at 16 (8 warp + g) past the weights; the quad reads them back
+  // after the step's barrier. The issue stream's own group walk: the pairs' source advances a group
+  // before each copy; iss_left steps remain of the issued group, iss_len is the next one's length.
+  [[maybe_unused]] const uint32_t sz_at = 2 * kXBytes<NT> + kThreads<WG> * 16 + (warp * 8 + g) * 16;
+  [[maybe_unused]] const uint4* sz_iss = sz + static_cast<int64_t>(s0 / steps_per_group - 1) * n4 + c4;
+  [[maybe_unused]] int iss_left = 0, iss_len = steps_per_group - s0 % steps_per_group;
   const auto issue_w = [&](int slot) {
     cp_async16_at(slot_at(slot) + w_own, w_next, col_ok);
     w_next += w_step;
+    if constexpr (SR) {
+      if (iss_left == 0) {
+        sz_iss += n4;
+        if (t == 0) cp_async16_at(slot_at(slot) + sz_at, sz_iss, col_ok);
+        iss_left = iss_len;
+        iss_len = steps_per_group;
+      }
+      --iss_left;
+    }
   };
 
   // The thread's x items: item j = own_item + kBlock * i is token j / 4 (clamped to row M - 1: it
@@ -411,17 +429,21 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
   if (s0 < s1) permute_x(0);
   fence_proxy_async_shared();
 
-  // (scale, zero) of the lane's four columns for the current group, fetched a step ahead.
-  const uint4* sz_lane = sz + static_cast<int64_t>(s0 / steps_per_group) * n4 + c4;
-  uint4 sv_next = make_uint4(0, 0, 0, 0);
+  // (scale, zero) of the lane's four columns for the current group: fetched a step ahead, or (SR)
+  // read from the slot of the group's first step (`pairs_due`).
+  [[maybe_unused]] const uint4* sz_lane = sz + static_cast<int64_t>(s0 / steps_per_group) * n4 + c4;
+  [[maybe_unused]] uint4 sv_next = make_uint4(0, 0, 0, 0);
   const auto load_scales = [&]() {
     if (col_ok) sv_next = __ldg(sz_lane);
   };
   GroupConsts<T> gc;
-  if (s0 < s1) {
-    load_scales();
-    gc.set(sv_next);
+  if constexpr (!SR) {
+    if (s0 < s1) {
+      load_scales();
+      gc.set(sv_next);
+    }
   }
+  [[maybe_unused]] bool pairs_due = true;
   int group_left = steps_per_group - s0 % steps_per_group;
 
   float acc[2][NT / 2];
@@ -441,7 +463,12 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
       issue_x(refill);
     }
     cp_async_commit();
-    if (group_left == 1 && s + 1 < s1) {
+    if constexpr (SR) {
+      if (pairs_due) {  // copied with the step's weights, published by the barrier above
+        gc.set(ld_shared128_at(slot_at(slot) + sz_at));
+        pairs_due = false;
+      }
+    } else if (group_left == 1 && s + 1 < s1) {
       sz_lane += n4;
       load_scales();
     }
@@ -458,7 +485,11 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
     }
     if (--group_left == 0) {
       group_left = steps_per_group;
-      gc.set(sv_next);
+      if constexpr (SR) {
+        pairs_due = true;
+      } else {
+        gc.set(sv_next);
+      }
     }
   };
 
@@ -748,6 +779,18 @@ int ring_depth() {
   return 6;
 }
 
+// FASTAWQ_WGMMA_SCALES=ring (an A/B switch read at each call; the default 6-slot ring only): the
+// plain form's (scale, zero) pairs travel through the ring with the weights of each group's first
+// step (one 16-byte cp.async a lane quad, 512 bytes a slot a warpgroup), read back after that step's
+// barrier, instead of an __ldg a step ahead whose first use held 14 % of the 16-token tile's stall
+// samples (s36n, H200). Fetching them a whole group ahead in registers lost (session 35: 1.80 / 1.58
+// / 1.31 against 1.82 / 1.63 / 1.27 at M = 9 / 16 / 32, the pairs' 4 registers live across the group
+// in an 80-register instance); the ring holds them in shared memory and frees sv_next's registers.
+bool wgmma_scales_in_ring() {
+  const char* v = std::getenv("FASTAWQ_WGMMA_SCALES");
+  return v != nullptr && std::strcmp(v, "ring") == 0;
+}
+
 // Six blocks an SM at the 16-token tile of one warpgroup (FASTAWQ_WGMMA_OCC, on unless "0"; read at
 // each call, and the plan's occupancy query sees the instance the launch runs): ptxas keeps the
 // kernel in 80 registers instead of 95, so the one-wave plan (gemm_steps_per_block) gives every
@@ -760,10 +803,10 @@ bool wgmma_occupancy_six() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
-template <typename T, int NT, int P, int WG, int MINB = kMinBlocks<NT, WG>>
+template <typename T, int NT, int P, int WG, int MINB = kMinBlocks<NT, WG>, bool SR = false>
 void launch_p(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
-  constexpr auto kernel = awq_wgmma_packed_kernel<T, NT, P, WG, MINB>;
-  constexpr int kSmem = P * kSlotBytes<NT, WG>;
+  constexpr auto kernel = awq_wgmma_packed_kernel<T, NT, P, WG, MINB, SR>;
+  constexpr int kSmem = P * kSlotBytes<NT, WG, SR>;
   opt_in_shared_memory<kernel>(kSmem);
   if (resident != nullptr) {
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, kThreads<WG>, kSmem);
@@ -780,11 +823,17 @@ void launch_wg(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
   switch (ring_depth()) {
     case 4: return launch_p<T, NT, 4, WG>(a, stream, resident);
     case 8: return launch_p<T, NT, 8, WG>(a, stream, resident);
-    default:
+    default: {
+      const bool sr = wgmma_scales_in_ring();
       if constexpr (NT == 16 && WG == 1) {
-        if (wgmma_occupancy_six()) return launch_p<T, NT, 6, WG, 6>(a, stream, resident);
+        if (wgmma_occupancy_six()) {
+          return sr ? launch_p<T, NT, 6, WG, 6, true>(a, stream, resident)
+                    : launch_p<T, NT, 6, WG, 6>(a, stream, resident);
+        }
       }
-      return launch_p<T, NT, 6, WG>(a, stream, resident);
+      return sr ? launch_p<T, NT, 6, WG, kMinBlocks<NT, WG>, true>(a, stream, resident)
+                : launch_p<T, NT, 6, WG>(a, stream, resident);
+    }
   }
 }
 
