@@ -15,6 +15,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+# Everything the suite prints goes to $OUT/0_suite.log as well: a device call brings back only the
+# last 12,000 characters of its output and at most 8 files of $OUT, top-level ones first by name (in
+# session 35 a call's tables were lost to both limits), so this one file always comes back.
+exec > >(tee -a "$OUT/0_suite.log") 2>&1
 export PYTHONUNBUFFERED=1
 stages=${*:-build tests gemm gemv attention sanitize e2e quantize}
 status=0
