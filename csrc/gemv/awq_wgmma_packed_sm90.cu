@@ -356,17 +356,17 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
   // SR: lane t = 0 of each quad copies its columns' pairs into the slot of each step that starts a
   // group (and of the range's first), at 16 (8 warp + g) past the weights; the quad reads them back
   // after the step's barrier. The issue stream's own group walk: the pairs' source advances a group
-  // before each copy; iss_left steps remain of the issued group, iss_len is the next one's length.
+  // after each copy; iss_left steps remain of the issued group, iss_len is the next one's length.
   [[maybe_unused]] const uint32_t sz_at = 2 * kXBytes<NT> + kThreads<WG> * 16 + (warp * 8 + g) * 16;
-  [[maybe_unused]] const uint4* sz_iss = sz + static_cast<int64_t>(s0 / steps_per_group - 1) * n4 + c4;
+  [[maybe_unused]] const uint4* sz_iss = sz + static_cast<int64_t>(s0 / steps_per_group) * n4 + c4;
   [[maybe_unused]] int iss_left = 0, iss_len = steps_per_group - s0 % steps_per_group;
   const auto issue_w = [&](int slot) {
     cp_async16_at(slot_at(slot) + w_own, w_next, col_ok);
     w_next += w_step;
     if constexpr (SR) {
       if (iss_left == 0) {
-        sz_iss += n4;
         if (t == 0) cp_async16_at(slot_at(slot) + sz_at, sz_iss, col_ok);
+        sz_iss += n4;
         iss_left = iss_len;
         iss_len = steps_per_group;
       }
