@@ -93,7 +93,7 @@ template <typename T, int MT, int CC, int P, int kX>
 __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int m, int n, int k, int group_size,
-    int steps_per_block, bool early_loads) {
+    int steps_per_block, bool early_loads, bool w_row_order) {
   using Tr = HalfTraits<T>;
   using T2 = typename Tr::T2;
   constexpr bool kShareX = kX == kXShared, kStaged = kX == kXStaged;
@@ -128,11 +128,18 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
   const uint32_t base = smem_addr(ring_smem);
   const uint32_t ring0 = kShareX ? pinned(base + warp * CC * 512 + lane * 16)
                                  : pinned(base + warp * (P * kStepBytes) + lane * 16);
+  // The lane's place in a weight item: 16 lane, or with w_row_order (FASTAWQ_GEMM_W_ROW=1, an A/B
+  // switch) the layout's row order, row t at 128 t and chunk g at (g + 2t) mod 8 in it
+  // (awq_wgmma_packed_sm90.cu's w_slot_offset, session 35: 16 lane scatters each 128-byte line of a
+  // warp's copy over 8 places, a shared wavefront a lane; the x items keep 16 lane, where a row's 4
+  // chunks are the 4 lanes t of one g). Only the per-warp x mode needs a second register for it.
+  const uint32_t wring0 =
+      w_row_order ? pinned(ring0 - lane * 16 + t * 128 + ((g + 2 * t) & 7) * 16) : ring0;
   [[maybe_unused]] const uint32_t xring0 = pinned(base + kPackedThreads / 32 * CC * 512);
   [[maybe_unused]] const uint32_t xstage0 = base + kPackedThreads / 32 * P * kStepBytes;
   constexpr int kXCopies = kStaged ? 1 : (kShareX ? (MT * 64 + kPackedThreads - 1) / kPackedThreads : 2 * MT);
   const T* x_next[kXCopies];  // set after the PDL wait (the staged form copies none)
-  const auto w_addr = [&](int slot, int cc) { return ring0 + slot * kStepBytes + cc * 512; };
+  const auto w_addr = [&](int slot, int cc) { return wring0 + slot * kStepBytes + cc * 512; };
   const auto x_addr = [&](int slot, int mt, int r) {
     if constexpr (kShareX) {
       return xring0 + slot * kStepBytes + (mt * 64 + (8 * r + g) * 4 + t) * 16;
@@ -423,7 +430,7 @@ void launch_depth(const GemmPackedArgs& a, cudaStream_t stream, int* resident) {
   launch_pdl(kernel, dim3(a.m_blocks, a.col_tiles, a.splits), dim3(kPackedThreads), smem, stream,
              static_cast<const T*>(a.x), reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz),
              static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.m, a.n, a.k,
-             a.group_size, a.steps_per_warp, a.early_loads);
+             a.group_size, a.steps_per_warp, a.early_loads, env_flag_on("FASTAWQ_GEMM_W_ROW"));
 }
 
 template <typename T, int MT, int CC>
