@@ -10,6 +10,11 @@ the block barrier, an ALU op after a load the load's latency. Column names diffe
 versions: the sample column is the first whose name has "Warp Stall Sampling (All", else the first
 with "Sampling"; the instruction is the "Source" column. A report of several kernels gives a summary
 each, headed by the name line ncu prints before its rows.
+
+Where the report has the source counters' memory columns (`--section SourceCounters`: "L1 Wavefronts
+Shared", "L1 Wavefronts Shared Excessive", "L2 Theoretical Sectors Global", "... Excessive"), it
+also prints their totals, the excess share, and the instructions with the most excess: session 35
+found the 16-token wgmma tile's weight copies taking 8x the shared wavefronts they need that way.
 """
 from __future__ import annotations
 
@@ -77,6 +82,32 @@ def summarize(rows: list[dict], samples: str, source: str, top: int) -> None:
         print(f"| {op} | {100 * n / total:.1f} % |")
 
 
+# (total column, its excess column, what they count) of the source counters' memory columns.
+ACCESS = (("L1 Wavefronts Shared", "L1 Wavefronts Shared Excessive", "shared wavefronts"),
+          ("L2 Theoretical Sectors Global", "L2 Theoretical Sectors Global Excessive", "L2 sectors (global)"))
+
+
+def summarize_access(rows: list[dict], source: str, top: int) -> None:
+    """Totals and excess of the memory columns present, and the instructions with the most excess."""
+    columns = {c.strip(): c for c in rows[0]} if rows else {}
+    for total_name, excess_name, what in ACCESS:
+        if total_name not in columns or excess_name not in columns:
+            continue
+        total_col, excess_col = columns[total_name], columns[excess_name]
+        total = sum(_number(r[total_col]) for r in rows)
+        excess = sum(_number(r[excess_col]) for r in rows)
+        if total <= 0:
+            continue
+        print(f"{what}: {total:.0f}, {excess:.0f} excess ({100 * excess / total:.0f} %)")
+        worst = [r for r in sorted(rows, key=lambda r: -_number(r[excess_col])) if _number(r[excess_col]) > 0]
+        if not worst:
+            continue
+        print(f"| {what}: excess | total | SASS |")
+        print("|---|---|---|")
+        for r in worst[:top]:
+            print(f"| {_number(r[excess_col]):.0f} | {_number(r[total_col]):.0f} | `{r[source].strip()}` |")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv")
@@ -87,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         if len(sections) > 1:
             print(f"### {title}")
         summarize(rows, samples, source, args.top)
+        summarize_access(rows, source, args.top)
 
 
 if __name__ == "__main__":

@@ -328,3 +328,21 @@ def test_ncu_stalls_summarizes_a_source_page(tmp_path, capsys):
     bad.write_text('"a","b"\n"1","2"\n')
     with pytest.raises(SystemExit, match="no header"):
         mod.main([str(bad)])
+    # With the source counters' memory columns: totals, the excess share, the worst instructions.
+    mem = tmp_path / "mem.csv"
+    mem.write_text("\n".join([
+        '"Kernel Name","k"',
+        '"Address","Source","Warp Stall Sampling (All Samples)","L1 Wavefronts Shared",'
+        '"L1 Wavefronts Shared Excessive","L2 Theoretical Sectors Global","L2 Theoretical Sectors Global Excessive"',
+        '"0x100","LDGSTS.E.BYPASS.128 [R3], desc[UR4][R10.64] ;","10","3,200","2,800","3,200","1,600"',
+        '"0x110","LDS.128 R4, [R2] ;","5","400","0","0","0"',
+        '"0x120","STS [R5], R8 ;","5","400","200","0","0"',
+    ]))
+    mod.main([str(mem), "--top", "2"])
+    out = capsys.readouterr().out.splitlines()
+    assert "shared wavefronts: 4000, 3000 excess (75 %)" in out
+    assert "L2 sectors (global): 3200, 1600 excess (50 %)" in out
+    at = out.index("| shared wavefronts: excess | total | SASS |")
+    assert out[at + 2] == "| 2800 | 3200 | `LDGSTS.E.BYPASS.128 [R3], desc[UR4][R10.64] ;` |"
+    assert out[at + 3] == "| 200 | 400 | `STS [R5], R8 ;` |"
+    assert all("LDS.128" not in line for line in out[at:])
