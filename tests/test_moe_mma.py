@@ -493,6 +493,25 @@ def test_packed_kernel_matches_reference(case, dtype, pass_rows, early, chunks, 
 
 
 @requires_packed
+@pytest.mark.parametrize("evict", ["normal", "auto"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[9], CASES[10]], ids=lambda c: "E{}H{}I{}G{}k{}T{}-{}".format(*c))
+def test_weights_l2_priority(case, evict, monkeypatch, poisoned_empty):
+    # FASTAWQ_MOE_MMA_EVICT (read at each call): the weights' copies at normal L2 priority, or by the
+    # host's rule ("auto": normal where an expert reached expects 8 or more assignments, as the last
+    # two cases do); both layouts' kernels, the same sums.
+    from fastawq.ops import repack
+
+    monkeypatch.setenv("FASTAWQ_MOE_MMA_EVICT", evict)
+    e, h, i, g, k, t, load = case
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=11 * t + k, load=load)
+    packed = repack.awq_experts_repack(*weights, g)
+    for _ in range(2):
+        check(_op(x, ids, w, weights, g, pass_rows=16), x, ids, w, weights, g)
+        out = torch.ops.fastawq.moe_mma_packed_w4(x, ids, w.float().contiguous(), *packed, g, "silu", 16)
+        check(out, x, ids, w, weights, g)
+
+
+@requires_packed
 def test_packed_op_names_the_packed_shapes():
     from fastawq.ops import repack
 

@@ -363,8 +363,14 @@ at::Tensor moe_mma_call(const char* op, bool packed, const at::Tensor& x, const 
   const int64_t hit = std::min(e, n);
   a.rows = static_cast<int>(hit + 1);
   a.pass_rows = static_cast<int>(pass_rows);
+  // The weights' L2 priority (FASTAWQ_MOE_MMA_EVICT, read at each call): evict-first unless "normal";
+  // "auto" (an A/B switch, not yet run) takes normal where an expert reached is expected to take 8 or
+  // more of the call's assignments, i.e. where its weights are read again by later passes of 16 rows.
+  // H100, session 26 (Qwen3-30B-A3B, moe_mma): T = 16 (~1.6 an expert) 116.9 us first, 119.3 normal;
+  // T = 256 (16 an expert) 295.3 first, 285.4 normal.
   const char* evict = std::getenv("FASTAWQ_MOE_MMA_EVICT");
-  a.evict_normal = evict != nullptr && std::strcmp(evict, "normal") == 0;
+  a.evict_normal = evict != nullptr && (std::strcmp(evict, "normal") == 0 ||
+                                        (std::strcmp(evict, "auto") == 0 && n >= 8 * expected_experts(e, n)));
   a.tiles13 = static_cast<int>((i + kMoeMmaTile13 - 1) / kMoeMmaTile13);
   a.tiles2 = static_cast<int>((h + kMoeMmaTile2 - 1) / kMoeMmaTile2);
   const int per_sm = moe_mma_blocks_per_sm(static_cast<int>(pass_rows));
