@@ -718,7 +718,7 @@ if [[ " $stages " == *" s38 "* ]]; then
   timeout 240 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py tests/test_fused.py \
     -k "every_form or six_blocks or sums_form or ring_depths or forced_warpgroup or wgmma_sums or wgmma_decode" \
     2>&1 | tail -2 || status=1
-  compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only packed 2>&1 | tail -2 \
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only packed 2>&1 | tail -2 \
     || status=1
   timeout 150 python benchmarks/gemm_table.py --kernels wgmma --ms 9,16,32,64 --dtypes float16,bfloat16 \
     --out "$OUT/s38_table" 2>&1 | grep -E "geomean|^\| *(float16|bfloat16) *\| *(9|16|32|64) *\|" || status=1
