@@ -129,12 +129,9 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
   const uint32_t ring0 = kShareX ? pinned(base + warp * CC * 512 + lane * 16)
                                  : pinned(base + warp * (P * kStepBytes) + lane * 16);
   // The lane's place in a weight item: 16 lane, or with w_row_order (FASTAWQ_GEMM_W_ROW=1, an A/B
-  // switch) the layout's row order, row t at 128 t and chunk g at (g + 2t) mod 8 in it
-  // (awq_wgmma_packed_sm90.cu's w_slot_offset, session 35: 16 lane scatters each 128-byte line of a
-  // warp's copy over 8 places, a shared wavefront a lane; the x items keep 16 lane, where a row's 4
+  // switch) the layout's row order (gemv::row_order_offset; the x items keep 16 lane, where a row's 4
   // chunks are the 4 lanes t of one g). Only the per-warp x mode needs a second register for it.
-  const uint32_t wring0 =
-      w_row_order ? pinned(ring0 - lane * 16 + t * 128 + ((g + 2 * t) & 7) * 16) : ring0;
+  const uint32_t wring0 = w_row_order ? pinned(ring0 - lane * 16 + gemv::row_order_offset(g, t)) : ring0;
   [[maybe_unused]] const uint32_t xring0 = pinned(base + kPackedThreads / 32 * CC * 512);
   [[maybe_unused]] const uint32_t xstage0 = base + kPackedThreads / 32 * P * kStepBytes;
   constexpr int kXCopies = kStaged ? 1 : (kShareX ? (MT * 64 + kPackedThreads - 1) / kPackedThreads : 2 * MT);

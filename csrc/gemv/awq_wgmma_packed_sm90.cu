@@ -286,19 +286,15 @@ __device__ __forceinline__ void store_accumulators(const float (&acc)[2][NT / 2]
     }
 }
 
-// Where consumer thread `tid` (lane (g, t) of its warp) keeps its 16 bytes of a step's weights in a
-// slot's weight region: the warp's 512 bytes in the layout's row order, row t at 128 t, lane g's 16
-// bytes at (g + 2t) mod 8 in it, so a 128-byte line of the layout (the 8 lanes of one t) lands in one
-// 128-byte row and the lanes' own 16-byte loads back (8 a wavefront: g in {2q, 2q + 1}, t in 0..3)
-// meet 8 distinct bank groups. In thread order (16 tid, the form before session 35) a warp's copy
-// scattered each line over 8 places 64 bytes apart and the shared-memory side of the cp.async took a
-// wavefront a lane (s36n's Nsight Compute on the 16-token tile, H200: 32 wavefronts a warp's copy
-// against 4; 62 % of the kernel's 5.5 M shared wavefronts in excess). Session 35 (H100, same run):
-// geomean x cuBLAS at M = 9 / 16 / 32 1.53 / 1.43 / 1.19 in thread order, 1.82 / 1.63 / 1.27 in row
-// order; the Llama-3-8B-shape engine at batch 16 1.151x.
+// Where consumer thread `tid` keeps its 16 bytes of a step's weights in a slot's weight region: its
+// warp's 512 bytes at 512 warp, in the layout's row order (gemv::row_order_offset). In lane order (16
+// tid, the form before session 35) the s36n Nsight Compute report of the 16-token tile (H200) had 32
+// shared wavefronts a warp's copy against 4, 62 % of the kernel's 5.5 M in excess. Session 35 (H100,
+// same run): geomean x cuBLAS at M = 9 / 16 / 32 1.53 / 1.43 / 1.19 in lane order, 1.82 / 1.63 / 1.27
+// in row order; the Llama-3-8B-shape engine at batch 16 1.151x.
 __device__ __forceinline__ uint32_t w_slot_offset(int tid) {
-  const int lane = tid & 31, g = lane >> 2, t = lane & 3;
-  return (tid >> 5) * 512 + t * 128 + ((g + 2 * t) & 7) * 16;
+  const int lane = tid & 31;
+  return (tid >> 5) * 512 + gemv::row_order_offset(lane >> 2, lane & 3);
 }
 
 // One slot of the ring: the step's x in the wgmma's order (NT tokens x 32 labels, 4 planes of NT x

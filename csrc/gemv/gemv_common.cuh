@@ -54,6 +54,14 @@ __device__ __forceinline__ void decode_bytes(uint32_t v, float (&f)[4]) {
   f[3] = __uint_as_float(__byte_perm(v, kHalf, 0x7344));
 }
 
+// Where lane (g, t) of a warp keeps, within the warp's 512 bytes of a shared-memory ring slot, the 16
+// bytes it copies from the packed layout (row 4s + t, chunk c4 + g): the layout's row order, row t at
+// 128 t and chunk g at (g + 2t) mod 8 in it, so each 128-byte line of the copy lands in one 128-byte
+// row and the lanes' 16-byte loads back (8 a wavefront: g in {2q, 2q + 1}, t in 0..3) meet 8 distinct
+// bank groups. Lane order (16 lane) scatters each line over 8 places 64 bytes apart: a shared
+// wavefront a lane for the cp.async (session 35, awq_wgmma_packed_sm90.cu).
+__device__ __forceinline__ uint32_t row_order_offset(int g, int t) { return t * 128 + ((g + 2 * t) & 7) * 16; }
+
 // The mma A register of the tensor-core kernels (awq_mma_packed.cu, moe/moe_mma.cuh): (magic + the
 // low nibble of byte B of lo, magic + that of hi) in x's dtype, exact. With hi = lo >> 4 it is the
 // two nibbles of one byte; with two rows' words, one nibble of each.
