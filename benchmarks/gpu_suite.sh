@@ -769,7 +769,7 @@ if [[ " $stages " == *" s38m "* ]]; then
   # 2 % slower). Its test, then bench_moe on both layouts' kernels per setting (~2 min).
   timeout 120 python -m pytest -x -q -p no:cacheprovider tests/test_moe_mma.py -k "l2_priority" 2>&1 | tail -2 \
     || status=1
-  for ev in first normal auto; do
+  for ev in first normal; do
     echo "FASTAWQ_MOE_MMA_EVICT=$ev"
     FASTAWQ_MOE_MMA_EVICT=$ev timeout 100 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b,mixtral-8x7b \
       --ts 16,64,256 --backends cuda,cuda:mmapacked --no-tune 2>&1 | grep -E "^\| (qwen3|mixtral)" || status=1

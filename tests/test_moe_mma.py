@@ -493,12 +493,12 @@ def test_packed_kernel_matches_reference(case, dtype, pass_rows, early, chunks, 
 
 
 @requires_packed
-@pytest.mark.parametrize("evict", ["normal", "auto"])
+@pytest.mark.parametrize("evict", ["first", "normal"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[9], CASES[10]], ids=lambda c: "E{}H{}I{}G{}k{}T{}-{}".format(*c))
 def test_weights_l2_priority(case, evict, monkeypatch, poisoned_empty):
-    # FASTAWQ_MOE_MMA_EVICT (read at each call): the weights' copies at normal L2 priority, or by the
-    # host's rule ("auto": normal where an expert reached expects 8 or more assignments, as the last
-    # two cases do); both layouts' kernels, the same sums.
+    # FASTAWQ_MOE_MMA_EVICT (read at each call) forces the weights' L2 priority, each layout's
+    # default being the other one for one of the two kernels (AWQ layout: normal, packed: first);
+    # both layouts' kernels, the same sums.
     from fastawq.ops import repack
 
     monkeypatch.setenv("FASTAWQ_MOE_MMA_EVICT", evict)

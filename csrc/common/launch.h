@@ -165,9 +165,9 @@ struct MoeMmaArgs : MoeArgs {
   int pass_rows;                   // tokens per pass: 8 or 16 (two mma n-tiles)
   int tiles13, splits13, steps13;  // w13 grid and 32-row steps of K per warp
   int tiles2, splits2, steps2;     // w2 likewise
-  // FASTAWQ_MOE_MMA_EVICT=normal (an A/B switch, read at each call): the weights' copies at L2's
-  // normal priority instead of evict_first. A block's tile is a 32-byte stripe of each AWQ row
-  // (4 tiles share a 128-byte line): is a line evicted before its neighbours' blocks read it?
+  // The weights' copies at L2's normal priority instead of evict_first: the AWQ layout's default
+  // (a block's tile is a 32-byte stripe of each row, 4 tiles share a 128-byte line, and evict-first
+  // drops the line before its neighbours' blocks read it); FASTAWQ_MOE_MMA_EVICT forces it (moe_gemv.cpp).
   bool evict_normal;
   // FASTAWQ_MOE_MMA_PERSISTENT=1 (an A/B switch, read at each call): > 0 runs w13 and w2 as one
   // persistent launch of this many blocks, each taking work items (a block of either grid) in

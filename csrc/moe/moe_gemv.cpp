@@ -363,14 +363,19 @@ at::Tensor moe_mma_call(const char* op, bool packed, const at::Tensor& x, const 
   const int64_t hit = std::min(e, n);
   a.rows = static_cast<int>(hit + 1);
   a.pass_rows = static_cast<int>(pass_rows);
-  // The weights' L2 priority (FASTAWQ_MOE_MMA_EVICT, read at each call): evict-first unless "normal";
-  // "auto" (an A/B switch, not yet run) takes normal where an expert reached is expected to take 8 or
-  // more of the call's assignments, i.e. where its weights are read again by later passes of 16 rows.
-  // H100, session 26 (Qwen3-30B-A3B, moe_mma): T = 16 (~1.6 an expert) 116.9 us first, 119.3 normal;
-  // T = 256 (16 an expert) 295.3 first, 285.4 normal.
+  // The weights' L2 priority: normal on the AWQ layout, evict-first on the packed one;
+  // FASTAWQ_MOE_MMA_EVICT=first / normal (an A/B switch, read at each call) forces one. On the AWQ
+  // layout a block's tile is a 32-byte stripe of each row, and the other three stripes of the
+  // 128-byte line belong to neighbouring blocks: evict-first drops the line before they read it.
+  // The packed layout's tiles read whole lines. H100, session 36 (bench_moe.py, us, first ->
+  // normal), AWQ layout: Qwen3-30B-A3B T = 16 / 64 / 256 107.3 / 172.0 / 289.1 -> 109.0 / 172.8 /
+  // 278.4, Mixtral-8x7B 412.2 / 651.2 / 2206.5 -> 362.2 / 581.5 / 1820.6; packed layout: Qwen3
+  // 96.2 / 162.8 / 291.7 -> 103.0 / 175.4 / 313.1, Mixtral 291.1 / 559.9 / 1662.1 -> 295.0 /
+  // 600.4 / 1808.5.
   const char* evict = std::getenv("FASTAWQ_MOE_MMA_EVICT");
-  a.evict_normal = evict != nullptr && (std::strcmp(evict, "normal") == 0 ||
-                                        (std::strcmp(evict, "auto") == 0 && n >= 8 * expected_experts(e, n)));
+  a.evict_normal = evict != nullptr && std::strcmp(evict, "normal") == 0   ? true
+                   : evict != nullptr && std::strcmp(evict, "first") == 0 ? false
+                                                                           : !packed;
   a.tiles13 = static_cast<int>((i + kMoeMmaTile13 - 1) / kMoeMmaTile13);
   a.tiles2 = static_cast<int>((h + kMoeMmaTile2 - 1) / kMoeMmaTile2);
   const int per_sm = moe_mma_blocks_per_sm(static_cast<int>(pass_rows));

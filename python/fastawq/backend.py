@@ -93,7 +93,10 @@ def _bound_from_env(name: str, default: int | None) -> int | None:
     return int(value)
 
 
-PACKED_WGMMA_MAX_M: int | None = _bound_from_env("FASTAWQ_PACKED_WGMMA_MAX_M", 32)
+# Session 36 (H100, bench_ab.py --compare layout, Triton tuned as a user gets it): with the wgmma
+# tiles' weights in row order the engine at batch 64 decodes 12,903.9 tokens/s on the packed layout
+# (awq_wgmma_packed up to M = 64) against 10,260.5 on the AWQ layout, 1.258x: the bound is 64.
+PACKED_WGMMA_MAX_M: int | None = _bound_from_env("FASTAWQ_PACKED_WGMMA_MAX_M", 64)
 # awq_wgmma_packed's 16-token tile also serves the M = 9 .. 16 bucket (PACKED_GEMM_MAX_M's) on sm_90
 # devices, in place of awq_gemm_packed (which keeps it on other GPUs, where the op declines). H100,
 # RESULTS.md session 27: geomean x cuBLAS fp16 at M = 16 1.55 against awq_gemm_packed's 1.38;
