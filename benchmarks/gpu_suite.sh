@@ -858,15 +858,15 @@ if [[ " $stages " == *" targets "* || " $stages " == *" targets11 "* ]]; then
   step targets11
   # Issue 11's engine rows: Llama-3-8B shape decode at batch 1 with the memory row (max_seq_len
   # 4096) and at batch 16 / 64; each in the layout the engine picks (bench_e2e.py's --layout auto,
-  # its default since session 27: packed up to batch 32 on sm_90 GPUs).
+  # its default since session 27: packed up to batch 64 on sm_90 GPUs since session 36).
   FASTAWQ_TRITON_TUNE=0 timeout 100 python benchmarks/bench_e2e.py --shape llama-3-8b --layout packed \
     --modes fused-graphs --graph-lengths 64 --batches 1 --max-seq-len 4096 --budget 60 --out "$OUT/t_llama_b1" \
     2>&1 | grep -E "^\| (Mode|fused)" | head -4 || status=1
   FASTAWQ_TRITON_TUNE=0 timeout 100 python benchmarks/bench_e2e.py --shape llama-3-8b --layout packed \
     --modes fused-graphs --graph-lengths 64 --batches 16 --max-seq-len 256 --budget 60 --out "$OUT/t_llama_b16" \
     2>&1 | grep -E "^\| fused" | head -3 || status=1
-  # Batch 64 runs the AWQ layout's Triton GEMM, tuned on first use as a user gets it (session 28, H100:
-  # 10,235.5 tok/s tuned against 6,849.7 with FASTAWQ_TRITON_TUNE=0; a fresh machine tunes for minutes).
+  # Batch 64: the packed layout's awq_wgmma_packed since session 36 (H100: 1.258x the AWQ layout's
+  # tuned Triton GEMM); --layout auto as a user gets it, Triton tuning on (the prefill's GEMMs).
   timeout 300 python benchmarks/bench_e2e.py --shape llama-3-8b --layout auto \
     --modes fused-graphs --graph-lengths 64 --batches 64 --max-seq-len 256 --budget 60 --out "$OUT/t_llama_b64" \
     2>&1 | grep -E "^\| fused" | head -3 || status=1

@@ -105,11 +105,12 @@ def main(argv: list[str] | None = None) -> None:
                 if hasattr(ops, "awq_wgmma_packed") and not ops.awq_wgmma_packed_declines():
                     # Its A/B switches (read at each call): one- and two-warpgroup blocks, the 4- and
                     # 8-slot rings, the warp-specialized and plain forms forced, the 16-token tile's
-                    # five-block instance, the pairs through the ring.
+                    # five-block instance, the pairs through the ring at every tile and at none.
                     for env in ({"FASTAWQ_WGMMA_WARPGROUPS": "1"}, {"FASTAWQ_WGMMA_WARPGROUPS": "2"},
                                 {"FASTAWQ_WGMMA_DEPTH": "4"}, {"FASTAWQ_WGMMA_DEPTH": "8"},
                                 {"FASTAWQ_WGMMA_FORM": "ws"}, {"FASTAWQ_WGMMA_FORM": "plain"},
-                                {"FASTAWQ_WGMMA_OCC": "0"}, {"FASTAWQ_WGMMA_SCALES": "ring"}):
+                                {"FASTAWQ_WGMMA_OCC": "0"}, {"FASTAWQ_WGMMA_SCALES": "ring"},
+                                {"FASTAWQ_WGMMA_SCALES": "0"}):
                         with env_set(env):
                             for m, tile in ((17, ()), (9, (16, 0)), (130, (128, 3)), (70, (64, k // 32))):
                                 x = random_input((m, k), "cuda", dtype, seed=m)

@@ -483,14 +483,14 @@ def test_six_blocks_an_sm(monkeypatch, splits, m, dtype):
 
 
 @requires_kernel
-@pytest.mark.parametrize("scales", [None, "ring"])
+@pytest.mark.parametrize("scales", [None, "ring", "0"])
 @pytest.mark.parametrize("tokens", [16, 32, 64, 128])
 @pytest.mark.parametrize("splits", [0, 3, 5, 64])
 @pytest.mark.parametrize("g", [32, 128])
 def test_every_form_across_groups_and_splits(monkeypatch, scales, tokens, splits, g):
     # A slot's weights (and the plain form's x copies) in the layout's row order, since session 35,
-    # and with FASTAWQ_WGMMA_SCALES=ring (read at each call) the plain form's (scale, zero) pairs
-    # through the ring: groups of 1 and 4 steps; K ranges that start mid-group (3 and 5 splits of 64
+    # and the plain form's (scale, zero) pairs through the ring (by default at the 16-token tile;
+    # FASTAWQ_WGMMA_SCALES, read at each call, forces "ring" at every tile or "0" at none): groups of 1 and 4 steps; K ranges that start mid-group (3 and 5 splits of 64
     # steps) and of one step (64); the plain form (16 and 32 tokens: M past one token tile), the
     # warp-specialized one (64, 128) and the sums form; a second call (the workspace re-zeroed).
     if scales is None:

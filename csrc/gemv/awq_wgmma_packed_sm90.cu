@@ -775,16 +775,22 @@ int ring_depth() {
   return 6;
 }
 
-// FASTAWQ_WGMMA_SCALES=ring (an A/B switch read at each call; the default 6-slot ring only): the
-// plain form's (scale, zero) pairs travel through the ring with the weights of each group's first
-// step (one 16-byte cp.async a lane quad, 512 bytes a slot a warpgroup), read back after that step's
-// barrier, instead of an __ldg a step ahead whose first use held 14 % of the 16-token tile's stall
-// samples (s36n, H200). Fetching them a whole group ahead in registers lost (session 35: 1.80 / 1.58
-// / 1.31 against 1.82 / 1.63 / 1.27 at M = 9 / 16 / 32, the pairs' 4 registers live across the group
-// in an 80-register instance); the ring holds them in shared memory and frees sv_next's registers.
-bool wgmma_scales_in_ring() {
+// The plain form's (scale, zero) pairs through the ring (the default 6-slot ring only): they travel
+// with the weights of each group's first step (one 16-byte cp.async a lane quad, 512 bytes a slot a
+// warpgroup) and are read back after that step's barrier, instead of an __ldg a step ahead whose
+// first use held 14 % of the 16-token tile's stall samples (s36n, H200). Fetching them a whole group
+// ahead in registers lost (session 35: 1.80 / 1.58 / 1.31 against 1.82 / 1.63 / 1.27 at M = 9 / 16 /
+// 32, the pairs' 4 registers live across the group in an 80-register instance); the ring holds them
+// in shared memory and frees sv_next's registers. H100, session 36, same call: geomean x cuBLAS at
+// M = 9 / 16 / 32 1.92 / 1.73 / 1.28 against 1.87 / 1.66 / 1.29, the Llama-3-8B-shape engine at
+// batch 9 / 16 / 32 1.016x / 1.016x / 0.990x: the 16-token tile takes them (one warpgroup), the
+// wider tiles keep the __ldg. FASTAWQ_WGMMA_SCALES (an A/B switch read at each call) forces: "ring"
+// every tile, "0" none.
+bool wgmma_scales_in_ring(int tokens, int warpgroups) {
   const char* v = std::getenv("FASTAWQ_WGMMA_SCALES");
-  return v != nullptr && std::strcmp(v, "ring") == 0;
+  if (v != nullptr && std::strcmp(v, "ring") == 0) return true;
+  if (v != nullptr && std::strcmp(v, "0") == 0) return false;
+  return tokens == 16 && warpgroups == 1;
 }
 
 // Six blocks an SM at the 16-token tile of one warpgroup (FASTAWQ_WGMMA_OCC, on unless "0"; read at
@@ -820,7 +826,7 @@ void launch_wg(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
     case 4: return launch_p<T, NT, 4, WG>(a, stream, resident);
     case 8: return launch_p<T, NT, 8, WG>(a, stream, resident);
     default: {
-      const bool sr = wgmma_scales_in_ring();
+      const bool sr = wgmma_scales_in_ring(NT, WG);
       if constexpr (NT == 16 && WG == 1) {
         if (wgmma_occupancy_six()) {
           return sr ? launch_p<T, NT, 6, WG, 6, true>(a, stream, resident)
