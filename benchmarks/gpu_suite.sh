@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38g s38m s38b s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -746,20 +746,6 @@ smsp__average_warps_issue_stalled_selected_per_issue_active.ratio
     python benchmarks/ncu_stalls.py "$OUT/s38_wg16.sass.csv" --top 12 || status=1
     rm -f "$OUT/s38_wg16.ncu-rep"  # the device tool brings back a few files only
   fi
-fi
-if [[ " $stages " == *" s38g "* ]]; then
-  step s38g
-  # awq_gemm_packed (the batch as the mma's M: M >= 9 where wgmma does not run, i.e. before Hopper or
-  # with FASTAWQ_PACKED_WGMMA=0) with its weights' ring items in row order (FASTAWQ_GEMM_W_ROW=1,
-  # session 35, not yet run; the wgmma tiles' fix: 16 lane scattered each 128-byte line over 8
-  # places). Its tests in every x mode, then its kernel table both ways (~2 min).
-  timeout 200 python -m pytest -x -q -p no:cacheprovider tests/test_gemm_packed.py -k "x_modes and row_w" 2>&1 \
-    | tail -2 || status=1
-  for row in 0 1; do
-    echo "FASTAWQ_GEMM_W_ROW=$row"
-    FASTAWQ_GEMM_W_ROW=$row timeout 100 python benchmarks/gemm_table.py --kernels gemm --ms 16,32,64 \
-      --dtypes float16 --out "$OUT/s38g_$row" 2>&1 | grep -E "geomean|^\| *float16 *\| *(16|32|64) *\|" || status=1
-  done
 fi
 if [[ " $stages " == *" s38m "* ]]; then
   step s38m

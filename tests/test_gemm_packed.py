@@ -186,15 +186,12 @@ def test_every_tile_and_split(m_tiles, chunks, splits, m):
 # ring a block with x staged once per step for the 4 warps and a barrier a step; FASTAWQ_GEMM_STAGE_X=1,
 # x staged once a block in the mma's A order (at most 16 steps a block at one m-tile, 8 above:
 # automatic splits are cut that fine, forced ones of 1 and 3 splits at 64 steps run the ring form),
-# with and without its weight ring filled before the PDL wait (FASTAWQ_GEMV_EARLY_LOADS=1); and in each
-# x mode the weights' ring items in the layout's row order (FASTAWQ_GEMM_W_ROW=1).
+# with and without its weight ring filled before the PDL wait (FASTAWQ_GEMV_EARLY_LOADS=1). (Every
+# mode keeps the weights' ring items in the layout's row order, since session 36.)
 X_MODES = {
     "shared_x": {"FASTAWQ_GEMM_SHARE_X": "1"},
     "staged_x": {"FASTAWQ_GEMM_STAGE_X": "1"},
     "staged_x_early": {"FASTAWQ_GEMM_STAGE_X": "1", "FASTAWQ_GEMV_EARLY_LOADS": "1"},
-    "row_w": {"FASTAWQ_GEMM_W_ROW": "1"},
-    "row_w_shared_x": {"FASTAWQ_GEMM_W_ROW": "1", "FASTAWQ_GEMM_SHARE_X": "1"},
-    "row_w_staged_x": {"FASTAWQ_GEMM_W_ROW": "1", "FASTAWQ_GEMM_STAGE_X": "1"},
 }
 
 

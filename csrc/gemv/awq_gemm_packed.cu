@@ -93,7 +93,7 @@ template <typename T, int MT, int CC, int P, int kX>
 __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int m, int n, int k, int group_size,
-    int steps_per_block, bool early_loads, bool w_row_order) {
+    int steps_per_block, bool early_loads) {
   using Tr = HalfTraits<T>;
   using T2 = typename Tr::T2;
   constexpr bool kShareX = kX == kXShared, kStaged = kX == kXStaged;
@@ -128,10 +128,12 @@ __global__ void __launch_bounds__(kPackedThreads) awq_gemm_packed_kernel(
   const uint32_t base = smem_addr(ring_smem);
   const uint32_t ring0 = kShareX ? pinned(base + warp * CC * 512 + lane * 16)
                                  : pinned(base + warp * (P * kStepBytes) + lane * 16);
-  // The lane's place in a weight item: 16 lane, or with w_row_order (FASTAWQ_GEMM_W_ROW=1, an A/B
-  // switch) the layout's row order (gemv::row_order_offset; the x items keep 16 lane, where a row's 4
-  // chunks are the 4 lanes t of one g). Only the per-warp x mode needs a second register for it.
-  const uint32_t wring0 = w_row_order ? pinned(ring0 - lane * 16 + gemv::row_order_offset(g, t)) : ring0;
+  // The lane's place in a weight item: the layout's row order (gemv::row_order_offset: a warp's copy
+  // of 512 bytes in 4 shared wavefronts, where 16 lane scattered each 128-byte line over 8 places and
+  // took 32); the x items keep 16 lane, where a row's 4 chunks are the 4 lanes t of one g. H100,
+  // session 36, same call: geomean x cuBLAS fp16 at M = 16 / 32 / 64 1.54 / 1.06 / 0.60 against
+  // 1.33 / 1.02 / 0.59 (the kernel runs M >= 9 where awq_wgmma_packed does not: before Hopper).
+  const uint32_t wring0 = pinned(ring0 - lane * 16 + gemv::row_order_offset(g, t));
   [[maybe_unused]] const uint32_t xring0 = pinned(base + kPackedThreads / 32 * CC * 512);
   [[maybe_unused]] const uint32_t xstage0 = base + kPackedThreads / 32 * P * kStepBytes;
   constexpr int kXCopies = kStaged ? 1 : (kShareX ? (MT * 64 + kPackedThreads - 1) / kPackedThreads : 2 * MT);
@@ -427,7 +429,7 @@ void launch_depth(const GemmPackedArgs& a, cudaStream_t stream, int* resident) {
   launch_pdl(kernel, dim3(a.m_blocks, a.col_tiles, a.splits), dim3(kPackedThreads), smem, stream,
              static_cast<const T*>(a.x), reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz),
              static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.m, a.n, a.k,
-             a.group_size, a.steps_per_warp, a.early_loads, env_flag_on("FASTAWQ_GEMM_W_ROW"));
+             a.group_size, a.steps_per_warp, a.early_loads);
 }
 
 template <typename T, int MT, int CC>
