@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -769,6 +769,19 @@ if [[ " $stages " == *" s38b "* ]]; then
   # batch-64 row leaves Triton's tuning cache warm (~1.5 min).
   FASTAWQ_PACKED_WGMMA_MAX_M=64 timeout 300 python benchmarks/bench_ab.py --compare layout --shape llama-3-8b \
     --batches 64 --prefill 16 --decode 64 --rounds 2 2>&1 | grep -E "^\||on / off" || status=1
+fi
+if [[ " $stages " == *" s39 "* ]]; then
+  step s39
+  # Session 36's defaults on a GPU: awq_gemm_packed's weights in row order in every x mode, the
+  # 16-token wgmma tile's pairs through the ring (and FASTAWQ_WGMMA_SCALES forced both ways), the MoE
+  # GEMMs' L2 priority by layout; their memcheck; then the kernel table's automatic choice on the
+  # packed layout at M = 1 .. 64 in both dtypes (issue 11's rows; ~4 min).
+  timeout 240 python -m pytest -x -q -p no:cacheprovider tests/test_gemm_packed.py tests/test_wgmma_packed.py \
+    tests/test_moe_mma.py -k "x_modes or every_form or l2_priority" 2>&1 | tail -2 || status=1
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only packed 2>&1 | tail -2 \
+    || status=1
+  timeout 200 python benchmarks/gemm_table.py --layouts packed --ms 1,2,4,8,16,32,64 --dtypes float16,bfloat16 \
+    --out "$OUT/s39_table" 2>&1 | grep -E "geomean|^\| *(float16|bfloat16) *\| *[0-9]+ *\|" || status=1
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p
