@@ -223,27 +223,41 @@ def test_fused_wgmma_decode_matches_unfused(monkeypatch, arch):
 
 
 @needs_cuda
+@pytest.mark.parametrize("gu_sums", ["0", "1"])
 @pytest.mark.parametrize("arch, batch, head_dim", [("llama", 16, 64), ("qwen3", 16, 64), ("qwen2", 12, None),
                                                    ("phi3", 24, None)])
-def test_fused_wgmma_sums_decode_matches_unfused(monkeypatch, arch, batch, head_dim):
+def test_fused_wgmma_sums_decode_matches_unfused(monkeypatch, arch, batch, head_dim, gu_sums):
     # FASTAWQ_WGMMA_SUMS (the default): at the rows awq_wgmma_packed takes on sm_90 (batches 9-32), o_proj and down
     # add into fp32 sums (awq_wgmma_packed_sums) that the norms after them round, and with head_dim 64
     # (the compiled rope attention's) QKV too, which the rope attention reads as fp32; decode with CUDA
     # graphs still matches transformers (Qwen3: q/k norms; Qwen2: biases, added once; Phi-3: its fused
-    # gate_up), and the sums op ran where it can (elsewhere only the match is checked).
+    # gate_up), and the sums op ran where it can (elsewhere only the match is checked). With
+    # FASTAWQ_WGMMA_GU_SUMS=1 gate_up adds into fp32 sums too, which act_mul_sums rounds: a layer's
+    # decode step then makes one more sums call.
     from fastawq import _ext
 
+    monkeypatch.setenv("FASTAWQ_WGMMA_GU_SUMS", gu_sums)
     monkeypatch.setenv("FASTAWQ_DENSE_SUMS", "1")
     monkeypatch.setenv("FASTAWQ_QKV_SUMS", "1")
     monkeypatch.delenv("FASTAWQ_WGMMA_SUMS", raising=False)
     f32_qkv = spy_fp32_first_argument(monkeypatch, "rope_decode_attention")
     over = {} if head_dim is None else {"head_dim": head_dim}
     runs, rows = _spy_wgmma_rows(monkeypatch, "awq_wgmma_packed_sums")
+    acts = []
+    if gu_sums == "1":
+        real_act = ops.act_mul_sums
+
+        def spy_act(sums, *args, **kwargs):
+            acts.append(sums.shape[0])
+            return real_act(sums, *args, **kwargs)
+
+        monkeypatch.setattr(ops, "act_mul_sums", spy_act)
     _match_over_decode(arch, None, 12, device="cuda", graphs=True, batch=batch, layout="packed", **over)
     if runs:
         assert batch in rows
         if head_dim is not None and _ext.has_op("rope_decode_attention"):
             assert any(f32_qkv)
+        assert (batch in acts) == (gu_sums == "1")
 
 
 def test_wgmma_sums_switch_and_fit_off_the_gpu(monkeypatch):

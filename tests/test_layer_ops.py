@@ -89,6 +89,33 @@ def test_act_mul_matches_reference(be, act):
     torch.testing.assert_close(ops.act_mul(gu, act, backend=be), reference.act_mul(gu, act), **_tol(be))
 
 
+@pytest.mark.parametrize("be", BACKENDS)
+@pytest.mark.parametrize("act", ops.ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_act_mul_sums_rounds_the_sums_first(be, act, dtype):
+    # A gate_up projection's fp32 sums (FASTAWQ_WGMMA_GU_SUMS): the result equals act_mul of the sums
+    # rounded to the activation dtype, in that dtype; values with low bits the rounding drops, and I =
+    # 1100 straddling 1024-column blocks.
+    sums = torch.randn(3, 2, 2 * 1100, device=DEV) * torch.logspace(-2, 1, 2 * 1100, device=DEV)
+    out = ops.act_mul_sums(sums, act, dtype, backend=be)
+    want = ops.act_mul(sums.to(dtype), act, backend=be)
+    assert out.dtype == dtype and out.shape == (3, 2, 1100)
+    if be == "triton" and dtype == torch.bfloat16 and not CUDA:
+        # Triton's CPU interpreter rounds fp32 to bf16 its own way (not to nearest): up to two bf16 steps
+        # apart (the input's rounding and the output's).
+        torch.testing.assert_close(out, want, rtol=3.2e-2, atol=1e-5)
+    else:
+        assert torch.equal(out, want)
+    tol = dict(rtol=3.2e-2, atol=1e-3) if be != "torch" and dtype == torch.bfloat16 else _tol(be)
+    torch.testing.assert_close(out, reference.act_mul(sums.to(dtype), act), **tol)
+    with pytest.raises(ValueError, match=r"gu_sums must be fp32 with an even last dimension, got torch.float16"):
+        ops.act_mul_sums(sums.half(), act, dtype, backend=be)
+    with pytest.raises(ValueError, match=r"dtype must be float16 or bfloat16, got torch.float32"):
+        ops.act_mul_sums(sums, act, torch.float32, backend=be)
+    with pytest.raises(ValueError, match="activation 'relu' is not fused"):
+        ops.act_mul_sums(sums, "relu", dtype, backend=be)
+
+
 def _rope_inputs(qk_norm: bool, dtype=torch.float16):
     b, seq, hq, hkv, d, s = 2, 5, 4, 2, 32, 24
     qkv = torch.randn(b, seq, (hq + 2 * hkv) * d, dtype=dtype, device=DEV)

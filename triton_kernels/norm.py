@@ -41,13 +41,22 @@ def _add_rms_norm_kernel(
 
 
 @triton.jit
-def _act_mul_kernel(gu_ptr, out_ptr, inter, ACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _act_mul_kernel(
+    gu_ptr, out_ptr, inter, ACT: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):
     pdl_enter(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
-    g = tl.load(gu_ptr + row * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + row * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gu_ptr + row * 2 * inter + cols, mask=mask, other=0.0)
+    u = tl.load(gu_ptr + row * 2 * inter + inter + cols, mask=mask, other=0.0)
+    if ROUND:
+        # fp32 sums (a projection that added into them instead of storing): rounded to the output's
+        # dtype first, as that projection's own conversion would have stored them.
+        g = g.to(out_ptr.dtype.element_ty)
+        u = u.to(out_ptr.dtype.element_ty)
+    g = g.to(tl.float32)
+    u = u.to(tl.float32)
     if ACT == 0:
         a = g / (1.0 + tl.exp(-g))
     elif ACT == 1:
@@ -87,14 +96,17 @@ def add_rms_norm(
     return y.reshape(x.shape), (None if residual is None else res_out.reshape(x.shape))
 
 
-# gate_up [..., 2I] (gate columns, then up columns)  ->  act(gate) * up [..., I]
-def act_mul(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+# gate_up [..., 2I] (gate columns, then up columns)  ->  act(gate) * up [..., I]; out_dtype (None:
+# gate_up's) other than gate_up's fp32: gate and up rounded to it first (fp32 sums of a projection)
+def act_mul(gate_up: torch.Tensor, act: str = "silu", out_dtype: torch.dtype | None = None) -> torch.Tensor:
     two_i = gate_up.shape[-1]
     inter = two_i // 2
     gu = gate_up.reshape(-1, two_i).contiguous()
-    out = torch.empty(gu.shape[0], inter, device=gu.device, dtype=gu.dtype)
+    out_dtype = out_dtype or gu.dtype
+    out = torch.empty(gu.shape[0], inter, device=gu.device, dtype=out_dtype)
     block = min(1024, triton.next_power_of_2(inter))
     _act_mul_kernel[(gu.shape[0], triton.cdiv(inter, block))](
-        gu, out, inter, ACT=ACTIVATIONS.index(act), BLOCK=block, num_warps=4, **launch_options(gu.device),
+        gu, out, inter, ACT=ACTIVATIONS.index(act), ROUND=gu.dtype == torch.float32 and out_dtype != gu.dtype,
+        BLOCK=block, num_warps=4, **launch_options(gu.device),
     )
     return out.reshape(*gate_up.shape[:-1], inter)

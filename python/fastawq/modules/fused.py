@@ -411,10 +411,24 @@ class FusedDecoderLayer(nn.Module):
         if gemv and dense_gu_sums_out() and gu.out_features == 2 * mlp.down_proj.in_features \
                 and _gemv_form_fits("awq_gemv_packed_sums", rows, dtype, x.device, gu, backend):
             gu_sums = torch.empty((rows, gu.out_features), dtype=torch.float32, device=x.device)
+        # The wgmma's rows with wgmma_gu_sums_out: gate_up's fp32 sums after the down projection's in
+        # one buffer, which the post-attention norm zeroes in its launch.
+        gu_wgmma = not gemv and wgmma_gu_sums_out() and gu.out_features == 2 * mlp.down_proj.in_features \
+            and _wgmma_sums_fits(rows, dtype, x.device, gu, backend)
         o_sums, residual = self._attention_sums(x, residual, positions, start, lens, max_len, backend, gu_sums)
-        d_sums = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        if gu_wgmma:
+            buf = torch.empty(rows * (h + gu.out_features), dtype=torch.float32, device=x.device)
+            d_sums, zero = buf[:rows * h].view(x.shape), buf.view(rows, -1)
+            gu_sums = buf[rows * h:].view(rows, gu.out_features)
+        else:
+            d_sums = zero = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         h2, residual = ops.add_rms_norm(o_sums, residual, self.post_attention_layernorm.weight, c.eps, c.norm_offset,
-                                        backend=backend, zero=d_sums)
+                                        backend=backend, zero=zero)
+        if gu_wgmma:
+            _add_into_sums(gu, h2.reshape(rows, -1).contiguous(), gu_sums, dtype)
+            a = ops.act_mul_sums(gu_sums, mlp.act, dtype, backend=backend)
+            _add_into_sums(mlp.down_proj, a, d_sums.view(rows, h), dtype)
+            return d_sums, residual
         if gu_sums is not None:
             wp, sz, bias = _packed_operands(gu, dtype)
             torch.ops.fastawq.awq_gemv_packed_sums(h2.reshape(rows, -1).contiguous(), wp, sz, gu.out_features,
@@ -569,6 +583,18 @@ def wgmma_sums_out() -> bool:
     from fastawq import backend as backend_mod
 
     return backend_mod.env_switch(b"FASTAWQ_WGMMA_SUMS") != "0"
+
+
+def wgmma_gu_sums_out() -> bool:
+    """FASTAWQ_WGMMA_GU_SUMS=1 (an A/B switch, off; read at each call, so a captured graph keeps the
+    setting it was captured with): at the rows awq_wgmma_packed_sums serves, gate_up adds into fp32
+    sums too (zeroed by the post-attention norm's launch with the down projection's, one buffer),
+    which act_mul_sums rounds as it reads them: gate_up, the step's largest projection, ends without
+    its split-K fence, arrival count and last block's conversion pass (session 36, H100: that tail's
+    barrier, fence and conversion held ~20 % of the 16-token tile's stall samples at 4096 x 28672)."""
+    from fastawq import backend as backend_mod
+
+    return backend_mod.env_switch(b"FASTAWQ_WGMMA_GU_SUMS") == "1"
 
 
 def dense_sums_out() -> bool:

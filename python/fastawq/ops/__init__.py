@@ -6,7 +6,7 @@ and calls one schema'd op (compiled in fastawq._C, or a ``torch.library.custom_o
 impl sits beside it. The torch backend of every op is its reference in reference.py.
 
   gemm.py   awq_gemm, awq_gemm_plan, awq_dequantize
-  layer.py  add_rms_norm, act_mul, rope_kv_cache, decode_attention, rope_decode_attention, prefill_attention
+  layer.py  add_rms_norm, act_mul, act_mul_sums, rope_kv_cache, decode_attention, rope_decode_attention, prefill_attention
   moe.py    moe_w4, moe_w4_plan, topk_route, route, add_rms_norm_route (mixture-of-experts blocks)
   repack.py the packed layout (exact repack, both ways), packed_gemm, packed_gemm_plan, packed_dequantize
 """
@@ -14,6 +14,7 @@ from fastawq.ops.gemm import awq_dequantize, awq_gemm, awq_gemm_plan, cuda_gemm_
 from fastawq.ops.layer import (
     ACTIVATIONS,
     act_mul,
+    act_mul_sums,
     add_rms_norm,
     cuda_decode_declines,
     decode_attention,
@@ -29,6 +30,7 @@ from fastawq.ops.repack import awq_gemv_repack, awq_gemv_unpack, packed_dequanti
 __all__ = [
     "ACTIVATIONS",
     "act_mul",
+    "act_mul_sums",
     "add_rms_norm",
     "add_rms_norm_route",
     "awq_dequantize",

@@ -152,6 +152,22 @@ def act_mul(gate_up: torch.Tensor, act: str = "silu", *, backend: str | None = N
     return _call(torch.ops.fastawq.act_mul, _act_mul_impl, gate_up, act, be)
 
 
+def act_mul_sums(gu_sums: torch.Tensor, act: str, dtype: torch.dtype, *, backend: str | None = None) -> torch.Tensor:
+    """act(gate) * up in `dtype` from a gate_up projection's fp32 sums [..., 2I] (FASTAWQ_WGMMA_GU_SUMS):
+    gate and up rounded to `dtype` first, as the projection's own conversion would have stored them,
+    so the result equals act_mul of the rounded sums; on Triton in one launch."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"activation {act!r} is not fused; supported: {ACTIVATIONS}")
+    if gu_sums.dtype != torch.float32 or gu_sums.dim() < 1 or gu_sums.shape[-1] % 2:
+        raise ValueError(f"gu_sums must be fp32 with an even last dimension, got {gu_sums.dtype} "
+                         f"{tuple(gu_sums.shape)}")
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"act_mul_sums: dtype must be float16 or bfloat16, got {dtype}")
+    if select_backend("act_mul", gu_sums.device, backend=backend) == "triton":
+        return _triton().act_mul(gu_sums, act, out_dtype=dtype)
+    return reference.act_mul(gu_sums.to(dtype), act)
+
+
 # --- rotary embedding + KV-cache write --------------------------------------------------------
 
 
