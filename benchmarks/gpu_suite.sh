@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -796,6 +796,20 @@ if [[ " $stages " == *" s40 "* ]]; then
     --shape llama-3-8b --batches 9,16,32,64 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "on / off" || status=1
   FASTAWQ_TRITON_TUNE=0 timeout 100 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_SUMS=0,1 \
     --shape llama-3-8b --batches 64 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "on / off" || status=1
+fi
+if [[ " $stages " == *" s41 "* ]]; then
+  step s41
+  # The 64-token tile on the 4096-wide layers (session 36, H100: 0.71 / 0.73x cuBLAS at 4096 x 6144 /
+  # 4096 x 4096 against 1.29 / 1.14 on the two large ones). The ws form takes 256 columns a block and
+  # one block an SM, so N = 4096 gives 16 column tiles and ~8 K splits of ~16 steps, about as many as
+  # its ring's lead of 9: a guess that prologue and split-K tail dominate. The existing switches, one
+  # call: the ws ring at 8 slots, the plain form on two warpgroups, the plain form on one (~2 min).
+  for env in "" FASTAWQ_WGMMA_WS_DEPTH=8 FASTAWQ_WGMMA_FORM=plain \
+      "FASTAWQ_WGMMA_FORM=plain FASTAWQ_WGMMA_WARPGROUPS=1"; do
+    echo "setting: ${env:-default}"
+    env $env timeout 100 python benchmarks/gemm_table.py --kernels wgmma --ms 48,64 --dtypes float16 \
+      --out "$OUT/s41" 2>&1 | grep -E "^\| *float16 *\| *4096 *\||geomean|^\| *float16 *\| *(48|64) *\|" || status=1
+  done
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p
