@@ -227,7 +227,7 @@ def test_fused_wgmma_decode_matches_unfused(monkeypatch, arch):
 @pytest.mark.parametrize("arch, batch, head_dim", [("llama", 16, 64), ("qwen3", 16, 64), ("qwen2", 12, None),
                                                    ("phi3", 24, None)])
 def test_fused_wgmma_sums_decode_matches_unfused(monkeypatch, arch, batch, head_dim, gu_sums):
-    # FASTAWQ_WGMMA_SUMS (the default): at the rows awq_wgmma_packed takes on sm_90 (batches 9-32), o_proj and down
+    # FASTAWQ_WGMMA_SUMS (the default): at the rows awq_wgmma_packed takes on sm_90 (batches 9-64), o_proj and down
     # add into fp32 sums (awq_wgmma_packed_sums) that the norms after them round, and with head_dim 64
     # (the compiled rope attention's) QKV too, which the rope attention reads as fp32; decode with CUDA
     # graphs still matches transformers (Qwen3: q/k norms; Qwen2: biases, added once; Phi-3: its fused

@@ -820,6 +820,13 @@ void launch_p(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
              a.group_size, a.steps_per_warp, a.sums);
 }
 
+// The default 6-slot ring's instance with the pairs through the ring (sr) or by __ldg.
+template <typename T, int NT, int WG, int MINB>
+void launch_p6(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident, bool sr) {
+  if (sr) return launch_p<T, NT, 6, WG, MINB, true>(a, stream, resident);
+  launch_p<T, NT, 6, WG, MINB>(a, stream, resident);
+}
+
 template <typename T, int NT, int WG>
 void launch_wg(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
   switch (ring_depth()) {
@@ -828,13 +835,9 @@ void launch_wg(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
     default: {
       const bool sr = wgmma_scales_in_ring(NT, WG);
       if constexpr (NT == 16 && WG == 1) {
-        if (wgmma_occupancy_six()) {
-          return sr ? launch_p<T, NT, 6, WG, 6, true>(a, stream, resident)
-                    : launch_p<T, NT, 6, WG, 6>(a, stream, resident);
-        }
+        if (wgmma_occupancy_six()) return launch_p6<T, NT, WG, 6>(a, stream, resident, sr);
       }
-      return sr ? launch_p<T, NT, 6, WG, kMinBlocks<NT, WG>, true>(a, stream, resident)
-                : launch_p<T, NT, 6, WG>(a, stream, resident);
+      return launch_p6<T, NT, WG, kMinBlocks<NT, WG>>(a, stream, resident, sr);
     }
   }
 }

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <string_view>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -372,10 +373,9 @@ at::Tensor moe_mma_call(const char* op, bool packed, const at::Tensor& x, const 
   // 278.4, Mixtral-8x7B 412.2 / 651.2 / 2206.5 -> 362.2 / 581.5 / 1820.6; packed layout: Qwen3
   // 96.2 / 162.8 / 291.7 -> 103.0 / 175.4 / 313.1, Mixtral 291.1 / 559.9 / 1662.1 -> 295.0 /
   // 600.4 / 1808.5.
-  const char* evict = std::getenv("FASTAWQ_MOE_MMA_EVICT");
-  a.evict_normal = evict != nullptr && std::strcmp(evict, "normal") == 0   ? true
-                   : evict != nullptr && std::strcmp(evict, "first") == 0 ? false
-                                                                           : !packed;
+  const char* evict_env = std::getenv("FASTAWQ_MOE_MMA_EVICT");
+  const std::string_view evict = evict_env != nullptr ? evict_env : "";
+  a.evict_normal = evict == "normal" || (evict != "first" && !packed);
   a.tiles13 = static_cast<int>((i + kMoeMmaTile13 - 1) / kMoeMmaTile13);
   a.tiles2 = static_cast<int>((h + kMoeMmaTile2 - 1) / kMoeMmaTile2);
   const int per_sm = moe_mma_blocks_per_sm(static_cast<int>(pass_rows));

@@ -189,6 +189,14 @@ def _wgmma_sums_fits(rows: int, dtype: torch.dtype, device: torch.device, lin: W
     return not torch.ops.fastawq.awq_wgmma_packed_declines()
 
 
+def _sums_beside(x: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 sums shaped like x and a later projection's [rows, width] after them in one buffer, so one
+    norm launch zeroes both: (the sums like x, the later ones, the whole buffer as [rows, H + width])."""
+    h = x.shape[-1]
+    buf = torch.empty(rows * (h + width), dtype=torch.float32, device=x.device)
+    return buf[:rows * h].view(x.shape), buf[rows * h:].view(rows, width), buf.view(rows, h + width)
+
+
 def _add_into_sums(lin: WQLinear, x2: torch.Tensor, sums: torch.Tensor, dtype: torch.dtype,
                    zero: torch.Tensor | None = None) -> None:
     """sums += lin(x2) (+ its bias) for x2 [rows, K]: awq_gemv_packed_sums at the GEMV's rows (which also
@@ -408,18 +416,17 @@ class FusedDecoderLayer(nn.Module):
             return None
         gu = mlp.gate_up_proj
         gu_sums = None
-        if gemv and dense_gu_sums_out() and gu.out_features == 2 * mlp.down_proj.in_features \
+        gu_pairs = gu.out_features == 2 * mlp.down_proj.in_features  # [gate, up] for the down projection
+        if gemv and dense_gu_sums_out() and gu_pairs \
                 and _gemv_form_fits("awq_gemv_packed_sums", rows, dtype, x.device, gu, backend):
             gu_sums = torch.empty((rows, gu.out_features), dtype=torch.float32, device=x.device)
         # The wgmma's rows with wgmma_gu_sums_out: gate_up's fp32 sums after the down projection's in
         # one buffer, which the post-attention norm zeroes in its launch.
-        gu_wgmma = not gemv and wgmma_gu_sums_out() and gu.out_features == 2 * mlp.down_proj.in_features \
+        gu_wgmma = not gemv and wgmma_gu_sums_out() and gu_pairs \
             and _wgmma_sums_fits(rows, dtype, x.device, gu, backend)
         o_sums, residual = self._attention_sums(x, residual, positions, start, lens, max_len, backend, gu_sums)
         if gu_wgmma:
-            buf = torch.empty(rows * (h + gu.out_features), dtype=torch.float32, device=x.device)
-            d_sums, zero = buf[:rows * h].view(x.shape), buf.view(rows, -1)
-            gu_sums = buf[rows * h:].view(rows, gu.out_features)
+            d_sums, gu_sums, zero = _sums_beside(x, rows, gu.out_features)
         else:
             d_sums = zero = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         h2, residual = ops.add_rms_norm(o_sums, residual, self.post_attention_layernorm.weight, c.eps, c.norm_offset,
@@ -481,11 +488,9 @@ class FusedDecoderLayer(nn.Module):
         qkv_lin = attn.qkv_proj
         if lens is not None and qkv_sums_out() and self._qkv_takes_sums(rows, h, dtype, x.device, backend):
             wq = qkv_lin.out_features
-            buf = torch.empty(rows * (h + wq), dtype=torch.float32, device=x.device)
-            o_sums = buf[: rows * h].view(x.shape)
-            qkv_sums = buf[rows * h:].view(rows, wq)
+            o_sums, qkv_sums, both = _sums_beside(x, rows, wq)
             h1, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, c.eps, c.norm_offset,
-                                            backend=backend, zero=buf.view(rows, h + wq))
+                                            backend=backend, zero=both)
             _add_into_sums(qkv_lin, h1.reshape(rows, h).contiguous(), qkv_sums, dtype)
             qkv = qkv_sums.view(*x.shape[:-1], wq)
         else:
@@ -575,7 +580,7 @@ def dense_gu_sums_out() -> bool:
 def wgmma_sums_out() -> bool:
     """FASTAWQ_WGMMA_SUMS (on unless "0"; read at each call, so a captured graph keeps the setting it
     was captured with): the dense-sums layer (dense_sums_out) serves the rows that awq_wgmma_packed
-    takes on sm_90 too (decode batches 9-32): QKV, o_proj and the down projection add into fp32 sums
+    takes on sm_90 too (decode batches 9-64): QKV, o_proj and the down projection add into fp32 sums
     through awq_wgmma_packed_sums, so none ends with the split-K arrival count and conversion pass;
     the norms after them round the sums as at batch 1. Session 35 (H200, Llama-3-8B shape, same run):
     batch 9 / 16 / 32 decode 2,543.4 / 4,240.1 / 6,949.4 tok/s off, 2,641.1 / 4,475.4 / 7,515.6 on
