@@ -120,9 +120,14 @@ def test_build_env_cpu_only(monkeypatch):
     # Without a CUDA toolchain (or with FASTAWQ_BUILD_KERNELS=cpu) _C still holds the CPU kernels.
     monkeypatch.setenv("FASTAWQ_BUILD_KERNELS", "auto")
     monkeypatch.setattr(build_env, "find_nvcc", lambda: None)
+    # A CUDA build of torch without nvcc, then a CPU build of torch (whatever torch is installed).
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
     info = build_env.probe()
     assert info["build"] is True and info["cuda"] is False and "nvcc" in info["cuda_reason"]
     assert info["torch_version"] == torch.__version__ and info["archs"] == []
+    monkeypatch.setattr(torch.version, "cuda", None)
+    info = build_env.probe()
+    assert info["build"] is True and info["cuda"] is False and "not a CUDA build" in info["cuda_reason"]
     monkeypatch.setenv("FASTAWQ_BUILD_KERNELS", "cpu")
     info = build_env.probe()
     assert info["build"] is True and info["cuda"] is False and "cpu" in info["cuda_reason"]
