@@ -47,13 +47,28 @@ if [[ " $stages " == *" build "* ]]; then
     # The image's default $CXX builds a _C whose exceptions crash (benchmarks/CUDA_NOTES.md).
     [[ -x /usr/bin/g++ ]] && export FASTAWQ_HOST_CXX=${FASTAWQ_HOST_CXX:-/usr/bin/g++}
     bdir=build/suite
-    { cmake -S . -B "$bdir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v python)" \
-        && cmake --build "$bdir" -j "$(nproc)"; } > "$OUT/build.log" 2>&1 \
-      || { echo "build failed"; grep -E -A5 "error|Error" "$OUT/build.log" | head -60; exit 1; }
     rm -rf /tmp/fastawq_src && mkdir -p /tmp/fastawq_src && cp -r python/fastawq /tmp/fastawq_src/ \
-      && cp -r triton_kernels /tmp/fastawq_src/fastawq/triton_kernels \
-      && cp "$bdir"/_C*.so "$bdir"/_build_info.py /tmp/fastawq_src/fastawq/
+      && cp -r triton_kernels /tmp/fastawq_src/fastawq/triton_kernels
     export PYTHONPATH=/tmp/fastawq_src
+    # A _C built elsewhere against this very torch (`carry` build/prebuilt: scripts/prebuild_suite.sh)
+    # spares a cold machine the ~2 min build; used only where it loads and holds the ops, else built.
+    pre=build/prebuilt
+    if [ -f "$pre/_C.so" ] && [ -f "$pre/_build_info.py" ]; then
+      cp "$pre/_C.so" "$pre/_build_info.py" /tmp/fastawq_src/fastawq/
+      if python -c "from fastawq import _ext; import sys; sys.exit(0 if _ext.is_loaded() and _ext.has_op('awq_wgmma_packed') else 1)" \
+          > "$OUT/prebuilt.log" 2>&1; then
+        echo "build: the prebuilt _C ($(sed -n 's/^TORCH_VERSION = //p' "$pre/_build_info.py"))"
+      else
+        echo "build: the prebuilt _C does not load here ($(tail -c 300 "$OUT/prebuilt.log")); building"
+        rm -f /tmp/fastawq_src/fastawq/_C*.so /tmp/fastawq_src/fastawq/_build_info.py
+      fi
+    fi
+    if [ ! -f /tmp/fastawq_src/fastawq/_build_info.py ]; then
+      { cmake -S . -B "$bdir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v python)" \
+          && cmake --build "$bdir" -j "$(nproc)"; } > "$OUT/build.log" 2>&1 \
+        || { echo "build failed"; grep -E -A5 "error|Error" "$OUT/build.log" | head -60; exit 1; }
+      cp "$bdir"/_C*.so "$bdir"/_build_info.py /tmp/fastawq_src/fastawq/
+    fi
   fi
   python -m fastawq env | tee "$OUT/env.txt"
   # A TORCH_CHECK thrown from _C must reach Python as a RuntimeError, not crash the interpreter
