@@ -14,6 +14,9 @@
 # use); gemv, attention, sanitize ~20-40 s each; quantize ~40 s; e2e ~2.5 min; profile (ncu) ~1 min.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# The hash of what _C is built from (a prebuilt _C is used only where it matches).
+sources_hash() { find csrc CMakeLists.txt -type f | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16; }
+if [ "${1:-}" = --sources-hash ]; then sources_hash; exit 0; fi
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 # Everything the suite prints goes to $OUT/0_suite.log as well: a device call brings back only the
 # last 12,000 characters of its output and at most 8 files of $OUT, top-level ones first by name (in
@@ -53,7 +56,9 @@ if [[ " $stages " == *" build "* ]]; then
     # A _C built elsewhere against this very torch (`carry` build/prebuilt: scripts/prebuild_suite.sh)
     # spares a cold machine the ~2 min build; used only where it loads and holds the ops, else built.
     pre=build/prebuilt
-    if [ -f "$pre/_C.so" ] && [ -f "$pre/_build_info.py" ]; then
+    if [ -f "$pre/_C.so" ] && [ -f "$pre/_build_info.py" ] && [ "$(cat "$pre/SOURCES" 2>/dev/null)" != "$(sources_hash)" ]; then
+      echo "build: the prebuilt _C was built from other sources; building"
+    elif [ -f "$pre/_C.so" ] && [ -f "$pre/_build_info.py" ]; then
       cp "$pre/_C.so" "$pre/_build_info.py" /tmp/fastawq_src/fastawq/
       if python -c "from fastawq import _ext; import sys; sys.exit(0 if _ext.is_loaded() and _ext.has_op('awq_wgmma_packed') else 1)" \
           > "$OUT/prebuilt.log" 2>&1; then

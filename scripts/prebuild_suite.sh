@@ -37,5 +37,7 @@ PATH="$PWD/$venv/bin:$PATH" cmake --build "$bdir" -j "$(nproc)"
 mkdir -p build/prebuilt
 cp "$bdir"/_C*.so build/prebuilt/_C.so
 cp "$bdir"/_build_info.py build/prebuilt/_build_info.py
+# What it was built from: the suite builds instead where csrc/ or CMakeLists.txt differ.
+bash benchmarks/gpu_suite.sh --sources-hash > build/prebuilt/SOURCES
 strip --strip-debug build/prebuilt/_C.so 2>/dev/null || true
 echo "build/prebuilt: _C.so $(du -h build/prebuilt/_C.so | cut -f1) for torch $want, archs $archs"
