@@ -60,8 +60,21 @@ if [[ " $stages " == *" build "* ]]; then
       echo "build: the prebuilt _C was built from other sources; building"
     elif [ -f "$pre/_C.so" ] && [ -f "$pre/_build_info.py" ]; then
       cp "$pre/_C.so" "$pre/_build_info.py" /tmp/fastawq_src/fastawq/
-      if python -c "from fastawq import _ext; import sys; sys.exit(0 if _ext.is_loaded() and _ext.has_op('awq_wgmma_packed') else 1)" \
-          > "$OUT/prebuilt.log" 2>&1; then
+      # It must load, hold the ops and let a TORCH_CHECK reach Python (the check after the build).
+      if python - > "$OUT/prebuilt.log" 2>&1 <<'PY'
+import sys, torch
+from fastawq import _ext
+if not (_ext.is_loaded() and _ext.has_op("awq_wgmma_packed")):
+    sys.exit(1)
+try:
+    torch.ops.fastawq.awq_gemm(torch.ones(2, 256, device="cuda"), torch.zeros(256, 16, dtype=torch.int32, device="cuda"),
+                               torch.ones(4, 128, dtype=torch.float16, device="cuda"),
+                               torch.zeros(4, 16, dtype=torch.int32, device="cuda"), 64, None)
+except RuntimeError:
+    sys.exit(0)
+sys.exit(1)
+PY
+      then
         echo "build: the prebuilt _C ($(sed -n 's/^TORCH_VERSION = //p' "$pre/_build_info.py"))"
       else
         echo "build: the prebuilt _C does not load here ($(tail -c 300 "$OUT/prebuilt.log")); building"
