@@ -8,8 +8,8 @@
 #
 #   bash scripts/prebuild_suite.sh [TORCH_VERSION (default 2.11.0)] [CUDA archs (default 9.0a)]
 #
-# Needs nvcc (13.x) on the PATH and PyPI (the torch wheel, ~0.5 GB, into a private venv under
-# build/). The module is named plain `_C.so`: Python imports that name on any version, and _C uses
+# Needs nvcc (13.x) on the PATH and PyPI (torch and its CUDA wheels, ~3 GB, into a private venv
+# under build/). The module is named plain `_C.so`: Python imports that name on any version, and _C uses
 # only PyModule_Create, whose ABI the CPython versions share, so a build with this machine's Python
 # loads under the device's.
 set -euo pipefail
@@ -17,15 +17,11 @@ cd "$(dirname "$0")/.."
 torch_version=${1:-2.11.0}
 archs=${2:-9.0a}
 venv=build/prebuild-venv-$torch_version
-if [ ! -x "$venv/bin/python" ]; then
+if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
   python3 -m venv "$venv"
-  # torch alone (its CUDA libraries are not needed to compile; ATen's CUDA headers that a bare
-  # toolkit lacks come from the nvidia wheels below).
-  "$venv/bin/pip" install -q --no-deps "torch==$torch_version" numpy typing-extensions filelock sympy \
-    networkx jinja2 fsspec markupsafe mpmath cmake ninja
-  "$venv/bin/pip" install -q --no-deps "nvidia-cuda-runtime>=13,<14" "nvidia-cuda-nvrtc>=13,<14" \
-    "nvidia-cublas>=13,<14" "nvidia-cusparse>=12,<13" "nvidia-cusolver>=12,<13" "nvidia-curand>=10,<11" \
-    "nvidia-cufft>=12,<13" || echo "prebuild: the nvidia header wheels did not install; relying on the toolkit"
+  # torch with its CUDA wheels (~3 GB): the build imports torch, and ATen's CUDA headers that a bare
+  # toolkit lacks come from those wheels.
+  "$venv/bin/pip" install -q "torch==$torch_version" numpy cmake ninja
 fi
 want=$("$venv/bin/python" -c "import torch; print(torch.__version__)")
 bdir=build/prebuild-$want
