@@ -193,3 +193,27 @@ def test_every_pytest_selection_of_the_suite_selects_tests():
             expr = Expression.compile(k)
             assert any(selected(expr, i) for i in chosen), \
                 f"gpu_suite.sh: pytest {' '.join(fs)} -k {k!r} selects no test"
+
+
+def test_sources_hash_names_what_c_is_built_from(tmp_path):
+    """`gpu_suite.sh --sources-hash` (what scripts/prebuild_suite.sh records beside a prebuilt _C and
+    the build stage compares) hashes csrc/ and CMakeLists.txt, prints only that, writes nothing, and
+    changes when a source does."""
+    def digest(root: Path) -> str:
+        out = subprocess.run(["bash", str(root / "benchmarks" / "gpu_suite.sh"), "--sources-hash"], cwd=tmp_path,
+                             capture_output=True, text=True, check=True)
+        assert out.stderr == ""
+        return out.stdout.strip()
+
+    first = digest(ROOT)
+    assert re.fullmatch(r"[0-9a-f]{16}", first), first
+    assert digest(ROOT) == first and not (tmp_path / "out").exists()
+    copy = tmp_path / "tree"
+    shutil.copytree(ROOT / "csrc", copy / "csrc")
+    shutil.copy(ROOT / "CMakeLists.txt", copy / "CMakeLists.txt")
+    (copy / "benchmarks").mkdir()
+    shutil.copy(SUITE, copy / "benchmarks" / "gpu_suite.sh")
+    assert digest(copy) == first
+    (copy / "csrc" / "ops.h").write_text((copy / "csrc" / "ops.h").read_text() + "\n// changed\n")
+    assert digest(copy) != first
+    assert 'carry=["build/prebuilt"]' in (ROOT / "scripts" / "prebuild_suite.sh").read_text()
