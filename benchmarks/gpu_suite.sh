@@ -37,6 +37,28 @@ pytest_gate() {
   grep -q " PASSED" "$log" && ! grep -qE " (FAILED|ERROR)|[0-9]+ (failed|error)" "$log"
 }
 
+# c_throws [need]: a TORCH_CHECK thrown from _C reaches Python as a RuntimeError instead of crashing
+# the interpreter (it did on the device image once: benchmarks/CUDA_NOTES.md, "Build facts"). With
+# `need` (a prebuilt _C), _C must also load with awq_wgmma_packed and the call must throw.
+c_throws() {
+  python - "$@" <<'PY'
+import sys, torch
+from fastawq import _ext
+need = "need" in sys.argv[1:]
+if need and not _ext.has_op("awq_wgmma_packed"):
+    sys.exit(1)
+if _ext.has_op("awq_gemm"):
+    qw = torch.zeros(256, 16, dtype=torch.int32, device="cuda")
+    try:
+        torch.ops.fastawq.awq_gemm(torch.ones(2, 256, device="cuda"), qw, torch.ones(4, 128, dtype=torch.float16,
+                                   device="cuda"), torch.zeros(4, 16, dtype=torch.int32, device="cuda"), 64, None)
+    except RuntimeError as e:
+        print("throw ok:", str(e).splitlines()[0])
+        sys.exit(0)
+sys.exit(1 if need else 0)
+PY
+}
+
 if [[ " $stages " == *" build "* ]]; then
   step build
   if [ "${FASTAWQ_SUITE_INSTALL:-pip}" = copy ]; then
@@ -60,21 +82,8 @@ if [[ " $stages " == *" build "* ]]; then
       echo "build: the prebuilt _C was built from other sources; building"
     elif [ -f "$pre/_C.so" ] && [ -f "$pre/_build_info.py" ]; then
       cp "$pre/_C.so" "$pre/_build_info.py" /tmp/fastawq_src/fastawq/
-      # It must load, hold the ops and let a TORCH_CHECK reach Python (the check after the build).
-      if python - > "$OUT/prebuilt.log" 2>&1 <<'PY'
-import sys, torch
-from fastawq import _ext
-if not (_ext.is_loaded() and _ext.has_op("awq_wgmma_packed")):
-    sys.exit(1)
-try:
-    torch.ops.fastawq.awq_gemm(torch.ones(2, 256, device="cuda"), torch.zeros(256, 16, dtype=torch.int32, device="cuda"),
-                               torch.ones(4, 128, dtype=torch.float16, device="cuda"),
-                               torch.zeros(4, 16, dtype=torch.int32, device="cuda"), 64, None)
-except RuntimeError:
-    sys.exit(0)
-sys.exit(1)
-PY
-      then
+      # It must load, hold the ops and let a TORCH_CHECK reach Python (c_throws).
+      if c_throws need > "$OUT/prebuilt.log" 2>&1; then
         echo "build: the prebuilt _C ($(sed -n 's/^TORCH_VERSION = //p' "$pre/_build_info.py"))"
       else
         echo "build: the prebuilt _C does not load here ($(tail -c 300 "$OUT/prebuilt.log")); building"
@@ -89,19 +98,7 @@ PY
     fi
   fi
   python -m fastawq env | tee "$OUT/env.txt"
-  # A TORCH_CHECK thrown from _C must reach Python as a RuntimeError, not crash the interpreter
-  # (it did on the device image once: benchmarks/CUDA_NOTES.md, "Build facts").
-  python - <<'PY' || { echo "a C++ exception from _C crashed the interpreter"; exit 2; }
-import torch
-from fastawq import _ext
-if _ext.has_op("awq_gemm"):
-    qw = torch.zeros(256, 16, dtype=torch.int32, device="cuda")
-    try:
-        torch.ops.fastawq.awq_gemm(torch.ones(2, 256, device="cuda"), qw, torch.ones(4, 128, dtype=torch.float16,
-                                   device="cuda"), torch.zeros(4, 16, dtype=torch.int32, device="cuda"), 64, None)
-    except RuntimeError as e:
-        print("throw ok:", str(e).splitlines()[0])
-PY
+  c_throws || { echo "a C++ exception from _C crashed the interpreter"; exit 2; }
 elif ! python -c "import fastawq" 2>/dev/null; then
   # `build` lays the package out on PYTHONPATH for this call only (the machine keeps the CMake
   # build between calls, so a warm `build` takes seconds): without it every stage would fail.
