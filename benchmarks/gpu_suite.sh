@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -840,6 +840,20 @@ if [[ " $stages " == *" s41 "* ]]; then
     env $env timeout 100 python benchmarks/gemm_table.py --kernels wgmma --ms 48,64 --dtypes float16 \
       --out "$OUT/s41" 2>&1 | grep -E "^\| *float16 *\| *4096 *\||geomean|^\| *float16 *\| *(48|64) *\|" || status=1
   done
+fi
+if [[ " $stages " == *" s42 "* ]]; then
+  step s42
+  # Session 38: awq_wgmma_packed_sums in the warp-specialized form (the 64-token tile's default; the
+  # plain form's only before), the ws ring at 8 slots by default, gate_up's sums on by default. The
+  # tests of both, memcheck over the packed kernels, then the engine with the sums launches in the
+  # plain form (what batch 48 / 64 ran before) against the ws form, and the op's table at M = 48 / 64.
+  timeout 200 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py tests/test_fused.py \
+    -k "warp_specialized or sums or form_follows or ring_depths or wgmma_sums_decode" 2>&1 | tail -2 || status=1
+  timeout 150 compute-sanitizer --tool memcheck python benchmarks/sanitize.py --only packed 2>&1 | tail -3 || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 160 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_FORM=plain,ws \
+    --shape llama-3-8b --batches 48,64 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "on / off" || status=1
+  timeout 60 python benchmarks/gemm_table.py --kernels wgmma --ms 48,64 --dtypes float16,bfloat16 --out "$OUT/s42" \
+    2>&1 | grep -E "geomean|^\| *(float16|bfloat16) *\| *(48|64) *\|" || status=1
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p

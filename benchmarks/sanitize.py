@@ -117,7 +117,10 @@ def main(argv: list[str] | None = None) -> None:
                                 assert_close_to_reference(out, x, qw, s, qz, g, bias)
                                 n_calls += 1
                 if hasattr(ops, "awq_wgmma_packed_sums") and not ops.awq_wgmma_packed_declines():
-                    for m, tile in ((9, ()), (16, (16, 1)), (32, (32, 3))):  # adds into caller's fp32 sums
+                    # Adds into the caller's fp32 sums; at 64 and 128 tokens in the warp-specialized form
+                    # (the default there since session 38).
+                    for m, tile in ((9, ()), (16, (16, 1)), (32, (32, 3)), (64, ()), (70, (64, k // 32)),
+                                    (130, (128, 3))):
                         x = random_input((m, k), "cuda", dtype, seed=m + 3)
                         sums = torch.zeros(m, n, device="cuda")
                         ops.awq_wgmma_packed_sums(x, wp, sz, n, g, bias, sums, *tile)

@@ -84,7 +84,7 @@ at::Tensor awq_wgmma_packed(const at::Tensor& x, const at::Tensor& wpacked, cons
                             int64_t group_size, const std::optional<at::Tensor>& bias, int64_t tokens, int64_t splits);
 // Why awq_wgmma_packed cannot run on the current CUDA device ("" when it can): not built for
 // sm_90a, or the device is not sm_90. Needs a CUDA device.
-// awq_wgmma_packed's plain form adding x W + bias into sums (a contiguous fp32 [M, N], usually zeroed by
+// awq_wgmma_packed adding x W + bias into sums (a contiguous fp32 [M, N], usually zeroed by
 // the launch before): no split-K arrival or conversion pass at the end, the consumer (add_rms_norm) rounds.
 void awq_wgmma_packed_sums(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked, int64_t n,
                            int64_t group_size, const std::optional<at::Tensor>& bias, at::Tensor& sums, int64_t tokens,

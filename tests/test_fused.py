@@ -225,15 +225,16 @@ def test_fused_wgmma_decode_matches_unfused(monkeypatch, arch):
 @needs_cuda
 @pytest.mark.parametrize("gu_sums", ["0", "1"])
 @pytest.mark.parametrize("arch, batch, head_dim", [("llama", 16, 64), ("qwen3", 16, 64), ("qwen2", 12, None),
-                                                   ("phi3", 24, None)])
+                                                   ("phi3", 24, None), ("llama", 64, 64)])
 def test_fused_wgmma_sums_decode_matches_unfused(monkeypatch, arch, batch, head_dim, gu_sums):
     # FASTAWQ_WGMMA_SUMS (the default): at the rows awq_wgmma_packed takes on sm_90 (batches 9-64), o_proj and down
     # add into fp32 sums (awq_wgmma_packed_sums) that the norms after them round, and with head_dim 64
     # (the compiled rope attention's) QKV too, which the rope attention reads as fp32; decode with CUDA
     # graphs still matches transformers (Qwen3: q/k norms; Qwen2: biases, added once; Phi-3: its fused
     # gate_up), and the sums op ran where it can (elsewhere only the match is checked). With
-    # FASTAWQ_WGMMA_GU_SUMS=1 gate_up adds into fp32 sums too, which act_mul_sums rounds: a layer's
-    # decode step then makes one more sums call.
+    # FASTAWQ_WGMMA_GU_SUMS on (the default since session 38; "0" off) gate_up adds into fp32 sums too,
+    # which act_mul_sums rounds: a layer's decode step then makes one more sums call. At batch 64 the
+    # 64-token tile runs the warp-specialized form, which adds into the sums as well (session 38).
     from fastawq import _ext
 
     monkeypatch.setenv("FASTAWQ_WGMMA_GU_SUMS", gu_sums)
@@ -261,15 +262,16 @@ def test_fused_wgmma_sums_decode_matches_unfused(monkeypatch, arch, batch, head_
 
 
 def test_wgmma_sums_switch_and_fit_off_the_gpu(monkeypatch):
-    # The switch is on unless "0"; off CUDA (or with it off) the wgmma sums never serve a layer.
-    from fastawq.modules.fused import _wgmma_sums_fits, wgmma_sums_out
+    # Both switches are on unless "0"; off CUDA (or with it off) the wgmma sums never serve a layer.
+    from fastawq.modules.fused import _wgmma_sums_fits, wgmma_gu_sums_out, wgmma_sums_out
 
-    for value, on in ((None, True), ("0", False), ("1", True), ("", True)):
-        if value is None:
-            monkeypatch.delenv("FASTAWQ_WGMMA_SUMS", raising=False)
-        else:
-            monkeypatch.setenv("FASTAWQ_WGMMA_SUMS", value)
-        assert wgmma_sums_out() is on
+    for name, switch in (("FASTAWQ_WGMMA_SUMS", wgmma_sums_out), ("FASTAWQ_WGMMA_GU_SUMS", wgmma_gu_sums_out)):
+        for value, on in ((None, True), ("0", False), ("1", True), ("", True)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+            assert switch() is on, (name, value)
     lin = WQLinear.from_linear(torch.nn.Linear(64, 64).half(), 32)
     assert not _wgmma_sums_fits(16, torch.float16, torch.device("cpu"), lin, None)
 

@@ -443,6 +443,36 @@ def test_sums_form_adds_into_the_sums(k, n, g, m, splits, dtype):
 
 
 @requires_kernel
+@pytest.mark.parametrize("tokens", [16, 64, 128])
+@pytest.mark.parametrize("splits", [0, 1, 5, 64])
+@pytest.mark.parametrize("m", [5, 70])
+@pytest.mark.parametrize("depth", ["8", "12"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_warp_specialized_sums_form(monkeypatch, tokens, splits, m, depth, dtype):
+    # awq_wgmma_packed_sums in the warp-specialized form (the 64-token tile's default since session 38;
+    # forced here on every tile with both rings): every split adds its part into random, non-zero sums,
+    # the bias once, the producer warpgroup ending with the consumers (no conversion pass); a second
+    # call without the bias adds again. 64 splits of 64 steps: one step a block, shorter than the lead.
+    monkeypatch.setenv("FASTAWQ_WGMMA_FORM", "ws")
+    monkeypatch.setenv("FASTAWQ_WGMMA_WS_DEPTH", depth)
+    k, n, g = 2048, 392, 128
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=tokens + splits + m)
+    x = random_input((m, k), "cuda", dtype, seed=m + 3)
+    bias = random_input((n,), "cuda", dtype, seed=6)
+    base = torch.randn(m, n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(m + splits))
+    sums = base.clone()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.ops.fastawq.awq_wgmma_packed_sums(x, wp, sz, n, g, bias, sums, tokens, splits)
+        torch.cuda.synchronize()
+    assert any("awq_wgmma_ws_kernel" in e.name for e in prof.events())
+    assert_close_to_reference(sums - base, x, qw, s, qz, g, bias)
+    first = sums.clone()
+    x2 = random_input((m, k), "cuda", dtype, seed=m + 60)
+    torch.ops.fastawq.awq_wgmma_packed_sums(x2, wp, sz, n, g, None, sums, tokens, splits)
+    assert_close_to_reference(sums - first, x2, qw, s, qz, g)
+
+
+@requires_kernel
 def test_sums_form_names_bad_sums():
     k, n, g = 256, 264, 128
     _, _, _, wp, sz = _setup(k, n, g, torch.float16, seed=3)

@@ -525,7 +525,7 @@ std::string awq_wgmma_packed_declines() {
 
 namespace {
 
-// awq_wgmma_packed, or with `sums` (awq_wgmma_packed_sums) its plain form adding into those fp32
+// awq_wgmma_packed, or with `sums` (awq_wgmma_packed_sums) adding into those fp32
 // sums: the output tensor (empty for sums).
 at::Tensor wgmma_call(const char* op, const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& szpacked,
                       int64_t n, int64_t group_size, const std::optional<at::Tensor>& bias, int64_t tokens,
@@ -552,7 +552,7 @@ at::Tensor wgmma_call(const char* op, const at::Tensor& x, const at::Tensor& wpa
   a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
   a.tokens = static_cast<int>(tokens);
   a.sums = sums != nullptr;
-  a.ws = !a.sums && wgmma_ws_form(tokens);  // the sums form is the plain one's
+  a.ws = wgmma_ws_form(tokens);  // both forms add into sums (session 38; the plain one's only before)
   a.warpgroups = a.ws ? 2 : wgmma_warpgroups(tokens);
   const int64_t token_tiles = (m + tokens - 1) / tokens;
   a.token_tiles = static_cast<int>(token_tiles);

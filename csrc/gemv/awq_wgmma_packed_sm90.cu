@@ -584,7 +584,7 @@ template <typename T, int NT, int P>
 __global__ void __launch_bounds__(kWsThreads, 1) awq_wgmma_ws_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int m, int n, int k, int group_size,
-    int steps_per_block) {
+    int steps_per_block, bool sums) {
 #ifdef FASTAWQ_WGMMA_DEVICE
   static_assert(P >= 4, "the producer's lead is P - 3 steps");
   constexpr int D = P - 3;          // steps of copies in flight ahead of the step being published
@@ -754,9 +754,12 @@ __global__ void __launch_bounds__(kWsThreads, 1) awq_wgmma_ws_kernel(
     if (i < nsteps) step(i, std::integral_constant<int, 0>{});
     wgmma_wait<0>();
     fence_accumulators<NT>(acc);
-    store_accumulators<T, NT>(acc, tok0, t, m, n, c4, col_ok, gridDim.z > 1, ws, out, bias);
+    // sums (awq_wgmma_packed_sums): every split adds into the caller's fp32 sums, the first with the
+    // bias, as in the plain form.
+    store_accumulators<T, NT>(acc, tok0, t, m, n, c4, col_ok, gridDim.z > 1 || sums, ws, out, bias,
+                              sums && blockIdx.z == 0 ? bias : nullptr);
   }
-  if (gridDim.z == 1) return;
+  if (gridDim.z == 1 || sums) return;
 
   // The last block of this (token tile, column tile) to arrive converts the sums and zeroes them
   // again (one fence a block; the producer warpgroup joins its barriers and conversion).
@@ -842,17 +845,16 @@ void launch_wg(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
   }
 }
 
-// The warp-specialized form's ring: 12 slots (a lead of 9 steps) up to 64 tokens, 8 (a lead of 5)
-// at 128. One block an SM streams 4 KB of weights a step; below 128 tokens a step's wgmmas are short
-// (64 tokens: ~256 tensor-core cycles), so about 1.5 us of copy latency at the SM's share of the
-// bandwidth (~25 GB/s) needs ~37 KB, 9 steps, in flight; at 128 a step's 512 cycles cover it with 5.
-// FASTAWQ_WGMMA_WS_DEPTH=8 or 12 (an A/B switch, read at each call) forces either: 70 / 136 / 224 KB
-// a block at 12 slots and NT = 16 / 64 / 128, 46 / 88 / 144 KB at 8.
-int ws_ring_depth(int tokens) {
+// The warp-specialized form's ring: 8 slots (a lead of 5 steps) on every tile. Session 22 gave the
+// tiles up to 64 tokens 12 (a lead of 9: ~1.5 us of copy latency at an SM's share of the bandwidth
+// needs ~37 KB in flight, a guess); session 38 (H100, gemm_table.py --kernels wgmma, geomean x cuBLAS
+// fp16, same call) measured 8 ahead at M = 48 / 64: 1.02 / 0.96 against 0.97 / 0.93 (4096 x 4096:
+// 0.83 / 0.76 against 0.78 / 0.73). FASTAWQ_WGMMA_WS_DEPTH=8 or 12 (an A/B switch, read at each call)
+// forces either: 70 / 136 / 224 KB a block at 12 slots and NT = 16 / 64 / 128, 46 / 88 / 144 KB at 8.
+int ws_ring_depth(int /*tokens*/) {
   const char* v = std::getenv("FASTAWQ_WGMMA_WS_DEPTH");
-  if (v != nullptr && std::strcmp(v, "8") == 0) return 8;
   if (v != nullptr && std::strcmp(v, "12") == 0) return 12;
-  return tokens <= 64 ? 12 : 8;
+  return 8;
 }
 
 template <typename T, int NT, int P>
@@ -867,7 +869,7 @@ void launch_ws_p(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
   launch_pdl(kernel, dim3(a.token_tiles, a.col_tiles, a.splits), dim3(kWsThreads), kSmem, stream,
              static_cast<const T*>(a.x), reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz),
              static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.m, a.n, a.k,
-             a.group_size, a.steps_per_warp);
+             a.group_size, a.steps_per_warp, a.sums);
 }
 
 template <typename T, int NT>

@@ -591,15 +591,17 @@ def wgmma_sums_out() -> bool:
 
 
 def wgmma_gu_sums_out() -> bool:
-    """FASTAWQ_WGMMA_GU_SUMS=1 (an A/B switch, off; read at each call, so a captured graph keeps the
-    setting it was captured with): at the rows awq_wgmma_packed_sums serves, gate_up adds into fp32
-    sums too (zeroed by the post-attention norm's launch with the down projection's, one buffer),
-    which act_mul_sums rounds as it reads them: gate_up, the step's largest projection, ends without
-    its split-K fence, arrival count and last block's conversion pass (session 36, H100: that tail's
-    barrier, fence and conversion held ~20 % of the 16-token tile's stall samples at 4096 x 28672)."""
+    """FASTAWQ_WGMMA_GU_SUMS (on unless "0"; read at each call, so a captured graph keeps the setting it
+    was captured with): at the rows awq_wgmma_packed_sums serves, gate_up adds into fp32 sums too
+    (zeroed by the post-attention norm's launch with the down projection's, one buffer), which
+    act_mul_sums rounds as it reads them: gate_up, the step's largest projection, ends without its
+    split-K fence, arrival count and last block's conversion pass (session 36, H100: that tail's
+    barrier, fence and conversion held ~20 % of the 16-token tile's stall samples at 4096 x 28672).
+    Session 38 (H100, Llama-3-8B shape, bench_ab.py --compare env:FASTAWQ_WGMMA_GU_SUMS=0,1, same
+    call): decode 1.012x / 1.024x / 1.043x / 1.026x at batch 9 / 16 / 32 / 64."""
     from fastawq import backend as backend_mod
 
-    return backend_mod.env_switch(b"FASTAWQ_WGMMA_GU_SUMS") == "1"
+    return backend_mod.env_switch(b"FASTAWQ_WGMMA_GU_SUMS") != "0"
 
 
 def dense_sums_out() -> bool:
