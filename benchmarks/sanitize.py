@@ -117,13 +117,15 @@ def main(argv: list[str] | None = None) -> None:
                                 assert_close_to_reference(out, x, qw, s, qz, g, bias)
                                 n_calls += 1
                 if hasattr(ops, "awq_wgmma_packed_sums") and not ops.awq_wgmma_packed_declines():
-                    # Adds into the caller's fp32 sums; at 64 and 128 tokens in the warp-specialized form
-                    # (the default there since session 38).
-                    for m, tile in ((9, ()), (16, (16, 1)), (32, (32, 3)), (64, ()), (70, (64, k // 32)),
-                                    (130, (128, 3))):
+                    # Adds into the caller's fp32 sums, in the plain form (the default) and the
+                    # warp-specialized one (FASTAWQ_WGMMA_FORM=ws, session 38) on every tile.
+                    for env, m, tile in [({}, 9, ()), ({}, 16, (16, 1)), ({}, 32, (32, 3)), ({}, 64, ())] + [
+                            ({"FASTAWQ_WGMMA_FORM": "ws"}, m, tile)
+                            for m, tile in ((16, (16, 3)), (64, ()), (70, (64, k // 32)), (130, (128, 3)))]:
                         x = random_input((m, k), "cuda", dtype, seed=m + 3)
                         sums = torch.zeros(m, n, device="cuda")
-                        ops.awq_wgmma_packed_sums(x, wp, sz, n, g, bias, sums, *tile)
+                        with env_set(env):
+                            ops.awq_wgmma_packed_sums(x, wp, sz, n, g, bias, sums, *tile)
                         assert_close_to_reference(sums, x, qw, s, qz, g, bias)
                         n_calls += 1
                 if hasattr(ops, "awq_gemv_packed_act"):

@@ -233,8 +233,8 @@ def test_fused_wgmma_sums_decode_matches_unfused(monkeypatch, arch, batch, head_
     # graphs still matches transformers (Qwen3: q/k norms; Qwen2: biases, added once; Phi-3: its fused
     # gate_up), and the sums op ran where it can (elsewhere only the match is checked). With
     # FASTAWQ_WGMMA_GU_SUMS on (the default since session 38; "0" off) gate_up adds into fp32 sums too,
-    # which act_mul_sums rounds: a layer's decode step then makes one more sums call. At batch 64 the
-    # 64-token tile runs the warp-specialized form, which adds into the sums as well (session 38).
+    # which act_mul_sums rounds: a layer's decode step then makes one more sums call. Batch 64: the
+    # 64-token tile, whose non-sums launches run the warp-specialized form.
     from fastawq import _ext
 
     monkeypatch.setenv("FASTAWQ_WGMMA_GU_SUMS", gu_sums)

@@ -394,8 +394,21 @@ def test_the_form_follows_the_tile(monkeypatch, dtype):
 
     assert kernels(12, 0) == kernels(20, 0) == kernels(70, 16) == kernels(40, 32) == {"plain"}
     assert kernels(64, 0) == kernels(300, 0) == kernels(20, 64) == kernels(20, 128) == {"ws"}
+
+    # The sums form keeps the plain kernel on every tile unless "ws" is forced (session 38).
+    def sums_kernels(m):
+        x = random_input((m, k), "cuda", dtype, seed=m + 7)
+        sums = torch.zeros(m, n, device="cuda")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            torch.ops.fastawq.awq_wgmma_packed_sums(x, wp, sz, n, g, None, sums, 0, 0)
+            torch.cuda.synchronize()
+        assert_close_to_reference(sums, x, qw, s, qz, g)
+        names = {e.name for e in prof.events() if "awq_wgmma" in e.name}
+        return {"ws" if "awq_wgmma_ws_kernel" in name else "plain" for name in names}
+
+    assert sums_kernels(20) == sums_kernels(64) == sums_kernels(300) == {"plain"}
     monkeypatch.setenv("FASTAWQ_WGMMA_FORM", "ws")
-    assert kernels(12, 0) == {"ws"}
+    assert kernels(12, 0) == sums_kernels(64) == {"ws"}
     monkeypatch.setenv("FASTAWQ_WGMMA_FORM", "plain")
     assert kernels(300, 0) == {"plain"}
 
@@ -449,8 +462,8 @@ def test_sums_form_adds_into_the_sums(k, n, g, m, splits, dtype):
 @pytest.mark.parametrize("depth", ["8", "12"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_warp_specialized_sums_form(monkeypatch, tokens, splits, m, depth, dtype):
-    # awq_wgmma_packed_sums in the warp-specialized form (the 64-token tile's default since session 38;
-    # forced here on every tile with both rings): every split adds its part into random, non-zero sums,
+    # awq_wgmma_packed_sums in the warp-specialized form (FASTAWQ_WGMMA_FORM=ws only: the plain form
+    # won in the engine, session 38; forced here on every tile with both rings): every split adds its part into random, non-zero sums,
     # the bias once, the producer warpgroup ending with the consumers (no conversion pass); a second
     # call without the bias adds again. 64 splits of 64 steps: one step a block, shorter than the lead.
     monkeypatch.setenv("FASTAWQ_WGMMA_FORM", "ws")

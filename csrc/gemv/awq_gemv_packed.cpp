@@ -234,6 +234,11 @@ int wgmma_warpgroups(int64_t tokens) {
 // tiles. H100, RESULTS.md session 27 (geomean x cuBLAS fp16, same call): plain 1.55 / 1.20 / 0.84 /
 // 0.38 / 0.48 against ws 1.29 / 1.10 / 0.87 / 0.41 / 0.52 at M = 16 / 32 / 64 / 256 / 4096; the
 // Llama-3-8B shape decodes 9,455 -> 10,044 tokens/s at batch 64 with ws.
+bool wgmma_ws_forced() {
+  const char* v = std::getenv("FASTAWQ_WGMMA_FORM");
+  return v != nullptr && std::strcmp(v, "ws") == 0;
+}
+
 bool wgmma_ws_form(int64_t tokens) {
   const char* v = std::getenv("FASTAWQ_WGMMA_FORM");  // no allocation: it runs at every call
   if (v == nullptr || v[0] == '\0') return tokens >= 64;
@@ -552,7 +557,10 @@ at::Tensor wgmma_call(const char* op, const at::Tensor& x, const at::Tensor& wpa
   a.dtype = x.scalar_type() == at::kHalf ? HalfType::kHalf : HalfType::kBFloat16;
   a.tokens = static_cast<int>(tokens);
   a.sums = sums != nullptr;
-  a.ws = wgmma_ws_form(tokens);  // both forms add into sums (session 38; the plain one's only before)
+  // The sums form runs the plain kernel unless FASTAWQ_WGMMA_FORM=ws forces the warp-specialized one
+  // (session 38, H100, Llama-3-8B shape, every projection adding into sums: decode at batch 48 / 64
+  // 0.882x / 0.918x with ws against plain, bench_ab.py --compare env:FASTAWQ_WGMMA_FORM=plain,ws).
+  a.ws = a.sums ? wgmma_ws_forced() : wgmma_ws_form(tokens);
   a.warpgroups = a.ws ? 2 : wgmma_warpgroups(tokens);
   const int64_t token_tiles = (m + tokens - 1) / tokens;
   a.token_tiles = static_cast<int>(token_tiles);

@@ -133,7 +133,7 @@ struct WgmmaPackedArgs : PackedArgs {
   // each call, forces either): two consumer warpgroups on 256 columns and a producer warp doing the
   // copies, meeting through mbarriers.
   bool ws;
-  // awq_wgmma_packed_sums (either form): every block adds its partial sums (the first K split
+  // awq_wgmma_packed_sums (the plain form unless FASTAWQ_WGMMA_FORM=ws): every block adds its partial sums (the first K split
   // with the bias) into `workspace`, the caller's zeroed fp32 [M, N], and ends: no counters, no
   // conversion pass; `out` unused.
   bool sums;
