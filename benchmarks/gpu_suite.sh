@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -854,6 +854,22 @@ if [[ " $stages " == *" s42 "* ]]; then
     --shape llama-3-8b --batches 48,64 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "on / off" || status=1
   timeout 60 python benchmarks/gemm_table.py --kernels wgmma --ms 48,64 --dtypes float16,bfloat16 --out "$OUT/s42" \
     2>&1 | grep -E "geomean|^\| *(float16|bfloat16) *\| *(48|64) *\|" || status=1
+fi
+if [[ " $stages " == *" s43 "* ]]; then
+  step s43
+  # FASTAWQ_WGMMA_MIN_STEPS (session 38, not yet run): the one-wave plan cuts the 4096-wide layers at
+  # 16 tokens into K ranges of 6-8 steps, each adding its fp32 tile into the sums (4096 x 4096: 768
+  # blocks, ~6 MB of reductions for 8 MB of weights). Its tests, the op's table at M = 16 / 32 / 64 with
+  # floors of 4 (the default), 8 and 16, then the engine A/B at batch 16 / 32 (~3.5 min).
+  timeout 100 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k min_steps 2>&1 | tail -1 || status=1
+  for v in 4 8 16; do
+    echo "FASTAWQ_WGMMA_MIN_STEPS=$v"
+    FASTAWQ_WGMMA_MIN_STEPS=$v timeout 100 python benchmarks/gemm_table.py --kernels wgmma --ms 16,32,64 \
+      --dtypes float16 --out "$OUT/s43_$v" 2>&1 | grep -E "geomean|^\| *float16 *\| *4096 *\| *4096 *\||^\| *float16 *\| *(16|32|64) *\|" || status=1
+  done
+  FASTAWQ_TRITON_TUNE=0 timeout 120 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_MIN_STEPS=4,8 \
+    --compare env:FASTAWQ_WGMMA_MIN_STEPS=4,16 --shape llama-3-8b --batches 16,32 --layout packed --decode 64 \
+    --rounds 2 2>&1 | grep -E "on / off" || status=1
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p

@@ -486,6 +486,25 @@ def test_warp_specialized_sums_form(monkeypatch, tokens, splits, m, depth, dtype
 
 
 @requires_kernel
+@pytest.mark.parametrize("min_steps", ["1", "8", "16", "64", "0", "x"])
+@pytest.mark.parametrize("m", [9, 40, 70])
+def test_min_steps_floor(monkeypatch, min_steps, m):
+    # FASTAWQ_WGMMA_MIN_STEPS (read at each call; 1..64, anything else the default 4): the automatic
+    # plan's fewest K steps a block, down to one and up to the whole K (64 steps here), for the op and
+    # its sums form; ranges that start mid-group (g = 32: one step a group) and end short of K.
+    monkeypatch.setenv("FASTAWQ_WGMMA_MIN_STEPS", min_steps)
+    k, n, g = 2048, 392, 32
+    qw, s, qz, wp, sz = _setup(k, n, g, torch.float16, seed=m + len(min_steps))
+    bias = random_input((n,), "cuda", torch.float16, seed=4)
+    x = random_input((m, k), "cuda", torch.float16, seed=m + 9)
+    assert_close_to_reference(_poisoned_call(x, wp, sz, n, g, bias), x, qw, s, qz, g, bias)
+    base = torch.randn(m, n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(m))
+    sums = base.clone()
+    torch.ops.fastawq.awq_wgmma_packed_sums(x, wp, sz, n, g, bias, sums)
+    assert_close_to_reference(sums - base, x, qw, s, qz, g, bias)
+
+
+@requires_kernel
 def test_sums_form_names_bad_sums():
     k, n, g = 256, 264, 128
     _, _, _, wp, sz = _setup(k, n, g, torch.float16, seed=3)

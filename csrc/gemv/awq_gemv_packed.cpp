@@ -234,6 +234,18 @@ int wgmma_warpgroups(int64_t tokens) {
 // tiles. H100, RESULTS.md session 27 (geomean x cuBLAS fp16, same call): plain 1.55 / 1.20 / 0.84 /
 // 0.38 / 0.48 against ws 1.29 / 1.10 / 0.87 / 0.41 / 0.52 at M = 16 / 32 / 64 / 256 / 4096; the
 // Llama-3-8B shape decodes 9,455 -> 10,044 tokens/s at batch 64 with ws.
+// The fewest K steps a block of the automatic plan takes (FASTAWQ_WGMMA_MIN_STEPS, an A/B switch read
+// at each call: 1 to 64; default 4, the ring's depth less its two steps of lead). The one-wave plan
+// cuts the 4096-wide layers at 16 tokens into ranges of 6-8 steps (4096 x 4096: 32 column tiles x 24
+// splits), each adding a 16 x 128 fp32 tile into the sums or workspace: as many bytes of reductions
+// as the weights' 8 MB. A floor above 4 trades blocks for fewer, longer ranges (session 38, to measure).
+int64_t wgmma_min_steps() {
+  const char* v = std::getenv("FASTAWQ_WGMMA_MIN_STEPS");
+  if (v == nullptr || v[0] == '\0') return 4;
+  const int n = std::atoi(v);
+  return n >= 1 && n <= 64 ? n : 4;
+}
+
 bool wgmma_ws_forced() {
   const char* v = std::getenv("FASTAWQ_WGMMA_FORM");
   return v != nullptr && std::strcmp(v, "ws") == 0;
@@ -569,7 +581,7 @@ at::Tensor wgmma_call(const char* op, const at::Tensor& x, const at::Tensor& wpa
   const int64_t tile_cols = wgmma_packed_tile_cols(a.warpgroups);
   const int64_t col_tiles = (n + tile_cols - 1) / tile_cols;
   const int64_t spb = gemm_steps_per_block(splits, steps, col_tiles * token_tiles,
-                                           splits == 0 ? wgmma_packed_resident_blocks(a) : 0, 4);
+                                           splits == 0 ? wgmma_packed_resident_blocks(a) : 0, wgmma_min_steps());
   const SplitPlan plan{static_cast<int>(col_tiles), static_cast<int>((steps + spb - 1) / spb), static_cast<int>(spb)};
   if (a.sums) {
     // No workspace or counters of ours: the blocks add into the caller's sums and end.
