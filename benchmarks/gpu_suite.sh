@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s44 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -870,23 +870,6 @@ if [[ " $stages " == *" s43 "* ]]; then
   FASTAWQ_TRITON_TUNE=0 timeout 120 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_MIN_STEPS=4,8 \
     --compare env:FASTAWQ_WGMMA_MIN_STEPS=4,16 --shape llama-3-8b --batches 16,32 --layout packed --decode 64 \
     --rounds 2 2>&1 | grep -E "on / off" || status=1
-fi
-if [[ " $stages " == *" s44 "* ]]; then
-  step s44
-  # FASTAWQ_WGMMA_PAIR=1 (session 38, not yet run): the plain wgmma form with one block barrier every two
-  # steps. Its tests, memcheck over the packed kernels, the op's table at M = 9 / 16 / 32 / 64 off / on,
-  # the engine A/B at batch 9 / 16 / 32 / 64 (~4 min).
-  timeout 150 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "pair_barrier" 2>&1 | tail -1 \
-    || status=1
-  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only packed 2>&1 \
-    | tail -2 || status=1
-  for v in 0 1; do
-    echo "FASTAWQ_WGMMA_PAIR=$v"
-    FASTAWQ_WGMMA_PAIR=$v timeout 100 python benchmarks/gemm_table.py --kernels wgmma --ms 9,16,32,64 \
-      --dtypes float16 --out "$OUT/s44_$v" 2>&1 | grep -E "geomean|^\| *float16 *\| *(9|16|32|64) *\|" || status=1
-  done
-  FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_PAIR=0,1 \
-    --shape llama-3-8b --batches 9,16,32,64 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "on / off" || status=1
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p

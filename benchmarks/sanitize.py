@@ -109,8 +109,7 @@ def main(argv: list[str] | None = None) -> None:
                                 {"FASTAWQ_WGMMA_DEPTH": "4"}, {"FASTAWQ_WGMMA_DEPTH": "8"},
                                 {"FASTAWQ_WGMMA_FORM": "ws"}, {"FASTAWQ_WGMMA_FORM": "plain"},
                                 {"FASTAWQ_WGMMA_OCC": "0"}, {"FASTAWQ_WGMMA_SCALES": "ring"},
-                                {"FASTAWQ_WGMMA_SCALES": "0"}, {"FASTAWQ_WGMMA_PAIR": "1"},
-                                {"FASTAWQ_WGMMA_PAIR": "1", "FASTAWQ_WGMMA_SCALES": "ring"}):
+                                {"FASTAWQ_WGMMA_SCALES": "0"}):
                         with env_set(env):
                             for m, tile in ((17, ()), (9, (16, 0)), (130, (128, 3)), (70, (64, k // 32))):
                                 x = random_input((m, k), "cuda", dtype, seed=m)
@@ -122,8 +121,7 @@ def main(argv: list[str] | None = None) -> None:
                     # warp-specialized one (FASTAWQ_WGMMA_FORM=ws, session 38) on every tile.
                     for env, m, tile in [({}, 9, ()), ({}, 16, (16, 1)), ({}, 32, (32, 3)), ({}, 64, ())] + [
                             ({"FASTAWQ_WGMMA_FORM": "ws"}, m, tile)
-                            for m, tile in ((16, (16, 3)), (64, ()), (70, (64, k // 32)), (130, (128, 3)))] + [
-                            ({"FASTAWQ_WGMMA_PAIR": "1"}, m, tile) for m, tile in ((16, ()), (40, (64, 5)))]:
+                            for m, tile in ((16, (16, 3)), (64, ()), (70, (64, k // 32)), (130, (128, 3)))]:
                         x = random_input((m, k), "cuda", dtype, seed=m + 3)
                         sums = torch.zeros(m, n, device="cuda")
                         with env_set(env):

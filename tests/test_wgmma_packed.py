@@ -485,66 +485,6 @@ def test_warp_specialized_sums_form(monkeypatch, tokens, splits, m, depth, dtype
     assert_close_to_reference(sums - first, x2, qw, s, qz, g)
 
 
-def _template_args(name: str) -> list[str]:
-    """The template arguments of a profiled kernel's name, spaces dropped."""
-    inner = name.replace(" ", "").split("awq_wgmma_packed_kernel<", 1)[1]
-    return inner.split(">", 1)[0].split(",")
-
-
-@requires_kernel
-@pytest.mark.parametrize("scales", [None, "ring", "0"])
-@pytest.mark.parametrize("tokens", [16, 32, 64, 128])
-@pytest.mark.parametrize("splits", [0, 1, 3, 5, 64])
-@pytest.mark.parametrize("g", [32, 128])
-def test_pair_barrier(monkeypatch, scales, tokens, splits, g):
-    # FASTAWQ_WGMMA_PAIR=1 (read at each call): the plain form's 6-slot ring with one block barrier every
-    # two steps, x's planes put in order two steps ahead: every tile (16 with six blocks an SM), the
-    # (scale, zero) pairs by __ldg or through the ring (whose readers meet the next refill at a
-    # __syncwarp on odd steps), groups of 1 and 4 steps, K ranges of odd length, one step and the
-    # whole K (64 steps through the ring ten times); a second call; the sums form; the instance ran.
-    monkeypatch.setenv("FASTAWQ_WGMMA_PAIR", "1")
-    monkeypatch.delenv("FASTAWQ_WGMMA_DEPTH", raising=False)
-    if scales is None:
-        monkeypatch.delenv("FASTAWQ_WGMMA_SCALES", raising=False)
-    else:
-        monkeypatch.setenv("FASTAWQ_WGMMA_SCALES", scales)
-    k, n, m = 2048, 392, min(tokens + 5, 130)
-    qw, s, qz, wp, sz = _setup(k, n, g, torch.float16, seed=tokens + splits + g + 7)
-    bias = random_input((n,), "cuda", torch.float16, seed=5)
-    for seed in (1, 2):
-        x = random_input((m, k), "cuda", torch.float16, seed=seed + g + 40)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            out = _poisoned_call(x, wp, sz, n, g, bias, tokens, splits)
-            torch.cuda.synchronize()
-        assert_close_to_reference(out, x, qw, s, qz, g, bias)
-        names = [e.name for e in prof.events() if "awq_wgmma_packed_kernel<" in e.name]
-        assert names and all(_template_args(nm)[-1] in ("1", "true") for nm in names), names
-    base = torch.randn(m, n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(m + g))
-    sums = base.clone()
-    torch.ops.fastawq.awq_wgmma_packed_sums(x, wp, sz, n, g, bias, sums, tokens, splits)
-    assert_close_to_reference(sums - base, x, qw, s, qz, g, bias)
-
-
-@requires_kernel
-def test_pair_barrier_off_by_default(monkeypatch):
-    # Unset (or anything but "1") the kernel keeps a barrier every step: the instance's last template
-    # argument is false.
-    k, n, g = 2048, 392, 128
-    qw, s, qz, wp, sz = _setup(k, n, g, torch.float16, seed=3)
-    for value in (None, "0"):
-        if value is None:
-            monkeypatch.delenv("FASTAWQ_WGMMA_PAIR", raising=False)
-        else:
-            monkeypatch.setenv("FASTAWQ_WGMMA_PAIR", value)
-        x = random_input((20, k), "cuda", torch.float16, seed=9)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            out = _poisoned_call(x, wp, sz, n, g, None, 16)
-            torch.cuda.synchronize()
-        assert_close_to_reference(out, x, qw, s, qz, g)
-        names = [e.name for e in prof.events() if "awq_wgmma_packed_kernel<" in e.name]
-        assert names and all(_template_args(nm)[-1] in ("0", "false") for nm in names), names
-
-
 @requires_kernel
 @pytest.mark.parametrize("min_steps", ["1", "8", "16", "64", "0", "x"])
 @pytest.mark.parametrize("m", [9, 40, 70])

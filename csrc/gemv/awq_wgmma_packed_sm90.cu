@@ -313,24 +313,14 @@ constexpr int kMinBlocks = WG == 2 ? (NT <= 64 ? 2 : 1) : (NT <= 32 ? 4 : (NT ==
 
 // MINB: the blocks an SM the registers must allow (kMinBlocks unless an occupancy instance asks more:
 // wgmma_occupancy_six()). SR: the (scale, zero) pairs come through the ring with the weights
-// (wgmma_scales_in_ring()) instead of an __ldg a step ahead. PB: one block barrier every two steps
-// (wgmma_pair_barrier()): x's planes are put in order two steps ahead instead of one, so the barrier
-// before an even step (relative to s0) publishes both its planes and the next step's. A slot's planes
-// are rewritten two steps before their step j, at step j - 2, after the last barrier (before step j - 2
-// or j - 3), which every thread passed having waited at step j - 4 for the wgmmas of step j - 6 and
-// before: the slot's last reader, step j - P, is among them where P >= 6. The copies keep their one
-// commit group a step (the planes two ahead need the group of step s + 2: P - 3 newer ones may fly),
-// and the ring pairs' readers (SR: the quad's lanes, after the step's barrier) meet the copying lane's
-// next refill of that slot at a __syncwarp on the odd steps.
-template <typename T, int NT, int P, int WG, int MINB = kMinBlocks<NT, WG>, bool SR = false, bool PB = false>
+// (wgmma_scales_in_ring()) instead of an __ldg a step ahead.
+template <typename T, int NT, int P, int WG, int MINB = kMinBlocks<NT, WG>, bool SR = false>
 __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int m, int n, int k, int group_size,
     int steps_per_block, bool sums) {
 #ifdef FASTAWQ_WGMMA_DEVICE
   static_assert(P >= 4, "a slot's planes are rewritten only once every warpgroup is past its wgmmas");
-  static_assert(!PB || P >= 6, "with a barrier every two steps a slot is reused only 6 steps on");
-  constexpr int kAhead = PB ? 2 : 1;  // steps between a step's planes being put in order and its wgmmas
   constexpr int kPlane = NT * 16;  // bytes between the x planes (core matrices adjacent in K)
   constexpr int kXItems = 4 * NT;  // 16-byte loads of x a step
   constexpr int kBlock = kThreads<WG>, kC4 = kTileC4<WG>;
@@ -433,7 +423,6 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
   cp_async_commit();
   cp_async_wait<0>();
   if (s0 < s1) permute_x(0);
-  if (PB && s0 + 1 < s1) permute_x(1);
   fence_proxy_async_shared();
 
   // (scale, zero) of the lane's four columns for the current group: fetched a step ahead, or (SR)
@@ -462,12 +451,8 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
     constexpr int SET = decltype(set_c)::value;
     // Step s's planes are published (put there a step ago); both warpgroups are past step s - 3's
     // wgmmas (each waited for them before its step s - 1 dequantization). This lane's weights of
-    // step s landed by the last step's wait. PB: odd steps skip it (see the template's note).
-    if constexpr (!PB || SET == 0) {
-      __syncthreads();
-    } else if constexpr (SR) {
-      __syncwarp();
-    }
+    // step s landed by the last step's wait.
+    __syncthreads();
     if (s + P - 1 < s1) {  // into the slot step s - 1 used (its planes stay: only copies land)
       const int refill = slot == 0 ? P - 1 : slot - 1;
       issue_w(refill);
@@ -488,13 +473,10 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
     wgmma_wait<1>();
     dequant_step<T>(w, gc, af[SET]);
     issue_step<T, NT>(acc, af[SET], slot_at(slot));
-    // Groups newer than the one of step s + kAhead (issued at step s + kAhead + 1 - P, or before the
-    // loop): P - 1 - kAhead.
-    cp_async_wait<P - 1 - kAhead>();
-    // Step s + kAhead's planes, in a slot last read by step s + kAhead - P's wgmmas: done (kAhead 1: by
-    // s - 3, which this step's barrier vouched for; 2: the template's note).
-    if (s + kAhead < s1) {
-      permute_x(slot + kAhead >= P ? slot + kAhead - P : slot + kAhead);
+    // Groups newer than the one of step s + 1 (issued at step s + 2 - P, or before the loop): P - 2.
+    cp_async_wait<P - 2>();
+    if (s + 1 < s1) {  // step s + 1's planes, in a slot last read by step s + 1 - P <= s - 3's wgmmas
+      permute_x(slot == P - 1 ? 0 : slot + 1);
       fence_proxy_async_shared();
     }
     if (--group_left == 0) {
@@ -826,9 +808,9 @@ bool wgmma_occupancy_six() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
-template <typename T, int NT, int P, int WG, int MINB = kMinBlocks<NT, WG>, bool SR = false, bool PB = false>
+template <typename T, int NT, int P, int WG, int MINB = kMinBlocks<NT, WG>, bool SR = false>
 void launch_p(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
-  constexpr auto kernel = awq_wgmma_packed_kernel<T, NT, P, WG, MINB, SR, PB>;
+  constexpr auto kernel = awq_wgmma_packed_kernel<T, NT, P, WG, MINB, SR>;
   constexpr int kSmem = P * kSlotBytes<NT, WG, SR>;
   opt_in_shared_memory<kernel>(kSmem);
   if (resident != nullptr) {
@@ -841,23 +823,9 @@ void launch_p(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
              a.group_size, a.steps_per_warp, a.sums);
 }
 
-// A barrier every two steps in the plain form's default 6-slot ring (FASTAWQ_WGMMA_PAIR=1, an A/B
-// switch read at each call, off; session 38, not yet run): session 36's stall sampling of the 16-token
-// tile and session 38's ncu (0.38 issues a cycle a scheduler at 4096 x 4096) leave the step's own
-// chain (barrier, waits, fences) as what an SM's blocks wait on.
-bool wgmma_pair_barrier() {
-  const char* v = std::getenv("FASTAWQ_WGMMA_PAIR");
-  return v != nullptr && std::strcmp(v, "1") == 0;
-}
-
-// The default 6-slot ring's instance with the pairs through the ring (sr) or by __ldg, a barrier a
-// step or every two (wgmma_pair_barrier).
+// The default 6-slot ring's instance with the pairs through the ring (sr) or by __ldg.
 template <typename T, int NT, int WG, int MINB>
 void launch_p6(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident, bool sr) {
-  if (wgmma_pair_barrier()) {
-    if (sr) return launch_p<T, NT, 6, WG, MINB, true, true>(a, stream, resident);
-    return launch_p<T, NT, 6, WG, MINB, false, true>(a, stream, resident);
-  }
   if (sr) return launch_p<T, NT, 6, WG, MINB, true>(a, stream, resident);
   launch_p<T, NT, 6, WG, MINB>(a, stream, resident);
 }
