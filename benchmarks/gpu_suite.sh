@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -870,6 +870,36 @@ if [[ " $stages " == *" s43 "* ]]; then
   FASTAWQ_TRITON_TUNE=0 timeout 120 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_MIN_STEPS=4,8 \
     --compare env:FASTAWQ_WGMMA_MIN_STEPS=4,16 --shape llama-3-8b --batches 16,32 --layout packed --decode 64 \
     --rounds 2 2>&1 | grep -E "on / off" || status=1
+fi
+if [[ " $stages " == *" s45 "* ]]; then
+  step s45
+  # Where the 16-token tile waits at 4096 wide on this tree (session 38; ~1.5 min): Nsight Compute's
+  # source counters and stall reasons, the pipes' utilization and the memory tables at 4096 x 4096,
+  # ranked by benchmarks/ncu_stalls.py (session 36 sampled 4096 x 28672 before the ring pairs).
+  stalls=smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_membar_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_selected_per_issue_active.ratio
+  timeout 150 ncu --clock-control none --kernel-name regex:awq_wgmma_packed --section WarpStateStats \
+    --section SourceCounters --section SpeedOfLight --section ComputeWorkloadAnalysis \
+    --section MemoryWorkloadAnalysis_Tables --metrics "$stalls" -f -o "$OUT/s45_wg16" \
+    python benchmarks/profile_gemm_packed.py --kernel wgmma --ms 16 --shapes 4096x4096 > "$OUT/s45_wg16.log" 2>&1 \
+    || { status=1; tail -5 "$OUT/s45_wg16.log"; }
+  if [[ -f "$OUT/s45_wg16.ncu-rep" ]]; then
+    ncu -i "$OUT/s45_wg16.ncu-rep" --page details > "$OUT/s45_wg16.txt" 2>&1
+    grep -E "stalled|Warp Cycles Per Issued|Duration|DRAM Throughput|excessive|Pipe|Issue Slots|Executed Ipc" \
+      "$OUT/s45_wg16.txt" | head -40
+    ncu -i "$OUT/s45_wg16.ncu-rep" --page source --csv --print-source sass > "$OUT/s45_wg16.sass.csv" 2>&1 \
+      || head -3 "$OUT/s45_wg16.sass.csv"
+    python benchmarks/ncu_stalls.py "$OUT/s45_wg16.sass.csv" --top 15 || status=1
+    rm -f "$OUT/s45_wg16.ncu-rep"  # the device tool brings back a few files only
+  fi
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p
