@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s46 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -900,6 +900,22 @@ smsp__average_warps_issue_stalled_selected_per_issue_active.ratio
     python benchmarks/ncu_stalls.py "$OUT/s45_wg16.sass.csv" --top 15 || status=1
     rm -f "$OUT/s45_wg16.ncu-rep"  # the device tool brings back a few files only
   fi
+fi
+if [[ " $stages " == *" s46 "* ]]; then
+  step s46
+  # FASTAWQ_WGMMA_CLUSTER=1 (session 38, not yet run): the plain op's K splits at 16 and 32 tokens meet
+  # in a cluster (<= 8) through distributed shared memory instead of the workspace's fence and last
+  # block. Its tests, memcheck, the op's table at M = 9 / 16 / 32 off / on (~2.5 min). The engine's
+  # decode runs the sums form there, which it leaves alone.
+  timeout 150 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "cluster" 2>&1 | tail -1 \
+    || status=1
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only packed 2>&1 \
+    | tail -2 || status=1
+  for v in 0 1; do
+    echo "FASTAWQ_WGMMA_CLUSTER=$v"
+    FASTAWQ_WGMMA_CLUSTER=$v timeout 100 python benchmarks/gemm_table.py --kernels wgmma --ms 9,16,32 \
+      --dtypes float16 --out "$OUT/s46_$v" 2>&1 | grep -E "geomean|^\| *float16 *\| *(9|16|32) *\|" || status=1
+  done
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p

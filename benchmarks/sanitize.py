@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> None:
                                 {"FASTAWQ_WGMMA_DEPTH": "4"}, {"FASTAWQ_WGMMA_DEPTH": "8"},
                                 {"FASTAWQ_WGMMA_FORM": "ws"}, {"FASTAWQ_WGMMA_FORM": "plain"},
                                 {"FASTAWQ_WGMMA_OCC": "0"}, {"FASTAWQ_WGMMA_SCALES": "ring"},
-                                {"FASTAWQ_WGMMA_SCALES": "0"}):
+                                {"FASTAWQ_WGMMA_SCALES": "0"}, {"FASTAWQ_WGMMA_CLUSTER": "1"},
+                                {"FASTAWQ_WGMMA_CLUSTER": "1", "FASTAWQ_WGMMA_WARPGROUPS": "2"}):
                         with env_set(env):
                             for m, tile in ((17, ()), (9, (16, 0)), (130, (128, 3)), (70, (64, k // 32))):
                                 x = random_input((m, k), "cuda", dtype, seed=m)

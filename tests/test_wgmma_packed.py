@@ -485,6 +485,79 @@ def test_warp_specialized_sums_form(monkeypatch, tokens, splits, m, depth, dtype
     assert_close_to_reference(sums - first, x2, qw, s, qz, g)
 
 
+def _template_args(name: str) -> list[str]:
+    """The template arguments of a profiled awq_wgmma_packed_kernel's name, spaces dropped."""
+    inner = name.replace(" ", "").split("awq_wgmma_packed_kernel<", 1)[1]
+    return inner.split(">", 1)[0].split(",")
+
+
+@requires_kernel
+@pytest.mark.parametrize("tokens", [16, 32])
+@pytest.mark.parametrize("splits", [0, 2, 3, 5, 8, 64])
+@pytest.mark.parametrize("m", [5, 40])
+@pytest.mark.parametrize("g", [32, 128])
+@pytest.mark.parametrize("variant", ["default", "wg2", "ring", "ldg", "bf16"])
+def test_cluster_reduction(monkeypatch, tokens, splits, m, g, variant):
+    # FASTAWQ_WGMMA_CLUSTER=1 (read at each call): the plain op's K splits on the 16- and 32-token tiles
+    # meet in one cluster a tile (split counts above 8 capped to 8: 64 forced gives 8 ranges of 8
+    # steps; 3 and 5 give ranges that start mid-group and a short last one) and sum through
+    # distributed shared memory; one or two warpgroups, the pairs through the ring or by __ldg, both
+    # dtypes; M across token tiles; a second call with a bias. The cluster instance ran wherever K
+    # was split (the kernel's last template argument).
+    monkeypatch.setenv("FASTAWQ_WGMMA_CLUSTER", "1")
+    monkeypatch.delenv("FASTAWQ_WGMMA_DEPTH", raising=False)
+    if variant == "wg2":
+        monkeypatch.setenv("FASTAWQ_WGMMA_WARPGROUPS", "2")
+    if variant in ("ring", "ldg"):
+        monkeypatch.setenv("FASTAWQ_WGMMA_SCALES", "ring" if variant == "ring" else "0")
+    dtype = torch.bfloat16 if variant == "bf16" else torch.float16
+    k, n = 2048, 392
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=tokens + splits + m + g)
+    for seed, bias in ((1, None), (2, random_input((n,), "cuda", dtype, seed=6))):
+        x = random_input((m, k), "cuda", dtype, seed=seed + m + 70)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out = _poisoned_call(x, wp, sz, n, g, bias, tokens, splits)
+            torch.cuda.synchronize()
+        assert_close_to_reference(out, x, qw, s, qz, g, bias)
+        names = [e.name for e in prof.events() if "awq_wgmma_packed_kernel<" in e.name]
+        assert names
+        if splits != 1:  # the automatic plan splits K = 2048 at these shapes
+            assert all(_template_args(nm)[-1] in ("1", "true") for nm in names), names
+
+
+@requires_kernel
+def test_cluster_reduction_off_and_where_it_does_not_serve(monkeypatch):
+    # Unset or "0": the workspace (the instance's last template argument false); on, one split (K of
+    # one range) and the sums form keep the plain instance too, and both still match.
+    k, n, g = 2048, 392, 128
+    qw, s, qz, wp, sz = _setup(k, n, g, torch.float16, seed=12)
+    x = random_input((20, k), "cuda", torch.float16, seed=3)
+
+    def last_args(env, splits, sums=False):
+        if env is None:
+            monkeypatch.delenv("FASTAWQ_WGMMA_CLUSTER", raising=False)
+        else:
+            monkeypatch.setenv("FASTAWQ_WGMMA_CLUSTER", env)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            if sums:
+                acc = torch.zeros(20, n, device="cuda")
+                torch.ops.fastawq.awq_wgmma_packed_sums(x, wp, sz, n, g, None, acc, 16, splits)
+                out = acc
+            else:
+                out = _poisoned_call(x, wp, sz, n, g, None, 16, splits)
+            torch.cuda.synchronize()
+        assert_close_to_reference(out, x, qw, s, qz, g)
+        found = {_template_args(e.name)[-1] for e in prof.events() if "awq_wgmma_packed_kernel<" in e.name}
+        assert found
+        return found
+
+    for env in (None, "0"):
+        assert last_args(env, 4) <= {"0", "false"}
+    assert last_args("1", 1) <= {"0", "false"}
+    assert last_args("1", 4, sums=True) <= {"0", "false"}
+    assert last_args("1", 4) <= {"1", "true"}
+
+
 @requires_kernel
 @pytest.mark.parametrize("min_steps", ["1", "8", "16", "64", "0", "x"])
 @pytest.mark.parametrize("m", [9, 40, 70])

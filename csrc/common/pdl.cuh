@@ -33,22 +33,22 @@ bool early_weight_loads();
 // the default.
 int gemv_prefetch_batches(int64_t weight_bytes);
 
-// launch_pdl for a kernel whose blocks run in clusters of cluster_x blocks along x (sm_90; the
-// grid's x must be a multiple of cluster_x); cluster_x = 0: no cluster.
+// launch_pdl for a kernel whose blocks run in clusters of `cluster` blocks (sm_90; each of the grid's
+// dimensions a multiple of the cluster's); cluster.x = 0: no cluster.
 template <typename... Params, typename... Args>
-void launch_pdl_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                        int cluster_x, Args&&... args) {
+void launch_pdl_cluster3(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                         dim3 cluster, Args&&... args) {
   cudaLaunchAttribute attr[2];
   int n = 0;
   if (pdl_enabled()) {
     attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[n++].val.programmaticStreamSerializationAllowed = 1;
   }
-  if (cluster_x > 0) {
+  if (cluster.x > 0) {
     attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n].val.clusterDim.x = cluster_x;
-    attr[n].val.clusterDim.y = 1;
-    attr[n++].val.clusterDim.z = 1;
+    attr[n].val.clusterDim.x = cluster.x;
+    attr[n].val.clusterDim.y = cluster.y;
+    attr[n++].val.clusterDim.z = cluster.z;
   }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
@@ -59,6 +59,15 @@ void launch_pdl_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, size_t
   cfg.numAttrs = n;
   // An error stays the runtime's last error, which the host entry checks after the launch.
   (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
+// launch_pdl for a kernel whose blocks run in clusters of cluster_x blocks along x (the grid's x a
+// multiple of cluster_x); cluster_x = 0: no cluster.
+template <typename... Params, typename... Args>
+void launch_pdl_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                        int cluster_x, Args&&... args) {
+  launch_pdl_cluster3(kernel, grid, block, smem, stream, dim3(cluster_x > 0 ? cluster_x : 0, 1, 1),
+                      std::forward<Args>(args)...);
 }
 
 // Above 48 KB of dynamic shared memory a kernel must opt in, up to `bytes`: once per kernel (the

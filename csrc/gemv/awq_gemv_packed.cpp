@@ -239,6 +239,9 @@ int wgmma_warpgroups(int64_t tokens) {
 // cuts the 4096-wide layers at 16 tokens into ranges of 6-8 steps (4096 x 4096: 32 column tiles x 24
 // splits), each adding a 16 x 128 fp32 tile into the sums or workspace: as many bytes of reductions
 // as the weights' 8 MB. A floor above 4 trades blocks for fewer, longer ranges (session 38, to measure).
+// The most K splits a cluster of awq_wgmma_packed takes (FASTAWQ_WGMMA_CLUSTER: the portable size).
+constexpr int64_t kWgmmaMaxCluster = 8;
+
 int64_t wgmma_min_steps() {
   const char* v = std::getenv("FASTAWQ_WGMMA_MIN_STEPS");
   if (v == nullptr || v[0] == '\0') return 4;
@@ -580,8 +583,17 @@ at::Tensor wgmma_call(const char* op, const at::Tensor& x, const at::Tensor& wpa
   // its two steps of lead), as many as fit at once.
   const int64_t tile_cols = wgmma_packed_tile_cols(a.warpgroups);
   const int64_t col_tiles = (n + tile_cols - 1) / tile_cols;
-  const int64_t spb = gemm_steps_per_block(splits, steps, col_tiles * token_tiles,
-                                           splits == 0 ? wgmma_packed_resident_blocks(a) : 0, wgmma_min_steps());
+  int64_t spb = gemm_steps_per_block(splits, steps, col_tiles * token_tiles,
+                                     splits == 0 ? wgmma_packed_resident_blocks(a) : 0, wgmma_min_steps());
+  // FASTAWQ_WGMMA_CLUSTER=1 (an A/B switch read at each call, off; session 38, not yet measured): the
+  // plain op's 16- and 32-token tiles meet their K splits in a cluster (at most 8: the automatic or
+  // forced split count is capped there) instead of the workspace, whose fence and last block's
+  // conversion held ~25 % of the 16-token tile's stall samples at 4096 x 4096 (s45, H100).
+  if (!a.sums && !a.ws && tokens <= 32 && (steps + spb - 1) / spb > 1 && env_flag_on("FASTAWQ_WGMMA_CLUSTER")) {
+    spb = std::max<int64_t>(spb, (steps + kWgmmaMaxCluster - 1) / kWgmmaMaxCluster);
+    a.cluster = static_cast<int>((steps + spb - 1) / spb);
+    if (a.cluster < 2) a.cluster = 0;
+  }
   const SplitPlan plan{static_cast<int>(col_tiles), static_cast<int>((steps + spb - 1) / spb), static_cast<int>(spb)};
   if (a.sums) {
     // No workspace or counters of ours: the blocks add into the caller's sums and end.

@@ -133,10 +133,14 @@ struct WgmmaPackedArgs : PackedArgs {
   // each call, forces either): two consumer warpgroups on 256 columns and a producer warp doing the
   // copies, meeting through mbarriers.
   bool ws;
-  // awq_wgmma_packed_sums (the plain form unless FASTAWQ_WGMMA_FORM=ws): every block adds its partial sums (the first K split
-  // with the bias) into `workspace`, the caller's zeroed fp32 [M, N], and ends: no counters, no
-  // conversion pass; `out` unused.
+  // awq_wgmma_packed_sums (the plain form unless FASTAWQ_WGMMA_FORM=ws): every block adds its partial
+  // sums (the first K split with the bias) into `workspace`, the caller's zeroed fp32 [M, N], and
+  // ends: no counters, no conversion pass; `out` unused.
   bool sums;
+  // > 1: the plain form's K splits (exactly this many, <= 8) run as one cluster a tile and add their
+  // partial sums through distributed shared memory (FASTAWQ_WGMMA_CLUSTER=1, 16- and 32-token tiles):
+  // no workspace, fence or arrival count. 0: the workspace.
+  int cluster;
 };
 
 void launch_awq_wgmma_packed(const WgmmaPackedArgs& args, cudaStream_t stream);

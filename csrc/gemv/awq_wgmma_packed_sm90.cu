@@ -51,6 +51,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include <cooperative_groups.h>
+
 #include "common/dtype.cuh"
 #include "common/pdl.cuh"
 #include "common/ptx.cuh"
@@ -311,16 +313,60 @@ constexpr int kSlotBytes = 2 * kXBytes<NT> + kThreads<WG> * 16 + (SR ? kThreads<
 template <int NT, int WG>
 constexpr int kMinBlocks = WG == 2 ? (NT <= 64 ? 2 : 1) : (NT <= 32 ? 4 : (NT == 64 ? 3 : 2));
 
+// The cluster reduction (CR): a (token tile, column tile)'s K splits are one cluster (gridDim.z <= 8
+// blocks); each block puts its fp32 partial tile (NT tokens x 128 WG columns, token-major) in its own
+// ring, and after a cluster barrier block r sums its 1/C share of the tile across the C blocks'
+// shared memory, adds the bias, rounds and stores it; a second barrier keeps every block's shared
+// memory alive until the others have read it. No workspace, fence, arrival count or last block.
+template <int NT, int WG>
+constexpr int kTileFloats = NT * 128 * WG;
+
+template <typename T, int NT, int WG>
+__device__ __forceinline__ void cluster_reduce(const float (&acc)[2][NT / 2], float* tile, int tok0, int t, int m,
+                                               int n, int c4_local, const T* bias, T* out) {
+#ifdef FASTAWQ_WGMMA_DEVICE
+  namespace cg = cooperative_groups;
+  constexpr int kCols = 128 * WG, kC4 = kCols / 4, kQuads = kTileFloats<NT, WG> / 4;
+  cg::cluster_group cluster = cg::this_cluster();
+  // Every warpgroup's wgmmas and copies are done (the caller waited): the ring is free.
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < NT / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int tok = 8 * j + 2 * t + e;
+      *reinterpret_cast<float4*>(tile + tok * kCols + 4 * c4_local) =
+          make_float4(acc[0][4 * j + e], acc[0][4 * j + 2 + e], acc[1][4 * j + e], acc[1][4 * j + 2 + e]);
+    }
+  cluster.sync();
+  const int c = static_cast<int>(cluster.num_blocks()), r = static_cast<int>(cluster.block_rank());
+  const int share = (kQuads + c - 1) / c, q0 = r * share, q1 = min(q0 + share, kQuads);
+  const int n4 = n >> 2;
+  for (int q = q0 + static_cast<int>(threadIdx.x); q < q1; q += kThreads<WG>) {
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int b = 0; b < c; ++b) {
+      const float4 p = reinterpret_cast<const float4*>(cluster.map_shared_rank(tile, b))[q];
+      v.x += p.x, v.y += p.y, v.z += p.z, v.w += p.w;
+    }
+    const int tok = tok0 + q / kC4, c4 = blockIdx.y * kC4 + q % kC4;
+    if (tok < m && c4 < n4) store4_out<T>(out, bias, static_cast<int64_t>(tok) * n + 4 * c4, c4, {v.x, v.y, v.z, v.w});
+  }
+  cluster.sync();
+#endif
+}
+
 // MINB: the blocks an SM the registers must allow (kMinBlocks unless an occupancy instance asks more:
 // wgmma_occupancy_six()). SR: the (scale, zero) pairs come through the ring with the weights
-// (wgmma_scales_in_ring()) instead of an __ldg a step ahead.
-template <typename T, int NT, int P, int WG, int MINB = kMinBlocks<NT, WG>, bool SR = false>
+// (wgmma_scales_in_ring()) instead of an __ldg a step ahead. CR: launched in clusters along K
+// (WgmmaPackedArgs::cluster), the splits meet in distributed shared memory (cluster_reduce).
+template <typename T, int NT, int P, int WG, int MINB = kMinBlocks<NT, WG>, bool SR = false, bool CR = false>
 __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int m, int n, int k, int group_size,
     int steps_per_block, bool sums) {
 #ifdef FASTAWQ_WGMMA_DEVICE
   static_assert(P >= 4, "a slot's planes are rewritten only once every warpgroup is past its wgmmas");
+  static_assert(!CR || kTileFloats<NT, WG> * 4 <= P * kSlotBytes<NT, WG, SR>, "the partial tile fits the ring");
   constexpr int kPlane = NT * 16;  // bytes between the x planes (core matrices adjacent in K)
   constexpr int kXItems = 4 * NT;  // 16-byte loads of x a step
   constexpr int kBlock = kThreads<WG>, kC4 = kTileC4<WG>;
@@ -502,6 +548,10 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
   wgmma_wait<0>();
   fence_accumulators<NT>(acc);
   cp_async_wait<0>();
+  if constexpr (CR) {  // the host launches this instance in clusters of the K splits only
+    cluster_reduce<T, NT, WG>(acc, reinterpret_cast<float*>(ring_smem), tok0, t, m, n, warp * 8 + g, bias, out);
+    return;
+  }
 
   // sums (awq_wgmma_packed_sums): every split adds into the caller's zeroed fp32 sums (ws), the first
   // with the bias, and the block ends there: no arrival, no conversion pass (the consumer rounds).
@@ -808,24 +858,32 @@ bool wgmma_occupancy_six() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
-template <typename T, int NT, int P, int WG, int MINB = kMinBlocks<NT, WG>, bool SR = false>
+template <typename T, int NT, int P, int WG, int MINB = kMinBlocks<NT, WG>, bool SR = false, bool CR = false>
 void launch_p(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
-  constexpr auto kernel = awq_wgmma_packed_kernel<T, NT, P, WG, MINB, SR>;
+  constexpr auto kernel = awq_wgmma_packed_kernel<T, NT, P, WG, MINB, SR, CR>;
   constexpr int kSmem = P * kSlotBytes<NT, WG, SR>;
   opt_in_shared_memory<kernel>(kSmem);
   if (resident != nullptr) {
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, kThreads<WG>, kSmem);
     return;
   }
-  launch_pdl(kernel, dim3(a.token_tiles, a.col_tiles, a.splits), dim3(kThreads<WG>), kSmem, stream,
-             static_cast<const T*>(a.x), reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz),
-             static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.m, a.n, a.k,
-             a.group_size, a.steps_per_warp, a.sums);
+  launch_pdl_cluster3(kernel, dim3(a.token_tiles, a.col_tiles, a.splits), dim3(kThreads<WG>), kSmem, stream,
+                      dim3(CR ? 1 : 0, 1, CR ? a.splits : 1), static_cast<const T*>(a.x),
+                      reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz),
+                      static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.m, a.n,
+                      a.k, a.group_size, a.steps_per_warp, a.sums);
 }
 
-// The default 6-slot ring's instance with the pairs through the ring (sr) or by __ldg.
+// The default 6-slot ring's instance with the pairs through the ring (sr) or by __ldg, the K splits
+// meeting in a cluster (a.cluster > 1: 16- and 32-token tiles) or through the workspace.
 template <typename T, int NT, int WG, int MINB>
 void launch_p6(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident, bool sr) {
+  if constexpr (NT <= 32) {
+    if (a.cluster > 1 && resident == nullptr) {
+      if (sr) return launch_p<T, NT, 6, WG, MINB, true, true>(a, stream, resident);
+      return launch_p<T, NT, 6, WG, MINB, false, true>(a, stream, resident);
+    }
+  }
   if (sr) return launch_p<T, NT, 6, WG, MINB, true>(a, stream, resident);
   launch_p<T, NT, 6, WG, MINB>(a, stream, resident);
 }
