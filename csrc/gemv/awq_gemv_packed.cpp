@@ -241,6 +241,8 @@ int wgmma_warpgroups(int64_t tokens) {
 // as the weights' 8 MB. A floor above 4 trades blocks for fewer, longer ranges (session 38, to measure).
 // The most K splits a cluster of awq_wgmma_packed takes (FASTAWQ_WGMMA_CLUSTER: the portable size).
 constexpr int64_t kWgmmaMaxCluster = 8;
+// The largest automatic or forced split count FASTAWQ_WGMMA_CLUSTER serves (capping it to 8).
+constexpr int64_t kWgmmaClusterMaxPlan = 12;
 
 int64_t wgmma_min_steps() {
   const char* v = std::getenv("FASTAWQ_WGMMA_MIN_STEPS");
@@ -585,11 +587,15 @@ at::Tensor wgmma_call(const char* op, const at::Tensor& x, const at::Tensor& wpa
   const int64_t col_tiles = (n + tile_cols - 1) / tile_cols;
   int64_t spb = gemm_steps_per_block(splits, steps, col_tiles * token_tiles,
                                      splits == 0 ? wgmma_packed_resident_blocks(a) : 0, wgmma_min_steps());
-  // FASTAWQ_WGMMA_CLUSTER=1 (an A/B switch read at each call, off; session 38, not yet measured): the
-  // plain op's 16- and 32-token tiles meet their K splits in a cluster (at most 8: the automatic or
-  // forced split count is capped there) instead of the workspace, whose fence and last block's
-  // conversion held ~25 % of the 16-token tile's stall samples at 4096 x 4096 (s45, H100).
-  if (!a.sums && !a.ws && tokens <= 32 && (steps + spb - 1) / spb > 1 && env_flag_on("FASTAWQ_WGMMA_CLUSTER")) {
+  // FASTAWQ_WGMMA_CLUSTER=1 (an A/B switch read at each call, off): the plain op's 16- and 32-token
+  // tiles meet their K splits in a cluster (at most 8) instead of the workspace, whose fence and last
+  // block's conversion held ~25 % of the 16-token tile's stall samples at 4096 x 4096 (s45, H100).
+  // Session 38 (H100, every split count capped at 8): 4096 x 28672 44.0 -> 39.3 us at M = 16 (3
+  // splits), 60.9 -> 42.1 at M = 32 (2), 4096 x 6144 17.7 -> 15.0 at M = 32 (11 -> 8); but 14336 x 4096
+  // 19.9 -> 30.5 at M = 16 (24 -> 8: fewer blocks than the SMs hold). So it serves plans of at most
+  // kWgmmaClusterMaxPlan splits (capped to 8), the rest keep the workspace (not yet measured so).
+  if (!a.sums && !a.ws && tokens <= 32 && (steps + spb - 1) / spb > 1 &&
+      (steps + spb - 1) / spb <= kWgmmaClusterMaxPlan && env_flag_on("FASTAWQ_WGMMA_CLUSTER")) {
     spb = std::max<int64_t>(spb, (steps + kWgmmaMaxCluster - 1) / kWgmmaMaxCluster);
     a.cluster = static_cast<int>((steps + spb - 1) / spb);
     if (a.cluster < 2) a.cluster = 0;
