@@ -59,6 +59,31 @@ sys.exit(1 if need else 0)
 PY
 }
 
+# ncu_source NAME CMD...: Nsight Compute on awq_wgmma_packed while CMD runs: the stall reasons a
+# issue, the source counters (sampled stalls, shared wavefronts a SASS instruction), the pipes' and
+# memory tables; the details page grepped, the source page as $OUT/NAME.sass.csv ranked by
+# benchmarks/ncu_stalls.py (the report itself is dropped: a device call brings back a few files only).
+ncu_source() {
+  local name=$1; shift
+  local stalls=smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio
+  local reason
+  for reason in barrier wait short_scoreboard math_pipe_throttle mio_throttle lg_throttle membar not_selected selected; do
+    stalls+=,smsp__average_warps_issue_stalled_${reason}_per_issue_active.ratio
+  done
+  timeout 150 ncu --clock-control none --kernel-name regex:awq_wgmma_packed --section WarpStateStats \
+    --section SourceCounters --section SpeedOfLight --section ComputeWorkloadAnalysis \
+    --section MemoryWorkloadAnalysis_Tables --metrics "$stalls" -f -o "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1 \
+    || { status=1; tail -5 "$OUT/$name.log"; }
+  [[ -f "$OUT/$name.ncu-rep" ]] || return 0
+  ncu -i "$OUT/$name.ncu-rep" --page details > "$OUT/$name.txt" 2>&1
+  grep -E "stalled|Warp Cycles Per Issued|Duration|DRAM Throughput|excessive|Pipe|Issue Slots|Executed Ipc" \
+    "$OUT/$name.txt" | head -40
+  ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/$name.sass.csv" 2>&1 \
+    || head -3 "$OUT/$name.sass.csv"
+  python benchmarks/ncu_stalls.py "$OUT/$name.sass.csv" --top 15 || status=1
+  rm -f "$OUT/$name.ncu-rep"
+}
+
 if [[ " $stages " == *" build "* ]]; then
   step build
   if [ "${FASTAWQ_SUITE_INSTALL:-pip}" = copy ]; then
@@ -757,25 +782,7 @@ if [[ " $stages " == *" s38 "* ]]; then
     --out "$OUT/s38_ring" 2>&1 | grep -E "geomean|^\| *float16 *\| *(9|16|32) *\|" || status=1
   FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_SCALES=0,ring \
     --shape llama-3-8b --batches 9,16,32 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "on / off" || status=1
-  stalls=smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_selected_per_issue_active.ratio
-  timeout 150 ncu --clock-control none --kernel-name regex:awq_wgmma_packed --section WarpStateStats \
-    --section SourceCounters --section SpeedOfLight --metrics "$stalls" -f -o "$OUT/s38_wg16" \
-    python benchmarks/profile_gemm_packed.py --kernel wgmma --ms 16 --shapes 4096x28672 > "$OUT/s38_wg16.log" 2>&1 \
-    || { status=1; tail -5 "$OUT/s38_wg16.log"; }
-  if [[ -f "$OUT/s38_wg16.ncu-rep" ]]; then
-    ncu -i "$OUT/s38_wg16.ncu-rep" --page details > "$OUT/s38_wg16.txt" 2>&1
-    grep -E "stalled|Warp Cycles Per Issued|Duration|DRAM Throughput|excessive" "$OUT/s38_wg16.txt" | head -30
-    ncu -i "$OUT/s38_wg16.ncu-rep" --page source --csv --print-source sass > "$OUT/s38_wg16.sass.csv" 2>&1 \
-      || head -3 "$OUT/s38_wg16.sass.csv"
-    python benchmarks/ncu_stalls.py "$OUT/s38_wg16.sass.csv" --top 12 || status=1
-    rm -f "$OUT/s38_wg16.ncu-rep"  # the device tool brings back a few files only
-  fi
+  ncu_source s38_wg16 python benchmarks/profile_gemm_packed.py --kernel wgmma --ms 16 --shapes 4096x28672
 fi
 if [[ " $stages " == *" s38m "* ]]; then
   step s38m
@@ -876,30 +883,7 @@ if [[ " $stages " == *" s45 "* ]]; then
   # Where the 16-token tile waits at 4096 wide on this tree (session 38; ~1.5 min): Nsight Compute's
   # source counters and stall reasons, the pipes' utilization and the memory tables at 4096 x 4096,
   # ranked by benchmarks/ncu_stalls.py (session 36 sampled 4096 x 28672 before the ring pairs).
-  stalls=smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_membar_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_selected_per_issue_active.ratio
-  timeout 150 ncu --clock-control none --kernel-name regex:awq_wgmma_packed --section WarpStateStats \
-    --section SourceCounters --section SpeedOfLight --section ComputeWorkloadAnalysis \
-    --section MemoryWorkloadAnalysis_Tables --metrics "$stalls" -f -o "$OUT/s45_wg16" \
-    python benchmarks/profile_gemm_packed.py --kernel wgmma --ms 16 --shapes 4096x4096 > "$OUT/s45_wg16.log" 2>&1 \
-    || { status=1; tail -5 "$OUT/s45_wg16.log"; }
-  if [[ -f "$OUT/s45_wg16.ncu-rep" ]]; then
-    ncu -i "$OUT/s45_wg16.ncu-rep" --page details > "$OUT/s45_wg16.txt" 2>&1
-    grep -E "stalled|Warp Cycles Per Issued|Duration|DRAM Throughput|excessive|Pipe|Issue Slots|Executed Ipc" \
-      "$OUT/s45_wg16.txt" | head -40
-    ncu -i "$OUT/s45_wg16.ncu-rep" --page source --csv --print-source sass > "$OUT/s45_wg16.sass.csv" 2>&1 \
-      || head -3 "$OUT/s45_wg16.sass.csv"
-    python benchmarks/ncu_stalls.py "$OUT/s45_wg16.sass.csv" --top 15 || status=1
-    rm -f "$OUT/s45_wg16.ncu-rep"  # the device tool brings back a few files only
-  fi
+  ncu_source s45_wg16 python benchmarks/profile_gemm_packed.py --kernel wgmma --ms 16 --shapes 4096x4096
 fi
 if [[ " $stages " == *" s46 "* ]]; then
   step s46

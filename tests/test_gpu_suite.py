@@ -30,7 +30,7 @@ JOINED = TEXT.replace("\\\n", " ")  # continuation lines joined
 
 # Shell variables set outside a `for` loop, with a value the suite gives them; and every plain
 # `NAME="value"` line of the suite (a stage's shared arguments), as the suite sets it.
-_VARS = {"OUT": "out", "kernels": "gemm,wgmma",
+_VARS = {"OUT": "out", "kernels": "gemm,wgmma", "name": "s45_wg16",  # name: ncu_source's argument
          **dict(re.findall(r'^\s*(\w+)="([^"$]*)"\s*$', TEXT, re.MULTILINE))}
 
 
