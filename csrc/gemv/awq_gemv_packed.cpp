@@ -228,22 +228,17 @@ int wgmma_warpgroups(int64_t tokens) {
   return tokens <= 32 ? 1 : 2;
 }
 
-// awq_wgmma_packed's form (read at each call): FASTAWQ_WGMMA_FORM=ws forces the warp-specialized one
-// (awq_wgmma_packed_sm90.cu, session 22), any other value the plain one of session 21; unset, the
-// warp-specialized form on the 64- and 128-token tiles and the plain one on the 16- and 32-token
-// tiles. H100, RESULTS.md session 27 (geomean x cuBLAS fp16, same call): plain 1.55 / 1.20 / 0.84 /
-// 0.38 / 0.48 against ws 1.29 / 1.10 / 0.87 / 0.41 / 0.52 at M = 16 / 32 / 64 / 256 / 4096; the
-// Llama-3-8B shape decodes 9,455 -> 10,044 tokens/s at batch 64 with ws.
-// The fewest K steps a block of the automatic plan takes (FASTAWQ_WGMMA_MIN_STEPS, an A/B switch read
-// at each call: 1 to 64; default 4, the ring's depth less its two steps of lead). The one-wave plan
-// cuts the 4096-wide layers at 16 tokens into ranges of 6-8 steps (4096 x 4096: 32 column tiles x 24
-// splits), each adding a 16 x 128 fp32 tile into the sums or workspace: as many bytes of reductions
-// as the weights' 8 MB. A floor above 4 trades blocks for fewer, longer ranges (session 38, to measure).
 // The most K splits a cluster of awq_wgmma_packed takes (FASTAWQ_WGMMA_CLUSTER: the portable size).
 constexpr int64_t kWgmmaMaxCluster = 8;
 // The largest automatic or forced split count FASTAWQ_WGMMA_CLUSTER serves (capping it to 8).
 constexpr int64_t kWgmmaClusterMaxPlan = 12;
 
+// The fewest K steps a block of the automatic plan takes (FASTAWQ_WGMMA_MIN_STEPS, an A/B switch read
+// at each call: 1 to 64; default 4, the ring's depth less its two steps of lead). The one-wave plan
+// cuts the 4096-wide layers at 16 tokens into ranges of 6-8 steps (4096 x 4096: 32 column tiles x 24
+// splits), each adding a 16 x 128 fp32 tile into the sums or workspace: as many bytes of reductions
+// as the weights' 8 MB. A floor above 4 trades blocks for fewer, longer ranges (session 38, H100: 8 and
+// 16 moved M = 16 1.73 -> 1.78 / 1.77x cuBLAS, the engine at batch 16 1.009x / 0.949x: the default stays).
 int64_t wgmma_min_steps() {
   const char* v = std::getenv("FASTAWQ_WGMMA_MIN_STEPS");
   if (v == nullptr || v[0] == '\0') return 4;
@@ -251,11 +246,18 @@ int64_t wgmma_min_steps() {
   return n >= 1 && n <= 64 ? n : 4;
 }
 
+// FASTAWQ_WGMMA_FORM=ws, which the sums form takes only when forced (wgmma_call).
 bool wgmma_ws_forced() {
   const char* v = std::getenv("FASTAWQ_WGMMA_FORM");
   return v != nullptr && std::strcmp(v, "ws") == 0;
 }
 
+// awq_wgmma_packed's form (read at each call): FASTAWQ_WGMMA_FORM=ws forces the warp-specialized one
+// (awq_wgmma_packed_sm90.cu, session 22), any other value the plain one of session 21; unset, the
+// warp-specialized form on the 64- and 128-token tiles and the plain one on the 16- and 32-token
+// tiles. H100, RESULTS.md session 27 (geomean x cuBLAS fp16, same call): plain 1.55 / 1.20 / 0.84 /
+// 0.38 / 0.48 against ws 1.29 / 1.10 / 0.87 / 0.41 / 0.52 at M = 16 / 32 / 64 / 256 / 4096; the
+// Llama-3-8B shape decodes 9,455 -> 10,044 tokens/s at batch 64 with ws.
 bool wgmma_ws_form(int64_t tokens) {
   const char* v = std::getenv("FASTAWQ_WGMMA_FORM");  // no allocation: it runs at every call
   if (v == nullptr || v[0] == '\0') return tokens >= 64;

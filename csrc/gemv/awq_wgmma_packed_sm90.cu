@@ -349,7 +349,9 @@ __device__ __forceinline__ void cluster_reduce(const float (&acc)[2][NT / 2], fl
       v.x += p.x, v.y += p.y, v.z += p.z, v.w += p.w;
     }
     const int tok = tok0 + q / kC4, c4 = blockIdx.y * kC4 + q % kC4;
-    if (tok < m && c4 < n4) store4_out<T>(out, bias, static_cast<int64_t>(tok) * n + 4 * c4, c4, {v.x, v.y, v.z, v.w});
+    if (tok < m && c4 < n4) {
+      store4_out<T>(out, bias, static_cast<int64_t>(tok) * n + 4 * c4, c4, {v.x, v.y, v.z, v.w});
+    }
   }
   cluster.sync();
 #endif
