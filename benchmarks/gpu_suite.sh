@@ -103,16 +103,18 @@ if [[ " $stages " == *" build "* ]]; then
     # A _C built elsewhere against this very torch (`carry` build/prebuilt: scripts/prebuild_suite.sh)
     # spares a cold machine the ~2 min build; used only where it loads and holds the ops, else built.
     pre=build/prebuilt
-    if [ -f "$pre/_C.so" ] && [ -f "$pre/_build_info.py" ] && [ "$(cat "$pre/SOURCES" 2>/dev/null)" != "$(sources_hash)" ]; then
-      echo "build: the prebuilt _C was built from other sources; building"
-    elif [ -f "$pre/_C.so" ] && [ -f "$pre/_build_info.py" ]; then
-      cp "$pre/_C.so" "$pre/_build_info.py" /tmp/fastawq_src/fastawq/
-      # It must load, hold the ops and let a TORCH_CHECK reach Python (c_throws).
-      if c_throws need > "$OUT/prebuilt.log" 2>&1; then
-        echo "build: the prebuilt _C ($(sed -n 's/^TORCH_VERSION = //p' "$pre/_build_info.py"))"
+    if [ -f "$pre/_C.so" ] && [ -f "$pre/_build_info.py" ]; then
+      if [ "$(cat "$pre/SOURCES" 2>/dev/null)" != "$(sources_hash)" ]; then
+        echo "build: the prebuilt _C was built from other sources; building"
       else
-        echo "build: the prebuilt _C does not load here ($(tail -c 300 "$OUT/prebuilt.log")); building"
-        rm -f /tmp/fastawq_src/fastawq/_C*.so /tmp/fastawq_src/fastawq/_build_info.py
+        cp "$pre/_C.so" "$pre/_build_info.py" /tmp/fastawq_src/fastawq/
+        # It must load, hold the ops and let a TORCH_CHECK reach Python (c_throws).
+        if c_throws need > "$OUT/prebuilt.log" 2>&1; then
+          echo "build: the prebuilt _C ($(sed -n 's/^TORCH_VERSION = //p' "$pre/_build_info.py"))"
+        else
+          echo "build: the prebuilt _C does not load here ($(tail -c 300 "$OUT/prebuilt.log")); building"
+          rm -f /tmp/fastawq_src/fastawq/_C*.so /tmp/fastawq_src/fastawq/_build_info.py
+        fi
       fi
     fi
     if [ ! -f /tmp/fastawq_src/fastawq/_build_info.py ]; then

@@ -260,8 +260,7 @@ bool wgmma_ws_forced() {
 // Llama-3-8B shape decodes 9,455 -> 10,044 tokens/s at batch 64 with ws.
 bool wgmma_ws_form(int64_t tokens) {
   const char* v = std::getenv("FASTAWQ_WGMMA_FORM");  // no allocation: it runs at every call
-  if (v == nullptr || v[0] == '\0') return tokens >= 64;
-  return std::strcmp(v, "ws") == 0;
+  return v == nullptr || v[0] == '\0' ? tokens >= 64 : std::strcmp(v, "ws") == 0;
 }
 
 // The sums tensor of awq_gemv_packed_sums / _act_sums: fp32 [M, N] on x's device, contiguous.
@@ -596,11 +595,11 @@ at::Tensor wgmma_call(const char* op, const at::Tensor& x, const at::Tensor& wpa
   // splits), 60.9 -> 42.1 at M = 32 (2), 4096 x 6144 17.7 -> 15.0 at M = 32 (11 -> 8); but 14336 x 4096
   // 19.9 -> 30.5 at M = 16 (24 -> 8: fewer blocks than the SMs hold). So it serves plans of at most
   // kWgmmaClusterMaxPlan splits (capped to 8), the rest keep the workspace (not yet measured so).
-  if (!a.sums && !a.ws && tokens <= 32 && (steps + spb - 1) / spb > 1 &&
-      (steps + spb - 1) / spb <= kWgmmaClusterMaxPlan && env_flag_on("FASTAWQ_WGMMA_CLUSTER")) {
+  const int64_t planned = (steps + spb - 1) / spb;
+  if (!a.sums && !a.ws && tokens <= 32 && planned > 1 && planned <= kWgmmaClusterMaxPlan &&
+      env_flag_on("FASTAWQ_WGMMA_CLUSTER")) {
     spb = std::max<int64_t>(spb, (steps + kWgmmaMaxCluster - 1) / kWgmmaMaxCluster);
-    a.cluster = static_cast<int>((steps + spb - 1) / spb);
-    if (a.cluster < 2) a.cluster = 0;
+    a.cluster = (steps + spb - 1) / spb > 1;
   }
   const SplitPlan plan{static_cast<int>(col_tiles), static_cast<int>((steps + spb - 1) / spb), static_cast<int>(spb)};
   if (a.sums) {

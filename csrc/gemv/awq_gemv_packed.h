@@ -137,10 +137,10 @@ struct WgmmaPackedArgs : PackedArgs {
   // sums (the first K split with the bias) into `workspace`, the caller's zeroed fp32 [M, N], and
   // ends: no counters, no conversion pass; `out` unused.
   bool sums;
-  // > 1: the plain form's K splits (exactly this many, <= 8) run as one cluster a tile and add their
-  // partial sums through distributed shared memory (FASTAWQ_WGMMA_CLUSTER=1, 16- and 32-token tiles):
-  // no workspace, fence or arrival count. 0: the workspace.
-  int cluster;
+  // The plain form's K splits (2 to 8 of them) run as one cluster a tile and add their partial sums
+  // through distributed shared memory (FASTAWQ_WGMMA_CLUSTER=1, 16- and 32-token tiles): no
+  // workspace, fence or arrival count. False: the workspace.
+  bool cluster;
 };
 
 void launch_awq_wgmma_packed(const WgmmaPackedArgs& args, cudaStream_t stream);
