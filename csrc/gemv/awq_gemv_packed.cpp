@@ -228,10 +228,24 @@ int wgmma_warpgroups(int64_t tokens) {
   return tokens <= 32 ? 1 : 2;
 }
 
-// The most K splits a cluster of awq_wgmma_packed takes (FASTAWQ_WGMMA_CLUSTER: the portable size).
-constexpr int64_t kWgmmaMaxCluster = 8;
-// The largest automatic or forced split count FASTAWQ_WGMMA_CLUSTER serves (capping it to 8).
-constexpr int64_t kWgmmaClusterMaxPlan = 12;
+// The most K splits a cluster of awq_wgmma_packed takes (FASTAWQ_WGMMA_CLUSTER): the portable 8, or
+// 16 with FASTAWQ_WGMMA_CLUSTER_SIZE=16 (sm_90's non-portable size; an A/B switch read at each call).
+int64_t wgmma_max_cluster() {
+  const char* v = std::getenv("FASTAWQ_WGMMA_CLUSTER_SIZE");
+  return v != nullptr && std::strcmp(v, "16") == 0 ? 16 : 8;
+}
+
+// The largest automatic or forced split count FASTAWQ_WGMMA_CLUSTER serves (capping it to the
+// cluster's size): 12, or FASTAWQ_WGMMA_CLUSTER_PLAN = 2..64 (an A/B switch read at each call).
+int64_t wgmma_cluster_max_plan() {
+  const char* v = std::getenv("FASTAWQ_WGMMA_CLUSTER_PLAN");
+  if (v != nullptr) {
+    char* end = nullptr;
+    const long p = std::strtol(v, &end, 10);
+    if (end != v && *end == '\0' && p >= 2 && p <= 64) return p;
+  }
+  return 12;
+}
 
 // The fewest K steps a block of the automatic plan takes (FASTAWQ_WGMMA_MIN_STEPS, an A/B switch read
 // at each call: 1 to 64; default 4, the ring's depth less its two steps of lead). The one-wave plan
@@ -595,10 +609,13 @@ at::Tensor wgmma_call(const char* op, const at::Tensor& x, const at::Tensor& wpa
   // splits), 60.9 -> 42.1 at M = 32 (2), 4096 x 6144 17.7 -> 15.0 at M = 32 (11 -> 8); but 14336 x 4096
   // 19.9 -> 30.5 at M = 16 (24 -> 8: fewer blocks than the SMs hold). So it serves plans of at most
   // kWgmmaClusterMaxPlan splits (capped to 8), the rest keep the workspace (not yet measured so).
+  // FASTAWQ_WGMMA_CLUSTER_SUMS=1 (off) does the same for the sums form: each cluster adds its tile
+  // into the sums once instead of once a split.
   const int64_t planned = (steps + spb - 1) / spb;
-  if (!a.sums && !a.ws && tokens <= 32 && planned > 1 && planned <= kWgmmaClusterMaxPlan &&
-      env_flag_on("FASTAWQ_WGMMA_CLUSTER")) {
-    spb = std::max<int64_t>(spb, (steps + kWgmmaMaxCluster - 1) / kWgmmaMaxCluster);
+  if (!a.ws && tokens <= 32 && planned > 1 && planned <= wgmma_cluster_max_plan() &&
+      env_flag_on(a.sums ? "FASTAWQ_WGMMA_CLUSTER_SUMS" : "FASTAWQ_WGMMA_CLUSTER")) {
+    const int64_t size = wgmma_max_cluster();
+    spb = std::max<int64_t>(spb, (steps + size - 1) / size);
     a.cluster = (steps + spb - 1) / spb > 1;
   }
   const SplitPlan plan{static_cast<int>(col_tiles), static_cast<int>((steps + spb - 1) / spb), static_cast<int>(spb)};
