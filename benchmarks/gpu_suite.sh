@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s46 s47 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s46 s48 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -903,29 +903,21 @@ if [[ " $stages " == *" s46 "* ]]; then
       --dtypes float16 --out "$OUT/s46_$v" 2>&1 | grep -E "geomean|^\| *float16 *\| *(9|16|32) *\|" || status=1
   done
 fi
-if [[ " $stages " == *" s47 "* ]]; then
-  step s47
-  # Session 39: clusters of 16 (FASTAWQ_WGMMA_CLUSTER_SIZE=16, non-portable) for plans up to 24 splits
-  # (FASTAWQ_WGMMA_CLUSTER_PLAN=24), and the sums form meeting in a cluster (FASTAWQ_WGMMA_CLUSTER_SUMS,
-  # the engine's decode path). Their tests, memcheck over the packed kernels (both switches in), the
-  # op's table at M = 9 / 16 / 32 off / clusters of 8 / of 16, then the engine at batch 16 / 32 with the
-  # sums' clusters off / on, of 8 then of 16 (~7 min).
-  timeout 200 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py \
-    -k "sixteen or sums_form and cluster or off_and_where" 2>&1 | tail -1 || status=1
+if [[ " $stages " == *" s48 "* ]]; then
+  step s48
+  # Session 39: the cluster reduction the default (FASTAWQ_WGMMA_CLUSTER=0 turns it off) for plans of
+  # <= 12 splits. Its tests and memcheck over the packed kernels, the op's table at M = 9 / 16 / 32 in
+  # both dtypes, then fp16 with the bound at 16 and 24 splits (FASTAWQ_WGMMA_CLUSTER_PLAN; ~3 min).
+  timeout 200 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "cluster" 2>&1 | tail -1 \
+    || status=1
   timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only packed 2>&1 \
     | tail -2 || status=1
-  for v in 0 8 16; do
-    echo "cluster $v"
-    FASTAWQ_WGMMA_CLUSTER=$([ $v = 0 ] && echo 0 || echo 1) FASTAWQ_WGMMA_CLUSTER_SIZE=$v \
-      FASTAWQ_WGMMA_CLUSTER_PLAN=$([ $v = 16 ] && echo 24 || echo 12) timeout 100 python benchmarks/gemm_table.py \
-      --kernels wgmma --ms 9,16,32 --dtypes float16 --out "$OUT/s47_$v" 2>&1 | grep -E "geomean|^\| *float16 *\|" \
-      || status=1
-  done
-  for v in 8 16; do
-    echo "sums clusters of $v"
-    FASTAWQ_WGMMA_CLUSTER_SIZE=$v FASTAWQ_WGMMA_CLUSTER_PLAN=$([ $v = 16 ] && echo 24 || echo 12) \
-      FASTAWQ_TRITON_TUNE=0 timeout 120 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_CLUSTER_SUMS=0,1 \
-      --shape llama-3-8b --batches 16,32 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "on / off" || status=1
+  timeout 100 python benchmarks/gemm_table.py --kernels wgmma --ms 9,16,32 --dtypes float16,bfloat16 \
+    --out "$OUT/s48" 2>&1 | grep -E "geomean|^\| *(float16|bfloat16) *\| *(9|16|32) *\|" || status=1
+  for v in 16 24; do
+    echo "FASTAWQ_WGMMA_CLUSTER_PLAN=$v"
+    FASTAWQ_WGMMA_CLUSTER_PLAN=$v timeout 100 python benchmarks/gemm_table.py --kernels wgmma --ms 9,16,32 \
+      --dtypes float16 --out "$OUT/s48_$v" 2>&1 | grep -E "geomean|^\| *float16 *\|" || status=1
   done
 fi
 if [[ " $stages " == *" s34p "* ]]; then

@@ -104,20 +104,18 @@ def main(argv: list[str] | None = None) -> None:
                 if hasattr(ops, "awq_wgmma_packed") and not ops.awq_wgmma_packed_declines():
                     # Its A/B switches (read at each call): one- and two-warpgroup blocks, the 4- and
                     # 8-slot rings, the warp-specialized and plain forms forced, the 16-token tile's
-                    # five-block instance, the pairs through the ring at every tile and at none.
+                    # five-block instance, the pairs through the ring at every tile and at none, the
+                    # cluster reduction (the default) two warpgroups wide, off, and serving 32 splits.
                     for env in ({"FASTAWQ_WGMMA_WARPGROUPS": "1"}, {"FASTAWQ_WGMMA_WARPGROUPS": "2"},
                                 {"FASTAWQ_WGMMA_DEPTH": "4"}, {"FASTAWQ_WGMMA_DEPTH": "8"},
                                 {"FASTAWQ_WGMMA_FORM": "ws"}, {"FASTAWQ_WGMMA_FORM": "plain"},
                                 {"FASTAWQ_WGMMA_OCC": "0"}, {"FASTAWQ_WGMMA_SCALES": "ring"},
                                 {"FASTAWQ_WGMMA_SCALES": "0"}, {"FASTAWQ_WGMMA_CLUSTER": "1"},
                                 {"FASTAWQ_WGMMA_CLUSTER": "1", "FASTAWQ_WGMMA_WARPGROUPS": "2"},
-                                {"FASTAWQ_WGMMA_CLUSTER": "1", "FASTAWQ_WGMMA_CLUSTER_SIZE": "16",
-                                 "FASTAWQ_WGMMA_CLUSTER_PLAN": "32"}):
-                        # The 16-block clusters (forced 16 and 12 splits) with their switch.
-                        big = ((17, (16, min(16, k // 32))), (40, (32, min(12, k // 32))))
-                        big = big if "FASTAWQ_WGMMA_CLUSTER_SIZE" in env else ()
+                                {"FASTAWQ_WGMMA_CLUSTER": "0"}, {"FASTAWQ_WGMMA_CLUSTER_PLAN": "32"}):
                         with env_set(env):
-                            for m, tile in ((17, ()), (9, (16, 0)), (130, (128, 3)), (70, (64, k // 32))) + big:
+                            for m, tile in ((17, ()), (9, (16, 0)), (130, (128, 3)), (70, (64, k // 32)),
+                                            (40, (32, min(12, k // 32)))):
                                 x = random_input((m, k), "cuda", dtype, seed=m)
                                 out = ops.awq_wgmma_packed(x, wp, sz, n, g, bias, *tile)
                                 assert_close_to_reference(out, x, qw, s, qz, g, bias)
@@ -125,14 +123,9 @@ def main(argv: list[str] | None = None) -> None:
                 if hasattr(ops, "awq_wgmma_packed_sums") and not ops.awq_wgmma_packed_declines():
                     # Adds into the caller's fp32 sums, in the plain form (the default) and the
                     # warp-specialized one (FASTAWQ_WGMMA_FORM=ws, session 38) on every tile.
-                    # Their K splits meeting in clusters of 8 and 16 (FASTAWQ_WGMMA_CLUSTER_SUMS).
-                    c8 = {"FASTAWQ_WGMMA_CLUSTER_SUMS": "1"}
-                    c16 = dict(c8, FASTAWQ_WGMMA_CLUSTER_SIZE="16", FASTAWQ_WGMMA_CLUSTER_PLAN="32")
                     for env, m, tile in [({}, 9, ()), ({}, 16, (16, 1)), ({}, 32, (32, 3)), ({}, 64, ())] + [
                             ({"FASTAWQ_WGMMA_FORM": "ws"}, m, tile)
-                            for m, tile in ((16, (16, 3)), (64, ()), (70, (64, k // 32)), (130, (128, 3)))] + [
-                            (c8, 9, ()), (c8, 20, (32, 5)), (c16, 17, (16, min(16, k // 32))),
-                            (c16, 40, (32, min(12, k // 32)))]:
+                            for m, tile in ((16, (16, 3)), (64, ()), (70, (64, k // 32)), (130, (128, 3)))]:
                         x = random_input((m, k), "cuda", dtype, seed=m + 3)
                         sums = torch.zeros(m, n, device="cuda")
                         with env_set(env):

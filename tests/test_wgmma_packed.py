@@ -525,73 +525,32 @@ def test_cluster_reduction(monkeypatch, tokens, splits, m, g, variant):
 
 
 @requires_kernel
+@pytest.mark.parametrize("splits", [13, 20, 24, 25, 33])
 @pytest.mark.parametrize("tokens", [16, 32])
-@pytest.mark.parametrize("splits", [9, 13, 16, 20, 24, 25])
-@pytest.mark.parametrize("m", [5, 40])
-@pytest.mark.parametrize("variant", ["default", "wg2", "bf16"])
-def test_cluster_reduction_of_sixteen(monkeypatch, tokens, splits, m, variant):
-    # FASTAWQ_WGMMA_CLUSTER_SIZE=16 (sm_90's non-portable cluster) with FASTAWQ_WGMMA_CLUSTER_PLAN=24:
-    # plans of 9-16 splits keep theirs (13: ranges of 5 steps, the last 4), 20 and 24 are capped to
-    # 16 ranges of 4 and 3 steps (the last shorter), 25 keeps the workspace. K = 64 steps of group 128
-    # (ranges start mid-group); the first call without bias, the second with.
-    monkeypatch.setenv("FASTAWQ_WGMMA_CLUSTER", "1")
-    monkeypatch.setenv("FASTAWQ_WGMMA_CLUSTER_SIZE", "16")
+def test_cluster_reduction_plan_bound(monkeypatch, splits, tokens):
+    # FASTAWQ_WGMMA_CLUSTER_PLAN=24 (read at each call) moves the bound on the plans the cluster
+    # serves: 13 / 20 / 24 forced splits are capped to 8 ranges of 8 steps, 25 plans 22 ranges of 3
+    # steps (also capped), 33 plans 32 of 2 and keeps the workspace. K = 64 steps of group 128.
+    monkeypatch.delenv("FASTAWQ_WGMMA_CLUSTER", raising=False)
     monkeypatch.setenv("FASTAWQ_WGMMA_CLUSTER_PLAN", "24")
-    if variant == "wg2":
-        monkeypatch.setenv("FASTAWQ_WGMMA_WARPGROUPS", "2")
-    dtype = torch.bfloat16 if variant == "bf16" else torch.float16
-    k, n, g = 2048, 392, 128
-    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=tokens + splits + m + 5)
-    for seed, bias in ((1, None), (2, random_input((n,), "cuda", dtype, seed=8))):
-        x = random_input((m, k), "cuda", dtype, seed=seed + m + 90)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            out = _poisoned_call(x, wp, sz, n, g, bias, tokens, splits)
-            torch.cuda.synchronize()
-        assert_close_to_reference(out, x, qw, s, qz, g, bias)
-        names = [e.name for e in prof.events() if "awq_wgmma_packed_kernel<" in e.name]
-        want = ("1", "true") if splits <= 24 else ("0", "false")
-        assert names and all(_template_args(nm)[-1] in want for nm in names), names
-
-
-@requires_kernel
-@pytest.mark.parametrize("tokens", [16, 32])
-@pytest.mark.parametrize("splits", [0, 2, 5, 12, 16])
-@pytest.mark.parametrize("m", [5, 40])
-@pytest.mark.parametrize("size", ["8", "16"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_cluster_reduction_of_the_sums_form(monkeypatch, tokens, splits, m, size, dtype):
-    # FASTAWQ_WGMMA_CLUSTER_SUMS=1: awq_wgmma_packed_sums's K splits meet in a cluster and one block a
-    # share adds the tile, with the bias once, into the caller's random (non-zero) sums; a second call
-    # without the bias adds again. The automatic plan and forced ones, clusters of 8 and 16 (plan cap
-    # 16: 16 splits meet in a cluster of 16, or of 8 ranges of 8 steps).
-    monkeypatch.setenv("FASTAWQ_WGMMA_CLUSTER_SUMS", "1")
-    monkeypatch.setenv("FASTAWQ_WGMMA_CLUSTER_SIZE", size)
-    monkeypatch.setenv("FASTAWQ_WGMMA_CLUSTER_PLAN", "16")
-    monkeypatch.delenv("FASTAWQ_WGMMA_FORM", raising=False)
-    k, n, g = 2048, 392, 128
-    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=tokens + splits + m + 11)
-    x = random_input((m, k), "cuda", dtype, seed=m + 13)
-    bias = random_input((n,), "cuda", dtype, seed=14)
-    base = torch.randn(m, n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(m + splits + 1))
-    sums = base.clone()
+    k, n, g, m = 2048, 392, 128, 21
+    qw, s, qz, wp, sz = _setup(k, n, g, torch.float16, seed=splits + tokens + 17)
+    x = random_input((m, k), "cuda", torch.float16, seed=splits + 19)
+    bias = random_input((n,), "cuda", torch.float16, seed=20)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        torch.ops.fastawq.awq_wgmma_packed_sums(x, wp, sz, n, g, bias, sums, tokens, splits)
+        out = _poisoned_call(x, wp, sz, n, g, bias, tokens, splits)
         torch.cuda.synchronize()
-    assert_close_to_reference(sums - base, x, qw, s, qz, g, bias)
+    assert_close_to_reference(out, x, qw, s, qz, g, bias)
     names = [e.name for e in prof.events() if "awq_wgmma_packed_kernel<" in e.name]
-    assert names
-    if splits > 1:
-        assert all(_template_args(nm)[-1] in ("1", "true") for nm in names), names
-    first = sums.clone()
-    x2 = random_input((m, k), "cuda", dtype, seed=m + 66)
-    torch.ops.fastawq.awq_wgmma_packed_sums(x2, wp, sz, n, g, None, sums, tokens, splits)
-    assert_close_to_reference(sums - first, x2, qw, s, qz, g)
+    want = ("1", "true") if splits <= 25 else ("0", "false")
+    assert names and all(_template_args(nm)[-1] in want for nm in names), names
 
 
 @requires_kernel
 def test_cluster_reduction_off_and_where_it_does_not_serve(monkeypatch):
-    # Unset or "0": the workspace (the instance's last template argument false); on, one split (K of
-    # one range) and the sums form keep the plain instance too, and both still match.
+    # Unset or "1" (the default since session 39): the cluster instance (its last template argument
+    # true); "0": the workspace; one split (K of one range) and the sums form keep the plain instance
+    # with the switch on, and all still match.
     k, n, g = 2048, 392, 128
     qw, s, qz, wp, sz = _setup(k, n, g, torch.float16, seed=12)
     x = random_input((20, k), "cuda", torch.float16, seed=3)
@@ -614,8 +573,9 @@ def test_cluster_reduction_off_and_where_it_does_not_serve(monkeypatch):
         assert found
         return found
 
-    for env in (None, "0"):
-        assert last_args(env, 4) <= {"0", "false"}
+    for env in (None, "1"):
+        assert last_args(env, 4) <= {"1", "true"}
+    assert last_args("0", 4) <= {"0", "false"}
     assert last_args("1", 1) <= {"0", "false"}
     assert last_args("1", 4, sums=True) <= {"0", "false"}
     assert last_args("1", 4) <= {"1", "true"}

@@ -70,29 +70,18 @@ void launch_pdl_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, size_t
                       std::forward<Args>(args)...);
 }
 
-// Sets a kernel's attribute to `value` once per kernel (the template arguments) and device.
-template <auto kKernel, cudaFuncAttribute kAttr>
-void set_attribute_once(int value) {
+// Above 48 KB of dynamic shared memory a kernel must opt in, up to `bytes`: once per kernel (the
+// template argument) and device.
+template <auto kKernel>
+void opt_in_shared_memory(int bytes) {
   static std::atomic<uint64_t> opted{0};
   int device = 0;
   cudaGetDevice(&device);
   const uint64_t bit = uint64_t{1} << (device & 63);
   if ((opted.load(std::memory_order_relaxed) & bit) == 0) {
-    cudaFuncSetAttribute(kKernel, kAttr, value);
+    cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     opted.fetch_or(bit, std::memory_order_relaxed);
   }
-}
-
-// Above 48 KB of dynamic shared memory a kernel must opt in, up to `bytes`.
-template <auto kKernel>
-void opt_in_shared_memory(int bytes) {
-  set_attribute_once<kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize>(bytes);
-}
-
-// Clusters above the portable size of 8 blocks (sm_90 allows 16) need the kernel's opt-in.
-template <auto kKernel>
-void allow_nonportable_clusters() {
-  set_attribute_once<kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed>(1);
 }
 
 template <typename... Params, typename... Args>

@@ -228,15 +228,14 @@ int wgmma_warpgroups(int64_t tokens) {
   return tokens <= 32 ? 1 : 2;
 }
 
-// The most K splits a cluster of awq_wgmma_packed takes (FASTAWQ_WGMMA_CLUSTER): the portable 8, or
-// 16 with FASTAWQ_WGMMA_CLUSTER_SIZE=16 (sm_90's non-portable size; an A/B switch read at each call).
-int64_t wgmma_max_cluster() {
-  const char* v = std::getenv("FASTAWQ_WGMMA_CLUSTER_SIZE");
-  return v != nullptr && std::strcmp(v, "16") == 0 ? 16 : 8;
-}
+// The most K splits a cluster of awq_wgmma_packed takes (the portable size). Session 39 (H100,
+// gemm_table.py --ms 9,16,32, same call) measured sm_90's non-portable 16 for plans up to 24 splits:
+// 1.58 / 1.58 / 1.18x cuBLAS against 1.88 / 1.76 / 1.47 at 8 (14336 x 4096 at M = 16 27.9 us against
+// 20.2 through the workspace).
+constexpr int64_t kWgmmaMaxCluster = 8;
 
-// The largest automatic or forced split count FASTAWQ_WGMMA_CLUSTER serves (capping it to the
-// cluster's size): 12, or FASTAWQ_WGMMA_CLUSTER_PLAN = 2..64 (an A/B switch read at each call).
+// The largest automatic or forced split count the cluster reduction serves (capping it to 8): 12, or
+// FASTAWQ_WGMMA_CLUSTER_PLAN = 2..64 (an A/B switch read at each call).
 int64_t wgmma_cluster_max_plan() {
   const char* v = std::getenv("FASTAWQ_WGMMA_CLUSTER_PLAN");
   if (v != nullptr) {
@@ -602,20 +601,19 @@ at::Tensor wgmma_call(const char* op, const at::Tensor& x, const at::Tensor& wpa
   const int64_t col_tiles = (n + tile_cols - 1) / tile_cols;
   int64_t spb = gemm_steps_per_block(splits, steps, col_tiles * token_tiles,
                                      splits == 0 ? wgmma_packed_resident_blocks(a) : 0, wgmma_min_steps());
-  // FASTAWQ_WGMMA_CLUSTER=1 (an A/B switch read at each call, off): the plain op's 16- and 32-token
-  // tiles meet their K splits in a cluster (at most 8) instead of the workspace, whose fence and last
-  // block's conversion held ~25 % of the 16-token tile's stall samples at 4096 x 4096 (s45, H100).
-  // Session 38 (H100, every split count capped at 8): 4096 x 28672 44.0 -> 39.3 us at M = 16 (3
-  // splits), 60.9 -> 42.1 at M = 32 (2), 4096 x 6144 17.7 -> 15.0 at M = 32 (11 -> 8); but 14336 x 4096
-  // 19.9 -> 30.5 at M = 16 (24 -> 8: fewer blocks than the SMs hold). So it serves plans of at most
-  // kWgmmaClusterMaxPlan splits (capped to 8), the rest keep the workspace (not yet measured so).
-  // FASTAWQ_WGMMA_CLUSTER_SUMS=1 (off) does the same for the sums form: each cluster adds its tile
-  // into the sums once instead of once a split.
+  // The cluster reduction (FASTAWQ_WGMMA_CLUSTER, on unless "0"; read at each call): the plain op's
+  // 16- and 32-token tiles meet their K splits in a cluster (at most 8) instead of the workspace, whose
+  // fence and last block's conversion held ~25 % of the 16-token tile's stall samples at 4096 x 4096
+  // (s45, H100). Session 38 (H100, every split count capped at 8): 14336 x 4096 at M = 16 19.9 -> 30.5
+  // us (24 splits cut to 8: fewer blocks than the SMs hold), so it serves plans of at most
+  // wgmma_cluster_max_plan() splits. Session 39 (H100, gemm_table.py --kernels wgmma, same call):
+  // geomean x cuBLAS fp16 1.88 / 1.76 / 1.47 against 1.88 / 1.71 / 1.27 at M = 9 / 16 / 32 (4096 x
+  // 28672 at 32: 41.8 against 61.4 us). The sums form (the engine's decode) keeps its adds: meeting in
+  // clusters of 8 it decoded 0.951x / 0.945x at batch 16 / 32 (bench_ab.py, session 39).
   const int64_t planned = (steps + spb - 1) / spb;
-  if (!a.ws && tokens <= 32 && planned > 1 && planned <= wgmma_cluster_max_plan() &&
-      env_flag_on(a.sums ? "FASTAWQ_WGMMA_CLUSTER_SUMS" : "FASTAWQ_WGMMA_CLUSTER")) {
-    const int64_t size = wgmma_max_cluster();
-    spb = std::max<int64_t>(spb, (steps + size - 1) / size);
+  if (!a.sums && !a.ws && tokens <= 32 && planned > 1 && planned <= wgmma_cluster_max_plan() &&
+      env_switch("FASTAWQ_WGMMA_CLUSTER") != 0) {
+    spb = std::max<int64_t>(spb, (steps + kWgmmaMaxCluster - 1) / kWgmmaMaxCluster);
     a.cluster = (steps + spb - 1) / spb > 1;
   }
   const SplitPlan plan{static_cast<int>(col_tiles), static_cast<int>((steps + spb - 1) / spb), static_cast<int>(spb)};

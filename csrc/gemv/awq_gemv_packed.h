@@ -137,11 +137,9 @@ struct WgmmaPackedArgs : PackedArgs {
   // sums (the first K split with the bias) into `workspace`, the caller's zeroed fp32 [M, N], and
   // ends: no counters, no conversion pass; `out` unused.
   bool sums;
-  // The plain form's K splits (2 to 8 of them, 16 with FASTAWQ_WGMMA_CLUSTER_SIZE=16) run as one
-  // cluster a tile and add their partial sums through distributed shared memory
-  // (FASTAWQ_WGMMA_CLUSTER=1, 16- and 32-token tiles): no workspace, fence or arrival count; with
-  // `sums` (FASTAWQ_WGMMA_CLUSTER_SUMS=1) one block a share adds the cluster's sum into `workspace`.
-  // False: the workspace, or each block's own adds.
+  // The plain form's K splits (2 to 8 of them) run as one cluster a tile and add their partial sums
+  // through distributed shared memory (16- and 32-token tiles, plans of <= 12 splits; off with
+  // FASTAWQ_WGMMA_CLUSTER=0): no workspace, fence or arrival count. False: the workspace.
   bool cluster;
 };
 

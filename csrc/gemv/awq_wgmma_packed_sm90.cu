@@ -321,11 +321,9 @@ constexpr int kMinBlocks = WG == 2 ? (NT <= 64 ? 2 : 1) : (NT <= 32 ? 4 : (NT ==
 template <int NT, int WG>
 constexpr int kTileFloats = NT * 128 * WG;
 
-// With `sums` (the sums form, FASTAWQ_WGMMA_CLUSTER_SUMS) each share is added into the caller's fp32
-// sums with the bias instead: one reduction a cluster instead of one a split.
 template <typename T, int NT, int WG>
 __device__ __forceinline__ void cluster_reduce(const float (&acc)[2][NT / 2], float* tile, int tok0, int t, int m,
-                                               int n, int c4_local, const T* bias, T* out, float* sums) {
+                                               int n, int c4_local, const T* bias, T* out) {
 #ifdef FASTAWQ_WGMMA_DEVICE
   namespace cg = cooperative_groups;
   constexpr int kCols = 128 * WG, kC4 = kCols / 4, kQuads = kTileFloats<NT, WG> / 4;
@@ -352,17 +350,7 @@ __device__ __forceinline__ void cluster_reduce(const float (&acc)[2][NT / 2], fl
     }
     const int tok = tok0 + q / kC4, c4 = blockIdx.y * kC4 + q % kC4;
     if (tok < m && c4 < n4) {
-      const int64_t at = static_cast<int64_t>(tok) * n + 4 * c4;
-      if (sums != nullptr) {
-        if (bias != nullptr) {
-          using Tr = HalfTraits<T>;
-          v.x += Tr::to_float(bias[4 * c4]), v.y += Tr::to_float(bias[4 * c4 + 1]);
-          v.z += Tr::to_float(bias[4 * c4 + 2]), v.w += Tr::to_float(bias[4 * c4 + 3]);
-        }
-        red_add4(sums + at, v);
-      } else {
-        store4_out<T>(out, bias, at, c4, {v.x, v.y, v.z, v.w});
-      }
+      store4_out<T>(out, bias, static_cast<int64_t>(tok) * n + 4 * c4, c4, {v.x, v.y, v.z, v.w});
     }
   }
   cluster.sync();
@@ -563,8 +551,7 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
   fence_accumulators<NT>(acc);
   cp_async_wait<0>();
   if constexpr (CR) {  // the host launches this instance in clusters of the K splits only
-    cluster_reduce<T, NT, WG>(acc, reinterpret_cast<float*>(ring_smem), tok0, t, m, n, warp * 8 + g, bias, out,
-                              sums ? ws : nullptr);
+    cluster_reduce<T, NT, WG>(acc, reinterpret_cast<float*>(ring_smem), tok0, t, m, n, warp * 8 + g, bias, out);
     return;
   }
 
@@ -881,10 +868,6 @@ void launch_p(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
   if (resident != nullptr) {
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, kThreads<WG>, kSmem);
     return;
-  }
-  // Clusters above the portable 8 blocks (FASTAWQ_WGMMA_CLUSTER_SIZE=16) are opted into.
-  if constexpr (CR) {
-    if (a.splits > 8) allow_nonportable_clusters<kernel>();
   }
   launch_pdl_cluster3(kernel, dim3(a.token_tiles, a.col_tiles, a.splits), dim3(kThreads<WG>), kSmem, stream,
                       dim3(CR ? 1 : 0, 1, CR ? a.splits : 1), static_cast<const T*>(a.x),
