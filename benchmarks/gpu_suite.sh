@@ -919,6 +919,11 @@ if [[ " $stages " == *" s48 "* ]]; then
     FASTAWQ_WGMMA_CLUSTER_PLAN=$v timeout 100 python benchmarks/gemm_table.py --kernels wgmma --ms 9,16,32 \
       --dtypes float16 --out "$OUT/s48_$v" 2>&1 | grep -E "geomean|^\| *float16 *\|" || status=1
   done
+  # The plain op's projections now end in a cluster, not the workspace: the engine's sums forms
+  # (gate_up's, then every projection's) against it, on / off (~2 min).
+  FASTAWQ_TRITON_TUNE=0 timeout 180 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_GU_SUMS=1,0 \
+    --compare env:FASTAWQ_WGMMA_SUMS=1,0 --shape llama-3-8b --batches 16,32 --layout packed --decode 64 \
+    --rounds 2 2>&1 | grep -E "on / off" || status=1
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p
