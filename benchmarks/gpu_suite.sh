@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s46 s48 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s46 s48 s49 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -923,6 +923,17 @@ if [[ " $stages " == *" s48 "* ]]; then
   # (gate_up's, then every projection's) against it, on / off (~2 min).
   FASTAWQ_TRITON_TUNE=0 timeout 180 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_GU_SUMS=1,0 \
     --compare env:FASTAWQ_WGMMA_SUMS=1,0 --shape llama-3-8b --batches 16,32 --layout packed --decode 64 \
+    --rounds 2 2>&1 | grep -E "on / off" || status=1
+fi
+if [[ " $stages " == *" s49 "* ]]; then
+  step s49
+  # Session 39: gate_up's wgmma sums off at 17-32 rows by default (the plain op's 2 splits meet in a
+  # cluster; batch 32 1.034x in s48). The decode tests with the new default, then gate_up's sums
+  # forced on / off and QKV's sums on / off at batch 20 / 32 (~2.5 min).
+  timeout 200 python -m pytest -x -q -p no:cacheprovider tests/test_fused.py \
+    -k "wgmma_sums_decode or wgmma_sums_switch" 2>&1 | tail -1 || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_GU_SUMS=1,0 \
+    --compare env:FASTAWQ_QKV_SUMS=1,0 --shape llama-3-8b --batches 20,32 --layout packed --decode 64 \
     --rounds 2 2>&1 | grep -E "on / off" || status=1
 fi
 if [[ " $stages " == *" s34p "* ]]; then

@@ -223,7 +223,7 @@ def test_fused_wgmma_decode_matches_unfused(monkeypatch, arch):
 
 
 @needs_cuda
-@pytest.mark.parametrize("gu_sums", ["0", "1"])
+@pytest.mark.parametrize("gu_sums", ["0", "1", None])
 @pytest.mark.parametrize("arch, batch, head_dim", [("llama", 16, 64), ("qwen3", 16, 64), ("qwen2", 12, None),
                                                    ("phi3", 24, None), ("llama", 64, 64)])
 def test_fused_wgmma_sums_decode_matches_unfused(monkeypatch, arch, batch, head_dim, gu_sums):
@@ -232,12 +232,16 @@ def test_fused_wgmma_sums_decode_matches_unfused(monkeypatch, arch, batch, head_
     # (the compiled rope attention's) QKV too, which the rope attention reads as fp32; decode with CUDA
     # graphs still matches transformers (Qwen3: q/k norms; Qwen2: biases, added once; Phi-3: its fused
     # gate_up), and the sums op ran where it can (elsewhere only the match is checked). With
-    # FASTAWQ_WGMMA_GU_SUMS on (the default since session 38; "0" off) gate_up adds into fp32 sums too,
-    # which act_mul_sums rounds: a layer's decode step then makes one more sums call. Batch 64: the
-    # 64-token tile, whose non-sums launches run the warp-specialized form.
+    # FASTAWQ_WGMMA_GU_SUMS "1" (unset: the default, except at 17-32 rows since session 39; "0" off)
+    # gate_up adds into fp32 sums too, which act_mul_sums rounds: a layer's decode step then makes one
+    # more sums call. Batch 64: the 64-token tile, whose non-sums launches run the warp-specialized form.
     from fastawq import _ext
 
-    monkeypatch.setenv("FASTAWQ_WGMMA_GU_SUMS", gu_sums)
+    if gu_sums is None:
+        monkeypatch.delenv("FASTAWQ_WGMMA_GU_SUMS", raising=False)
+    else:
+        monkeypatch.setenv("FASTAWQ_WGMMA_GU_SUMS", gu_sums)
+    gu_on = gu_sums == "1" or (gu_sums is None and not 16 < batch <= 32)
     monkeypatch.setenv("FASTAWQ_DENSE_SUMS", "1")
     monkeypatch.setenv("FASTAWQ_QKV_SUMS", "1")
     monkeypatch.delenv("FASTAWQ_WGMMA_SUMS", raising=False)
@@ -245,7 +249,7 @@ def test_fused_wgmma_sums_decode_matches_unfused(monkeypatch, arch, batch, head_
     over = {} if head_dim is None else {"head_dim": head_dim}
     runs, rows = _spy_wgmma_rows(monkeypatch, "awq_wgmma_packed_sums")
     acts = []
-    if gu_sums == "1":
+    if gu_on:
         real_act = ops.act_mul_sums
 
         def spy_act(sums, *args, **kwargs):
@@ -258,20 +262,28 @@ def test_fused_wgmma_sums_decode_matches_unfused(monkeypatch, arch, batch, head_
         assert batch in rows
         if head_dim is not None and _ext.has_op("rope_decode_attention"):
             assert any(f32_qkv)
-        assert (batch in acts) == (gu_sums == "1")
+        assert (batch in acts) == gu_on
 
 
 def test_wgmma_sums_switch_and_fit_off_the_gpu(monkeypatch):
-    # Both switches are on unless "0"; off CUDA (or with it off) the wgmma sums never serve a layer.
+    # FASTAWQ_WGMMA_SUMS is on unless "0"; FASTAWQ_WGMMA_GU_SUMS "1" / "0" forces gate_up's sums on /
+    # off, unset (or anything else) leaves them on except at 17-32 rows (the 32-token tile, whose
+    # plain op's splits meet in a cluster). Off CUDA (or with it off) the wgmma sums never serve a layer.
     from fastawq.modules.fused import _wgmma_sums_fits, wgmma_gu_sums_out, wgmma_sums_out
 
-    for name, switch in (("FASTAWQ_WGMMA_SUMS", wgmma_sums_out), ("FASTAWQ_WGMMA_GU_SUMS", wgmma_gu_sums_out)):
-        for value, on in ((None, True), ("0", False), ("1", True), ("", True)):
-            if value is None:
-                monkeypatch.delenv(name, raising=False)
-            else:
-                monkeypatch.setenv(name, value)
-            assert switch() is on, (name, value)
+    for value, on in ((None, True), ("0", False), ("1", True), ("", True)):
+        if value is None:
+            monkeypatch.delenv("FASTAWQ_WGMMA_SUMS", raising=False)
+        else:
+            monkeypatch.setenv("FASTAWQ_WGMMA_SUMS", value)
+        assert wgmma_sums_out() is on, value
+    for value, rows_on in ((None, (9, 16, 33, 64)), ("", (9, 16, 33, 64)), ("0", ()), ("1", (9, 16, 17, 32, 33, 64))):
+        if value is None:
+            monkeypatch.delenv("FASTAWQ_WGMMA_GU_SUMS", raising=False)
+        else:
+            monkeypatch.setenv("FASTAWQ_WGMMA_GU_SUMS", value)
+        for rows in (9, 16, 17, 32, 33, 64):
+            assert wgmma_gu_sums_out(rows) is (rows in rows_on), (value, rows)
     lin = WQLinear.from_linear(torch.nn.Linear(64, 64).half(), 32)
     assert not _wgmma_sums_fits(16, torch.float16, torch.device("cpu"), lin, None)
 

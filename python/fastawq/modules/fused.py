@@ -422,7 +422,7 @@ class FusedDecoderLayer(nn.Module):
             gu_sums = torch.empty((rows, gu.out_features), dtype=torch.float32, device=x.device)
         # The wgmma's rows with wgmma_gu_sums_out: gate_up's fp32 sums after the down projection's in
         # one buffer, which the post-attention norm zeroes in its launch.
-        gu_wgmma = not gemv and wgmma_gu_sums_out() and gu_pairs \
+        gu_wgmma = not gemv and wgmma_gu_sums_out(rows) and gu_pairs \
             and _wgmma_sums_fits(rows, dtype, x.device, gu, backend)
         o_sums, residual = self._attention_sums(x, residual, positions, start, lens, max_len, backend, gu_sums)
         if gu_wgmma:
@@ -590,18 +590,25 @@ def wgmma_sums_out() -> bool:
     return backend_mod.env_switch(b"FASTAWQ_WGMMA_SUMS") != "0"
 
 
-def wgmma_gu_sums_out() -> bool:
-    """FASTAWQ_WGMMA_GU_SUMS (on unless "0"; read at each call, so a captured graph keeps the setting it
-    was captured with): at the rows awq_wgmma_packed_sums serves, gate_up adds into fp32 sums too
-    (zeroed by the post-attention norm's launch with the down projection's, one buffer), which
-    act_mul_sums rounds as it reads them: gate_up, the step's largest projection, ends without its
-    split-K fence, arrival count and last block's conversion pass (session 36, H100: that tail's
-    barrier, fence and conversion held ~20 % of the 16-token tile's stall samples at 4096 x 28672).
-    Session 38 (H100, Llama-3-8B shape, bench_ab.py --compare env:FASTAWQ_WGMMA_GU_SUMS=0,1, same
-    call): decode 1.012x / 1.024x / 1.043x / 1.026x at batch 9 / 16 / 32 / 64."""
+def wgmma_gu_sums_out(rows: int) -> bool:
+    """FASTAWQ_WGMMA_GU_SUMS ("1" on, "0" off; unset: on except at 17-32 rows; read at each call, so a
+    captured graph keeps the setting it was captured with): at the rows awq_wgmma_packed_sums serves,
+    gate_up adds into fp32 sums too (zeroed by the post-attention norm's launch with the down
+    projection's, one buffer), which act_mul_sums rounds as it reads them: gate_up, the step's largest
+    projection, ends without its split-K fence, arrival count and last block's conversion pass
+    (session 36, H100: that tail's barrier, fence and conversion held ~20 % of the 16-token tile's
+    stall samples at 4096 x 28672). Session 38 (H100, Llama-3-8B shape, bench_ab.py --compare
+    env:FASTAWQ_WGMMA_GU_SUMS=0,1, same call): decode 1.012x / 1.024x / 1.043x / 1.026x at batch 9 / 16 /
+    32 / 64. Since session 39 the plain op's K splits meet in a cluster instead of that tail (at 4096
+    x 28672 and 32 tokens 41.8 us against 61.4), and at batch 32 (the 32-token tile: 2 splits) gate_up
+    plain then act_mul decoded 1.034x against the sums (batch 16: 0.984x; H100, bench_ab.py --compare
+    env:FASTAWQ_WGMMA_GU_SUMS=1,0, same call)."""
     from fastawq import backend as backend_mod
 
-    return backend_mod.env_switch(b"FASTAWQ_WGMMA_GU_SUMS") != "0"
+    v = backend_mod.env_switch(b"FASTAWQ_WGMMA_GU_SUMS")
+    if v is None or v not in ("0", "1"):
+        return not 16 < rows <= 32
+    return v == "1"
 
 
 def dense_sums_out() -> bool:
