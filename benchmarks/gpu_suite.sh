@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s46 s48 s49 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s46 s48 s49 s50 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -935,6 +935,24 @@ if [[ " $stages " == *" s49 "* ]]; then
   FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_GU_SUMS=1,0 \
     --compare env:FASTAWQ_QKV_SUMS=1,0 --shape llama-3-8b --batches 20,32 --layout packed --decode 64 \
     --rounds 2 2>&1 | grep -E "on / off" || status=1
+fi
+if [[ " $stages " == *" s50 "* ]]; then
+  step s50
+  # Session 39: the 64-token tile's plain form (FASTAWQ_WGMMA_FORM=plain) with its K splits meeting in
+  # a cluster, against the ws form (the default there). Its tests, memcheck over the packed kernels,
+  # the op's table at M = 48 / 64: ws, plain (2 warpgroups) with the cluster off / on, plain with one
+  # warpgroup on (~3 min).
+  timeout 200 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "cluster" 2>&1 | tail -1 \
+    || status=1
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only packed 2>&1 \
+    | tail -2 || status=1
+  for v in ws:1:2 plain:0:2 plain:1:2 plain:1:1; do
+    IFS=: read -r form cl wg <<< "$v"
+    echo "FASTAWQ_WGMMA_FORM=$form FASTAWQ_WGMMA_CLUSTER=$cl FASTAWQ_WGMMA_WARPGROUPS=$wg"
+    FASTAWQ_WGMMA_FORM=$form FASTAWQ_WGMMA_CLUSTER=$cl FASTAWQ_WGMMA_WARPGROUPS=$wg timeout 100 \
+      python benchmarks/gemm_table.py --kernels wgmma --ms 48,64 --dtypes float16 --out "$OUT/s50_${v//:/_}" \
+      2>&1 | grep -E "geomean|^\| *float16 *\|" || status=1
+  done
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p

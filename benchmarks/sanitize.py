@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
                                 {"FASTAWQ_WGMMA_CLUSTER": "0"}, {"FASTAWQ_WGMMA_CLUSTER_PLAN": "32"}):
                         with env_set(env):
                             for m, tile in ((17, ()), (9, (16, 0)), (130, (128, 3)), (70, (64, k // 32)),
-                                            (40, (32, min(12, k // 32)))):
+                                            (40, (32, min(12, k // 32))), (70, (64, 5))):
                                 x = random_input((m, k), "cuda", dtype, seed=m)
                                 out = ops.awq_wgmma_packed(x, wp, sz, n, g, bias, *tile)
                                 assert_close_to_reference(out, x, qw, s, qz, g, bias)

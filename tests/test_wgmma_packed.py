@@ -547,6 +547,31 @@ def test_cluster_reduction_plan_bound(monkeypatch, splits, tokens):
 
 
 @requires_kernel
+@pytest.mark.parametrize("splits", [2, 5, 8, 12, 13])
+@pytest.mark.parametrize("m", [40, 70])
+@pytest.mark.parametrize("warpgroups", ["1", "2"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cluster_reduction_of_the_plain_64_token_tile(monkeypatch, splits, m, warpgroups, dtype):
+    # FASTAWQ_WGMMA_FORM=plain at the 64-token tile (ws is its default): its K splits meet in a cluster
+    # too (the 64 x 256 fp32 tile of two warpgroups fills 64 KB of the 72 KB ring), 13 keep the
+    # workspace; one and two warpgroups, M past one token tile; without bias, then with it.
+    monkeypatch.delenv("FASTAWQ_WGMMA_CLUSTER", raising=False)
+    monkeypatch.setenv("FASTAWQ_WGMMA_FORM", "plain")
+    monkeypatch.setenv("FASTAWQ_WGMMA_WARPGROUPS", warpgroups)
+    k, n, g = 2048, 392, 128
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=splits + m + 23)
+    for seed, bias in ((1, None), (2, random_input((n,), "cuda", dtype, seed=24))):
+        x = random_input((m, k), "cuda", dtype, seed=seed + m + 25)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out = _poisoned_call(x, wp, sz, n, g, bias, 64, splits)
+            torch.cuda.synchronize()
+        assert_close_to_reference(out, x, qw, s, qz, g, bias)
+        names = [e.name for e in prof.events() if "awq_wgmma_packed_kernel<" in e.name]
+        want = ("1", "true") if splits <= 12 else ("0", "false")
+        assert names and all(_template_args(nm)[1] == "64" and _template_args(nm)[-1] in want for nm in names), names
+
+
+@requires_kernel
 def test_cluster_reduction_off_and_where_it_does_not_serve(monkeypatch):
     # Unset or "1" (the default since session 39): the cluster instance (its last template argument
     # true); "0": the workspace; one split (K of one range) and the sums form keep the plain instance
