@@ -939,19 +939,19 @@ fi
 if [[ " $stages " == *" s50 "* ]]; then
   step s50
   # Session 39: the 64-token tile's plain form (FASTAWQ_WGMMA_FORM=plain) with its K splits meeting in
-  # a cluster, against the ws form (the default there). Its tests, memcheck over the packed kernels,
-  # the op's table at M = 48 / 64: ws, plain (2 warpgroups) with the cluster off / on, plain with one
-  # warpgroup on (~3 min).
+  # a cluster, and the ws form (the default there) with them meeting in a cluster
+  # (FASTAWQ_WGMMA_WS_CLUSTER=1). Their tests, memcheck over the packed kernels, the op's table at
+  # M = 48 / 64: ws off / on, plain (2 warpgroups) off / on, plain with one warpgroup on (~3.5 min).
   timeout 200 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "cluster" 2>&1 | tail -1 \
     || status=1
   timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only packed 2>&1 \
     | tail -2 || status=1
-  for v in ws:1:2 plain:0:2 plain:1:2 plain:1:1; do
+  for v in ws:0:2 ws:1:2 plain:0:2 plain:1:2 plain:1:1; do
     IFS=: read -r form cl wg <<< "$v"
-    echo "FASTAWQ_WGMMA_FORM=$form FASTAWQ_WGMMA_CLUSTER=$cl FASTAWQ_WGMMA_WARPGROUPS=$wg"
-    FASTAWQ_WGMMA_FORM=$form FASTAWQ_WGMMA_CLUSTER=$cl FASTAWQ_WGMMA_WARPGROUPS=$wg timeout 100 \
-      python benchmarks/gemm_table.py --kernels wgmma --ms 48,64 --dtypes float16 --out "$OUT/s50_${v//:/_}" \
-      2>&1 | grep -E "geomean|^\| *float16 *\|" || status=1
+    echo "FASTAWQ_WGMMA_FORM=$form cluster=$cl FASTAWQ_WGMMA_WARPGROUPS=$wg"
+    FASTAWQ_WGMMA_FORM=$form FASTAWQ_WGMMA_CLUSTER=$cl FASTAWQ_WGMMA_WS_CLUSTER=$cl FASTAWQ_WGMMA_WARPGROUPS=$wg \
+      timeout 100 python benchmarks/gemm_table.py --kernels wgmma --ms 48,64 --dtypes float16 \
+      --out "$OUT/s50_${v//:/_}" 2>&1 | grep -E "geomean|^\| *float16 *\|" || status=1
   done
 fi
 if [[ " $stages " == *" s34p "* ]]; then

@@ -548,27 +548,34 @@ def test_cluster_reduction_plan_bound(monkeypatch, splits, tokens):
 
 @requires_kernel
 @pytest.mark.parametrize("splits", [2, 5, 8, 12, 13])
-@pytest.mark.parametrize("m", [40, 70])
-@pytest.mark.parametrize("warpgroups", ["1", "2"])
+@pytest.mark.parametrize("m", [13, 70])
+@pytest.mark.parametrize("form, tokens, env", [
+    ("plain", 64, {"FASTAWQ_WGMMA_WARPGROUPS": "1"}), ("plain", 64, {"FASTAWQ_WGMMA_WARPGROUPS": "2"}),
+    ("ws", 16, {}), ("ws", 32, {}), ("ws", 64, {}), ("ws", 64, {"FASTAWQ_WGMMA_WS_DEPTH": "12"})])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_cluster_reduction_of_the_plain_64_token_tile(monkeypatch, splits, m, warpgroups, dtype):
-    # FASTAWQ_WGMMA_FORM=plain at the 64-token tile (ws is its default): its K splits meet in a cluster
-    # too (the 64 x 256 fp32 tile of two warpgroups fills 64 KB of the 72 KB ring), 13 keep the
-    # workspace; one and two warpgroups, M past one token tile; without bias, then with it.
+def test_cluster_reduction_of_the_64_token_tile_and_the_ws_form(monkeypatch, splits, m, form, tokens, env, dtype):
+    # The 64-token tile's plain form (FASTAWQ_WGMMA_FORM=plain; ws is its default) meets its K splits
+    # in a cluster too (two warpgroups' 64 x 256 fp32 tile fills 64 KB of the 72 KB ring), and the ws
+    # form at 16-64 tokens with FASTAWQ_WGMMA_WS_CLUSTER=1 (its 8-slot ring exactly holds the 64-token
+    # tile); 13 splits keep the workspace. M within and past one token tile; without bias, then with.
     monkeypatch.delenv("FASTAWQ_WGMMA_CLUSTER", raising=False)
-    monkeypatch.setenv("FASTAWQ_WGMMA_FORM", "plain")
-    monkeypatch.setenv("FASTAWQ_WGMMA_WARPGROUPS", warpgroups)
+    monkeypatch.setenv("FASTAWQ_WGMMA_FORM", form)
+    monkeypatch.setenv("FASTAWQ_WGMMA_WS_CLUSTER", "1")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     k, n, g = 2048, 392, 128
-    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=splits + m + 23)
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=splits + m + tokens + 23)
+    kernel = "awq_wgmma_packed_kernel<" if form == "plain" else "awq_wgmma_ws_kernel<"
     for seed, bias in ((1, None), (2, random_input((n,), "cuda", dtype, seed=24))):
         x = random_input((m, k), "cuda", dtype, seed=seed + m + 25)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            out = _poisoned_call(x, wp, sz, n, g, bias, 64, splits)
+            out = _poisoned_call(x, wp, sz, n, g, bias, tokens, splits)
             torch.cuda.synchronize()
         assert_close_to_reference(out, x, qw, s, qz, g, bias)
-        names = [e.name for e in prof.events() if "awq_wgmma_packed_kernel<" in e.name]
+        args = [_template_args(e.name.replace(kernel, "awq_wgmma_packed_kernel<"))
+                for e in prof.events() if kernel in e.name]
         want = ("1", "true") if splits <= 12 else ("0", "false")
-        assert names and all(_template_args(nm)[1] == "64" and _template_args(nm)[-1] in want for nm in names), names
+        assert args and all(a[1] == str(tokens) and (a[-1] in want) for a in args), args
 
 
 @requires_kernel

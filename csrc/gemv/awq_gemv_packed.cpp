@@ -610,11 +610,13 @@ at::Tensor wgmma_call(const char* op, const at::Tensor& x, const at::Tensor& wpa
   // geomean x cuBLAS fp16 1.88 / 1.76 / 1.47 against 1.88 / 1.71 / 1.27 at M = 9 / 16 / 32 (4096 x
   // 28672 at 32: 41.8 against 61.4 us). The sums form (the engine's decode) keeps its adds: meeting in
   // clusters of 8 it decoded 0.951x / 0.945x at batch 16 / 32 (bench_ab.py, session 39). The 64-token
-  // tile's plain form (FASTAWQ_WGMMA_FORM=plain; ws is its default) meets in a cluster too (not yet
+  // tile's plain form (FASTAWQ_WGMMA_FORM=plain; ws is its default) meets in a cluster too, and the ws
+  // form at tiles up to 64 tokens with FASTAWQ_WGMMA_WS_CLUSTER=1 (an A/B switch, off; neither yet
   // measured).
   const int64_t planned = (steps + spb - 1) / spb;
-  if (!a.sums && !a.ws && tokens <= 64 && planned > 1 && planned <= wgmma_cluster_max_plan() &&
-      env_switch("FASTAWQ_WGMMA_CLUSTER") != 0) {
+  const bool cluster_on =
+      a.ws ? env_flag_on("FASTAWQ_WGMMA_WS_CLUSTER") : env_switch("FASTAWQ_WGMMA_CLUSTER") != 0;
+  if (!a.sums && tokens <= 64 && planned > 1 && planned <= wgmma_cluster_max_plan() && cluster_on) {
     spb = std::max<int64_t>(spb, (steps + kWgmmaMaxCluster - 1) / kWgmmaMaxCluster);
     a.cluster = (steps + spb - 1) / spb > 1;
   }

@@ -137,9 +137,10 @@ struct WgmmaPackedArgs : PackedArgs {
   // sums (the first K split with the bias) into `workspace`, the caller's zeroed fp32 [M, N], and
   // ends: no counters, no conversion pass; `out` unused.
   bool sums;
-  // The plain form's K splits (2 to 8 of them) run as one cluster a tile and add their partial sums
-  // through distributed shared memory (16- and 32-token tiles, plans of <= 12 splits; off with
-  // FASTAWQ_WGMMA_CLUSTER=0): no workspace, fence or arrival count. False: the workspace.
+  // The K splits (2 to 8 of them) run as one cluster a tile and add their partial sums through
+  // distributed shared memory (plans of <= 12 splits; the plain form up to 64 tokens unless
+  // FASTAWQ_WGMMA_CLUSTER=0, the ws form with FASTAWQ_WGMMA_WS_CLUSTER=1): no workspace, fence or
+  // arrival count. False: the workspace.
   bool cluster;
 };
 
