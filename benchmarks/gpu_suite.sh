@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s46 s48 s49 s50 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s46 s48 s49 s50 s51 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -942,6 +942,7 @@ if [[ " $stages " == *" s50 "* ]]; then
   # a cluster, and the ws form (the default there) with them meeting in a cluster
   # (FASTAWQ_WGMMA_WS_CLUSTER=1). Their tests, memcheck over the packed kernels, the op's table at
   # M = 48 / 64: ws off / on, plain (2 warpgroups) off / on, plain with one warpgroup on (~3.5 min).
+  # Run once (675dd80); the ws form's switch was then removed (it lost) and plain took the tile.
   timeout 200 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "cluster" 2>&1 | tail -1 \
     || status=1
   timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only packed 2>&1 \
@@ -953,6 +954,19 @@ if [[ " $stages " == *" s50 "* ]]; then
       timeout 100 python benchmarks/gemm_table.py --kernels wgmma --ms 48,64 --dtypes float16 \
       --out "$OUT/s50_${v//:/_}" 2>&1 | grep -E "geomean|^\| *float16 *\|" || status=1
   done
+fi
+if [[ " $stages " == *" s51 "* ]]; then
+  step s51
+  # Session 39: the 64-token tile in the plain form with its K splits in a cluster (the default now;
+  # ws keeps the 128-token tile). The wgmma tests of the forms and the cluster, the engine's wgmma
+  # decode tests, memcheck over the packed kernels, then issue 11's kernel table (the automatic choice
+  # on the packed layout at M = 1 .. 64, both dtypes; ~5 min).
+  timeout 240 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py tests/test_fused.py \
+    -k "cluster or form_follows or warp_specialized or every_form or wgmma_sums_decode" 2>&1 | tail -1 || status=1
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only packed 2>&1 \
+    | tail -2 || status=1
+  timeout 200 python benchmarks/gemm_table.py --layouts packed --ms 1,2,4,8,16,32,48,64 --dtypes float16,bfloat16 \
+    --out "$OUT/s51_table" 2>&1 | grep -E "geomean|^\| *(float16|bfloat16) *\| *[0-9]+ *\| *[0-9.]+x" || status=1
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p

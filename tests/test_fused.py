@@ -234,7 +234,7 @@ def test_fused_wgmma_sums_decode_matches_unfused(monkeypatch, arch, batch, head_
     # gate_up), and the sums op ran where it can (elsewhere only the match is checked). With
     # FASTAWQ_WGMMA_GU_SUMS "1" (unset: the default, except at 17-32 rows since session 39; "0" off)
     # gate_up adds into fp32 sums too, which act_mul_sums rounds: a layer's decode step then makes one
-    # more sums call. Batch 64: the 64-token tile, whose non-sums launches run the warp-specialized form.
+    # more sums call. Batch 64: the 64-token tile.
     from fastawq import _ext
 
     if gu_sums is None:

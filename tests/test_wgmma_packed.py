@@ -376,9 +376,9 @@ def test_warp_specialized_form_matches_reference(monkeypatch, k, n, g, m, dtype)
 @requires_kernel
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_form_follows_the_tile(monkeypatch, dtype):
-    # FASTAWQ_WGMMA_FORM unset: the plain kernel on the 16- and 32-token tiles, the warp-specialized
-    # one on the 64- and 128-token tiles (the automatic tile by M, and forced tiles), each matching
-    # the reference; "ws" / "plain" force one on any tile.
+    # FASTAWQ_WGMMA_FORM unset: the plain kernel on the 16- to 64-token tiles (64 since session 39),
+    # the warp-specialized one on the 128-token tile (the automatic tile by M, and forced tiles), each
+    # matching the reference; "ws" / "plain" force one on any tile.
     monkeypatch.delenv("FASTAWQ_WGMMA_FORM")
     k, n, g = 2048, 392, 128
     qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=11)
@@ -393,7 +393,8 @@ def test_the_form_follows_the_tile(monkeypatch, dtype):
         return {"ws" if "awq_wgmma_ws_kernel" in name else "plain" for name in names}
 
     assert kernels(12, 0) == kernels(20, 0) == kernels(70, 16) == kernels(40, 32) == {"plain"}
-    assert kernels(64, 0) == kernels(300, 0) == kernels(20, 64) == kernels(20, 128) == {"ws"}
+    assert kernels(64, 0) == kernels(20, 64) == {"plain"}
+    assert kernels(300, 0) == kernels(20, 128) == {"ws"}
 
     # The sums form keeps the plain kernel on every tile unless "ws" is forced (session 38).
     def sums_kernels(m):
@@ -548,34 +549,30 @@ def test_cluster_reduction_plan_bound(monkeypatch, splits, tokens):
 
 @requires_kernel
 @pytest.mark.parametrize("splits", [2, 5, 8, 12, 13])
-@pytest.mark.parametrize("m", [13, 70])
-@pytest.mark.parametrize("form, tokens, env", [
-    ("plain", 64, {"FASTAWQ_WGMMA_WARPGROUPS": "1"}), ("plain", 64, {"FASTAWQ_WGMMA_WARPGROUPS": "2"}),
-    ("ws", 16, {}), ("ws", 32, {}), ("ws", 64, {}), ("ws", 64, {"FASTAWQ_WGMMA_WS_DEPTH": "12"})])
+@pytest.mark.parametrize("m", [33, 70])
+@pytest.mark.parametrize("warpgroups", [None, "1"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_cluster_reduction_of_the_64_token_tile_and_the_ws_form(monkeypatch, splits, m, form, tokens, env, dtype):
-    # The 64-token tile's plain form (FASTAWQ_WGMMA_FORM=plain; ws is its default) meets its K splits
-    # in a cluster too (two warpgroups' 64 x 256 fp32 tile fills 64 KB of the 72 KB ring), and the ws
-    # form at 16-64 tokens with FASTAWQ_WGMMA_WS_CLUSTER=1 (its 8-slot ring exactly holds the 64-token
-    # tile); 13 splits keep the workspace. M within and past one token tile; without bias, then with.
+def test_cluster_reduction_of_the_64_token_tile(monkeypatch, splits, m, warpgroups, dtype):
+    # The 64-token tile (the plain form by default since session 39) meets its K splits in a cluster
+    # too: two warpgroups' 64 x 256 fp32 tile fills 64 KB of the 72 KB ring, one warpgroup's 32 KB;
+    # 13 splits keep the workspace. M within and past one token tile; without bias, then with it.
     monkeypatch.delenv("FASTAWQ_WGMMA_CLUSTER", raising=False)
-    monkeypatch.setenv("FASTAWQ_WGMMA_FORM", form)
-    monkeypatch.setenv("FASTAWQ_WGMMA_WS_CLUSTER", "1")
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("FASTAWQ_WGMMA_FORM", raising=False)
+    if warpgroups is None:
+        monkeypatch.delenv("FASTAWQ_WGMMA_WARPGROUPS", raising=False)
+    else:
+        monkeypatch.setenv("FASTAWQ_WGMMA_WARPGROUPS", warpgroups)
     k, n, g = 2048, 392, 128
-    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=splits + m + tokens + 23)
-    kernel = "awq_wgmma_packed_kernel<" if form == "plain" else "awq_wgmma_ws_kernel<"
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=splits + m + 23)
     for seed, bias in ((1, None), (2, random_input((n,), "cuda", dtype, seed=24))):
         x = random_input((m, k), "cuda", dtype, seed=seed + m + 25)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            out = _poisoned_call(x, wp, sz, n, g, bias, tokens, splits)
+            out = _poisoned_call(x, wp, sz, n, g, bias, 0 if m <= 64 else 64, splits)
             torch.cuda.synchronize()
         assert_close_to_reference(out, x, qw, s, qz, g, bias)
-        args = [_template_args(e.name.replace(kernel, "awq_wgmma_packed_kernel<"))
-                for e in prof.events() if kernel in e.name]
+        args = [_template_args(e.name) for e in prof.events() if "awq_wgmma_packed_kernel<" in e.name]
         want = ("1", "true") if splits <= 12 else ("0", "false")
-        assert args and all(a[1] == str(tokens) and (a[-1] in want) for a in args), args
+        assert args and all(a[1] == "64" and a[-1] in want for a in args), args
 
 
 @requires_kernel

@@ -267,13 +267,14 @@ bool wgmma_ws_forced() {
 
 // awq_wgmma_packed's form (read at each call): FASTAWQ_WGMMA_FORM=ws forces the warp-specialized one
 // (awq_wgmma_packed_sm90.cu, session 22), any other value the plain one of session 21; unset, the
-// warp-specialized form on the 64- and 128-token tiles and the plain one on the 16- and 32-token
-// tiles. H100, RESULTS.md session 27 (geomean x cuBLAS fp16, same call): plain 1.55 / 1.20 / 0.84 /
-// 0.38 / 0.48 against ws 1.29 / 1.10 / 0.87 / 0.41 / 0.52 at M = 16 / 32 / 64 / 256 / 4096; the
-// Llama-3-8B shape decodes 9,455 -> 10,044 tokens/s at batch 64 with ws.
+// warp-specialized form on the 128-token tile and the plain one below. H100, RESULTS.md session 27
+// (geomean x cuBLAS fp16, same call): plain 1.55 / 1.20 / 0.84 / 0.38 / 0.48 against ws 1.29 / 1.10 /
+// 0.87 / 0.41 / 0.52 at M = 16 / 32 / 64 / 256 / 4096. Session 39 (H100, gemm_table.py --kernels
+// wgmma, same call): with its K splits meeting in a cluster the plain form takes the 64-token tile,
+// 1.07 / 1.00 against ws 1.02 / 0.96 at M = 48 / 64 (plain through the workspace 1.02 / 0.90).
 bool wgmma_ws_form(int64_t tokens) {
   const char* v = std::getenv("FASTAWQ_WGMMA_FORM");  // no allocation: it runs at every call
-  return v == nullptr || v[0] == '\0' ? tokens >= 64 : std::strcmp(v, "ws") == 0;
+  return v == nullptr || v[0] == '\0' ? tokens >= 128 : std::strcmp(v, "ws") == 0;
 }
 
 // The sums tensor of awq_gemv_packed_sums / _act_sums: fp32 [M, N] on x's device, contiguous.
@@ -610,13 +611,11 @@ at::Tensor wgmma_call(const char* op, const at::Tensor& x, const at::Tensor& wpa
   // geomean x cuBLAS fp16 1.88 / 1.76 / 1.47 against 1.88 / 1.71 / 1.27 at M = 9 / 16 / 32 (4096 x
   // 28672 at 32: 41.8 against 61.4 us). The sums form (the engine's decode) keeps its adds: meeting in
   // clusters of 8 it decoded 0.951x / 0.945x at batch 16 / 32 (bench_ab.py, session 39). The 64-token
-  // tile's plain form (FASTAWQ_WGMMA_FORM=plain; ws is its default) meets in a cluster too, and the ws
-  // form at tiles up to 64 tokens with FASTAWQ_WGMMA_WS_CLUSTER=1 (an A/B switch, off; neither yet
-  // measured).
+  // tile (the plain form since session 39) meets in a cluster too; the ws form's splits in a cluster
+  // lost (H100, session 39: 0.74x cuBLAS at M = 48 / 64 against 1.02 / 0.96 through the workspace).
   const int64_t planned = (steps + spb - 1) / spb;
-  const bool cluster_on =
-      a.ws ? env_flag_on("FASTAWQ_WGMMA_WS_CLUSTER") : env_switch("FASTAWQ_WGMMA_CLUSTER") != 0;
-  if (!a.sums && tokens <= 64 && planned > 1 && planned <= wgmma_cluster_max_plan() && cluster_on) {
+  if (!a.sums && !a.ws && tokens <= 64 && planned > 1 && planned <= wgmma_cluster_max_plan() &&
+      env_switch("FASTAWQ_WGMMA_CLUSTER") != 0) {
     spb = std::max<int64_t>(spb, (steps + kWgmmaMaxCluster - 1) / kWgmmaMaxCluster);
     a.cluster = (steps + spb - 1) / spb > 1;
   }

@@ -129,7 +129,7 @@ struct WgmmaPackedArgs : PackedArgs {
   int tokens;       // batch rows a block
   int token_tiles;  // blocks along M: ceil(M / tokens)
   int warpgroups;   // 1 or 2 (wgmma_warpgroups in awq_gemv_packed.cpp)
-  // The warp-specialized form (by default on the 64- and 128-token tiles; FASTAWQ_WGMMA_FORM, read at
+  // The warp-specialized form (by default on the 128-token tile; FASTAWQ_WGMMA_FORM, read at
   // each call, forces either): two consumer warpgroups on 256 columns and a producer warp doing the
   // copies, meeting through mbarriers.
   bool ws;
@@ -137,10 +137,9 @@ struct WgmmaPackedArgs : PackedArgs {
   // sums (the first K split with the bias) into `workspace`, the caller's zeroed fp32 [M, N], and
   // ends: no counters, no conversion pass; `out` unused.
   bool sums;
-  // The K splits (2 to 8 of them) run as one cluster a tile and add their partial sums through
-  // distributed shared memory (plans of <= 12 splits; the plain form up to 64 tokens unless
-  // FASTAWQ_WGMMA_CLUSTER=0, the ws form with FASTAWQ_WGMMA_WS_CLUSTER=1): no workspace, fence or
-  // arrival count. False: the workspace.
+  // The plain form's K splits (2 to 8 of them) run as one cluster a tile and add their partial sums
+  // through distributed shared memory (16- to 64-token tiles, plans of <= 12 splits; off with
+  // FASTAWQ_WGMMA_CLUSTER=0): no workspace, fence or arrival count. False: the workspace.
   bool cluster;
 };
 

@@ -321,11 +321,15 @@ constexpr int kMinBlocks = WG == 2 ? (NT <= 64 ? 2 : 1) : (NT <= 32 ? 4 : (NT ==
 template <int NT, int WG>
 constexpr int kTileFloats = NT * 128 * WG;
 
-// The thread's accumulators into the block's partial tile (token-major, 128 WG columns a token):
-// c4_local is the thread's 4-column chunk in the block's tile.
-template <int NT, int WG>
-__device__ __forceinline__ void cluster_tile_write(const float (&acc)[2][NT / 2], float* tile, int t, int c4_local) {
-  constexpr int kCols = 128 * WG;
+template <typename T, int NT, int WG>
+__device__ __forceinline__ void cluster_reduce(const float (&acc)[2][NT / 2], float* tile, int tok0, int t, int m,
+                                               int n, int c4_local, const T* bias, T* out) {
+#ifdef FASTAWQ_WGMMA_DEVICE
+  namespace cg = cooperative_groups;
+  constexpr int kCols = 128 * WG, kC4 = kCols / 4, kQuads = kTileFloats<NT, WG> / 4;
+  cg::cluster_group cluster = cg::this_cluster();
+  // Every warpgroup's wgmmas and copies are done (the caller waited): the ring is free.
+  __syncthreads();
 #pragma unroll
   for (int j = 0; j < NT / 8; ++j)
 #pragma unroll
@@ -334,22 +338,11 @@ __device__ __forceinline__ void cluster_tile_write(const float (&acc)[2][NT / 2]
       *reinterpret_cast<float4*>(tile + tok * kCols + 4 * c4_local) =
           make_float4(acc[0][4 * j + e], acc[0][4 * j + 2 + e], acc[1][4 * j + e], acc[1][4 * j + 2 + e]);
     }
-}
-
-// Every block of the cluster has written its tile: block r sums its 1/C share across the C blocks'
-// shared memory (kBlockThreads threads), adds the bias, rounds and stores it; the second barrier
-// keeps each block's tile alive until the others have read it.
-template <typename T, int NT, int WG, int kBlockThreads>
-__device__ __forceinline__ void cluster_tile_reduce(float* tile, int tok0, int m, int n, const T* bias, T* out) {
-#ifdef FASTAWQ_WGMMA_DEVICE
-  namespace cg = cooperative_groups;
-  constexpr int kC4 = 128 * WG / 4, kQuads = kTileFloats<NT, WG> / 4;
-  cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
   const int c = static_cast<int>(cluster.num_blocks()), r = static_cast<int>(cluster.block_rank());
   const int share = (kQuads + c - 1) / c, q0 = r * share, q1 = min(q0 + share, kQuads);
   const int n4 = n >> 2;
-  for (int q = q0 + static_cast<int>(threadIdx.x); q < q1; q += kBlockThreads) {
+  for (int q = q0 + static_cast<int>(threadIdx.x); q < q1; q += kThreads<WG>) {
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int b = 0; b < c; ++b) {
       const float4 p = reinterpret_cast<const float4*>(cluster.map_shared_rank(tile, b))[q];
@@ -362,16 +355,6 @@ __device__ __forceinline__ void cluster_tile_reduce(float* tile, int tok0, int m
   }
   cluster.sync();
 #endif
-}
-
-// The plain form's reduction: every warpgroup's wgmmas and copies are done (the caller waited), so
-// after a block barrier the ring is free for the tile.
-template <typename T, int NT, int WG>
-__device__ __forceinline__ void cluster_reduce(const float (&acc)[2][NT / 2], float* tile, int tok0, int t, int m,
-                                               int n, int c4_local, const T* bias, T* out) {
-  __syncthreads();
-  cluster_tile_write<NT, WG>(acc, tile, t, c4_local);
-  cluster_tile_reduce<T, NT, WG, kThreads<WG>>(tile, tok0, m, n, bias, out);
 }
 
 // MINB: the blocks an SM the registers must allow (kMinBlocks unless an occupancy instance asks more:
@@ -649,17 +632,13 @@ __device__ __forceinline__ void set_max_regs_inc() {
 #endif
 }
 
-// CR: launched in clusters along K (WgmmaPackedArgs::cluster, FASTAWQ_WGMMA_WS_CLUSTER), the splits
-// meet in distributed shared memory: the consumers put their tile in the slots once both warpgroups'
-// wgmmas are done (a 256-thread named barrier), and all 384 threads reduce (cluster_tile_reduce).
-template <typename T, int NT, int P, bool CR = false>
+template <typename T, int NT, int P>
 __global__ void __launch_bounds__(kWsThreads, 1) awq_wgmma_ws_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int m, int n, int k, int group_size,
     int steps_per_block, bool sums) {
 #ifdef FASTAWQ_WGMMA_DEVICE
   static_assert(P >= 4, "the producer's lead is P - 3 steps");
-  static_assert(!CR || kTileFloats<NT, 2> * 4 <= P * kWsSlotBytes<NT>, "the partial tile fits the slots");
   constexpr int D = P - 3;          // steps of copies in flight ahead of the step being published
   constexpr int R = D + 1;          // the producer's raw x slots
   constexpr int kPlane = NT * 16;   // bytes between the x planes (core matrices adjacent in K)
@@ -827,21 +806,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) awq_wgmma_ws_kernel(
     if (i < nsteps) step(i, std::integral_constant<int, 0>{});
     wgmma_wait<0>();
     fence_accumulators<NT>(acc);
-    if constexpr (CR) {
-      // Both consumer warpgroups' wgmmas have read their last planes (the producer's copies all
-      // landed before the last full barrier): the slots take the tile.
-      asm volatile("bar.sync 1, 256;\n" ::: "memory");
-      cluster_tile_write<NT, 2>(acc, reinterpret_cast<float*>(ring_smem), t, warp * 8 + g);
-    } else {
-      // sums (awq_wgmma_packed_sums): every split adds into the caller's fp32 sums, the first with
-      // the bias, as in the plain form.
-      store_accumulators<T, NT>(acc, tok0, t, m, n, c4, col_ok, gridDim.z > 1 || sums, ws, out, bias,
-                                sums && blockIdx.z == 0 ? bias : nullptr);
-    }
-  }
-  if constexpr (CR) {  // the host launches this instance in clusters of the K splits only
-    cluster_tile_reduce<T, NT, 2, kWsThreads>(reinterpret_cast<float*>(ring_smem), tok0, m, n, bias, out);
-    return;
+    // sums (awq_wgmma_packed_sums): every split adds into the caller's fp32 sums, the first with the
+    // bias, as in the plain form.
+    store_accumulators<T, NT>(acc, tok0, t, m, n, c4, col_ok, gridDim.z > 1 || sums, ws, out, bias,
+                              sums && blockIdx.z == 0 ? bias : nullptr);
   }
   if (gridDim.z == 1 || sums) return;
 
@@ -949,32 +917,23 @@ int ws_ring_depth(int /*tokens*/) {
   return 8;
 }
 
-template <typename T, int NT, int P, bool CR = false>
+template <typename T, int NT, int P>
 void launch_ws_p(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
-  constexpr auto kernel = awq_wgmma_ws_kernel<T, NT, P, CR>;
+  constexpr auto kernel = awq_wgmma_ws_kernel<T, NT, P>;
   constexpr int kSmem = kWsSmem<NT, P>;
   opt_in_shared_memory<kernel>(kSmem);
   if (resident != nullptr) {
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, kWsThreads, kSmem);
     return;
   }
-  launch_pdl_cluster3(kernel, dim3(a.token_tiles, a.col_tiles, a.splits), dim3(kWsThreads), kSmem, stream,
-                      dim3(CR ? 1 : 0, 1, CR ? a.splits : 1), static_cast<const T*>(a.x),
-                      reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz),
-                      static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.m, a.n,
-                      a.k, a.group_size, a.steps_per_warp, a.sums);
+  launch_pdl(kernel, dim3(a.token_tiles, a.col_tiles, a.splits), dim3(kWsThreads), kSmem, stream,
+             static_cast<const T*>(a.x), reinterpret_cast<const uint4*>(a.w), static_cast<const uint4*>(a.sz),
+             static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.workspace, a.counters, a.m, a.n, a.k,
+             a.group_size, a.steps_per_warp, a.sums);
 }
 
-// The 8- or 12-slot ring; with a.cluster (FASTAWQ_WGMMA_WS_CLUSTER, tiles up to 64 tokens) the K
-// splits meet in a cluster.
 template <typename T, int NT>
 void launch_ws(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
-  if constexpr (NT <= 64) {
-    if (a.cluster && resident == nullptr) {
-      if (ws_ring_depth(NT) == 8) return launch_ws_p<T, NT, 8, true>(a, stream, resident);
-      return launch_ws_p<T, NT, 12, true>(a, stream, resident);
-    }
-  }
   if (ws_ring_depth(NT) == 8) return launch_ws_p<T, NT, 8>(a, stream, resident);
   launch_ws_p<T, NT, 12>(a, stream, resident);
 }
