@@ -959,14 +959,14 @@ if [[ " $stages " == *" s51 "* ]]; then
   step s51
   # Session 39: the 64-token tile in the plain form with its K splits in a cluster (the default now;
   # ws keeps the 128-token tile). The wgmma tests of the forms and the cluster, the engine's wgmma
-  # decode tests, memcheck over the packed kernels, then issue 11's kernel table (the automatic choice
-  # on the packed layout at M = 1 .. 64, both dtypes; ~5 min).
+  # decode tests, issue 11's kernel table (the automatic choice on the packed layout at M = 1 .. 64,
+  # both dtypes), then memcheck over the packed kernels (~5 min).
   timeout 240 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py tests/test_fused.py \
     -k "cluster or form_follows or warp_specialized or every_form or wgmma_sums_decode" 2>&1 | tail -1 || status=1
-  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only packed 2>&1 \
-    | tail -2 || status=1
   timeout 200 python benchmarks/gemm_table.py --layouts packed --ms 1,2,4,8,16,32,48,64 --dtypes float16,bfloat16 \
     --out "$OUT/s51_table" 2>&1 | grep -E "geomean|^\| *(float16|bfloat16) *\| *[0-9]+ *\| *[0-9.]+x" || status=1
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only packed 2>&1 \
+    | tail -2 || status=1
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p
