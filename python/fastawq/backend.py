@@ -75,9 +75,10 @@ PACKED_GEMM_MAX_M = 16
 # layout (bench_ab.py --compare layout, RESULTS.md), but both arms ran Triton's heuristic configs
 # (FASTAWQ_TRITON_TUNE=0), and tuned Triton on the AWQ layout led the op at M = 64 in session 21
 # (0.96 against 0.84; ws 0.87 in session 27): the bound moves to 64 once the A/B with tuning on
-# (gpu_suite.sh s28) agrees. FASTAWQ_PACKED_WGMMA=0 (read at import) turns it off,
-# FASTAWQ_PACKED_WGMMA_MAX_M=N or "none" (every M; read at import) moves the bound; bench_ab.py
-# --compare wgmma A/Bs it in one process.
+# (gpu_suite.sh s28) agrees. Since session 39 the 64-token tile runs the plain form, its K splits
+# meeting in a cluster (H100: 1.00x cuBLAS against ws 0.96 at M = 64). FASTAWQ_PACKED_WGMMA=0 (read
+# at import) turns it off, FASTAWQ_PACKED_WGMMA_MAX_M=N or "none" (every M; read at import) moves the
+# bound; bench_ab.py --compare wgmma A/Bs it in one process.
 PACKED_WGMMA = os.environ.get("FASTAWQ_PACKED_WGMMA", "1") == "1"
 
 
