@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s46 s48 s49 s50 s51 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -57,6 +57,13 @@ if _ext.has_op("awq_gemm"):
         sys.exit(0)
 sys.exit(1 if need else 0)
 PY
+}
+
+# memcheck_packed: compute-sanitizer's memcheck over the packed-layout kernels (their A/B switches'
+# cases included), its last lines; fails on any error.
+memcheck_packed() {
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only packed 2>&1 \
+    | tail -2
 }
 
 # ncu_source NAME CMD...: Nsight Compute on awq_wgmma_packed while CMD runs: the stall reasons a
@@ -887,22 +894,6 @@ if [[ " $stages " == *" s45 "* ]]; then
   # ranked by benchmarks/ncu_stalls.py (session 36 sampled 4096 x 28672 before the ring pairs).
   ncu_source s45_wg16 python benchmarks/profile_gemm_packed.py --kernel wgmma --ms 16 --shapes 4096x4096
 fi
-if [[ " $stages " == *" s46 "* ]]; then
-  step s46
-  # FASTAWQ_WGMMA_CLUSTER=1 (session 38, not yet run): the plain op's K splits at 16 and 32 tokens meet
-  # in a cluster (<= 8) through distributed shared memory instead of the workspace's fence and last
-  # block. Its tests, memcheck, the op's table at M = 9 / 16 / 32 off / on (~2.5 min). The engine's
-  # decode runs the sums form there, which it leaves alone.
-  timeout 150 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "cluster" 2>&1 | tail -1 \
-    || status=1
-  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only packed 2>&1 \
-    | tail -2 || status=1
-  for v in 0 1; do
-    echo "FASTAWQ_WGMMA_CLUSTER=$v"
-    FASTAWQ_WGMMA_CLUSTER=$v timeout 100 python benchmarks/gemm_table.py --kernels wgmma --ms 9,16,32 \
-      --dtypes float16 --out "$OUT/s46_$v" 2>&1 | grep -E "geomean|^\| *float16 *\| *(9|16|32) *\|" || status=1
-  done
-fi
 if [[ " $stages " == *" s48 "* ]]; then
   step s48
   # Session 39: the cluster reduction the default (FASTAWQ_WGMMA_CLUSTER=0 turns it off) for plans of
@@ -910,8 +901,7 @@ if [[ " $stages " == *" s48 "* ]]; then
   # both dtypes, then fp16 with the bound at 16 and 24 splits (FASTAWQ_WGMMA_CLUSTER_PLAN; ~3 min).
   timeout 200 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "cluster" 2>&1 | tail -1 \
     || status=1
-  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only packed 2>&1 \
-    | tail -2 || status=1
+  memcheck_packed || status=1
   timeout 100 python benchmarks/gemm_table.py --kernels wgmma --ms 9,16,32 --dtypes float16,bfloat16 \
     --out "$OUT/s48" 2>&1 | grep -E "geomean|^\| *(float16|bfloat16) *\| *(9|16|32) *\|" || status=1
   for v in 16 24; do
@@ -936,25 +926,6 @@ if [[ " $stages " == *" s49 "* ]]; then
     --compare env:FASTAWQ_QKV_SUMS=1,0 --shape llama-3-8b --batches 20,32 --layout packed --decode 64 \
     --rounds 2 2>&1 | grep -E "on / off" || status=1
 fi
-if [[ " $stages " == *" s50 "* ]]; then
-  step s50
-  # Session 39: the 64-token tile's plain form (FASTAWQ_WGMMA_FORM=plain) with its K splits meeting in
-  # a cluster, and the ws form (the default there) with them meeting in a cluster
-  # (FASTAWQ_WGMMA_WS_CLUSTER=1). Their tests, memcheck over the packed kernels, the op's table at
-  # M = 48 / 64: ws off / on, plain (2 warpgroups) off / on, plain with one warpgroup on (~3.5 min).
-  # Run once (675dd80); the ws form's switch was then removed (it lost) and plain took the tile.
-  timeout 200 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "cluster" 2>&1 | tail -1 \
-    || status=1
-  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only packed 2>&1 \
-    | tail -2 || status=1
-  for v in ws:0:2 ws:1:2 plain:0:2 plain:1:2 plain:1:1; do
-    IFS=: read -r form cl wg <<< "$v"
-    echo "FASTAWQ_WGMMA_FORM=$form cluster=$cl FASTAWQ_WGMMA_WARPGROUPS=$wg"
-    FASTAWQ_WGMMA_FORM=$form FASTAWQ_WGMMA_CLUSTER=$cl FASTAWQ_WGMMA_WS_CLUSTER=$cl FASTAWQ_WGMMA_WARPGROUPS=$wg \
-      timeout 100 python benchmarks/gemm_table.py --kernels wgmma --ms 48,64 --dtypes float16 \
-      --out "$OUT/s50_${v//:/_}" 2>&1 | grep -E "geomean|^\| *float16 *\|" || status=1
-  done
-fi
 if [[ " $stages " == *" s51 "* ]]; then
   step s51
   # Session 39: the 64-token tile in the plain form with its K splits in a cluster (the default now;
@@ -965,8 +936,7 @@ if [[ " $stages " == *" s51 "* ]]; then
     -k "cluster or form_follows or warp_specialized or every_form or wgmma_sums_decode" 2>&1 | tail -1 || status=1
   timeout 200 python benchmarks/gemm_table.py --layouts packed --ms 1,2,4,8,16,32,48,64 --dtypes float16,bfloat16 \
     --out "$OUT/s51_table" 2>&1 | grep -E "geomean|^\| *(float16|bfloat16) *\| *[0-9]+ *\| *[0-9.]+x" || status=1
-  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only packed 2>&1 \
-    | tail -2 || status=1
+  memcheck_packed || status=1
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p

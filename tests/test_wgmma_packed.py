@@ -492,6 +492,18 @@ def _template_args(name: str) -> list[str]:
     return inner.split(">", 1)[0].split(",")
 
 
+def _checked_instances(x, wp, sz, n, g, bias, tokens, splits, qw, s, qz) -> list[list[str]]:
+    """awq_wgmma_packed on x (output poisoned first) checked against the reference; the template
+    arguments of every awq_wgmma_packed_kernel it launched (the last: the cluster reduction's flag)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = _poisoned_call(x, wp, sz, n, g, bias, tokens, splits)
+        torch.cuda.synchronize()
+    assert_close_to_reference(out, x, qw, s, qz, g, bias)
+    args = [_template_args(e.name) for e in prof.events() if "awq_wgmma_packed_kernel<" in e.name]
+    assert args, "no awq_wgmma_packed_kernel ran"
+    return args
+
+
 @requires_kernel
 @pytest.mark.parametrize("tokens", [16, 32])
 @pytest.mark.parametrize("splits", [2, 3, 5, 8, 11, 12, 13])
@@ -514,15 +526,11 @@ def test_cluster_reduction(monkeypatch, tokens, splits, m, g, variant):
     dtype = torch.bfloat16 if variant == "bf16" else torch.float16
     k, n = 2048, 392
     qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=tokens + splits + m + g)
+    want = ("1", "true") if splits <= 12 else ("0", "false")
     for seed, bias in ((1, None), (2, random_input((n,), "cuda", dtype, seed=6))):
         x = random_input((m, k), "cuda", dtype, seed=seed + m + 70)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            out = _poisoned_call(x, wp, sz, n, g, bias, tokens, splits)
-            torch.cuda.synchronize()
-        assert_close_to_reference(out, x, qw, s, qz, g, bias)
-        names = [e.name for e in prof.events() if "awq_wgmma_packed_kernel<" in e.name]
-        want = ("1", "true") if splits <= 12 else ("0", "false")
-        assert names and all(_template_args(nm)[-1] in want for nm in names), names
+        args = _checked_instances(x, wp, sz, n, g, bias, tokens, splits, qw, s, qz)
+        assert all(a[-1] in want for a in args), args
 
 
 @requires_kernel
@@ -538,13 +546,9 @@ def test_cluster_reduction_plan_bound(monkeypatch, splits, tokens):
     qw, s, qz, wp, sz = _setup(k, n, g, torch.float16, seed=splits + tokens + 17)
     x = random_input((m, k), "cuda", torch.float16, seed=splits + 19)
     bias = random_input((n,), "cuda", torch.float16, seed=20)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        out = _poisoned_call(x, wp, sz, n, g, bias, tokens, splits)
-        torch.cuda.synchronize()
-    assert_close_to_reference(out, x, qw, s, qz, g, bias)
-    names = [e.name for e in prof.events() if "awq_wgmma_packed_kernel<" in e.name]
+    args = _checked_instances(x, wp, sz, n, g, bias, tokens, splits, qw, s, qz)
     want = ("1", "true") if splits <= 25 else ("0", "false")
-    assert names and all(_template_args(nm)[-1] in want for nm in names), names
+    assert all(a[-1] in want for a in args), args
 
 
 @requires_kernel
@@ -564,15 +568,11 @@ def test_cluster_reduction_of_the_64_token_tile(monkeypatch, splits, m, warpgrou
         monkeypatch.setenv("FASTAWQ_WGMMA_WARPGROUPS", warpgroups)
     k, n, g = 2048, 392, 128
     qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=splits + m + 23)
+    want = ("1", "true") if splits <= 12 else ("0", "false")
     for seed, bias in ((1, None), (2, random_input((n,), "cuda", dtype, seed=24))):
         x = random_input((m, k), "cuda", dtype, seed=seed + m + 25)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            out = _poisoned_call(x, wp, sz, n, g, bias, 0 if m <= 64 else 64, splits)
-            torch.cuda.synchronize()
-        assert_close_to_reference(out, x, qw, s, qz, g, bias)
-        args = [_template_args(e.name) for e in prof.events() if "awq_wgmma_packed_kernel<" in e.name]
-        want = ("1", "true") if splits <= 12 else ("0", "false")
-        assert args and all(a[1] == "64" and a[-1] in want for a in args), args
+        args = _checked_instances(x, wp, sz, n, g, bias, 0 if m <= 64 else 64, splits, qw, s, qz)
+        assert all(a[1] == "64" and a[-1] in want for a in args), args
 
 
 @requires_kernel
