@@ -603,16 +603,16 @@ at::Tensor wgmma_call(const char* op, const at::Tensor& x, const at::Tensor& wpa
   int64_t spb = gemm_steps_per_block(splits, steps, col_tiles * token_tiles,
                                      splits == 0 ? wgmma_packed_resident_blocks(a) : 0, wgmma_min_steps());
   // The cluster reduction (FASTAWQ_WGMMA_CLUSTER, on unless "0"; read at each call): the plain op's
-  // 16- and 32-token tiles meet their K splits in a cluster (at most 8) instead of the workspace, whose
+  // 16- to 64-token tiles meet their K splits in a cluster (at most 8) instead of the workspace, whose
   // fence and last block's conversion held ~25 % of the 16-token tile's stall samples at 4096 x 4096
   // (s45, H100). Session 38 (H100, every split count capped at 8): 14336 x 4096 at M = 16 19.9 -> 30.5
   // us (24 splits cut to 8: fewer blocks than the SMs hold), so it serves plans of at most
   // wgmma_cluster_max_plan() splits. Session 39 (H100, gemm_table.py --kernels wgmma, same call):
   // geomean x cuBLAS fp16 1.88 / 1.76 / 1.47 against 1.88 / 1.71 / 1.27 at M = 9 / 16 / 32 (4096 x
   // 28672 at 32: 41.8 against 61.4 us). The sums form (the engine's decode) keeps its adds: meeting in
-  // clusters of 8 it decoded 0.951x / 0.945x at batch 16 / 32 (bench_ab.py, session 39). The 64-token
-  // tile (the plain form since session 39) meets in a cluster too; the ws form's splits in a cluster
-  // lost (H100, session 39: 0.74x cuBLAS at M = 48 / 64 against 1.02 / 0.96 through the workspace).
+  // clusters of 8 it decoded 0.951x / 0.945x at batch 16 / 32 (bench_ab.py, session 39). At 64 tokens
+  // (the plain form since session 39) 1.07 / 1.00 against 1.02 / 0.90 at M = 48 / 64; the ws form's
+  // splits in a cluster lost (0.74x against its workspace's 1.02 / 0.96; H100, session 39).
   const int64_t planned = (steps + spb - 1) / spb;
   if (!a.sums && !a.ws && tokens <= 64 && planned > 1 && planned <= wgmma_cluster_max_plan() &&
       env_switch("FASTAWQ_WGMMA_CLUSTER") != 0) {

@@ -877,7 +877,7 @@ void launch_p(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
 }
 
 // The default 6-slot ring's instance with the pairs through the ring (sr) or by __ldg, the K splits
-// meeting in a cluster (a.cluster: 16- and 32-token tiles, 64 in this form) or through the workspace.
+// meeting in a cluster (a.cluster: 16- to 64-token tiles) or through the workspace.
 template <typename T, int NT, int WG, int MINB>
 void launch_p6(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident, bool sr) {
   if constexpr (NT <= 64) {

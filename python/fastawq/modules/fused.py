@@ -600,13 +600,13 @@ def wgmma_gu_sums_out(rows: int) -> bool:
     stall samples at 4096 x 28672). Session 38 (H100, Llama-3-8B shape, bench_ab.py --compare
     env:FASTAWQ_WGMMA_GU_SUMS=0,1, same call): decode 1.012x / 1.024x / 1.043x / 1.026x at batch 9 / 16 /
     32 / 64. Since session 39 the plain op's K splits meet in a cluster instead of that tail (at 4096
-    x 28672 and 32 tokens 41.8 us against 61.4), and at batch 32 (the 32-token tile: 2 splits) gate_up
-    plain then act_mul decoded 1.034x against the sums (batch 16: 0.984x; H100, bench_ab.py --compare
-    env:FASTAWQ_WGMMA_GU_SUMS=1,0, same call)."""
+    x 28672 and 32 tokens 41.8 us against 61.4), and on the 32-token tile (2 splits) gate_up plain then
+    act_mul decoded 1.030x at batch 20 and 1.031-1.034x at 32 against the sums (batch 16: 0.984x; H100,
+    bench_ab.py --compare env:FASTAWQ_WGMMA_GU_SUMS=1,0, two calls)."""
     from fastawq import backend as backend_mod
 
     v = backend_mod.env_switch(b"FASTAWQ_WGMMA_GU_SUMS")
-    if v is None or v not in ("0", "1"):
+    if v not in ("0", "1"):
         return not 16 < rows <= 32
     return v == "1"
 
