@@ -49,6 +49,14 @@ int env_switch(const char* name) {
 
 bool env_flag_on(const char* name) { return env_switch(name) == 1; }
 
+int env_int(const char* name, int lo, int hi, int fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  return *end == '\0' && n >= lo && n <= hi ? static_cast<int>(n) : fallback;
+}
+
 bool early_weight_loads() { return env_switch("FASTAWQ_GEMV_EARLY_LOADS") != 0; }
 
 int gemv_prefetch_batches(int64_t weight_bytes) {

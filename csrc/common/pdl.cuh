@@ -20,6 +20,9 @@ bool pdl_enabled();
 int env_switch(const char* name);
 // Whether `name` is set to exactly "1" (switches that are off by default).
 bool env_flag_on(const char* name);
+// The integer A/B setting `name` (read at each call): its value when it is a whole decimal number in
+// lo..hi, `fallback` otherwise (unset, empty, malformed or out of range).
+int env_int(const char* name, int lo, int hi, int fallback);
 // FASTAWQ_GEMV_EARLY_LOADS (on unless "0"; read at each call): the decode GEMVs load their first
 // weights into registers before the PDL wait, not only into L2 (awq_gemv_packed.h says when safe).
 // H200, session 18: Llama-3-8B shape decode 473.2 -> 475.7 tokens/s at batch 1, Qwen3-30B-A3B

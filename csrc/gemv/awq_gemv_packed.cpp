@@ -236,15 +236,7 @@ constexpr int64_t kWgmmaMaxCluster = 8;
 
 // The largest automatic or forced split count the cluster reduction serves (capping it to 8): 12, or
 // FASTAWQ_WGMMA_CLUSTER_PLAN = 2..64 (an A/B switch read at each call).
-int64_t wgmma_cluster_max_plan() {
-  const char* v = std::getenv("FASTAWQ_WGMMA_CLUSTER_PLAN");
-  if (v != nullptr) {
-    char* end = nullptr;
-    const long p = std::strtol(v, &end, 10);
-    if (end != v && *end == '\0' && p >= 2 && p <= 64) return p;
-  }
-  return 12;
-}
+int64_t wgmma_cluster_max_plan() { return env_int("FASTAWQ_WGMMA_CLUSTER_PLAN", 2, 64, 12); }
 
 // The fewest K steps a block of the automatic plan takes (FASTAWQ_WGMMA_MIN_STEPS, an A/B switch read
 // at each call: 1 to 64; default 4, the ring's depth less its two steps of lead). The one-wave plan
@@ -252,12 +244,7 @@ int64_t wgmma_cluster_max_plan() {
 // splits), each adding a 16 x 128 fp32 tile into the sums or workspace: as many bytes of reductions
 // as the weights' 8 MB. A floor above 4 trades blocks for fewer, longer ranges (session 38, H100: 8 and
 // 16 moved M = 16 1.73 -> 1.78 / 1.77x cuBLAS, the engine at batch 16 1.009x / 0.949x: the default stays).
-int64_t wgmma_min_steps() {
-  const char* v = std::getenv("FASTAWQ_WGMMA_MIN_STEPS");
-  if (v == nullptr || v[0] == '\0') return 4;
-  const int n = std::atoi(v);
-  return n >= 1 && n <= 64 ? n : 4;
-}
+int64_t wgmma_min_steps() { return env_int("FASTAWQ_WGMMA_MIN_STEPS", 1, 64, 4); }
 
 // FASTAWQ_WGMMA_FORM=ws, which the sums form takes only when forced (wgmma_call).
 bool wgmma_ws_forced() {
@@ -616,8 +603,9 @@ at::Tensor wgmma_call(const char* op, const at::Tensor& x, const at::Tensor& wpa
   const int64_t planned = (steps + spb - 1) / spb;
   if (!a.sums && !a.ws && tokens <= 64 && planned > 1 && planned <= wgmma_cluster_max_plan() &&
       env_switch("FASTAWQ_WGMMA_CLUSTER") != 0) {
+    // Capped to 8: still 2 or more splits (planned > 1 needs steps >= 2, and 8 ranges of >= 1 step).
     spb = std::max<int64_t>(spb, (steps + kWgmmaMaxCluster - 1) / kWgmmaMaxCluster);
-    a.cluster = (steps + spb - 1) / spb > 1;
+    a.cluster = true;
   }
   const SplitPlan plan{static_cast<int>(col_tiles), static_cast<int>((steps + spb - 1) / spb), static_cast<int>(spb)};
   if (a.sums) {

@@ -911,7 +911,7 @@ void launch_wg(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
 // fp16, same call) measured 8 ahead at M = 48 / 64: 1.02 / 0.96 against 0.97 / 0.93 (4096 x 4096:
 // 0.83 / 0.76 against 0.78 / 0.73). FASTAWQ_WGMMA_WS_DEPTH=8 or 12 (an A/B switch, read at each call)
 // forces either: 70 / 136 / 224 KB a block at 12 slots and NT = 16 / 64 / 128, 46 / 88 / 144 KB at 8.
-int ws_ring_depth(int /*tokens*/) {
+int ws_ring_depth() {
   const char* v = std::getenv("FASTAWQ_WGMMA_WS_DEPTH");
   if (v != nullptr && std::strcmp(v, "12") == 0) return 12;
   return 8;
@@ -934,7 +934,7 @@ void launch_ws_p(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
 
 template <typename T, int NT>
 void launch_ws(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
-  if (ws_ring_depth(NT) == 8) return launch_ws_p<T, NT, 8>(a, stream, resident);
+  if (ws_ring_depth() == 8) return launch_ws_p<T, NT, 8>(a, stream, resident);
   launch_ws_p<T, NT, 12>(a, stream, resident);
 }
 
