@@ -13,6 +13,7 @@ resource.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -42,6 +43,12 @@ def main() -> None:
     op = torch.ops.fastawq.awq_wgmma_packed
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tokens = 16 if args.m <= 16 else 32 if args.m <= 32 else 64 if args.m <= 64 else 128
+    # A block's columns: 128 a warpgroup; FASTAWQ_WGMMA_WARPGROUPS forces the count (the host's
+    # wgmma_warpgroups: one up to 32 tokens, two above; the ws form of the 128-token tile has two).
+    forced = os.environ.get("FASTAWQ_WGMMA_WARPGROUPS", "")
+    warpgroups = int(forced) if forced in ("1", "2") and tokens < 128 else (1 if tokens <= 32 else 2)
+    tile_cols = 128 * warpgroups
+    print(f"M = {args.m}: {tokens}-token tile, {warpgroups} warpgroup(s), {tile_cols} columns a block")
     g = args.group_size
     hot_head = " hot us |" if args.hot else ""
     print(f"| K x N | splits | blocks | blocks / SM | steps / block | us | GB/s | us / block-step |{hot_head}")
@@ -52,7 +59,7 @@ def main() -> None:
                   for i in range(COPIES)]
         x = random_input((args.m, k), "cuda", torch.float16)
         steps = k // 32
-        col_tiles = (n + 127) // 128
+        col_tiles = (n + tile_cols - 1) // tile_cols
         ref = None
         for splits in (int(v) for v in args.splits.split(",")):
             if splits > steps:
