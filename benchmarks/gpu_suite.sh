@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s52 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s52 s53 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -953,6 +953,21 @@ if [[ " $stages " == *" s52 "* ]]; then
   done
   FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_WARPGROUPS=2,1 \
     --shape llama-3-8b --batches 48,64 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "on / off" || status=1
+fi
+if [[ " $stages " == *" s53 "* ]]; then
+  step s53
+  # Session 40: the 64-token plan takes one warpgroup where two would cut K into more short ranges
+  # than the cluster serves (FASTAWQ_WGMMA_ONE_WG, on unless "0"). Its tests and the 64-token tile's,
+  # then issue 11's kernel table at M = 40 .. 64 (the automatic choice, both dtypes) with the rule off
+  # and on (~3 min).
+  timeout 240 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py \
+    -k "one_warpgroup or form_follows or cluster_reduction_of_the_64 or every_form" 2>&1 | tail -1 || status=1
+  for v in 0 1; do
+    echo "FASTAWQ_WGMMA_ONE_WG=$v"
+    FASTAWQ_WGMMA_ONE_WG=$v timeout 150 python benchmarks/gemm_table.py --layouts packed --ms 40,48,56,64 \
+      --dtypes float16,bfloat16 --out "$OUT/s53_table_$v" 2>&1 \
+      | grep -E "geomean|^\| *(float16|bfloat16) *\| *[0-9]+ *\| *[0-9.]+x" || status=1
+  done
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p

@@ -576,6 +576,39 @@ def test_cluster_reduction_of_the_64_token_tile(monkeypatch, splits, m, warpgrou
 
 
 @requires_kernel
+@pytest.mark.parametrize("m", [40, 64])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_one_warpgroup_where_two_would_leave_the_cluster(monkeypatch, m, dtype):
+    # Session 40: the automatic 64-token plan takes one warpgroup where two would cut K into more
+    # ranges than the cluster serves, each shorter than 16 steps. K = 4096, N = 4000 (not a whole
+    # number of either tile): two warpgroups make 16 column tiles, which sm_90's 114-132 SMs at two
+    # blocks each split into 13-16 ranges of 8-10 steps, through the workspace; one warpgroup's 32
+    # tiles meet their splits in a cluster. K = 14336 (ranges of 28 steps) keeps two, as do
+    # FASTAWQ_WGMMA_ONE_WG=0, FASTAWQ_WGMMA_WARPGROUPS=2 and a forced split count. Bias on the second
+    # call; every output against the reference.
+    for name in ("FASTAWQ_WGMMA_CLUSTER", "FASTAWQ_WGMMA_FORM", "FASTAWQ_WGMMA_WARPGROUPS",
+                 "FASTAWQ_WGMMA_ONE_WG", "FASTAWQ_WGMMA_CLUSTER_PLAN", "FASTAWQ_WGMMA_MIN_STEPS"):
+        monkeypatch.delenv(name, raising=False)
+    n, g = 4000, 128
+
+    def instances(k, splits=0, seed=0):
+        qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=k + m + seed)
+        bias = random_input((n,), "cuda", dtype, seed=seed + 5)
+        x = random_input((m, k), "cuda", dtype, seed=m + seed)
+        return {(a[1], a[3], a[-1]) for a in _checked_instances(x, wp, sz, n, g, bias, 0, splits, qw, s, qz)}
+
+    one_in_cluster, two_by_workspace = {("64", "1", "true")}, {("64", "2", "false")}
+    assert instances(4096) == one_in_cluster
+    assert instances(14336, seed=1) == two_by_workspace  # 16 ranges of 28 steps
+    assert instances(4096, splits=16, seed=2) == two_by_workspace  # forced: the plan as asked
+    monkeypatch.setenv("FASTAWQ_WGMMA_ONE_WG", "0")
+    assert instances(4096, seed=3) == two_by_workspace
+    monkeypatch.setenv("FASTAWQ_WGMMA_ONE_WG", "1")
+    monkeypatch.setenv("FASTAWQ_WGMMA_WARPGROUPS", "2")
+    assert instances(4096, seed=4) == two_by_workspace
+
+
+@requires_kernel
 def test_cluster_reduction_off_and_where_it_does_not_serve(monkeypatch):
     # Unset or "1" (the default since session 39): the cluster instance (its last template argument
     # true); "0": the workspace; one split (K of one range) and the sums form keep the plain instance

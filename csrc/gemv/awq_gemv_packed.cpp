@@ -222,11 +222,20 @@ namespace {
 // sharing x on 256 columns above. H100, RESULTS.md session 21 (geomean x cuBLAS fp16, same call):
 // one warpgroup 1.25 / 0.86 / 0.35 / 0.41 against two 1.13 / 0.84 / 0.37 / 0.48 at M = 32 / 64 /
 // 256 / 4096; at 64 tokens the two are within noise and two keep x's copy shared.
-int wgmma_warpgroups(int64_t tokens) {
+// 0 where unset (or anything but "1" / "2"): the plan chooses (wgmma_call).
+int wgmma_warpgroups_forced() {
   const char* v = std::getenv("FASTAWQ_WGMMA_WARPGROUPS");
-  if (v != nullptr && v[0] != '\0' && v[1] == '\0' && (v[0] == '1' || v[0] == '2')) return v[0] - '0';
-  return tokens <= 32 ? 1 : 2;
+  return v != nullptr && v[0] != '\0' && v[1] == '\0' && (v[0] == '1' || v[0] == '2') ? v[0] - '0' : 0;
 }
+
+int wgmma_warpgroups(int64_t tokens) {
+  const int forced = wgmma_warpgroups_forced();
+  return forced != 0 ? forced : tokens <= 32 ? 1 : 2;
+}
+
+// The K range below which a two-warpgroup plan of the 64-token tile that falls out of the cluster
+// takes one warpgroup instead (wgmma_call): 16 steps (512 rows of K).
+constexpr int64_t kWgmmaShortRange = 16;
 
 // The most K splits a cluster of awq_wgmma_packed takes (the portable size). Session 39 (H100,
 // gemm_table.py --ms 9,16,32, same call) measured sm_90's non-portable 16 for plans up to 24 splits:
@@ -585,8 +594,8 @@ at::Tensor wgmma_call(const char* op, const at::Tensor& x, const at::Tensor& wpa
   a.token_tiles = static_cast<int>(token_tiles);
   // One wave: (token tile, column tile) slices times K splits of >= 4 steps (the ring's depth less
   // its two steps of lead), as many as fit at once.
-  const int64_t tile_cols = wgmma_packed_tile_cols(a.warpgroups);
-  const int64_t col_tiles = (n + tile_cols - 1) / tile_cols;
+  int64_t tile_cols = wgmma_packed_tile_cols(a.warpgroups);
+  int64_t col_tiles = (n + tile_cols - 1) / tile_cols;
   int64_t spb = gemm_steps_per_block(splits, steps, col_tiles * token_tiles,
                                      splits == 0 ? wgmma_packed_resident_blocks(a) : 0, wgmma_min_steps());
   // The cluster reduction (FASTAWQ_WGMMA_CLUSTER, on unless "0"; read at each call): the plain op's
@@ -600,9 +609,29 @@ at::Tensor wgmma_call(const char* op, const at::Tensor& x, const at::Tensor& wpa
   // clusters of 8 it decoded 0.951x / 0.945x at batch 16 / 32 (bench_ab.py, session 39). At 64 tokens
   // (the plain form since session 39) 1.07 / 1.00 against 1.02 / 0.90 at M = 48 / 64; the ws form's
   // splits in a cluster lost (0.74x against its workspace's 1.02 / 0.96; H100, session 39).
-  const int64_t planned = (steps + spb - 1) / spb;
-  if (!a.sums && !a.ws && tokens <= 64 && planned > 1 && planned <= wgmma_cluster_max_plan() &&
-      env_switch("FASTAWQ_WGMMA_CLUSTER") != 0) {
+  const bool cluster_on = env_switch("FASTAWQ_WGMMA_CLUSTER") != 0;
+  int64_t planned = (steps + spb - 1) / spb;
+  // The 64-token tile's two warpgroups (256 columns a block) leave few column tiles on narrow layers,
+  // so the one-wave plan cuts K into many short ranges: 4096 x 4096 gives 16 tiles x 16 splits of 8
+  // steps, past the cluster's 12, summed through the workspace. One warpgroup (128 columns) doubles
+  // the tiles and halves the splits, which then meet in a cluster. So where the two-warpgroup plan
+  // (automatic, the plain op, the cluster on) would exceed the cluster's plans with ranges shorter
+  // than kWgmmaShortRange steps, the block takes one warpgroup. H100, session 40
+  // (sweep_wgmma_splits.py, M = 48 / 64, us): 4096 x 4096 one warpgroup 17.5 / 17.6 against two's
+  // 19.3 / 22.9; the shapes it leaves (4096 x 6144: 11 splits of 12 steps, in a cluster; 14336 x
+  // 4096: 16 of 28; 4096 x 28672: 2 of 64) ran 22.6 / 22.5, 32.0 / 35.9, 63.0 / 64.8 with two against
+  // 27.7 / 27.3, 42.9 / 44.4, 75.2 / 76.6 with one. The engine's sums form keeps two warpgroups (one
+  // on every layer decoded 0.89x at batch 48 / 64). FASTAWQ_WGMMA_ONE_WG=0 (read at each call) keeps
+  // two; FASTAWQ_WGMMA_WARPGROUPS forces a count.
+  if (!a.sums && !a.ws && a.warpgroups == 2 && splits == 0 && cluster_on && planned > wgmma_cluster_max_plan() &&
+      spb < kWgmmaShortRange && wgmma_warpgroups_forced() == 0 && env_switch("FASTAWQ_WGMMA_ONE_WG") != 0) {
+    a.warpgroups = 1;
+    tile_cols = wgmma_packed_tile_cols(1);
+    col_tiles = (n + tile_cols - 1) / tile_cols;
+    spb = gemm_steps_per_block(0, steps, col_tiles * token_tiles, wgmma_packed_resident_blocks(a), wgmma_min_steps());
+    planned = (steps + spb - 1) / spb;
+  }
+  if (!a.sums && !a.ws && tokens <= 64 && planned > 1 && planned <= wgmma_cluster_max_plan() && cluster_on) {
     // Capped to 8: still 2 or more splits (planned > 1 needs steps >= 2, and 8 ranges of >= 1 step).
     spb = std::max<int64_t>(spb, (steps + kWgmmaMaxCluster - 1) / kWgmmaMaxCluster);
     a.cluster = true;
