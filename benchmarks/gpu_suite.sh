@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s52 s53 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s52 s53 s54 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -967,6 +967,15 @@ if [[ " $stages " == *" s53 "* ]]; then
     FASTAWQ_WGMMA_ONE_WG=$v timeout 150 python benchmarks/gemm_table.py --layouts packed --ms 40,48,56,64 \
       --dtypes float16,bfloat16 --out "$OUT/s53_table_$v" 2>&1 \
       | grep -E "geomean|^\| *(float16|bfloat16) *\| *[0-9]+ *\| *[0-9.]+x" || status=1
+  done
+fi
+if [[ " $stages " == *" s54 "* ]]; then
+  step s54
+  # The 16- and 32-token plans of the narrow layers (session 40: 4096 x 4096 at M = 32 ran 14.8 us,
+  # 0.99x cuBLAS, against 11.6 at M = 16): forced K splits, the clusters serving <= 12 (~1 min).
+  for m in 16 32; do
+    timeout 100 python benchmarks/sweep_wgmma_splits.py --m $m --shapes 4096x6144,4096x4096,14336x4096 \
+      --splits 0,4,6,8,12,16,24 2>&1 | grep -E "^(M =|\| [0-9])" || status=1
   done
 fi
 if [[ " $stages " == *" s34p "* ]]; then
