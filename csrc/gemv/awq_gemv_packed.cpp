@@ -221,7 +221,8 @@ namespace {
 // one; unset, blocks of one warpgroup on 128 columns (several an SM) at the 32-token tile and two
 // sharing x on 256 columns above. H100, RESULTS.md session 21 (geomean x cuBLAS fp16, same call):
 // one warpgroup 1.25 / 0.86 / 0.35 / 0.41 against two 1.13 / 0.84 / 0.37 / 0.48 at M = 32 / 64 /
-// 256 / 4096; at 64 tokens the two are within noise and two keep x's copy shared.
+// 256 / 4096; at 64 tokens the two are within noise and two keep x's copy shared (unless the plan
+// would leave the cluster with short K ranges: wgmma_call, session 40).
 // 0 where unset (or anything but "1" / "2"): the plan chooses (wgmma_call).
 int wgmma_warpgroups_forced() {
   const char* v = std::getenv("FASTAWQ_WGMMA_WARPGROUPS");
