@@ -119,6 +119,17 @@ def main(argv: list[str] | None = None) -> None:
                                 out = ops.awq_wgmma_packed(x, wp, sz, n, g, bias, *tile)
                                 assert_close_to_reference(out, x, qw, s, qz, g, bias)
                                 n_calls += 1
+                if k == 1024 and hasattr(ops, "awq_wgmma_packed") and not ops.awq_wgmma_packed_declines():
+                    # The 64-token plan's one-warpgroup case (session 40): K = 4096, N = 4000, whose
+                    # two-warpgroup plan would leave the cluster with ranges of 8-10 steps.
+                    qw4, s4, qz4 = random_awq(4096, 4000, g, "cuda", dtype, seed=40)
+                    wp4, sz4 = awq_gemv_repack(qw4, s4, qz4, g)
+                    bias4 = random_input((4000,), "cuda", dtype, seed=41)
+                    for m in (40, 64):
+                        x = random_input((m, 4096), "cuda", dtype, seed=m)
+                        out = ops.awq_wgmma_packed(x, wp4, sz4, 4000, g, bias4)
+                        assert_close_to_reference(out, x, qw4, s4, qz4, g, bias4)
+                        n_calls += 1
                 if hasattr(ops, "awq_wgmma_packed_sums") and not ops.awq_wgmma_packed_declines():
                     # Adds into the caller's fp32 sums, in the plain form (the default) and the
                     # warp-specialized one (FASTAWQ_WGMMA_FORM=ws, session 38) on every tile.
