@@ -584,8 +584,8 @@ def test_one_warpgroup_where_two_would_leave_the_cluster(monkeypatch, m, dtype):
     # number of either tile): two warpgroups make 16 column tiles, which sm_90's 114-132 SMs at two
     # blocks each split into 13-16 ranges of 8-10 steps, through the workspace; one warpgroup's 32
     # tiles meet their splits in a cluster. K = 14336 (ranges of 28 steps) keeps two, as do
-    # FASTAWQ_WGMMA_ONE_WG=0, FASTAWQ_WGMMA_WARPGROUPS=2 and a forced split count. Bias on the second
-    # call; every output against the reference.
+    # FASTAWQ_WGMMA_ONE_WG=0, FASTAWQ_WGMMA_WARPGROUPS=2 and a forced split count. Every call with a
+    # bias, every output (poisoned first) against the reference.
     for name in ("FASTAWQ_WGMMA_CLUSTER", "FASTAWQ_WGMMA_FORM", "FASTAWQ_WGMMA_WARPGROUPS",
                  "FASTAWQ_WGMMA_ONE_WG", "FASTAWQ_WGMMA_CLUSTER_PLAN", "FASTAWQ_WGMMA_MIN_STEPS"):
         monkeypatch.delenv(name, raising=False)
