@@ -609,6 +609,36 @@ def test_one_warpgroup_where_two_would_leave_the_cluster(monkeypatch, m, dtype):
 
 
 @requires_kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_one_warpgroup_in_the_sums_form_by_switch(monkeypatch, dtype):
+    # awq_wgmma_packed_sums keeps two warpgroups at 64 tokens unless FASTAWQ_WGMMA_ONE_WG=2 (an A/B
+    # switch, session 40) takes the plain op's rule to it: K = 4096, N = 4000 then runs one warpgroup,
+    # K = 14336 still two. The sums (zeroed, then a bias on the first K split) against the reference.
+    for name in ("FASTAWQ_WGMMA_FORM", "FASTAWQ_WGMMA_WARPGROUPS", "FASTAWQ_WGMMA_ONE_WG",
+                 "FASTAWQ_WGMMA_CLUSTER_PLAN", "FASTAWQ_WGMMA_MIN_STEPS"):
+        monkeypatch.delenv(name, raising=False)
+    n, g, m = 4000, 128, 64
+
+    def warpgroups(k, seed):
+        qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=k + seed)
+        bias = random_input((n,), "cuda", dtype, seed=seed + 9)
+        x = random_input((m, k), "cuda", dtype, seed=seed + 10)
+        sums = torch.zeros(m, n, device="cuda")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            torch.ops.fastawq.awq_wgmma_packed_sums(x, wp, sz, n, g, bias, sums, 0, 0)
+            torch.cuda.synchronize()
+        assert_close_to_reference(sums, x, qw, s, qz, g, bias)
+        args = [_template_args(e.name) for e in prof.events() if "awq_wgmma_packed_kernel<" in e.name]
+        assert args, "no awq_wgmma_packed_kernel ran"
+        return {(a[1], a[3]) for a in args}
+
+    assert warpgroups(4096, 1) == {("64", "2")}
+    monkeypatch.setenv("FASTAWQ_WGMMA_ONE_WG", "2")
+    assert warpgroups(4096, 2) == {("64", "1")}
+    assert warpgroups(14336, 3) == {("64", "2")}
+
+
+@requires_kernel
 def test_cluster_reduction_off_and_where_it_does_not_serve(monkeypatch):
     # Unset or "1" (the default since session 39): the cluster instance (its last template argument
     # true); "0": the workspace; one split (K of one range) and the sums form keep the plain instance

@@ -621,11 +621,14 @@ at::Tensor wgmma_call(const char* op, const at::Tensor& x, const at::Tensor& wpa
   // (sweep_wgmma_splits.py, M = 48 / 64, us): 4096 x 4096 one warpgroup 17.5 / 17.6 against two's
   // 19.3 / 22.9; the shapes it leaves (4096 x 6144: 11 splits of 12 steps, in a cluster; 14336 x
   // 4096: 16 of 28; 4096 x 28672: 2 of 64) ran 22.6 / 22.5, 32.0 / 35.9, 63.0 / 64.8 with two against
-  // 27.7 / 27.3, 42.9 / 44.4, 75.2 / 76.6 with one. The engine's sums form keeps two warpgroups (one
-  // on every layer decoded 0.89x at batch 48 / 64). FASTAWQ_WGMMA_ONE_WG=0 (read at each call) keeps
-  // two; FASTAWQ_WGMMA_WARPGROUPS forces a count.
-  if (!a.sums && !a.ws && a.warpgroups == 2 && splits == 0 && cluster_on && planned > wgmma_cluster_max_plan() &&
-      spb < kWgmmaShortRange && wgmma_warpgroups_forced() == 0 && env_switch("FASTAWQ_WGMMA_ONE_WG") != 0) {
+  // 27.7 / 27.3, 42.9 / 44.4, 75.2 / 76.6 with one; the table's M = 48 / 56 / 64 1.08 / 1.03 / 1.00 ->
+  // 1.09 / 1.07 / 1.07x cuBLAS fp16. The engine's sums form (no cluster) keeps two warpgroups: one on
+  // every layer decoded 0.89x at batch 48 / 64. FASTAWQ_WGMMA_ONE_WG (0..2, read at each call): 0 keeps
+  // two, 2 takes the rule to the sums form too (an A/B switch: there only 4096 x 4096 of the Llama-3-8B
+  // shapes qualifies); FASTAWQ_WGMMA_WARPGROUPS forces a count.
+  const int one_wg = env_int("FASTAWQ_WGMMA_ONE_WG", 0, 2, 1);
+  if (!a.ws && a.warpgroups == 2 && splits == 0 && planned > wgmma_cluster_max_plan() && spb < kWgmmaShortRange &&
+      wgmma_warpgroups_forced() == 0 && (a.sums ? one_wg == 2 : one_wg >= 1 && cluster_on)) {
     a.warpgroups = 1;
     tile_cols = wgmma_packed_tile_cols(1);
     col_tiles = (n + tile_cols - 1) / tile_cols;
