@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s52 s53 s54 s55 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s53 s55 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -938,22 +938,6 @@ if [[ " $stages " == *" s51 "* ]]; then
     --out "$OUT/s51_table" 2>&1 | grep -E "geomean|^\| *(float16|bfloat16) *\| *[0-9]+ *\| *[0-9.]+x" || status=1
   memcheck_packed || status=1
 fi
-if [[ " $stages " == *" s52 "* ]]; then
-  step s52
-  # The 64-token tile's plan (session 40): at M = 64 one warpgroup a block took 4096 x 4096 in 17.5
-  # us against two's 22.8, and lost the other three shapes (session 39, H100). Each warpgroup count
-  # over forced K-split counts at M = 48 / 64 (the clusters serve <= 12 splits), then the engine's
-  # decode at batch 48 / 64 with one warpgroup against two (~3 min).
-  for wg in 1 2; do
-    for m in 48 64; do
-      FASTAWQ_WGMMA_WARPGROUPS=$wg timeout 100 python benchmarks/sweep_wgmma_splits.py --m $m \
-        --shapes 4096x6144,4096x4096,4096x28672,14336x4096 --splits 0,2,3,4,6,8,12,16 2>&1 \
-        | grep -E "^(M =|\| [0-9])" || status=1
-    done
-  done
-  FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_WARPGROUPS=2,1 \
-    --shape llama-3-8b --batches 48,64 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "on / off" || status=1
-fi
 if [[ " $stages " == *" s53 "* ]]; then
   step s53
   # Session 40: the 64-token plan takes one warpgroup where two would cut K into more short ranges
@@ -967,15 +951,6 @@ if [[ " $stages " == *" s53 "* ]]; then
     FASTAWQ_WGMMA_ONE_WG=$v timeout 150 python benchmarks/gemm_table.py --layouts packed --ms 40,48,56,64 \
       --dtypes float16,bfloat16 --out "$OUT/s53_table_$v" 2>&1 \
       | grep -E "geomean|^\| *(float16|bfloat16) *\| *[0-9]+ *\| *[0-9.]+x" || status=1
-  done
-fi
-if [[ " $stages " == *" s54 "* ]]; then
-  step s54
-  # The 16- and 32-token plans of the narrow layers (session 40: 4096 x 4096 at M = 32 ran 14.8 us,
-  # 0.99x cuBLAS, against 11.6 at M = 16): forced K splits, the clusters serving <= 12 (~1 min).
-  for m in 16 32; do
-    timeout 100 python benchmarks/sweep_wgmma_splits.py --m $m --shapes 4096x6144,4096x4096,14336x4096 \
-      --splits 0,4,6,8,12,16,24 2>&1 | grep -E "^(M =|\| [0-9])" || status=1
   done
 fi
 if [[ " $stages " == *" s55 "* ]]; then

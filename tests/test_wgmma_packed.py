@@ -492,11 +492,16 @@ def _template_args(name: str) -> list[str]:
     return inner.split(">", 1)[0].split(",")
 
 
-def _checked_instances(x, wp, sz, n, g, bias, tokens, splits, qw, s, qz) -> list[list[str]]:
-    """awq_wgmma_packed on x (output poisoned first) checked against the reference; the template
-    arguments of every awq_wgmma_packed_kernel it launched (the last: the cluster reduction's flag)."""
+def _checked_instances(x, wp, sz, n, g, bias, tokens, splits, qw, s, qz, sums=False) -> list[list[str]]:
+    """awq_wgmma_packed on x (output poisoned first), or with `sums` awq_wgmma_packed_sums into zeroed
+    fp32 sums, checked against the reference; the template arguments of every awq_wgmma_packed_kernel
+    it launched (the last: the cluster reduction's flag)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        out = _poisoned_call(x, wp, sz, n, g, bias, tokens, splits)
+        if sums:
+            out = torch.zeros(x.shape[0], n, device="cuda")
+            torch.ops.fastawq.awq_wgmma_packed_sums(x, wp, sz, n, g, bias, out, tokens, splits)
+        else:
+            out = _poisoned_call(x, wp, sz, n, g, bias, tokens, splits)
         torch.cuda.synchronize()
     assert_close_to_reference(out, x, qw, s, qz, g, bias)
     args = [_template_args(e.name) for e in prof.events() if "awq_wgmma_packed_kernel<" in e.name]
@@ -623,14 +628,7 @@ def test_one_warpgroup_in_the_sums_form_by_switch(monkeypatch, dtype):
         qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=k + seed)
         bias = random_input((n,), "cuda", dtype, seed=seed + 9)
         x = random_input((m, k), "cuda", dtype, seed=seed + 10)
-        sums = torch.zeros(m, n, device="cuda")
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            torch.ops.fastawq.awq_wgmma_packed_sums(x, wp, sz, n, g, bias, sums, 0, 0)
-            torch.cuda.synchronize()
-        assert_close_to_reference(sums, x, qw, s, qz, g, bias)
-        args = [_template_args(e.name) for e in prof.events() if "awq_wgmma_packed_kernel<" in e.name]
-        assert args, "no awq_wgmma_packed_kernel ran"
-        return {(a[1], a[3]) for a in args}
+        return {(a[1], a[3]) for a in _checked_instances(x, wp, sz, n, g, bias, 0, 0, qw, s, qz, sums=True)}
 
     assert warpgroups(4096, 1) == {("64", "2")}
     monkeypatch.setenv("FASTAWQ_WGMMA_ONE_WG", "2")

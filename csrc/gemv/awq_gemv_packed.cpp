@@ -223,15 +223,10 @@ namespace {
 // one warpgroup 1.25 / 0.86 / 0.35 / 0.41 against two 1.13 / 0.84 / 0.37 / 0.48 at M = 32 / 64 /
 // 256 / 4096; at 64 tokens the two are within noise and two keep x's copy shared (unless the plan
 // would leave the cluster with short K ranges: wgmma_call, session 40).
-// 0 where unset (or anything but "1" / "2"): the plan chooses (wgmma_call).
+// The forced count, or 0 where unset (or anything but "1" / "2"): then wgmma_call chooses.
 int wgmma_warpgroups_forced() {
   const char* v = std::getenv("FASTAWQ_WGMMA_WARPGROUPS");
   return v != nullptr && v[0] != '\0' && v[1] == '\0' && (v[0] == '1' || v[0] == '2') ? v[0] - '0' : 0;
-}
-
-int wgmma_warpgroups(int64_t tokens) {
-  const int forced = wgmma_warpgroups_forced();
-  return forced != 0 ? forced : tokens <= 32 ? 1 : 2;
 }
 
 // The K range below which a two-warpgroup plan of the 64-token tile that falls out of the cluster
@@ -590,15 +585,21 @@ at::Tensor wgmma_call(const char* op, const at::Tensor& x, const at::Tensor& wpa
   // (session 38, H100, Llama-3-8B shape, every projection adding into sums: decode at batch 48 / 64
   // 0.882x / 0.918x with ws against plain, bench_ab.py --compare env:FASTAWQ_WGMMA_FORM=plain,ws).
   a.ws = a.sums ? wgmma_ws_forced() : wgmma_ws_form(tokens);
-  a.warpgroups = a.ws ? 2 : wgmma_warpgroups(tokens);
+  const int forced_wg = wgmma_warpgroups_forced();
   const int64_t token_tiles = (m + tokens - 1) / tokens;
   a.token_tiles = static_cast<int>(token_tiles);
   // One wave: (token tile, column tile) slices times K splits of >= 4 steps (the ring's depth less
-  // its two steps of lead), as many as fit at once.
-  int64_t tile_cols = wgmma_packed_tile_cols(a.warpgroups);
-  int64_t col_tiles = (n + tile_cols - 1) / tile_cols;
-  int64_t spb = gemm_steps_per_block(splits, steps, col_tiles * token_tiles,
-                                     splits == 0 ? wgmma_packed_resident_blocks(a) : 0, wgmma_min_steps());
+  // its two steps of lead), as many as fit at once; planned: the splits that gives.
+  int64_t col_tiles = 0, spb = 0, planned = 0;
+  auto plan_for = [&](int warpgroups) {
+    a.warpgroups = warpgroups;
+    const int64_t tile_cols = wgmma_packed_tile_cols(warpgroups);
+    col_tiles = (n + tile_cols - 1) / tile_cols;
+    spb = gemm_steps_per_block(splits, steps, col_tiles * token_tiles,
+                               splits == 0 ? wgmma_packed_resident_blocks(a) : 0, wgmma_min_steps());
+    planned = (steps + spb - 1) / spb;
+  };
+  plan_for(a.ws ? 2 : forced_wg != 0 ? forced_wg : tokens <= 32 ? 1 : 2);
   // The cluster reduction (FASTAWQ_WGMMA_CLUSTER, on unless "0"; read at each call): the plain op's
   // 16- to 64-token tiles meet their K splits in a cluster (at most 8) instead of the workspace, whose
   // fence and last block's conversion held ~25 % of the 16-token tile's stall samples at 4096 x 4096
@@ -611,7 +612,7 @@ at::Tensor wgmma_call(const char* op, const at::Tensor& x, const at::Tensor& wpa
   // (the plain form since session 39) 1.07 / 1.00 against 1.02 / 0.90 at M = 48 / 64; the ws form's
   // splits in a cluster lost (0.74x against its workspace's 1.02 / 0.96; H100, session 39).
   const bool cluster_on = env_switch("FASTAWQ_WGMMA_CLUSTER") != 0;
-  int64_t planned = (steps + spb - 1) / spb;
+  const int64_t max_plan = wgmma_cluster_max_plan();
   // The 64-token tile's two warpgroups (256 columns a block) leave few column tiles on narrow layers,
   // so the one-wave plan cuts K into many short ranges: 4096 x 4096 gives 16 tiles x 16 splits of 8
   // steps, past the cluster's 12, summed through the workspace. One warpgroup (128 columns) doubles
@@ -627,15 +628,11 @@ at::Tensor wgmma_call(const char* op, const at::Tensor& x, const at::Tensor& wpa
   // two, 2 takes the rule to the sums form too (an A/B switch: there only 4096 x 4096 of the Llama-3-8B
   // shapes qualifies); FASTAWQ_WGMMA_WARPGROUPS forces a count.
   const int one_wg = env_int("FASTAWQ_WGMMA_ONE_WG", 0, 2, 1);
-  if (!a.ws && a.warpgroups == 2 && splits == 0 && planned > wgmma_cluster_max_plan() && spb < kWgmmaShortRange &&
-      wgmma_warpgroups_forced() == 0 && (a.sums ? one_wg == 2 : one_wg >= 1 && cluster_on)) {
-    a.warpgroups = 1;
-    tile_cols = wgmma_packed_tile_cols(1);
-    col_tiles = (n + tile_cols - 1) / tile_cols;
-    spb = gemm_steps_per_block(0, steps, col_tiles * token_tiles, wgmma_packed_resident_blocks(a), wgmma_min_steps());
-    planned = (steps + spb - 1) / spb;
+  if (!a.ws && a.warpgroups == 2 && splits == 0 && planned > max_plan && spb < kWgmmaShortRange &&
+      forced_wg == 0 && (a.sums ? one_wg == 2 : one_wg >= 1 && cluster_on)) {
+    plan_for(1);
   }
-  if (!a.sums && !a.ws && tokens <= 64 && planned > 1 && planned <= wgmma_cluster_max_plan() && cluster_on) {
+  if (!a.sums && !a.ws && tokens <= 64 && planned > 1 && planned <= max_plan && cluster_on) {
     // Capped to 8: still 2 or more splits (planned > 1 needs steps >= 2, and 8 ranges of >= 1 step).
     spb = std::max<int64_t>(spb, (steps + kWgmmaMaxCluster - 1) / kWgmmaMaxCluster);
     a.cluster = true;

@@ -128,7 +128,7 @@ inline int wgmma_packed_tile_cols(int warpgroups) { return 128 * warpgroups; }
 struct WgmmaPackedArgs : PackedArgs {
   int tokens;       // batch rows a block
   int token_tiles;  // blocks along M: ceil(M / tokens)
-  int warpgroups;   // 1 or 2 (wgmma_warpgroups in awq_gemv_packed.cpp)
+  int warpgroups;   // 1 or 2 (wgmma_call in awq_gemv_packed.cpp)
   // The warp-specialized form (by default on the 128-token tile; FASTAWQ_WGMMA_FORM, read at
   // each call, forces either): two consumer warpgroups on 256 columns and a producer warp doing the
   // copies, meeting through mbarriers.

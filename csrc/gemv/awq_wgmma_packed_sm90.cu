@@ -29,7 +29,7 @@
 // both on one contiguous range of 32-row steps (blockIdx.z splits K); grid (token tiles, column
 // tiles, splits), token tiles adjacent so a column tile's weights come from L2 after the first.
 // WG = 1 (the 32-token tile's default; FASTAWQ_WGMMA_WARPGROUPS=1 / 2 forces one or two, the host's
-// wgmma_warpgroups): blocks of one warpgroup on 128 columns, 2 to 4
+// wgmma_call): blocks of one warpgroup on 128 columns, 2 to 4
 // an SM, whose barriers and latencies other blocks fill (at NT = 128 a 2-warpgroup block is alone on
 // its SM), at the price of x copied and permuted once per 128 columns instead of 256.
 // A ring of P slots in shared memory, P - 1 steps in flight: each slot one step's weights (16 bytes a
