@@ -23,7 +23,9 @@ def _tol(be: str) -> dict:
 @pytest.mark.parametrize("be", BACKENDS)
 @pytest.mark.parametrize("h", [48, 200])
 @pytest.mark.parametrize("offset", [0.0, 1.0])
-def test_add_rms_norm_matches_reference(be, h, offset):
+@pytest.mark.parametrize("form", ["0", "1", "2"])
+def test_add_rms_norm_matches_reference(be, h, offset, form, monkeypatch):
+    monkeypatch.setenv("FASTAWQ_NORM_FORM", form)  # the Triton kernel's forms (triton_kernels/norm.py)
     x, r = torch.randn(2, 3, 5, h, dtype=torch.float16, device=DEV).unbind(0)
     w = torch.randn(h, dtype=torch.float16, device=DEV)
     for res in (None, r):
@@ -57,9 +59,12 @@ def test_add_rms_norm_takes_fp32_sums(be, dtype):
 
 
 @pytest.mark.parametrize("be", BACKENDS)
-def test_add_rms_norm_zeroes_a_later_projections_sums(be):
+@pytest.mark.parametrize("form", ["0", "1", "2"])
+def test_add_rms_norm_zeroes_a_later_projections_sums(be, form, monkeypatch):
     # zero= (FASTAWQ_DENSE_SUMS): the same launch fills a later projection's fp32 sums with zeros;
-    # the norm's outputs are those of the call without it, with x in the activation dtype or fp32.
+    # the norm's outputs are those of the call without it, with x in the activation dtype or fp32,
+    # in each of the Triton kernel's forms (FASTAWQ_NORM_FORM: 2 zeroes from a second grid dimension)
+    # bit for bit those of the first form.
     h = 200
     r = torch.randn(3, h, dtype=torch.float16, device=DEV)
     w = torch.randn(h, dtype=torch.float16, device=DEV)
@@ -70,12 +75,19 @@ def test_add_rms_norm_zeroes_a_later_projections_sums(be):
         for width in (h, 7, 3 * h + 100):
             buf = torch.full((3 * width + 5,), float("nan"), device=DEV)
             zero = buf[:3 * width].view(3, width)
+            monkeypatch.setenv("FASTAWQ_NORM_FORM", form)
             y, r_out = ops.add_rms_norm(x, r, w, 1e-5, 1.0, backend=be, zero=zero)
+            monkeypatch.setenv("FASTAWQ_NORM_FORM", "0")
             y_want, r_want = ops.add_rms_norm(x, r, w, 1e-5, 1.0, backend=be)
             assert torch.equal(zero, torch.zeros_like(zero)) and buf[3 * width:].isnan().all()
             assert torch.equal(y, y_want) and torch.equal(r_out, r_want)
     with pytest.raises(ValueError, match=r"zero must be a contiguous fp32 tensor \[rows=3, Z\]"):
         ops.add_rms_norm(x, r, w, 1e-5, backend=be, zero=torch.zeros(3, h, dtype=torch.float16, device=DEV))
+    if be == "triton":
+        monkeypatch.setenv("FASTAWQ_NORM_FORM", "3")
+        with pytest.raises(ValueError, match="FASTAWQ_NORM_FORM must be 0, 1 or 2, got '3'"):
+            ops.add_rms_norm(x, r, w, 1e-5, backend=be)
+        monkeypatch.setenv("FASTAWQ_NORM_FORM", form)
     with pytest.raises(ValueError, match=r"zero must be a contiguous fp32 tensor \[rows=3, Z\]"):
         ops.add_rms_norm(x, None, w, 1e-5, backend=be, zero=torch.zeros(3, h, device=DEV))
     with pytest.raises(ValueError, match=r"zero must be a contiguous fp32 tensor \[rows=3, Z\]"):

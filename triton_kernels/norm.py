@@ -5,7 +5,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_options, pdl_enter
+from .pdl import _env, launch_options, pdl_enter
+
+
+
+def norm_form() -> int:
+    """FASTAWQ_NORM_FORM (read at each call; an A/B switch while measured): 0 the one-block-a-row
+    kernel as it was (unset); 1 the norm weight loaded before the PDL wait; 2 also the zeroing of
+    later projections' sums spread over a second grid dimension."""
+    raw = _env(b"FASTAWQ_NORM_FORM")
+    if raw not in ("", "0", "1", "2"):
+        raise ValueError(f"FASTAWQ_NORM_FORM must be 0, 1 or 2, got {raw!r}")
+    return int(raw) if raw else 0
+
 
 # Order matters: the kernel takes the index as a constexpr.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
@@ -15,29 +27,47 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 def _add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, zero_ptr, n, zn, eps, offset,
     HAS_RES: tl.constexpr, ZERO: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    EARLY_W: tl.constexpr, ZSPLIT: tl.constexpr,
 ):
-    pdl_enter(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
-    if ZERO:
-        # Later projections' fp32 sums, zn a row ([rows, zn]: o_proj's alone, or the QKV projection's
-        # beside them), zeroed here (after the PDL wait: earlier kernels are done with the memory) for
-        # their blocks to add into.
-        for z0 in range(0, zn, BLOCK):
-            tl.store(zero_ptr + row * zn + z0 + cols, tl.zeros([BLOCK], dtype=tl.float32), mask=z0 + cols < zn)
-    x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0)
-    if HAS_RES:
-        # x in fp32 (an MoE block's unconverted sums) is rounded to the residual's dtype first, as the
-        # block's own conversion would; then the sum is rounded to it too: the residual stream is
-        # stored in it.
-        x = x.to(res_out_ptr.dtype.element_ty) + tl.load(res_ptr + row * n + cols, mask=mask, other=0.0)
-        tl.store(res_out_ptr + row * n + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / n
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + offset
-    y = xf * tl.rsqrt(var + eps) * w
-    tl.store(y_ptr + row * n + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    if ZSPLIT:
+        # Grid (rows, 1 + cdiv(zn, BLOCK)): program 0 of a row normalizes it, program p > 0 zeroes
+        # the row's p-th BLOCK of sums, so the zeroing (up to 128 KB a row: o_proj's and gate_up's
+        # sums) spreads over SMs instead of preceding the norm in one block.
+        part = tl.program_id(1)
+    else:
+        part = 0
+    if part > 0:
+        pdl_enter(PDL)
+        z0 = (part - 1) * BLOCK
+        tl.store(zero_ptr + row * zn + z0 + cols, tl.zeros([BLOCK], dtype=tl.float32), mask=z0 + cols < zn)
+    else:
+        if EARLY_W:
+            # The norm weight before the PDL wait: no kernel writes it, and its load (often from DRAM)
+            # then overlaps the previous kernel's tail instead of following the row's reduction.
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + offset
+        pdl_enter(PDL)
+        if ZERO and not ZSPLIT:
+            # Later projections' fp32 sums, zn a row ([rows, zn]: o_proj's alone, or the QKV
+            # projection's beside them), zeroed here (after the PDL wait: earlier kernels are done
+            # with the memory) for their blocks to add into.
+            for z0 in range(0, zn, BLOCK):
+                tl.store(zero_ptr + row * zn + z0 + cols, tl.zeros([BLOCK], dtype=tl.float32), mask=z0 + cols < zn)
+        x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0)
+        if HAS_RES:
+            # x in fp32 (an MoE block's unconverted sums) is rounded to the residual's dtype first, as
+            # the block's own conversion would; then the sum is rounded to it too: the residual stream
+            # is stored in it.
+            x = x.to(res_out_ptr.dtype.element_ty) + tl.load(res_ptr + row * n + cols, mask=mask, other=0.0)
+            tl.store(res_out_ptr + row * n + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, axis=0) / n
+        if not EARLY_W:
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + offset
+        y = xf * tl.rsqrt(var + eps) * w
+        tl.store(y_ptr + row * n + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -87,11 +117,15 @@ def add_rms_norm(
         y = torch.empty_like(res_in)
         res_out = torch.empty_like(res_in)
     block = triton.next_power_of_2(h)
-    _add_rms_norm_kernel[(x2.shape[0],)](
-        x2, res_in, weight.contiguous(), y, res_out, x2 if zero is None else zero, h,
-        0 if zero is None else zero.numel() // max(x2.shape[0], 1), eps, offset,
-        HAS_RES=residual is not None, ZERO=zero is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-        **launch_options(x2.device),
+    rows = x2.shape[0]
+    zn = 0 if zero is None else zero.numel() // max(rows, 1)
+    form = norm_form()
+    zsplit = form >= 2 and zn > 0
+    grid = (rows, 1 + triton.cdiv(zn, block)) if zsplit else (rows,)
+    _add_rms_norm_kernel[grid](
+        x2, res_in, weight.contiguous(), y, res_out, x2 if zero is None else zero, h, zn, eps, offset,
+        HAS_RES=residual is not None, ZERO=zero is not None, BLOCK=block, EARLY_W=form >= 1, ZSPLIT=zsplit,
+        num_warps=min(16, max(1, block // 256)), **launch_options(x2.device),
     )
     return y.reshape(x.shape), (None if residual is None else res_out.reshape(x.shape))
 
