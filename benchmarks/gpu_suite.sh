@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s53 s55 s56 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s53 s56 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -952,17 +952,6 @@ if [[ " $stages " == *" s53 "* ]]; then
       --dtypes float16,bfloat16 --out "$OUT/s53_table_$v" 2>&1 \
       | grep -E "geomean|^\| *(float16|bfloat16) *\| *[0-9]+ *\| *[0-9.]+x" || status=1
   done
-fi
-if [[ " $stages " == *" s55 "* ]]; then
-  step s55
-  # Session 40's one-warpgroup rule taken to the sums form (FASTAWQ_WGMMA_ONE_WG=2, an A/B switch: the
-  # engine's o_proj at 33-64 rows, 4096 x 4096 on the Llama-3-8B shape): its tests, memcheck, then the
-  # engine's decode at batch 40 / 48 / 64 against the default (~3 min).
-  timeout 150 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "one_warpgroup" 2>&1 \
-    | tail -1 || status=1
-  memcheck_packed || status=1
-  FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_ONE_WG=1,2 \
-    --shape llama-3-8b --batches 40,48,64 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "on / off" || status=1
 fi
 if [[ " $stages " == *" s56 "* ]]; then
   step s56

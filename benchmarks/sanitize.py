@@ -130,13 +130,6 @@ def main(argv: list[str] | None = None) -> None:
                         out = ops.awq_wgmma_packed(x, wp4, sz4, 4000, g, bias4)
                         assert_close_to_reference(out, x, qw4, s4, qz4, g, bias4)
                         n_calls += 1
-                    # ... and in the sums form by switch (FASTAWQ_WGMMA_ONE_WG=2).
-                    x = random_input((64, 4096), "cuda", dtype, seed=42)
-                    sums = torch.zeros(64, 4000, device="cuda")
-                    with env_set({"FASTAWQ_WGMMA_ONE_WG": "2"}):
-                        ops.awq_wgmma_packed_sums(x, wp4, sz4, 4000, g, bias4, sums)
-                    assert_close_to_reference(sums, x, qw4, s4, qz4, g, bias4)
-                    n_calls += 1
                 if hasattr(ops, "awq_wgmma_packed_sums") and not ops.awq_wgmma_packed_declines():
                     # Adds into the caller's fp32 sums, in the plain form (the default) and the
                     # warp-specialized one (FASTAWQ_WGMMA_FORM=ws, session 38) on every tile.

@@ -10,13 +10,15 @@ from .pdl import _env, launch_options, pdl_enter
 
 
 def norm_form() -> int:
-    """FASTAWQ_NORM_FORM (read at each call; an A/B switch while measured): 0 the one-block-a-row
-    kernel as it was (unset); 1 the norm weight loaded before the PDL wait; 2 also the zeroing of
-    later projections' sums spread over a second grid dimension."""
+    """FASTAWQ_NORM_FORM (read at each call): 2 (unset) loads the norm weight before the PDL wait and
+    zeroes later projections' sums from a second grid dimension; 1 only the early weight; 0 the
+    one-block-a-row kernel of session 40. H100, session 41 (benchmarks/RESULTS.md): decode of the
+    Llama-3-8B shape 1.023x / 1.054x / 1.062x at batch 1 / 16 / 64 for 2 against 0, 1.015x / 1.005x /
+    1.007x for 1; Qwen3-30B-A3B 1.013x / 0.999x at batch 1 / 16."""
     raw = _env(b"FASTAWQ_NORM_FORM")
     if raw not in ("", "0", "1", "2"):
         raise ValueError(f"FASTAWQ_NORM_FORM must be 0, 1 or 2, got {raw!r}")
-    return int(raw) if raw else 0
+    return int(raw) if raw else 2
 
 
 # Order matters: the kernel takes the index as a constexpr.

@@ -624,12 +624,12 @@ at::Tensor wgmma_call(const char* op, const at::Tensor& x, const at::Tensor& wpa
   // 4096: 16 of 28; 4096 x 28672: 2 of 64) ran 22.6 / 22.5, 32.0 / 35.9, 63.0 / 64.8 with two against
   // 27.7 / 27.3, 42.9 / 44.4, 75.2 / 76.6 with one; the table's M = 48 / 56 / 64 1.08 / 1.03 / 1.00 ->
   // 1.09 / 1.07 / 1.07x cuBLAS fp16. The engine's sums form (no cluster) keeps two warpgroups: one on
-  // every layer decoded 0.89x at batch 48 / 64. FASTAWQ_WGMMA_ONE_WG (0..2, read at each call): 0 keeps
-  // two, 2 takes the rule to the sums form too (an A/B switch: there only 4096 x 4096 of the Llama-3-8B
-  // shapes qualifies); FASTAWQ_WGMMA_WARPGROUPS forces a count.
-  const int one_wg = env_int("FASTAWQ_WGMMA_ONE_WG", 0, 2, 1);
-  if (!a.ws && a.warpgroups == 2 && splits == 0 && planned > max_plan && spb < kWgmmaShortRange &&
-      forced_wg == 0 && (a.sums ? one_wg == 2 : one_wg >= 1 && cluster_on)) {
+  // every layer decoded 0.89x at batch 48 / 64, and the rule alone there (only o_proj's 4096 x 4096
+  // qualifies) 0.996x / 1.001x / 1.004x at batch 40 / 48 / 64 (session 41). FASTAWQ_WGMMA_ONE_WG=0 (read
+  // at each call) keeps two; FASTAWQ_WGMMA_WARPGROUPS forces a count.
+  const bool one_wg = env_int("FASTAWQ_WGMMA_ONE_WG", 0, 1, 1) == 1;
+  if (!a.ws && !a.sums && a.warpgroups == 2 && splits == 0 && planned > max_plan && spb < kWgmmaShortRange &&
+      forced_wg == 0 && one_wg && cluster_on) {
     plan_for(1);
   }
   if (!a.sums && !a.ws && tokens <= 64 && planned > 1 && planned <= max_plan && cluster_on) {
