@@ -955,9 +955,10 @@ if [[ " $stages " == *" s53 "* ]]; then
 fi
 if [[ " $stages " == *" s56 "* ]]; then
   step s56
-  # Session 41's add + RMSNorm forms (FASTAWQ_NORM_FORM, an A/B switch: 1 loads the norm weight before
-  # the PDL wait, 2 also zeroes later projections' sums from a second grid dimension): their tests, the
-  # launch alone at the engine's shapes, then the engine's decode at batch 1 / 16 / 64 (~4 min).
+  # Session 41's add + RMSNorm forms (FASTAWQ_NORM_FORM: 1 loads the norm weight before the PDL wait,
+  # 2, the default since a1d451b, also zeroes later projections' sums from a second grid dimension):
+  # their tests, the launch alone at the engine's shapes, then the engine's decode at batch 1 / 16 / 64
+  # against form 0 (~2 min).
   timeout 120 python -m pytest -x -q -p no:cacheprovider tests/test_layer_ops.py -k "add_rms_norm" 2>&1 \
     | tail -1 || status=1
   timeout 90 python benchmarks/bench_norm.py 2>&1 | tail -12 || status=1

@@ -83,15 +83,14 @@ def test_add_rms_norm_zeroes_a_later_projections_sums(be, form, monkeypatch):
             assert torch.equal(y, y_want) and torch.equal(r_out, r_want)
     with pytest.raises(ValueError, match=r"zero must be a contiguous fp32 tensor \[rows=3, Z\]"):
         ops.add_rms_norm(x, r, w, 1e-5, backend=be, zero=torch.zeros(3, h, dtype=torch.float16, device=DEV))
-    if be == "triton":
-        monkeypatch.setenv("FASTAWQ_NORM_FORM", "3")
-        with pytest.raises(ValueError, match="FASTAWQ_NORM_FORM must be 0, 1 or 2, got '3'"):
-            ops.add_rms_norm(x, r, w, 1e-5, backend=be)
-        monkeypatch.setenv("FASTAWQ_NORM_FORM", form)
     with pytest.raises(ValueError, match=r"zero must be a contiguous fp32 tensor \[rows=3, Z\]"):
         ops.add_rms_norm(x, None, w, 1e-5, backend=be, zero=torch.zeros(3, h, device=DEV))
     with pytest.raises(ValueError, match=r"zero must be a contiguous fp32 tensor \[rows=3, Z\]"):
         ops.add_rms_norm(x, r, w, 1e-5, backend=be, zero=torch.zeros(4, h, device=DEV))
+    if be == "triton":
+        monkeypatch.setenv("FASTAWQ_NORM_FORM", "3")
+        with pytest.raises(ValueError, match="FASTAWQ_NORM_FORM must be 0, 1 or 2, got '3'"):
+            ops.add_rms_norm(x, r, w, 1e-5, backend=be)
 
 
 @pytest.mark.parametrize("be", BACKENDS)

@@ -8,7 +8,6 @@ import triton.language as tl
 from .pdl import _env, launch_options, pdl_enter
 
 
-
 def norm_form() -> int:
     """FASTAWQ_NORM_FORM (read at each call): 2 (unset) loads the norm weight before the PDL wait and
     zeroes later projections' sums from a second grid dimension; 1 only the early weight; 0 the
