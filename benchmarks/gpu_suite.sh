@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s53 s56 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s53 s56 s57 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -965,6 +965,17 @@ if [[ " $stages " == *" s56 "* ]]; then
   FASTAWQ_TRITON_TUNE=0 timeout 300 python benchmarks/bench_ab.py --compare env:FASTAWQ_NORM_FORM=0,1 \
     --compare env:FASTAWQ_NORM_FORM=0,2 --shape llama-3-8b --batches 1,16,64 --layout packed --decode 64 \
     --rounds 2 2>&1 | grep -E "on / off" || status=1
+fi
+if [[ " $stages " == *" s57 "* ]]; then
+  step s57
+  # FASTAWQ_NORM_FORM=3 (session 41, written, not run: form 2 at no more than 8 warps a block, so 64 rows'
+  # zeroing runs in one wave): its tests, the launch alone against form 2, and the engine's decode at
+  # batch 1 / 16 / 64 (~2 min).
+  timeout 120 python -m pytest -x -q -p no:cacheprovider tests/test_layer_ops.py -k "add_rms_norm" 2>&1 \
+    | tail -1 || status=1
+  timeout 90 python benchmarks/bench_norm.py --forms 2,3 2>&1 | tail -12 || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 300 python benchmarks/bench_ab.py --compare env:FASTAWQ_NORM_FORM=2,3 \
+    --shape llama-3-8b --batches 1,16,64 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "on / off" || status=1
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p
