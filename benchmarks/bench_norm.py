@@ -16,34 +16,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 
 from fastawq import ops
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # timing.py, when loaded by path (tests)
+from timing import best_us  # noqa: E402
+
 ZERO_WIDTHS = {"none": 0, "o+qkv": 4096 + 6144, "down+gate_up": 4096 + 28672}
-
-
-def best_us(fn, calls: int = 50, replays: int = 5) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # warm-up outside the graph: compilation
-            fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / calls)
-    return best
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -21,29 +22,10 @@ import torch
 from fastawq import backend
 from fastawq.ops import moe as ops_moe
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # timing.py, when loaded by path (tests)
+from timing import best_us  # noqa: E402
+
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 8), "mixtral-8x7b": (8, 4096, 2)}  # E, H, top-k
-
-
-def best_us(fn, calls: int = 50, replays: int = 5) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # warm-up outside the graph: compilation, workspaces
-            fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / calls)
-    return best
 
 
 def table(rows: list[dict]) -> str:
