@@ -119,8 +119,9 @@ def main() -> None:
           f"{device}: built in {t_build:.1f}s, {total:.1f}s measured, {per_layer:.2f}s per layer, "
           f"{projected:.1f}s projected for all {full_layers} layers"
           + (f", model {resident:.1f} GiB, peak GPU memory {max(peaks.values(), default=0.0):.1f} GiB" if cuda else ""))
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    try:  # FASTAWQ_COMMIT first: on the device machine git reads its copy's stale metadata (gpu_suite.sh)
+        commit = os.environ.get("FASTAWQ_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = ""
     result = dict(shape=args.shape, layers=n_layers, full_layers=full_layers, samples=args.samples,

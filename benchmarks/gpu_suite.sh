@@ -23,6 +23,12 @@ OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 # session 35 a call's tables were lost to both limits), so this one file always comes back.
 exec > >(tee -a "$OUT/0_suite.log") 2>&1
 export PYTHONUNBUFFERED=1
+# The benchmarks' JSON records FASTAWQ_COMMIT as the tree's commit, else `git rev-parse HEAD`, which on
+# the device machine reads its copy's git metadata, not the tree sent (session 41: 520bf92 recorded for
+# c5cfdf8): pass FASTAWQ_COMMIT=$(git rev-parse --short HEAD) from this side in the device command.
+if [ -z "${FASTAWQ_COMMIT:-}" ]; then
+  echo "FASTAWQ_COMMIT unset: the JSON commit fields read this machine's git HEAD ($(git rev-parse --short HEAD 2>/dev/null))"
+fi
 stages=${*:-build tests gemm gemv attention sanitize e2e quantize}
 status=0
 step() { echo "=== $1 ($(date +%T))"; }

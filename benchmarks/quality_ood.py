@@ -75,6 +75,8 @@ def cpu_name() -> str:
 
 
 def _commit() -> str:
+    if os.environ.get("FASTAWQ_COMMIT"):  # on the device machine git reads its copy's stale metadata
+        return os.environ["FASTAWQ_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
