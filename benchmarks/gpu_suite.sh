@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s53 s56 s57 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s53 s56 s57 s58 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -1013,6 +1013,14 @@ if [[ " $stages " == *" s28p "* ]]; then
   # batch-16 rows: 4,041 / 2,470 against 6,000 / 3,000 on the H200): each kernel's microseconds a
   # step, Qwen3-30B-A3B then the Llama-3-8B shape, packed layout.
   FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/profile_step.py qwen3-30b-a3b:16 llama-3-8b:16 2>&1 \
+    | grep -E "^#####|us/step|share of the step" | head -80 || status=1
+fi
+if [[ " $stages " == *" s58 "* ]]; then
+  step s58
+  # Where the Llama-3-8B shape's batch-1 and batch-64 decode steps go on session 41's defaults (~2 min;
+  # H200 521.3 / 14,820.8 tok/s against 600 / 16,000; batch 64 has not been profiled since the wgmma
+  # sums tiles and the norm's spread zeroing): each kernel's share of a step, packed layout.
+  FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/profile_step.py llama-3-8b:1 llama-3-8b:64 2>&1 \
     | grep -E "^#####|us/step|share of the step" | head -80 || status=1
 fi
 if [[ " $stages " == *" s23 "* ]]; then
