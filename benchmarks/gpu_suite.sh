@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s53 s56 s57 s58 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s53 s56 s57 s58 s59 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -1022,6 +1022,15 @@ if [[ " $stages " == *" s58 "* ]]; then
   # sums tiles and the norm's spread zeroing): each kernel's share of a step, packed layout.
   FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/profile_step.py llama-3-8b:1 llama-3-8b:64 2>&1 \
     | grep -E "^#####|us/step|share of the step" | head -80 || status=1
+fi
+if [[ " $stages " == *" s59 "* ]]; then
+  step s59
+  # Qwen3-30B-A3B's attention projections at batch 9-32 (QKV 2048 x 5120, o_proj 4096 x 2048: 0.88 ms of
+  # the H100's 6.30 ms batch-16 step for ~9.4 MB a layer, i.e. fixed costs): the automatic choice on the
+  # packed layout against each compiled kernel forced, fp16 (~1 min). If awq_mma_packed (no TMA ring,
+  # no cluster) leads the wgmma tiles on these small shapes, the choice should weigh the layer's bytes.
+  timeout 150 python benchmarks/gemm_table.py --layouts packed --kernels mma,wgmma,gemm \
+    --shapes 2048x5120,4096x2048 --ms 9,12,16,24,32 --dtypes float16 --out "$OUT/s59_table" 2>&1 | tail -30 || status=1
 fi
 if [[ " $stages " == *" s23 "* ]]; then
   step s23
