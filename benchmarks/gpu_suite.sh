@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s32p s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s53 s56 s57 s58 s59 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s53 s56 s57 s58 s59 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -764,15 +764,6 @@ if [[ " $stages " == *" s31 "* ]]; then
       --metrics dram__bytes_read.sum python benchmarks/profile_moe.py > "$OUT/s31_ncu$wide.txt" 2>&1 || status=1
     grep -E "moe_mma_kernel<|Duration|DRAM Throughput|Grid Size|dram__bytes" "$OUT/s31_ncu$wide.txt" | head -12
   done
-fi
-if [[ " $stages " == *" s32p "* ]]; then
-  step s32p
-  # Where issue 11's two largest engine gaps go (H200: batch 1 478 against 600, batch 16 4,041 against
-  # 6,000; no share table of either yet): each kernel's share of one Llama-3-8B-shape step, packed
-  # layout, the defaults, batch 1 then 16 (~2 min). (Qwen3's batch-16 tile-vs-wide question is settled
-  # by the host's 3/4-wave rule: the wide form is not taken there.)
-  FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/profile_step.py llama-3-8b:1 llama-3-8b:16 2>&1 \
-    | grep -E "^#####|us/step share|share of the step|gaps:" | head -40 || status=1
 fi
 if [[ " $stages " == *" s38 "* ]]; then
   step s38
