@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import _env, launch_options, pdl_enter
+from .pdl import env, launch_options, pdl_enter
 
 
 def norm_form() -> int:
@@ -16,7 +16,7 @@ def norm_form() -> int:
     1.007x for 1; Qwen3-30B-A3B 1.013x / 0.999x at batch 1 / 16. 3 (an A/B switch, not yet run on a
     GPU): form 2 at no more than 8 warps a block, so that 64 rows' zeroing of the down projection's and
     gate_up's sums (576 blocks; 512 threads each hold an H100 to 528 at once) runs in one wave."""
-    raw = _env(b"FASTAWQ_NORM_FORM")
+    raw = env(b"FASTAWQ_NORM_FORM")
     if raw not in ("", "0", "1", "2", "3"):
         raise ValueError(f"FASTAWQ_NORM_FORM must be 0, 1, 2 or 3, got {raw!r}")
     return int(raw) if raw else 2

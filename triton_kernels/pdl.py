@@ -31,7 +31,8 @@ def _triton_has_pdl() -> bool:
 _ENV_BYTES = getattr(os.environ, "_data", None) if os.name == "posix" else None
 
 
-def _env(name: bytes) -> str:
+def env(name: bytes) -> str:
+    """The environment variable `name` as this process has it now (read at each call)."""
     if _ENV_BYTES is not None:
         raw = _ENV_BYTES.get(name)
         return raw.decode(errors="replace") if raw else ""
@@ -40,7 +41,7 @@ def _env(name: bytes) -> str:
 
 def requested() -> bool:
     """FASTAWQ_PDL: unset or 1/on/true (PDL where the GPU has it), 0/off/false (never)."""
-    return _parse(_env(b"FASTAWQ_PDL"))
+    return _parse(env(b"FASTAWQ_PDL"))
 
 
 @functools.cache
@@ -57,7 +58,7 @@ def _device_has_pdl(index: int) -> bool:
 
 def enabled(device: torch.device) -> bool:
     """Launch Triton kernels on `device` with PDL."""
-    if device.type != "cuda" or _env(b"TRITON_INTERPRET") == "1" or not requested():
+    if device.type != "cuda" or env(b"TRITON_INTERPRET") == "1" or not requested():
         return False
     return _device_has_pdl(device.index if device.index is not None else torch.cuda.current_device())
 
