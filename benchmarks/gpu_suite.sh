@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s53 s56 s57 s58 s59 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s53 s56 s57 s58 s59 s60 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -973,6 +973,23 @@ if [[ " $stages " == *" s57 "* ]]; then
   timeout 90 python benchmarks/bench_norm.py --forms 2,3 2>&1 | tail -12 || status=1
   FASTAWQ_TRITON_TUNE=0 timeout 300 python benchmarks/bench_ab.py --compare env:FASTAWQ_NORM_FORM=2,3 \
     --shape llama-3-8b --batches 1,16,64 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "on / off" || status=1
+fi
+if [[ " $stages " == *" s60 "* ]]; then
+  step s60
+  # Session 42's fold form of the 16- and 32-token wgmma tiles (FASTAWQ_WGMMA_FOLD=1, an A/B switch, off):
+  # A registers straight from the magic number, x's group sums from a ones wgmma, a close a group
+  # (awq_wgmma_packed_sm90.cu magic_step). Its tests, memcheck over the packed kernels with it on, the
+  # op's table at M = 9 / 16 / 32 fp16 off then on, the engine at batch 16 / 32 off / on (~4 min).
+  timeout 200 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "fold" 2>&1 | tail -1 \
+    || status=1
+  FASTAWQ_WGMMA_FOLD=1 memcheck_packed || status=1
+  for v in 0 1; do
+    echo "FASTAWQ_WGMMA_FOLD=$v"
+    FASTAWQ_WGMMA_FOLD=$v timeout 100 python benchmarks/gemm_table.py --kernels wgmma --ms 9,16,32 \
+      --dtypes float16 --out "$OUT/s60_$v" 2>&1 | grep -E "geomean|^\| *float16 *\|" || status=1
+  done
+  FASTAWQ_TRITON_TUNE=0 timeout 180 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_FOLD=0,1 \
+    --shape llama-3-8b --batches 16,32 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "on / off" || status=1
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p

@@ -757,6 +757,70 @@ def test_every_form_across_groups_and_splits(monkeypatch, scales, tokens, splits
         assert_close_to_reference(sums - base, x, qw, s, qz, g, bias)
 
 
+def _fold_instances(prof) -> list[str]:
+    """The FOLD template argument (the 8th) of every awq_wgmma_packed_kernel the profiler saw."""
+    out = []
+    for e in prof.events():
+        if "awq_wgmma_packed_kernel<" in e.name:
+            args = e.name.replace(" ", "").split("awq_wgmma_packed_kernel<", 1)[1].split(">(", 1)[0].split(",")
+            out.append(args[7] if len(args) > 7 else "?")
+    return out
+
+
+@requires_kernel
+@pytest.mark.parametrize("scales", [None, "0"])
+@pytest.mark.parametrize("tokens", [16, 32])
+@pytest.mark.parametrize("splits", [0, 3, 5, 64])
+@pytest.mark.parametrize("g", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fold_form(monkeypatch, scales, tokens, splits, g, dtype):
+    # FASTAWQ_WGMMA_FOLD=1 (read at each call): the 16- and 32-token tiles of one warpgroup with the
+    # (magic + q) A registers, the ones wgmma's sums of x and a close a group (magic_step). Groups of 1,
+    # 2 and 4 steps (a group of one step closes at every step); K ranges that start mid-group (3 and 5
+    # splits of 64 steps) and of one step (64); the pairs through the ring (the 16-token tile's default)
+    # and by __ldg ("0"); the plain op (its splits in a cluster where the plan allows) and the sums
+    # form; M past one token tile; a second call. The profiler shows the fold instance ran.
+    monkeypatch.setenv("FASTAWQ_WGMMA_FOLD", "1")
+    monkeypatch.delenv("FASTAWQ_WGMMA_DEPTH", raising=False)
+    monkeypatch.delenv("FASTAWQ_WGMMA_WARPGROUPS", raising=False)
+    if scales is None:
+        monkeypatch.delenv("FASTAWQ_WGMMA_SCALES", raising=False)
+    else:
+        monkeypatch.setenv("FASTAWQ_WGMMA_SCALES", scales)
+    k, n, m = 2048, 392, tokens + 3
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=tokens + splits + g)
+    bias = random_input((n,), "cuda", dtype, seed=5)
+    for seed in (1, 2):
+        x = random_input((m, k), "cuda", dtype, seed=seed + g)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out = _poisoned_call(x, wp, sz, n, g, bias, tokens, splits)
+            torch.cuda.synchronize()
+        assert_close_to_reference(out, x, qw, s, qz, g, bias)
+        folds = _fold_instances(prof)
+        assert folds and all(f == "true" for f in folds), folds
+    base = torch.randn(m, n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(m))
+    sums = base.clone()
+    torch.ops.fastawq.awq_wgmma_packed_sums(x, wp, sz, n, g, bias, sums, tokens, splits)
+    assert_close_to_reference(sums - base, x, qw, s, qz, g, bias)
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scale", [300.0, 1e-3])
+@pytest.mark.parametrize("m", [9, 16, 17, 32])
+def test_fold_form_extremes_and_llama_shapes(monkeypatch, scale, dtype, m):
+    # The fold form's accumulators carry the magic's share until a group closes: large and small
+    # activations, and the Llama-3-8B shapes at the automatic plan, stay within the reference budget.
+    monkeypatch.setenv("FASTAWQ_WGMMA_FOLD", "1")
+    k, n, g = 4096, 264, 128
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=5)
+    x = (random_input((m, k), "cuda", torch.float32, seed=m) * scale).to(dtype)
+    x[:, 7] = 4000.0 if scale > 1 else x[:, 7]
+    assert_close_to_reference(_poisoned_call(x, wp, sz, n, g), x, qw, s, qz, g)
+    for k, n in LLAMA3_8B_SHAPES:
+        check_llama_shape(_poisoned_call, k, n, m, dtype)
+
+
 @requires_kernel
 @pytest.mark.parametrize("depth", ["4", "8"])
 @pytest.mark.parametrize("tokens", [16, 32, 64, 128])
