@@ -145,6 +145,85 @@ def test_fragments_and_descriptors_as_the_kernel_uses_them(m, k, n, g, nt, dtype
     assert_close_to_reference(_emulate(x, wp, sz, n, g, nt), x, qw, s, qz, g)
 
 
+def _fold_block(xk, qk, scales, zeros, s0, s1, spg, sr):
+    """One block's K range [s0, s1) of 32-row steps in the fold form, in float64, following the
+    kernel's step loop (awq_wgmma_packed_kernel with FOLD): which group's pairs each close reads
+    (the ring's copy at a group's first step with SR, else a pointer advanced a group per load),
+    when a close is due and when xs starts afresh. xk [K, M], qk [K, N] (q as floats), scales /
+    zeros [K / g, N]. Returns the block's y partial [M, N]."""
+    magic = 1024.0
+    unit = lambda v: torch.where(v.abs() < 2.0**-60, torch.full_like(v, 2.0**-60), v)  # noqa: E731
+    m, n = xk.shape[1], qk.shape[1]
+    acc = torch.zeros(m, n, dtype=torch.float64)
+    xs = torch.zeros(m, 1, dtype=torch.float64)
+    grp_ptr = s0 // spg  # sz_lane's group (non-SR)
+    sv_cur = sv_next = sv_ring = None
+    if not sr and s0 < s1:
+        sv_next = grp_ptr
+        sv_cur = sv_next
+    pairs_due, close_due, fresh = True, False, True
+    group_left = spg - s0 % spg
+
+    def close(cur, nxt):
+        nonlocal acc
+        s_c, zm = unit(scales[cur]), magic + zeros[cur]
+        r = s_c if nxt is None else s_c / unit(scales[nxt])
+        acc = r * (acc - zm * xs)
+
+    for s in range(s0, s1):
+        if sr and pairs_due:
+            pairs = s // spg  # the group this step is in: its pairs came with the step's weights
+            if close_due:
+                sv_ring = pairs
+            else:
+                sv_cur = pairs
+            pairs_due = False
+        if close_due:
+            nxt = sv_ring if sr else sv_next
+            close(sv_cur, nxt)
+            sv_cur = nxt
+            close_due, fresh = False, True
+        rows = slice(32 * s, 32 * s + 32)
+        step_xs = xk[rows].sum(0)[:, None]
+        xs = step_xs if fresh else xs + step_xs
+        fresh = False
+        acc = acc + xk[rows].T @ (magic + qk[rows])
+        group_left -= 1
+        if group_left == 0:
+            group_left = spg
+            close_due = s + 1 < s1
+            if sr:
+                pairs_due = True
+            elif close_due:
+                grp_ptr += 1
+                sv_next = grp_ptr
+    if s0 < s1:
+        close(sv_cur, None)
+    return acc
+
+
+@pytest.mark.parametrize("spg", [1, 2, 4])
+@pytest.mark.parametrize("splits", [1, 3, 5, 7, 16])
+@pytest.mark.parametrize("sr", [False, True])
+def test_fold_closes_as_the_kernel_orders_them(spg, splits, sr):
+    # The fold form's group walk over K ranges that start and end mid-group (16 steps in 1 .. 16
+    # splits, groups of 1, 2 and 4 steps), both sources of the pairs, with a zero scale in one group
+    # (fold_unit's stand-in): the blocks' partials add up to sum_k x (q - z) s.
+    gen = torch.Generator().manual_seed(spg * 100 + splits + sr)
+    steps, m, n = 16, 3, 5
+    k, g = 32 * steps, 32 * spg
+    xk = torch.randn(k, m, generator=gen, dtype=torch.float64)
+    qk = torch.randint(0, 16, (k, n), generator=gen).double()
+    scales = torch.rand(k // g, n, generator=gen, dtype=torch.float64) + 0.01
+    scales[1 % (k // g), 2] = 0.0
+    zeros = torch.randint(0, 16, (k // g, n), generator=gen).double()
+    per = -(-steps // splits)
+    y = sum(_fold_block(xk, qk, scales, zeros, b * per, min(b * per + per, steps), spg, sr) for b in range(splits))
+    grp = torch.arange(k) // g
+    want = xk.T @ ((qk - zeros[grp]) * scales[grp])
+    torch.testing.assert_close(y, want, rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("nt", [16, 32])
 def test_x_planes_cover_each_label_once(nt):
     # Each (token, label) of a step is one address, none shared: the descriptor's view of the stores.
