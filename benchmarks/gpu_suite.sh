@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s53 s56 s57 s58 s59 s60 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s53 s56 s57 s58 s59 s60 s61 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -990,6 +990,20 @@ if [[ " $stages " == *" s60 "* ]]; then
   done
   FASTAWQ_TRITON_TUNE=0 timeout 180 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_FOLD=0,1 \
     --shape llama-3-8b --batches 16,32 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "on / off" || status=1
+fi
+if [[ " $stages " == *" s61 "* ]]; then
+  step s61
+  # Issue 12's grouped MoE at T = 256 (1.48x bmm on the H200, 1.5x needed) on the experts' layouts: the
+  # AWQ layout's moe_mma (the row so far), the packed experts the engine takes on sm_90
+  # (backend.experts_layout), and the packed kernel's forms: 2 chunks a warp, w2's wide form forced
+  # off / on (~1.5 min).
+  timeout 60 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 256 --backends cuda,cuda:mmapacked \
+    --no-tune 2>&1 | tail -4 || status=1
+  for v in "FASTAWQ_MOE_PACKED_CHUNKS=2" "FASTAWQ_MOE_PACKED_W2_WIDE=0" "FASTAWQ_MOE_PACKED_W2_WIDE=1"; do
+    echo "$v"
+    env "$v" timeout 60 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 256 --backends cuda:mmapacked \
+      --no-tune 2>&1 | tail -2 || status=1
+  done
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p
