@@ -996,7 +996,7 @@ if [[ " $stages " == *" s61 "* ]]; then
   # Issue 12's grouped MoE at T = 256 (1.48x bmm on the H200, 1.5x needed) on the experts' layouts: the
   # AWQ layout's moe_mma (the row so far), the packed experts the engine takes on sm_90
   # (backend.experts_layout), and the packed kernel's forms: 2 chunks a warp, w2's wide form forced
-  # off / on (~1.5 min).
+  # off / on (~1.5 min); then the same forms in the engine's Qwen3 batch-16 decode.
   timeout 60 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 256 --backends cuda,cuda:mmapacked \
     --no-tune 2>&1 | tail -4 || status=1
   for v in "FASTAWQ_MOE_PACKED_CHUNKS=2" "FASTAWQ_MOE_PACKED_W2_WIDE=0" "FASTAWQ_MOE_PACKED_W2_WIDE=1"; do
@@ -1004,6 +1004,12 @@ if [[ " $stages " == *" s61 "* ]]; then
     env "$v" timeout 60 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 256 --backends cuda:mmapacked \
       --no-tune 2>&1 | tail -2 || status=1
   done
+  # Issue 12's Qwen3 batch-16 row (2,754 against 3,000): the packed kernel's forms in the engine, each
+  # against the rule (w2's wide form forced on: -2.3 % on an H100 in session 31, before the later
+  # defaults; 2 chunks a warp) (~2 min).
+  FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/bench_ab.py --compare env:FASTAWQ_MOE_PACKED_W2_WIDE=rule,1 \
+    --compare env:FASTAWQ_MOE_PACKED_CHUNKS=4,2 --shape qwen3-30b-a3b --batches 16 --layout packed --decode 64 \
+    --rounds 2 2>&1 | grep -E "on / off" || status=1
 fi
 if [[ " $stages " == *" s34p "* ]]; then
   step s34p
