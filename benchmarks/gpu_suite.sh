@@ -67,6 +67,19 @@ PY
 
 # memcheck_packed: compute-sanitizer's memcheck over the packed-layout kernels (their A/B switches'
 # cases included), its last lines; fails on any error.
+# table_by_env NAME "V1 V2 ..." PREFIX PATTERN ARGS...: benchmarks/gemm_table.py ARGS with NAME=V for
+# each value in turn (the JSON under $OUT/PREFIX_V), printing each table's lines that match PATTERN.
+table_by_env() {
+  local name=$1 values=$2 prefix=$3 pattern=$4 v rc=0
+  shift 4
+  for v in $values; do
+    echo "$name=$v"
+    env "$name=$v" timeout 150 python benchmarks/gemm_table.py "$@" --out "$OUT/${prefix}_$v" 2>&1 \
+      | grep -E "$pattern" || rc=1
+  done
+  return $rc
+}
+
 memcheck_packed() {
   timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only packed 2>&1 \
     | tail -2
@@ -875,11 +888,9 @@ if [[ " $stages " == *" s43 "* ]]; then
   # blocks, ~6 MB of reductions for 8 MB of weights). Its tests, the op's table at M = 16 / 32 / 64 with
   # floors of 4 (the default), 8 and 16, then the engine A/B at batch 16 / 32 (~3.5 min).
   timeout 100 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k min_steps 2>&1 | tail -1 || status=1
-  for v in 4 8 16; do
-    echo "FASTAWQ_WGMMA_MIN_STEPS=$v"
-    FASTAWQ_WGMMA_MIN_STEPS=$v timeout 100 python benchmarks/gemm_table.py --kernels wgmma --ms 16,32,64 \
-      --dtypes float16 --out "$OUT/s43_$v" 2>&1 | grep -E "geomean|^\| *float16 *\| *4096 *\| *4096 *\||^\| *float16 *\| *(16|32|64) *\|" || status=1
-  done
+  table_by_env FASTAWQ_WGMMA_MIN_STEPS "4 8 16" s43 \
+    "geomean|^\| *float16 *\| *4096 *\| *4096 *\||^\| *float16 *\| *(16|32|64) *\|" \
+    --kernels wgmma --ms 16,32,64 --dtypes float16 || status=1
   FASTAWQ_TRITON_TUNE=0 timeout 120 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_MIN_STEPS=4,8 \
     --compare env:FASTAWQ_WGMMA_MIN_STEPS=4,16 --shape llama-3-8b --batches 16,32 --layout packed --decode 64 \
     --rounds 2 2>&1 | grep -E "on / off" || status=1
@@ -901,11 +912,8 @@ if [[ " $stages " == *" s48 "* ]]; then
   memcheck_packed || status=1
   timeout 100 python benchmarks/gemm_table.py --kernels wgmma --ms 9,16,32 --dtypes float16,bfloat16 \
     --out "$OUT/s48" 2>&1 | grep -E "geomean|^\| *(float16|bfloat16) *\| *(9|16|32) *\|" || status=1
-  for v in 16 24; do
-    echo "FASTAWQ_WGMMA_CLUSTER_PLAN=$v"
-    FASTAWQ_WGMMA_CLUSTER_PLAN=$v timeout 100 python benchmarks/gemm_table.py --kernels wgmma --ms 9,16,32 \
-      --dtypes float16 --out "$OUT/s48_$v" 2>&1 | grep -E "geomean|^\| *float16 *\|" || status=1
-  done
+  table_by_env FASTAWQ_WGMMA_CLUSTER_PLAN "16 24" s48 "geomean|^\| *float16 *\|" --kernels wgmma --ms 9,16,32 \
+    --dtypes float16 || status=1
   # The plain op's projections now end in a cluster, not the workspace: the engine's sums forms
   # (gate_up's, then every projection's) against it, on / off (~2 min).
   FASTAWQ_TRITON_TUNE=0 timeout 180 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_GU_SUMS=1,0 \
@@ -943,12 +951,8 @@ if [[ " $stages " == *" s53 "* ]]; then
   # and on (~3 min).
   timeout 240 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py \
     -k "one_warpgroup or form_follows or cluster_reduction_of_the_64 or every_form" 2>&1 | tail -1 || status=1
-  for v in 0 1; do
-    echo "FASTAWQ_WGMMA_ONE_WG=$v"
-    FASTAWQ_WGMMA_ONE_WG=$v timeout 150 python benchmarks/gemm_table.py --layouts packed --ms 40,48,56,64 \
-      --dtypes float16,bfloat16 --out "$OUT/s53_table_$v" 2>&1 \
-      | grep -E "geomean|^\| *(float16|bfloat16) *\| *[0-9]+ *\| *[0-9.]+x" || status=1
-  done
+  table_by_env FASTAWQ_WGMMA_ONE_WG "0 1" s53_table "geomean|^\| *(float16|bfloat16) *\| *[0-9]+ *\| *[0-9.]+x" \
+    --layouts packed --ms 40,48,56,64 --dtypes float16,bfloat16 || status=1
 fi
 if [[ " $stages " == *" s56 "* ]]; then
   step s56
@@ -983,11 +987,8 @@ if [[ " $stages " == *" s60 "* ]]; then
   timeout 200 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "fold" 2>&1 | tail -1 \
     || status=1
   FASTAWQ_WGMMA_FOLD=1 memcheck_packed || status=1
-  for v in 0 1; do
-    echo "FASTAWQ_WGMMA_FOLD=$v"
-    FASTAWQ_WGMMA_FOLD=$v timeout 100 python benchmarks/gemm_table.py --kernels wgmma --ms 9,16,32 \
-      --dtypes float16 --out "$OUT/s60_$v" 2>&1 | grep -E "geomean|^\| *float16 *\|" || status=1
-  done
+  table_by_env FASTAWQ_WGMMA_FOLD "0 1" s60 "geomean|^\| *float16 *\|" --kernels wgmma --ms 9,16,32 \
+    --dtypes float16 || status=1
   FASTAWQ_TRITON_TUNE=0 timeout 180 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_FOLD=0,1 \
     --shape llama-3-8b --batches 16,32 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "on / off" || status=1
 fi

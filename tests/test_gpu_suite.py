@@ -43,7 +43,13 @@ def _invocations() -> list[tuple[str, list[str]]]:
         loop = re.search(r"\bfor (\w+) in (\S+)[^;]*; do", line)
         if loop:
             values[loop.group(1)] = loop.group(2)
+        helper = re.match(r"\s*table_by_env (.*?)( \|\| status=1)?\s*$", line)
+        if helper:  # table_by_env NAME "VALUES" PREFIX "PATTERN" ARGS...: gemm_table.py ARGS --out ...
+            _, vals, prefix, _, *argv = shlex.split(helper.group(1))
+            found.append(("benchmarks/gemm_table.py", argv + ["--out", f"out/{prefix}_{vals.split()[0]}"]))
         for m in re.finditer(r"python (benchmarks/[\w.]+\.py)([^|;&>]*)", line):
+            if '"$@"' in m.group(2):  # the helper's own body: its callers are parsed above
+                continue
             args = re.sub(r"\$\{[^}]*\}", "", m.group(2))  # ${FASTAWQ_SUITE_GEMM_ARGS:-} and the like
             args = re.sub(r"\$(\w+)", lambda v: values.get(v.group(1), v.group(0)), args)
             argv = shlex.split(args)

@@ -393,6 +393,14 @@ def test_sums_fake_impl_checks_the_sums():
 
 # --- GPU ---
 
+def _set_env(monkeypatch, name: str, value: str | None) -> None:
+    """Switch `name` to `value` for the test, or unset it (value None: the default)."""
+    if value is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, value)
+
+
 def _poisoned_call(x, wp, sz, n, g, bias=None, tokens=0, splits=0):
     return poisoned_call(x, wp, sz, n, g, bias, tokens, splits, op="awq_wgmma_packed")
 
@@ -646,10 +654,7 @@ def test_cluster_reduction_of_the_64_token_tile(monkeypatch, splits, m, warpgrou
     # 13 splits keep the workspace. M within and past one token tile; without bias, then with it.
     monkeypatch.delenv("FASTAWQ_WGMMA_CLUSTER", raising=False)
     monkeypatch.delenv("FASTAWQ_WGMMA_FORM", raising=False)
-    if warpgroups is None:
-        monkeypatch.delenv("FASTAWQ_WGMMA_WARPGROUPS", raising=False)
-    else:
-        monkeypatch.setenv("FASTAWQ_WGMMA_WARPGROUPS", warpgroups)
+    _set_env(monkeypatch, "FASTAWQ_WGMMA_WARPGROUPS", warpgroups)
     k, n, g = 2048, 392, 128
     qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=splits + m + 23)
     want = ("1", "true") if splits <= 12 else ("0", "false")
@@ -724,10 +729,7 @@ def test_cluster_reduction_off_and_where_it_does_not_serve(monkeypatch):
     x = random_input((20, k), "cuda", torch.float16, seed=3)
 
     def last_args(env, splits, sums=False):
-        if env is None:
-            monkeypatch.delenv("FASTAWQ_WGMMA_CLUSTER", raising=False)
-        else:
-            monkeypatch.setenv("FASTAWQ_WGMMA_CLUSTER", env)
+        _set_env(monkeypatch, "FASTAWQ_WGMMA_CLUSTER", env)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             if sums:
                 acc = torch.zeros(20, n, device="cuda")
@@ -794,10 +796,7 @@ def test_six_blocks_an_sm(monkeypatch, splits, m, dtype):
     qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=splits + m + 4)
     bias = random_input((n,), "cuda", dtype, seed=7)
     for occ, instance in ((None, ",16,6,1,6,"), ("0", ",16,6,1,4,")):
-        if occ is None:
-            monkeypatch.delenv("FASTAWQ_WGMMA_OCC", raising=False)
-        else:
-            monkeypatch.setenv("FASTAWQ_WGMMA_OCC", occ)
+        _set_env(monkeypatch, "FASTAWQ_WGMMA_OCC", occ)
         for seed in (1, 2):
             x = random_input((m, k), "cuda", dtype, seed=m + seed)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -819,10 +818,7 @@ def test_every_form_across_groups_and_splits(monkeypatch, scales, tokens, splits
     # FASTAWQ_WGMMA_SCALES, read at each call, forces "ring" at every tile or "0" at none): groups of 1 and 4 steps; K ranges that start mid-group (3 and 5 splits of 64
     # steps) and of one step (64); the plain form (16 and 32 tokens: M past one token tile), the
     # warp-specialized one (64, 128) and the sums form; a second call (the workspace re-zeroed).
-    if scales is None:
-        monkeypatch.delenv("FASTAWQ_WGMMA_SCALES", raising=False)
-    else:
-        monkeypatch.setenv("FASTAWQ_WGMMA_SCALES", scales)
+    _set_env(monkeypatch, "FASTAWQ_WGMMA_SCALES", scales)
     k, n, m = 2048, 392, min(tokens + 3, 130)
     qw, s, qz, wp, sz = _setup(k, n, g, torch.float16, seed=tokens + splits + g)
     bias = random_input((n,), "cuda", torch.float16, seed=5)
@@ -862,10 +858,7 @@ def test_fold_form(monkeypatch, scales, tokens, splits, g, dtype):
     monkeypatch.setenv("FASTAWQ_WGMMA_FOLD", "1")
     monkeypatch.delenv("FASTAWQ_WGMMA_DEPTH", raising=False)
     monkeypatch.delenv("FASTAWQ_WGMMA_WARPGROUPS", raising=False)
-    if scales is None:
-        monkeypatch.delenv("FASTAWQ_WGMMA_SCALES", raising=False)
-    else:
-        monkeypatch.setenv("FASTAWQ_WGMMA_SCALES", scales)
+    _set_env(monkeypatch, "FASTAWQ_WGMMA_SCALES", scales)
     k, n, m = 2048, 392, tokens + 3
     qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=tokens + splits + g)
     bias = random_input((n,), "cuda", dtype, seed=5)
