@@ -982,11 +982,11 @@ if [[ " $stages " == *" s60 "* ]]; then
   step s60
   # Session 42's fold form of the 16- and 32-token wgmma tiles (FASTAWQ_WGMMA_FOLD=1, an A/B switch, off):
   # A registers straight from the magic number, x's group sums from a ones wgmma, a close a group
-  # (awq_wgmma_packed_sm90.cu magic_step). Its tests, memcheck over the packed kernels with it on, the
+  # (awq_wgmma_packed_sm90.cu magic_step). Its tests, memcheck over the packed kernels (a fold case), the
   # op's table at M = 9 / 16 / 32 fp16 off then on, the engine at batch 16 / 32 off / on (~4 min).
   timeout 200 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "fold" 2>&1 | tail -1 \
     || status=1
-  FASTAWQ_WGMMA_FOLD=1 memcheck_packed || status=1
+  memcheck_packed || status=1  # (sanitize.py's wgmma cases include FASTAWQ_WGMMA_FOLD=1)
   table_by_env FASTAWQ_WGMMA_FOLD "0 1" s60 "geomean|^\| *float16 *\|" --kernels wgmma --ms 9,16,32 \
     --dtypes float16 || status=1
   FASTAWQ_TRITON_TUNE=0 timeout 180 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_FOLD=0,1 \
