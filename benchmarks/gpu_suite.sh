@@ -980,17 +980,18 @@ if [[ " $stages " == *" s57 "* ]]; then
 fi
 if [[ " $stages " == *" s60 "* ]]; then
   step s60
-  # Session 42's fold form of the 16- and 32-token wgmma tiles (FASTAWQ_WGMMA_FOLD=1, an A/B switch, off):
-  # A registers straight from the magic number, x's group sums from a ones wgmma, a close a group
-  # (awq_wgmma_packed_sm90.cu magic_step). Its tests, memcheck over the packed kernels (a fold case), the
-  # op's table at M = 9 / 16 / 32 fp16 off then on, the engine at batch 16 / 32 off / on (~4 min).
+  # Session 42's fold form of the 16- and 32-token wgmma tiles (FASTAWQ_WGMMA_FOLD=1 / 2, an A/B switch,
+  # off): A registers straight from the magic number, x's group sums from a ones wgmma, a close a group,
+  # with two A register sets (4 / 3 blocks an SM at 16 / 32 tokens) or one (5 / 4) (awq_wgmma_packed_sm90.cu
+  # magic_step). Its tests, memcheck over the packed kernels (both fold cases), the op's table at M = 9 /
+  # 16 / 32 fp16 off, 1 and 2, the engine at batch 16 / 32 against each (~5 min).
   timeout 200 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "fold" 2>&1 | tail -1 \
     || status=1
-  memcheck_packed || status=1  # (sanitize.py's wgmma cases include FASTAWQ_WGMMA_FOLD=1)
-  table_by_env FASTAWQ_WGMMA_FOLD "0 1" s60 "geomean|^\| *float16 *\|" --kernels wgmma --ms 9,16,32 \
+  memcheck_packed || status=1  # (sanitize.py's wgmma cases include FASTAWQ_WGMMA_FOLD=1 and 2)
+  table_by_env FASTAWQ_WGMMA_FOLD "0 1 2" s60 "geomean|^\| *float16 *\|" --kernels wgmma --ms 9,16,32 \
     --dtypes float16 || status=1
-  FASTAWQ_TRITON_TUNE=0 timeout 180 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_FOLD=0,1 \
-    --shape llama-3-8b --batches 16,32 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "on / off" || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 240 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_FOLD=0,1 \
+    --compare env:FASTAWQ_WGMMA_FOLD=0,2 --shape llama-3-8b --batches 16,32 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "on / off" || status=1
 fi
 if [[ " $stages " == *" s61 "* ]]; then
   step s61

@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
                                 {"FASTAWQ_WGMMA_FORM": "ws"}, {"FASTAWQ_WGMMA_FORM": "plain"},
                                 {"FASTAWQ_WGMMA_OCC": "0"}, {"FASTAWQ_WGMMA_SCALES": "ring"},
                                 {"FASTAWQ_WGMMA_SCALES": "0"}, {"FASTAWQ_WGMMA_CLUSTER": "0"},
-                                {"FASTAWQ_WGMMA_CLUSTER_PLAN": "32"}, {"FASTAWQ_WGMMA_FOLD": "1"}):
+                                {"FASTAWQ_WGMMA_CLUSTER_PLAN": "32"}, {"FASTAWQ_WGMMA_FOLD": "1"},
+                                {"FASTAWQ_WGMMA_FOLD": "2"}):
                         with env_set(env):
                             for m, tile in ((17, ()), (9, (16, 0)), (130, (128, 3)), (70, (64, k // 32)),
                                             (40, (32, min(12, k // 32))), (70, (64, 5))):

@@ -833,7 +833,8 @@ def test_every_form_across_groups_and_splits(monkeypatch, scales, tokens, splits
 
 
 def _fold_instances(prof) -> list[str]:
-    """The FOLD template argument (the 8th) of every awq_wgmma_packed_kernel the profiler saw."""
+    """The FOLD template argument (the 8th: 0, or the fold form's 1 / 2) of every
+    awq_wgmma_packed_kernel the profiler saw."""
     out = []
     for e in prof.events():
         if "awq_wgmma_packed_kernel<" in e.name:
@@ -843,19 +844,21 @@ def _fold_instances(prof) -> list[str]:
 
 
 @requires_kernel
+@pytest.mark.parametrize("fold", ["1", "2"])
 @pytest.mark.parametrize("scales", [None, "0"])
 @pytest.mark.parametrize("tokens", [16, 32])
 @pytest.mark.parametrize("splits", [0, 3, 5, 64])
 @pytest.mark.parametrize("g", [32, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_fold_form(monkeypatch, scales, tokens, splits, g, dtype):
-    # FASTAWQ_WGMMA_FOLD=1 (read at each call): the 16- and 32-token tiles of one warpgroup with the
-    # (magic + q) A registers, the ones wgmma's sums of x and a close a group (magic_step). Groups of 1,
+def test_fold_form(monkeypatch, fold, scales, tokens, splits, g, dtype):
+    # FASTAWQ_WGMMA_FOLD=1 / 2 (read at each call): the 16- and 32-token tiles of one warpgroup with the
+    # (magic + q) A registers, the ones wgmma's sums of x and a close a group (magic_step), with two
+    # A register sets / one. Groups of 1,
     # 2 and 4 steps (a group of one step closes at every step); K ranges that start mid-group (3 and 5
     # splits of 64 steps) and of one step (64); the pairs through the ring (the 16-token tile's default)
     # and by __ldg ("0"); the plain op (its splits in a cluster where the plan allows) and the sums
     # form; M past one token tile; a second call. The profiler shows the fold instance ran.
-    monkeypatch.setenv("FASTAWQ_WGMMA_FOLD", "1")
+    monkeypatch.setenv("FASTAWQ_WGMMA_FOLD", fold)
     monkeypatch.delenv("FASTAWQ_WGMMA_DEPTH", raising=False)
     monkeypatch.delenv("FASTAWQ_WGMMA_WARPGROUPS", raising=False)
     _set_env(monkeypatch, "FASTAWQ_WGMMA_SCALES", scales)
@@ -869,7 +872,7 @@ def test_fold_form(monkeypatch, scales, tokens, splits, g, dtype):
             torch.cuda.synchronize()
         assert_close_to_reference(out, x, qw, s, qz, g, bias)
         folds = _fold_instances(prof)
-        assert folds and all(f == "true" for f in folds), folds
+        assert folds and all(f == fold for f in folds), folds
     base = torch.randn(m, n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(m))
     sums = base.clone()
     torch.ops.fastawq.awq_wgmma_packed_sums(x, wp, sz, n, g, bias, sums, tokens, splits)
@@ -877,13 +880,14 @@ def test_fold_form(monkeypatch, scales, tokens, splits, g, dtype):
 
 
 @requires_kernel
+@pytest.mark.parametrize("fold", ["1", "2"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("scale", [300.0, 1e-3])
 @pytest.mark.parametrize("m", [9, 16, 17, 32])
-def test_fold_form_extremes_and_llama_shapes(monkeypatch, scale, dtype, m):
+def test_fold_form_extremes_and_llama_shapes(monkeypatch, fold, scale, dtype, m):
     # The fold form's accumulators carry the magic's share until a group closes: large and small
     # activations, and the Llama-3-8B shapes at the automatic plan, stay within the reference budget.
-    monkeypatch.setenv("FASTAWQ_WGMMA_FOLD", "1")
+    monkeypatch.setenv("FASTAWQ_WGMMA_FOLD", fold)
     k, n, g = 4096, 264, 128
     qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=5)
     x = (random_input((m, k), "cuda", torch.float32, seed=m) * scale).to(dtype)

@@ -221,7 +221,7 @@ __device__ __forceinline__ void dequant_step(const uint4 w, const GroupConsts<T>
   }
 }
 
-// The fold form (FOLD: FASTAWQ_WGMMA_FOLD, wgmma_fold(); the 16- and 32-token tiles of one
+// The fold form (FOLD 1 or 2: FASTAWQ_WGMMA_FOLD, wgmma_fold(); the 16- and 32-token tiles of one
 // warpgroup): no arithmetic a weight past the magic number, as moe/moe_mma.cuh does it. The A
 // registers are column_pair's (magic + q) pairs, exact; a third wgmma a k-step, A all ones, sums the
 // group's x a token into xs (every row of its D the same sums); the accumulators hold y / s of the
@@ -232,6 +232,12 @@ __device__ __forceinline__ void dequant_step(const uint4 w, const GroupConsts<T>
 // close takes after the next step's A registers are made, so the tensor cores finish meanwhile.
 // With magic 1024 (fp16) acc carries ~7 more bits than y needs (the magic's share, which the close
 // subtracts), leaving ~16 of fp32's 24: still finer than the fp16 / bf16 outputs.
+// FOLD 1 keeps the two A register sets (a step's A registers made while the last step's wgmmas
+// run); ptxas then serializes the wgmmas (C7512, "insufficient register resources") below 128
+// registers, so its 16-token instance allows 4 blocks an SM (the default's 6) and its 32-token one 3
+// (the default's 4). FOLD 2 has one set: a step waits for the last step's wgmmas before making its
+// A registers (cheap now: prmt + lop3), which fits 5 blocks an SM at 16 tokens (92-96 registers) and
+// 4 at 32 (112-128), no spills.
 template <typename T>
 __device__ __forceinline__ void magic_step(const uint4 w, uint32_t (&af)[2][2][4]) {
 #pragma unroll
@@ -448,10 +454,10 @@ __device__ __forceinline__ void cluster_reduce(const float (&acc)[2][NT / 2], fl
 // MINB: the blocks an SM the registers must allow (kMinBlocks unless an occupancy instance asks more:
 // wgmma_occupancy_six()). SR: the (scale, zero) pairs come through the ring with the weights
 // (wgmma_scales_in_ring()) instead of an __ldg a step ahead. CR: launched in clusters along K
-// (WgmmaPackedArgs::cluster), the splits meet in distributed shared memory (cluster_reduce). FOLD: the
-// fold form (magic_step, close_group).
+// (WgmmaPackedArgs::cluster), the splits meet in distributed shared memory (cluster_reduce). FOLD 1 / 2:
+// the fold form with two A register sets / one (magic_step, close_group).
 template <typename T, int NT, int P, int WG, int MINB = kMinBlocks<NT, WG>, bool SR = false, bool CR = false,
-          bool FOLD = false>
+          int FOLD = 0>
 __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int m, int n, int k, int group_size,
@@ -578,7 +584,7 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
   if constexpr (!SR) {
     if (s0 < s1) {
       load_scales();
-      if constexpr (FOLD) {
+      if constexpr (FOLD != 0) {
         sv_cur = sv_next;
       } else {
         gc.set(sv_next);
@@ -590,12 +596,12 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
 
   float acc[2][NT / 2];
   zero_accumulators<NT>(acc);
-  [[maybe_unused]] float xs[FOLD ? NT / 2 : 1];
+  [[maybe_unused]] float xs[FOLD != 0 ? NT / 2 : 1];
 #pragma unroll
-  for (int r = 0; r < (FOLD ? NT / 2 : 1); ++r) xs[r] = 0.f;
+  for (int r = 0; r < (FOLD != 0 ? NT / 2 : 1); ++r) xs[r] = 0.f;
   const auto fence_xs = [&]() {
 #pragma unroll
-    for (int r = 0; r < (FOLD ? NT / 2 : 1); ++r) fence_operand(xs[r]);
+    for (int r = 0; r < (FOLD != 0 ? NT / 2 : 1); ++r) fence_operand(xs[r]);
   };
   uint32_t af[2][2][2][4];  // [set][m-tile i][k-step h][register]
 
@@ -615,7 +621,7 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
     if constexpr (SR) {
       if (pairs_due) {  // copied with the step's weights, published by the barrier above
         const uint4 pairs = ld_shared128_at(slot_at(slot) + sz_at);
-        if constexpr (FOLD) {
+        if constexpr (FOLD != 0) {
           if (close_due) {
             sv_ring = pairs;
           } else {
@@ -626,15 +632,17 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
         }
         pairs_due = false;
       }
-    } else if (!FOLD && group_left == 1 && s + 1 < s1) {
+    } else if (FOLD == 0 && group_left == 1 && s + 1 < s1) {
       sz_lane += n4;
       load_scales();
     }
     const uint4 w = ld_shared128_at(slot_at(slot) + w_own);
     // Step s - 2's wgmmas are done (step s - 1's may still run): this step's register set is free.
-    wgmma_wait<1>();
-    if constexpr (FOLD) {
-      magic_step<T>(w, af[SET]);
+    // (FOLD 2, one set: step s - 1's are done.)
+    wgmma_wait<FOLD == 2 ? 0 : 1>();
+    constexpr int kSet = FOLD == 2 ? 0 : SET;
+    if constexpr (FOLD != 0) {
+      magic_step<T>(w, af[kSet]);
       if (close_due) {  // the last group ended with step s - 1: its wgmmas, then its close
         wgmma_wait<0>();
         fence_accumulators<NT>(acc);
@@ -645,7 +653,7 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
         close_due = false;
         fresh = true;
       }
-      issue_step_fold<T, NT>(acc, xs, af[SET], slot_at(slot), fresh);
+      issue_step_fold<T, NT>(acc, xs, af[kSet], slot_at(slot), fresh);
       fresh = false;
     } else {
       dequant_step<T>(w, gc, af[SET]);
@@ -659,7 +667,7 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
     }
     if (--group_left == 0) {
       group_left = steps_per_group;
-      if constexpr (FOLD) {
+      if constexpr (FOLD != 0) {
         close_due = s + 1 < s1;  // else the close after the loop
         if constexpr (SR) {
           pairs_due = true;
@@ -687,7 +695,7 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
   if (s < s1) step(s, slot, std::integral_constant<int, 0>{});
   wgmma_wait<0>();
   fence_accumulators<NT>(acc);
-  if constexpr (FOLD) {
+  if constexpr (FOLD != 0) {
     fence_xs();
     if (s0 < s1) close_group<T, NT>(acc, xs, sv_cur, nullptr);  // acc is y
   }
@@ -1002,17 +1010,17 @@ bool wgmma_occupancy_six() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
-// The fold form (FASTAWQ_WGMMA_FOLD=1, an A/B switch read at each call, off; the plan's occupancy query
-// sees the instance the launch runs): the 16- and 32-token tiles of one warpgroup on the default ring
-// (magic_step says what it changes). Its 16-token instance allows 5 blocks an SM, not 6 (xs's 8
-// registers).
-bool wgmma_fold() {
+// The fold form (FASTAWQ_WGMMA_FOLD=1 or 2, an A/B switch read at each call, off; the plan's occupancy
+// query sees the instance the launch runs): the 16- and 32-token tiles of one warpgroup on the default
+// ring (magic_step says what it changes and what 1 and 2 are).
+int wgmma_fold() {
   const char* v = std::getenv("FASTAWQ_WGMMA_FOLD");
-  return v != nullptr && std::strcmp(v, "1") == 0;
+  if (v == nullptr || v[0] == '\0' || v[1] != '\0') return 0;
+  return v[0] == '1' ? 1 : (v[0] == '2' ? 2 : 0);
 }
 
 template <typename T, int NT, int P, int WG, int MINB = kMinBlocks<NT, WG>, bool SR = false, bool CR = false,
-          bool FOLD = false>
+          int FOLD = 0>
 void launch_p(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
   constexpr auto kernel = awq_wgmma_packed_kernel<T, NT, P, WG, MINB, SR, CR, FOLD>;
   constexpr int kSmem = P * kSlotBytes<NT, WG, SR>;
@@ -1030,7 +1038,7 @@ void launch_p(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
 
 // The default 6-slot ring's instance with the pairs through the ring (sr) or by __ldg, the K splits
 // meeting in a cluster (a.cluster: 16- to 64-token tiles) or through the workspace.
-template <typename T, int NT, int WG, int MINB, bool FOLD = false>
+template <typename T, int NT, int WG, int MINB, int FOLD = 0>
 void launch_p6(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident, bool sr) {
   if constexpr (NT <= 64) {
     if (a.cluster && resident == nullptr) {
@@ -1050,7 +1058,11 @@ void launch_wg(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
     default: {
       const bool sr = wgmma_scales_in_ring(NT, WG);
       if constexpr (NT <= 32 && WG == 1) {
-        if (wgmma_fold()) return launch_p6<T, NT, WG, NT == 16 ? 4 : 3, true>(a, stream, resident, sr);
+        switch (wgmma_fold()) {
+          case 1: return launch_p6<T, NT, WG, NT == 16 ? 4 : 3, 1>(a, stream, resident, sr);
+          case 2: return launch_p6<T, NT, WG, NT == 16 ? 5 : 4, 2>(a, stream, resident, sr);
+          default: break;
+        }
       }
       if constexpr (NT == 16 && WG == 1) {
         if (wgmma_occupancy_six()) return launch_p6<T, NT, WG, 6>(a, stream, resident, sr);
