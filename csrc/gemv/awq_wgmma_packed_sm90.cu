@@ -203,24 +203,6 @@ struct GroupConsts {
   }
 };
 
-// A lane's 16 bytes of a step (words 2h, 2h + 1 for k-step h) into the A fragments of both m-tiles.
-template <typename T>
-__device__ __forceinline__ void dequant_step(const uint4 w, const GroupConsts<T>& gc, uint32_t (&af)[2][2][4]) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const uint32_t lo = h == 0 ? w.x : w.z, hi = h == 0 ? w.y : w.w;  // words 2h, 2h + 1
-    const uint32_t lo4 = lo >> 4, hi4 = hi >> 4;
-    af[0][h][0] = dequant_pair<T>(column_pair<T, 0>(lo, lo4), gc.zm[0], gc.sc[0]);
-    af[0][h][1] = dequant_pair<T>(column_pair<T, 1>(lo, lo4), gc.zm[1], gc.sc[1]);
-    af[0][h][2] = dequant_pair<T>(column_pair<T, 0>(hi, hi4), gc.zm[0], gc.sc[0]);
-    af[0][h][3] = dequant_pair<T>(column_pair<T, 1>(hi, hi4), gc.zm[1], gc.sc[1]);
-    af[1][h][0] = dequant_pair<T>(column_pair<T, 2>(lo, lo4), gc.zm[2], gc.sc[2]);
-    af[1][h][1] = dequant_pair<T>(column_pair<T, 3>(lo, lo4), gc.zm[3], gc.sc[3]);
-    af[1][h][2] = dequant_pair<T>(column_pair<T, 2>(hi, hi4), gc.zm[2], gc.sc[2]);
-    af[1][h][3] = dequant_pair<T>(column_pair<T, 3>(hi, hi4), gc.zm[3], gc.sc[3]);
-  }
-}
-
 // The fold form (FOLD 1 or 2: FASTAWQ_WGMMA_FOLD, wgmma_fold(); the 16- and 32-token tiles of one
 // warpgroup): no arithmetic a weight past the magic number, as moe/moe_mma.cuh does it. The A
 // registers are column_pair's (magic + q) pairs, exact; a third wgmma a k-step, A all ones, sums the
@@ -253,6 +235,22 @@ __device__ __forceinline__ void magic_step(const uint4 w, uint32_t (&af)[2][2][4
     af[1][h][2] = column_pair<T, 2>(hi, hi4);
     af[1][h][3] = column_pair<T, 3>(hi, hi4);
   }
+}
+
+// A lane's 16 bytes of a step (words 2h, 2h + 1 for k-step h) into the A fragments of both m-tiles:
+// magic_step's (magic + q) pairs, dequantized with the pairs' columns (register r of m-tile i holds
+// column 2 i + r % 2).
+template <typename T>
+__device__ __forceinline__ void dequant_step(const uint4 w, const GroupConsts<T>& gc, uint32_t (&af)[2][2][4]) {
+  magic_step<T>(w, af);
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        af[i][h][r] = dequant_pair<T>(af[i][h][r], gc.zm[2 * i + r % 2], gc.sc[2 * i + r % 2]);
+      }
 }
 
 // The group's close (fold form), once its wgmmas are done: lane column j (0..3) of its four, scale
@@ -643,8 +641,8 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
     constexpr int kSet = FOLD == 2 ? 0 : SET;
     if constexpr (FOLD != 0) {
       magic_step<T>(w, af[kSet]);
-      if (close_due) {  // the last group ended with step s - 1: its wgmmas, then its close
-        wgmma_wait<0>();
+      if (close_due) {  // the last group ended with step s - 1: its wgmmas (FOLD 2's waited above), its close
+        if constexpr (FOLD == 1) wgmma_wait<0>();
         fence_accumulators<NT>(acc);
         fence_xs();
         const uint4 nxt = SR ? sv_ring : sv_next;
@@ -1013,11 +1011,7 @@ bool wgmma_occupancy_six() {
 // The fold form (FASTAWQ_WGMMA_FOLD=1 or 2, an A/B switch read at each call, off; the plan's occupancy
 // query sees the instance the launch runs): the 16- and 32-token tiles of one warpgroup on the default
 // ring (magic_step says what it changes and what 1 and 2 are).
-int wgmma_fold() {
-  const char* v = std::getenv("FASTAWQ_WGMMA_FOLD");
-  if (v == nullptr || v[0] == '\0' || v[1] != '\0') return 0;
-  return v[0] == '1' ? 1 : (v[0] == '2' ? 2 : 0);
-}
+int wgmma_fold() { return env_int("FASTAWQ_WGMMA_FOLD", 0, 2, 0); }
 
 template <typename T, int NT, int P, int WG, int MINB = kMinBlocks<NT, WG>, bool SR = false, bool CR = false,
           int FOLD = 0>
