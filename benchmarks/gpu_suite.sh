@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s53 s56 s57 s58 s59 s60 s61 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s53 s56 s57 s58 s59 s60 s61 s62 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -1061,6 +1061,21 @@ if [[ " $stages " == *" s59 "* ]]; then
   # no cluster) leads the wgmma tiles on these small shapes, the choice should weigh the layer's bytes.
   timeout 150 python benchmarks/gemm_table.py --layouts packed --kernels mma,wgmma,gemm \
     --shapes 2048x5120,4096x2048 --ms 9,12,16,24,32 --dtypes float16 --out "$OUT/s59_table" 2>&1 | tail -30 || status=1
+fi
+if [[ " $stages " == *" s62 "* ]]; then
+  step s62
+  # Qwen3-30B-A3B's attention projections keep a fixed cost (s59, H100: QKV 2048 x 5120 at M = 16 10.3 us
+  # for 5.5 MB, the automatic wgmma tile; no other kernel leads). At 16 tokens the one-wave plan cuts K into
+  # ranges of 4 steps (QKV 40 tiles x 16 splits): as many fp32 adds into the sums as weight bytes. The
+  # split floor FASTAWQ_WGMMA_MIN_STEPS at 4 / 8 / 16 in the op's table on those shapes, then in the Qwen3
+  # batch-16 engine (sums form), then where that step goes on the defaults (~4 min).
+  table_by_env FASTAWQ_WGMMA_MIN_STEPS "4 8 16" s62 "geomean|^\| *float16 *\|" --kernels wgmma \
+    --shapes 2048x5120,4096x2048 --ms 9,16,32 --dtypes float16 || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 200 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_MIN_STEPS=4,8 \
+    --compare env:FASTAWQ_WGMMA_MIN_STEPS=4,16 --shape qwen3-30b-a3b --batches 16 --layout packed --decode 64 \
+    --rounds 2 2>&1 | grep -E "on / off" || status=1
+  FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/profile_step.py qwen3-30b-a3b:16 2>&1 \
+    | grep -E "^#####|us/step|share of the step" | head -40 || status=1
 fi
 if [[ " $stages " == *" s23 "* ]]; then
   step s23
