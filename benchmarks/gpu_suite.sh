@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s53 s56 s57 s58 s59 s60 s61 s62 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s53 s56 s57 s58 s59 s60 s61 s62 s63 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -1076,6 +1076,16 @@ if [[ " $stages " == *" s62 "* ]]; then
     --rounds 2 2>&1 | grep -E "on / off" || status=1
   FASTAWQ_TRITON_TUNE=0 timeout 150 python benchmarks/profile_step.py qwen3-30b-a3b:16 2>&1 \
     | grep -E "^#####|us/step|share of the step" | head -40 || status=1
+fi
+if [[ " $stages " == *" s63 "* ]]; then
+  step s63
+  # The split floor in the plain op (s62, H100: at 8 steps Qwen3's attention projections went 1.09 ->
+  # 1.42x cuBLAS at M = 16: QKV's 16 splits of 4 steps meet in a cluster as 8 of 8, o_proj's 32 through
+  # the workspace become 16) on the Llama-3-8B shapes too, M = 9 to 64, fp16 and bf16, each floor in
+  # turn: is 8 (or 12) the plain op's better floor everywhere? (~4 min)
+  table_by_env FASTAWQ_WGMMA_MIN_STEPS "4 8 12" s63 "geomean|^\| *(float16|bfloat16) *\|" --kernels wgmma \
+    --shapes 4096x6144,4096x4096,4096x28672,14336x4096,2048x5120,4096x2048 --ms 9,16,32,64 \
+    --dtypes float16,bfloat16 || status=1
 fi
 if [[ " $stages " == *" s23 "* ]]; then
   step s23
