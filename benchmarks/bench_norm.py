@@ -4,8 +4,6 @@ sums layer: x as o_proj's or the down projection's fp32 sums beside an fp16 resi
 zeroing nothing, the QKV projection's and o_proj's sums (4096 + 6144 a row) or the down
 projection's and gate_up's (4096 + 28672 a row), at 1, 16 and 64 rows.
 
-FASTAWQ_NORM_FORM=3 (an A/B switch) is form 2 at no more than 8 warps a block.
-
 Each number is the best of 5 replays of a CUDA graph of 50 back-to-back calls on the same inputs
 (each call's programmatic-dependent-launch wait on the one before is inside the time), in
 microseconds per call.

@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s53 s56 s57 s58 s59 s60 s61 s62 s63 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s53 s56 s58 s59 s61 s62 s63 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -967,32 +967,6 @@ if [[ " $stages " == *" s56 "* ]]; then
     --compare env:FASTAWQ_NORM_FORM=0,2 --shape llama-3-8b --batches 1,16,64 --layout packed --decode 64 \
     --rounds 2 2>&1 | grep -E "on / off" || status=1
 fi
-if [[ " $stages " == *" s57 "* ]]; then
-  step s57
-  # FASTAWQ_NORM_FORM=3 (session 41, written, not run: form 2 at no more than 8 warps a block, so 64 rows'
-  # zeroing runs in one wave): its tests, the launch alone against form 2, and the engine's decode at
-  # batch 1 / 16 / 64 (~2 min).
-  timeout 120 python -m pytest -x -q -p no:cacheprovider tests/test_layer_ops.py -k "add_rms_norm" 2>&1 \
-    | tail -1 || status=1
-  timeout 90 python benchmarks/bench_norm.py --forms 2,3 2>&1 | tail -12 || status=1
-  FASTAWQ_TRITON_TUNE=0 timeout 300 python benchmarks/bench_ab.py --compare env:FASTAWQ_NORM_FORM=2,3 \
-    --shape llama-3-8b --batches 1,16,64 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "on / off" || status=1
-fi
-if [[ " $stages " == *" s60 "* ]]; then
-  step s60
-  # Session 42's fold form of the 16- and 32-token wgmma tiles (FASTAWQ_WGMMA_FOLD=1 / 2, an A/B switch,
-  # off): A registers straight from the magic number, x's group sums from a ones wgmma, a close a group,
-  # with two A register sets (4 / 3 blocks an SM at 16 / 32 tokens) or one (5 / 4) (awq_wgmma_packed_sm90.cu
-  # magic_step). Its tests, memcheck over the packed kernels (both fold cases), the op's table at M = 9 /
-  # 16 / 32 fp16 off, 1 and 2, the engine at batch 16 / 32 against each (~5 min).
-  timeout 200 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "fold" 2>&1 | tail -1 \
-    || status=1
-  memcheck_packed || status=1  # (sanitize.py's wgmma cases include FASTAWQ_WGMMA_FOLD=1 and 2)
-  table_by_env FASTAWQ_WGMMA_FOLD "0 1 2" s60 "geomean|^\| *float16 *\|" --kernels wgmma --ms 9,16,32 \
-    --dtypes float16 || status=1
-  FASTAWQ_TRITON_TUNE=0 timeout 240 python benchmarks/bench_ab.py --compare env:FASTAWQ_WGMMA_FOLD=0,1 \
-    --compare env:FASTAWQ_WGMMA_FOLD=0,2 --shape llama-3-8b --batches 16,32 --layout packed --decode 64 --rounds 2 2>&1 | grep -E "on / off" || status=1
-fi
 if [[ " $stages " == *" s61 "* ]]; then
   step s61
   # Issue 12's grouped MoE at T = 256 (1.48x bmm on the H200, 1.5x needed) on the experts' layouts: the
@@ -1079,11 +1053,14 @@ if [[ " $stages " == *" s62 "* ]]; then
 fi
 if [[ " $stages " == *" s63 "* ]]; then
   step s63
-  # The split floor in the plain op (s62, H100: at 8 steps Qwen3's attention projections went 1.09 ->
-  # 1.42x cuBLAS at M = 16: QKV's 16 splits of 4 steps meet in a cluster as 8 of 8, o_proj's 32 through
-  # the workspace become 16) on the Llama-3-8B shapes too, M = 9 to 64, fp16 and bf16, each floor in
-  # turn: is 8 (or 12) the plain op's better floor everywhere? (~4 min)
-  table_by_env FASTAWQ_WGMMA_MIN_STEPS "4 8 12" s63 "geomean|^\| *(float16|bfloat16) *\|" --kernels wgmma \
+  # The split floor in the op (s62, H100: at 8 steps Qwen3's attention projections went 1.09 -> 1.42x
+  # cuBLAS at M = 16: QKV's 16 splits of 4 steps meet in a cluster as 8 of 8, o_proj's 32 through the
+  # workspace become 16; 8 is now the op's default at 16 and 32 tokens): the floor's tests, then the
+  # Llama-3-8B shapes too, M = 9 to 64, fp16 and bf16, the default ("default": not a count) and each
+  # floor forced (~5 min).
+  timeout 120 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "floor" 2>&1 | tail -1 \
+    || status=1
+  table_by_env FASTAWQ_WGMMA_MIN_STEPS "default 4 8 12" s63 "geomean|^\| *(float16|bfloat16) *\|" --kernels wgmma \
     --shapes 4096x6144,4096x4096,4096x28672,14336x4096,2048x5120,4096x2048 --ms 9,16,32,64 \
     --dtypes float16,bfloat16 || status=1
 fi

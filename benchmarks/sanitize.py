@@ -105,15 +105,13 @@ def main(argv: list[str] | None = None) -> None:
                     # Its A/B switches (read at each call): one- and two-warpgroup blocks, the 4- and
                     # 8-slot rings, the warp-specialized and plain forms forced, the 16-token tile's
                     # five-block instance, the pairs through the ring at every tile and at none, the
-                    # cluster reduction (the default, so in every case above) off and serving 32 splits,
-                    # the fold form of the 16- and 32-token tiles (session 42).
+                    # cluster reduction (the default, so in every case above) off and serving 32 splits.
                     for env in ({"FASTAWQ_WGMMA_WARPGROUPS": "1"}, {"FASTAWQ_WGMMA_WARPGROUPS": "2"},
                                 {"FASTAWQ_WGMMA_DEPTH": "4"}, {"FASTAWQ_WGMMA_DEPTH": "8"},
                                 {"FASTAWQ_WGMMA_FORM": "ws"}, {"FASTAWQ_WGMMA_FORM": "plain"},
                                 {"FASTAWQ_WGMMA_OCC": "0"}, {"FASTAWQ_WGMMA_SCALES": "ring"},
                                 {"FASTAWQ_WGMMA_SCALES": "0"}, {"FASTAWQ_WGMMA_CLUSTER": "0"},
-                                {"FASTAWQ_WGMMA_CLUSTER_PLAN": "32"}, {"FASTAWQ_WGMMA_FOLD": "1"},
-                                {"FASTAWQ_WGMMA_FOLD": "2"}):
+                                {"FASTAWQ_WGMMA_CLUSTER_PLAN": "32"}):
                         with env_set(env):
                             for m, tile in ((17, ()), (9, (16, 0)), (130, (128, 3)), (70, (64, k // 32)),
                                             (40, (32, min(12, k // 32))), (70, (64, 5))):

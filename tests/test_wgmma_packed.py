@@ -145,85 +145,6 @@ def test_fragments_and_descriptors_as_the_kernel_uses_them(m, k, n, g, nt, dtype
     assert_close_to_reference(_emulate(x, wp, sz, n, g, nt), x, qw, s, qz, g)
 
 
-def _fold_block(xk, qk, scales, zeros, s0, s1, spg, sr):
-    """One block's K range [s0, s1) of 32-row steps in the fold form, in float64, following the
-    kernel's step loop (awq_wgmma_packed_kernel with FOLD): which group's pairs each close reads
-    (the ring's copy at a group's first step with SR, else a pointer advanced a group per load),
-    when a close is due and when xs starts afresh. xk [K, M], qk [K, N] (q as floats), scales /
-    zeros [K / g, N]. Returns the block's y partial [M, N]."""
-    magic = 1024.0
-    unit = lambda v: torch.where(v.abs() < 2.0**-60, torch.full_like(v, 2.0**-60), v)  # noqa: E731
-    m, n = xk.shape[1], qk.shape[1]
-    acc = torch.zeros(m, n, dtype=torch.float64)
-    xs = torch.zeros(m, 1, dtype=torch.float64)
-    grp_ptr = s0 // spg  # sz_lane's group (non-SR)
-    sv_cur = sv_next = sv_ring = None
-    if not sr and s0 < s1:
-        sv_next = grp_ptr
-        sv_cur = sv_next
-    pairs_due, close_due, fresh = True, False, True
-    group_left = spg - s0 % spg
-
-    def close(cur, nxt):
-        nonlocal acc
-        s_c, zm = unit(scales[cur]), magic + zeros[cur]
-        r = s_c if nxt is None else s_c / unit(scales[nxt])
-        acc = r * (acc - zm * xs)
-
-    for s in range(s0, s1):
-        if sr and pairs_due:
-            pairs = s // spg  # the group this step is in: its pairs came with the step's weights
-            if close_due:
-                sv_ring = pairs
-            else:
-                sv_cur = pairs
-            pairs_due = False
-        if close_due:
-            nxt = sv_ring if sr else sv_next
-            close(sv_cur, nxt)
-            sv_cur = nxt
-            close_due, fresh = False, True
-        rows = slice(32 * s, 32 * s + 32)
-        step_xs = xk[rows].sum(0)[:, None]
-        xs = step_xs if fresh else xs + step_xs
-        fresh = False
-        acc = acc + xk[rows].T @ (magic + qk[rows])
-        group_left -= 1
-        if group_left == 0:
-            group_left = spg
-            close_due = s + 1 < s1
-            if sr:
-                pairs_due = True
-            elif close_due:
-                grp_ptr += 1
-                sv_next = grp_ptr
-    if s0 < s1:
-        close(sv_cur, None)
-    return acc
-
-
-@pytest.mark.parametrize("spg", [1, 2, 4])
-@pytest.mark.parametrize("splits", [1, 3, 5, 7, 16])
-@pytest.mark.parametrize("sr", [False, True])
-def test_fold_closes_as_the_kernel_orders_them(spg, splits, sr):
-    # The fold form's group walk over K ranges that start and end mid-group (16 steps in 1 .. 16
-    # splits, groups of 1, 2 and 4 steps), both sources of the pairs, with a zero scale in one group
-    # (fold_unit's stand-in): the blocks' partials add up to sum_k x (q - z) s.
-    gen = torch.Generator().manual_seed(spg * 100 + splits + sr)
-    steps, m, n = 16, 3, 5
-    k, g = 32 * steps, 32 * spg
-    xk = torch.randn(k, m, generator=gen, dtype=torch.float64)
-    qk = torch.randint(0, 16, (k, n), generator=gen).double()
-    scales = torch.rand(k // g, n, generator=gen, dtype=torch.float64) + 0.01
-    scales[1 % (k // g), 2] = 0.0
-    zeros = torch.randint(0, 16, (k // g, n), generator=gen).double()
-    per = -(-steps // splits)
-    y = sum(_fold_block(xk, qk, scales, zeros, b * per, min(b * per + per, steps), spg, sr) for b in range(splits))
-    grp = torch.arange(k) // g
-    want = xk.T @ ((qk - zeros[grp]) * scales[grp])
-    torch.testing.assert_close(y, want, rtol=1e-9, atol=1e-9)
-
-
 @pytest.mark.parametrize("nt", [16, 32])
 def test_x_planes_cover_each_label_once(nt):
     # Each (token, label) of a step is one address, none shared: the descriptor's view of the stores.
@@ -755,9 +676,10 @@ def test_cluster_reduction_off_and_where_it_does_not_serve(monkeypatch):
 @pytest.mark.parametrize("min_steps", ["1", "8", "16", "64", "0", "x"])
 @pytest.mark.parametrize("m", [9, 40, 70])
 def test_min_steps_floor(monkeypatch, min_steps, m):
-    # FASTAWQ_WGMMA_MIN_STEPS (read at each call; 1..64, anything else the default 4): the automatic
-    # plan's fewest K steps a block, down to one and up to the whole K (64 steps here), for the op and
-    # its sums form; ranges that start mid-group (g = 32: one step a group) and end short of K.
+    # FASTAWQ_WGMMA_MIN_STEPS (read at each call; 1..64, anything else the default: 8 in the op's 16-
+    # and 32-token tiles, else 4): the automatic plan's fewest K steps a block, down to one and up to
+    # the whole K (64 steps here), for the op and its sums form; ranges that start mid-group (g = 32:
+    # one step a group) and end short of K.
     monkeypatch.setenv("FASTAWQ_WGMMA_MIN_STEPS", min_steps)
     k, n, g = 2048, 392, 32
     qw, s, qz, wp, sz = _setup(k, n, g, torch.float16, seed=m + len(min_steps))
@@ -768,6 +690,26 @@ def test_min_steps_floor(monkeypatch, min_steps, m):
     sums = base.clone()
     torch.ops.fastawq.awq_wgmma_packed_sums(x, wp, sz, n, g, bias, sums)
     assert_close_to_reference(sums - base, x, qw, s, qz, g, bias)
+
+
+@requires_kernel
+@pytest.mark.parametrize("m", [9, 16, 32])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_ops_floor_at_16_and_32_tokens(monkeypatch, m, dtype):
+    # Unset, the op's 16- and 32-token tiles take ranges of at least 8 steps (session 43): Qwen3-30B-A3B's
+    # QKV (2048 x 5120) then splits K 8 ways and meets in a cluster (its last template argument true),
+    # where a floor of 4 cuts 16 or 13 ranges, past the cluster's 12, through the workspace. Both
+    # against the reference, output poisoned first, with a bias.
+    for name in ("FASTAWQ_WGMMA_CLUSTER", "FASTAWQ_WGMMA_FORM", "FASTAWQ_WGMMA_WARPGROUPS",
+                 "FASTAWQ_WGMMA_CLUSTER_PLAN", "FASTAWQ_WGMMA_MIN_STEPS"):
+        monkeypatch.delenv(name, raising=False)
+    k, n, g = 2048, 5120, 128
+    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=m + 31)
+    bias = random_input((n,), "cuda", dtype, seed=m + 32)
+    x = random_input((m, k), "cuda", dtype, seed=m + 33)
+    assert {a[-1] for a in _checked_instances(x, wp, sz, n, g, bias, 0, 0, qw, s, qz)} == {"true"}
+    monkeypatch.setenv("FASTAWQ_WGMMA_MIN_STEPS", "4")
+    assert {a[-1] for a in _checked_instances(x, wp, sz, n, g, bias, 0, 0, qw, s, qz)} == {"false"}
 
 
 @requires_kernel
@@ -830,71 +772,6 @@ def test_every_form_across_groups_and_splits(monkeypatch, scales, tokens, splits
         sums = base.clone()
         torch.ops.fastawq.awq_wgmma_packed_sums(x, wp, sz, n, g, bias, sums, tokens, splits)
         assert_close_to_reference(sums - base, x, qw, s, qz, g, bias)
-
-
-def _fold_instances(prof) -> list[str]:
-    """The FOLD template argument (the 8th: 0, or the fold form's 1 / 2) of every
-    awq_wgmma_packed_kernel the profiler saw."""
-    out = []
-    for e in prof.events():
-        if "awq_wgmma_packed_kernel<" in e.name:
-            args = e.name.replace(" ", "").split("awq_wgmma_packed_kernel<", 1)[1].split(">(", 1)[0].split(",")
-            out.append(args[7] if len(args) > 7 else "?")
-    return out
-
-
-@requires_kernel
-@pytest.mark.parametrize("fold", ["1", "2"])
-@pytest.mark.parametrize("scales", [None, "0"])
-@pytest.mark.parametrize("tokens", [16, 32])
-@pytest.mark.parametrize("splits", [0, 3, 5, 64])
-@pytest.mark.parametrize("g", [32, 64, 128])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_fold_form(monkeypatch, fold, scales, tokens, splits, g, dtype):
-    # FASTAWQ_WGMMA_FOLD=1 / 2 (read at each call): the 16- and 32-token tiles of one warpgroup with the
-    # (magic + q) A registers, the ones wgmma's sums of x and a close a group (magic_step), with two
-    # A register sets / one. Groups of 1,
-    # 2 and 4 steps (a group of one step closes at every step); K ranges that start mid-group (3 and 5
-    # splits of 64 steps) and of one step (64); the pairs through the ring (the 16-token tile's default)
-    # and by __ldg ("0"); the plain op (its splits in a cluster where the plan allows) and the sums
-    # form; M past one token tile; a second call. The profiler shows the fold instance ran.
-    monkeypatch.setenv("FASTAWQ_WGMMA_FOLD", fold)
-    monkeypatch.delenv("FASTAWQ_WGMMA_DEPTH", raising=False)
-    monkeypatch.delenv("FASTAWQ_WGMMA_WARPGROUPS", raising=False)
-    _set_env(monkeypatch, "FASTAWQ_WGMMA_SCALES", scales)
-    k, n, m = 2048, 392, tokens + 3
-    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=tokens + splits + g)
-    bias = random_input((n,), "cuda", dtype, seed=5)
-    for seed in (1, 2):
-        x = random_input((m, k), "cuda", dtype, seed=seed + g)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            out = _poisoned_call(x, wp, sz, n, g, bias, tokens, splits)
-            torch.cuda.synchronize()
-        assert_close_to_reference(out, x, qw, s, qz, g, bias)
-        folds = _fold_instances(prof)
-        assert folds and all(f == fold for f in folds), folds
-    base = torch.randn(m, n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(m))
-    sums = base.clone()
-    torch.ops.fastawq.awq_wgmma_packed_sums(x, wp, sz, n, g, bias, sums, tokens, splits)
-    assert_close_to_reference(sums - base, x, qw, s, qz, g, bias)
-
-
-@requires_kernel
-@pytest.mark.parametrize("fold", ["1", "2"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("scale", [300.0, 1e-3])
-@pytest.mark.parametrize("m", [9, 16, 17, 32])
-def test_fold_form_extremes_and_llama_shapes(monkeypatch, fold, scale, dtype, m):
-    # The fold form's accumulators carry the magic's share until a group closes: large and small
-    # activations, and the Llama-3-8B shapes at the automatic plan, stay within the reference budget.
-    monkeypatch.setenv("FASTAWQ_WGMMA_FOLD", fold)
-    k, n, g = 4096, 264, 128
-    qw, s, qz, wp, sz = _setup(k, n, g, dtype, seed=5)
-    x = (random_input((m, k), "cuda", torch.float32, seed=m) * scale).to(dtype)
-    x[:, 7] = 4000.0 if scale > 1 else x[:, 7]
-    assert_close_to_reference(_poisoned_call(x, wp, sz, n, g), x, qw, s, qz, g)
-    for k, n in LLAMA3_8B_SHAPES:
-        check_llama_shape(_poisoned_call, k, n, m, dtype)
 
 
 @requires_kernel

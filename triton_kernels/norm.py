@@ -13,12 +13,12 @@ def norm_form() -> int:
     zeroes later projections' sums from a second grid dimension; 1 only the early weight; 0 the
     one-block-a-row kernel of session 40. H100, session 41 (benchmarks/RESULTS.md): decode of the
     Llama-3-8B shape 1.023x / 1.054x / 1.062x at batch 1 / 16 / 64 for 2 against 0, 1.015x / 1.005x /
-    1.007x for 1; Qwen3-30B-A3B 1.013x / 0.999x at batch 1 / 16. 3 (an A/B switch, not yet run on a
-    GPU): form 2 at no more than 8 warps a block, so that 64 rows' zeroing of the down projection's and
-    gate_up's sums (576 blocks; 512 threads each hold an H100 to 528 at once) runs in one wave."""
+    1.007x for 1; Qwen3-30B-A3B 1.013x / 0.999x at batch 1 / 16. (Form 2 at no more than 8 warps a
+    block, so that 64 rows' zeroing runs in one wave, measured 0.997x / 0.980x / 0.982x at batch 1 / 16
+    / 64 against 2 on an H100 in session 43, and was removed.)"""
     raw = env(b"FASTAWQ_NORM_FORM")
-    if raw not in ("", "0", "1", "2", "3"):
-        raise ValueError(f"FASTAWQ_NORM_FORM must be 0, 1, 2 or 3, got {raw!r}")
+    if raw not in ("", "0", "1", "2"):
+        raise ValueError(f"FASTAWQ_NORM_FORM must be 0, 1 or 2, got {raw!r}")
     return int(raw) if raw else 2
 
 
@@ -128,7 +128,7 @@ def add_rms_norm(
     _add_rms_norm_kernel[grid](
         x2, res_in, weight.contiguous(), y, res_out, x2 if zero is None else zero, h, zn, eps, offset,
         HAS_RES=residual is not None, ZERO=zero is not None, BLOCK=block, EARLY_W=form >= 1, ZSPLIT=zsplit,
-        num_warps=min(8 if form == 3 else 16, max(1, block // 256)), **launch_options(x2.device),
+        num_warps=min(16, max(1, block // 256)), **launch_options(x2.device),
     )
     return y.reshape(x.shape), (None if residual is None else res_out.reshape(x.shape))
 

@@ -244,12 +244,18 @@ constexpr int64_t kWgmmaMaxCluster = 8;
 int64_t wgmma_cluster_max_plan() { return env_int("FASTAWQ_WGMMA_CLUSTER_PLAN", 2, 64, 12); }
 
 // The fewest K steps a block of the automatic plan takes (FASTAWQ_WGMMA_MIN_STEPS, an A/B switch read
-// at each call: 1 to 64; default 4, the ring's depth less its two steps of lead). The one-wave plan
-// cuts the 4096-wide layers at 16 tokens into ranges of 6-8 steps (4096 x 4096: 32 column tiles x 24
-// splits), each adding a 16 x 128 fp32 tile into the sums or workspace: as many bytes of reductions
-// as the weights' 8 MB. A floor above 4 trades blocks for fewer, longer ranges (session 38, H100: 8 and
-// 16 moved M = 16 1.73 -> 1.78 / 1.77x cuBLAS, the engine at batch 16 1.009x / 0.949x: the default stays).
-int64_t wgmma_min_steps() { return env_int("FASTAWQ_WGMMA_MIN_STEPS", 1, 64, 4); }
+// at each call: 1 to 64, every form). Unset: 4 (the ring's depth less its two steps of lead), and 8 in
+// the plain op's 16- and 32-token tiles. The one-wave plan cuts small layers into many short ranges
+// (Qwen3-30B-A3B's QKV, 2048 x 5120 at 16 tokens: 40 column tiles x 16 splits of 4 steps), each adding
+// a 16 x 128 fp32 tile into the workspace: as many bytes of reductions as the weights'. At 8 steps
+// QKV's 8 splits meet in a cluster instead and o_proj's (4096 x 2048) 32 become 16 (session 43, H100,
+// gemm_table.py, same call: those shapes 1.31 / 1.09 / 0.87 -> 1.48 / 1.42 / 1.03x cuBLAS fp16 at M =
+// 9 / 16 / 32; RESULTS.md session 43 has the Llama-3-8B shapes). The engine's sums form keeps 4: at 8
+// Qwen3's batch 16 decoded 1.006x, at 16 0.981x (session 43), the Llama shape's 1.009x / 0.949x
+// (session 38).
+int64_t wgmma_min_steps(bool plain_small) {
+  return env_int("FASTAWQ_WGMMA_MIN_STEPS", 1, 64, plain_small ? 8 : 4);
+}
 
 // FASTAWQ_WGMMA_FORM=ws, which the sums form takes only when forced (wgmma_call).
 bool wgmma_ws_forced() {
@@ -596,7 +602,8 @@ at::Tensor wgmma_call(const char* op, const at::Tensor& x, const at::Tensor& wpa
     const int64_t tile_cols = wgmma_packed_tile_cols(warpgroups);
     col_tiles = (n + tile_cols - 1) / tile_cols;
     spb = gemm_steps_per_block(splits, steps, col_tiles * token_tiles,
-                               splits == 0 ? wgmma_packed_resident_blocks(a) : 0, wgmma_min_steps());
+                               splits == 0 ? wgmma_packed_resident_blocks(a) : 0,
+                               wgmma_min_steps(!a.sums && tokens <= 32));
     planned = (steps + spb - 1) / spb;
   };
   plan_for(a.ws ? 2 : forced_wg != 0 ? forced_wg : tokens <= 32 ? 1 : 2);

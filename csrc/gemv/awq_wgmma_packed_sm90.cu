@@ -110,61 +110,56 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
 __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
 // D[64 x NT] += A[64 x 16] (registers, 4 a lane) * B[16 x NT] (shared memory, K-major, by
-// descriptor), fp32 accumulators, NT / 2 a lane (scale_d = 0: D = A * B, the accumulators' old
-// values ignored). The fp16 and bf16 forms differ in the PTX type.
+// descriptor), fp32 accumulators, NT / 2 a lane. The fp16 and bf16 forms differ in the PTX type.
 #define FASTAWQ_D8(i)                                                                                      \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
       "+f"(d[i + 7])
-#define FASTAWQ_A4_DESC "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d)
+#define FASTAWQ_A4_DESC "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1)
 #ifdef FASTAWQ_WGMMA_DEVICE
-#define FASTAWQ_WGMMA_RUN(AB)                                                                                         \
-  __device__ __forceinline__ static void run(float (&d)[8], const uint32_t (&a)[4], uint64_t desc,                    \
-                                             int scale_d = 1) {                                                       \
-    asm volatile(                                                                                                     \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"                                                                  \
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32." AB "." AB                                                       \
-        " {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"                                \
-        : FASTAWQ_D8(0)                                                                                               \
-        : FASTAWQ_A4_DESC);                                                                                           \
-  }                                                                                                                   \
-  __device__ __forceinline__ static void run(float (&d)[16], const uint32_t (&a)[4], uint64_t desc,                   \
-                                             int scale_d = 1) {                                                       \
-    asm volatile(                                                                                                     \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                                                  \
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32." AB "." AB                                                       \
-        " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, "        \
-        "p, 1, 1, 0;\n}\n"                                                                                            \
-        : FASTAWQ_D8(0), FASTAWQ_D8(8)                                                                                \
-        : FASTAWQ_A4_DESC);                                                                                           \
-  }                                                                                                                   \
-  __device__ __forceinline__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t desc,                   \
-                                             int scale_d = 1) {                                                       \
-    asm volatile(                                                                                                     \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                                  \
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." AB "." AB                                                       \
-        " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "           \
-        "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"         \
-        : FASTAWQ_D8(0), FASTAWQ_D8(8), FASTAWQ_D8(16), FASTAWQ_D8(24)                                                \
-        : FASTAWQ_A4_DESC);                                                                                           \
-  }                                                                                                                   \
-  __device__ __forceinline__ static void run(float (&d)[64], const uint32_t (&a)[4], uint64_t desc,                   \
-                                             int scale_d = 1) {                                                       \
-    asm volatile(                                                                                                     \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                                  \
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32." AB "." AB                                                      \
-        " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "           \
-        "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, "        \
-        "%41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, "        \
-        "%61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"                                                 \
-        : FASTAWQ_D8(0), FASTAWQ_D8(8), FASTAWQ_D8(16), FASTAWQ_D8(24), FASTAWQ_D8(32), FASTAWQ_D8(40),               \
-          FASTAWQ_D8(48), FASTAWQ_D8(56)                                                                              \
-        : FASTAWQ_A4_DESC);                                                                                           \
+#define FASTAWQ_WGMMA_RUN(AB)                                                                                  \
+  __device__ __forceinline__ static void run(float (&d)[8], const uint32_t (&a)[4], uint64_t desc) {           \
+    asm volatile(                                                                                              \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"                                                           \
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32." AB "." AB                                                \
+        " {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"                           \
+        : FASTAWQ_D8(0)                                                                                        \
+        : FASTAWQ_A4_DESC);                                                                                    \
+  }                                                                                                            \
+  __device__ __forceinline__ static void run(float (&d)[16], const uint32_t (&a)[4], uint64_t desc) {          \
+    asm volatile(                                                                                              \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                                           \
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32." AB "." AB                                                \
+        " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, " \
+        "p, 1, 1, 0;\n}\n"                                                                                     \
+        : FASTAWQ_D8(0), FASTAWQ_D8(8)                                                                         \
+        : FASTAWQ_A4_DESC);                                                                                    \
+  }                                                                                                            \
+  __device__ __forceinline__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {          \
+    asm volatile(                                                                                              \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                           \
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." AB "." AB                                                \
+        " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "    \
+        "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"  \
+        : FASTAWQ_D8(0), FASTAWQ_D8(8), FASTAWQ_D8(16), FASTAWQ_D8(24)                                         \
+        : FASTAWQ_A4_DESC);                                                                                    \
+  }                                                                                                            \
+  __device__ __forceinline__ static void run(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {          \
+    asm volatile(                                                                                              \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                           \
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." AB "." AB                                               \
+        " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "    \
+        "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, " \
+        "%41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, " \
+        "%61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"                                          \
+        : FASTAWQ_D8(0), FASTAWQ_D8(8), FASTAWQ_D8(16), FASTAWQ_D8(24), FASTAWQ_D8(32), FASTAWQ_D8(40),       \
+          FASTAWQ_D8(48), FASTAWQ_D8(56)                                                                       \
+        : FASTAWQ_A4_DESC);                                                                                    \
   }
 #else
-#define FASTAWQ_WGMMA_RUN(AB)                                                                                         \
-  template <int R>                                                                                                    \
-  __device__ __forceinline__ static void run(float (&)[R], const uint32_t (&)[4], uint64_t, int = 1) {                \
-    __trap();                                                                                                         \
+#define FASTAWQ_WGMMA_RUN(AB)                                                                 \
+  template <int R>                                                                            \
+  __device__ __forceinline__ static void run(float (&)[R], const uint32_t (&)[4], uint64_t) { \
+    __trap();                                                                                 \
   }
 #endif
 
@@ -203,84 +198,22 @@ struct GroupConsts {
   }
 };
 
-// The fold form (FOLD 1 or 2: FASTAWQ_WGMMA_FOLD, wgmma_fold(); the 16- and 32-token tiles of one
-// warpgroup): no arithmetic a weight past the magic number, as moe/moe_mma.cuh does it. The A
-// registers are column_pair's (magic + q) pairs, exact; a third wgmma a k-step, A all ones, sums the
-// group's x a token into xs (every row of its D the same sums); the accumulators hold y / s of the
-// current group, and a group's close turns them into y / s_next:
-//   acc = (s / s_next) (acc - (magic + z) xs),  at the range's last group s (acc - (magic + z) xs) = y.
-// A lane's step loses 16 HSUB2 and 16 HMUL2 and gains 2 wgmma instructions; a group (4 steps at g128)
-// gains two FFMA an accumulator, 4 divisions and one wait for the wgmmas of its last step, which the
-// close takes after the next step's A registers are made, so the tensor cores finish meanwhile.
-// With magic 1024 (fp16) acc carries ~7 more bits than y needs (the magic's share, which the close
-// subtracts), leaving ~16 of fp32's 24: still finer than the fp16 / bf16 outputs.
-// FOLD 1 keeps the two A register sets (a step's A registers made while the last step's wgmmas
-// run); ptxas then serializes the wgmmas (C7512, "insufficient register resources") below 128
-// registers, so its 16-token instance allows 4 blocks an SM (the default's 6) and its 32-token one 3
-// (the default's 4). FOLD 2 has one set: a step waits for the last step's wgmmas before making its
-// A registers (cheap now: prmt + lop3), which fits 5 blocks an SM at 16 tokens (92-96 registers) and
-// 4 at 32 (112-128), no spills.
+// A lane's 16 bytes of a step (words 2h, 2h + 1 for k-step h) into the A fragments of both m-tiles.
 template <typename T>
-__device__ __forceinline__ void magic_step(const uint4 w, uint32_t (&af)[2][2][4]) {
+__device__ __forceinline__ void dequant_step(const uint4 w, const GroupConsts<T>& gc, uint32_t (&af)[2][2][4]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const uint32_t lo = h == 0 ? w.x : w.z, hi = h == 0 ? w.y : w.w;  // words 2h, 2h + 1
     const uint32_t lo4 = lo >> 4, hi4 = hi >> 4;
-    af[0][h][0] = column_pair<T, 0>(lo, lo4);
-    af[0][h][1] = column_pair<T, 1>(lo, lo4);
-    af[0][h][2] = column_pair<T, 0>(hi, hi4);
-    af[0][h][3] = column_pair<T, 1>(hi, hi4);
-    af[1][h][0] = column_pair<T, 2>(lo, lo4);
-    af[1][h][1] = column_pair<T, 3>(lo, lo4);
-    af[1][h][2] = column_pair<T, 2>(hi, hi4);
-    af[1][h][3] = column_pair<T, 3>(hi, hi4);
+    af[0][h][0] = dequant_pair<T>(column_pair<T, 0>(lo, lo4), gc.zm[0], gc.sc[0]);
+    af[0][h][1] = dequant_pair<T>(column_pair<T, 1>(lo, lo4), gc.zm[1], gc.sc[1]);
+    af[0][h][2] = dequant_pair<T>(column_pair<T, 0>(hi, hi4), gc.zm[0], gc.sc[0]);
+    af[0][h][3] = dequant_pair<T>(column_pair<T, 1>(hi, hi4), gc.zm[1], gc.sc[1]);
+    af[1][h][0] = dequant_pair<T>(column_pair<T, 2>(lo, lo4), gc.zm[2], gc.sc[2]);
+    af[1][h][1] = dequant_pair<T>(column_pair<T, 3>(lo, lo4), gc.zm[3], gc.sc[3]);
+    af[1][h][2] = dequant_pair<T>(column_pair<T, 2>(hi, hi4), gc.zm[2], gc.sc[2]);
+    af[1][h][3] = dequant_pair<T>(column_pair<T, 3>(hi, hi4), gc.zm[3], gc.sc[3]);
   }
-}
-
-// A lane's 16 bytes of a step (words 2h, 2h + 1 for k-step h) into the A fragments of both m-tiles:
-// magic_step's (magic + q) pairs, dequantized with the pairs' columns (register r of m-tile i holds
-// column 2 i + r % 2).
-template <typename T>
-__device__ __forceinline__ void dequant_step(const uint4 w, const GroupConsts<T>& gc, uint32_t (&af)[2][2][4]) {
-  magic_step<T>(w, af);
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        af[i][h][r] = dequant_pair<T>(af[i][h][r], gc.zm[2 * i + r % 2], gc.sc[2 * i + r % 2]);
-      }
-}
-
-// The group's close (fold form), once its wgmmas are done: lane column j (0..3) of its four, scale
-// s_j and zero z_j from word j of the (scale, zero) pairs `cur` (next: the next group's, or null at
-// the range's end). acc[i][4 jj + 2 hr + e] is column 2 i + hr, xs[4 jj + 2 hr + e] the same token's sum.
-template <typename T, int NT>
-__device__ __forceinline__ void close_group(float (&acc)[2][NT / 2], const float (&xs)[NT / 2], const uint4& cur,
-                                            const uint4* next) {
-  using Tr = HalfTraits<T>;
-  const uint32_t cw[4] = {cur.x, cur.y, cur.z, cur.w};
-  float r[4], zm[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 c2 = Tr::to_float2(cw[j]);
-    const float s = gemv::fold_unit(c2.x);
-    zm[j] = Tr::kMagic + c2.y;
-    r[j] = s;
-  }
-  if (next != nullptr) {
-    const uint32_t nw[4] = {next->x, next->y, next->z, next->w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) r[j] = __fdividef(r[j], gemv::fold_unit(Tr::to_float2(nw[j]).x));
-  }
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int q = 0; q < NT / 2; ++q) {
-      const int j = 2 * i + ((q >> 1) & 1);
-      acc[i][q] = r[j] * fmaf(-zm[j], xs[q], acc[i][q]);
-    }
 }
 
 template <int NT>
@@ -314,31 +247,6 @@ __device__ __forceinline__ void issue_step(float (&acc)[2][NT / 2], const uint32
   }
   wgmma_commit();
   fence_accumulators<NT>(acc);
-}
-
-// The fold form's step: as issue_step, and before each k-step's pair the ones wgmma into xs, which
-// starts afresh (scale-d 0) at the first k-step of a group's first step.
-template <typename T, int NT>
-__device__ __forceinline__ void issue_step_fold(float (&acc)[2][NT / 2], float (&xs)[NT / 2],
-                                                const uint32_t (&af)[2][2][4], uint32_t planes, bool fresh) {
-  using Tr = HalfTraits<T>;
-  constexpr int kPlane = NT * 16;
-  const uint32_t ones[4] = {Tr::kOne2, Tr::kOne2, Tr::kOne2, Tr::kOne2};
-  fence_accumulators<NT>(acc);
-#pragma unroll
-  for (int r = 0; r < NT / 2; ++r) fence_operand(xs[r]);
-  wgmma_fence();
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const uint64_t desc = smem_desc(planes + 2 * h * kPlane, kPlane, 128);
-    Wgmma<T>::run(xs, ones, desc, h == 0 && fresh ? 0 : 1);
-    Wgmma<T>::run(acc[0], af[0][h], desc);
-    Wgmma<T>::run(acc[1], af[1][h], desc);
-  }
-  wgmma_commit();
-  fence_accumulators<NT>(acc);
-#pragma unroll
-  for (int r = 0; r < NT / 2; ++r) fence_operand(xs[r]);
 }
 
 // out[at .. + 3] = v + bias[4 c4 .. + 3], one 8-byte store.
@@ -452,10 +360,8 @@ __device__ __forceinline__ void cluster_reduce(const float (&acc)[2][NT / 2], fl
 // MINB: the blocks an SM the registers must allow (kMinBlocks unless an occupancy instance asks more:
 // wgmma_occupancy_six()). SR: the (scale, zero) pairs come through the ring with the weights
 // (wgmma_scales_in_ring()) instead of an __ldg a step ahead. CR: launched in clusters along K
-// (WgmmaPackedArgs::cluster), the splits meet in distributed shared memory (cluster_reduce). FOLD 1 / 2:
-// the fold form with two A register sets / one (magic_step, close_group).
-template <typename T, int NT, int P, int WG, int MINB = kMinBlocks<NT, WG>, bool SR = false, bool CR = false,
-          int FOLD = 0>
+// (WgmmaPackedArgs::cluster), the splits meet in distributed shared memory (cluster_reduce).
+template <typename T, int NT, int P, int WG, int MINB = kMinBlocks<NT, WG>, bool SR = false, bool CR = false>
 __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const uint4* __restrict__ sz, const T* __restrict__ bias,
     T* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int m, int n, int k, int group_size,
@@ -574,19 +480,11 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
   const auto load_scales = [&]() {
     if (col_ok) sv_next = __ldg(sz_lane);
   };
-  [[maybe_unused]] GroupConsts<T> gc;
-  // FOLD: the current group's pairs (sv_cur), the next one's once read (sv_next, or with SR sv_ring),
-  // and a close due after the next step's A registers (close_due); xs starts afresh there (fresh).
-  [[maybe_unused]] uint4 sv_cur = make_uint4(0, 0, 0, 0), sv_ring = make_uint4(0, 0, 0, 0);
-  [[maybe_unused]] bool close_due = false, fresh = true;
+  GroupConsts<T> gc;
   if constexpr (!SR) {
     if (s0 < s1) {
       load_scales();
-      if constexpr (FOLD != 0) {
-        sv_cur = sv_next;
-      } else {
-        gc.set(sv_next);
-      }
+      gc.set(sv_next);
     }
   }
   [[maybe_unused]] bool pairs_due = true;
@@ -594,13 +492,6 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
 
   float acc[2][NT / 2];
   zero_accumulators<NT>(acc);
-  [[maybe_unused]] float xs[FOLD != 0 ? NT / 2 : 1];
-#pragma unroll
-  for (int r = 0; r < (FOLD != 0 ? NT / 2 : 1); ++r) xs[r] = 0.f;
-  const auto fence_xs = [&]() {
-#pragma unroll
-    for (int r = 0; r < (FOLD != 0 ? NT / 2 : 1); ++r) fence_operand(xs[r]);
-  };
   uint32_t af[2][2][2][4];  // [set][m-tile i][k-step h][register]
 
   // Step s from slot `slot` into A register set SET.
@@ -618,45 +509,18 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
     cp_async_commit();
     if constexpr (SR) {
       if (pairs_due) {  // copied with the step's weights, published by the barrier above
-        const uint4 pairs = ld_shared128_at(slot_at(slot) + sz_at);
-        if constexpr (FOLD != 0) {
-          if (close_due) {
-            sv_ring = pairs;
-          } else {
-            sv_cur = pairs;
-          }
-        } else {
-          gc.set(pairs);
-        }
+        gc.set(ld_shared128_at(slot_at(slot) + sz_at));
         pairs_due = false;
       }
-    } else if (FOLD == 0 && group_left == 1 && s + 1 < s1) {
+    } else if (group_left == 1 && s + 1 < s1) {
       sz_lane += n4;
       load_scales();
     }
     const uint4 w = ld_shared128_at(slot_at(slot) + w_own);
     // Step s - 2's wgmmas are done (step s - 1's may still run): this step's register set is free.
-    // (FOLD 2, one set: step s - 1's are done.)
-    wgmma_wait<FOLD == 2 ? 0 : 1>();
-    constexpr int kSet = FOLD == 2 ? 0 : SET;
-    if constexpr (FOLD != 0) {
-      magic_step<T>(w, af[kSet]);
-      if (close_due) {  // the last group ended with step s - 1: its wgmmas (FOLD 2's waited above), its close
-        if constexpr (FOLD == 1) wgmma_wait<0>();
-        fence_accumulators<NT>(acc);
-        fence_xs();
-        const uint4 nxt = SR ? sv_ring : sv_next;
-        close_group<T, NT>(acc, xs, sv_cur, &nxt);
-        sv_cur = nxt;
-        close_due = false;
-        fresh = true;
-      }
-      issue_step_fold<T, NT>(acc, xs, af[kSet], slot_at(slot), fresh);
-      fresh = false;
-    } else {
-      dequant_step<T>(w, gc, af[SET]);
-      issue_step<T, NT>(acc, af[SET], slot_at(slot));
-    }
+    wgmma_wait<1>();
+    dequant_step<T>(w, gc, af[SET]);
+    issue_step<T, NT>(acc, af[SET], slot_at(slot));
     // Groups newer than the one of step s + 1 (issued at step s + 2 - P, or before the loop): P - 2.
     cp_async_wait<P - 2>();
     if (s + 1 < s1) {  // step s + 1's planes, in a slot last read by step s + 1 - P <= s - 3's wgmmas
@@ -665,15 +529,7 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
     }
     if (--group_left == 0) {
       group_left = steps_per_group;
-      if constexpr (FOLD != 0) {
-        close_due = s + 1 < s1;  // else the close after the loop
-        if constexpr (SR) {
-          pairs_due = true;
-        } else if (close_due) {  // the next group's pairs, used after the next step's A registers
-          sz_lane += n4;
-          load_scales();
-        }
-      } else if constexpr (SR) {
+      if constexpr (SR) {
         pairs_due = true;
       } else {
         gc.set(sv_next);
@@ -693,10 +549,6 @@ __global__ void __launch_bounds__(kThreads<WG>, MINB) awq_wgmma_packed_kernel(
   if (s < s1) step(s, slot, std::integral_constant<int, 0>{});
   wgmma_wait<0>();
   fence_accumulators<NT>(acc);
-  if constexpr (FOLD != 0) {
-    fence_xs();
-    if (s0 < s1) close_group<T, NT>(acc, xs, sv_cur, nullptr);  // acc is y
-  }
   cp_async_wait<0>();
   if constexpr (CR) {  // the host launches this instance in clusters of the K splits only
     cluster_reduce<T, NT, WG>(acc, reinterpret_cast<float*>(ring_smem), tok0, t, m, n, warp * 8 + g, bias, out);
@@ -1008,15 +860,9 @@ bool wgmma_occupancy_six() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
-// The fold form (FASTAWQ_WGMMA_FOLD=1 or 2, an A/B switch read at each call, off; the plan's occupancy
-// query sees the instance the launch runs): the 16- and 32-token tiles of one warpgroup on the default
-// ring (magic_step says what it changes and what 1 and 2 are).
-int wgmma_fold() { return env_int("FASTAWQ_WGMMA_FOLD", 0, 2, 0); }
-
-template <typename T, int NT, int P, int WG, int MINB = kMinBlocks<NT, WG>, bool SR = false, bool CR = false,
-          int FOLD = 0>
+template <typename T, int NT, int P, int WG, int MINB = kMinBlocks<NT, WG>, bool SR = false, bool CR = false>
 void launch_p(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
-  constexpr auto kernel = awq_wgmma_packed_kernel<T, NT, P, WG, MINB, SR, CR, FOLD>;
+  constexpr auto kernel = awq_wgmma_packed_kernel<T, NT, P, WG, MINB, SR, CR>;
   constexpr int kSmem = P * kSlotBytes<NT, WG, SR>;
   opt_in_shared_memory<kernel>(kSmem);
   if (resident != nullptr) {
@@ -1032,16 +878,16 @@ void launch_p(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
 
 // The default 6-slot ring's instance with the pairs through the ring (sr) or by __ldg, the K splits
 // meeting in a cluster (a.cluster: 16- to 64-token tiles) or through the workspace.
-template <typename T, int NT, int WG, int MINB, int FOLD = 0>
+template <typename T, int NT, int WG, int MINB>
 void launch_p6(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident, bool sr) {
   if constexpr (NT <= 64) {
     if (a.cluster && resident == nullptr) {
-      if (sr) return launch_p<T, NT, 6, WG, MINB, true, true, FOLD>(a, stream, resident);
-      return launch_p<T, NT, 6, WG, MINB, false, true, FOLD>(a, stream, resident);
+      if (sr) return launch_p<T, NT, 6, WG, MINB, true, true>(a, stream, resident);
+      return launch_p<T, NT, 6, WG, MINB, false, true>(a, stream, resident);
     }
   }
-  if (sr) return launch_p<T, NT, 6, WG, MINB, true, false, FOLD>(a, stream, resident);
-  launch_p<T, NT, 6, WG, MINB, false, false, FOLD>(a, stream, resident);
+  if (sr) return launch_p<T, NT, 6, WG, MINB, true>(a, stream, resident);
+  launch_p<T, NT, 6, WG, MINB>(a, stream, resident);
 }
 
 template <typename T, int NT, int WG>
@@ -1051,13 +897,6 @@ void launch_wg(const WgmmaPackedArgs& a, cudaStream_t stream, int* resident) {
     case 8: return launch_p<T, NT, 8, WG>(a, stream, resident);
     default: {
       const bool sr = wgmma_scales_in_ring(NT, WG);
-      if constexpr (NT <= 32 && WG == 1) {
-        switch (wgmma_fold()) {
-          case 1: return launch_p6<T, NT, WG, NT == 16 ? 4 : 3, 1>(a, stream, resident, sr);
-          case 2: return launch_p6<T, NT, WG, NT == 16 ? 5 : 4, 2>(a, stream, resident, sr);
-          default: break;
-        }
-      }
       if constexpr (NT == 16 && WG == 1) {
         if (wgmma_occupancy_six()) return launch_p6<T, NT, WG, 6>(a, stream, resident, sr);
       }
