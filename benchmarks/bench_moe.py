@@ -55,11 +55,17 @@ def packed_experts(e: int, h: int, i: int, g: int, device, dtype=torch.float16, 
             words(e, i, h // 8), scales(e, i // g, h), words(e, i // g, h // 8))
 
 
-def routings(t: int, e: int, k: int, device, copies: int, seed: int = 0):
+def routings(t: int, e: int, k: int, device, copies: int, seed: int = 0, balanced: bool = False):
+    """`copies` routings of t tokens to k of e experts: the top-k of random logits, or with `balanced`
+    every expert the same load where e divides t * k (token j takes experts (k j + r) mod e, r < k,
+    relabelled by a random permutation a copy; the weights a softmax of random logits)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     out = []
     for _ in range(copies):
         w, ids = reference.topk_route(torch.randn(t, e, generator=gen), k)
+        if balanced:
+            slots = (k * torch.arange(t)[:, None] + torch.arange(k)[None, :]) % e
+            ids = torch.randperm(e, generator=gen)[slots].to(ids.dtype)
         out.append((ids.to(device), w.to(device=device, dtype=torch.float16)))
     return out
 
@@ -162,7 +168,8 @@ def moe_call(backend: str):
     return lambda x, ids, w, packed, g: ops_moe.moe_w4(x, ids, w, *packed, g, backend=backend)
 
 
-def run_shape(name: str, ts: list[int], device: str, copies: int, backends: list[str]) -> list[dict]:
+def run_shape(name: str, ts: list[int], device: str, copies: int, backends: list[str],
+              balanced: bool = False) -> list[dict]:
     e, k, h, i, g = SHAPES[name]
     dtype = torch.float16
     if device == "cuda":
@@ -175,7 +182,9 @@ def run_shape(name: str, ts: list[int], device: str, copies: int, backends: list
     w2 = torch.randn(e, i, h, device=device, dtype=dtype) * 0.02
     rows = []
     for t in ts:
-        routes = routings(t, e, k, device, copies, seed=t)
+        if balanced and (t * k) % e:
+            raise SystemExit(f"--routing balanced: {name} has E={e}, which does not divide T * k = {t * k}")
+        routes = routings(t, e, k, device, copies, seed=t, balanced=balanced)
         x = torch.randn(t, h, device=device, dtype=dtype)
         outs = [torch.empty(t, h, device=device, dtype=dtype) for _ in range(copies)]
         loops = [loop_plan(*rt) for rt in routes]
@@ -202,7 +211,7 @@ def run_shape(name: str, ts: list[int], device: str, copies: int, backends: list
 
             t_w4 = time_graph(w4, copies)
             row = {
-                "shape": name, "backend": backend, "E": e, "k": k, "H": h, "I": i, "T": t, "relerr": relerr,
+                "shape": name, "backend": backend, "routing": "balanced" if balanced else "random", "E": e, "k": k, "H": h, "I": i, "T": t, "relerr": relerr,
                 "w4_us": t_w4, "w4_GBps": nbytes / t_w4 / 1e3, "w4_TFLOPs": flops / t_w4 / 1e6,
                 "loop_us": t_loop, "bmm_us": t_bmm, "fp16_GBps": nbytes16 / best / 1e3,
                 "ratio": best / t_w4,
@@ -237,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                          "tokens a pass; cuda:mmapacked (8, 16): the tensor-core kernel on the experts "
                          "repacked into the packed layout)")
     ap.add_argument("--no-tune", action="store_true", help="the Triton heuristic configs, no timing of candidates")
+    ap.add_argument("--routing", choices=["random", "balanced"], default="random",
+                    help="random: the top-k of random logits (the targets' rows); balanced: every expert the "
+                         "same load T * k / E (what a kernel would do without the load's spread)")
     args = ap.parse_args(argv)
     if args.no_tune:
         os.environ["FASTAWQ_TRITON_TUNE"] = "0"
@@ -253,12 +265,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"unknown shape {s!r}; choose from {sorted(SHAPES)}", file=sys.stderr)
             return 2
     where = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
-    print(f"# {where} · torch {torch.__version__} · fp16 · W4 backends {', '.join(backends)}")
+    print(f"# {where} · torch {torch.__version__} · fp16 · W4 backends {', '.join(backends)} · {args.routing} routing")
     print(HEAD)
     print("|" + "---|" * (HEAD.count("|") - 1))
     rows = []
     for s in shapes:
-        rows += run_shape(s, ts, device, copies, backends)
+        rows += run_shape(s, ts, device, copies, backends, args.routing == "balanced")
     if "triton" in backends:
         from fastawq.triton_kernels import moe as tmoe
 

@@ -1063,6 +1063,14 @@ if [[ " $stages " == *" s63 "* ]]; then
   table_by_env FASTAWQ_WGMMA_MIN_STEPS "default 4" s63 "geomean|^\| *(float16|bfloat16) *\|" --kernels wgmma \
     --shapes 4096x6144,4096x4096,4096x28672,14336x4096,2048x5120,4096x2048 --ms 9,16,32 \
     --dtypes float16,bfloat16 || status=1
+  # Issue 12's grouped MoE at T = 256: how much of moe_mma's time is its passes (an expert takes 1.43 passes
+  # of 16 tokens under random routing, 1 when every expert gets 16; 2.43 / 2 of 8). Random against
+  # balanced routing, 16 and 8 tokens a pass: if balanced at 16 is far faster, 24-token passes (NT = 3)
+  # are worth building (CUDA_NOTES.md session 43) (~1 min).
+  for r in random balanced; do
+    timeout 60 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 256 --backends cuda:mma16,cuda:mma8 \
+      --no-tune --routing $r 2>&1 | tail -2 || status=1
+  done
 fi
 if [[ " $stages " == *" s23 "* ]]; then
   step s23

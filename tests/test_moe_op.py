@@ -1,6 +1,7 @@
 """The W4 MoE op against reference.moe_w4: both backends, ragged expert loads, tile edges."""
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 
@@ -306,8 +307,17 @@ def test_bench_moe_dry_run(tmp_path, capsys):
         sys.path.remove(str(bench_dir))
     out = capsys.readouterr().out
     assert out.count("| tiny |") == 2
-    rows = __import__("json").loads((tmp_path / "bench_moe.json").read_text())["rows"]
+    rows = json.loads((tmp_path / "bench_moe.json").read_text())["rows"]
     assert [r["T"] for r in rows] == [1, 3] and all(r["relerr"] < 1e-2 for r in rows)
+    # --routing balanced: every expert the same load, k distinct experts a token; a T whose T * k
+    # the experts do not divide is refused by name.
+    for ids, w in bench.routings(256, 128, 8, "cpu", 2, balanced=True):
+        assert torch.bincount(ids.flatten(), minlength=128).tolist() == [16] * 128
+        assert all(len(set(row.tolist())) == 8 for row in ids) and w.shape == (256, 8)
+    assert bench.main(["--dry-run", "--ts", "4", "--routing", "balanced", "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "bench_moe.json").read_text())["rows"][0]["routing"] == "balanced"
+    with pytest.raises(SystemExit, match="E=8, which does not divide T \\* k = 6"):
+        bench.main(["--dry-run", "--ts", "3", "--routing", "balanced", "--out", str(tmp_path)])
 
 
 def test_tuner_descends_to_the_fastest_tiles(monkeypatch):
