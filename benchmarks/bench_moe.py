@@ -129,8 +129,9 @@ def time_plain(fn, reps: int) -> float:
 
 def moe_call(backend: str):
     """run(x, ids, w, packed, g) for a backend name: moe_w4's (triton, cuda, torch: its automatic
-    kernel choice) or cuda:gemv / cuda:mma / cuda:mma8 / cuda:mma16, one compiled kernel forced
-    (torch.ops.fastawq; mma with backend.moe_pass_rows' pass, mma8 / mma16 with 8 / 16 tokens a pass),
+    kernel choice) or cuda:gemv / cuda:mma / cuda:mma8 / cuda:mma16 / cuda:mma24, one compiled kernel
+    forced (torch.ops.fastawq; mma with backend.moe_pass_rows' pass, mma8 / 16 / 24 with that many
+    tokens a pass),
     or cuda:mmapacked (/ 8 / 16): moe_mma_packed_w4 on the experts repacked once into the packed layout,
     cuda:gemvpacked: moe_gemv_packed_w4 on them; packed:BACKEND (packed:cuda, packed:triton):
     ops.moe_w4_packed's backend on them (what WQExperts in the packed layout run)."""
@@ -154,10 +155,10 @@ def moe_call(backend: str):
             return lambda x, ids, w, packed, g: fn(x, ids, w.float(), *packed_of(packed, g), g, "silu")
         on_packed = kernel.startswith("mmapacked")
         fn = torch.ops.fastawq.moe_mma_packed_w4 if on_packed else torch.ops.fastawq.moe_mma_w4
-        rows = {"mma8": 8, "mma16": 16, "mmapacked8": 8, "mmapacked16": 16}.get(kernel)
+        rows = {"mma8": 8, "mma16": 16, "mma24": 24, "mmapacked8": 8, "mmapacked16": 16}.get(kernel)
         if rows is None and kernel not in ("mma", "mmapacked"):
             raise SystemExit(f"unknown compiled MoE kernel {kernel!r}: gemv, gemvpacked, mma, mma8, mma16, "
-                             "mmapacked, mmapacked8 or mmapacked16")
+                             "mma24, mmapacked, mmapacked8 or mmapacked16")
         def run(x, ids, w, packed, g):
             t, k = ids.shape
             pass_rows = rows or fastawq_backend.moe_pass_rows(t, k, packed[0].shape[0])
@@ -211,7 +212,8 @@ def run_shape(name: str, ts: list[int], device: str, copies: int, backends: list
 
             t_w4 = time_graph(w4, copies)
             row = {
-                "shape": name, "backend": backend, "routing": "balanced" if balanced else "random", "E": e, "k": k, "H": h, "I": i, "T": t, "relerr": relerr,
+                "shape": name, "backend": backend, "routing": "balanced" if balanced else "random", "E": e, "k": k,
+                "H": h, "I": i, "T": t, "relerr": relerr,
                 "w4_us": t_w4, "w4_GBps": nbytes / t_w4 / 1e3, "w4_TFLOPs": flops / t_w4 / 1e6,
                 "loop_us": t_loop, "bmm_us": t_bmm, "fp16_GBps": nbytes16 / best / 1e3,
                 "ratio": best / t_w4,
@@ -242,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, the tiny shape, torch backend, plain timers")
     ap.add_argument("--backends", default="triton",
                     help="W4 backends to time, comma-separated (triton; cuda: the compiled kernels as moe_w4 "
-                         "picks them; cuda:gemv, cuda:mma: one forced; cuda:mma8, cuda:mma16: with 8 / 16 "
-                         "tokens a pass; cuda:mmapacked (8, 16): the tensor-core kernel on the experts "
+                         "picks them; cuda:gemv, cuda:mma: one forced; cuda:mma8, cuda:mma16, cuda:mma24: with "
+                         "8 / 16 / 24 tokens a pass; cuda:mmapacked (8, 16): the tensor-core kernel on the experts "
                          "repacked into the packed layout)")
     ap.add_argument("--no-tune", action="store_true", help="the Triton heuristic configs, no timing of candidates")
     ap.add_argument("--routing", choices=["random", "balanced"], default="random",
@@ -265,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"unknown shape {s!r}; choose from {sorted(SHAPES)}", file=sys.stderr)
             return 2
     where = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
-    print(f"# {where} · torch {torch.__version__} · fp16 · W4 backends {', '.join(backends)} · {args.routing} routing")
+    print(f"# {where} · torch {torch.__version__} · fp16 · W4 backends {', '.join(backends)} · "
+          f"{args.routing} routing")
     print(HEAD)
     print("|" + "---|" * (HEAD.count("|") - 1))
     rows = []

@@ -1064,13 +1064,18 @@ if [[ " $stages " == *" s63 "* ]]; then
     --shapes 4096x6144,4096x4096,4096x28672,14336x4096,2048x5120,4096x2048 --ms 9,16,32 \
     --dtypes float16,bfloat16 || status=1
   # Issue 12's grouped MoE at T = 256: how much of moe_mma's time is its passes (an expert takes 1.43 passes
-  # of 16 tokens under random routing, 1 when every expert gets 16; 2.43 / 2 of 8). Random against
-  # balanced routing, 16 and 8 tokens a pass: if balanced at 16 is far faster, 24-token passes (NT = 3)
-  # are worth building (CUDA_NOTES.md session 43) (~1 min).
+  # of 16 tokens under random routing, 1 when every expert gets 16; 2.43 / 2 of 8; 1.02 / 1 of 24). The
+  # 24-token passes' tests (FASTAWQ_MOE_MMA_PASS=24: three n-tiles, 168 registers with 64-136 bytes of
+  # spills at 3 blocks an SM), then random against balanced routing at 24, 16 and 8 tokens a pass, and
+  # 24 at T = 64 / 1024 against the host's choice (~2.5 min).
+  timeout 200 python -m pytest -x -q -p no:cacheprovider tests/test_moe_mma.py -k "24" \
+    2>&1 | tail -1 || status=1
   for r in random balanced; do
-    timeout 60 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 256 --backends cuda:mma16,cuda:mma8 \
-      --no-tune --routing $r 2>&1 | tail -2 || status=1
+    timeout 90 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 256 \
+      --backends cuda:mma24,cuda:mma16,cuda:mma8 --no-tune --routing $r 2>&1 | tail -3 || status=1
   done
+  timeout 90 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b,mixtral-8x7b --ts 64,1024 \
+    --backends cuda,cuda:mma24 --no-tune 2>&1 | grep "| cuda" || status=1
 fi
 if [[ " $stages " == *" s23 "* ]]; then
   step s23

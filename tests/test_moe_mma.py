@@ -440,7 +440,7 @@ def form(request, monkeypatch):
 
 
 @requires_kernel
-@pytest.mark.parametrize("pass_rows", [8, 16])
+@pytest.mark.parametrize("pass_rows", [8, 16, 24])  # 24: the two launches (the persistent form keeps them)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "E{}H{}I{}G{}k{}T{}-{}".format(*c))
 def test_kernel_matches_reference(case, dtype, pass_rows, form, poisoned_empty):
@@ -448,6 +448,39 @@ def test_kernel_matches_reference(case, dtype, pass_rows, form, poisoned_empty):
     weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=5 * t + k, dtype=dtype, load=load)
     for _ in range(2):  # the second call finds the workspace and counters the first left zeroed
         check(_op(x, ids, w, weights, g, pass_rows=pass_rows), x, ids, w, weights, g)
+
+
+def _moe_mma_nts(prof) -> set[str]:
+    """The NT template argument (the 5th: n-tiles a pass) of every moe_mma_kernel the profiler saw."""
+    return {e.name.replace(" ", "").split("moe_mma_kernel<", 1)[1].split(",")[4]
+            for e in prof.events() if "moe_mma_kernel<" in e.name}
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_24_token_passes_by_switch(dtype, monkeypatch, poisoned_empty):
+    # FASTAWQ_MOE_MMA_PASS=24 (read at each call) turns the AWQ layout's passes of 16 into passes of 24
+    # (three n-tiles, dynamic shared memory), which the profiler names; passes of 8 and the packed
+    # layout keep theirs, and the packed op refuses 24 by name. Loads of 0 to 47 tokens an expert:
+    # passes that end full and part-full.
+    from fastawq.ops import repack
+
+    monkeypatch.delenv("FASTAWQ_MOE_MMA_PERSISTENT", raising=False)
+    e, h, i, g, k, t = 8, 256, 320, 64, 2, 47
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=29, dtype=dtype, load="one_expert")
+    for env, pass_rows, want in (("24", 16, "3"), ("24", 8, "1"), ("16", 16, "2"), ("", 16, "2"), ("x", 16, "2")):
+        monkeypatch.setenv("FASTAWQ_MOE_MMA_PASS", env)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out = _op(x, ids, w, weights, g, pass_rows=pass_rows)
+            torch.cuda.synchronize()
+        check(out, x, ids, w, weights, g)
+        assert _moe_mma_nts(prof) == {want}, (env, pass_rows)
+    monkeypatch.setenv("FASTAWQ_MOE_MMA_PASS", "24")
+    packed = repack.awq_experts_repack(*weights, g)
+    check(torch.ops.fastawq.moe_mma_packed_w4(x, ids, w.float().contiguous(), *packed, g, "silu", 16),
+          x, ids, w, weights, g)
+    with pytest.raises(RuntimeError, match="moe_mma_packed_w4: pass_rows must be 8 or 16, got 24"):
+        torch.ops.fastawq.moe_mma_packed_w4(x, ids, w.float().contiguous(), *packed, g, "silu", 24)
 
 
 # --- the experts in the packed layout (moe_mma_packed_w4; the plan's choice: test_moe_packed.py) ---
@@ -612,7 +645,7 @@ def test_opcheck_and_errors():
     with pytest.raises(RuntimeError, match="moe_mma_w4: x must be 16-byte aligned"):
         wide = random_input((t, h + 4), "cuda", x.dtype, seed=2)
         _op(wide[:, 4:], ids, w, weights, g)
-    with pytest.raises(RuntimeError, match="moe_mma_w4: pass_rows must be 8 or 16, got 12"):
+    with pytest.raises(RuntimeError, match="moe_mma_w4: pass_rows must be 8, 16 or 24, got 12"):
         _op(x, ids, w, weights, g, pass_rows=12)
 
 

@@ -206,8 +206,9 @@ struct MoeMmaArgs : MoeArgs {
 };
 constexpr int kMoeMmaOneRoundAssign = 128;  // moe_mma's threads a block
 // Blocks an SM of the kernel for a pass of pass_rows tokens (its __launch_bounds__; the host sizes
-// the K split by it).
-constexpr int moe_mma_blocks_per_sm(int pass_rows) { return pass_rows == 16 ? 3 : 4; }
+// the K split by it). 24 (three n-tiles, the AWQ layout's two launches only: FASTAWQ_MOE_MMA_PASS=24)
+// holds 96 accumulators a lane.
+constexpr int moe_mma_blocks_per_sm(int pass_rows) { return pass_rows >= 16 ? 3 : 4; }
 
 void launch_moe_mma(const MoeMmaArgs& args, cudaStream_t stream);
 // args.packed's kernels (csrc/moe/moe_mma_packed.cu) and the persistent form's

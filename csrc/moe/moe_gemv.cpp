@@ -343,7 +343,12 @@ at::Tensor moe_mma_call(const char* op, bool packed, const at::Tensor& x, const 
                         const at::Tensor& topk_weights, const at::Tensor& w13_qweight, const at::Tensor& w13_scales,
                         const at::Tensor& w13_qzeros, const at::Tensor& w2_qweight, const at::Tensor& w2_scales,
                         const at::Tensor& w2_qzeros, int64_t group_size, const std::string& act, int64_t pass_rows) {
-  FASTAWQ_CHECK(pass_rows == 8 || pass_rows == 16, op, ": pass_rows must be 8 or 16, got ", pass_rows);
+  FASTAWQ_CHECK(pass_rows == 8 || pass_rows == 16 || (pass_rows == 24 && !packed), op, ": pass_rows must be 8",
+                packed ? " or 16" : ", 16 or 24", ", got ", pass_rows);
+  // FASTAWQ_MOE_MMA_PASS=24 (an A/B switch, read at each call): the AWQ layout's passes of 16 tokens
+  // become passes of 24 (three n-tiles; moe_mma.cuh). Qwen3-30B-A3B at T = 256: an expert's ~16 +- 4
+  // tokens take 1.02 passes of 24 on average against 1.43 of 16, each pass a stream of its weights.
+  if (pass_rows == 16 && !packed && env_int("FASTAWQ_MOE_MMA_PASS", 8, 24, 16) == 24) pass_rows = 24;
   MoeMmaArgs a{};
   const c10::cuda::CUDAGuard guard(x.device());
   MoeCall c = prepare(op, a, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales,
@@ -414,7 +419,8 @@ at::Tensor moe_mma_call(const char* op, bool packed, const at::Tensor& x, const 
       a.tiles2 = tiles, a.splits2 = splits, a.steps2 = steps;
     }
   }
-  if (!packed && env_switch("FASTAWQ_MOE_MMA_PERSISTENT") == 1) {  // (the persistent form reads the AWQ layout)
+  // (The persistent form reads the AWQ layout, in passes of 8 or 16.)
+  if (!packed && pass_rows != 24 && env_switch("FASTAWQ_MOE_MMA_PERSISTENT") == 1) {
     a.claim_ahead = env_switch("FASTAWQ_MOE_MMA_AHEAD") == 1;
     const int64_t items = persistent_items(a);
     int64_t blocks = int64_t(sms) * per_sm;

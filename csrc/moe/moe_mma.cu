@@ -8,7 +8,9 @@ namespace fastawq {
 void launch_moe_mma(const MoeMmaArgs& a, cudaStream_t stream) {
   if (a.packed) return launch_moe_mma_packed(a, stream);
   if (a.persistent_blocks > 0) return launch_moe_mma_persistent(a, stream);
-  dispatch_instance(a, [&]<typename T, typename Id, int ACT, int NT>() { launch_two<T, Id, ACT, NT, false>(a, stream); });
+  dispatch_instance<true>(a, [&]<typename T, typename Id, int ACT, int NT>() {
+    launch_two<T, Id, ACT, NT, false>(a, stream);
+  });
 }
 
 }  // namespace fastawq
