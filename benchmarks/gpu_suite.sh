@@ -1055,27 +1055,21 @@ if [[ " $stages " == *" s63 "* ]]; then
   step s63
   # The split floor in the op (s62, H100: at 8 steps Qwen3's attention projections went 1.09 -> 1.42x
   # cuBLAS at M = 16: QKV's 16 splits of 4 steps meet in a cluster as 8 of 8, o_proj's 32 through the
-  # workspace become 16; 8 is now the op's default at 16 and 32 tokens): the floor's tests, then the
-  # Llama-3-8B shapes too, M = 9 / 16 / 32, fp16 and bf16, the default ("default": not a count, so 8
-  # at these tiles) against 4 forced (~3.5 min).
-  timeout 120 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py -k "floor" 2>&1 | tail -1 \
-    || status=1
-  table_by_env FASTAWQ_WGMMA_MIN_STEPS "default 4" s63 "geomean|^\| *(float16|bfloat16) *\|" --kernels wgmma \
-    --shapes 4096x6144,4096x4096,4096x28672,14336x4096,2048x5120,4096x2048 --ms 9,16,32 \
-    --dtypes float16,bfloat16 || status=1
-  # Issue 12's grouped MoE at T = 256: how much of moe_mma's time is its passes (an expert takes 1.43 passes
-  # of 16 tokens under random routing, 1 when every expert gets 16; 2.43 / 2 of 8; 1.02 / 1 of 24). The
-  # 24-token passes' tests (FASTAWQ_MOE_MMA_PASS=24: three n-tiles, 168 registers with 64-136 bytes of
-  # spills at 3 blocks an SM), then random against balanced routing at 24, 16 and 8 tokens a pass, and
-  # 24 at T = 64 / 1024 against the host's choice (~2.5 min).
-  timeout 200 python -m pytest -x -q -p no:cacheprovider tests/test_moe_mma.py -k "24" \
-    2>&1 | tail -1 || status=1
+  # workspace become 16; 8 is now the op's default at 16 and 32 tokens), and moe_mma's 24-token passes
+  # (FASTAWQ_MOE_MMA_PASS=24: three n-tiles, 168 registers with 64-136 bytes of spills at 3 blocks an
+  # SM): their tests, then the grouped MoE at Qwen3's T = 256 in passes of 24 / 16 / 8 tokens under
+  # random and balanced routing (an expert takes 1.02 / 1.43 / 2.43 passes under random routing, 1 / 1 /
+  # 2 balanced: how much of the time the passes are), then the op's table on the Llama-3-8B and Qwen3
+  # attention shapes, M = 9 / 16 / 32 fp16, the default ("default": not a count) against 4 (~3.5 min).
+  timeout 200 python -m pytest -x -q -p no:cacheprovider tests/test_wgmma_packed.py tests/test_moe_mma.py \
+    -k "floor or 24" 2>&1 | tail -1 || status=1
   for r in random balanced; do
     timeout 90 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 256 \
       --backends cuda:mma24,cuda:mma16,cuda:mma8 --no-tune --routing $r 2>&1 | tail -3 || status=1
   done
-  timeout 90 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b,mixtral-8x7b --ts 64,1024 \
-    --backends cuda,cuda:mma24 --no-tune 2>&1 | grep "| cuda" || status=1
+  table_by_env FASTAWQ_WGMMA_MIN_STEPS "default 4" s63 "geomean|^\| *float16 *\|" --kernels wgmma \
+    --shapes 4096x6144,4096x4096,4096x28672,14336x4096,2048x5120,4096x2048 --ms 9,16,32 --dtypes float16 \
+    || status=1
 fi
 if [[ " $stages " == *" s23 "* ]]; then
   step s23
