@@ -65,8 +65,6 @@ sys.exit(1 if need else 0)
 PY
 }
 
-# memcheck_packed: compute-sanitizer's memcheck over the packed-layout kernels (their A/B switches'
-# cases included), its last lines; fails on any error.
 # table_by_env NAME "V1 V2 ..." PREFIX PATTERN ARGS...: benchmarks/gemm_table.py ARGS with NAME=V for
 # each value in turn (the JSON under $OUT/PREFIX_V), printing each table's lines that match PATTERN.
 table_by_env() {
@@ -80,6 +78,8 @@ table_by_env() {
   return $rc
 }
 
+# memcheck_packed: compute-sanitizer's memcheck over the packed-layout kernels (their A/B switches'
+# cases included), its last lines; fails on any error.
 memcheck_packed() {
   timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only packed 2>&1 \
     | tail -2
