@@ -250,7 +250,8 @@ int64_t wgmma_cluster_max_plan() { return env_int("FASTAWQ_WGMMA_CLUSTER_PLAN", 
 // a 16 x 128 fp32 tile into the workspace: as many bytes of reductions as the weights'. At 8 steps
 // QKV's 8 splits meet in a cluster instead and o_proj's (4096 x 2048) 32 become 16 (session 43, H100,
 // gemm_table.py, same call: those shapes 1.31 / 1.09 / 0.87 -> 1.48 / 1.42 / 1.03x cuBLAS fp16 at M =
-// 9 / 16 / 32; RESULTS.md session 43 has the Llama-3-8B shapes). The engine's sums form keeps 4: at 8
+// 9 / 16 / 32; of the Llama-3-8B shapes only 4096 x 4096 at M <= 16 changes, not yet measured under
+// it: RESULTS.md session 43). The engine's sums form keeps 4: at 8
 // Qwen3's batch 16 decoded 1.006x, at 16 0.981x (session 43), the Llama shape's 1.009x / 0.949x
 // (session 38).
 int64_t wgmma_min_steps(bool plain_small) {
