@@ -1067,6 +1067,12 @@ if [[ " $stages " == *" s63 "* ]]; then
     timeout 90 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 256 \
       --backends cuda:mma24,cuda:mma16,cuda:mma8 --no-tune --routing $r 2>&1 | tail -3 || status=1
   done
+  # Where else a pass of 24 may pay (random routing): Qwen3 at T = 512 (32 a expert), Mixtral at
+  # T = 64 / 256 / 1024 (16 / 64 / 256 an expert).
+  timeout 90 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --ts 512 \
+    --backends cuda:mma24,cuda:mma16 --no-tune 2>&1 | tail -2 || status=1
+  timeout 120 python benchmarks/bench_moe.py --shapes mixtral-8x7b --ts 64,256,1024 \
+    --backends cuda:mma24,cuda:mma16 --no-tune 2>&1 | tail -4 || status=1
   table_by_env FASTAWQ_WGMMA_MIN_STEPS "default 4" s63 "geomean|^\| *float16 *\|" --kernels wgmma \
     --shapes 4096x6144,4096x4096,4096x28672,14336x4096,2048x5120,4096x2048 --ms 9,16,32 --dtypes float16 \
     || status=1
