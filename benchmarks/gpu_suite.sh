@@ -2,7 +2,7 @@
 # The GPU suite: build, GPU tests, benchmarks, in one call on the H200 (device tool).
 #   bash benchmarks/gpu_suite.sh [stage ...]
 #   stages: build tests gemm mma gemv attention sanitize profile moe ab switches act_gemv unrun unrun_perf
-#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s53 s56 s58 s59 s61 s62 s63 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
+#   unrun_ab unrun_b16 verify18 unrun19 unrun19_e2e unrun22 unrun23 b64 s23 s24 s24q s24_e2e s26 s26_moe s27 s27b s28 s28m s28m_ab s28d s29 s29b s31 s34p s38 s38m s38b s39 s40 s41 s42 s43 s45 s48 s49 s51 s53 s56 s58 s59 s61 s62 s63 s64 s33 s28p moe_ncu targets targets11 targets12 wgmma_ws wgmma wgmma_auto wgmma_on wgmma_e2e wgmma_profile e2e quantize
 #   (default: all but mma, profile, moe, ab, switches, act_gemv, verify18, targets, the wgmma ones and the unrun ones)
 # Writes logs and JSON under $OUT (default ./out). Needs no network: installs with --no-deps.
 # FASTAWQ_SUITE_INSTALL=copy skips the CMake build and runs the Python sources from a copy
@@ -1076,6 +1076,26 @@ if [[ " $stages " == *" s63 "* ]]; then
   table_by_env FASTAWQ_WGMMA_MIN_STEPS "default 4" s63 "geomean|^\| *float16 *\|" --kernels wgmma \
     --shapes 4096x6144,4096x4096,4096x28672,14336x4096,2048x5120,4096x2048 --ms 9,16,32 --dtypes float16 \
     || status=1
+fi
+if [[ " $stages " == *" s64 "* ]]; then
+  step s64
+  # moe_mma_packed_w4's L2 prefetch of the steps past its 2-step register ring (FASTAWQ_MOE_PACKED_PREFETCH,
+  # off by default): Qwen3-30B-A3B's w2 at batch 16 streams ~1.8 TB/s on the H100 against w13's ~2.3
+  # (session 43), a warp holding 6 steps of K with 2 in flight at a time. Its tests and memcheck, the
+  # grouped op at T = 16 / 64 on both MoE shapes for N = 0 / 2 / 4 / 8, then the Qwen3 engine at batch
+  # 8 / 16, N = 4 and 8 against 0 (~5 min).
+  timeout 200 python -m pytest -x -q -p no:cacheprovider tests/test_moe_mma.py -k "prefetch" 2>&1 | tail -1 \
+    || status=1
+  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py --only moe_packed \
+    2>&1 | tail -2 || status=1
+  for pf in 0 2 4 8; do
+    echo "FASTAWQ_MOE_PACKED_PREFETCH=$pf"
+    FASTAWQ_MOE_PACKED_PREFETCH=$pf timeout 120 python benchmarks/bench_moe.py --shapes qwen3-30b-a3b,mixtral-8x7b \
+      --ts 16,64 --backends cuda:mmapacked --no-tune 2>&1 | tail -5 || status=1
+  done
+  FASTAWQ_TRITON_TUNE=0 timeout 240 python benchmarks/bench_ab.py --compare env:FASTAWQ_MOE_PACKED_PREFETCH=0,4 \
+    --compare env:FASTAWQ_MOE_PACKED_PREFETCH=0,8 --shape qwen3-30b-a3b --batches 8,16 --layout packed --decode 64 \
+    --rounds 2 2>&1 | grep -E "on / off" || status=1
 fi
 if [[ " $stages " == *" s23 "* ]]; then
   step s23

@@ -251,10 +251,12 @@ def main(argv: list[str] | None = None) -> None:
 
         # moe_mma on the experts in the packed layout: part tiles (I = 160, H = 288), K split
         # (H = 1024), group -1, ids outside [0, E), passes of 8 and 16, w2 early and not.
-        # The defaults' w2, two chunks a warp, and w2's wide form (FASTAWQ_MOE_PACKED_W2_WIDE).
-        for early, chunks, wide in (("0", "4", "0"), ("1", "4", "0"), ("1", "2", "0"), ("1", "4", "1")):
+        # The defaults' w2, two chunks a warp, and w2's wide form (FASTAWQ_MOE_PACKED_W2_WIDE); w2's L2
+        # prefetch of the steps past its register ring (FASTAWQ_MOE_PACKED_PREFETCH), early and not.
+        for early, chunks, wide, pf in (("0", "4", "0", "0"), ("1", "4", "0", "0"), ("1", "2", "0", "0"),
+                                        ("1", "4", "1", "0"), ("1", "4", "0", "4"), ("0", "4", "0", "64")):
             with env_set({"FASTAWQ_MOE_MMA_EARLY_W2": early, "FASTAWQ_MOE_PACKED_CHUNKS": chunks,
-                          "FASTAWQ_MOE_PACKED_W2_WIDE": wide}):
+                          "FASTAWQ_MOE_PACKED_W2_WIDE": wide, "FASTAWQ_MOE_PACKED_PREFETCH": pf}):
                 for dtype in (torch.float16, torch.bfloat16):
                     for e, h, i, g, k, t in ((8, 288, 160, 32, 2, 1), (16, 1024, 96, 32, 4, 3), (4, 64, 1024, -1, 2, 2),
                                              (4, 128, 96, 32, 3, 19), (16, 256, 128, 64, 8, 300)):

@@ -526,6 +526,29 @@ def test_packed_kernel_matches_reference(case, dtype, pass_rows, early, chunks, 
 
 
 @requires_packed
+# FASTAWQ_MOE_PACKED_PREFETCH: steps a w2 warp keeps on their way into L2 past its register ring (1; 4,
+# Qwen3's whole w2 range at batch 16; 64, past every range here), w2 early and not; the chunk forms it
+# does not serve (2 chunks, the wide form) run as they are.
+@pytest.mark.parametrize("prefetch", ["1", "4", "64"])
+@pytest.mark.parametrize("early", ["0", "1"])
+@pytest.mark.parametrize("chunks", ["4", "2", "4w"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "E{}H{}I{}G{}k{}T{}-{}".format(*c))
+def test_packed_prefetch_by_switch(case, chunks, early, prefetch, monkeypatch, poisoned_empty):
+    from fastawq.ops import repack
+
+    monkeypatch.setenv("FASTAWQ_MOE_PACKED_PREFETCH", prefetch)
+    monkeypatch.setenv("FASTAWQ_MOE_MMA_EARLY_W2", early)
+    monkeypatch.setenv("FASTAWQ_MOE_PACKED_CHUNKS", chunks[0])
+    monkeypatch.setenv("FASTAWQ_MOE_PACKED_W2_WIDE", "1" if chunks == "4w" else "0")
+    e, h, i, g, k, t, load = case
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=13 * t + k, load=load)
+    packed = repack.awq_experts_repack(*weights, g)
+    for pass_rows in (8, 16):
+        out = torch.ops.fastawq.moe_mma_packed_w4(x, ids, w.float().contiguous(), *packed, g, "silu", pass_rows)
+        check(out, x, ids, w, weights, g)
+
+
+@requires_packed
 @pytest.mark.parametrize("evict", ["first", "normal"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[9], CASES[10]], ids=lambda c: "E{}H{}I{}G{}k{}T{}-{}".format(*c))
 def test_weights_l2_priority(case, evict, monkeypatch, poisoned_empty):

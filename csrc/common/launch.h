@@ -203,6 +203,13 @@ struct MoeMmaArgs : MoeArgs {
   // moe_gemv.cpp): w2's block takes 4 tiles, one a warp over the block's whole K range (moe_mma.cuh,
   // run_work_packed); tiles2 / splits2 / steps2 then count wide tiles and one warp's steps.
   bool w2_wide;
+  // FASTAWQ_MOE_PACKED_PREFETCH=N (an A/B switch, read at each call; default 0): w2 of the packed
+  // kernel (its tile form at 4 chunks a warp, in instances of its own) has each warp keep N steps of
+  // its K range past its 2-step register ring on their way into L2 (prefetch.global.L2, 16 lanes a
+  // step, a line each), the first N before the PDL wait of the early form, then one step more as
+  // each step starts. Qwen3-30B-A3B's w2 at batch 16 gives a warp 6 steps: with N = 4 its whole range
+  // is in flight at once instead of 2 steps.
+  int prefetch_steps;
 };
 constexpr int kMoeMmaOneRoundAssign = 128;  // moe_mma's threads a block
 // Blocks an SM of the kernel for a pass of pass_rows tokens (its __launch_bounds__; the host sizes

@@ -403,6 +403,7 @@ at::Tensor moe_mma_call(const char* op, bool packed, const at::Tensor& x, const 
   // +4.0 / +6.4 % (its grid fills 0.97 of a wave), Qwen3-30B-A3B batch 8 +2.0 % (0.77) but batch 16
   // -2.3 % (0.61: the rule keeps the tile form there). FASTAWQ_MOE_PACKED_W2_WIDE (read at each call)
   // overrides: 0 the tile form, 1 the wide form; unset or anything else, the rule.
+  a.prefetch_steps = packed ? env_int("FASTAWQ_MOE_PACKED_PREFETCH", 0, 64, 0) : 0;  // (launch.h)
   const bool can_wide = packed && a.packed_chunks == 4;
   const char* wide_env = can_wide ? std::getenv("FASTAWQ_MOE_PACKED_W2_WIDE") : nullptr;
   const int wide = wide_env == nullptr                 ? -1

@@ -819,12 +819,13 @@ __device__ __forceinline__ void run_work(const MoeMmaArgs& a, Smem<NT>& sm, cons
 template <int CC>
 constexpr int moe_packed_ring() { return CC == 4 ? 2 : 4; }
 
-template <typename T, typename Id, bool kW13, int ACT, int NT, int CC, bool kWide, typename Work, typename CountFn,
-          typename WaitH>
+template <typename T, typename Id, bool kW13, int ACT, int NT, int CC, bool kWide, bool kPrefetch, typename Work,
+          typename CountFn, typename WaitH>
 __device__ __forceinline__ void run_work_packed(const MoeMmaArgs& a, Smem<NT>& sm, const Work& wk, CountFn count_fn,
                                                 WaitH wait_h) {
   static_assert(CC == 2 || CC == 4, "chunks a warp");
   static_assert(!kWide || (!kW13 && CC == 4), "the wide form is w2's, with 4 chunks a warp");
+  static_assert(!kPrefetch || (!kW13 && CC == 4 && !kWide), "the L2 prefetch: w2's tile form, 4 chunks a warp");
   using Tr = HalfTraits<T>;
   constexpr int kPassRows = 8 * NT, P = moe_packed_ring<CC>();
   // Warps across the tile's columns and along K (wide: each warp its own tile, the whole K range).
@@ -897,12 +898,25 @@ __device__ __forceinline__ void run_work_packed(const MoeMmaArgs& a, Smem<NT>& s
   };
   // (Wide: a warp whose tile starts past the layer's columns streams nothing.)
   const bool streams = expert && s0 < s1 && (!kWide || col_ok[0]);
+  // kPrefetch (w2's tile form, the host's choice where a.prefetch_steps = N > 0; launch.h): lane
+  // 4c + r < 16 brings into L2 the 128-byte line of row 4s + r of chunk c at step s -- the line the 8
+  // lanes of that chunk and row load as one -- for the N steps past the register ring. Row 4s + r is
+  // the lane's own row (r = t: w_lane), so the line is w_lane's step plus the chunk's first column
+  // pf_col (-1: the lane prefetches nothing). Its own instances: the others' registers stay as they were.
+  const int pf_c4 = wtile * (kTileCols / 4) + 8 * (lane >> 2);
+  const int pf_col = kPrefetch && streams && lane < 4 * CC && pf_c4 < n4 ? pf_c4 : -1;
+  const auto prefetch_step = [&](int s) {
+    if (pf_col >= 0 && s < s1) prefetch_l2(w_lane + static_cast<int64_t>(s) * 4 * n4 + pf_col);
+  };
   uint4 rw[P][CC];
   const auto fetch_first = [&] {
     if (streams) {
 #pragma unroll
       for (int r = 0; r < P; ++r) {
         if (s0 + r < s1) fetch(rw[r], s0 + r);
+      }
+      if constexpr (kPrefetch) {
+        for (int s = s0 + P; s < min(s0 + P + a.prefetch_steps, s1); ++s) prefetch_step(s);
       }
     }
   };
@@ -1005,6 +1019,7 @@ __device__ __forceinline__ void run_work_packed(const MoeMmaArgs& a, Smem<NT>& s
         for (int r = 0; r < P; ++r) {
           const int step = s + r;
           if (step < s1) {
+            if constexpr (kPrefetch) prefetch_step(step + P + a.prefetch_steps);
             uint4 xc[NT];
 #pragma unroll
             for (int q = 0; q < NT; ++q) xc[q] = __ldg(reinterpret_cast<const uint4*>(xrow[q] + step * kStepRows));
@@ -1061,7 +1076,7 @@ __device__ __forceinline__ void run_work_packed(const MoeMmaArgs& a, Smem<NT>& s
 // kPacked: the experts in the packed layout (run_work_packed), CC chunks a warp (4 or 2); kWide:
 // its w2 with a warp a tile (run_work_packed).
 template <typename T, typename Id, bool kW13, int ACT, int NT, bool kEarly = false, bool kPacked = false, int CC = 4,
-          bool kWide = false>
+          bool kWide = false, bool kPrefetch = false>
 __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_mma_kernel(MoeMmaArgs a) {
   static_assert(!(kW13 && kEarly), "w13 reads its ids only after the PDL wait");
   static_assert(NT != 3 || !kPacked, "24-token passes: the AWQ layout's kernel only");
@@ -1082,7 +1097,7 @@ __global__ void __launch_bounds__(kThreads, moe_mma_blocks_per_sm(8 * NT)) moe_m
   }
   const auto work = [&](const auto& wk, auto wait_h) {
     if constexpr (kPacked) {
-      run_work_packed<T, Id, kW13, ACT, NT, CC, kWide>(a, sm, wk, [count] { return count; }, wait_h);
+      run_work_packed<T, Id, kW13, ACT, NT, CC, kWide, kPrefetch>(a, sm, wk, [count] { return count; }, wait_h);
     } else {
       run_work<T, Id, kW13, ACT, NT>(a, sm, wk, [count] { return count; }, nullptr, wait_h);
     }
@@ -1135,15 +1150,17 @@ void launch_two(const MoeMmaArgs& a, cudaStream_t stream) {
     launch_pdl(kKernel, grid, dim3(kThreads), kDynamic, stream, a);
   };
   launch.template operator()<moe_mma_kernel<T, Id, true, ACT, NT, false, kPacked, CC>>(grid13);
-  const auto w2 = [&]<bool kWide>() {
+  const auto w2 = [&]<bool kWide, bool kPrefetch = false>() {
     if (a.early_w2) {
-      launch.template operator()<moe_mma_kernel<T, Id, false, 0, NT, true, kPacked, CC, kWide>>(grid2);
+      launch.template operator()<moe_mma_kernel<T, Id, false, 0, NT, true, kPacked, CC, kWide, kPrefetch>>(grid2);
     } else {
-      launch.template operator()<moe_mma_kernel<T, Id, false, 0, NT, false, kPacked, CC, kWide>>(grid2);
+      launch.template operator()<moe_mma_kernel<T, Id, false, 0, NT, false, kPacked, CC, kWide, kPrefetch>>(grid2);
     }
   };
   if constexpr (kPacked && CC == 4) {
     if (a.w2_wide) return w2.template operator()<true>();
+    // (a.prefetch_steps: the packed kernel's tile form at 4 chunks a warp only; launch.h.)
+    if (a.prefetch_steps > 0) return w2.template operator()<false, true>();
   }
   w2.template operator()<false>();
 }
