@@ -548,6 +548,36 @@ def test_packed_prefetch_by_switch(case, chunks, early, prefetch, monkeypatch, p
         check(out, x, ids, w, weights, g)
 
 
+def _moe_mma_w2_prefetch(prof) -> set[str]:
+    """The kPrefetch template argument (the 10th) of every w2 moe_mma_kernel (3rd argument false) the
+    profiler saw."""
+    args = [e.name.replace(" ", "").split("moe_mma_kernel<", 1)[1].split(">(", 1)[0].split(",")
+            for e in prof.events() if "moe_mma_kernel<" in e.name]
+    return {a[9] for a in args if a[2] == "false"}
+
+
+@requires_packed
+def test_packed_prefetch_runs_its_own_w2_instance(monkeypatch, poisoned_empty):
+    # The switch picks w2's prefetch instances (kPrefetch, named by the profiler) in the tile form at 4
+    # chunks a warp only; unset, 0 or out of range it keeps the default instances, as do 2 chunks and
+    # the wide form.
+    from fastawq.ops import repack
+
+    e, h, i, g, k, t, load = CASES[6]  # Qwen3-30B-A3B's expert shapes at 16 tokens
+    weights, x, ids, w = moe_case(e, h, i, g, k, t, seed=31, load=load)
+    packed = repack.awq_experts_repack(*weights, g)
+    for pf, chunks, wide, want in (("4", "4", "0", "true"), ("0", "4", "0", "false"), ("", "4", "0", "false"),
+                                   ("65", "4", "0", "false"), ("4", "2", "0", "false"), ("4", "4", "1", "false")):
+        monkeypatch.setenv("FASTAWQ_MOE_PACKED_PREFETCH", pf)
+        monkeypatch.setenv("FASTAWQ_MOE_PACKED_CHUNKS", chunks)
+        monkeypatch.setenv("FASTAWQ_MOE_PACKED_W2_WIDE", wide)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out = torch.ops.fastawq.moe_mma_packed_w4(x, ids, w.float().contiguous(), *packed, g, "silu", 8)
+            torch.cuda.synchronize()
+        check(out, x, ids, w, weights, g)
+        assert _moe_mma_w2_prefetch(prof) == {want}, (pf, chunks, wide)
+
+
 @requires_packed
 @pytest.mark.parametrize("evict", ["first", "normal"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[9], CASES[10]], ids=lambda c: "E{}H{}I{}G{}k{}T{}-{}".format(*c))
